@@ -1,0 +1,46 @@
+from __future__ import annotations
+
+import random
+
+from uniap_lightning.cluster import Cluster
+from uniap_lightning.problem import Problem, TrainingConfig
+from uniap_lightning.profiling.schema import LayerProfile, ModelProfile
+
+
+def random_problem(seed: int, *, num_layers: int, nodes: int, per_node: int, batch: int = 8,
+                   schedule: str = "1f1b", memory_gib: float | None = None) -> Problem:
+    """A random chain with heterogeneous layers on a random cluster, seeded."""
+    rng = random.Random(seed)
+    layers = []
+    for u in range(num_layers):
+        fwd = rng.uniform(1e-4, 5e-3)
+        layers.append(
+            LayerProfile(
+                name=f"l{u}",
+                forward_s=fwd,
+                backward_s=fwd * rng.uniform(1.5, 2.5),
+                params=rng.randint(1, 120) * 1_000_000,
+                activation_bytes=rng.uniform(1e6, 1e8),
+                output_bytes=rng.uniform(1e5, 5e7),
+                tp_degrees=tuple(sorted(rng.sample([1, 2, 4], rng.randint(1, 3)) + [1]))[-3:] if u % 3 else (1, 2),
+                tp_allreduces=rng.choice([0, 1, 2]),
+                activation_tp_fraction=rng.uniform(0.5, 1.0),
+            )
+        )
+    layers = [
+        LayerProfile(**{**lp.__dict__, "tp_degrees": tuple(sorted(set(lp.tp_degrees) | {1}))}) for lp in layers
+    ]
+    cluster = Cluster(
+        name=f"rand{seed}",
+        nodes=nodes,
+        devices_per_node=per_node,
+        memory_gib=memory_gib if memory_gib is not None else rng.choice([4.0, 8.0, 16.0, 40.0]),
+        peak_tflops=10,
+        efficiency=0.5,
+        intra_bw_gbps=rng.uniform(5, 100),
+        inter_bw_gbps=rng.uniform(0.5, 10),
+        intra_latency_us=rng.uniform(1, 20),
+        inter_latency_us=rng.uniform(5, 50),
+    )
+    training = TrainingConfig(global_batch_size=batch, schedule=schedule)
+    return Problem(ModelProfile("random", layers), cluster, training)

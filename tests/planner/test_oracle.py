@@ -1,0 +1,40 @@
+"""The MILP's optimum equals brute force over the same cost formulas (randomized, seeded)."""
+
+from __future__ import annotations
+
+import pytest
+from planner_factories import random_problem
+
+from uniap_lightning.cost import evaluate
+from uniap_lightning.errors import InfeasibleError
+from uniap_lightning.solver import resolve_solver, search
+from uniap_lightning.solver.bruteforce import brute_force
+
+SOLVERS = ["cbc"] + (["highs"] if resolve_solver("auto") == "highs" else [])
+
+SHAPES = [(1, 2), (1, 4), (2, 2), (2, 4), (4, 2), (2, 1)]  # (nodes, devices per node)
+MEMORY_GIB = [2.0, 4.0, 8.0, 40.0]  # small ones force sharding / pipelining, or make nothing fit
+CASES = [
+    (seed, 3 + seed % 4, *SHAPES[seed % len(SHAPES)], ("1f1b", "gpipe")[seed % 2], MEMORY_GIB[seed % 4])
+    for seed in range(24)
+]
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+@pytest.mark.parametrize(("seed", "layers", "nodes", "per_node", "schedule", "memory_gib"), CASES)
+def test_milp_matches_brute_force(seed, layers, nodes, per_node, schedule, memory_gib, solver):
+    problem = random_problem(
+        seed, num_layers=layers, nodes=nodes, per_node=per_node, schedule=schedule, memory_gib=memory_gib
+    )
+    oracle = brute_force(problem)
+    if oracle is None:
+        with pytest.raises(InfeasibleError):
+            search(problem, solver=solver, time_limit_s=60)
+        return
+    plan = search(problem, solver=solver, time_limit_s=60)
+    assert plan.solver.status == "optimal"
+    # The solver's objective equals evaluate() of its plan, and both equal the oracle's optimum.
+    assert plan.estimate.tpi_s == pytest.approx(evaluate(problem, plan).tpi_s, rel=1e-12)
+    assert plan.solver.objective_s == pytest.approx(plan.estimate.tpi_s, rel=1e-6)
+    assert plan.estimate.tpi_s == pytest.approx(oracle.estimate.tpi_s, rel=1e-6)
+    assert plan.estimate.feasible

@@ -1,0 +1,1 @@
+"""The ``uniap`` command: thin Hydra apps over the Python API (``plan``, ``evaluate``)."""

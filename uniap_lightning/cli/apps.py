@@ -1,0 +1,144 @@
+"""Hydra apps. Each is a thin wrapper: compose the config, call the Python API, print, write files."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+
+from uniap_lightning.config import CONF_DIR, build_problem
+from uniap_lightning.errors import UniAPError
+from uniap_lightning.problem import Problem
+
+CONF = str(CONF_DIR)
+
+
+def _problem(cfg: DictConfig) -> Problem:
+    model = OmegaConf.to_container(cfg.model, resolve=True)
+    cluster = OmegaConf.to_container(cfg.cluster, resolve=True)
+    train = OmegaConf.to_container(cfg.train, resolve=True)
+    mb = cfg.microbatches
+    if mb is not None:
+        mb = list(mb) if OmegaConf.is_list(mb) else [mb]
+    return build_problem(
+        model=model,
+        cluster=cluster,
+        training=train,
+        profile=cfg.profile,
+        global_batch_size=cfg.batch_size,
+        schedule=cfg.schedule,
+        microbatches=mb,
+    )
+
+
+def _pp(cfg: DictConfig) -> list[int] | None:
+    if cfg.pp is None:
+        return None
+    return [int(x) for x in cfg.pp] if OmegaConf.is_list(cfg.pp) else [int(cfg.pp)]
+
+
+def _multirun() -> bool:
+    try:
+        return HydraConfig.get().mode == RunMode.MULTIRUN
+    except ValueError:
+        return False
+
+
+def _record(result: dict[str, Any]) -> None:
+    """In a sweep, leave a result.json in the job's folder for the end-of-sweep summary."""
+    if _multirun():
+        out = Path(HydraConfig.get().runtime.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "result.json").write_text(json.dumps(result, indent=2))
+
+
+def _fail(err: UniAPError, cfg: DictConfig) -> None:
+    Console(stderr=True).print(f"[bold red]error:[/bold red] {err}", highlight=False)
+    _record({"model": cfg.model.get("name"), "cluster": cfg.cluster.get("name"), "error": str(err)})
+    if not _multirun():
+        sys.exit(2)
+
+
+def run_plan(cfg: DictConfig) -> None:
+    from uniap_lightning.report import print_plan
+    from uniap_lightning.solver import solve
+
+    console = Console()
+    try:
+        problem = _problem(cfg)
+        with console.status("[bold]solving[/bold]") as status:
+            plan = solve(
+                problem,
+                solver=cfg.solver,
+                time_limit_s=float(cfg.time_limit),
+                pp=_pp(cfg),
+                baselines=bool(cfg.baselines),
+                progress=lambda msg: status.update(f"[bold]solving[/bold] {msg}"),
+            )
+    except UniAPError as err:
+        _fail(err, cfg)
+        return
+    print_plan(plan, console=console)
+    if cfg.out:
+        plan.to_json(cfg.out)
+        console.print(f"plan written to {cfg.out}")
+    if cfg.viz:
+        from uniap_lightning.viz import draw_plan
+
+        draw_plan(plan, problem, cfg.viz)
+        console.print(f"picture written to {cfg.viz}")
+    _record(
+        {
+            "model": problem.model.model,
+            "cluster": problem.cluster.name,
+            "devices": problem.num_devices,
+            "batch_size": plan.global_batch_size,
+            "pp": plan.pp,
+            "microbatches": plan.microbatches,
+            "strategies": ", ".join(sorted({f"dp{lp.dp}tp{lp.tp}{'s' if lp.shard else ''}" for lp in plan.layers})),
+            "tpi_s": plan.estimate.tpi_s,
+            "samples_per_s": plan.estimate.samples_per_s,
+            "solve_s": plan.solver.solve_s if plan.solver else None,
+            "baselines": plan.baselines,
+        }
+    )
+
+
+def run_evaluate(cfg: DictConfig) -> None:
+    from uniap_lightning.cost import evaluate
+    from uniap_lightning.plan import Plan
+    from uniap_lightning.report import print_plan
+
+    console = Console()
+    try:
+        if not cfg.plan:
+            raise UniAPError("give the plan to score: uniap evaluate plan=plan.json model=... cluster=...")
+        plan = Plan.from_json(Path(cfg.plan))
+        problem = _problem(cfg)
+        plan.estimate = evaluate(problem, plan)
+    except UniAPError as err:
+        _fail(err, cfg)
+        return
+    plan.solver = None
+    print_plan(plan, console=console, title=f"Evaluated plan {cfg.plan}: {problem.model.model} on {problem.cluster.name}")
+    _record({"model": problem.model.model, "cluster": problem.cluster.name, "tpi_s": plan.estimate.tpi_s,
+             "samples_per_s": plan.estimate.samples_per_s, "feasible": plan.estimate.feasible})
+    if not plan.estimate.feasible and not _multirun():
+        sys.exit(3)
+
+
+@hydra.main(version_base="1.3", config_path=CONF, config_name="plan")
+def plan_main(cfg: DictConfig) -> None:
+    run_plan(cfg)
+
+
+@hydra.main(version_base="1.3", config_path=CONF, config_name="plan")
+def evaluate_main(cfg: DictConfig) -> None:
+    run_evaluate(cfg)

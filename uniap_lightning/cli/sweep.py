@@ -1,0 +1,46 @@
+"""End-of-sweep summary for ``uniap ... -m``: one table (printed, and summary.csv in the sweep folder)."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+from rich.console import Console
+from rich.table import Table
+
+COLUMNS = ("model", "cluster", "devices", "batch_size", "pp", "microbatches", "strategies", "tpi_s",
+           "samples_per_s", "measured_samples_per_s", "solve_s", "error")
+
+
+class SweepSummary(Callback):
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        rows = []
+        for path in sorted(sweep_dir.glob("*/result.json"), key=lambda p: int(p.parent.name) if p.parent.name.isdigit() else 0):
+            data = json.loads(path.read_text())
+            rows.append({k: data.get(k) for k in COLUMNS})
+        if not rows:
+            return
+        cols = [c for c in COLUMNS if any(r.get(c) is not None for r in rows)]
+        with open(sweep_dir / "summary.csv", "w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=cols, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(rows)
+        table = Table(title=f"Sweep summary ({len(rows)} runs) -> {sweep_dir / 'summary.csv'}", title_justify="left")
+        for c in cols:
+            table.add_column(c)
+        for r in rows:
+            table.add_row(*[_fmt(r.get(c)) for c in cols])
+        Console().print(table)
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:,.4g}"
+    return str(v)

@@ -1,0 +1,77 @@
+"""Build problems from the shipped configs (``conf/``) or from plain dicts, without Hydra.
+
+``conf/`` is the single source of truth: ``conf/model/<name>.yaml`` (analytic transformer descriptions),
+``conf/cluster/<name>.yaml``, ``conf/train/<name>.yaml``. The Hydra apps in :mod:`uniap_lightning.cli` compose
+the same files; this module lets Python code (and tests) use them directly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from uniap_lightning.cluster import Cluster
+from uniap_lightning.errors import UniAPError
+from uniap_lightning.problem import Problem, TrainingConfig
+from uniap_lightning.profiling.analytic import ModelSpec, analytic_profile
+from uniap_lightning.profiling.schema import ModelProfile, load_profile
+
+CONF_DIR = Path(__file__).resolve().parent / "conf"
+
+
+def available(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def load_group(group: str, name: str) -> dict[str, Any]:
+    path = CONF_DIR / group / f"{name}.yaml"
+    if not path.exists():
+        raise UniAPError(f"unknown {group} {name!r}; available: {', '.join(available(group))}")
+    return OmegaConf.to_container(OmegaConf.load(path), resolve=True)  # type: ignore[return-value]
+
+
+def cluster_from(cfg: str | dict[str, Any] | Cluster) -> Cluster:
+    if isinstance(cfg, Cluster):
+        return cfg
+    return Cluster.from_dict(load_group("cluster", cfg) if isinstance(cfg, str) else dict(cfg))
+
+
+def model_spec_from(cfg: str | dict[str, Any]) -> ModelSpec:
+    return ModelSpec.from_dict(load_group("model", cfg) if isinstance(cfg, str) else dict(cfg))
+
+
+def training_from(cfg: str | dict[str, Any] | TrainingConfig | None = None, **overrides: Any) -> TrainingConfig:
+    if isinstance(cfg, TrainingConfig):
+        data = {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
+    else:
+        data = load_group("train", cfg or "default") if not isinstance(cfg, dict) else dict(cfg)
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    known = set(TrainingConfig.__dataclass_fields__)
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise UniAPError(f"training config has unknown field(s) {unknown}; known: {sorted(known)}")
+    if data.get("microbatches") is not None:
+        mb = data["microbatches"]
+        data["microbatches"] = tuple(mb) if isinstance(mb, (list, tuple)) else (mb,)
+    return TrainingConfig(**data)
+
+
+def build_problem(
+    *,
+    model: str | dict[str, Any] | None = None,
+    cluster: str | dict[str, Any] | Cluster,
+    training: str | dict[str, Any] | TrainingConfig | None = None,
+    profile: str | Path | ModelProfile | None = None,
+    **training_overrides: Any,
+) -> Problem:
+    """A problem from a model config (analytic profile) or a profile file, a cluster and training settings."""
+    cl = cluster_from(cluster)
+    if profile is not None:
+        prof = profile if isinstance(profile, ModelProfile) else load_profile(profile)
+    elif model is not None:
+        prof = analytic_profile(model_spec_from(model), cl)
+    else:
+        raise UniAPError("give a model (a name from conf/model or a dict) or a profile file")
+    return Problem(prof, cl, training_from(training, **training_overrides))

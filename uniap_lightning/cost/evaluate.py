@@ -1,0 +1,95 @@
+"""``evaluate(problem, plan)``: time per iteration, per-stage time and memory of ANY plan, without a solver.
+
+This is the ground truth the solver is checked against: the MILP's objective must equal ``evaluate`` of the plan
+it returns, baselines are scored with it, and the brute-force oracle enumerates plans through it.
+"""
+
+from __future__ import annotations
+
+from uniap_lightning.cost.model import Strategy, boundary_s, in_flight, layer_cost, reshard_s, strategies_for
+from uniap_lightning.errors import UniAPError
+from uniap_lightning.plan import Estimate, Plan
+from uniap_lightning.problem import Problem
+
+
+def check_plan_matches(problem: Problem, plan: Plan) -> None:
+    """Refuse a plan made for another model, device count or batch size, naming the mismatch."""
+    model = problem.model
+    if len(plan.layers) != model.num_layers:
+        raise UniAPError(
+            f"plan has {len(plan.layers)} layers but model '{model.model}' has {model.num_layers}: "
+            "the plan was made for another model"
+        )
+    names = [lp.name for lp in model.layers]
+    for u, (lp, name) in enumerate(zip(plan.layers, names)):
+        if lp.name != name:
+            raise UniAPError(f"plan layer {u} is {lp.name!r} but the model's layer {u} is {name!r}: another model?")
+    if plan.model_fingerprint and plan.model_fingerprint != model.fingerprint():
+        raise UniAPError(
+            f"plan was made for a model with fingerprint {plan.model_fingerprint}, this model has "
+            f"{model.fingerprint()} (same layer names, different sizes)"
+        )
+    if plan.num_devices != problem.num_devices:
+        raise UniAPError(f"plan is for {plan.num_devices} devices but the cluster has {problem.num_devices}")
+    if plan.global_batch_size != problem.training.global_batch_size:
+        raise UniAPError(
+            f"plan is for global batch size {plan.global_batch_size}, the training config says "
+            f"{problem.training.global_batch_size}"
+        )
+
+
+def evaluate(problem: Problem, plan: Plan, *, check_strategies: bool = True) -> Estimate:
+    """Score ``plan`` with the cost model (seconds, bytes). ``feasible`` is False when a stage exceeds memory."""
+    plan.validate()
+    check_plan_matches(problem, plan)
+    cl, tr = problem.cluster, problem.training
+    pp, c, n, b = plan.pp, plan.microbatches, plan.devices_per_stage, plan.micro_batch_size
+    if pp > 1 and b % n:
+        raise UniAPError(
+            f"micro-batch size {b} must be divisible by the {n} devices per stage when pp > 1 (stage boundaries "
+            "split the micro-batch over every rank of a stage)"
+        )
+    layers = problem.model.layers
+    strat = [Strategy(lp.dp, lp.tp, lp.shard and lp.dp > 1) for lp in plan.layers]
+    if check_strategies:
+        for u, (lp, s) in enumerate(zip(layers, strat)):
+            if s not in strategies_for(lp, n, cl, b):
+                raise UniAPError(
+                    f"plan layer {u} ({lp.name}): strategy dp={s.d} tp={s.t} is not allowed here "
+                    f"(tp_degrees={list(lp.tp_degrees)}, devices per node={cl.devices_per_node}, micro-batch={b})"
+                )
+    stage_time = [0.0] * pp
+    stage_sync = [0.0] * pp
+    stage_static = [0.0] * pp
+    stage_act = [0.0] * pp
+    stage_transient = [0.0] * pp
+    boundary = [0.0] * (pp - 1)
+    for u, (lp, s) in enumerate(zip(layers, strat)):
+        i = plan.layers[u].stage
+        cost = layer_cost(lp, s, b, n, cl, tr)
+        stage_time[i] += cost.time_s
+        stage_sync[i] += cost.sync_s
+        stage_static[i] += cost.static_bytes
+        stage_act[i] += cost.activation_bytes
+        stage_transient[i] = max(stage_transient[i], cost.transient_bytes)
+        if u + 1 < len(layers):
+            j = plan.layers[u + 1].stage
+            if j == i:
+                stage_time[i] += reshard_s(cl, lp.output_bytes, b, s.d, strat[u + 1].d)
+            else:
+                boundary[i] = boundary_s(cl, lp.output_bytes, b, n, i, s.d, strat[u + 1].d)
+    memory = [
+        stage_static[i] + stage_transient[i] + stage_act[i] * in_flight(plan.schedule, c, pp, i) for i in range(pp)
+    ]
+    tpi = sum(stage_time) + sum(boundary) + (c - 1) * max(stage_time + boundary) + max(stage_sync)
+    limit = cl.memory_bytes
+    return Estimate(
+        tpi_s=tpi,
+        samples_per_s=plan.global_batch_size / tpi if tpi > 0 else float("inf"),
+        stage_time_s=stage_time,
+        stage_memory_bytes=memory,
+        stage_sync_s=stage_sync,
+        boundary_s=boundary,
+        memory_limit_bytes=limit,
+        feasible=all(m <= limit for m in memory),
+    )

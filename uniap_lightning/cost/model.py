@@ -1,0 +1,181 @@
+"""Per-layer costs of each intra-layer strategy, and the tables the MILP and ``evaluate`` share.
+
+All functions here return seconds and bytes. One (pp, c) candidate fixes the stage size ``n = N / pp`` and the
+micro-batch size ``b = B / c``; everything else is a function of the layer, its strategy and its neighbours.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import NamedTuple
+
+from uniap_lightning.cluster import Cluster
+from uniap_lightning.cost.comm import all_gather_s, all_reduce_s, p2p_s, reduce_scatter_s
+from uniap_lightning.problem import Problem, TrainingConfig
+from uniap_lightning.profiling.schema import LayerProfile
+
+
+class Strategy(NamedTuple):
+    """Intra-layer strategy: ``d`` data-parallel copies (replicated or sharded) x ``t`` tensor-parallel ranks."""
+
+    d: int
+    t: int
+    shard: bool
+
+    def label(self) -> str:
+        parts = []
+        if self.d > 1:
+            parts.append(f"{'fsdp' if self.shard else 'dp'}{self.d}")
+        if self.t > 1:
+            parts.append(f"tp{self.t}")
+        return "x".join(parts) or "single"
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Costs of one layer under one strategy, for one micro-batch size."""
+
+    time_s: float  # per micro-batch: compute + TP + FSDP communication
+    compute_s: float
+    comm_s: float
+    sync_s: float  # per iteration: DP gradient all-reduce
+    static_bytes: float  # weights + grads + optimizer state on one device
+    activation_bytes: float  # per micro-batch in flight, on one device
+    transient_bytes: float  # extra bytes while an FSDP layer's weights are gathered
+
+
+def strategies_for(layer: LayerProfile, n: int, cluster: Cluster, micro_batch: int) -> list[Strategy]:
+    """Strategies ``(d, t, shard)`` with ``d * t = n`` that the layer allows on a stage of ``n`` devices.
+
+    ``t`` must be a degree the layer supports and stay inside a node (aligned), and ``d`` must divide the
+    micro-batch. ``shard`` only matters when ``d > 1``.
+    """
+    dpn = cluster.devices_per_node
+    out = []
+    for t in layer.tp_degrees:
+        if n % t or t > dpn or dpn % t:
+            continue
+        d = n // t
+        if micro_batch % d:
+            continue
+        out.append(Strategy(d, t, False))
+        if d > 1:
+            out.append(Strategy(d, t, True))
+    return out
+
+
+def dp_group_inter_node(cluster: Cluster, n: int) -> bool:
+    """A data-parallel group spans the whole stage (stride t), so it crosses nodes iff the stage does."""
+    return n > cluster.devices_per_node
+
+
+def layer_cost(
+    layer: LayerProfile, s: Strategy, micro_batch: int, n: int, cluster: Cluster, training: TrainingConfig
+) -> LayerCost:
+    return _layer_cost(layer, s, micro_batch, n, cluster, training)
+
+
+@lru_cache(maxsize=200_000)
+def _layer_cost(
+    layer: LayerProfile, s: Strategy, micro_batch: int, n: int, cluster: Cluster, training: TrainingConfig
+) -> LayerCost:
+    d, t, shard = s
+    samples = micro_batch / d
+    compute = layer.compute_s(samples) / t
+    comm = 0.0
+    if t > 1 and layer.tp_allreduces:
+        comm += 2 * layer.tp_allreduces * all_reduce_s(cluster, layer.output_bytes * samples, t, False)
+    inter = dp_group_inter_node(cluster, n)
+    local_params = layer.params / t
+    sync = 0.0
+    if d > 1 and shard:
+        comm += 2 * all_gather_s(cluster, local_params * training.weight_bytes, d, inter)
+        comm += reduce_scatter_s(cluster, local_params * training.grad_bytes, d, inter)
+    elif d > 1:
+        sync = all_reduce_s(cluster, local_params * training.grad_bytes, d, inter)
+    static = local_params * training.bytes_per_param / (d if shard else 1)
+    transient = local_params * training.weight_bytes * (1 - 1 / d) if shard and d > 1 else 0.0
+    f = layer.activation_tp_fraction
+    act = layer.activation_bytes * samples * ((1 - f) + f / t)
+    return LayerCost(compute + comm, compute, comm, sync, static, act, transient)
+
+
+def reshard_s(cluster: Cluster, out_bytes: float, micro_batch: int, d_from: int, d_to: int) -> float:
+    """Moving an activation (and, in backward, its gradient) from batch split ``d_from`` to ``d_to``.
+
+    Going to fewer slices all-gathers in forward; going to more slices is a local slice in forward and an
+    all-gather of the gradient in backward. Either way: one all-gather of ``out_bytes * b / min(d)`` over
+    ``max(d) / min(d)`` ranks, which sit inside one tensor-parallel block and so inside a node.
+    """
+    if d_from == d_to:
+        return 0.0
+    lo, hi = min(d_from, d_to), max(d_from, d_to)
+    return all_gather_s(cluster, out_bytes * micro_batch / lo, hi // lo, False)
+
+
+def boundary_inter_node(cluster: Cluster, n: int, stage: int) -> bool:
+    """Whether the point-to-point links between stage ``stage`` and ``stage + 1`` cross a node boundary."""
+    dpn = cluster.devices_per_node
+    if n >= dpn:
+        return True
+    return ((stage + 1) * n) % dpn == 0
+
+
+def boundary_s(
+    cluster: Cluster, out_bytes: float, micro_batch: int, n: int, stage: int, d_last: int, d_first: int
+) -> float:
+    """Stage ``stage`` -> ``stage + 1``: reshard to the boundary layout, send (fwd + bwd), reshard back."""
+    send = 2 * p2p_s(cluster, out_bytes * micro_batch / n, boundary_inter_node(cluster, n, stage))
+    return reshard_s(cluster, out_bytes, micro_batch, d_last, n) + send + reshard_s(
+        cluster, out_bytes, micro_batch, n, d_first
+    )
+
+
+def in_flight(schedule: str, c: int, pp: int, stage: int) -> int:
+    """Micro-batches whose activations a stage holds at its peak."""
+    return c if schedule == "gpipe" else min(c, pp - stage)
+
+
+class CostTables:
+    """Every cost the MILP needs for one ``(pp, c)`` candidate, indexed by layer and strategy index."""
+
+    def __init__(self, problem: Problem, pp: int, c: int, *, allowed=None) -> None:
+        self.problem, self.pp, self.c = problem, pp, c
+        cl, tr = problem.cluster, problem.training
+        self.n = problem.num_devices // pp
+        self.b = tr.global_batch_size // c
+        self.layers = problem.model.layers
+        self.strategies: list[list[Strategy]] = []
+        for lp in self.layers:
+            ks = strategies_for(lp, self.n, cl, self.b)
+            if allowed is not None:
+                ks = [k for k in ks if allowed(k)]
+            self.strategies.append(ks)
+        self.cost = [[layer_cost(lp, k, self.b, self.n, cl, tr) for k in ks] for lp, ks in zip(self.layers, self.strategies)]
+
+    @property
+    def feasible_shape(self) -> bool:
+        """Every layer has at least one strategy, and stage boundaries can split the micro-batch over n."""
+        return all(self.strategies) and (self.pp == 1 or self.b % self.n == 0)
+
+    def reshard(self, u: int, k: int, l: int) -> float:
+        """Inside a stage, between layer u (strategy k) and u + 1 (strategy l)."""
+        return reshard_s(
+            self.problem.cluster, self.layers[u].output_bytes, self.b, self.strategies[u][k].d, self.strategies[u + 1][l].d
+        )
+
+    def boundary(self, u: int, k: int, l: int, stage: int) -> float:
+        """Layer u (strategy k) ends stage ``stage``; layer u + 1 (strategy l) starts the next one."""
+        return boundary_s(
+            self.problem.cluster,
+            self.layers[u].output_bytes,
+            self.b,
+            self.n,
+            stage,
+            self.strategies[u][k].d,
+            self.strategies[u + 1][l].d,
+        )
+
+    def in_flight(self, stage: int) -> int:
+        return in_flight(self.problem.training.schedule, self.c, self.pp, stage)

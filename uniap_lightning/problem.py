@@ -1,0 +1,89 @@
+"""A planning problem: a model profile, a cluster and the training settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from uniap_lightning.cluster import Cluster
+from uniap_lightning.errors import UniAPError
+from uniap_lightning.plan import SCHEDULES
+from uniap_lightning.profiling.schema import ModelProfile
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """Training settings the plan depends on.
+
+    ``microbatches``: candidate micro-batch counts ``c`` (``None``: every divisor of the global batch up to
+    ``max_microbatches``). Memory per parameter is ``weight_bytes + grad_bytes + optimizer_bytes`` (e.g. fp32 Adam:
+    4 + 4 + 8; bf16 mixed precision with fp32 master weights and Adam: 2 + 2 + 12).
+    """
+
+    global_batch_size: int
+    microbatches: tuple[int, ...] | None = None
+    max_microbatches: int = 64
+    schedule: str = "1f1b"
+    weight_bytes: float = 4.0
+    grad_bytes: float = 4.0
+    optimizer_bytes: float = 8.0
+
+    def __post_init__(self) -> None:
+        b = self.global_batch_size
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise UniAPError(f"batch_size (global_batch_size) must be a positive integer, got {b!r}")
+        if self.schedule not in SCHEDULES:
+            raise UniAPError(f"schedule={self.schedule!r} must be one of {list(SCHEDULES)}")
+        for key in ("weight_bytes", "grad_bytes", "optimizer_bytes"):
+            if getattr(self, key) < 0:
+                raise UniAPError(f"{key} must be >= 0, got {getattr(self, key)}")
+        if self.microbatches is not None:
+            bad = [c for c in self.microbatches if not isinstance(c, int) or c < 1 or b % c]
+            if bad or not self.microbatches:
+                raise UniAPError(
+                    f"microbatches={list(self.microbatches)}: each candidate must be a positive integer dividing "
+                    f"batch_size={b} (bad: {bad}); divisors of {b}: {divisors(b)}"
+                )
+
+    @property
+    def bytes_per_param(self) -> float:
+        return self.weight_bytes + self.grad_bytes + self.optimizer_bytes
+
+    def microbatch_candidates(self) -> list[int]:
+        if self.microbatches is not None:
+            return sorted(set(self.microbatches))
+        return [c for c in divisors(self.global_batch_size) if c <= self.max_microbatches]
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass
+class Problem:
+    """Everything the cost model and the solver need."""
+
+    model: ModelProfile
+    cluster: Cluster
+    training: TrainingConfig
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_devices(self) -> int:
+        return self.cluster.num_devices
+
+    def pp_candidates(self) -> list[int]:
+        """Pipeline degrees whose stages tile nodes sensibly: ``n = N/pp`` divides or is a multiple of a node."""
+        N, dpn, L = self.num_devices, self.cluster.devices_per_node, self.model.num_layers
+        out = []
+        for pp in divisors(N):
+            n = N // pp
+            if pp <= L and (dpn % n == 0 or n % dpn == 0):
+                out.append(pp)
+        if not out:
+            raise UniAPError(
+                f"no pipeline degree fits: {N} devices ({self.cluster.nodes} nodes x {dpn}) and {L} layers; "
+                "a pipeline degree must divide the device count, leave at most one stage per layer, and give "
+                "stages that divide a node or span whole nodes"
+            )
+        return out

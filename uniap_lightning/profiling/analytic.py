@@ -1,0 +1,236 @@
+"""Analytic per-layer profiles of transformer models, for planning clusters you don't own.
+
+Sources of the formulas (per sample, sequence length ``s``, hidden ``h``, heads ``a``, FFN size ``f``, vocab ``V``):
+
+* FLOPs (2 per multiply-accumulate), Narayanan et al., "Efficient Large-Scale Language Model Training on GPU
+  Clusters Using Megatron-LM", SC'21, Sec. 5.1: a block does ``24 s h^2 + 4 s^2 h`` forward FLOPs with
+  ``f = 4h``. In general: QKV ``2 s h (h + 2 h_kv)``, scores and context ``4 s s_att h``, output projection
+  ``2 s h^2``, MLP ``4 s h f`` (``6 s h f`` for gated/SwiGLU MLPs), where ``s_att`` is ``s`` (or the window
+  size for windowed attention, Liu et al., Swin, ICCV'21) and a decoder block with cross attention adds a
+  second attention. Backward costs 2x forward (same source). LM head: ``2 s h V``.
+* Activations saved for backward, Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
+  Models", MLSys'23, Sec. 4.1: ``s h (34 + 5 a s / h)`` bytes with 16-bit activations, of which
+  ``s h (24 + 5 a s / h)`` is split by tensor parallelism (``10 s h`` is not, without sequence parallelism).
+  We generalise the MLP share (``19 s h`` at ``f = 4h``) to ``3 s h + 4 s f`` (``3 s h + 6 s f`` gated) and
+  scale by ``dtype_bytes / 2``.
+* Parameters: attention ``h (h + 2 h_kv) + h^2`` (+ biases), MLP ``2 h f`` (``3 h f`` gated), norms.
+* Time: ``FLOPs / (peak * efficiency)`` of the cluster's device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from uniap_lightning.cluster import Cluster
+from uniap_lightning.errors import UniAPError
+from uniap_lightning.profiling.schema import LayerProfile, ModelProfile
+
+DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
+POW2 = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of identical transformer blocks (Swin's stages or T5's decoder differ in shape)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    ffn: int
+    seq_len: int
+    kv_heads: int | None = None
+    window: int | None = None  # tokens each query attends to (windowed attention); None = full
+    cross_attention: bool = False  # decoder block of an encoder-decoder (carries the encoder output too)
+    name: str = "block"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Hyper-parameters of a transformer (a Hydra ``model`` config)."""
+
+    name: str
+    layers: int = 0
+    hidden: int = 0
+    heads: int = 0
+    ffn: int = 0
+    seq_len: int = 0
+    vocab: int = 0
+    kv_heads: int | None = None
+    gated_mlp: bool = False
+    dtype: str = "bf16"
+    embedding: str = "token"  # token | patch
+    head: str = "lm"  # lm | classifier
+    num_classes: int = 1000
+    patch_size: int = 16
+    image_size: int = 224
+    channels: int = 3
+    bias: bool = True
+    segments: tuple[Segment, ...] = ()
+    family: str = ""
+    source: str = ""
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelSpec:
+        d = dict(d)
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise UniAPError(f"model config '{d.get('name', '?')}' has unknown field(s) {unknown}")
+        segs = []
+        for j, s in enumerate(d.pop("segments", None) or []):
+            try:
+                segs.append(Segment(**dict(s)))
+            except TypeError as err:
+                raise UniAPError(f"model config segments[{j}]: {err}") from err
+        spec = cls(**d, segments=tuple(segs))
+        spec.validate()
+        return spec
+
+    def blocks(self) -> tuple[Segment, ...]:
+        if self.segments:
+            return self.segments
+        return (Segment(self.layers, self.hidden, self.heads, self.ffn, self.seq_len, self.kv_heads),)
+
+    def validate(self) -> None:
+        if self.dtype not in DTYPE_BYTES:
+            raise UniAPError(f"model '{self.name}': dtype={self.dtype!r} must be one of {sorted(DTYPE_BYTES)}")
+        if self.embedding not in ("token", "patch") or self.head not in ("lm", "classifier"):
+            raise UniAPError(f"model '{self.name}': embedding must be token|patch and head lm|classifier")
+        for seg in self.blocks():
+            for key in ("layers", "hidden", "heads", "ffn", "seq_len"):
+                if getattr(seg, key) is None or getattr(seg, key) < 1:
+                    raise UniAPError(f"model '{self.name}': {key} must be >= 1, got {getattr(seg, key)}")
+            if seg.hidden % seg.heads:
+                raise UniAPError(f"model '{self.name}': hidden={seg.hidden} is not divisible by heads={seg.heads}")
+        if self.embedding == "token" and self.vocab < 1:
+            raise UniAPError(f"model '{self.name}': vocab must be >= 1 for a token embedding")
+
+
+def _tp_degrees(*counts: int) -> tuple[int, ...]:
+    return tuple(t for t in POW2 if all(c % t == 0 for c in counts))
+
+
+def block_profile(seg: Segment, spec: ModelSpec, flops_per_s: float, index: int) -> LayerProfile:
+    s, h, a, f = seg.seq_len, seg.hidden, seg.heads, seg.ffn
+    kv = seg.kv_heads or a
+    h_kv = h // a * kv
+    s_att = min(seg.window or s, s)
+    nbytes = DTYPE_BYTES[spec.dtype]
+    mlp_mats = 3 if spec.gated_mlp else 2
+    attn_flops = 2 * s * h * (h + 2 * h_kv) + 4 * s * s_att * h + 2 * s * h * h
+    n_attn = 2 if seg.cross_attention else 1
+    fwd = n_attn * attn_flops + 2 * mlp_mats * s * h * f
+    attn_params = h * (h + 2 * h_kv) + h * h + (4 * h if spec.bias else 0)
+    params = n_attn * attn_params + mlp_mats * h * f + (f + h if spec.bias else 0) + (n_attn + 1) * 2 * h
+    mlp_act = 3 * s * h + (6 if spec.gated_mlp else 4) * s * f
+    attn_act = 11 * s * h + 5 * a * s * s_att
+    act_units = n_attn * attn_act + mlp_act + (n_attn + 1) * 2 * s * h
+    split_units = act_units - n_attn * 4 * s * h - 2 * s * h  # inputs of the column-parallel matmuls + norms stay
+    scale = nbytes / 2
+    carried = 2 if seg.cross_attention else 1  # a decoder block also passes the encoder output on
+    return LayerProfile(
+        name=f"{seg.name}{index}",
+        forward_s=fwd / flops_per_s,
+        backward_s=2 * fwd / flops_per_s,
+        params=int(params),
+        activation_bytes=float(act_units * scale),
+        output_bytes=float(carried * s * h * nbytes),
+        tp_degrees=_tp_degrees(a, kv, f),
+        tp_allreduces=2 * n_attn,
+        activation_tp_fraction=max(0.0, min(1.0, split_units / act_units)),
+    )
+
+
+def analytic_profile(spec: ModelSpec, cluster: Cluster) -> ModelProfile:
+    """The chain ``embedding, blocks..., head`` with analytic costs on ``cluster``'s device."""
+    flops = cluster.flops_per_s
+    nbytes = DTYPE_BYTES[spec.dtype]
+    first, last = spec.blocks()[0], spec.blocks()[-1]
+    s0, h0 = first.seq_len, first.hidden
+    layers: list[LayerProfile] = []
+    if spec.embedding == "token":
+        emb_params = spec.vocab * h0 + (s0 * h0 if spec.family in ("gpt2", "bert", "t5") else 0)
+        layers.append(
+            LayerProfile(
+                name="embed",
+                forward_s=(2 * s0 * h0) / flops,  # gather + add: memory bound, tiny
+                backward_s=(4 * s0 * h0) / flops,
+                params=emb_params,
+                activation_bytes=float(s0 * h0 * nbytes),
+                output_bytes=float(s0 * h0 * nbytes),
+                tp_degrees=_tp_degrees(spec.vocab if spec.vocab % 8 == 0 else 8, h0),
+                tp_allreduces=1,
+            )
+        )
+    else:
+        patch_dim = spec.channels * spec.patch_size**2
+        fwd = 2 * s0 * patch_dim * h0
+        layers.append(
+            LayerProfile(
+                name="patch_embed",
+                forward_s=fwd / flops,
+                backward_s=2 * fwd / flops,
+                params=patch_dim * h0 + h0 + s0 * h0,
+                activation_bytes=float(s0 * patch_dim * nbytes),
+                output_bytes=float(s0 * h0 * nbytes),
+                tp_degrees=(1,),
+                tp_allreduces=0,
+            )
+        )
+    index = 0
+    prev_h = h0
+    for seg in spec.blocks():
+        for _ in range(seg.layers):
+            lp = block_profile(seg, spec, flops, index)
+            if seg.hidden != prev_h:  # Swin's patch merging folds into the first block of a stage
+                merge = 4 * prev_h * seg.hidden
+                lp = LayerProfile(
+                    **{
+                        **lp.__dict__,
+                        "params": lp.params + merge,
+                        "forward_s": lp.forward_s + 2 * seg.seq_len * merge / flops,
+                        "backward_s": lp.backward_s + 4 * seg.seq_len * merge / flops,
+                    }
+                )
+                prev_h = seg.hidden
+            layers.append(lp)
+            index += 1
+    s1, h1 = last.seq_len, last.hidden
+    if spec.head == "lm":
+        fwd = 2 * s1 * h1 * spec.vocab
+        layers.append(
+            LayerProfile(
+                name="lm_head",
+                forward_s=fwd / flops,
+                backward_s=2 * fwd / flops,
+                params=spec.vocab * h1 + 2 * h1,
+                # logits in the compute dtype plus fp32 softmax for the loss
+                activation_bytes=float(s1 * h1 * nbytes + s1 * spec.vocab * (nbytes + 4)),
+                output_bytes=4.0,
+                tp_degrees=_tp_degrees(spec.vocab if spec.vocab % 8 == 0 else 8, h1),
+                tp_allreduces=1,
+                activation_tp_fraction=0.9,
+            )
+        )
+    else:
+        fwd = 2 * h1 * spec.num_classes + 2 * s1 * h1
+        layers.append(
+            LayerProfile(
+                name="head",
+                forward_s=fwd / flops,
+                backward_s=2 * fwd / flops,
+                params=h1 * spec.num_classes + spec.num_classes + 2 * h1,
+                activation_bytes=float(s1 * h1 * nbytes),
+                output_bytes=4.0,
+                tp_degrees=(1,),
+                tp_allreduces=0,
+            )
+        )
+    return ModelProfile(
+        model=spec.name,
+        layers=layers,
+        source="analytic",
+        device=cluster.device or cluster.name,
+        meta={"dtype": spec.dtype, "params": sum(lp.params for lp in layers)},
+    )

@@ -1,0 +1,215 @@
+"""The profile file: a public JSON format (documented in the README, ``format_version`` 1).
+
+One record per layer of the chain, in order::
+
+    {
+      "format_version": 1,
+      "model": "gpt2_small",          # free text, shown in reports
+      "source": "analytic",           # "analytic" | "measured"
+      "device": "A100-80GB",          # free text
+      "layers": [
+        {"name": "embed",
+         "forward_s": 1.2e-5,          # forward seconds per sample on one device
+         "backward_s": 2.4e-5,         # backward seconds per sample
+         "params": 38597376,           # parameter count
+         "activation_bytes": 1.6e6,    # bytes per sample saved for backward
+         "output_bytes": 1.5e6,        # bytes per sample of the layer's output (what crosses a boundary)
+         "tp_degrees": [1, 2, 4, 8],   # tensor-parallel degrees this layer supports
+         "tp_allreduces": 1,           # activation all-reduces per pass under tensor parallelism
+         # optional:
+         "activation_tp_fraction": 0.8,  # share of activation_bytes that tensor parallelism splits (default 1)
+         "timings": [{"micro_batch": 1, "forward_s": ..., "backward_s": ...}, ...]  # per-call seconds
+        }, ...]
+    }
+
+When ``timings`` lists two or more micro-batch sizes, compute time for ``m`` samples is interpolated (and
+extrapolated) linearly between them instead of assuming ``m * forward_s``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from uniap_lightning.errors import UniAPError
+
+PROFILE_FORMAT_VERSION = 1
+_REQUIRED = ("name", "forward_s", "backward_s", "params", "activation_bytes", "output_bytes", "tp_degrees", "tp_allreduces")
+
+
+@dataclass(frozen=True)
+class Timing:
+    micro_batch: int
+    forward_s: float
+    backward_s: float
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """Costs of one layer of the chain on one device (see the module docstring for units)."""
+
+    name: str
+    forward_s: float
+    backward_s: float
+    params: int
+    activation_bytes: float
+    output_bytes: float
+    tp_degrees: tuple[int, ...] = (1,)
+    tp_allreduces: int = 0
+    activation_tp_fraction: float = 1.0
+    timings: tuple[Timing, ...] = ()
+
+    def compute_s(self, samples: float) -> float:
+        """Forward + backward seconds for ``samples`` samples on one device (interpolated when timed)."""
+        if len(self.timings) >= 2:
+            pts = sorted(self.timings, key=lambda t: t.micro_batch)
+            lo, hi = pts[0], pts[-1]
+            for a, b in zip(pts, pts[1:]):
+                if samples <= b.micro_batch:
+                    lo, hi = a, b
+                    break
+            ta, tb = lo.forward_s + lo.backward_s, hi.forward_s + hi.backward_s
+            slope = (tb - ta) / (hi.micro_batch - lo.micro_batch)
+            return max(ta + slope * (samples - lo.micro_batch), 0.0)
+        return (self.forward_s + self.backward_s) * samples
+
+
+@dataclass
+class ModelProfile:
+    """A chain of layer profiles."""
+
+    model: str
+    layers: list[LayerProfile]
+    source: str = "analytic"
+    device: str = ""
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def total_params(self) -> int:
+        return sum(lp.params for lp in self.layers)
+
+    def fingerprint(self) -> str:
+        """A short hash of the chain's structure (names, parameters, output sizes), not of its timings."""
+        key = json.dumps([(lp.name, lp.params, round(lp.output_bytes)) for lp in self.layers])
+        return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+    def to_dict(self) -> dict[str, Any]:
+        layers = []
+        for lp in self.layers:
+            d = asdict(lp)
+            d["tp_degrees"] = list(lp.tp_degrees)
+            d["timings"] = [asdict(t) for t in lp.timings]
+            if not d["timings"]:
+                del d["timings"]
+            layers.append(d)
+        return {
+            "format_version": PROFILE_FORMAT_VERSION,
+            "model": self.model,
+            "source": self.source,
+            "device": self.device,
+            "meta": self.meta,
+            "layers": layers,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, *, origin: str = "profile") -> ModelProfile:
+        if not isinstance(data, dict):
+            raise UniAPError(f"{origin}: expected a JSON object with a 'layers' list")
+        version = data.get("format_version", PROFILE_FORMAT_VERSION)
+        if version != PROFILE_FORMAT_VERSION:
+            raise UniAPError(f"{origin}: format_version={version} is not supported (expected {PROFILE_FORMAT_VERSION})")
+        raw = data.get("layers")
+        if not isinstance(raw, list) or not raw:
+            raise UniAPError(f"{origin}: field 'layers' must be a non-empty list")
+        layers = [_layer_from_dict(item, f"{origin}: layers[{i}]") for i, item in enumerate(raw)]
+        return cls(
+            model=str(data.get("model", "model")),
+            layers=layers,
+            source=str(data.get("source", "measured")),
+            device=str(data.get("device", "")),
+            meta=dict(data.get("meta") or {}),
+        )
+
+
+def _number(item: dict[str, Any], key: str, where: str, *, integer: bool = False, positive: bool = False) -> Any:
+    value = item[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise UniAPError(f"{where}.{key} must be a finite number, got {value!r}")
+    if value < 0 or (positive and value == 0):
+        raise UniAPError(f"{where}.{key} must be {'> 0' if positive else '>= 0'}, got {value!r}")
+    if integer:
+        if int(value) != value:
+            raise UniAPError(f"{where}.{key} must be an integer, got {value!r}")
+        return int(value)
+    return float(value)
+
+
+def _layer_from_dict(item: Any, where: str) -> LayerProfile:
+    if not isinstance(item, dict):
+        raise UniAPError(f"{where} must be an object")
+    missing = [k for k in _REQUIRED if k not in item]
+    if missing:
+        raise UniAPError(f"{where} is missing field(s) {', '.join(repr(m) for m in missing)}")
+    degrees = item["tp_degrees"]
+    if not isinstance(degrees, list) or not degrees or any(
+        isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in degrees
+    ):
+        raise UniAPError(f"{where}.tp_degrees must be a non-empty list of positive integers, got {degrees!r}")
+    if 1 not in degrees:
+        raise UniAPError(f"{where}.tp_degrees must include 1, got {degrees!r}")
+    frac = _number(item, "activation_tp_fraction", where) if "activation_tp_fraction" in item else 1.0
+    if frac > 1:
+        raise UniAPError(f"{where}.activation_tp_fraction must be in [0, 1], got {frac}")
+    timings = []
+    for j, t in enumerate(item.get("timings") or []):
+        tw = f"{where}.timings[{j}]"
+        if not isinstance(t, dict) or any(k not in t for k in ("micro_batch", "forward_s", "backward_s")):
+            raise UniAPError(f"{tw} needs 'micro_batch', 'forward_s' and 'backward_s'")
+        timings.append(
+            Timing(
+                _number(t, "micro_batch", tw, integer=True, positive=True),
+                _number(t, "forward_s", tw),
+                _number(t, "backward_s", tw),
+            )
+        )
+    if len({t.micro_batch for t in timings}) != len(timings):
+        raise UniAPError(f"{where}.timings lists a micro_batch size twice")
+    name = item["name"]
+    if not isinstance(name, str) or not name:
+        raise UniAPError(f"{where}.name must be a non-empty string")
+    return LayerProfile(
+        name=name,
+        forward_s=_number(item, "forward_s", where),
+        backward_s=_number(item, "backward_s", where),
+        params=_number(item, "params", where, integer=True),
+        activation_bytes=_number(item, "activation_bytes", where),
+        output_bytes=_number(item, "output_bytes", where),
+        tp_degrees=tuple(sorted(set(degrees))),
+        tp_allreduces=_number(item, "tp_allreduces", where, integer=True),
+        activation_tp_fraction=frac,
+        timings=tuple(timings),
+    )
+
+
+def load_profile(path: str | Path) -> ModelProfile:
+    """Read and validate a profile file; errors name the file, the layer and the field."""
+    p = Path(path)
+    if not p.exists():
+        raise UniAPError(f"profile file {str(p)!r} does not exist")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as err:
+        raise UniAPError(f"profile file {str(p)!r} is not valid JSON: {err}") from err
+    return ModelProfile.from_dict(data, origin=f"profile file {p.name}")
+
+
+def save_profile(profile: ModelProfile, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(profile.to_dict(), indent=2) + "\n")

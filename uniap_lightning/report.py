@@ -1,0 +1,101 @@
+"""Readable plan output (rich tables): stages, per-layer strategies folded into ranges, memory, baselines."""
+
+from __future__ import annotations
+
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from uniap_lightning.cluster import GIB
+from uniap_lightning.cost.model import Strategy
+from uniap_lightning.plan import Plan
+
+BASELINE_LABELS = {
+    "ddp": "DDP (pp=1, replicate everything)",
+    "fsdp": "FSDP / ZeRO-3 (pp=1)",
+    "megatron": "best uniform Megatron grid",
+    "intra_only": "intra-layer only (pp=1)",
+    "inter_only": "inter-layer only (pipeline + DP)",
+}
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:,.2f}"
+
+
+def _range(names: list[str], first: int, last: int) -> str:
+    return names[first] if first == last else f"{names[first]} .. {names[last]} ({last - first + 1})"
+
+
+def plan_renderables(plan: Plan, *, title: str | None = None) -> Group:
+    est = plan.estimate
+    names = [lp.name for lp in plan.layers]
+    head = Text()
+    head.append(title or f"UniAP plan: {plan.model or 'model'} on {plan.cluster or 'cluster'}", style="bold")
+    head.append(
+        f"\n{plan.num_devices} devices, global batch {plan.global_batch_size} = {plan.microbatches} micro-batches "
+        f"x {plan.micro_batch_size}, pp={plan.pp} ({plan.devices_per_stage} devices per stage), "
+        f"schedule {plan.schedule}"
+    )
+    if est is not None:
+        head.append(
+            f"\npredicted: {_ms(est.tpi_s)} ms per iteration, {est.samples_per_s:,.1f} samples/s, "
+            + ("fits memory" if est.feasible else "DOES NOT FIT memory"),
+            style="green" if est.feasible else "red bold",
+        )
+
+    stages = Table(title="Stages", title_justify="left", show_lines=False)
+    for col in ("stage", "layers", "ranks", "strategies", "time/µbatch ms", "sync ms", "memory GiB / limit"):
+        stages.add_column(col, justify="right" if "ms" in col or "GiB" in col else "left")
+    runs = plan.strategy_runs()
+    for st in plan.stages:
+        first, last = st.layers
+        strat = ", ".join(
+            f"{Strategy(lp.dp, lp.tp, lp.shard).label()}" + (f" [{names[a]}..{names[b]}]" if a != b else f" [{names[a]}]")
+            for a, b, lp in runs
+            if lp.stage == st.index
+        )
+        mem = ""
+        t = sync = ""
+        if est is not None:
+            used, limit = est.stage_memory_bytes[st.index], est.memory_limit_bytes
+            style = "red" if used > limit else ("yellow" if used > 0.9 * limit else "green")
+            mem = f"[{style}]{used / GIB:,.2f} / {limit / GIB:,.1f} ({used / limit:.0%})[/{style}]"
+            t, sync = _ms(est.stage_time_s[st.index]), _ms(est.stage_sync_s[st.index])
+        ranks = f"{st.ranks[0]}-{st.ranks[-1]}" if len(st.ranks) > 1 else str(st.ranks[0])
+        stages.add_row(str(st.index), _range(names, first, last), ranks, strat, t, sync, mem)
+
+    layers = Table(title="Per-layer strategy (consecutive equal layers folded)", title_justify="left")
+    for col in ("layers", "stage", "dp", "tp", "data parallel"):
+        layers.add_column(col)
+    for a, b, lp in runs:
+        kind = "-" if lp.dp == 1 else ("sharded (FSDP)" if lp.shard else "replicated (DDP)")
+        layers.add_row(_range(names, a, b), str(lp.stage), str(lp.dp), str(lp.tp), kind)
+
+    parts = [head, stages, layers]
+    if plan.baselines and est is not None:
+        base = Table(title="Baselines (same cost model)", title_justify="left")
+        for col in ("baseline", "ms / iteration", "samples/s", "plan speed-up"):
+            base.add_column(col, justify="left" if col == "baseline" else "right")
+        for key, tpi in plan.baselines.items():
+            label = BASELINE_LABELS.get(key, key)
+            if tpi is None:
+                base.add_row(label, "[red]does not fit[/red]", "-", "-")
+            else:
+                base.add_row(label, _ms(tpi), f"{plan.global_batch_size / tpi:,.1f}", f"{tpi / est.tpi_s:.2f}x")
+        parts.append(base)
+    if plan.solver is not None:
+        s = plan.solver
+        gap = "-" if s.gap is None else f"{s.gap:.2%}"
+        parts.append(
+            Text(
+                f"solver: {s.name}, {s.status}, MIP gap {gap}, {s.solve_s:.2f} s; (pp, c) candidates: "
+                f"{s.candidates}, solved {s.solved}, pruned by bound {s.pruned}",
+                style="dim",
+            )
+        )
+    return Group(*parts)
+
+
+def print_plan(plan: Plan, *, console: Console | None = None, title: str | None = None) -> None:
+    (console or Console()).print(plan_renderables(plan, title=title))

@@ -1,0 +1,183 @@
+"""UniAP's outer search: enumerate ``(pp, c)``, prune by bound, solve the rest best-bound first.
+
+For every candidate ``(pp, c)`` (pipeline degree, micro-batch count) the MILP of :mod:`.milp` chooses the stage
+split and per-layer strategies. Candidates are visited in order of a cheap lower bound on their time per
+iteration (:mod:`.bounds`); a candidate whose bound cannot beat the best plan found so far is pruned without a
+solve, and every solve gets the incumbent as a cutoff and the best uniform plan of its candidate as a warm
+start. The result is exact when every solve reports optimal (``SolverInfo.status == "optimal"``); when a time
+limit stops a solve, the plan carries the remaining MIP gap.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from uniap_lightning.cluster import GIB
+from uniap_lightning.cost.evaluate import evaluate
+from uniap_lightning.cost.model import CostTables, Strategy
+from uniap_lightning.errors import InfeasibleError, UniAPError
+from uniap_lightning.plan import Plan, SolverInfo
+from uniap_lightning.problem import Problem
+from uniap_lightning.solver.bounds import least_memory_bytes, time_lower_bound_s
+from uniap_lightning.solver.milp import StageMilp, solver_available
+from uniap_lightning.solver.uniform import uniform_plan
+
+SOLVERS = ("auto", "cbc", "highs", "gurobi")
+Progress = Callable[[str], None]
+
+
+def resolve_solver(name: str) -> str:
+    if name not in SOLVERS:
+        raise UniAPError(f"solver={name!r} must be one of {list(SOLVERS)}")
+    if name == "auto":
+        return "highs" if solver_available("highs") else "cbc"
+    if not solver_available(name):
+        hint = " (pip install 'uniap-lightning[highs]', which installs highsbox)" if name == "highs" else ""
+        raise UniAPError(f"solver={name!r} is not available in this environment{hint}")
+    return name
+
+
+@dataclass
+class Candidate:
+    pp: int
+    c: int
+    tables: CostTables
+    bound_s: float
+    warm: Plan | None = None
+
+
+def _candidates(problem: Problem, pp: list[int] | None, allowed) -> list[Candidate]:
+    pps = problem.pp_candidates() if pp is None else pp
+    bad = [p for p in pps if p not in problem.pp_candidates()]
+    if bad:
+        raise UniAPError(f"pp={bad} is not a usable pipeline degree here; usable: {problem.pp_candidates()}")
+    out = []
+    for p in pps:
+        for c in problem.training.microbatch_candidates():
+            t = CostTables(problem, p, c, allowed=allowed)
+            if t.feasible_shape:
+                out.append(Candidate(p, c, t, time_lower_bound_s(t)))
+    if not out:
+        B = problem.training.global_batch_size
+        raise UniAPError(
+            f"batch_size={B}: no (pp, micro-batch count) candidate gives every layer a usable strategy on "
+            f"{problem.num_devices} devices; each micro-batch must split over the data-parallel ranks (try a "
+            f"batch size that is a multiple of {problem.num_devices})"
+        )
+    return out
+
+
+def _warm_starts(problem: Problem, cands: list[Candidate]) -> Plan | None:
+    """Give each candidate its best memory-feasible uniform plan; return the best overall."""
+    best = None
+    for cand in cands:
+        for k in {s for ks in cand.tables.strategies for s in ks}:
+            plan = uniform_plan(problem, cand.pp, cand.c, k)
+            if plan is None or any(k not in ks for ks in cand.tables.strategies):
+                continue
+            plan.estimate = evaluate(problem, plan, check_strategies=False)
+            if not plan.estimate.feasible:
+                continue
+            if cand.warm is None or plan.estimate.tpi_s < cand.warm.estimate.tpi_s:
+                cand.warm = plan
+            if best is None or plan.estimate.tpi_s < best.estimate.tpi_s:
+                best = plan
+    return best
+
+
+def _from_milp(problem: Problem, cand: Candidate, stages: list[int], ks: list[int]) -> Plan:
+    t = cand.tables
+    return Plan.from_assignment(
+        stage_of_layer=stages,
+        strategies=[tuple(t.strategies[u][k]) for u, k in enumerate(ks)],
+        layer_names=[lp.name for lp in problem.model.layers],
+        pp=cand.pp,
+        microbatches=cand.c,
+        schedule=problem.training.schedule,
+        global_batch_size=problem.training.global_batch_size,
+        num_devices=problem.num_devices,
+        model=problem.model.model,
+        cluster=problem.cluster.name,
+        model_fingerprint=problem.model.fingerprint(),
+    )
+
+
+def search(
+    problem: Problem,
+    *,
+    solver: str = "auto",
+    time_limit_s: float = 60.0,
+    pp: list[int] | None = None,
+    allowed: Callable[[Strategy], bool] | None = None,
+    incumbent: Plan | None = None,
+    progress: Progress | None = None,
+) -> Plan:
+    """Exact search over ``(pp, c)`` and the MILP; ``allowed`` restricts strategies (for baselines)."""
+    t_start = time.perf_counter()
+    say = progress or (lambda _msg: None)
+    name = resolve_solver(solver)
+    cands = _candidates(problem, pp, allowed)
+    limit = problem.cluster.memory_bytes
+    best = _warm_starts(problem, cands)
+    if incumbent is not None and incumbent.estimate and incumbent.estimate.feasible:
+        if best is None or incumbent.estimate.tpi_s < best.estimate.tpi_s:
+            best = incumbent
+    say(f"{len(cands)} (pp, c) candidates; best uniform plan: "
+        + (f"{best.estimate.tpi_s * 1e3:.2f} ms" if best else "none fits memory"))
+    cands.sort(key=lambda cd: cd.bound_s)
+    solved = pruned = 0
+    all_optimal = True
+    open_bounds: list[float] = []
+    for cand in cands:
+        if best is not None and cand.bound_s >= best.estimate.tpi_s * (1 - 1e-9):
+            pruned += 1
+            continue
+        remaining = time_limit_s - (time.perf_counter() - t_start)
+        if remaining <= 0:
+            all_optimal = False
+            open_bounds.append(cand.bound_s)
+            continue
+        milp = StageMilp(cand.tables, solver=name)
+        if cand.warm is not None:
+            milp.warm_start([lp.stage for lp in cand.warm.layers], [
+                cand.tables.strategies[u].index(Strategy(lp.dp, lp.tp, lp.shard)) for u, lp in enumerate(cand.warm.layers)
+            ])
+        res = milp.solve(time_limit_s=remaining, cutoff_s=best.estimate.tpi_s if best else None)
+        solved += 1
+        say(f"pp={cand.pp} c={cand.c}: {res.status} in {res.solve_s:.2f} s "
+            f"({res.num_vars} vars, {res.num_constrs} rows)"
+            + (f", {res.objective_s * 1e3:.3f} ms" if res.objective_s is not None else ""))
+        if res.status not in ("optimal", "infeasible"):
+            all_optimal = False
+            open_bounds.append(res.bound_s if res.bound_s is not None else cand.bound_s)
+        if res.stage_of_layer is None:
+            continue
+        plan = _from_milp(problem, cand, res.stage_of_layer, res.strategy_index)
+        plan.estimate = evaluate(problem, plan)
+        if plan.estimate.feasible and (best is None or plan.estimate.tpi_s < best.estimate.tpi_s):
+            plan.solver = SolverInfo(name, res.status, res.gap, 0.0, objective_s=res.objective_s)
+            best = plan
+    if best is None:
+        least = min(least_memory_bytes(cd.tables) for cd in cands)
+        raise InfeasibleError(
+            f"no plan fits in memory: the least memory per device any plan needs is {least / GIB:.2f} GiB, but "
+            f"'{problem.cluster.name}' devices have {limit / GIB:.2f} GiB usable (memory_gib - memory_reserved_gib); "
+            "use more devices, devices with more memory, a smaller batch size or a smaller model"
+        )
+    gap = 0.0
+    if not all_optimal and open_bounds:
+        gap = max(0.0, (best.estimate.tpi_s - min(open_bounds)) / best.estimate.tpi_s)
+    objective = best.solver.objective_s if best.solver else best.estimate.tpi_s
+    best.solver = SolverInfo(
+        name=name,
+        status="optimal" if all_optimal or gap == 0 else "time_limit",
+        gap=gap,
+        solve_s=time.perf_counter() - t_start,
+        candidates=len(cands),
+        solved=solved,
+        pruned=pruned,
+        objective_s=objective,
+    )
+    return best

@@ -1,0 +1,60 @@
+"""Uniform plans: one strategy for every layer, an even split of the chain. Baselines and warm starts."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from uniap_lightning.cost.evaluate import evaluate
+from uniap_lightning.cost.model import Strategy, strategies_for
+from uniap_lightning.errors import UniAPError
+from uniap_lightning.plan import Plan
+from uniap_lightning.problem import Problem
+
+
+def even_split(num_layers: int, pp: int) -> list[int]:
+    """Stage index of each layer when ``num_layers`` are split into ``pp`` near-equal contiguous parts."""
+    base, extra = divmod(num_layers, pp)
+    out: list[int] = []
+    for i in range(pp):
+        out += [i] * (base + (1 if i < extra else 0))
+    return out
+
+
+def uniform_plan(problem: Problem, pp: int, c: int, s: Strategy) -> Plan | None:
+    """The plan with strategy ``s`` on every layer and an even split, or None if a layer does not allow ``s``."""
+    n = problem.num_devices // pp
+    b = problem.training.global_batch_size // c
+    layers = problem.model.layers
+    if pp > len(layers) or (pp > 1 and b % n):
+        return None
+    if any(s not in strategies_for(lp, n, problem.cluster, b) for lp in layers):
+        return None
+    return Plan.from_assignment(
+        stage_of_layer=even_split(len(layers), pp),
+        strategies=[tuple(s)] * len(layers),
+        layer_names=[lp.name for lp in layers],
+        pp=pp,
+        microbatches=c,
+        schedule=problem.training.schedule,
+        global_batch_size=problem.training.global_batch_size,
+        num_devices=problem.num_devices,
+        model=problem.model.model,
+        cluster=problem.cluster.name,
+        model_fingerprint=problem.model.fingerprint(),
+    )
+
+
+def best_uniform(problem: Problem, candidates: Iterator[tuple[int, int, Strategy]]) -> Plan | None:
+    """The fastest memory-feasible uniform plan among ``(pp, c, strategy)`` candidates."""
+    best: Plan | None = None
+    for pp, c, s in candidates:
+        try:
+            plan = uniform_plan(problem, pp, c, s)
+        except UniAPError:
+            continue
+        if plan is None:
+            continue
+        plan.estimate = evaluate(problem, plan, check_strategies=False)
+        if plan.estimate.feasible and (best is None or plan.estimate.tpi_s < best.estimate.tpi_s):
+            best = plan
+    return best
