@@ -44,3 +44,14 @@ def random_problem(seed: int, *, num_layers: int, nodes: int, per_node: int, bat
     )
     training = TrainingConfig(global_batch_size=batch, schedule=schedule)
     return Problem(ModelProfile("random", layers), cluster, training)
+
+
+def repeated_problem(seed: int, *, pattern: str, nodes: int, per_node: int, batch: int = 8,
+                     schedule: str = "1f1b", memory_gib: float = 8.0) -> Problem:
+    """Like :func:`random_problem`, but layers follow ``pattern`` (e.g. "ABBBBC"): equal letters are identical
+    layers, so runs of repeated blocks (what the grouped MILP aggregates) appear."""
+    base = random_problem(seed, num_layers=len(set(pattern)), nodes=nodes, per_node=per_node, batch=batch,
+                          schedule=schedule, memory_gib=memory_gib)
+    templates = {ch: base.model.layers[j] for j, ch in enumerate(sorted(set(pattern)))}
+    layers = [LayerProfile(**{**templates[ch].__dict__, "name": f"{ch}{u}"}) for u, ch in enumerate(pattern)]
+    return Problem(ModelProfile("repeated", layers), base.cluster, base.training)

@@ -12,7 +12,8 @@ Sources of the formulas (per sample, sequence length ``s``, hidden ``h``, heads 
   Models", MLSys'23, Sec. 4.1: ``s h (34 + 5 a s / h)`` bytes with 16-bit activations, of which
   ``s h (24 + 5 a s / h)`` is split by tensor parallelism (``10 s h`` is not, without sequence parallelism).
   We generalise the MLP share (``19 s h`` at ``f = 4h``) to ``3 s h + 4 s f`` (``3 s h + 6 s f`` gated) and
-  scale by ``dtype_bytes / 2``.
+  scale by ``dtype_bytes / 2``. With ``flash_attention`` (Dao et al., NeurIPS'22) the ``5 a s^2`` score tensors
+  are not stored; only the softmax statistics (``4 a s`` bytes) are.
 * Parameters: attention ``h (h + 2 h_kv) + h^2`` (+ biases), MLP ``2 h f`` (``3 h f`` gated), norms.
 * Time: ``FLOPs / (peak * efficiency)`` of the cluster's device.
 """
@@ -66,6 +67,7 @@ class ModelSpec:
     image_size: int = 224
     channels: int = 3
     bias: bool = True
+    flash_attention: bool = False  # fused attention keeps no s x s matrices for backward (Dao et al. 2022)
     segments: tuple[Segment, ...] = ()
     family: str = ""
     source: str = ""
@@ -111,6 +113,10 @@ def _tp_degrees(*counts: int) -> tuple[int, ...]:
     return tuple(t for t in POW2 if all(c % t == 0 for c in counts))
 
 
+def scale_for(spec: ModelSpec) -> float:
+    return DTYPE_BYTES[spec.dtype] / 2
+
+
 def block_profile(seg: Segment, spec: ModelSpec, flops_per_s: float, index: int) -> LayerProfile:
     s, h, a, f = seg.seq_len, seg.hidden, seg.heads, seg.ffn
     kv = seg.kv_heads or a
@@ -124,7 +130,9 @@ def block_profile(seg: Segment, spec: ModelSpec, flops_per_s: float, index: int)
     attn_params = h * (h + 2 * h_kv) + h * h + (4 * h if spec.bias else 0)
     params = n_attn * attn_params + mlp_mats * h * f + (f + h if spec.bias else 0) + (n_attn + 1) * 2 * h
     mlp_act = 3 * s * h + (6 if spec.gated_mlp else 4) * s * f
-    attn_act = 11 * s * h + 5 * a * s * s_att
+    # Korthikanti: 11 s h + 5 a s s_att; with fused (flash) attention the a s s_att score/softmax/dropout
+    # tensors are recomputed in backward and only the softmax statistics (4 bytes x a x s) are kept.
+    attn_act = 11 * s * h + (4 * a * s / scale_for(spec) if spec.flash_attention else 5 * a * s * s_att)
     act_units = n_attn * attn_act + mlp_act + (n_attn + 1) * 2 * s * h
     split_units = act_units - n_attn * 4 * s * h - 2 * s * h  # inputs of the column-parallel matmuls + norms stay
     scale = nbytes / 2

@@ -94,9 +94,9 @@ class StageMilp:
         self._stage_time()
         self._sync()
         self._memory()
-        self.m.objective = mip.minimize(
-            mip.xsum(self.p) + mip.xsum(self.o) + (tables.c - 1) * self.T + self.Y
-        )
+        self._symmetry()
+        self.tpi = mip.xsum(self.p) + mip.xsum(self.o) + (tables.c - 1) * self.T + self.Y
+        self.m.objective = mip.minimize(self.tpi)
         self.build_s = time.perf_counter() - t0
 
     # ----------------------------------------------------------------- helpers
@@ -250,6 +250,26 @@ class StageMilp:
                 use = use + g
             m += use <= limit, f"memory[{i}]"
 
+    def _symmetry(self) -> None:
+        """Identical neighbours on one stage with the same (d, t): sharded before replicated.
+
+        Swapping such a pair changes no cost (time, sync, memory and resharding depend on the multiset and on d
+        only), so ordering them removes equivalent optima without losing any: x[u,(d,t,R)] + x[u+1,(d,t,S)]
+        <= 1 + (boundary after u).
+        """
+        t = self.t
+        for u in range(self.L - 1):
+            if t.layers[u] != t.layers[u + 1]:
+                continue
+            idx = {k: j for j, k in enumerate(t.strategies[u + 1])}
+            boundary = mip.xsum(self.b(u, j) for j in range(self.P - 1)) if self.P > 1 else 0
+            for k, s in enumerate(t.strategies[u]):
+                if s.shard or s.d == 1:
+                    continue
+                sharded = idx.get(s._replace(shard=True))
+                if sharded is not None:
+                    self.m += self.x[u, k] + self.x[u + 1, sharded] <= 1 + boundary, f"sym[{u},{k}]"
+
     # ----------------------------------------------------------------- solve
     def warm_start(self, stage_of_layer: list[int], strategy_index: list[int]) -> None:
         start = [(self.x[u, k], 1.0 if k == strategy_index[u] else 0.0) for (u, k) in self.x]
@@ -258,21 +278,9 @@ class StageMilp:
 
     def solve(self, *, time_limit_s: float, cutoff_s: float | None = None) -> MilpResult:
         if cutoff_s is not None:
-            self.m.cutoff = cutoff_s * MS
-        t0 = time.perf_counter()
-        status = self.m.optimize(max_seconds=max(time_limit_s, 0.1))
-        solve_s = time.perf_counter() - t0
-        names = {
-            mip.OptimizationStatus.OPTIMAL: "optimal",
-            mip.OptimizationStatus.FEASIBLE: "feasible",
-            mip.OptimizationStatus.INFEASIBLE: "infeasible",
-            mip.OptimizationStatus.INT_INFEASIBLE: "infeasible",
-            mip.OptimizationStatus.NO_SOLUTION_FOUND: "no_solution",
-        }
-        name = names.get(status, status.name.lower())
-        bound = self.m.objective_bound
-        bound_s = bound / MS if bound is not None and abs(bound) < 1e20 else None
-        if status not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE) or self.m.num_solutions == 0:
+            add_cutoff(self.m, self.tpi, cutoff_s)
+        name, objective_s, bound_s, solve_s = optimize(self.m, time_limit_s)
+        if objective_s is None:
             return MilpResult(name, None, bound_s, None, None, self.build_s, solve_s, self.m.num_cols, self.m.num_rows)
         strategy = []
         for u in range(self.L):
@@ -280,5 +288,33 @@ class StageMilp:
             strategy.append(max(range(len(vals)), key=vals.__getitem__))
         stages = [sum(1 for i in range(1, self.P) if self.qv[u, i].x > 0.5) for u in range(self.L)]
         return MilpResult(
-            name, self.m.objective_value / MS, bound_s, stages, strategy, self.build_s, solve_s, self.m.num_cols, self.m.num_rows
+            name, objective_s, bound_s, stages, strategy, self.build_s, solve_s, self.m.num_cols, self.m.num_rows
         )
+
+
+def add_cutoff(model: mip.Model, tpi: mip.LinExpr, cutoff_s: float) -> None:
+    """Only plans better than ``cutoff_s`` are of interest.
+
+    An explicit objective row, not ``Model.cutoff``: python-mip's HiGHS backend ignores the cutoff and can then
+    report a non-optimal incumbent as "optimal"; the row is exact for every solver.
+    """
+    model += tpi <= cutoff_s * MS * (1 + 1e-9), "cutoff"
+
+
+def optimize(model: mip.Model, time_limit_s: float) -> tuple[str, float | None, float | None, float]:
+    """Run the solver; return (status, objective seconds or None, bound seconds or None, wall seconds)."""
+    t0 = time.perf_counter()
+    status = model.optimize(max_seconds=max(time_limit_s, 0.1))
+    solve_s = time.perf_counter() - t0
+    names = {
+        mip.OptimizationStatus.OPTIMAL: "optimal",
+        mip.OptimizationStatus.FEASIBLE: "feasible",
+        mip.OptimizationStatus.INFEASIBLE: "infeasible",
+        mip.OptimizationStatus.INT_INFEASIBLE: "infeasible",
+        mip.OptimizationStatus.NO_SOLUTION_FOUND: "no_solution",
+    }
+    name = names.get(status, status.name.lower())
+    bound = model.objective_bound
+    bound_s = bound / MS if bound is not None and abs(bound) < 1e20 else None
+    ok = status in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE) and model.num_solutions > 0
+    return name, (model.objective_value / MS if ok else None), bound_s, solve_s

@@ -20,11 +20,13 @@ from uniap_lightning.cost.model import CostTables, Strategy
 from uniap_lightning.errors import InfeasibleError, UniAPError
 from uniap_lightning.plan import Plan, SolverInfo
 from uniap_lightning.problem import Problem
-from uniap_lightning.solver.bounds import least_memory_bytes, time_lower_bound_s
+from uniap_lightning.solver.bounds import least_memory_bytes, memory_lower_bound_bytes, time_lower_bound_s
+from uniap_lightning.solver.grouped import GroupedMilp
 from uniap_lightning.solver.milp import StageMilp, solver_available
 from uniap_lightning.solver.uniform import uniform_plan
 
 SOLVERS = ("auto", "cbc", "highs", "gurobi")
+FORMULATIONS = {"grouped": GroupedMilp, "layer": StageMilp}
 Progress = Callable[[str], None]
 
 
@@ -53,12 +55,19 @@ def _candidates(problem: Problem, pp: list[int] | None, allowed) -> list[Candida
     bad = [p for p in pps if p not in problem.pp_candidates()]
     if bad:
         raise UniAPError(f"pp={bad} is not a usable pipeline degree here; usable: {problem.pp_candidates()}")
-    out = []
+    out, skipped = [], []
     for p in pps:
         for c in problem.training.microbatch_candidates():
             t = CostTables(problem, p, c, allowed=allowed)
-            if t.feasible_shape:
-                out.append(Candidate(p, c, t, time_lower_bound_s(t)))
+            if not t.feasible_shape:
+                continue
+            if memory_lower_bound_bytes(t) > problem.cluster.memory_bytes:
+                skipped.append(t)  # cannot fit: no solve needed
+                continue
+            out.append(Candidate(p, c, t, time_lower_bound_s(t)))
+    if not out and skipped:
+        least = min(least_memory_bytes(t) for t in skipped)
+        raise InfeasibleError(_no_fit(problem, least))
     if not out:
         B = problem.training.global_batch_size
         raise UniAPError(
@@ -67,6 +76,15 @@ def _candidates(problem: Problem, pp: list[int] | None, allowed) -> list[Candida
             f"batch size that is a multiple of {problem.num_devices})"
         )
     return out
+
+
+def _no_fit(problem: Problem, least_bytes: float) -> str:
+    return (
+        f"no plan fits in memory: the least memory per device any plan needs is {least_bytes / GIB:.2f} GiB "
+        f"(lower bound), but '{problem.cluster.name}' devices have {problem.cluster.memory_bytes / GIB:.2f} GiB "
+        "usable (memory_gib - memory_reserved_gib); use more devices, devices with more memory, a smaller batch "
+        "size or a smaller model"
+    )
 
 
 def _warm_starts(problem: Problem, cands: list[Candidate]) -> Plan | None:
@@ -112,14 +130,16 @@ def search(
     pp: list[int] | None = None,
     allowed: Callable[[Strategy], bool] | None = None,
     incumbent: Plan | None = None,
+    formulation: str = "grouped",
     progress: Progress | None = None,
 ) -> Plan:
     """Exact search over ``(pp, c)`` and the MILP; ``allowed`` restricts strategies (for baselines)."""
     t_start = time.perf_counter()
     say = progress or (lambda _msg: None)
     name = resolve_solver(solver)
+    if formulation not in FORMULATIONS:
+        raise UniAPError(f"formulation={formulation!r} must be one of {list(FORMULATIONS)}")
     cands = _candidates(problem, pp, allowed)
-    limit = problem.cluster.memory_bytes
     best = _warm_starts(problem, cands)
     if incumbent is not None and incumbent.estimate and incumbent.estimate.feasible:
         if best is None or incumbent.estimate.tpi_s < best.estimate.tpi_s:
@@ -139,8 +159,8 @@ def search(
             all_optimal = False
             open_bounds.append(cand.bound_s)
             continue
-        milp = StageMilp(cand.tables, solver=name)
-        if cand.warm is not None:
+        milp = FORMULATIONS[formulation](cand.tables, solver=name)
+        if cand.warm is not None and isinstance(milp, StageMilp):
             milp.warm_start([lp.stage for lp in cand.warm.layers], [
                 cand.tables.strategies[u].index(Strategy(lp.dp, lp.tp, lp.shard)) for u, lp in enumerate(cand.warm.layers)
             ])
@@ -161,11 +181,7 @@ def search(
             best = plan
     if best is None:
         least = min(least_memory_bytes(cd.tables) for cd in cands)
-        raise InfeasibleError(
-            f"no plan fits in memory: the least memory per device any plan needs is {least / GIB:.2f} GiB, but "
-            f"'{problem.cluster.name}' devices have {limit / GIB:.2f} GiB usable (memory_gib - memory_reserved_gib); "
-            "use more devices, devices with more memory, a smaller batch size or a smaller model"
-        )
+        raise InfeasibleError(_no_fit(problem, least))
     gap = 0.0
     if not all_optimal and open_bounds:
         gap = max(0.0, (best.estimate.tpi_s - min(open_bounds)) / best.estimate.tpi_s)

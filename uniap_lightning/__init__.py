@@ -1,0 +1,48 @@
+"""uniap-lightning: UniAP automatic hybrid parallelism as a PyTorch Lightning strategy.
+
+Planner API (no torch needed)::
+
+    from uniap_lightning import build_problem, solve, evaluate, Plan
+    problem = build_problem(model="llama_7b", cluster="h100_4x8", global_batch_size=64)
+    plan = solve(problem)            # exact MILP search; plan.estimate, plan.solver, plan.baselines
+    evaluate(problem, plan)          # re-score any plan with the cost model
+    Plan.from_json(plan.to_json())   # the public plan format
+
+Heavy modules (solver, Lightning strategy) load on first use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "Plan": "uniap_lightning.plan",
+    "LayerPlan": "uniap_lightning.plan",
+    "StagePlan": "uniap_lightning.plan",
+    "Estimate": "uniap_lightning.plan",
+    "Cluster": "uniap_lightning.cluster",
+    "Problem": "uniap_lightning.problem",
+    "TrainingConfig": "uniap_lightning.problem",
+    "ModelProfile": "uniap_lightning.profiling.schema",
+    "LayerProfile": "uniap_lightning.profiling.schema",
+    "load_profile": "uniap_lightning.profiling.schema",
+    "save_profile": "uniap_lightning.profiling.schema",
+    "build_problem": "uniap_lightning.config",
+    "solve": "uniap_lightning.solver",
+    "evaluate": "uniap_lightning.cost",
+    "UniAPError": "uniap_lightning.errors",
+    "InfeasibleError": "uniap_lightning.errors",
+    "UniAPStrategy": "uniap_lightning.strategy",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'uniap_lightning' has no attribute {name!r}")
