@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from bisect import bisect_right
+
 from uniap_lightning.cost.comm import p2p_s
 from uniap_lightning.cost.model import CostTables, boundary_inter_node
 
@@ -35,25 +37,57 @@ def time_lower_bound_s(t: CostTables) -> float:
 
 
 def run_bottleneck_s(t: CostTables, first: int, last: int) -> float:
-    """Least bottleneck a run of identical layers ``first..last`` forces: some stage holds at least ``x`` of them,
-    where ``x`` is the least count with ``sum_i min(cap_i, x) >= R`` and ``cap_i`` is how many of these layers fit
-    in stage i's memory on their own (least-memory strategy, ``F_i`` micro-batches in flight). Each costs at
-    least its cheapest per-micro-batch time."""
+    """A lower bound on the bottleneck stage time forced by a run of ``R`` identical layers ``first..last``.
+
+    For stage ``i`` let ``h_i(T)`` be the most of these layers that fit on it within time ``T`` and memory ``M``
+    (strategy mixes relaxed to fractions: the cheapest time for ``x`` layers is a two-strategy LP, solved in
+    closed form). Every layer must go somewhere, so the bottleneck is at least the least ``T`` with
+    ``sum_i h_i(T) >= R``. Ignores every other layer, which can only raise the true value; ``inf`` if the run
+    cannot fit at all.
+    """
     R = last - first + 1
     costs = t.cost[first]
-    cheapest = min(k.time_s for k in costs)
     limit = t.problem.cluster.memory_bytes
     lo, hi = max(0, t.pp - len(t.layers) + first), min(last, t.pp - 1)
-    caps = []
+    per_f: dict[int, list[float]] = {}
+    tables = []
     for i in range(lo, hi + 1):
-        need = min(k.static_bytes + t.in_flight(i) * k.activation_bytes for k in costs)
-        caps.append(R if need <= 0 else min(R, int(limit // need)))
-    if sum(caps) < R:
-        return float("inf")  # the run cannot fit at all
-    x = max(1, -(-R // len(caps)))
-    while sum(min(cap, x) for cap in caps) < R:
-        x += 1
-    return x * cheapest
+        F = t.in_flight(i)
+        if F not in per_f:
+            opts = [(k.time_s, k.static_bytes + F * k.activation_bytes) for k in costs]
+            per_f[F] = [_least_time(opts, x, limit) for x in range(1, R + 1)]
+        tables.append(per_f[F])
+    values = sorted({v for tab in tables for v in tab if v < float("inf")})
+    if not values:
+        return float("inf")
+
+    def fits(T: float) -> bool:
+        return sum(bisect_right(tab, T) for tab in tables) >= R
+
+    if not fits(values[-1]):
+        return float("inf")
+    lo_i, hi_i = 0, len(values) - 1
+    while lo_i < hi_i:
+        mid = (lo_i + hi_i) // 2
+        if fits(values[mid]):
+            hi_i = mid
+        else:
+            lo_i = mid + 1
+    return values[lo_i]
+
+
+def _least_time(opts: list[tuple[float, float]], x: int, limit: float) -> float:
+    """min sum a_k n_k  s.t.  sum n_k = x, sum m_k n_k <= limit, n >= 0 (fractional): at most two strategies."""
+    best = float("inf")
+    for a1, m1 in opts:
+        if x * m1 <= limit:
+            best = min(best, x * a1)
+    for a1, m1 in opts:  # m1 small (fits), m2 large (faster): as much of the fast one as memory allows
+        for a2, m2 in opts:
+            if m2 > m1 and a2 < a1 and x * m1 <= limit:
+                n2 = min(x, (limit - x * m1) / (m2 - m1))
+                best = min(best, a1 * (x - n2) + a2 * n2)
+    return best
 
 
 def memory_lower_bound_bytes(t: CostTables) -> float:

@@ -293,12 +293,15 @@ class StageMilp:
 
 
 def add_cutoff(model: mip.Model, tpi: mip.LinExpr, cutoff_s: float) -> None:
-    """Only plans better than ``cutoff_s`` are of interest.
+    """Only plans better than ``cutoff_s`` (the incumbent) are of interest.
 
-    An explicit objective row, not ``Model.cutoff``: python-mip's HiGHS backend ignores the cutoff and can then
-    report a non-optimal incumbent as "optimal"; the row is exact for every solver.
+    CBC takes it natively (``Model.cutoff``) and prunes with it. python-mip's HiGHS backend ignores
+    ``Model.cutoff`` (and then reported a worse incumbent as "optimal" in our tests), and an explicit objective
+    row slowed HiGHS down 20x on a 256-device instance (70 s vs 2.8 s), so HiGHS solves the candidate in full;
+    the search's own lower bounds do the pruning.
     """
-    model += tpi <= cutoff_s * MS * (1 + 1e-9), "cutoff"
+    if model.solver_name.upper() == "CBC":
+        model.cutoff = cutoff_s * MS * (1 + 1e-9)
 
 
 def optimize(model: mip.Model, time_limit_s: float) -> tuple[str, float | None, float | None, float]:
