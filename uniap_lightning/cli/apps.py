@@ -12,6 +12,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
+from rich.markup import escape
 
 from uniap_lightning.config import CONF_DIR, build_problem
 from uniap_lightning.errors import UniAPError
@@ -60,7 +61,7 @@ def _record(result: dict[str, Any]) -> None:
 
 
 def _fail(err: UniAPError, cfg: DictConfig) -> None:
-    Console(stderr=True).print(f"[bold red]error:[/bold red] {err}", highlight=False)
+    Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/bold red] {escape(str(err))}", highlight=False)
     _record({"model": cfg.model.get("name"), "cluster": cfg.cluster.get("name"), "error": str(err)})
     if not _multirun():
         sys.exit(2)

@@ -1,0 +1,38 @@
+"""The planner's plan is never worse than any baseline, on every shipped model x cluster pair that fits."""
+
+from __future__ import annotations
+
+import pytest
+
+from uniap_lightning.config import available, build_problem, cluster_from
+from uniap_lightning.cost import evaluate
+from uniap_lightning.errors import InfeasibleError
+from uniap_lightning.solver import baseline_plans, solve
+
+BIG = {"h100_32x8", "h100_128x8"}
+PAIRS = [(m, c) for m in available("model") for c in available("cluster")]
+
+
+def _batch(cluster: str) -> int:
+    return max(32, 2 * cluster_from(cluster).num_devices)
+
+
+@pytest.mark.parametrize(
+    ("model", "cluster"),
+    [pytest.param(m, c, marks=pytest.mark.slow) if c in BIG else (m, c) for m, c in PAIRS],
+)
+def test_plan_never_worse_than_baselines(model, cluster):
+    problem = build_problem(model=model, cluster=cluster, global_batch_size=_batch(cluster))
+    try:
+        plan = solve(problem, time_limit_s=120)
+    except InfeasibleError:
+        # then no baseline may fit either
+        assert all(p is None for p in baseline_plans(problem).values())
+        return
+    assert plan.estimate.feasible
+    assert plan.estimate.tpi_s == pytest.approx(evaluate(problem, plan).tpi_s, rel=1e-12)
+    for name, tpi in plan.baselines.items():
+        if tpi is not None:
+            assert plan.estimate.tpi_s <= tpi * (1 + 1e-9), name
+    # every memory claim is checked by evaluate, stage by stage
+    assert max(plan.estimate.stage_memory_bytes) <= problem.cluster.memory_bytes

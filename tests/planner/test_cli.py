@@ -1,0 +1,80 @@
+"""`uniap plan` / `uniap evaluate` end to end, including every bad input (subprocesses, as a user runs them)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def uniap(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "uniap_lightning.cli.main", *args], capture_output=True,
+                          text=True, cwd=cwd, timeout=300, check=False)
+
+
+@pytest.fixture(scope="module")
+def plan_file(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "plan.json"
+    res = uniap("plan", "model=bert_huge", "cluster=titanxp_2x4", "batch_size=32", f"out={out}")
+    assert res.returncode == 0, res.stderr
+    assert "Stages" in res.stdout and "Baselines" in res.stdout and "solver: " in res.stdout
+    assert "predicted:" in res.stdout and "samples/s" in res.stdout
+    return out
+
+
+def test_plan_writes_the_documented_json(plan_file):
+    data = json.loads(plan_file.read_text())
+    assert data["pp"] >= 1 and data["estimate"]["feasible"] is True
+    assert set(data["baselines"]) == {"ddp", "fsdp", "megatron", "intra_only", "inter_only"}
+    assert data["solver"]["status"] == "optimal"
+
+
+def test_evaluate_scores_a_plan_file(plan_file):
+    res = uniap("evaluate", f"plan={plan_file}", "model=bert_huge", "cluster=titanxp_2x4", "batch_size=32")
+    assert res.returncode == 0, res.stderr
+    tpi_ms = json.loads(plan_file.read_text())["estimate"]["tpi_s"] * 1e3
+    assert f"{tpi_ms:,.2f} ms" in res.stdout
+
+
+def test_evaluate_refuses_a_plan_from_another_model(plan_file):
+    res = uniap("evaluate", f"plan={plan_file}", "model=gpt2_small", "cluster=titanxp_2x4", "batch_size=32")
+    assert res.returncode == 2
+    assert "another model" in res.stderr and "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        (["model=nope"], 1, "Could not find 'model/nope'"),
+        (["cluster=nope"], 1, "Could not find 'cluster/nope'"),
+        (["model=llama_70b", "cluster=a100_1x8", "batch_size=64"], 2, "no plan fits in memory: the least memory"),
+        (["batch_size=0"], 2, "batch_size (global_batch_size) must be a positive integer"),
+        (["batch_size=6", "microbatches=[4]"], 2, "microbatches=[4]: each candidate must be a positive integer dividing batch_size=6"),
+        (["pp=3"], 2, "pp=[3] is not a usable pipeline degree"),
+        (["solver=glpk"], 2, "solver='glpk' must be one of"),
+        (["schedule=zigzag"], 2, "schedule='zigzag' must be one of"),
+        (["profile=/nonexistent.json"], 2, "profile file '/nonexistent.json' does not exist"),
+    ],
+)
+def test_bad_input_gets_one_clear_message(args, code, message):
+    res = uniap("plan", *args)
+    assert res.returncode == code, (res.stdout, res.stderr)
+    assert message in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_usage_and_unknown_command():
+    assert "uniap plan" in uniap().stdout
+    res = uniap("frobnicate")
+    assert res.returncode == 2 and "unknown command" in res.stderr
+
+
+def test_multirun_sweep_prints_one_summary(tmp_path):
+    res = uniap("plan", "-m", "model=tiny_gpt,gpt2_small", "cluster=local_cpu,a100_1x8", "batch_size=16",
+                "baselines=false", f"hydra.sweep.dir={tmp_path}", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    rows = (tmp_path / "summary.csv").read_text().strip().splitlines()
+    assert len(rows) == 5 and rows[0].startswith("model,cluster")
+    assert "Sweep summary (4 runs)" in res.stdout

@@ -1,0 +1,110 @@
+"""Every cost term against numbers computed by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from uniap_lightning.cluster import Cluster
+from uniap_lightning.cost import all_gather_s, all_reduce_s, evaluate, layer_cost, p2p_s, reduce_scatter_s
+from uniap_lightning.cost.model import Strategy, boundary_inter_node, in_flight, reshard_s, strategies_for
+from uniap_lightning.plan import Plan
+from uniap_lightning.problem import Problem, TrainingConfig
+from uniap_lightning.profiling.schema import LayerProfile, ModelProfile
+
+# 10 GB/s and 5 us inside a node, 1 GB/s and 50 us across nodes.
+CL = Cluster(name="hand", nodes=2, devices_per_node=4, memory_gib=16, peak_tflops=1, intra_bw_gbps=10,
+             inter_bw_gbps=1, intra_latency_us=5, inter_latency_us=50)
+TR = TrainingConfig(global_batch_size=8, weight_bytes=2, grad_bytes=2, optimizer_bytes=12)
+LAYER = LayerProfile(name="l", forward_s=1e-3, backward_s=2e-3, params=1_000_000, activation_bytes=1e6,
+                     output_bytes=1e5, tp_degrees=(1, 2, 4), tp_allreduces=2, activation_tp_fraction=1.0)
+
+
+def test_collectives_alpha_beta():
+    assert all_reduce_s(CL, 1e9, 4, False) == pytest.approx(2 * 3 * 5e-6 + 2 * 3 / 4 * 1e9 / 1e10)
+    assert all_gather_s(CL, 1e9, 4, False) == pytest.approx(3 * 5e-6 + 3 / 4 * 1e9 / 1e10)
+    assert reduce_scatter_s(CL, 1e9, 4, True) == pytest.approx(3 * 50e-6 + 3 / 4 * 1e9 / 1e9)
+    assert p2p_s(CL, 1e6, True) == pytest.approx(50e-6 + 1e6 / 1e9)
+    assert all_reduce_s(CL, 1e9, 1, False) == 0.0
+
+
+def test_measured_bandwidth_table_replaces_flat_figure():
+    cl = Cluster(name="t", nodes=1, devices_per_node=8, memory_gib=8, peak_tflops=1,
+                 bandwidth_tables={"intra": {2: 20.0, 8: 5.0}})
+    assert cl.bandwidth_bytes_per_s(2, False) == pytest.approx(20e9)
+    assert cl.bandwidth_bytes_per_s(4, False) == pytest.approx(12.5e9)  # halfway in log2(p)
+    assert cl.bandwidth_bytes_per_s(16, False) == pytest.approx(5e9)  # clamped
+    assert cl.bandwidth_bytes_per_s(4, True) == pytest.approx(cl.inter_bw_gbps * 1e9)  # no inter table
+
+
+def test_replicated_tensor_parallel_layer():
+    c = layer_cost(LAYER, Strategy(2, 2, False), 8, 4, CL, TR)
+    assert c.compute_s == pytest.approx(3e-3 * 4 / 2)  # b/d = 4 samples, split over t = 2
+    tp = 2 * 2 * (2 * 1 * 5e-6 + 2 * 1 / 2 * 4e5 / 1e10)  # 2 all-reduces x (fwd + bwd) of 4 samples x 1e5 B
+    assert c.comm_s == pytest.approx(tp)
+    assert c.time_s == pytest.approx(6e-3 + tp)
+    assert c.sync_s == pytest.approx(2 * 5e-6 + 1 * 1e6 / 1e10)  # grads: 5e5 params x 2 B over d = 2
+    assert c.static_bytes == pytest.approx(5e5 * 16)
+    assert c.activation_bytes == pytest.approx(1e6 * 4 / 2)
+    assert c.transient_bytes == 0
+
+
+def test_sharded_layer():
+    c = layer_cost(LAYER, Strategy(2, 2, True), 8, 4, CL, TR)
+    fsdp = 2 * (5e-6 + 0.5 * 1e6 / 1e10) + (5e-6 + 0.5 * 1e6 / 1e10)  # AG fwd + AG bwd + RS, 1e6 B over 2
+    tp = 2 * 2 * (2 * 1 * 5e-6 + 2 * 1 / 2 * 4e5 / 1e10)
+    assert c.comm_s == pytest.approx(fsdp + tp)
+    assert c.sync_s == 0
+    assert c.static_bytes == pytest.approx(5e5 * 16 / 2)
+    assert c.transient_bytes == pytest.approx(5e5 * 2 / 2)
+
+
+def test_data_parallel_group_across_nodes_uses_inter_node_link():
+    c = layer_cost(LAYER, Strategy(8, 1, False), 8, 8, CL, TR)
+    assert c.sync_s == pytest.approx(2 * 7 * 50e-6 + 2 * 7 / 8 * 2e6 / 1e9)
+
+
+def test_activation_fraction_not_split_by_tensor_parallelism():
+    layer = LayerProfile(**{**LAYER.__dict__, "activation_tp_fraction": 0.25})
+    c = layer_cost(layer, Strategy(1, 4, False), 8, 4, CL, TR)
+    assert c.activation_bytes == pytest.approx(1e6 * 8 * (0.75 + 0.25 / 4))
+
+
+def test_strategies_respect_tp_degrees_node_and_micro_batch():
+    got = strategies_for(LAYER, 4, CL, 8)
+    assert got == [Strategy(4, 1, False), Strategy(4, 1, True), Strategy(2, 2, False), Strategy(2, 2, True),
+                   Strategy(1, 4, False)]
+    assert Strategy(4, 1, False) not in strategies_for(LAYER, 4, CL, 2)  # 2 samples cannot split 4 ways
+
+
+def test_resharding_and_boundaries():
+    assert reshard_s(CL, 1e5, 8, 4, 2) == pytest.approx(5e-6 + 0.5 * 4e5 / 1e10)
+    assert reshard_s(CL, 1e5, 8, 2, 4) == reshard_s(CL, 1e5, 8, 4, 2)
+    assert reshard_s(CL, 1e5, 8, 2, 2) == 0
+    assert not boundary_inter_node(CL, 2, 0)  # ranks 0-1 -> 2-3, one node
+    assert boundary_inter_node(CL, 2, 1)  # ranks 2-3 -> 4-5 cross
+    assert boundary_inter_node(CL, 4, 0)
+    assert in_flight("1f1b", 8, 4, 1) == 3
+    assert in_flight("gpipe", 8, 4, 1) == 8
+
+
+def test_evaluate_two_stage_pipeline_by_hand():
+    cl = Cluster(name="two", nodes=1, devices_per_node=2, memory_gib=1, peak_tflops=1, intra_bw_gbps=10,
+                 intra_latency_us=5)
+    layers = [
+        LayerProfile("a", 1e-3, 2e-3, 1000, 1e3, 1e6, (1,), 0),
+        LayerProfile("b", 2e-3, 4e-3, 2000, 2e3, 4.0, (1,), 0),
+    ]
+    tr = TrainingConfig(global_batch_size=8, schedule="1f1b", weight_bytes=4, grad_bytes=4, optimizer_bytes=8)
+    problem = Problem(ModelProfile("m", layers), cl, tr)
+    plan = Plan.from_assignment(stage_of_layer=[0, 1], strategies=[(1, 1, False)] * 2, layer_names=["a", "b"],
+                                pp=2, microbatches=2, schedule="1f1b", global_batch_size=8, num_devices=2)
+    est = evaluate(problem, plan)
+    p0, p1 = 3e-3 * 4, 6e-3 * 4
+    o0 = 2 * (5e-6 + 1e6 * 4 / 1e10)
+    assert est.stage_time_s == pytest.approx([p0, p1])
+    assert est.boundary_s == pytest.approx([o0])
+    assert est.tpi_s == pytest.approx(p0 + p1 + o0 + (2 - 1) * max(p0, p1, o0))
+    assert est.samples_per_s == pytest.approx(8 / est.tpi_s)
+    # 1F1B: stage 0 holds min(c, pp - 0) = 2 micro-batches of activations, stage 1 holds 1
+    assert est.stage_memory_bytes == pytest.approx([1000 * 16 + 2 * 4e3, 2000 * 16 + 1 * 8e3])
+    assert est.feasible
