@@ -141,7 +141,7 @@ def search(
         raise UniAPError(f"formulation={formulation!r} must be one of {list(FORMULATIONS)}")
     cands = _candidates(problem, pp, allowed)
     best = _warm_starts(problem, cands)
-    if incumbent is not None and incumbent.estimate and incumbent.estimate.feasible:
+    if incumbent is not None and incumbent.estimate and incumbent.estimate.feasible and (pp is None or incumbent.pp in pp):
         if best is None or incumbent.estimate.tpi_s < best.estimate.tpi_s:
             best = incumbent
     say(f"{len(cands)} (pp, c) candidates; best uniform plan: "
