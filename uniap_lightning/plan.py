@@ -88,6 +88,8 @@ class Plan:
     estimate: Estimate | None = None
     solver: SolverInfo | None = None
     baselines: dict[str, float | None] = field(default_factory=dict)
+    # one record per (pp, c) candidate: outcome ("optimal", "pruned by bound", "does not fit", ...), tpi_s, bound_s
+    search: list[dict[str, Any]] = field(default_factory=list)
     format_version: int = PLAN_FORMAT_VERSION
 
     # ------------------------------------------------------------------ derived
@@ -216,6 +218,7 @@ class Plan:
                 estimate=est,
                 solver=sol,
                 baselines=dict(d.get("baselines", {})),
+                search=list(d.get("search", [])),
                 format_version=int(d.get("format_version", PLAN_FORMAT_VERSION)),
             )
         except (KeyError, TypeError, ValueError) as err:

@@ -99,3 +99,61 @@ def plan_renderables(plan: Plan, *, title: str | None = None) -> Group:
 
 def print_plan(plan: Plan, *, console: Console | None = None, title: str | None = None) -> None:
     (console or Console()).print(plan_renderables(plan, title=title))
+
+
+def explain_renderables(plan: Plan, problem, measured: dict | None = None) -> Group:
+    """Per layer and per stage: strategy, predicted time and memory, measured where known; and why the other
+    (pp, c) candidates lost."""
+    from uniap_lightning.cost.model import in_flight, layer_cost
+
+    est = plan.estimate
+    b, n = plan.micro_batch_size, plan.devices_per_stage
+    layers = Table(title="Per layer (predicted, one device, one micro-batch)", title_justify="left")
+    for col in ("#", "layer", "stage", "strategy", "compute ms", "comm ms", "sync ms / iter", "weights+opt MiB",
+                "activations MiB"):
+        layers.add_column(col, justify="left" if col in ("layer", "strategy") else "right")
+    for u, (lp, prof) in enumerate(zip(plan.layers, problem.model.layers)):
+        c = layer_cost(prof, Strategy(lp.dp, lp.tp, lp.shard), b, n, problem.cluster, problem.training)
+        F = in_flight(plan.schedule, plan.microbatches, plan.pp, lp.stage)
+        layers.add_row(str(u), lp.name, str(lp.stage), Strategy(lp.dp, lp.tp, lp.shard).label(), _ms(c.compute_s),
+                       _ms(c.comm_s), _ms(c.sync_s), f"{c.static_bytes / 2**20:,.1f}",
+                       f"{F * c.activation_bytes / 2**20:,.1f} ({F} in flight)")
+    stages = Table(title="Per stage: predicted vs measured", title_justify="left")
+    for col in ("stage", "predicted ms / µbatch", "measured ms / µbatch", "predicted GiB", "measured peak GiB"):
+        stages.add_column(col, justify="right")
+    m_time = (measured or {}).get("stage_time_s") or []
+    m_mem = (measured or {}).get("stage_peak_memory_bytes") or []
+    for i in range(plan.pp):
+        stages.add_row(
+            str(i), _ms(est.stage_time_s[i]), _ms(m_time[i]) if i < len(m_time) and m_time[i] is not None else "-",
+            f"{est.stage_memory_bytes[i] / GIB:,.2f}",
+            f"{m_mem[i] / GIB:,.2f}" if i < len(m_mem) and m_mem[i] is not None else "-",
+        )
+    parts = [layers, stages]
+    if measured and measured.get("tpi_s"):
+        err = (measured["tpi_s"] - est.tpi_s) / est.tpi_s
+        parts.append(Text(f"time per iteration: predicted {_ms(est.tpi_s)} ms, measured {_ms(measured['tpi_s'])} ms "
+                          f"({err:+.1%})"))
+    if plan.search:
+        runners = Table(title="Why the other (pp, micro-batches) candidates lost", title_justify="left")
+        for col in ("pp", "micro-batches", "outcome", "ms / iteration", "vs chosen"):
+            runners.add_column(col, justify="left" if col == "outcome" else "right")
+
+        def key(r):
+            v = r.get("tpi_s") or r.get("bound_s")
+            return (v is None, v or 0.0)
+
+        for r in sorted(plan.search, key=key):
+            chosen = r["pp"] == plan.pp and r["microbatches"] == plan.microbatches
+            if r.get("tpi_s") is not None:
+                value, vs = _ms(r["tpi_s"]), f"{r['tpi_s'] / est.tpi_s - 1:+.1%}"
+            elif r.get("bound_s") is not None:
+                value, vs = f">= {_ms(r['bound_s'])}", f">= {r['bound_s'] / est.tpi_s - 1:+.1%}"
+            else:
+                value, vs = "-", "-"
+            outcome = "CHOSEN" if chosen else r["outcome"]
+            if r["outcome"] == "does not fit":
+                outcome += f" (needs >= {r['memory_bound_bytes'] / GIB:,.1f} GiB)"
+            runners.add_row(str(r["pp"]), str(r["microbatches"]), outcome, value, "" if chosen else vs)
+        parts.append(runners)
+    return Group(*parts)

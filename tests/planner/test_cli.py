@@ -78,3 +78,15 @@ def test_multirun_sweep_prints_one_summary(tmp_path):
     rows = (tmp_path / "summary.csv").read_text().strip().splitlines()
     assert len(rows) == 5 and rows[0].startswith("model,cluster")
     assert "Sweep summary (4 runs)" in res.stdout
+
+
+def test_explain_shows_layers_stages_and_runners_up(plan_file, tmp_path):
+    measured = tmp_path / "measured.json"
+    measured.write_text(json.dumps({"stage_time_s": [0.2, 0.21], "stage_peak_memory_bytes": [7e9, 6e9], "tpi_s": 1.6}))
+    res = uniap("explain", f"plan={plan_file}", f"measured={measured}", "model=bert_huge", "cluster=titanxp_2x4",
+                "batch_size=32")
+    assert res.returncode == 0, res.stderr
+    for text in ("Per layer", "Per stage: predicted vs measured", "Why the other", "CHOSEN", "measured"):
+        assert text in res.stdout
+    res = uniap("explain", "measured=/nope.json", "model=tiny_gpt", "cluster=local_cpu", "batch_size=16")
+    assert res.returncode == 2 and "measured='/nope.json' does not exist" in res.stderr

@@ -135,6 +135,35 @@ def run_evaluate(cfg: DictConfig) -> None:
         sys.exit(3)
 
 
+def run_explain(cfg: DictConfig) -> None:
+    from uniap_lightning.cost import evaluate
+    from uniap_lightning.plan import Plan
+    from uniap_lightning.report import explain_renderables, print_plan
+    from uniap_lightning.solver import solve
+
+    console = Console()
+    try:
+        problem = _problem(cfg)
+        if cfg.plan:
+            plan = Plan.from_json(Path(cfg.plan))
+            plan.estimate = evaluate(problem, plan)
+        else:
+            with console.status("[bold]solving[/bold]"):
+                plan = solve(problem, solver=cfg.solver, time_limit_s=float(cfg.time_limit), pp=_pp(cfg),
+                             baselines=bool(cfg.baselines))
+        measured = None
+        if cfg.get("measured"):
+            path = Path(cfg.measured)
+            if not path.exists():
+                raise UniAPError(f"measured={str(path)!r} does not exist")
+            measured = json.loads(path.read_text())
+    except UniAPError as err:
+        _fail(err, cfg)
+        return
+    print_plan(plan, console=console)
+    console.print(explain_renderables(plan, problem, measured))
+
+
 @hydra.main(version_base="1.3", config_path=CONF, config_name="plan")
 def plan_main(cfg: DictConfig) -> None:
     run_plan(cfg)
@@ -143,3 +172,8 @@ def plan_main(cfg: DictConfig) -> None:
 @hydra.main(version_base="1.3", config_path=CONF, config_name="plan")
 def evaluate_main(cfg: DictConfig) -> None:
     run_evaluate(cfg)
+
+
+@hydra.main(version_base="1.3", config_path=CONF, config_name="plan")
+def explain_main(cfg: DictConfig) -> None:
+    run_explain(cfg)

@@ -9,6 +9,8 @@ USAGE = """usage: uniap <command> [key=value ...] [-m]
 commands:
   plan       find the best plan for a model on a cluster      uniap plan model=llama_7b cluster=h100_4x8
   evaluate   score a given plan file (what-if)                  uniap evaluate plan=plan.json model=... cluster=...
+  explain    per-layer / per-stage predictions (and measurements), and why the other candidates lost
+             uniap explain model=... cluster=... [plan=plan.json] [measured=metrics.json]
 
 Every option is a Hydra override; `uniap plan --help` lists them, `-m` sweeps (multirun):
   uniap plan -m model=gpt2_small,llama_7b cluster=a100_1x8,h100_4x8
@@ -24,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = args[0], args[1:]
     from uniap_lightning.cli import apps
 
-    table = {"plan": apps.plan_main, "evaluate": apps.evaluate_main}
+    table = {"plan": apps.plan_main, "evaluate": apps.evaluate_main, "explain": apps.explain_main}
     if command not in table:
         print(f"uniap: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2

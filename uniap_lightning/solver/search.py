@@ -50,7 +50,7 @@ class Candidate:
     warm: Plan | None = None
 
 
-def _candidates(problem: Problem, pp: list[int] | None, allowed) -> list[Candidate]:
+def _candidates(problem: Problem, pp: list[int] | None, allowed, trace: list[dict] | None = None) -> list[Candidate]:
     pps = problem.pp_candidates() if pp is None else pp
     bad = [p for p in pps if p not in problem.pp_candidates()]
     if bad:
@@ -61,8 +61,12 @@ def _candidates(problem: Problem, pp: list[int] | None, allowed) -> list[Candida
             t = CostTables(problem, p, c, allowed=allowed)
             if not t.feasible_shape:
                 continue
-            if memory_lower_bound_bytes(t) > problem.cluster.memory_bytes:
+            mem = memory_lower_bound_bytes(t)
+            if mem > problem.cluster.memory_bytes:
                 skipped.append(t)  # cannot fit: no solve needed
+                if trace is not None:
+                    trace.append({"pp": p, "microbatches": c, "outcome": "does not fit", "tpi_s": None,
+                                  "bound_s": None, "memory_bound_bytes": mem})
                 continue
             out.append(Candidate(p, c, t, time_lower_bound_s(t)))
     if not out and skipped:
@@ -139,7 +143,8 @@ def search(
     name = resolve_solver(solver)
     if formulation not in FORMULATIONS:
         raise UniAPError(f"formulation={formulation!r} must be one of {list(FORMULATIONS)}")
-    cands = _candidates(problem, pp, allowed)
+    trace: list[dict] = []
+    cands = _candidates(problem, pp, allowed, trace)
     best = _warm_starts(problem, cands)
     if incumbent is not None and incumbent.estimate and incumbent.estimate.feasible and (pp is None or incumbent.pp in pp):
         if best is None or incumbent.estimate.tpi_s < best.estimate.tpi_s:
@@ -151,13 +156,17 @@ def search(
     all_optimal = True
     open_bounds: list[float] = []
     for cand in cands:
+        record = {"pp": cand.pp, "microbatches": cand.c, "outcome": "", "tpi_s": None, "bound_s": cand.bound_s}
+        trace.append(record)
         if best is not None and cand.bound_s >= best.estimate.tpi_s * (1 - 1e-9):
             pruned += 1
+            record["outcome"] = "pruned by bound"
             continue
         remaining = time_limit_s - (time.perf_counter() - t_start)
         if remaining <= 0:
             all_optimal = False
             open_bounds.append(cand.bound_s)
+            record["outcome"] = "not solved (time limit)"
             continue
         milp = FORMULATIONS[formulation](cand.tables, solver=name)
         if cand.warm is not None and isinstance(milp, StageMilp):
@@ -169,6 +178,10 @@ def search(
         say(f"pp={cand.pp} c={cand.c}: {res.status} in {res.solve_s:.2f} s "
             f"({res.num_vars} vars, {res.num_constrs} rows)"
             + (f", {res.objective_s * 1e3:.3f} ms" if res.objective_s is not None else ""))
+        record.update(outcome=res.status if res.status != "infeasible" else "no better plan (infeasible)",
+                      tpi_s=res.objective_s, solve_s=res.solve_s)
+        if res.bound_s is not None:
+            record["bound_s"] = max(cand.bound_s, res.bound_s)
         if res.status not in ("optimal", "infeasible"):
             all_optimal = False
             open_bounds.append(res.bound_s if res.bound_s is not None else cand.bound_s)
@@ -196,4 +209,5 @@ def search(
         pruned=pruned,
         objective_s=objective,
     )
+    best.search = trace
     return best
