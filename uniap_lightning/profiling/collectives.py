@@ -1,0 +1,138 @@
+"""Profiling the cluster: collective bandwidth and latency per group size on the job's own process group.
+
+Call :func:`measure_collectives` on every rank of an initialized ``torch.distributed`` process group. For each
+group size ``p`` (powers of two up to the world size; the first ``p`` consecutive ranks, so a group inside one
+node while ``p`` fits a node, and across nodes beyond) it times all-reduce, all-gather, reduce-scatter and
+point-to-point at two message sizes (median of ``repeats`` after a warm-up) and fits the alpha-beta model of
+:mod:`uniap_lightning.cost.comm`: ``t(S) = k_lat * alpha + k_bw * S / bw``. The fitted all-reduce figures become
+the cluster's ``bandwidth_tables`` and latencies (:func:`apply_to_cluster`), so the planner uses measured links.
+A few seconds on CPU/gloo with the default sizes.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import replace
+from typing import Any
+
+from uniap_lightning.cluster import Cluster
+
+DEFAULT_SIZES = (1 << 12, 1 << 22)  # 4 KiB (latency), 4 MiB (bandwidth)
+
+
+def _coefficients(op: str, p: int) -> tuple[float, float]:
+    """(latency multiplier, bandwidth multiplier) of the ring model for one op over p ranks."""
+    if op == "all_reduce":
+        return 2 * (p - 1), 2 * (p - 1) / p
+    if op in ("all_gather", "reduce_scatter"):
+        return p - 1, (p - 1) / p
+    return 1.0, 1.0  # p2p
+
+
+def _fit(op: str, p: int, sizes: tuple[int, int], times: tuple[float, float]) -> tuple[float, float]:
+    """Solve the two-point alpha-beta system; returns (bandwidth GB/s, latency us), clamped to be positive."""
+    k_lat, k_bw = _coefficients(op, p)
+    (s1, s2), (t1, t2) = sizes, times
+    dt = max(t2 - t1, 1e-9)
+    bw = k_bw * (s2 - s1) / dt
+    alpha = max((t1 - k_bw * s1 / bw) / k_lat, 0.0)
+    return bw / 1e9, alpha * 1e6
+
+
+def _time(fn, repeats: int) -> float:
+    import torch.distributed as dist
+
+    fn()  # warm-up
+    samples = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def measure_collectives(
+    *, sizes_bytes: tuple[int, int] = DEFAULT_SIZES, repeats: int = 5, devices_per_node: int | None = None
+) -> dict[str, Any]:
+    """Measure on the default process group (all ranks must call this). Returns, identically on every rank::
+
+        {"world_size": W, "devices_per_node": D,
+         "ops": {"all_reduce": {p: {"bw_gbps": ..., "latency_us": ..., "inter_node": bool}}, ...},
+         "seconds": total wall time}
+    """
+    import torch
+    import torch.distributed as dist
+
+    t_start = time.perf_counter()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dpn = devices_per_node or world
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    sizes = [p for p in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if p <= world]
+    groups = {p: dist.new_group(list(range(p))) for p in sizes}  # collective: every rank creates every group
+    ops: dict[str, dict[int, dict[str, float]]] = {"all_reduce": {}, "all_gather": {}, "reduce_scatter": {}, "p2p": {}}
+    for p in sizes:
+        group = groups[p]
+        member = rank < p
+        timings: dict[str, list[float]] = {op: [] for op in ops}
+        for nbytes in sizes_bytes:
+            numel = max(p, nbytes // 4 // p * p)
+            full = torch.ones(numel, device=device)
+            shard = torch.ones(numel // p, device=device)
+            out_list = [torch.empty_like(shard) for _ in range(p)]
+            for op, fn in (
+                ("all_reduce", lambda: dist.all_reduce(full, group=group)),
+                ("all_gather", lambda: dist.all_gather(out_list, shard, group=group)),
+                ("reduce_scatter", lambda: _reduce_scatter(shard, full, p, group)),
+            ):
+                timings[op].append(_time(fn, repeats) if member else 0.0)
+            if p == 2:
+                timings["p2p"].append(_time(lambda: _ping(full, rank), repeats) / 2)
+        for op in ops:
+            if timings[op] and member:
+                bw, lat = _fit(op, p, tuple(sizes_bytes), tuple(timings[op]))  # type: ignore[arg-type]
+                ops[op][p] = {"bw_gbps": bw, "latency_us": lat, "inter_node": p > dpn}
+    result = {"world_size": world, "devices_per_node": dpn, "ops": ops, "seconds": time.perf_counter() - t_start}
+    shared = [result]
+    dist.broadcast_object_list(shared, src=0)
+    return shared[0]
+
+
+def _reduce_scatter(shard, full, p, group) -> None:
+    import torch.distributed as dist
+
+    try:
+        dist.reduce_scatter_tensor(shard, full, group=group)
+    except (RuntimeError, ValueError, NotImplementedError):  # gloo has no reduce_scatter: all_reduce + slice
+        dist.all_reduce(full, group=group)
+
+
+def _ping(buf, rank: int) -> None:
+    """Rank 0 <-> 1 round trip (others idle); half of it is one point-to-point transfer."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        dist.send(buf, 1)
+        dist.recv(buf, 1)
+    elif rank == 1:
+        dist.recv(buf, 0)
+        dist.send(buf, 0)
+
+
+def apply_to_cluster(cluster: Cluster, measured: dict[str, Any]) -> Cluster:
+    """The cluster with measured all-reduce bandwidth tables and latencies (inside / across nodes)."""
+    tables: dict[str, dict[int, float]] = {"intra": {}, "inter": {}}
+    lat = {"intra": [], "inter": []}
+    for p, rec in measured["ops"]["all_reduce"].items():
+        scope = "inter" if rec["inter_node"] else "intra"
+        tables[scope][int(p)] = rec["bw_gbps"]
+        lat[scope].append(rec["latency_us"])
+    changes: dict[str, Any] = {"bandwidth_tables": {k: v for k, v in tables.items() if v}}
+    if lat["intra"]:
+        changes["intra_latency_us"] = statistics.median(lat["intra"])
+        changes["intra_bw_gbps"] = statistics.median(tables["intra"].values())
+    if lat["inter"]:
+        changes["inter_latency_us"] = statistics.median(lat["inter"])
+        changes["inter_bw_gbps"] = statistics.median(tables["inter"].values())
+    return replace(cluster, **changes)
