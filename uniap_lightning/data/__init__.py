@@ -5,7 +5,9 @@
 * :class:`ShapesDataModule`: a tiny generated image set (squares, discs, crosses, stripes in random places and
   colours), deterministic for a seed, for the ViT example.
 
-Batches are ``(inputs, targets)``: the model contract of ``strategy="uniap"``.
+Batches are ``(inputs, targets)``: the model contract of ``strategy="uniap"``. For text the targets are the
+inputs themselves and the loss shifts them by one (as :class:`~uniap_lightning.adapters.CausalLMModule` and
+Hugging Face do).
 """
 
 from __future__ import annotations
@@ -36,12 +38,11 @@ class _Windows(Dataset):
         self.ids, self.seq_len = ids, seq_len
 
     def __len__(self) -> int:
-        return (len(self.ids) - 1) // self.seq_len
+        return len(self.ids) // self.seq_len
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        s = i * self.seq_len
-        chunk = self.ids[s : s + self.seq_len + 1]
-        return chunk[:-1], chunk[1:]
+        chunk = self.ids[i * self.seq_len : (i + 1) * self.seq_len]
+        return chunk, chunk  # labels = inputs; the loss shifts them (Hugging Face convention)
 
 
 class TextDataModule(L.LightningDataModule):
