@@ -56,6 +56,9 @@ def test_evaluate_refuses_a_plan_from_another_model(plan_file):
         (["solver=glpk"], 2, "solver='glpk' must be one of"),
         (["schedule=zigzag"], 2, "schedule='zigzag' must be one of"),
         (["profile=/nonexistent.json"], 2, "profile file '/nonexistent.json' does not exist"),
+        (["cluster.nodes=0"], 2, "cluster 'a100_1x8': nodes must be a positive integer, got 0"),
+        (["cluster.inter_bw_gbps=-1"], 2, "cluster 'a100_1x8': inter_bw_gbps must be > 0, got -1"),
+        (["model.heads=7"], 2, "model 'gpt2_small': hidden=768 is not divisible by heads=7"),
     ],
 )
 def test_bad_input_gets_one_clear_message(args, code, message):
