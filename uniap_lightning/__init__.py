@@ -39,6 +39,10 @@ _LAZY = {
 
 __all__ = sorted(_LAZY)
 
+from uniap_lightning._autoregister import install as _install  # noqa: E402  (registers "uniap" lazily)
+
+_install()
+
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:

@@ -171,6 +171,11 @@ class Plan:
         if expected_first != len(self.layers):
             raise UniAPError(f"plan stages cover {expected_first} layers but the plan lists {len(self.layers)}")
         mb = self.micro_batch_size
+        if self.pp > 1 and mb % n:
+            raise UniAPError(
+                f"plan micro-batch size {mb} is not divisible by the {n} devices per stage: with pp > 1 every rank "
+                "of a stage holds micro_batch_size / devices_per_stage samples at stage boundaries"
+            )
         for u, lp in enumerate(self.layers):
             first, last = self.stages[lp.stage].layers if 0 <= lp.stage < self.pp else (-1, -1)
             if not first <= u <= last:

@@ -85,6 +85,7 @@ def test_resharding_and_boundaries():
     assert boundary_inter_node(CL, 4, 0)
     assert in_flight("1f1b", 8, 4, 1) == 3
     assert in_flight("gpipe", 8, 4, 1) == 8
+    assert in_flight("1f1b", 2, 4, 3) == 2  # fewer micro-batches than stages: torch runs it as GPipe
 
 
 def test_evaluate_two_stage_pipeline_by_hand():

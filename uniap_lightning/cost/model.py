@@ -133,8 +133,9 @@ def boundary_s(
 
 
 def in_flight(schedule: str, c: int, pp: int, stage: int) -> int:
-    """Micro-batches whose activations a stage holds at its peak."""
-    return c if schedule == "gpipe" else min(c, pp - stage)
+    """Micro-batches whose activations a stage holds at its peak. torch's 1F1B needs at least ``pp``
+    micro-batches; with fewer, the runtime runs GPipe, so that is what memory is costed as."""
+    return c if schedule == "gpipe" or c < pp else min(c, pp - stage)
 
 
 class CostTables:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
+from contextlib import contextmanager
 
 from uniap_lightning.cost.evaluate import evaluate
 from uniap_lightning.plan import Plan
@@ -11,6 +13,20 @@ from uniap_lightning.solver.baselines import BASELINES, baseline_plans
 from uniap_lightning.solver.search import SOLVERS, resolve_solver, search
 
 __all__ = ["BASELINES", "SOLVERS", "baseline_plans", "resolve_solver", "search", "solve"]
+
+
+@contextmanager
+def no_gc():
+    """python-mip's HiGHS backend frees models from cffi finalizers; a garbage-collection pass that runs one
+    while cffi holds its lock deadlocked a spawned process. Collect before, not during, a solve."""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def solve(
@@ -29,6 +45,12 @@ def solve(
     incumbents (so the plan is never worse than any of them) and reported in ``plan.baselines``.
     Raises :class:`~uniap_lightning.errors.InfeasibleError` when nothing fits, naming the memory shortfall.
     """
+    with no_gc():
+        return _solve(problem, solver=solver, time_limit_s=time_limit_s, pp=pp, baselines=baselines,
+                      progress=progress)
+
+
+def _solve(problem, *, solver, time_limit_s, pp, baselines, progress) -> Plan:
     base: dict[str, Plan | None] = {}
     incumbent = None
     if baselines:

@@ -1,0 +1,85 @@
+"""No plan given: rank 0 profiles and solves, every rank trains the broadcast plan; the plan is cached on disk and
+reused. Validation (pipeline ``eval``) and ``trainer.predict`` give the single-process numbers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import uniap_rt_helpers as h
+
+PP2 = h.make_plan([(1, 1, False)] * 4, [0, 0, 1, 1], pp=2, microbatches=2, schedule="gpipe")
+MIXED = h.make_plan([(2, 1, True), (1, 2, False), (2, 1, False), (1, 2, False)], [0, 0, 0, 0], pp=1, microbatches=2)
+EVAL = {"limit_val_batches": 2, "predict": True}
+
+
+def _profile_file(path: Path) -> Path:
+    """A measured profile saved to a file: the strategy plans from it instead of profiling at setup."""
+    from uniap_lightning.profiling.module import profile_layers
+    from uniap_lightning.profiling.schema import save_profile
+    from uniap_lightning.runtime import extract_chain
+
+    chain = extract_chain(h.make_module())
+    profile = profile_layers(chain.layers, chain.names, torch.randn(16, h.IN), repeats=1, model="from-file")
+    save_profile(profile, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    out = tmp_path_factory.mktemp("planning")
+    solver = {"cache_dir": str(out / "cache"), "time_limit": 30}
+    profile_file = _profile_file(out / "profile.json")
+    cases = {
+        "solved": {"strategy": solver, **EVAL},
+        "solved_again": {"strategy": solver},
+        "from_profile_file": {"strategy": {"cache_dir": str(out / "cache2"), "profile": str(profile_file)}},
+        "pp2_eval": {"plan": PP2, **EVAL},
+        "mixed_eval": {"plan": MIXED, **EVAL},
+        "different_batches": {"plan": PP2, "skew_data": True},  # last: it fails on purpose
+    }
+    results = h.spawn(2, cases, out)
+    for res in results:
+        for name, r in res.items():
+            assert name == "different_batches" or "error" not in r, f"{name}: {r.get('traceback')}"
+    return results, cases
+
+
+def test_solved_plan_trains_like_one_process(runs: Any) -> None:
+    results, cases = runs
+    assert results[0]["solved"]["origin"] == "solver"
+    assert results[0]["solved"]["plan"] == results[1]["solved"]["plan"]  # broadcast: one plan everywhere
+    assert results[0]["solved"]["plan"]["model_fingerprint"]
+    h.assert_close_to_reference(results, "solved", h.reference_for(cases["solved"]))
+
+
+def test_solved_plan_is_cached_and_reused(runs: Any) -> None:
+    results, _ = runs
+    assert results[0]["solved_again"]["origin"].startswith("cache ")
+    assert results[1]["solved_again"]["origin"] == results[0]["solved_again"]["origin"]
+    assert results[0]["solved_again"]["plan"]["layers"] == results[0]["solved"]["plan"]["layers"]
+
+
+def test_plan_from_a_profile_file(runs: Any) -> None:
+    results, cases = runs
+    assert results[0]["from_profile_file"]["origin"] == "solver"
+    assert results[0]["from_profile_file"]["plan"]["model"] == "from-file"
+    h.assert_close_to_reference(results, "from_profile_file", h.reference_for(cases["from_profile_file"]))
+
+
+@pytest.mark.parametrize("name", ["solved", "pp2_eval", "mixed_eval"])
+def test_validation_and_predict_match_one_process(name: str, runs: Any) -> None:
+    results, cases = runs
+    ref = h.reference_for(cases[name])
+    for res in results:
+        assert res[name]["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-5)
+        torch.testing.assert_close(res[name]["predictions"], ref["predictions"], rtol=1e-5, atol=1e-6)
+
+
+def test_ranks_with_different_batches_are_refused(runs: Any) -> None:
+    results, _ = runs
+    for res in results:
+        assert res["different_batches"]["error"].startswith("UniAPError: ranks received different batches")

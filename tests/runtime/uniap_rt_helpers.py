@@ -1,0 +1,336 @@
+"""Shared pieces of the runtime tests: a tiny chain model, plans, and a multi-process runner.
+
+Multi-process runs use ``torch.multiprocessing`` with the spawn method; each process sets the environment
+variables of Lightning's ``LightningEnvironment`` (so Lightning does not launch processes itself) and trains with
+``accelerator="cpu"`` and the gloo backend. Several cases run one after the other in the same processes (the
+process group is created once), which keeps start-up cost low on a 2-core machine.
+
+A *case* is a dict: ``plan`` (a pinned Plan; absent: the strategy solves), ``strategy`` (more UniAPStrategy
+arguments), ``module`` (``make_module`` arguments, e.g. ``{"lm": "llama"}``), ``steps`` or ``epochs``,
+``accumulate``, ``clip``, ``limit_val_batches`` and ``predict`` (collect validation loss / predictions),
+``save`` / ``resume`` / ``export`` (checkpoint paths relative to the output folder), ``validate_only``,
+``die_at`` / ``hang_s`` (rank 1 dies or hangs at that batch), ``skew_data`` (ranks load different data).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+IN, HID, OUT = 8, 16, 4
+N_SAMPLES = 64
+NAMES = ["net.0", "net.1", "net.2", "net.3"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+VOCAB, SEQ = 64, 8
+
+
+def make_lm_module(kind: str) -> Any:
+    """A tiny causal LM through an adapter: Hugging Face GPT-2 / Llama (random weights) or the plain GPT."""
+    from uniap_lightning.adapters import CausalLMModule, hf_layers
+
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                         embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+        layers = hf_layers(GPT2LMHeadModel(cfg))
+    elif kind == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                          tie_word_embeddings=False)
+        layers = hf_layers(LlamaForCausalLM(cfg))
+    else:
+        from uniap_lightning.adapters.gpt import GPT, GPTConfig
+
+        layers = GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=4, n_embd=32)).layers()
+
+    class SGDLM(CausalLMModule):
+        # Adam turns rounding noise in near-zero gradients (e.g. GPT-2's key bias) into visible weight
+        # differences; SGD keeps the comparison with one process well-conditioned.
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    return SGDLM(layers)
+
+
+def make_module(lr: float = 0.1, optimizer: str = "sgd", lm: str | None = None) -> Any:
+    import lightning.pytorch as pl
+
+    if lm is not None:
+        return make_lm_module(lm)
+
+    class ChainModel(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(
+                nn.Linear(IN, HID),
+                nn.Sequential(nn.Linear(HID, 2 * HID), nn.GELU(), nn.Linear(2 * HID, HID)),
+                nn.Sequential(nn.Linear(HID, 2 * HID), nn.Tanh(), nn.Linear(2 * HID, HID)),
+                nn.Linear(HID, OUT),
+            )
+            self.loss_fn = nn.MSELoss()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            loss = self.loss_fn(self.net(x), y)
+            self.log("train_loss", loss)
+            return loss
+
+        def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            loss = self.loss_fn(self.net(x), y)
+            self.log("val_loss", loss)
+            return loss
+
+        def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self.net(batch[0])
+
+        def configure_optimizers(self) -> Any:
+            if optimizer == "adam":
+                opt = torch.optim.Adam(self.parameters(), lr=lr)
+                sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+                return {"optimizer": opt, "lr_scheduler": sched}
+            return torch.optim.SGD(self.parameters(), lr=lr, momentum=0.9)
+
+    torch.manual_seed(0)
+    return ChainModel()
+
+
+def make_data(batch_size: int, n: int = N_SAMPLES, lm: bool = False, seed: int = 1) -> Any:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    g = torch.Generator().manual_seed(seed)
+    if lm:
+        ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+        return DataLoader(TensorDataset(ids, ids), batch_size=batch_size, shuffle=False, drop_last=True)
+    x = torch.randn(n, IN, generator=g)
+    y = torch.randn(n, OUT, generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False, drop_last=True)
+
+
+def make_plan(strategies: list[tuple[int, int, bool]], stage_of_layer: list[int], *, pp: int, microbatches: int,
+              schedule: str = "1f1b", batch: int = 16, world: int = 2, names: list[str] | None = None) -> Any:
+    from uniap_lightning.plan import Plan
+
+    return Plan.from_assignment(
+        stage_of_layer=stage_of_layer, strategies=strategies, layer_names=names or NAMES, pp=pp,
+        microbatches=microbatches, schedule=schedule, global_batch_size=batch, num_devices=world,
+    )
+
+
+class LossRecorder:
+    """Records the loss Lightning sees for every batch (a Callback, built lazily to keep imports light)."""
+
+    @staticmethod
+    def make() -> Any:
+        import lightning.pytorch as pl
+
+        class _Rec(pl.Callback):
+            def __init__(self) -> None:
+                self.losses: list[float] = []
+
+            def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
+                self.losses.append(float(outputs["loss"]))
+
+        return _Rec()
+
+
+class DieAt:
+    """Kills its process abruptly at the start of a given batch (a rank dying mid-training)."""
+
+    @staticmethod
+    def make(batch_idx: int, hang_s: float = 0.0) -> Any:
+        import lightning.pytorch as pl
+
+        class _Die(pl.Callback):
+            def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, idx: int) -> None:
+                if idx == batch_idx and hang_s:
+                    time.sleep(hang_s)  # a stuck rank: the others must give up after the collective timeout
+                elif idx == batch_idx:
+                    os._exit(17)
+
+        return _Die()
+
+
+def trainer_kwargs(case: dict[str, Any]) -> dict[str, Any]:
+    # Checkpoint tests count epochs: Lightning resumes a run stopped by max_steps at a different batch.
+    if "epochs" in case:
+        limits = {"max_epochs": case["epochs"], "max_steps": -1}
+    else:
+        limits = {"max_steps": case.get("steps", 5)}
+    return dict(
+        accelerator="cpu",
+        **limits,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accumulate_grad_batches=case.get("accumulate", 1),
+        gradient_clip_val=case.get("clip"),
+        limit_val_batches=case.get("limit_val_batches", 0),
+        num_sanity_val_steps=0,
+        # Lightning would insert a shuffling DistributedSampler under a distributed strategy; the single-process
+        # reference keeps the loader's order, so both use the loader as given.
+        use_distributed_sampler=False,
+    )
+
+
+def _data(case: dict[str, Any]) -> Any:
+    seed = 1 + int(os.environ.get("LOCAL_RANK", 0)) if case.get("skew_data") else 1  # a broken sampler
+    return make_data(case.get("batch", 16), lm="lm" in case.get("module", {}), seed=seed)
+
+
+def reference(case: dict[str, Any]) -> dict[str, Any]:
+    """Single process, no UniAP: what every plan must reproduce."""
+    import lightning.pytorch as pl
+
+    torch.set_num_threads(1)
+    module = make_module(**case.get("module", {}))
+    rec = LossRecorder.make()
+    trainer = pl.Trainer(devices=1, callbacks=[rec], **trainer_kwargs(case))
+    extra = _fit(trainer, module, case, ckpt=None)
+    state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    return {"losses": rec.losses, "state": state, **extra}
+
+
+def _fit(trainer: Any, module: Any, case: dict[str, Any], ckpt: str | None) -> dict[str, Any]:
+    """Fit, then collect the validation loss and predictions when the case asks for them."""
+    val = _data(case) if case.get("limit_val_batches") else None
+    trainer.fit(module, _data(case), val_dataloaders=val, ckpt_path=ckpt)
+    extra: dict[str, Any] = {}
+    if val is not None:
+        extra["val_loss"] = float(trainer.callback_metrics["val_loss"])
+    if case.get("predict"):
+        extra["predictions"] = torch.cat(trainer.predict(module, _data(case)))
+    return extra
+
+
+_REFERENCES: dict[str, dict[str, Any]] = {}
+
+
+def reference_for(case: dict[str, Any]) -> dict[str, Any]:
+    """Single-process results for a case (cached: several plans share one reference)."""
+    key = json.dumps({k: v for k, v in case.items() if k not in ("plan", "strategy")}, sort_keys=True, default=str)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = reference({k: v for k, v in case.items() if k != "plan"})
+    return _REFERENCES[key]
+
+
+def _run_case(rank: int, world: int, case: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+    import lightning.pytorch as pl
+
+    from uniap_lightning.runtime.checkpoint import full_local_state
+    from uniap_lightning.strategy import UniAPStrategy
+
+    os.environ["WORLD_SIZE"] = str(world)
+    module = make_module(**case.get("module", {}))
+    rec = LossRecorder.make()
+    strategy = UniAPStrategy(plan=case.get("plan"), **case.get("strategy", {}))
+    callbacks = [rec]
+    if "die_at" in case and rank == case.get("die_rank", 1):
+        callbacks.append(DieAt.make(case["die_at"], case.get("hang_s", 0.0)))
+    trainer = pl.Trainer(devices=world, strategy=strategy, callbacks=callbacks, **trainer_kwargs(case))
+    ckpt = str(out_dir / case["resume"]) if "resume" in case else None
+    if case.get("validate_only"):
+        metrics = trainer.validate(module, _data(case), ckpt_path=ckpt)
+        return {"val_loss": metrics[0]["val_loss"], "state": full_local_state(module), "origin": strategy.plan_origin}
+    extra = _fit(trainer, module, case, ckpt)
+    if "save" in case:
+        trainer.save_checkpoint(out_dir / case["save"])
+    if "export" in case:
+        strategy.save_consolidated(out_dir / case["export"])
+    return {"losses": rec.losses, "state": full_local_state(module), "plan": strategy.plan.to_dict(),
+            "origin": strategy.plan_origin, **extra}
+
+
+def worker(rank: int, world: int, port: int, cases: dict[str, dict[str, Any]], out_dir: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+        NODE_RANK="0", GLOO_SOCKET_IFNAME="lo",
+    )
+    torch.set_num_threads(1)
+    if os.environ.get("UNIAP_TEST_DUMP_S"):  # debugging aid: where is each rank after this many seconds?
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["UNIAP_TEST_DUMP_S"]), exit=False)
+    results: dict[str, Any] = {}
+    for name, case in cases.items():
+        start = time.monotonic()
+        try:
+            results[name] = _run_case(rank, world, case, Path(out_dir))
+        except Exception as err:  # recorded, so one broken case does not hide the others
+            results[name] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc(),
+                             "failed_after_s": time.monotonic() - start}
+            break  # the process group may be unusable after a failure
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+
+
+def spawn_and_watch(world: int, cases: dict[str, dict[str, Any]], out_dir: Path, timeout_s: float) -> dict[int, Any]:
+    """Start the ranks without tearing the others down when one dies; wait for each at most ``timeout_s``.
+
+    Returns ``{rank: exit code or None if still running}``; survivors are killed after the wait.
+    """
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(worker, args=(world, free_port(), cases, str(out_dir)), nprocs=world, join=False,
+                             start_method="spawn")
+    codes: dict[int, Any] = {}
+    for rank, proc in enumerate(ctx.processes):
+        proc.join(timeout_s)
+        codes[rank] = proc.exitcode
+    for proc in ctx.processes:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    return codes
+
+
+def spawn(world: int, cases: dict[str, dict[str, Any]], out_dir: Path, fn: Any = worker) -> list[dict[str, Any]]:
+    import torch.multiprocessing as mp
+
+    mp.start_processes(fn, args=(world, free_port(), cases, str(out_dir)), nprocs=world, start_method="spawn")
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def merge_states(results: list[dict[str, Any]], name: str) -> dict[str, torch.Tensor]:
+    merged: dict[str, torch.Tensor] = {}
+    for res in results:
+        merged.update(res[name]["state"])
+    return merged
+
+
+def assert_close_to_reference(
+    results: list[dict[str, Any]], name: str, ref: dict[str, Any], rtol: float = 1e-5
+) -> None:
+    for r, res in enumerate(results):
+        if "error" in res.get(name, {}):
+            raise AssertionError(f"rank {r} failed in case {name}: {res[name]['error']}\n{res[name]['traceback']}")
+        if name not in res:
+            raise AssertionError(f"rank {r} did not run case {name} (an earlier case failed)")
+    for r, res in enumerate(results):
+        losses = torch.tensor(res[name]["losses"])
+        expected = torch.tensor(ref["losses"])
+        assert losses.shape == expected.shape, (r, losses, expected)
+        torch.testing.assert_close(losses, expected, rtol=rtol, atol=1e-7)
+    merged = merge_states(results, name)
+    assert set(merged) == set(ref["state"]), (sorted(merged), sorted(ref["state"]))
+    for k, v in ref["state"].items():
+        torch.testing.assert_close(merged[k], v, rtol=rtol, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")

@@ -1,0 +1,67 @@
+"""Register ``strategy="uniap"`` with Lightning without ``import uniap_lightning`` in the user's script.
+
+Lightning has no entry-point discovery for strategies, so the wheel ships ``uniap_lightning_autoregister.pth``
+(one line that calls :func:`install` and, should that fail, only prints why). At interpreter start it only appends a
+tiny finder to ``sys.meta_path`` - no torch, no Lightning. When ``lightning.pytorch.strategies`` is imported for
+the first time, the finder removes itself, lets the normal import run, then registers :class:`UniAPStrategy` in
+``StrategyRegistry``. (``.pth`` files are skipped under ``python -S`` / ``-I``; there, import uniap_lightning.)
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+from types import ModuleType
+from typing import Any
+
+TARGET = "lightning.pytorch.strategies"
+
+
+class _RegisterAfterExec(importlib.abc.Loader):
+    """Wraps the real loader of the target module; registers the strategy once the module body has run."""
+
+    def __init__(self, loader: Any) -> None:
+        self._loader = loader
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        try:
+            from uniap_lightning.strategy import UniAPStrategy
+
+            UniAPStrategy.register_strategies(module.StrategyRegistry)
+        except Exception as err:  # never break Lightning's import because of us
+            print(f"uniap_lightning: could not register strategy 'uniap' ({err!r})", file=sys.stderr)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """One-shot: answers only for the target module, then steps out of ``sys.meta_path``."""
+
+    def find_spec(self, fullname: str, path: Any, target: ModuleType | None = None) -> Any:
+        if fullname != TARGET:
+            return None
+        uninstall()
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        spec.loader = _RegisterAfterExec(spec.loader)
+        return spec
+
+
+def install() -> None:
+    """Arrange registration (idempotent; registers at once if Lightning's strategies are already imported)."""
+    module = sys.modules.get(TARGET)
+    if module is not None:
+        from uniap_lightning.strategy import UniAPStrategy
+
+        UniAPStrategy.register_strategies(module.StrategyRegistry)
+        return
+    if not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())
+
+
+def uninstall() -> None:
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _Finder)]

@@ -1,0 +1,30 @@
+"""Adapters: expose models that are not a plain ``nn.Sequential`` as a chain of layers for the strategy.
+
+Every adapter returns a list of layers (each maps one tensor to one tensor, batch on dim 0) that wrap - not copy -
+the model's own modules, plus, where it is supported, a tensor-parallel plan per layer (``uniap_tp_plan``).
+:class:`CausalLMModule` turns such a list into a LightningModule that trains under ``strategy="uniap"``::
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from uniap_lightning.adapters import CausalLMModule, hf_layers
+
+    module = CausalLMModule(hf_layers(LlamaForCausalLM(LlamaConfig(...))), lr=3e-4)
+    Trainer(strategy="uniap", devices=4).fit(module, loader)  # batches: (input_ids, labels)
+
+Available: Hugging Face GPT-2 (``GPT2LMHeadModel``; pipeline and data parallel, no tensor parallel: its fused
+``Conv1D`` QKV does not shard by heads) and Llama (``LlamaForCausalLM``; tensor parallel too), and the plain
+PyTorch :class:`~uniap_lightning.adapters.gpt.GPT` (tensor parallel too).
+"""
+
+from __future__ import annotations
+
+from uniap_lightning.adapters.lm import CausalLMModule
+
+
+def hf_layers(model: object) -> list:
+    """The chain of a Hugging Face causal LM (GPT-2 or Llama family), by model type."""
+    from uniap_lightning.adapters.hf import hf_layers as _hf_layers
+
+    return _hf_layers(model)
+
+
+__all__ = ["CausalLMModule", "hf_layers"]

@@ -1,0 +1,69 @@
+"""Execute a :class:`~uniap_lightning.plan.Plan` on real processes.
+
+One concern per module, applied in this order by :func:`apply_plan`:
+
+1. :mod:`.mesh` - every device mesh and process group of the plan (collective, same order on every rank);
+2. :mod:`.stage` - keep this rank's layers, broadcast their initial weights, then per layer
+   :func:`.tensor_parallel.apply_tp` *before* :func:`.data_parallel.apply_fsdp` (or replication), since FSDP2 must
+   see the DTensor TP shards to build 2-D parameters;
+3. :mod:`.reshard` - activation re-layout between layers with different data-parallel degrees;
+4. :mod:`.pipeline` - micro-batches through ``torch.distributed.pipelining`` schedules over the pipeline lanes.
+
+:mod:`.grads` adapts gradients to Lightning's closure and clips by the global norm; :mod:`.checkpoint` saves and
+reshards-on-load; :mod:`.chain` is the model contract and :mod:`.planning` finds the plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from uniap_lightning.errors import UniAPError
+from uniap_lightning.plan import Plan
+from uniap_lightning.runtime.chain import Chain, UniAPModule, extract_chain
+from uniap_lightning.runtime.data_parallel import ReplicatedGrads
+from uniap_lightning.runtime.mesh import PlanMeshes, build_meshes
+from uniap_lightning.runtime.pipeline import PipelineRunner
+from uniap_lightning.runtime.stage import StageModule, build_stage
+from uniap_lightning.runtime.tensor_parallel import check_tp_supported
+
+
+@dataclass
+class Runtime:
+    """A plan applied on this rank."""
+
+    plan: Plan
+    chain: Chain
+    meshes: PlanMeshes
+    stage_module: StageModule
+    replicated: ReplicatedGrads
+    runner: PipelineRunner
+
+    def local_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.stage_module.parameters() if p.requires_grad]
+
+
+def check_plan_executable(plan: Plan, chain: Chain) -> None:
+    """Checks that need only the plan and the chain (so every rank fails alike, before any collective)."""
+    if plan.micro_batch_size % plan.devices_per_stage:
+        raise UniAPError(
+            f"plan micro-batch size {plan.micro_batch_size} (global batch {plan.global_batch_size} / microbatches "
+            f"{plan.microbatches}) is not divisible by the {plan.devices_per_stage} devices per stage; stage "
+            "boundaries split every micro-batch over all devices of the stage"
+        )
+    for u, lp in enumerate(plan.layers):
+        check_tp_supported(chain.layers[u], chain.names[u], lp.tp)
+
+
+def apply_plan(chain: Chain, plan: Plan, *, rank: int, device: torch.device) -> Runtime:
+    """Parallelize ``chain.module`` in place according to ``plan`` (collective over the world)."""
+    check_plan_executable(plan, chain)
+    meshes = build_meshes(plan, rank=rank, device_type=device.type)
+    stage_module, replicated = build_stage(chain, plan, meshes)
+    runner = PipelineRunner(plan, meshes, stage_module, device)
+    return Runtime(plan, chain, meshes, stage_module, replicated, runner)
+
+
+__all__ = ["Chain", "Runtime", "UniAPModule", "apply_plan", "extract_chain"]

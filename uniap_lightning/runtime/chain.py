@@ -1,0 +1,133 @@
+"""The model contract: how the strategy finds the chain of layers, the loss and the batch layout.
+
+A LightningModule trains under ``strategy="uniap"`` with no glue code when
+
+* its network is a chain: either exactly one ``nn.Sequential`` attribute (its children are the layers), or a
+  ``uniap_layers()`` method returning the ordered layers (each a submodule of the LightningModule, so parameter
+  names stay stable for checkpoints); every trainable parameter belongs to exactly one layer;
+* each layer takes one tensor and returns one tensor, batch on dim 0 (the first layer may take integer token ids);
+* its loss is computed from the chain's output and the target: a ``uniap_loss(output, target)`` method or a
+  ``loss_fn`` attribute (e.g. ``nn.CrossEntropyLoss()``), returning the *mean* over the samples it is given;
+* a batch is ``(input, target)``, or the module defines ``uniap_split_batch(batch) -> (input, target)``.
+
+:class:`UniAPModule` states this as a Protocol. Models that are not chains get an adapter
+(:mod:`uniap_lightning.adapters`) that exposes them as one.
+
+Under the strategy, ``training_step`` / ``validation_step`` / ``test_step`` / ``predict_step`` of the module
+are *not* called: the strategy runs the chain itself (pipeline schedules need the loss on the last stage) and logs
+``train_loss`` / ``val_loss`` / ``test_loss`` on every rank. All other hooks, ``configure_optimizers``, callbacks,
+schedulers, clipping and accumulation work as usual.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from uniap_lightning.errors import UniAPError
+
+
+@runtime_checkable
+class UniAPModule(Protocol):
+    """What a LightningModule may define to describe itself to the strategy (all optional but the loss)."""
+
+    def uniap_layers(self) -> Sequence[nn.Module]:
+        """The ordered layers of the network; each maps one tensor to one tensor."""
+        ...
+
+    def uniap_loss(self, output: torch.Tensor, target: Any) -> torch.Tensor:
+        """Mean loss over the samples of ``output`` and ``target``."""
+        ...
+
+
+@dataclass
+class Chain:
+    """The layers of a module, their names (FQNs inside the module), the loss and the batch splitter."""
+
+    module: nn.Module
+    layers: list[nn.Module]
+    names: list[str]
+    loss_fn: Callable[[torch.Tensor, Any], torch.Tensor]
+    split_batch: Callable[[Any], tuple[torch.Tensor, Any]]
+
+    def replace(self, index: int, new: nn.Module) -> None:
+        """Put ``new`` where layer ``index`` sits in the module tree (keeps every other name unchanged)."""
+        parent_name, _, child = self.names[index].rpartition(".")
+        parent = self.module.get_submodule(parent_name) if parent_name else self.module
+        setattr(parent, child, new)
+        self.layers[index] = new
+
+
+def default_split_batch(batch: Any) -> tuple[torch.Tensor, Any]:
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise UniAPError(
+        f"the batch is a {type(batch).__name__}; the strategy expects (input, target). Define "
+        "uniap_split_batch(batch) -> (input, target) on the LightningModule for other layouts."
+    )
+
+
+def _find_layers(module: nn.Module) -> list[nn.Module]:
+    if hasattr(module, "uniap_layers"):
+        layers = list(module.uniap_layers())
+        if not layers:
+            raise UniAPError(f"{type(module).__name__}.uniap_layers() returned no layers")
+        return layers
+    seqs = [(n, m) for n, m in module.named_children() if isinstance(m, nn.Sequential)]
+    if len(seqs) == 1:
+        return list(seqs[0][1].children())
+    found = f"found {len(seqs)} nn.Sequential attributes ({', '.join(n for n, _ in seqs)})" if seqs else (
+        "found no nn.Sequential attribute"
+    )
+    raise UniAPError(
+        f"{type(module).__name__} is not a chain of layers the strategy can split: {found}. Put the network in one "
+        "nn.Sequential attribute, define uniap_layers() returning the ordered layers, or use an adapter from "
+        "uniap_lightning.adapters (Hugging Face GPT-2 / Llama, plain GPT)."
+    )
+
+
+def _find_loss(module: nn.Module) -> Callable[[torch.Tensor, Any], torch.Tensor]:
+    if hasattr(module, "uniap_loss"):
+        return module.uniap_loss
+    loss = getattr(module, "loss_fn", None)
+    if callable(loss):
+        return loss
+    raise UniAPError(
+        f"{type(module).__name__} has no loss the strategy can call: define uniap_loss(output, target) or a "
+        "loss_fn attribute (e.g. self.loss_fn = nn.CrossEntropyLoss())."
+    )
+
+
+def extract_chain(module: nn.Module) -> Chain:
+    """Find the chain, its loss and batch layout; refuse what the runtime cannot split, with the reason."""
+    layers = _find_layers(module)
+    names_by_id = {id(m): n for n, m in module.named_modules() if n}
+    names = []
+    for i, layer in enumerate(layers):
+        if id(layer) not in names_by_id:
+            raise UniAPError(
+                f"layer {i} ({type(layer).__name__}) returned by uniap_layers() is not a submodule of "
+                f"{type(module).__name__}; register it (e.g. in an nn.ModuleList) so its parameters have stable names"
+            )
+        names.append(names_by_id[id(layer)])
+    owner: dict[int, str] = {}
+    for name, layer in zip(names, layers):
+        for p in layer.parameters():
+            if id(p) in owner:
+                raise UniAPError(
+                    f"layers '{owner[id(p)]}' and '{name}' share a parameter (tied weights); pipeline stages cannot "
+                    "share weights. Untie them (e.g. tie_word_embeddings=False for Hugging Face models)."
+                )
+            owner[id(p)] = name
+    stray = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in owner]
+    if stray:
+        raise UniAPError(
+            f"trainable parameters outside the chain would not be trained: {stray[:5]}"
+            f"{' ...' if len(stray) > 5 else ''}. Move them into a layer of the chain."
+        )
+    split = getattr(module, "uniap_split_batch", None) or default_split_batch
+    return Chain(module=module, layers=layers, names=names, loss_fn=_find_loss(module), split_batch=split)

@@ -1,0 +1,103 @@
+"""Distributed checkpoints that survive a change of plan, and a consolidated single-file export.
+
+Saving writes torch.distributed.checkpoint (DCP) shards keyed by parameter name: ``state_dict.<fqn>`` for the
+weights and ``optimizer_<i>.state.<fqn>.<key>`` / ``optimizer_<i>.param_groups.<fqn>.<key>`` for the optimizers
+(``flatten_optimizer_state_dict=True``; the nested form loses param-group hyper-parameters on some pipeline
+stages). Since layers of other stages are ``nn.Identity`` on a rank, keys are disjoint across stages, and DCP
+reshards DTensor (FSDP / TP) shards by name on load: a checkpoint saved under one plan loads under any other
+plan, on any number of processes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _options(**kw: Any) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True, **kw)
+
+
+def model_state(module: nn.Module) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(module, options=_options())
+
+
+def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(module, optimizer, options=_options())
+
+
+def load(path: Path, module: nn.Module, optimizers: list[torch.optim.Optimizer], *, strict: bool = True) -> None:
+    """Load weights (and optimizer states when ``optimizers`` is non-empty) in place from a DCP folder."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    state: dict[str, Any] = {"state_dict": model_state(module)}
+    for i, opt in enumerate(optimizers):
+        state[f"optimizer_{i}"] = optimizer_state(module, opt)
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(module, state["state_dict"], options=_options(strict=strict))
+    for i, opt in enumerate(optimizers):
+        set_optimizer_state_dict(module, opt, state[f"optimizer_{i}"], options=_options())
+
+
+def load_full_weights(state_dict: dict[str, Any], module: nn.Module, *, strict: bool = True) -> None:
+    """Load full (unsharded) weights, e.g. from a single-device checkpoint; each rank keeps its layers' part."""
+    from uniap_lightning.errors import UniAPError
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    local = model_state(module)
+    missing = sorted(set(local) - set(state_dict))
+    if strict and missing:
+        raise UniAPError(f"the checkpoint lacks {len(missing)} weights of this model, e.g. {missing[:3]}")
+    mine = {k: v for k, v in state_dict.items() if k in local}
+    set_model_state_dict(module, mine, options=_options(full_state_dict=True, strict=False))
+
+
+@torch.no_grad()
+def full_local_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded CPU copies of this rank's state-dict entries (collective over each layer's mesh)."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        full = t.full_tensor() if isinstance(t, DTensor) else t
+        out[name] = full.detach().cpu().clone()
+    return out
+
+
+def save_consolidated(module: nn.Module, path: str | Path, *, rank: int) -> None:
+    """Write every weight of the model, unsharded, into one ``torch.save`` file on rank 0 (collective)."""
+    import torch.distributed as dist
+
+    mine = full_local_state(module)
+    parts: list[Any] = [None] * dist.get_world_size() if dist.is_initialized() else [mine]
+    if dist.is_initialized():
+        dist.gather_object(mine, parts if rank == 0 else None, dst=0)
+    if rank == 0:
+        merged: dict[str, torch.Tensor] = {}
+        for part in parts:
+            for k, v in part.items():
+                merged.setdefault(k, v)
+        torch.save(merged, Path(path))
+
+
+def consolidate_checkpoint(checkpoint_dir: str | Path, output_file: str | Path) -> None:
+    """Offline (one process, no process group): turn a DCP checkpoint folder into one file of full weights."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    _load_state_dict(state, storage_reader=FileSystemReader(str(checkpoint_dir)),
+                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    weights = state.get("state_dict", {})
+    torch.save({k: v for k, v in weights.items() if isinstance(v, torch.Tensor)}, Path(output_file))

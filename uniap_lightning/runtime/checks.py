@@ -1,0 +1,69 @@
+"""Checks of the job's shape that must fail loudly *before* any process waits for another."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+from uniap_lightning.errors import UniAPError
+
+
+def _tasks_per_node(value: str) -> int | None:
+    """``SLURM_TASKS_PER_NODE`` looks like ``4`` or ``4(x2)`` or ``4(x2),3``; return the first count."""
+    m = re.match(r"\s*(\d+)", value)
+    return int(m.group(1)) if m else None
+
+
+def check_slurm(cluster_environment: Any, *, num_nodes: int, devices: int) -> None:
+    """Under SLURM, ``devices`` must equal tasks per node and ``num_nodes`` the allocated nodes.
+
+    Lightning checks this only in its own launcher, which is not used when SLURM starts the processes; a mismatch
+    otherwise gives ranks that disagree on the world size and hang in the first collective.
+    """
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    if not isinstance(cluster_environment, SLURMEnvironment):
+        return
+    env = os.environ
+    ntasks = env.get("SLURM_NTASKS")
+    per_node = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    nodes = env.get("SLURM_NNODES") or env.get("SLURM_JOB_NUM_NODES")
+    problems = []
+    if per_node is not None and _tasks_per_node(per_node) not in (None, devices):
+        problems.append(f"Trainer(devices={devices}) but SLURM runs {_tasks_per_node(per_node)} tasks per node")
+    if nodes is not None and nodes.isdigit() and int(nodes) != num_nodes:
+        problems.append(f"Trainer(num_nodes={num_nodes}) but SLURM allocated {nodes} nodes")
+    if ntasks is not None and ntasks.isdigit() and int(ntasks) != devices * num_nodes:
+        problems.append(f"devices x num_nodes = {devices * num_nodes} but SLURM_NTASKS={ntasks}")
+    if problems:
+        raise UniAPError(
+            "the Trainer does not match the SLURM allocation: " + "; ".join(problems)
+            + ". Set devices to --ntasks-per-node and num_nodes to --nodes (or launch with matching srun options)."
+        )
+
+
+def check_same_batch(*tensors: Any) -> None:
+    """Every rank must see the same global batch (each takes its own share of it); compare checksums once.
+
+    Lightning's default distributed sampler guarantees it. With ``use_distributed_sampler=False`` and a shuffling
+    sampler that is not seeded alike on every rank, ranks would silently train on different samples - and
+    pipeline stages would pair inputs with the wrong targets.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    sums = [float(t.double().sum()) if isinstance(t, torch.Tensor) else 0.0 for t in tensors]
+    sizes = [float(t.numel()) if isinstance(t, torch.Tensor) else 0.0 for t in tensors]
+    local = torch.tensor(sums + sizes, dtype=torch.float64)
+    high, low = local.clone(), local.clone()
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    if not torch.equal(high, low):
+        raise UniAPError(
+            "ranks received different batches; every rank must load the same global batch (it takes its own share). "
+            "Keep Trainer(use_distributed_sampler=True) (the default), or give a shuffling sampler the same seed on "
+            "every rank."
+        )

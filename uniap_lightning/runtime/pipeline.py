@@ -1,0 +1,154 @@
+"""Run micro-batches through the stages: torch.distributed.pipelining schedules for ``pp > 1``, a plain loop else.
+
+Each rank feeds its *lane's* share of the batch: the global batch (every rank loads the same one) is cut into
+``c`` micro-batches of ``b`` samples, each micro-batch into ``n`` slices, and the rank at stage position ``r``
+takes slice ``r`` of every micro-batch. Lane ``r`` is a pipeline over ranks ``r, n+r, ...`` with its own
+process group, so the ``n`` lanes run side by side.
+
+Losses are means over a lane's slice; gradients are the mean over micro-batches (the schedules' ``scale_grads``)
+and, through the data-parallel averages, over lanes: exactly the gradient of the mean loss over the global
+batch, as on one device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from uniap_lightning.errors import UniAPError
+from uniap_lightning.plan import Plan
+from uniap_lightning.runtime.mesh import PlanMeshes
+from uniap_lightning.runtime.stage import StageModule
+
+LossFn = Callable[[torch.Tensor, Any], torch.Tensor]
+
+
+def lane_slice(t: Any, plan: Plan, lane: int) -> Any:
+    """This lane's samples of every micro-batch, concatenated in micro-batch order."""
+    if not isinstance(t, torch.Tensor):
+        raise UniAPError(f"batch inputs and targets must be tensors, got {type(t).__name__}")
+    batch = t.shape[0]
+    c, n = plan.microbatches, plan.devices_per_stage
+    if batch % (c * n):
+        raise UniAPError(
+            f"batch of {batch} samples cannot be split into microbatches={c} x {n} devices per stage: "
+            f"the batch size must be a multiple of {c * n} (drop_last=True avoids a short last batch)"
+        )
+    if n == 1:
+        return t
+    return t.reshape(c, n, batch // (c * n), *t.shape[1:])[:, lane].reshape(batch // n, *t.shape[1:])
+
+
+def unslice(local: torch.Tensor, plan: Plan, gathered: list[torch.Tensor]) -> torch.Tensor:
+    """Inverse of :func:`lane_slice` given every lane's part (in lane order)."""
+    c, n = plan.microbatches, plan.devices_per_stage
+    parts = [g.reshape(c, g.shape[0] // c, *g.shape[1:]) for g in gathered]
+    return torch.stack(parts, dim=1).reshape(-1, *local.shape[1:])
+
+
+class PipelineRunner:
+    """Forward/backward of one batch on this rank's stage, returning the global mean loss on every rank."""
+
+    def __init__(self, plan: Plan, meshes: PlanMeshes, stage_module: StageModule, device: torch.device) -> None:
+        self.plan = plan
+        self.meshes = meshes
+        self.stage_module = stage_module
+        self.device = device
+        self._schedules: dict[tuple[Any, ...], Any] = {}
+        # Schedules keep the loss function they were built with; it reads the current loss and scale from here.
+        self._loss_fn: LossFn | None = None
+        self._loss_scale = 1.0
+
+    @property
+    def is_first(self) -> bool:
+        return self.meshes.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.meshes.stage == self.plan.pp - 1
+
+    # ------------------------------------------------------------------ schedules
+    def _scaled_loss(self, out: torch.Tensor, target: Any) -> torch.Tensor:
+        assert self._loss_fn is not None
+        return self._loss_fn(out, target) * self._loss_scale
+
+    def _schedule(self, mode: str, xs: torch.Tensor) -> Any:
+        """One PipelineStage + schedule per (mode, input shape): stages infer and cache tensor shapes."""
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        key = (mode, tuple(xs.shape), xs.dtype)
+        if key not in self._schedules:
+            stage = PipelineStage(
+                self.stage_module, self.meshes.stage, self.plan.pp, self.device, group=self.meshes.lane_group
+            )
+            # With fewer micro-batches than stages 1F1B has no steady state and is exactly GPipe (torch refuses it).
+            one_f_one_b = self.plan.schedule == "1f1b" and self.plan.microbatches >= self.plan.pp
+            cls = Schedule1F1B if one_f_one_b else ScheduleGPipe
+            loss_fn = None if mode == "predict" else self._scaled_loss
+            self._schedules[key] = cls(stage, n_microbatches=self.plan.microbatches, loss_fn=loss_fn, scale_grads=True)
+        return self._schedules[key]
+
+    # ------------------------------------------------------------------ steps
+    def train_step(self, x: torch.Tensor, y: Any, loss_fn: LossFn, scale: float) -> torch.Tensor:
+        """Forward and backward of one batch; gradients land in ``.grad`` times ``scale``."""
+        self._loss_fn, self._loss_scale = loss_fn, scale
+        lane = self.meshes.lane
+        xs, ys = lane_slice(x, self.plan, lane), lane_slice(y, self.plan, lane)
+        c = self.plan.microbatches
+        losses: list[torch.Tensor] = []
+        if self.plan.pp == 1:
+            for xm, ym in zip(xs.chunk(c), ys.chunk(c)):
+                loss = self._scaled_loss(self.stage_module(xm), ym)
+                (loss / c).backward()
+                losses.append(loss.detach())
+        else:
+            args = (xs,) if self.is_first else ()
+            self._schedule("train", xs).step(*args, target=ys if self.is_last else None, losses=losses)
+        return self._global_mean([loss.detach() / scale for loss in losses])
+
+    @torch.no_grad()
+    def eval_step(self, x: torch.Tensor, y: Any, loss_fn: LossFn) -> torch.Tensor:
+        self._loss_fn, self._loss_scale = loss_fn, 1.0
+        lane = self.meshes.lane
+        xs, ys = lane_slice(x, self.plan, lane), lane_slice(y, self.plan, lane)
+        c = self.plan.microbatches
+        losses: list[torch.Tensor] = []
+        if self.plan.pp == 1:
+            losses = [loss_fn(self.stage_module(xm), ym) for xm, ym in zip(xs.chunk(c), ys.chunk(c))]
+        else:
+            args = (xs,) if self.is_first else ()
+            self._schedule("eval", xs).eval(*args, target=ys if self.is_last else None, losses=losses)
+        return self._global_mean([loss.detach() for loss in losses])
+
+    @torch.no_grad()
+    def predict_step(self, x: torch.Tensor) -> torch.Tensor:
+        """The chain's output for the whole batch, on every rank."""
+        xs = lane_slice(x, self.plan, self.meshes.lane)
+        if self.plan.pp == 1:
+            out = torch.cat([self.stage_module(xm) for xm in xs.chunk(self.plan.microbatches)])
+        else:
+            out = self._schedule("predict", xs).eval(*((xs,) if self.is_first else ()))
+        full = None
+        if self.is_last:
+            n = self.plan.devices_per_stage
+            parts = [out]
+            if n > 1:
+                parts = [torch.empty_like(out) for _ in range(n)]
+                dist.all_gather(parts, out.contiguous(), group=self.meshes.stage_group)
+            full = unslice(out, self.plan, parts)
+        box = [full]
+        if self.plan.pp > 1 or self.plan.devices_per_stage > 1:
+            dist.broadcast_object_list(box, src=(self.plan.pp - 1) * self.plan.devices_per_stage)
+        return box[0]
+
+    def _global_mean(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """Mean loss over the global batch, on every rank (it exists only on the last stage)."""
+        n = self.plan.devices_per_stage
+        total = torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
+        total = total.detach().to(self.device, torch.float32).clone()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(total)
+        return total / n

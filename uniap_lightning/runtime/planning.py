@@ -1,0 +1,177 @@
+"""Where a plan comes from at setup: pinned (a file or a Plan), the on-disk cache, or the solver.
+
+Only rank 0 profiles and solves; the result (or the error message) is broadcast as JSON so that every rank either
+gets the same plan or raises the same :class:`UniAPError` - never a rank waiting for a peer that already failed.
+Solved plans are cached as JSON under a key that hashes everything they depend on (profile fingerprint, cluster,
+world size, global batch size, schedule, solver); a restart with the same inputs reuses the plan.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from uniap_lightning.cluster import Cluster
+from uniap_lightning.errors import UniAPError
+from uniap_lightning.plan import PLAN_FORMAT_VERSION, Plan
+from uniap_lightning.profiling.schema import ModelProfile
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("UNIAP_CACHE_DIR", Path.home() / ".cache" / "uniap-lightning" / "plans"))
+
+
+def local_cluster(*, nodes: int, devices_per_node: int, device_type: str) -> Cluster:
+    """A rough description of the machine we run on; pass ``cluster=`` to the strategy for real figures."""
+    if device_type == "cuda":
+        import torch
+
+        props = torch.cuda.get_device_properties(0)
+        return Cluster(
+            name=f"local-{props.name}".replace(" ", "-"),
+            nodes=nodes,
+            devices_per_node=devices_per_node,
+            memory_gib=props.total_memory / 1024**3,
+            peak_tflops=100.0,
+            device=props.name,
+        )
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return Cluster(
+        name="local-cpu",
+        nodes=nodes,
+        devices_per_node=devices_per_node,
+        memory_gib=max(total / 1024**3 / devices_per_node, 0.5),
+        peak_tflops=0.1,
+        efficiency=1.0,
+        intra_bw_gbps=2.0,
+        inter_bw_gbps=1.0,
+        intra_latency_us=50.0,
+        inter_latency_us=100.0,
+        device="cpu",
+    )
+
+
+def cache_key(*, profile: ModelProfile, cluster: Cluster, world_size: int, global_batch_size: int, schedule: str,
+              solver: str) -> str:
+    payload = {
+        "fingerprint": profile.fingerprint(),
+        "cluster": asdict(cluster),
+        "world_size": world_size,
+        "global_batch_size": global_batch_size,
+        "schedule": schedule,
+        "solver": solver,
+        "plan_format": PLAN_FORMAT_VERSION,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def solve_plan(
+    *,
+    profile: ModelProfile,
+    cluster: Cluster,
+    global_batch_size: int,
+    schedule: str,
+    solver: str,
+    time_limit_s: float,
+    cache_dir: Path,
+) -> tuple[Plan, str]:
+    """Solve (or reuse from the cache) a plan; returns it and where it came from ("cache" or "solver")."""
+    key = cache_key(
+        profile=profile, cluster=cluster, world_size=cluster.num_devices, global_batch_size=global_batch_size,
+        schedule=schedule, solver=solver,
+    )
+    path = cache_dir / f"plan-{key}.json"
+    if path.exists():
+        try:
+            return Plan.from_json(path), f"cache {path}"
+        except UniAPError:
+            pass  # a stale or corrupt cache entry is replaced below
+    try:
+        from uniap_lightning.problem import Problem, TrainingConfig
+        from uniap_lightning.solver import solve
+    except ImportError as err:
+        raise UniAPError(
+            f"no plan was given and the planner is not available ({err}); pass plan=<file or Plan> to UniAPStrategy"
+        ) from err
+    problem = Problem(
+        model=profile, cluster=cluster, training=TrainingConfig(global_batch_size=global_batch_size, schedule=schedule)
+    )
+    # python-mip's HiGHS models free themselves in __del__ through cffi; a cyclic GC pass that fires while cffi
+    # holds its type lock re-enters it and deadlocks (seen here, in spawned processes). No cyclic GC while solving.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        plan = solve(problem, solver=solver, time_limit_s=time_limit_s)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+        gc.collect()
+    if not plan.model_fingerprint:
+        plan.model_fingerprint = profile.fingerprint()
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    plan.to_json(tmp)
+    tmp.replace(path)
+    return plan, "solver"
+
+
+def check_plan_matches(plan: Plan, names: list[str], *, world_size: int, profile: ModelProfile | None) -> None:
+    """Refuse a plan made for another model or another number of processes."""
+    if plan.num_devices != world_size:
+        raise UniAPError(
+            f"the plan is for num_devices={plan.num_devices} processes but the job has {world_size} "
+            "(devices x num_nodes); rerun with a matching Trainer(devices=..., num_nodes=...) or another plan"
+        )
+    if len(plan.layers) != len(names):
+        raise UniAPError(
+            f"the plan has {len(plan.layers)} layers but the model's chain has {len(names)} "
+            f"({', '.join(names[:4])}{' ...' if len(names) > 4 else ''}); was the plan made for another model?"
+        )
+    wrong = [(lp.name, n) for lp, n in zip(plan.layers, names) if lp.name != n]
+    if wrong:
+        raise UniAPError(
+            f"the plan's layer names do not match the model's chain (first mismatch: plan '{wrong[0][0]}' vs model "
+            f"'{wrong[0][1]}', {len(wrong)} in all); was the plan made for another model?"
+        )
+    if profile is not None and plan.model_fingerprint and plan.model_fingerprint != profile.fingerprint():
+        raise UniAPError(
+            f"the plan's model_fingerprint {plan.model_fingerprint} differs from this model's "
+            f"{profile.fingerprint()} (layer parameter counts or output sizes differ); the plan is for another model"
+        )
+
+
+def describe(plan: Plan, origin: str) -> str:
+    """A compact, readable summary printed at setup."""
+    lines = [
+        f"UniAP plan ({origin}): {plan.num_devices} processes, pp={plan.pp} x {plan.devices_per_stage} per stage, "
+        f"{plan.microbatches} micro-batches of {plan.micro_batch_size}, schedule={plan.schedule}"
+    ]
+    for first, last, lp in plan.strategy_runs():
+        kind = "fsdp" if lp.shard else "replicate"
+        span = plan.layers[first].name if first == last else f"{plan.layers[first].name} .. {plan.layers[last].name}"
+        lines.append(f"  stage {lp.stage}: {span}: dp={lp.dp} ({kind}) tp={lp.tp}")
+    if plan.estimate is not None:
+        lines.append(
+            f"  predicted: {plan.estimate.tpi_s * 1e3:.2f} ms/step, peak memory "
+            f"{max(plan.estimate.stage_memory_bytes) / 2**30:.2f} GiB/device"
+        )
+    return "\n".join(lines)
+
+
+def broadcast_json(obj: dict[str, Any] | None, error: str | None, src: int = 0) -> dict[str, Any]:
+    """Send rank ``src``'s plan dict or error to every rank; raise the error everywhere."""
+    import torch.distributed as dist
+
+    box = [(obj, error)]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=src)
+    obj, error = box[0]
+    if error is not None:
+        raise UniAPError(error)
+    assert obj is not None
+    return obj

@@ -1,0 +1,80 @@
+"""Build this rank's pipeline stage from a plan: keep the local layers, parallelize each, re-layout between them.
+
+The order of the techniques is fixed: (1) drop the layers of other stages, (2) broadcast the local layers'
+initial weights from the stage's first rank (ranks may have initialized differently), (3) tensor parallelism,
+(4) FSDP or replication over the data-parallel dimension. TP comes before FSDP because FSDP2 shards whatever
+parameters it finds, and must find the DTensor TP shards to build 2-D (dp x tp) parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from uniap_lightning.plan import Plan
+from uniap_lightning.runtime.chain import Chain
+from uniap_lightning.runtime.data_parallel import ReplicatedGrads, apply_fsdp
+from uniap_lightning.runtime.mesh import PlanMeshes
+from uniap_lightning.runtime.reshard import relayout
+from uniap_lightning.runtime.tensor_parallel import apply_tp
+
+
+class StageModule(nn.Module):
+    """The local layers of one stage, with activation re-layouts between layers of different ``dp``.
+
+    Not attached to the LightningModule (its layers are, under their original names), so checkpoint keys and
+    the optimizer's parameters stay those of the user's module.
+    """
+
+    def __init__(self, layers: list[nn.Module], dps: list[int], meshes: PlanMeshes) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.dps = dps
+        self.meshes = meshes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = self.meshes.n
+        current = n
+        for layer, dp in zip(self.layers, self.dps):
+            x = relayout(x, current, dp, self.meshes)
+            current = dp
+            x = layer(x)
+        return relayout(x, current, n, self.meshes)
+
+
+def drop_other_stages(chain: Chain, plan: Plan, stage: int) -> None:
+    """Replace layers of other stages with ``nn.Identity`` so their parameter names simply disappear here."""
+    local = set(plan.layers_of_stage(stage))
+    for u in range(len(chain.layers)):
+        if u not in local:
+            chain.replace(u, nn.Identity())
+
+
+@torch.no_grad()
+def broadcast_from_stage_leader(modules: list[nn.Module], meshes: PlanMeshes) -> None:
+    if meshes.n == 1:
+        return
+    src = meshes.stage * meshes.n
+    for m in modules:
+        for t in list(m.parameters()) + list(m.buffers()):
+            dist.broadcast(t.data, src=src, group=meshes.stage_group)
+
+
+def build_stage(chain: Chain, plan: Plan, meshes: PlanMeshes) -> tuple[StageModule, ReplicatedGrads]:
+    """Apply the plan to this rank's layers, in place; return the stage module and the replicated-gradient book."""
+    stage = meshes.stage
+    drop_other_stages(chain, plan, stage)
+    indices = plan.layers_of_stage(stage)
+    layers = [chain.layers[u] for u in indices]
+    broadcast_from_stage_leader(layers, meshes)
+    replicated = ReplicatedGrads()
+    for u, layer in zip(indices, layers):
+        lp = plan.layers[u]
+        if lp.tp > 1:
+            apply_tp(layer, chain.names[u], meshes.tp_mesh(lp.dp, lp.tp))
+        if lp.dp > 1 and lp.shard:
+            apply_fsdp(layer, meshes.dp_mesh(lp.dp, lp.tp))
+        elif lp.dp > 1:
+            replicated.add(layer, meshes.dp_mesh(lp.dp, lp.tp).get_group(), lp.dp)
+    return StageModule(layers, [plan.layers[u].dp for u in indices], meshes), replicated

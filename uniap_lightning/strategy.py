@@ -1,0 +1,493 @@
+"""``UniAPStrategy``: plan at setup, apply the plan, train with Lightning's usual semantics.
+
+The strategy holds the lifecycle only; the work is in :mod:`uniap_lightning.runtime` (executing a plan),
+:mod:`uniap_lightning.profiling.module` (measuring the chain) and :mod:`uniap_lightning.solver` (planning).
+The model contract is described in :mod:`uniap_lightning.runtime.chain`.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.load import _METADATA_FILENAME
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
+
+from uniap_lightning.cluster import Cluster
+from uniap_lightning.errors import UniAPError
+from uniap_lightning.plan import SCHEDULES, Plan
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch.optim import Optimizer
+
+    from uniap_lightning.profiling.schema import ModelProfile
+    from uniap_lightning.runtime import Chain, Runtime
+
+SOLVERS = ("auto", "cbc", "highs", "gurobi")
+
+
+class UniAPStrategy(ModelParallelStrategy):
+    """Automatic hybrid parallelism (pipeline x data x tensor, per layer) planned by UniAP's MILP.
+
+    Use ``Trainer(strategy="uniap", devices=..., num_nodes=...)`` or pass an instance for options.
+    At setup, rank 0 profiles the model's chain of layers on a sample batch, solves for the fastest plan that
+    fits in memory, and broadcasts it; every rank then keeps its pipeline stage, applies tensor parallelism,
+    FSDP or replication per layer, and trains. The plan is printed on rank 0.
+
+    The dataloader's batch is the *global* batch: every rank loads the same batch and takes its share, so the
+    result matches one device training on the same batches (within float rounding).
+
+    Model contract (details in :mod:`uniap_lightning.runtime.chain`): the network is one ``nn.Sequential``
+    attribute or is listed by a ``uniap_layers()`` method; the loss is ``uniap_loss(output, target)`` or a
+    ``loss_fn`` attribute; a batch is ``(input, target)`` or split by ``uniap_split_batch(batch)``. The strategy
+    runs the chain itself, so the module's ``training_step`` / ``validation_step`` / ``test_step`` /
+    ``predict_step`` are not called (Lightning still requires ``training_step`` to exist); it logs ``train_loss``,
+    ``val_loss`` and ``test_loss`` on every rank. Everything else - ``configure_optimizers``, LR schedulers,
+    callbacks, gradient accumulation and clipping, ``max_steps``, checkpoints - behaves as usual. Hugging Face
+    GPT-2 / Llama and a plain GPT go through :mod:`uniap_lightning.adapters`.
+
+    Arguments:
+        cluster: the cluster the planner should assume: a :class:`~uniap_lightning.cluster.Cluster`, a dict of its
+            fields, or ``None`` for a rough description of the local machine derived from ``devices`` and
+            ``num_nodes``.
+        plan: a pinned plan (a :class:`~uniap_lightning.plan.Plan` or the path of a plan JSON file); skips
+            profiling and solving. It must be for this model (layer names, fingerprint) and world size.
+        schedule: pipeline schedule when solving: ``"1f1b"`` (default, less activation memory) or ``"gpipe"``.
+        solver: MILP backend for the planner: ``"auto"`` (the best available), ``"cbc"``, ``"highs"``, ``"gurobi"``.
+        time_limit: seconds the solver may spend.
+        profile: path of a profile JSON file to plan with instead of measuring the model at setup.
+        cache_dir: where solved plans are cached (default ``$UNIAP_CACHE_DIR`` or ``~/.cache/uniap-lightning/plans``).
+        timeout_s: collective timeout; a rank whose peer died fails with a :class:`UniAPError` within this time
+            (usually at once, when the peer's connection closes).
+        process_group_backend: ``"nccl"``, ``"gloo"``, or ``None`` for the device's default.
+    """
+
+    strategy_name = "uniap"
+
+    def __init__(
+        self,
+        *,
+        cluster: Cluster | Mapping[str, Any] | None = None,
+        plan: Plan | str | Path | None = None,
+        schedule: str = "1f1b",
+        solver: str = "auto",
+        time_limit: float = 60.0,
+        profile: str | Path | None = None,
+        cache_dir: str | Path | None = None,
+        timeout_s: float = 1800.0,
+        process_group_backend: str | None = None,
+    ) -> None:
+        super().__init__(
+            save_distributed_checkpoint=True,
+            process_group_backend=process_group_backend,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        if schedule not in SCHEDULES:
+            raise UniAPError(f"schedule={schedule!r} must be one of {list(SCHEDULES)}")
+        if solver not in SOLVERS:
+            raise UniAPError(f"solver={solver!r} must be one of {list(SOLVERS)}")
+        if not time_limit > 0:
+            raise UniAPError(f"time_limit must be > 0 seconds, got {time_limit!r}")
+        if not timeout_s > 0:
+            raise UniAPError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
+        if isinstance(cluster, Mapping):
+            cluster = Cluster.from_dict(dict(cluster))
+        elif cluster is not None and not isinstance(cluster, Cluster):
+            raise UniAPError(f"cluster must be a Cluster, a dict or None, got {type(cluster).__name__}")
+        if plan is not None and not isinstance(plan, Plan):
+            plan = Plan.from_json(Path(plan))
+        self._cluster = cluster
+        self._pinned_plan: Plan | None = plan
+        self._schedule = schedule
+        self._solver = solver
+        self._time_limit = float(time_limit)
+        self._profile_path = Path(profile) if profile is not None else None
+        self._cache_dir = Path(cache_dir) if cache_dir is not None else None
+        self._runtime: Runtime | None = None
+        #: where the plan came from: "pinned", "cache <path>" or "solver" (set in ``setup``)
+        self.plan_origin = ""
+        self._fresh_grads: list[Any] = []
+        self._batch_checked = False
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Make ``Trainer(strategy="uniap")`` work (called by Lightning for its own strategies, and by us)."""
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(cls.strategy_name, cls, description="UniAP automatic hybrid parallelism")
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def plan(self) -> Plan:
+        if self._runtime is None:
+            raise RuntimeError("The UniAP plan is chosen in `setup`; it is not available before.")
+        return self._runtime.plan
+
+    @property
+    def runtime(self) -> Runtime:
+        if self._runtime is None:
+            raise RuntimeError("Accessing the UniAP runtime before the strategy's setup is not allowed.")
+        return self._runtime
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Every rank loads the global batch and takes its share (see pipeline.lane_slice), so the sampler must
+        # give all ranks the same samples in the same order.
+        return {"num_replicas": 1, "rank": 0}
+
+    # ------------------------------------------------------------------ environment
+    @override
+    def setup_environment(self) -> None:
+        from uniap_lightning.runtime.checks import check_slurm
+
+        world_size = self.num_nodes * self.num_processes
+        check_slurm(self.cluster_environment, num_nodes=self.num_nodes, devices=self.num_processes)
+        if self._pinned_plan is not None and self._pinned_plan.num_devices != world_size:
+            raise UniAPError(
+                f"the pinned plan is for num_devices={self._pinned_plan.num_devices} processes but the Trainer has "
+                f"{world_size} (devices={self.num_processes} x num_nodes={self.num_nodes})"
+            )
+        self._setup_distributed()  # process group only; meshes depend on the plan, built in `setup`
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        if self._runtime is not None and self._runtime.chain.module is not self.lightning_module:
+            raise UniAPError(
+                "this UniAPStrategy already parallelized another LightningModule; use a new Trainer (and strategy) "
+                "for each model"
+            )
+        if not self.lightning_module.automatic_optimization:
+            raise UniAPError(
+                "UniAPStrategy runs the forward and backward passes itself and needs automatic optimization; "
+                "remove `self.automatic_optimization = False` from the LightningModule"
+            )
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise UniAPError(
+                "fp16 mixed precision with a gradient scaler is not supported by UniAPStrategy (the pipeline computes "
+                "gradients inside training_step); use precision='bf16-mixed' or '32-true'"
+            )
+        if self._runtime is None:
+            _materialize_distributed_module(self.model, self.root_device)
+            self.model = self.precision_plugin.convert_module(self.model)
+            self.model_to_device()
+            self._runtime = self._plan_and_apply(trainer)
+            self._device_mesh = self._runtime.meshes.world
+            self.lightning_module._device_mesh = self._device_mesh
+        self._install_clipping()
+        self._batch_checked = False
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _plan_and_apply(self, trainer: pl.Trainer) -> Runtime:
+        from uniap_lightning.runtime import apply_plan, extract_chain
+        from uniap_lightning.runtime.planning import broadcast_json, check_plan_matches
+
+        chain = extract_chain(self.lightning_module)
+        payload, error = None, None
+        if self.global_rank == 0:
+            try:
+                chosen, origin = self._choose_plan(trainer, chain)
+                payload = {"plan": chosen.to_dict(), "origin": origin}
+            except Exception as err:  # every rank must learn about the failure, or they would wait forever
+                if not isinstance(err, UniAPError):
+                    traceback.print_exc()
+                error = f"{err}" if isinstance(err, UniAPError) else f"planning failed on rank 0: {err!r}"
+        payload = broadcast_json(payload, error)
+        plan, self.plan_origin = Plan.from_dict(payload["plan"]), str(payload["origin"])
+        check_plan_matches(plan, chain.names, world_size=self.world_size, profile=None)
+        if self.global_rank == 0:
+            _print_plan(plan, self.plan_origin)
+        return apply_plan(chain, plan, rank=self.global_rank, device=self.root_device)
+
+    def _choose_plan(self, trainer: pl.Trainer, chain: Chain) -> tuple[Plan, str]:
+        """Rank 0: the pinned plan (checked against the model) or a cached / solved one."""
+        from uniap_lightning.runtime.planning import check_plan_matches, default_cache_dir, local_cluster, solve_plan
+
+        pinned = self._pinned_plan
+        need_profile = pinned is None or bool(pinned.model_fingerprint)
+        batch = _sample_batch(trainer) if need_profile else None
+        profile = self._profile(chain, batch) if need_profile else None
+        if pinned is not None:
+            check_plan_matches(pinned, chain.names, world_size=self.world_size, profile=profile)
+            return pinned, "pinned"
+        assert profile is not None and batch is not None
+        x, _ = chain.split_batch(batch)
+        cluster = self._cluster or local_cluster(
+            nodes=self.num_nodes, devices_per_node=self.num_processes, device_type=self.root_device.type
+        )
+        if cluster.num_devices != self.world_size:
+            raise UniAPError(
+                f"cluster '{cluster.name}' has {cluster.num_devices} devices but the Trainer runs {self.world_size} "
+                "processes; describe the cluster you run on"
+            )
+        return solve_plan(
+            profile=profile, cluster=cluster, global_batch_size=int(x.shape[0]), schedule=self._schedule,
+            solver=self._solver, time_limit_s=self._time_limit, cache_dir=self._cache_dir or default_cache_dir(),
+        )
+
+    def _profile(self, chain: Chain, batch: Any) -> ModelProfile:
+        from uniap_lightning.profiling.module import profile_layers
+        from uniap_lightning.profiling.schema import load_profile
+        from uniap_lightning.runtime.tensor_parallel import tp_allreduces, tp_degrees
+
+        if self._profile_path is not None:
+            return load_profile(self._profile_path)
+        x, _ = chain.split_batch(batch)
+        x = x[: min(int(x.shape[0]), 16)].to(self.root_device)
+        return profile_layers(
+            chain.layers, chain.names, x,
+            tp_degrees=[tp_degrees(m) for m in chain.layers], tp_allreduces=[tp_allreduces(m) for m in chain.layers],
+            model=type(self.lightning_module).__name__, device=str(self.root_device),
+        )
+
+    # ------------------------------------------------------------------ steps
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Forward and backward of the whole batch through the plan (the module's ``training_step`` is not called)."""
+        from uniap_lightning.runtime.grads import put_grads, take_grads
+
+        rt = self.runtime
+        args, kwargs = self.precision_plugin.convert_input((args, kwargs))
+        x, y = rt.chain.split_batch(args[0])
+        if not self._batch_checked:
+            from uniap_lightning.runtime.checks import check_same_batch
+
+            self._guard(lambda: check_same_batch(x, y))
+            self._batch_checked = True
+        params = rt.local_parameters()
+        previous = take_grads(params)  # so the schedule's own 1/microbatches scaling touches only fresh grads
+        scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
+        with self.precision_plugin.train_step_context():
+            loss = self._guard(lambda: rt.runner.train_step(x, y, rt.chain.loss_fn, scale))
+        self._fresh_grads = take_grads(params)
+        put_grads(previous)
+        self.lightning_module.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    @override
+    def backward(
+        self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
+        """Hand the gradients computed in ``training_step`` back (Lightning zeroed ``.grad`` in between)."""
+        from uniap_lightning.runtime.grads import add_grads
+
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        add_grads(self._fresh_grads)
+        self._fresh_grads = []
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        """Average replicated layers' gradients once per step: after the last backward, before clipping."""
+
+        def closure_then_sync() -> Any:
+            out = closure()
+            self._guard(self.runtime.replicated.all_reduce)
+            return out
+
+        return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        with self.precision_plugin.val_step_context():
+            return self._eval_step("val_loss", args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        with self.precision_plugin.test_step_context():
+            return self._eval_step("test_loss", args, kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The chain's output for the whole batch, on every rank (the module's ``predict_step`` is not called)."""
+        rt = self.runtime
+        args, kwargs = self.precision_plugin.convert_input((args, kwargs))
+        batch = args[0]
+        if isinstance(batch, (tuple, list)) and len(batch) == 1:
+            x = batch[0]
+        else:
+            x = rt.chain.split_batch(batch)[0] if isinstance(batch, (tuple, list, dict)) else batch
+        with self.precision_plugin.predict_step_context():
+            return self._guard(lambda: rt.runner.predict_step(x))
+
+    def _eval_step(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+        rt = self.runtime
+        args, kwargs = self.precision_plugin.convert_input((args, kwargs))
+        x, y = rt.chain.split_batch(args[0])
+        loss = self._guard(lambda: rt.runner.eval_step(x, y, rt.chain.loss_fn))
+        self.lightning_module.log(name, loss, prog_bar=True)
+        return loss
+
+    def _guard(self, fn: Callable[[], Any]) -> Any:
+        """Turn a failed collective (usually: a peer process died) into a clear error instead of a traceback maze."""
+        try:
+            return fn()
+        except RuntimeError as err:
+            if not _is_comm_failure(err):
+                raise
+            raise UniAPError(
+                f"rank {self.global_rank}: a collective or pipeline transfer failed ({type(err).__name__}: "
+                f"{str(err).splitlines()[0] if str(err) else ''}). Another rank probably died or stopped responding; "
+                "see its log for the cause."
+            ) from err
+
+    # ------------------------------------------------------------------ clipping
+    def _install_clipping(self) -> None:
+        """Clip by the norm of the whole model's gradient (all stages and shards), not of the local pieces."""
+        from uniap_lightning.runtime.grads import clip_grad_norm
+        from uniap_lightning.runtime.data_parallel import local_tensor
+
+        plugin = self.precision_plugin
+        n = self.runtime.plan.devices_per_stage
+
+        def by_norm(optimizer: Optimizer, clip_val: float) -> None:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            self._guard(lambda: clip_grad_norm(params, float(clip_val), n, device=self.root_device))
+
+        @torch.no_grad()
+        def by_value(optimizer: Optimizer, clip_val: float) -> None:
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        local_tensor(p.grad).clamp_(-float(clip_val), float(clip_val))
+
+        plugin.clip_grad_by_norm = by_norm  # type: ignore[method-assign]
+        plugin.clip_grad_by_value = by_value  # type: ignore[method-assign]
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        from uniap_lightning.runtime.checkpoint import model_state
+
+        return model_state(self.lightning_module)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        from lightning.pytorch.core.optimizer import LightningOptimizer
+
+        from uniap_lightning.runtime.checkpoint import optimizer_state
+
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return optimizer_state(self.lightning_module, optimizer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        checkpoint["uniap_plan"] = self.plan.to_dict()
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a checkpoint saved under any plan (or by any other strategy) into this plan.
+
+        A UniAP / distributed checkpoint folder restores weights and optimizer states, resharded by parameter name.
+        A single-file Lightning checkpoint (e.g. from one device or DDP) restores the weights and everything
+        Lightning keeps (loops, schedulers, callbacks) but not the optimizer states, whose keys are positions in
+        the original optimizer, not names.
+        """
+        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+        from uniap_lightning.runtime import checkpoint as ckpt
+
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if path.is_file():
+            checkpoint = torch.load(path, map_location="cpu", weights_only=bool(weights_only))
+            ckpt.load_full_weights(checkpoint["state_dict"], self.lightning_module,
+                                   strict=self.lightning_module.strict_loading)
+            if checkpoint.pop("optimizer_states", None) and self.optimizers:
+                rank_zero_warn(f"{path.name} is a single-file checkpoint: optimizer states start fresh under UniAP")
+            return checkpoint
+        if not (path / _METADATA_FILENAME).is_file():
+            raise UniAPError(f"{path} is neither a checkpoint file nor a distributed checkpoint folder with "
+                             f"{_METADATA_FILENAME}")
+        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        ckpt.load(path, self.lightning_module, optimizers, strict=self.lightning_module.strict_loading)
+        return torch.load(path / _METADATA_FILENAME, weights_only=False)
+
+    def save_consolidated(self, path: str | Path) -> None:
+        """Write all weights, unsharded, into one ``torch.save`` file (on rank 0). Call on every rank."""
+        from uniap_lightning.runtime.checkpoint import save_consolidated
+
+        save_consolidated(self.lightning_module, path, rank=self.global_rank)
+
+    @override
+    def teardown(self) -> None:
+        self._fresh_grads = []
+        super().teardown()
+
+
+def _print_plan(plan: Plan, origin: str) -> None:
+    try:
+        from uniap_lightning.report import print_plan
+    except ImportError:  # the rich report is optional here; the compact summary says the essentials
+        from uniap_lightning.runtime.planning import describe
+
+        print(describe(plan, origin), flush=True)
+        return
+    print_plan(plan, title=f"UniAP plan ({origin})")
+
+
+def _is_comm_failure(err: BaseException) -> bool:
+    import torch.distributed as dist
+
+    if isinstance(err, (dist.DistError,)):
+        return True
+    text = str(err).lower()
+    return any(k in text for k in ("connection closed", "connection reset", "timed out", "timeout", "gloo", "nccl",
+                                   "broken pipe", "peer"))
+
+
+def _sample_batch(trainer: pl.Trainer) -> Any:
+    """One batch of the data the trainer is about to use (unsplit, on CPU)."""
+    fn = trainer.state.fn
+    try:
+        if trainer.datamodule is not None:
+            loader = {
+                TrainerFn.FITTING: trainer.datamodule.train_dataloader,
+                TrainerFn.VALIDATING: trainer.datamodule.val_dataloader,
+                TrainerFn.TESTING: trainer.datamodule.test_dataloader,
+                TrainerFn.PREDICTING: trainer.datamodule.predict_dataloader,
+            }[fn]()
+        else:
+            loop = {
+                TrainerFn.FITTING: trainer.fit_loop,
+                TrainerFn.VALIDATING: trainer.validate_loop,
+                TrainerFn.TESTING: trainer.test_loop,
+                TrainerFn.PREDICTING: trainer.predict_loop,
+            }[fn]
+            loader = loop._data_source.dataloader()
+        if isinstance(loader, (list, tuple)):
+            loader = loader[0]
+        return next(iter(loader))
+    except (StopIteration, KeyError, AttributeError, TypeError) as err:
+        raise UniAPError(
+            f"could not draw a sample batch to plan with ({err!r}); pass plan=<file> to UniAPStrategy or give the "
+            "Trainer a non-empty dataloader"
+        ) from err
+
+
+def _register_on_import() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    UniAPStrategy.register_strategies(StrategyRegistry)
+
+
+_register_on_import()  # importing the strategy is enough for Trainer(strategy="uniap")
