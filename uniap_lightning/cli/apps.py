@@ -177,3 +177,18 @@ def evaluate_main(cfg: DictConfig) -> None:
 @hydra.main(version_base="1.3", config_path=CONF, config_name="plan")
 def explain_main(cfg: DictConfig) -> None:
     run_explain(cfg)
+
+
+@hydra.main(version_base="1.3", config_path=CONF, config_name="fit")
+def train_main(cfg: DictConfig) -> None:
+    from uniap_lightning.cli.train import run_train
+
+    try:
+        result = run_train(cfg, list(HydraConfig.get().overrides.task))
+    except UniAPError as err:
+        _fail(err, cfg)
+        return
+    if result["rank"] == 0:
+        _record({k: result[k] for k in ("model", "final_loss", "train_ppl", "samples_per_s", "measured_samples_per_s")}
+                | {"devices": result["world_size"], "pp": result["plan"]["pp"],
+                   "microbatches": result["plan"]["microbatches"]})

@@ -9,6 +9,8 @@ USAGE = """usage: uniap <command> [key=value ...] [-m]
 commands:
   plan       find the best plan for a model on a cluster      uniap plan model=llama_7b cluster=h100_4x8
   evaluate   score a given plan file (what-if)                  uniap evaluate plan=plan.json model=... cluster=...
+  train      train a shipped GPT on the shipped corpus with Trainer(strategy="uniap")
+             uniap train model=tiny_gpt trainer.devices=2 trainer.max_steps=30
   explain    per-layer / per-stage predictions (and measurements), and why the other candidates lost
              uniap explain model=... cluster=... [plan=plan.json] [measured=metrics.json]
 
@@ -26,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = args[0], args[1:]
     from uniap_lightning.cli import apps
 
-    table = {"plan": apps.plan_main, "evaluate": apps.evaluate_main, "explain": apps.explain_main}
+    table = {"plan": apps.plan_main, "evaluate": apps.evaluate_main, "explain": apps.explain_main,
+             "train": apps.train_main}
     if command not in table:
         print(f"uniap: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2

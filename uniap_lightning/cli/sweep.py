@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 COLUMNS = ("model", "cluster", "devices", "batch_size", "pp", "microbatches", "strategies", "tpi_s",
-           "samples_per_s", "measured_samples_per_s", "solve_s", "error")
+           "samples_per_s", "measured_samples_per_s", "final_loss", "train_ppl", "solve_s", "error")
 
 
 class SweepSummary(Callback):

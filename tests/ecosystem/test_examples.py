@@ -1,0 +1,55 @@
+"""Each example runs in a short configuration on 2 CPU processes and trains (the loss falls below chance)."""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd, timeout=600, check=False)
+
+
+def final_loss(out: str) -> float:
+    match = re.search(r"final train loss:? ([0-9.]+)", out)
+    assert match, out[-3000:]
+    return float(match.group(1))
+
+
+@pytest.mark.parametrize(
+    ("script", "chance"),
+    [("gpt_text.py", math.log(128)), ("vit_shapes.py", math.log(4)),
+     pytest.param("hf_llama.py", math.log(128), marks=pytest.mark.skipif(
+         subprocess.run([sys.executable, "-c", "import transformers"], capture_output=True).returncode != 0,
+         reason="transformers is not installed"))],
+)
+def test_example_trains(tmp_path, script, chance):
+    res = run([str(ROOT / "examples" / script), "--devices", "2", "--steps", "8"], tmp_path)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert final_loss(res.stdout) < chance
+
+
+def test_uniap_train_cli(tmp_path):
+    res = run(["-m", "uniap_lightning.cli.main", "train", "trainer.max_steps=8", "trainer.devices=2",
+               f"out={tmp_path / 'res'}"], tmp_path)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert "UniAP plan" in res.stdout + res.stderr
+    import json
+
+    ranks = [json.loads((tmp_path / "res" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["plan"] == ranks[1]["plan"]
+    assert ranks[0]["final_loss"] < math.log(128) and ranks[0]["train_ppl"] > 1
+
+
+def test_uniap_train_bad_input(tmp_path):
+    res = run(["-m", "uniap_lightning.cli.main", "train", "model=vit_huge"], tmp_path)
+    assert res.returncode == 2 and "trains GPT-style language models" in res.stderr
+    res = run(["-m", "uniap_lightning.cli.main", "train", "data.name=imagenet"], tmp_path)
+    assert res.returncode == 2 and "data.name='imagenet'" in res.stderr

@@ -1,0 +1,78 @@
+"""Callbacks for training runs: perplexity (torchmetrics) and steady-state throughput."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torchmetrics.aggregation import MeanMetric
+
+
+class PerplexityLogger(pl.Callback):
+    """Logs ``train_ppl`` = exp(mean training loss over the last ``window`` steps) and ``val_ppl``."""
+
+    def __init__(self, window: int = 10) -> None:
+        self.window = window
+        self.train = MeanMetric()
+        self.val = MeanMetric()
+        self.last_train_ppl: float | None = None
+        self.last_val_ppl: float | None = None
+
+    @staticmethod
+    def _loss(outputs: Any) -> torch.Tensor | None:
+        if isinstance(outputs, dict):
+            outputs = outputs.get("loss")
+        return outputs.detach().float().cpu() if isinstance(outputs, torch.Tensor) else None
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        loss = self._loss(outputs)
+        if loss is None:
+            return
+        self.train.update(loss)
+        if (trainer.global_step % self.window == 0) or trainer.global_step >= (trainer.max_steps or 0):
+            self.last_train_ppl = math.exp(float(self.train.compute()))
+            pl_module.log("train_ppl", self.last_train_ppl, prog_bar=True, rank_zero_only=True)
+            self.train.reset()
+
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        loss = self._loss(outputs)
+        if loss is not None:
+            self.val.update(loss)
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.val.update_count:
+            self.last_val_ppl = math.exp(float(self.val.compute()))
+            pl_module.log("val_ppl", self.last_val_ppl, rank_zero_only=True)
+            self.val.reset()
+
+
+class ThroughputTimer(pl.Callback):
+    """Wall time per training step after ``warmup`` steps; ``samples_per_s`` for a global batch."""
+
+    def __init__(self, global_batch_size: int, warmup: int = 2) -> None:
+        self.batch, self.warmup = global_batch_size, warmup
+        self.times: list[float] = []
+        self._t0: float | None = None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self._t0 is not None and trainer.global_step > self.warmup:
+            self.times.append(time.perf_counter() - self._t0)
+
+    @property
+    def step_s(self) -> float | None:
+        if not self.times:
+            return None
+        ordered = sorted(self.times)
+        return ordered[len(ordered) // 2]
+
+    @property
+    def samples_per_s(self) -> float | None:
+        return self.batch / self.step_s if self.step_s else None

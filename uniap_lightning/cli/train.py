@@ -1,0 +1,120 @@
+"""``uniap train``: a shipped model on the shipped corpus with ``Trainer(strategy="uniap")``.
+
+With ``trainer.devices > 1`` outside SLURM (and not already a launched rank), this process starts the other
+ranks itself (same command, ``LOCAL_RANK`` set), as Lightning's launcher would, then trains as rank 0. Under
+SLURM ``srun`` starts the ranks and Lightning's SLURM environment wires them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from uniap_lightning.errors import UniAPError
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch_other_ranks(cfg: DictConfig, overrides: list[str]) -> list[subprocess.Popen]:
+    devices, nodes = int(cfg.trainer.devices), int(cfg.trainer.num_nodes)
+    if devices <= 1 or "LOCAL_RANK" in os.environ or "SLURM_NTASKS" in os.environ:
+        return []
+    if nodes != 1:
+        raise UniAPError(
+            f"trainer.num_nodes={nodes}: outside SLURM `uniap train` starts processes on this machine only; "
+            "use examples/slurm/train.sbatch for several nodes"
+        )
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(devices),
+               NODE_RANK="0")
+    children = [
+        subprocess.Popen([sys.executable, "-m", "uniap_lightning.cli.main", "train", *overrides],
+                         env=dict(env, LOCAL_RANK=str(rank)))
+        for rank in range(1, devices)
+    ]
+    os.environ.update({k: env[k] for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK")}, LOCAL_RANK="0")
+    return children
+
+
+def build_module(cfg: DictConfig) -> tuple[Any, Any, int]:
+    from uniap_lightning.adapters import CausalLMModule
+    from uniap_lightning.adapters.gpt import GPT, GPTConfig
+    from uniap_lightning.data import VOCAB_SIZE, TextDataModule
+
+    if cfg.data.name != "corpus":
+        raise UniAPError(f"data.name={cfg.data.name!r}: the shipped dataset is 'corpus'")
+    spec = cfg.model
+    if spec.get("segments") or spec.get("embedding", "token") != "token" or spec.get("head", "lm") != "lm":
+        raise UniAPError(f"model '{spec.name}': `uniap train` trains GPT-style language models (see examples/ for more)")
+    seq_len = int(cfg.data.seq_len or spec.seq_len)
+    gpt = GPT(GPTConfig(vocab_size=VOCAB_SIZE, block_size=seq_len, n_layer=int(spec.layers), n_head=int(spec.heads),
+                        n_embd=int(spec.hidden)))
+    module = CausalLMModule(gpt.layers(), lr=float(cfg.lr))
+    data = TextDataModule(seq_len=seq_len, batch_size=int(cfg.data.batch_size), shuffle=bool(cfg.data.shuffle),
+                          seed=int(cfg.seed))
+    return module, data, seq_len
+
+
+def run_train(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
+    import lightning.pytorch as pl
+
+    from uniap_lightning.callbacks import PerplexityLogger, ThroughputTimer
+    from uniap_lightning.strategy import UniAPStrategy
+
+    children = _launch_other_ranks(cfg, overrides)
+    try:
+        pl.seed_everything(int(cfg.seed), verbose=False)
+        module, data, _ = build_module(cfg)
+        st = cfg.strategy
+        strategy = UniAPStrategy(plan=st.plan, schedule=st.schedule, solver=st.solver, time_limit=float(st.time_limit),
+                                 cluster=_cluster(st.cluster))
+        ppl, timer = PerplexityLogger(window=5), ThroughputTimer(int(cfg.data.batch_size))
+        trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+        trainer = pl.Trainer(strategy=strategy, callbacks=[ppl, timer], logger=pl.loggers.CSVLogger("lightning_logs"),
+                             **trainer_kwargs)
+        trainer.fit(module, data)
+        loss = trainer.callback_metrics.get("train_loss")
+        result = {
+            "rank": trainer.global_rank,
+            "world_size": trainer.world_size,
+            "model": cfg.model.name,
+            "steps": trainer.global_step,
+            "final_loss": float(loss) if loss is not None else None,
+            "train_ppl": ppl.last_train_ppl,
+            "val_ppl": ppl.last_val_ppl,
+            "measured_samples_per_s": timer.samples_per_s,
+            "samples_per_s": strategy.plan.estimate.samples_per_s if strategy.plan.estimate else None,
+            "plan_origin": strategy.plan_origin,
+            "plan": strategy.plan.to_dict(),
+        }
+        if cfg.out:
+            out = Path(cfg.out)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result, indent=2))
+        if trainer.global_rank == 0:
+            print(f"final train loss {result['final_loss']:.4f}, perplexity {result['train_ppl'] or float('nan'):.2f}, "
+                  f"{timer.samples_per_s or float('nan'):.1f} samples/s measured "
+                  f"({result['samples_per_s'] or float('nan'):.1f} predicted)")
+        return result
+    finally:
+        bad = [c.wait() for c in children]
+        if any(bad):
+            raise UniAPError(f"a training rank exited with status {max(bad)}; see its output above")
+
+
+def _cluster(name: str | None):
+    if name is None:
+        return None
+    from uniap_lightning.config import cluster_from
+
+    return cluster_from(name)
