@@ -69,6 +69,16 @@ class UniAPStrategy(ModelParallelStrategy):
         timeout_s: collective timeout; a rank whose peer died fails with a :class:`UniAPError` within this time
             (usually at once, when the peer's connection closes).
         process_group_backend: ``"nccl"``, ``"gloo"``, or ``None`` for the device's default.
+        measure_cluster: when ``cluster`` is not given, time collectives on the job's own process group at setup
+            (a few seconds, all ranks; cached on disk per world layout) so the planner uses measured bandwidth and
+            latency instead of rough constants.
+        profile_cache: reuse measured profiles from disk (``<cache>/profiles``, keyed by model structure, sample
+            shape, device, world layout and library versions) instead of measuring again.
+        profile_repeats: timed runs per layer and micro-batch size (the median is kept).
+        profile_micro_batches: micro-batch sizes to time (default: half the sample batch and all of it, at most 16).
+        monitor: ``True`` (default) installs a :class:`~uniap_lightning.monitor.UniAPMonitor` with default settings
+            (measured vs predicted step time and peak memory, logged as ``uniap/*`` metrics); pass a monitor
+            instance for other settings or ``False`` for none.
     """
 
     strategy_name = "uniap"
@@ -85,6 +95,11 @@ class UniAPStrategy(ModelParallelStrategy):
         cache_dir: str | Path | None = None,
         timeout_s: float = 1800.0,
         process_group_backend: str | None = None,
+        measure_cluster: bool = True,
+        profile_cache: bool = True,
+        profile_repeats: int = 3,
+        profile_micro_batches: list[int] | None = None,
+        monitor: Any = True,
     ) -> None:
         super().__init__(
             save_distributed_checkpoint=True,
@@ -117,6 +132,15 @@ class UniAPStrategy(ModelParallelStrategy):
         self.plan_origin = ""
         self._fresh_grads: list[Any] = []
         self._batch_checked = False
+        self._measure_cluster = bool(measure_cluster)
+        self._profile_cache = bool(profile_cache)
+        self._profile_repeats = max(int(profile_repeats), 1)
+        self._profile_micro_batches = list(profile_micro_batches) if profile_micro_batches else None
+        self._monitor = monitor
+        #: the cluster the planner used (measured at setup when ``cluster`` was not given)
+        self.planning_cluster: Cluster | None = None
+        #: where the profile came from ("file <path>", "cache <path>", "measured", "structural") and setup timings
+        self.setup_report: dict[str, Any] = {}
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -184,6 +208,7 @@ class UniAPStrategy(ModelParallelStrategy):
             self._runtime = self._plan_and_apply(trainer)
             self._device_mesh = self._runtime.meshes.world
             self.lightning_module._device_mesh = self._device_mesh
+        self._install_monitor(trainer)
         self._install_clipping()
         self._batch_checked = False
         self.barrier()
@@ -194,66 +219,208 @@ class UniAPStrategy(ModelParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def _plan_and_apply(self, trainer: pl.Trainer) -> Runtime:
+        import time
+
         from uniap_lightning.runtime import apply_plan, extract_chain
         from uniap_lightning.runtime.planning import broadcast_json, check_plan_matches
 
+        t0 = time.perf_counter()
         chain = extract_chain(self.lightning_module)
+        cluster = self._cluster
+        if self._pinned_plan is None and cluster is None:
+            cluster = self._local_cluster()  # collective when measuring: every rank takes part
+        self.planning_cluster = cluster
         payload, error = None, None
         if self.global_rank == 0:
             try:
-                chosen, origin = self._choose_plan(trainer, chain)
-                payload = {"plan": chosen.to_dict(), "origin": origin}
+                chosen, origin = self._choose_plan(trainer, chain, cluster)
+                payload = {"plan": chosen.to_dict(), "origin": origin, "report": self.setup_report}
             except Exception as err:  # every rank must learn about the failure, or they would wait forever
                 if not isinstance(err, UniAPError):
                     traceback.print_exc()
                 error = f"{err}" if isinstance(err, UniAPError) else f"planning failed on rank 0: {err!r}"
         payload = broadcast_json(payload, error)
         plan, self.plan_origin = Plan.from_dict(payload["plan"]), str(payload["origin"])
+        self.setup_report = dict(payload.get("report") or {})
         check_plan_matches(plan, chain.names, world_size=self.world_size, profile=None)
         if self.global_rank == 0:
             _print_plan(plan, self.plan_origin)
-        return apply_plan(chain, plan, rank=self.global_rank, device=self.root_device)
+        runtime = apply_plan(chain, plan, rank=self.global_rank, device=self.root_device)
+        self.setup_report["setup_s"] = time.perf_counter() - t0
+        _info(
+            f"UniAP setup took {self.setup_report['setup_s']:.1f} s (profiling "
+            f"{self.setup_report.get('profile_s', 0.0):.1f} s [{self.setup_report.get('profile_origin', 'none')}], "
+            f"cluster {self.setup_report.get('cluster_s', 0.0):.1f} s [{self.setup_report.get('cluster_origin', 'given')}], "
+            f"solving {self.setup_report.get('solve_s', 0.0):.1f} s [{self.plan_origin}])"
+        )
+        return runtime
 
-    def _choose_plan(self, trainer: pl.Trainer, chain: Chain) -> tuple[Plan, str]:
+    def _local_cluster(self) -> Cluster:
+        """The local machine as a Cluster; with ``measure_cluster``, its links measured on this process group
+        (or read from the cache). Called on every rank."""
+        import time
+
+        import torch.distributed as dist
+
+        from uniap_lightning.profiling.cache import cluster_key, load_cached_json, save_cached_json
+        from uniap_lightning.runtime.planning import local_cluster
+
+        base = local_cluster(nodes=self.num_nodes, devices_per_node=self.num_processes,
+                             device_type=self.root_device.type)
+        if not self._measure_cluster or self.world_size < 2 or not dist.is_initialized():
+            self.setup_report["cluster_origin"] = "constants"
+            return base
+        from uniap_lightning.profiling.collectives import apply_to_cluster, measure_collectives
+
+        t0 = time.perf_counter()
+        cache_dir = self._profile_cache_dir()
+        key = cluster_key(device=_device_name(self.root_device), backend=str(dist.get_backend()),
+                          nodes=self.num_nodes, devices_per_node=self.num_processes)
+        name = f"cluster-{key}.json"
+        cached = None
+        if self.global_rank == 0 and self._profile_cache:
+            cached = load_cached_json(cache_dir, name)
+        cached = self.broadcast(cached, src=0)
+        if cached is not None:
+            measured, origin = cached, f"cache {cache_dir / name}"
+        else:
+            _info(f"UniAP: measuring collectives on {self.world_size} ranks (all-reduce, all-gather, p2p) ...")
+            measured = measure_collectives(repeats=3, devices_per_node=self.num_processes,
+                                           sizes_bytes=(1 << 12, 1 << 20))
+            measured["ops"] = {op: {int(p): r for p, r in recs.items()} for op, recs in measured["ops"].items()}
+            origin = "measured"
+            if self.global_rank == 0 and self._profile_cache:
+                try:
+                    save_cached_json(cache_dir, name, measured)
+                except OSError:
+                    pass
+        measured["ops"] = {op: {int(p): r for p, r in recs.items()} for op, recs in measured["ops"].items()}
+        cluster = apply_to_cluster(base, measured)
+        self.setup_report["cluster_s"] = time.perf_counter() - t0
+        self.setup_report["cluster_origin"] = origin
+        bw = ", ".join(f"{p}: {b:.2f}" for p, b in sorted(cluster.bandwidth_tables.get("intra", {}).items()))
+        _info(f"UniAP: cluster links ({origin}, {self.setup_report['cluster_s']:.1f} s): all-reduce bus bandwidth "
+              f"GB/s by group size {{{bw}}}, latency {cluster.intra_latency_us:.0f} us")
+        return cluster
+
+    def _profile_cache_dir(self) -> Path:
+        from uniap_lightning.profiling.cache import default_profile_cache_dir
+
+        return self._cache_dir / "profiles" if self._cache_dir is not None else default_profile_cache_dir()
+
+    def _choose_plan(self, trainer: pl.Trainer, chain: Chain, cluster: Cluster | None) -> tuple[Plan, str]:
         """Rank 0: the pinned plan (checked against the model) or a cached / solved one."""
-        from uniap_lightning.runtime.planning import check_plan_matches, default_cache_dir, local_cluster, solve_plan
+        import time
+
+        from uniap_lightning.runtime.planning import check_plan_matches, default_cache_dir, solve_plan
 
         pinned = self._pinned_plan
         need_profile = pinned is None or bool(pinned.model_fingerprint)
-        batch = _sample_batch(trainer) if need_profile else None
-        profile = self._profile(chain, batch) if need_profile else None
+        batch, why, batch_size = _sample_batch(trainer) if need_profile else (None, "", None)
+        profile = self._profile(chain, batch, why) if need_profile else None
         if pinned is not None:
             check_plan_matches(pinned, chain.names, world_size=self.world_size, profile=profile)
             return pinned, "pinned"
-        assert profile is not None and batch is not None
-        x, _ = chain.split_batch(batch)
-        cluster = self._cluster or local_cluster(
-            nodes=self.num_nodes, devices_per_node=self.num_processes, device_type=self.root_device.type
-        )
+        assert profile is not None and cluster is not None
+        if batch is not None:
+            x, _ = chain.split_batch(batch)
+            batch_size = int(x.shape[0])
+        if not batch_size:
+            raise UniAPError(
+                f"could not tell the global batch size to plan for ({why}); pass plan=<file> to UniAPStrategy or "
+                "give the Trainer a non-empty dataloader"
+            )
         if cluster.num_devices != self.world_size:
             raise UniAPError(
                 f"cluster '{cluster.name}' has {cluster.num_devices} devices but the Trainer runs {self.world_size} "
                 "processes; describe the cluster you run on"
             )
-        return solve_plan(
-            profile=profile, cluster=cluster, global_batch_size=int(x.shape[0]), schedule=self._schedule,
+        _info(f"UniAP: solving for {self.world_size} devices, global batch {batch_size} "
+              f"(solver={self._solver}, time limit {self._time_limit:g} s) ...")
+        t0 = time.perf_counter()
+        result = solve_plan(
+            profile=profile, cluster=cluster, global_batch_size=int(batch_size), schedule=self._schedule,
             solver=self._solver, time_limit_s=self._time_limit, cache_dir=self._cache_dir or default_cache_dir(),
         )
+        self.setup_report["solve_s"] = time.perf_counter() - t0
+        return result
 
-    def _profile(self, chain: Chain, batch: Any) -> ModelProfile:
-        from uniap_lightning.profiling.module import profile_layers
+    def _profile(self, chain: Chain, batch: Any, why: str = "") -> ModelProfile:
+        import time
+
+        from uniap_lightning.profiling.cache import (
+            check_profile_matches,
+            load_cached_profile,
+            profile_key,
+            save_cached_profile,
+        )
+        from uniap_lightning.profiling.module import profile_chain
         from uniap_lightning.profiling.schema import load_profile
         from uniap_lightning.runtime.tensor_parallel import tp_allreduces, tp_degrees
 
+        params = [sum(p.numel() for p in m.parameters()) for m in chain.layers]
         if self._profile_path is not None:
-            return load_profile(self._profile_path)
-        x, _ = chain.split_batch(batch)
-        x = x[: min(int(x.shape[0]), 16)].to(self.root_device)
-        return profile_layers(
-            chain.layers, chain.names, x,
+            profile = load_profile(self._profile_path)
+            check_profile_matches(profile, chain.names, params, origin=f"profile file {self._profile_path}")
+            self.setup_report.update(profile_origin=f"file {self._profile_path}", profile_s=0.0)
+            _info(f"UniAP: planning with the profile file {self._profile_path} ({profile.source})")
+            return profile
+        t0 = time.perf_counter()
+        x = None
+        if batch is not None:
+            try:
+                x, _ = chain.split_batch(batch)
+                x = x[: min(int(x.shape[0]), 16)].to(self.root_device)
+            except Exception as err:  # noqa: BLE001 - a batch we cannot split is profiled structurally
+                x, why = None, f"the sample batch could not be split into (input, target): {err!r}"
+        kw = dict(
             tp_degrees=[tp_degrees(m) for m in chain.layers], tp_allreduces=[tp_allreduces(m) for m in chain.layers],
-            model=type(self.lightning_module).__name__, device=str(self.root_device),
+            model=type(self.lightning_module).__name__, device=_device_name(self.root_device),
         )
+        cache_dir, key = self._profile_cache_dir(), None
+        if x is not None and self._profile_cache:
+            key = profile_key(
+                layers=chain.layers, names=chain.names, input_shape=list(x.shape), input_dtype=str(x.dtype),
+                device=_device_name(self.root_device), nodes=self.num_nodes, devices_per_node=self.num_processes,
+                settings={"repeats": self._profile_repeats, "micro_batches": self._profile_micro_batches},
+            )
+            cached = load_cached_profile(cache_dir, key)
+            if cached is not None:
+                try:
+                    check_profile_matches(cached, chain.names, params, origin="cached profile")
+                    self.setup_report.update(profile_origin=f"cache {cache_dir / f'profile-{key}.json'}",
+                                             profile_s=time.perf_counter() - t0)
+                    _info(f"UniAP: reusing the measured profile {cache_dir / f'profile-{key}.json'}")
+                    return cached
+                except UniAPError:
+                    pass
+        if x is not None:
+            _info(f"UniAP: profiling {len(chain.layers)} layers on a sample micro-batch of shape {tuple(x.shape)} "
+                  f"({self._profile_repeats} repeats) ...")
+        profile = profile_chain(
+            chain.layers, chain.names, x, repeats=self._profile_repeats, micro_batches=self._profile_micro_batches,
+            progress=lambda msg: _info(f"UniAP: profiling: {msg}"), why_no_input=why, **kw,
+        )
+        elapsed = time.perf_counter() - t0
+        self.setup_report.update(profile_origin=profile.source, profile_s=elapsed)
+        _info(f"UniAP: profiled the model in {elapsed:.1f} s ({profile.source})")
+        if key is not None and profile.source == "measured":
+            try:
+                path = save_cached_profile(cache_dir, key, profile)
+                self.setup_report["profile_path"] = str(path)
+            except OSError:
+                pass
+        return profile
+
+    def _install_monitor(self, trainer: pl.Trainer) -> None:
+        from uniap_lightning.monitor import UniAPMonitor
+
+        if self._monitor is False or self._monitor is None:
+            return
+        if any(isinstance(cb, UniAPMonitor) for cb in trainer.callbacks):
+            return
+        mon = self._monitor if isinstance(self._monitor, UniAPMonitor) else UniAPMonitor()
+        trainer.callbacks.append(mon)
 
     # ------------------------------------------------------------------ steps
     @override
@@ -455,9 +622,23 @@ def _is_comm_failure(err: BaseException) -> bool:
                                    "broken pipe", "peer"))
 
 
-def _sample_batch(trainer: pl.Trainer) -> Any:
-    """One batch of the data the trainer is about to use (unsplit, on CPU)."""
+def _info(msg: str) -> None:
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+    rank_zero_info(msg)
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return device.type
+
+
+def _sample_batch(trainer: pl.Trainer) -> tuple[Any, str, int | None]:
+    """One batch of the data the trainer is about to use (unsplit, on CPU), or ``None`` with the reason and the
+    loader's ``batch_size`` when it yields nothing."""
     fn = trainer.state.fn
+    loader: Any = None
     try:
         if trainer.datamodule is not None:
             loader = {
@@ -476,8 +657,11 @@ def _sample_batch(trainer: pl.Trainer) -> Any:
             loader = loop._data_source.dataloader()
         if isinstance(loader, (list, tuple)):
             loader = loader[0]
-        return next(iter(loader))
-    except (StopIteration, KeyError, AttributeError, TypeError) as err:
+        return next(iter(loader)), "", None
+    except StopIteration:
+        size = getattr(loader, "batch_size", None)
+        return None, "the dataloader yielded no batch", int(size) if isinstance(size, int) else None
+    except (KeyError, AttributeError, TypeError) as err:
         raise UniAPError(
             f"could not draw a sample batch to plan with ({err!r}); pass plan=<file> to UniAPStrategy or give the "
             "Trainer a non-empty dataloader"

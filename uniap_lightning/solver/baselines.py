@@ -26,7 +26,7 @@ def baseline_plans(problem: Problem, *, solver: str = "auto", time_limit_s: floa
     N = problem.num_devices
     cs = problem.training.microbatch_candidates()
     out: dict[str, Plan | None] = {}
-    out["ddp"] = best_uniform(problem, ((1, c, Strategy(N, 1, N > 1 and False)) for c in cs))
+    out["ddp"] = best_uniform(problem, ((1, c, Strategy(N, 1, False)) for c in cs))
     out["fsdp"] = best_uniform(problem, ((1, c, Strategy(N, 1, N > 1)) for c in cs))
     grid = []
     for pp in problem.pp_candidates():
