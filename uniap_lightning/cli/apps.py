@@ -62,7 +62,7 @@ def _record(result: dict[str, Any]) -> None:
 
 def _fail(err: UniAPError, cfg: DictConfig) -> None:
     Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/bold red] {escape(str(err))}", highlight=False)
-    _record({"model": cfg.model.get("name"), "cluster": cfg.cluster.get("name"), "error": str(err)})
+    _record({"model": cfg.model.get("name"), "cluster": (cfg.get("cluster") or {}).get("name"), "error": str(err)})
     if not _multirun():
         sys.exit(2)
 

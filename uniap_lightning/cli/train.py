@@ -46,16 +46,24 @@ def _launch_other_ranks(cfg: DictConfig, overrides: list[str]) -> list[subproces
     return children
 
 
-def build_module(cfg: DictConfig) -> tuple[Any, Any, int]:
-    from uniap_lightning.adapters import CausalLMModule
-    from uniap_lightning.adapters.gpt import GPT, GPTConfig
-    from uniap_lightning.data import VOCAB_SIZE, TextDataModule
-
+def check_config(cfg: DictConfig) -> None:
+    """Refuse what `uniap train` cannot run, before any other rank is started."""
     if cfg.data.name != "corpus":
         raise UniAPError(f"data.name={cfg.data.name!r}: the shipped dataset is 'corpus'")
     spec = cfg.model
     if spec.get("segments") or spec.get("embedding", "token") != "token" or spec.get("head", "lm") != "lm":
         raise UniAPError(f"model '{spec.name}': `uniap train` trains GPT-style language models (see examples/ for more)")
+    if int(cfg.data.batch_size) < 1 or int(cfg.trainer.devices) < 1:
+        raise UniAPError("data.batch_size and trainer.devices must be >= 1")
+
+
+def build_module(cfg: DictConfig) -> tuple[Any, Any, int]:
+    from uniap_lightning.adapters import CausalLMModule
+    from uniap_lightning.adapters.gpt import GPT, GPTConfig
+    from uniap_lightning.data import VOCAB_SIZE, TextDataModule
+
+    check_config(cfg)
+    spec = cfg.model
     seq_len = int(cfg.data.seq_len or spec.seq_len)
     gpt = GPT(GPTConfig(vocab_size=VOCAB_SIZE, block_size=seq_len, n_layer=int(spec.layers), n_head=int(spec.heads),
                         n_embd=int(spec.hidden)))
@@ -71,6 +79,7 @@ def run_train(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
     from uniap_lightning.callbacks import PerplexityLogger, ThroughputTimer
     from uniap_lightning.strategy import UniAPStrategy
 
+    check_config(cfg)
     children = _launch_other_ranks(cfg, overrides)
     try:
         pl.seed_everything(int(cfg.seed), verbose=False)
