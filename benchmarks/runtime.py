@@ -1,0 +1,614 @@
+"""Runtime benchmarks: what executing a plan costs, measured on 4 CPU processes (gloo on loopback).
+
+    python benchmarks/runtime.py [--quick] [--runs 5] [--warmup 4] [--steps 16] [--parts 1,2,3]
+                                 [--markdown BENCHMARKS_runtime.md] [--json results.json]
+
+Three comparisons, each measured side by side in one job (the 4 ranks are spawned once; the variants of a
+comparison alternate run after run, in rotating order, so machine noise hits them alike):
+
+1. **Strategy vs hand-written.** ``Trainer(strategy=UniAPStrategy(plan=<pinned layout>))`` against the same
+   layout written by hand with plain PyTorch (no Lightning): ``DistributedDataParallel`` for pure data
+   parallelism, ``torch.distributed.pipelining`` (``PipelineStage`` + ``Schedule1F1B``) over a DDP-wrapped
+   stage for pipeline x data parallelism. Same model, initial weights, batches, micro-batches and optimizer
+   (AdamW). Target: overhead at most 3%.
+2. **uniap vs Lightning's ddp.** ``Trainer(strategy=UniAPStrategy(plan=<pure data parallel>))`` against
+   ``Trainer(strategy="ddp")`` with the same global batch (``ddp``: batch / 4 per rank through Lightning's
+   DistributedSampler; ``uniap``: every rank loads the global batch and takes its share). The data-parallel plan
+   is *pinned*: on this machine the planner does not reliably choose pure data parallelism for this model (part 3
+   shows what it chooses). Target: at least 0.97x the throughput.
+3. **Chosen vs rejected plans.** The strategy profiles the model and solves; from its search trace (one record
+   per (pp, micro-batches) candidate) each candidate's best plan is rebuilt by solving with that candidate alone
+   (same profile, same cluster description), and the chosen plan and several rejected ones are run for real.
+
+Timing: a callback (or the hand-written loop) stamps ``time.perf_counter()`` at the end of every optimizer
+step (dataloader, Lightning loop, logging and optimizer included); a variant's figure is the median over
+``--runs`` runs.
+Per run the figure is the median of the per-step times after ``--warmup`` steps on each rank, the slowest rank
+counting; "paired" ratios are medians over runs of the ratio between the two variants' back-to-back runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+WORLD = 4
+LR = 3e-4
+#: the model of every comparison: the project's plain GPT (embedding, 4 blocks, head: a 6-layer chain)
+MODEL = dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
+#: time collectives at setup when planning (UniAPStrategy's measure_cluster; --measure-cluster); off by default:
+#: a planning run with it stalled here once (see BENCHMARKS_runtime.md)
+MEASURE_CLUSTER = os.environ.get("UNIAP_BENCH_MEASURE_CLUSTER") == "1"
+#: UniAPStrategy's default UniAPMonitor deadlocks once it reports (warm-up 3 + window 10 steps) without a
+#: metrics_file: rank 0 alone reads trainer.log_dir, a collective broadcast (see BENCHMARKS_runtime.md); off here
+STRATEGY_KW: dict[str, Any] = dict(monitor=False)
+BATCH = 32  # global batch (samples of MODEL["block_size"] tokens)
+
+
+# ---------------------------------------------------------------------------------------------- model and data
+def make_layers() -> list[nn.Module]:
+    from uniap_lightning.adapters.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**MODEL)).layers()
+
+
+def make_module() -> Any:
+    from uniap_lightning.adapters import CausalLMModule
+
+    return CausalLMModule(make_layers(), lr=LR)
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Same as ``CausalLMModule.uniap_loss``."""
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+
+
+def make_loader(steps: int, batch: int = BATCH, per_rank_batch: int | None = None) -> Any:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, MODEL["vocab_size"], (batch * steps, MODEL["block_size"]), generator=g)
+    return DataLoader(TensorDataset(ids, ids), batch_size=per_rank_batch or batch, shuffle=False, drop_last=True)
+
+
+def my_share(t: torch.Tensor, c: int, n: int, lane: int) -> torch.Tensor:
+    """Rank ``lane`` of ``n`` takes slice ``lane`` of each of the ``c`` micro-batches (the strategy's split)."""
+    b = t.shape[0]
+    return t.reshape(c, n, b // (c * n), *t.shape[1:])[:, lane].reshape(b // n, *t.shape[1:])
+
+
+def layout_plan(pp: int, c: int, stage_of_layer: list[int], dp: int, names: list[str]) -> Any:
+    from uniap_lightning.plan import Plan
+
+    return Plan.from_assignment(
+        stage_of_layer=stage_of_layer, strategies=[(dp, 1, False)] * len(names), layer_names=names, pp=pp,
+        microbatches=c, schedule="1f1b", global_batch_size=BATCH, num_devices=WORLD,
+    )
+
+
+def label(plan: Any) -> str:
+    """``pp2 c4 d2t1`` style: pipeline degree, micro-batches, per-stage strategies (``f``: sharded dp)."""
+    parts = []
+    for i in range(plan.pp):
+        kinds = []
+        for u in plan.layers_of_stage(i):
+            lp = plan.layers[u]
+            k = f"{'f' if lp.shard else 'd'}{lp.dp}t{lp.tp}"
+            if k not in kinds:
+                kinds.append(k)
+        parts.append("/".join(kinds))
+    split = "|".join(str(len(plan.layers_of_stage(i))) for i in range(plan.pp))
+    return f"pp{plan.pp} c{plan.microbatches} {' : '.join(parts)}" + (f" (layers {split})" if plan.pp > 1 else "")
+
+
+# ---------------------------------------------------------------------------------------------- timing
+class Stamps:
+    def __init__(self) -> None:
+        self.t: list[float] = []
+
+    def stamp(self) -> None:
+        self.t.append(time.perf_counter())
+
+    def window(self, warmup: int) -> float:
+        """Median seconds per step over the steps after the first ``warmup`` (steady state).
+
+        The median rather than the mean: on a shared machine another job occasionally stalls a step; the median
+        keeps such stalls out while any cost paid on every step (the thing compared here) stays in.
+        """
+        t = self.t
+        if len(t) <= warmup:
+            raise RuntimeError(f"only {len(t)} steps recorded, warm-up is {warmup}")
+        return statistics.median(b - a for a, b in zip(t[warmup - 1:], t[warmup:]))
+
+
+def step_timer(stamps: Stamps) -> Any:
+    import lightning.pytorch as pl
+
+    class _Timer(pl.Callback):
+        def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
+            stamps.stamp()
+
+    return _Timer()
+
+
+def slowest(seconds: float) -> float:
+    """The slowest rank's figure (all ranks call it)."""
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, seconds)
+    return max(out)
+
+
+def trainer_common(steps: int) -> dict[str, Any]:
+    return dict(
+        accelerator="cpu", devices=WORLD, max_steps=steps, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- variants
+def run_uniap(plan: Any, warmup: int, steps: int, strategy: Any = None) -> tuple[float, Any]:
+    """The strategy executing ``plan`` (pinned) or planning itself (``plan=None``, ``strategy`` given)."""
+    import lightning.pytorch as pl
+
+    from uniap_lightning.strategy import UniAPStrategy
+
+    stamps = Stamps()
+    strategy = strategy if strategy is not None else UniAPStrategy(plan=plan, **STRATEGY_KW)
+    trainer = pl.Trainer(strategy=strategy, callbacks=[step_timer(stamps)], use_distributed_sampler=False,
+                         **trainer_common(warmup + steps))
+    trainer.fit(make_module(), make_loader(warmup + steps))
+    plan = strategy.plan if isinstance(strategy, UniAPStrategy) else None
+    return slowest(stamps.window(warmup)), plan
+
+
+def run_lightning_ddp(warmup: int, steps: int) -> float:
+    import lightning.pytorch as pl
+
+    stamps = Stamps()
+    trainer = pl.Trainer(strategy="ddp", callbacks=[step_timer(stamps)], **trainer_common(warmup + steps))
+    trainer.fit(make_module(), make_loader(warmup + steps, per_rank_batch=BATCH // WORLD))
+    return slowest(stamps.window(warmup))
+
+
+_GROUPS: dict[tuple[int, int], tuple[list[Any], list[Any]]] = {}
+
+
+def _groups(pp: int, n: int) -> tuple[list[Any], list[Any]]:
+    """Pipeline-lane groups and stage groups (created once, in the same order on every rank)."""
+    import torch.distributed as dist
+
+    if (pp, n) not in _GROUPS:
+        lanes = [dist.new_group([s * n + lane for s in range(pp)]) for lane in range(n)]
+        stages = [dist.new_group(list(range(s * n, (s + 1) * n))) for s in range(pp)]
+        _GROUPS[(pp, n)] = (lanes, stages)
+    return _GROUPS[(pp, n)]
+
+
+def flat_all_reduce(params: list[nn.Parameter], group: Any, size: int) -> None:
+    """Average gradients over ``group`` with one flat all-reduce."""
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        grads = [p.grad for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        flat.div_(size)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def run_by_hand(pp: int, c: int, stage_of_layer: list[int], warmup: int, steps: int, sync: str = "ddp") -> float:
+    """The same layout in a plain training loop, no Lightning.
+
+    ``sync="ddp"``: DistributedDataParallel (pp=1) or pipelining over DDP-wrapped stages (pp>1), i.e. bucketed
+    all-reduces overlapped with backward. ``sync="flat"``: no wrapper, one flat all-reduce of the gradients after
+    the last backward (what the strategy does for replicated layers).
+    """
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank = dist.get_rank()
+    n = WORLD // pp
+    stage, lane = rank // n, rank % n
+    layers = make_layers()
+    mine = nn.Sequential(*[m for m, s in zip(layers, stage_of_layer) if s == stage])
+    stamps = Stamps()
+    loader = make_loader(warmup + steps)
+    group = None if pp == 1 else _groups(pp, n)[1][stage]
+    params = list(mine.parameters())
+    if pp == 1:
+        model = DDP(mine) if sync == "ddp" else mine
+        opt = torch.optim.AdamW(mine.parameters(), lr=LR)
+        for x, y in loader:
+            xs, ys = my_share(x, c, n, lane), my_share(y, c, n, lane)
+            for i, (xm, ym) in enumerate(zip(xs.chunk(c), ys.chunk(c))):
+                with model.no_sync() if sync == "ddp" and i < c - 1 else nullcontext():
+                    (lm_loss(model(xm), ym) / c).backward()
+            if sync == "flat":
+                flat_all_reduce(params, group, n)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            stamps.stamp()
+    else:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+        lanes, stages = _groups(pp, n)
+        model = DDP(mine, process_group=stages[stage]) if n > 1 and sync == "ddp" else mine
+        pstage = PipelineStage(model, stage, pp, torch.device("cpu"), group=lanes[lane])
+        sched = Schedule1F1B(pstage, n_microbatches=c, loss_fn=lm_loss, scale_grads=True)
+        opt = torch.optim.AdamW(mine.parameters(), lr=LR)
+        for x, y in loader:
+            xs, ys = my_share(x, c, n, lane), my_share(y, c, n, lane)
+            if stage == 0:
+                sched.step(xs)
+            elif stage == pp - 1:
+                sched.step(target=ys, losses=[])
+            else:
+                sched.step()
+            if sync == "flat" and n > 1:
+                flat_all_reduce(params, group, n)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            stamps.stamp()
+    return slowest(stamps.window(warmup))
+
+
+def interleaved(variants: dict[str, Any], runs: int, say: Any) -> dict[str, list[float]]:
+    """Run every variant ``runs`` times, alternating (rotating order), return seconds/step per run."""
+    import torch.distributed as dist
+
+    names = list(variants)
+    out: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(runs):
+        order = names[r % len(names):] + names[: r % len(names)]
+        for name in order:
+            dist.barrier()
+            gc.collect()
+            out[name].append(variants[name]())
+            say(f"    run {r + 1}/{runs} {name}: {out[name][-1] * 1e3:.1f} ms/step")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- the parts
+def part1(args: Any, say: Any) -> dict[str, Any]:
+    names = [f"chain.{i}" for i in range(MODEL["n_layer"] + 2)]
+    half = len(names) // 2
+    layouts = {
+        "dp4 (replicate), 1 micro-batch": (1, 1, [0] * len(names)),
+        "pp2 x dp2, 1F1B, 4 micro-batches": (2, 4, [0] * half + [1] * (len(names) - half)),
+    }
+    rows = []
+    for title, (pp, c, stages) in layouts.items():
+        say(f"  part 1: {title}")
+        plan = layout_plan(pp, c, stages, WORLD // pp, names)
+        res = interleaved({
+            "uniap": lambda plan=plan: run_uniap(plan, args.warmup, args.steps)[0],
+            "by hand (DDP)": lambda pp=pp, c=c, stages=stages: run_by_hand(pp, c, stages, args.warmup, args.steps),
+            "by hand (flat)": lambda pp=pp, c=c, stages=stages: run_by_hand(pp, c, stages, args.warmup, args.steps,
+                                                                            sync="flat"),
+        }, args.runs, say)
+        rows.append({"layout": title, "plan": label(plan), "uniap_s": res["uniap"], "hand_s": res["by hand (DDP)"],
+                     "flat_s": res["by hand (flat)"]})
+    return {"rows": rows}
+
+
+def part2(args: Any, say: Any, cache_dir: str) -> dict[str, Any]:
+    from uniap_lightning.strategy import UniAPStrategy
+
+    say("  part 2: strategy='uniap' vs strategy='ddp'")
+    names = [f"chain.{i}" for i in range(MODEL["n_layer"] + 2)]
+    # The planner does not pick pure data parallelism for this model on its own (see part 3), so the data-parallel
+    # plan is pinned: every layer replicated over the 4 ranks, one micro-batch (DDP's layout exactly).
+    dp_plan = layout_plan(1, 1, [0] * len(names), WORLD, names)
+    seen: list[str] = []
+
+    def uniap() -> float:
+        strategy = UniAPStrategy(plan=dp_plan, **STRATEGY_KW)
+        s, plan = run_uniap(None, args.warmup, args.steps, strategy=strategy)
+        pure = plan.pp == 1 and all(lp.dp == WORLD and lp.tp == 1 and not lp.shard for lp in plan.layers)
+        seen.append(f"{label(plan)} [{strategy.plan_origin.split()[0]}{', pure data parallel' if pure else ''}]")
+        return s
+
+    res = interleaved({"uniap": uniap, "ddp": lambda: run_lightning_ddp(args.warmup, args.steps)}, args.runs, say)
+    return {"uniap_s": res["uniap"], "ddp_s": res["ddp"], "plans": seen}
+
+
+class _Capturing:
+    """UniAPStrategy that keeps the profile it measured (rank 0), to rebuild the rejected candidates from it."""
+
+    @staticmethod
+    def make(cache_dir: str) -> Any:
+        from uniap_lightning.strategy import UniAPStrategy
+
+        class Capturing(UniAPStrategy):
+            captured: Any = None
+
+            def _profile(self, *args: Any, **kwargs: Any) -> Any:
+                prof = super()._profile(*args, **kwargs)
+                Capturing.captured = prof
+                return prof
+
+        return Capturing(cache_dir=cache_dir, measure_cluster=MEASURE_CLUSTER, **STRATEGY_KW)
+
+
+def part3(args: Any, say: Any, cache_dir: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from uniap_lightning.plan import Plan
+
+    say("  part 3: the strategy plans; chosen vs rejected candidates")
+    strategy = _Capturing.make(cache_dir)
+    _, chosen = run_uniap(None, 1, 1, strategy=strategy)
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        cluster = getattr(strategy, "planning_cluster", None)
+        box = [_candidates(chosen, type(strategy).captured, cluster, args.rejected, say)]
+    dist.broadcast_object_list(box, src=0)
+    cands = [(Plan.from_dict(d), info) for d, info in box[0]]
+    variants = {label(p): (lambda p=p: run_uniap(p, args.warmup, args.steps)[0]) for p, _ in cands}
+    res = interleaved(variants, args.runs, say)
+    rows = [{"plan": label(p), **info, "measured_s": res[label(p)]} for p, info in cands]
+    trace = [{k: r.get(k) for k in ("pp", "microbatches", "outcome", "tpi_s", "bound_s")} for r in chosen.search]
+    return {"rows": rows, "chosen": label(chosen), "trace": trace, "solver": str(chosen.solver)}
+
+
+def _candidates(chosen: Any, profile: Any, cluster: Any, k: int,
+                say: Any) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """The chosen plan and the ``k`` best-predicted rejected (pp, c) candidates (each pp degree represented)."""
+    from uniap_lightning.problem import Problem, TrainingConfig
+    from uniap_lightning.runtime.planning import local_cluster
+    from uniap_lightning.solver import solve
+
+    cluster = cluster or local_cluster(nodes=1, devices_per_node=WORLD, device_type="cpu")
+    rebuilt = []
+    for rec in chosen.search:
+        p, c = rec["pp"], rec["microbatches"]
+        if rec["outcome"] == "does not fit" or (p, c) == (chosen.pp, chosen.microbatches):
+            continue
+        problem = Problem(model=profile, cluster=cluster,
+                          training=TrainingConfig(global_batch_size=BATCH, microbatches=(c,), schedule="1f1b"))
+        try:
+            plan = solve(problem, pp=[p], baselines=False, time_limit_s=20)
+        except Exception as err:  # noqa: BLE001 - a candidate that cannot be rebuilt is reported and skipped
+            say(f"    candidate pp={p} c={c}: {err}")
+            continue
+        rebuilt.append((plan, rec["outcome"]))
+    rebuilt.sort(key=lambda pr: pr[0].estimate.tpi_s)
+    picked: list[tuple[Any, str]] = []
+    for p in sorted({pl.pp for pl, _ in rebuilt}):  # the best of every pipeline degree ...
+        picked.append(next(pr for pr in rebuilt if pr[0].pp == p))
+    for pr in rebuilt:  # ... then the next best overall
+        if len(picked) >= k:
+            break
+        if pr not in picked:
+            picked.append(pr)
+    picked = sorted(picked, key=lambda pr: pr[0].estimate.tpi_s)
+    out = [(chosen.to_dict(), {"role": "chosen", "outcome": "chosen", "predicted_s": chosen.estimate.tpi_s})]
+    for plan, outcome in picked:
+        out.append((plan.to_dict(), {"role": "rejected", "outcome": outcome, "predicted_s": plan.estimate.tpi_s}))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- processes
+def worker(rank: int, port: int, args: Any, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
+                      NODE_RANK="0", GLOO_SOCKET_IFNAME="lo", RANK=str(rank))
+    progress = os.fdopen(os.dup(2), "w", buffering=1)
+    log = open(Path(out_dir) / f"rank{rank}.log", "w", buffering=1)  # Lightning's and the plan's chatter
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    sys.stdout = sys.stderr = log
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+
+    def say(msg: str) -> None:
+        if rank == 0:
+            progress.write(f"[{time.strftime('%H:%M:%S')}] {msg}\n")
+
+    results: dict[str, Any] = {"args": vars(args), "model": MODEL, "batch": BATCH, "world": WORLD}
+    cache_dir = tempfile.mkdtemp(prefix="uniap-bench-plans-") if rank == 0 else ""
+    box = [cache_dir]
+    dist.broadcast_object_list(box, src=0)
+    cache_dir = box[0]
+    for part in args.parts:
+        t0 = time.perf_counter()
+        if part == 1:
+            results["part1"] = part1(args, say)
+        elif part == 2:
+            results["part2"] = part2(args, say, cache_dir)
+        elif part == 3:
+            results["part3"] = part3(args, say, cache_dir)
+        results[f"part{part}"]["wall_s"] = time.perf_counter() - t0
+    if rank == 0:
+        (Path(out_dir) / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------------------------- report
+def med(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def paired(a: list[float], b: list[float]) -> float:
+    """Median over runs of a_i / b_i (run i of both variants was measured back to back)."""
+    return med([x / y for x, y in zip(a, b)])
+
+
+def spread(xs: list[float]) -> str:
+    return f"{min(xs) * 1e3:.1f}-{max(xs) * 1e3:.1f}"
+
+
+def tables(res: dict[str, Any]) -> list[Any]:
+    from rich.table import Table
+
+    out = []
+    runs = res["args"]["runs"]
+    if "part1" in res:
+        t = Table(title=f"(1) Strategy executing a plan vs the same layout by hand (ms/step, median of {runs}; "
+                        "target: uniap / hand <= 1.03)")
+        for col in ("layout", "plan", "hand DDP", "hand flat", "uniap", "uniap / DDP", "uniap / flat",
+                    "paired / DDP", "paired / flat", "runs hand DDP", "runs hand flat", "runs uniap"):
+            t.add_column(col)
+        for row in res["part1"]["rows"]:
+            h, f, u = med(row["hand_s"]), med(row["flat_s"]), med(row["uniap_s"])
+            t.add_row(row["layout"], row["plan"], f"{h * 1e3:.1f}", f"{f * 1e3:.1f}", f"{u * 1e3:.1f}",
+                      f"{u / h:.3f}", f"{u / f:.3f}", f"{paired(row['uniap_s'], row['hand_s']):.3f}",
+                      f"{paired(row['uniap_s'], row['flat_s']):.3f}", spread(row["hand_s"]), spread(row["flat_s"]),
+                      spread(row["uniap_s"]))
+        out.append(t)
+    if "part2" in res:
+        p = res["part2"]
+        t = Table(title=f"(2) strategy='uniap' vs strategy='ddp' (global batch {res['batch']}, samples/s, median of "
+                        f"{runs}; target >= 0.97x)")
+        for col in ("strategy", "plan", "ms/step", "samples/s", "vs ddp", "paired vs ddp", "runs ms/step"):
+            t.add_column(col)
+        d, u = med(p["ddp_s"]), med(p["uniap_s"])
+        plans = sorted(set(p["plans"]))
+        t.add_row("ddp", "DDP over 4 ranks", f"{d * 1e3:.1f}", f"{res['batch'] / d:.1f}", "1.000x", "1.000x",
+                  spread(p["ddp_s"]))
+        t.add_row("uniap", ", ".join(plans), f"{u * 1e3:.1f}", f"{res['batch'] / u:.1f}", f"{d / u:.3f}x",
+                  f"{paired(p['ddp_s'], p['uniap_s']):.3f}x", spread(p["uniap_s"]))
+        out.append(t)
+    if "part3" in res:
+        p = res["part3"]
+        rows = p["rows"]
+        by_meas = sorted(rows, key=lambda r: med(r["measured_s"]))
+        by_pred = sorted(rows, key=lambda r: r["predicted_s"])
+        chosen = next(r for r in rows if r["role"] == "chosen")
+        t = Table(title=f"(3) The chosen plan vs rejected candidates, run for real (ms/step, median of {runs})")
+        for col in ("plan", "role", "search outcome", "predicted", "measured", "measured / chosen", "rank predicted",
+                    "rank measured", "runs"):
+            t.add_column(col)
+        for r in by_pred:
+            m = med(r["measured_s"])
+            t.add_row(r["plan"], r["role"], r["outcome"], f"{r['predicted_s'] * 1e3:.1f}", f"{m * 1e3:.1f}",
+                      f"{m / med(chosen['measured_s']):.2f}x", str(by_pred.index(r) + 1), str(by_meas.index(r) + 1),
+                      spread(r["measured_s"]))
+        out.append(t)
+    return out
+
+
+def verdicts(res: dict[str, Any]) -> list[str]:
+    lines = []
+    if "part1" in res:
+        for row in res["part1"]["rows"]:
+            h, f, u = med(row["hand_s"]), med(row["flat_s"]), med(row["uniap_s"])
+            best = min(h, f)
+            lines.append(f"(1) {row['layout']}: uniap {u * 1e3:.1f} ms vs by hand {h * 1e3:.1f} ms (DDP) / "
+                         f"{f * 1e3:.1f} ms (flat all-reduce): overhead vs the faster hand-written loop "
+                         f"{(u / best - 1) * 100:+.1f}% ({'meets' if u / best <= 1.03 else 'MISSES'} the 3% target)")
+    if "part2" in res:
+        p = res["part2"]
+        d, u = med(p["ddp_s"]), med(p["uniap_s"])
+        pure_dp = all("pure data parallel" in pl for pl in p["plans"])
+        lines.append(f"(2) uniap {BATCH / u:.1f} samples/s vs ddp {BATCH / d:.1f}: {d / u:.3f}x "
+                     f"({'meets' if d / u >= 0.97 else 'MISSES'} the 0.97x target); plans used: "
+                     f"{sorted(set(p['plans']))} ({'pure data parallel' if pure_dp else 'NOT pure data parallel'})")
+    if "part3" in res:
+        rows = res["part3"]["rows"]
+        chosen = next(r for r in rows if r["role"] == "chosen")
+        best = min(rows, key=lambda r: med(r["measured_s"]))
+        others = [r for r in rows if r is not chosen]
+        runner_up = min(others, key=lambda r: med(r["measured_s"])) if others else None
+        if best is chosen and runner_up:
+            lines.append(f"(3) the chosen plan {chosen['plan']} is the fastest measured; the next best "
+                         f"({runner_up['plan']}) is {med(runner_up['measured_s']) / med(chosen['measured_s']):.2f}x "
+                         "slower")
+        else:
+            lines.append(f"(3) the chosen plan {chosen['plan']} is NOT the fastest measured: {best['plan']} is "
+                         f"{med(chosen['measured_s']) / med(best['measured_s']):.2f}x faster")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="short run: 2 runs of 6 steps, 2 rejected candidates")
+    ap.add_argument("--runs", type=int, default=None, help="runs per variant (default 7; --quick 2)")
+    ap.add_argument("--warmup", type=int, default=None, help="steps excluded from timing (default 3; --quick 2)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per run (default 12; --quick 6)")
+    ap.add_argument("--rejected", type=int, default=None, help="rejected candidates to run (default 4; --quick 2)")
+    ap.add_argument("--parts", default="1,2,3", help="comma list of parts to run: 1,2,3")
+    ap.add_argument("--measure-cluster", action="store_true",
+                    help="let the planning runs time collectives at setup (UniAPStrategy measure_cluster=True)")
+    ap.add_argument("--markdown", default=None, help="also write the tables as a markdown fragment")
+    ap.add_argument("--json", default=None, help="also write the raw measurements (JSON)")
+    args = ap.parse_args()
+    q = args.quick
+    args.runs = args.runs or (2 if q else 7)
+    args.warmup = args.warmup or (2 if q else 3)
+    args.steps = args.steps or (6 if q else 12)
+    args.rejected = args.rejected if args.rejected is not None else (2 if q else 4)
+    args.parts = [int(p) for p in args.parts.split(",") if p]
+    if args.measure_cluster:
+        os.environ["UNIAP_BENCH_MEASURE_CLUSTER"] = "1"  # inherited by the spawned ranks
+
+    import torch.multiprocessing as mp
+    from rich.console import Console
+
+    console = Console(width=170, record=True)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="uniap-bench-") as out_dir:
+        try:
+            mp.start_processes(worker, args=(free_port(), args, out_dir), nprocs=WORLD, start_method="spawn")
+        except Exception:
+            for r in range(WORLD):
+                log = Path(out_dir) / f"rank{r}.log"
+                if log.exists():
+                    print(f"----- rank {r} log (tail)\n" + "".join(log.read_text().splitlines(True)[-40:]))
+            raise
+        res = json.loads((Path(out_dir) / "results.json").read_text())
+    wall = time.perf_counter() - t0
+    console.print(f"model: GPT {MODEL}, global batch {BATCH}, {WORLD} CPU processes (gloo), AdamW; "
+                  f"{args.runs} runs x ({args.warmup} warm-up + {args.steps} timed steps) per variant; "
+                  f"wall {wall:.0f} s")
+    for t in tables(res):
+        console.print(t)
+    for line in verdicts(res):
+        console.print(line)
+    if "part3" in res:
+        steps = [f"pp{r['pp']} c{r['microbatches']}: {r['outcome']}"
+                 + (f" ({r['bound_s'] * 1e3:.1f} ms bound)" if r.get("bound_s") else "") for r in res["part3"]["trace"]]
+        console.print("planner's search, in visiting order: " + "; ".join(steps))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1))
+    if args.markdown:
+        text = console.export_text()
+        cmd = "python benchmarks/runtime.py " + " ".join(sys.argv[1:])
+        Path(args.markdown).write_text(f"Command: `{cmd.strip()}` ({time.strftime('%Y-%m-%d')}, wall {wall:.0f} s)\n\n"
+                                       f"```\n{text}```\n")
+
+
+if __name__ == "__main__":
+    main()
