@@ -56,3 +56,10 @@ def test_alpha_beta_fit_recovers_the_model():
     bw, lat = _fit("all_reduce", 4, (1000, 1_000_000), (t(1000), t(1_000_000)))
     assert bw == pytest.approx(2.0)
     assert lat == pytest.approx(10.0)
+
+
+def test_alpha_beta_fit_survives_noise():
+    # the 1 MiB all-reduce timed no slower than the 4 KiB one (noise): no absurd bandwidth, the lower bound instead
+    bw, lat = _fit("all_reduce", 2, (4096, 1 << 20), (2e-3, 1.9e-3))
+    assert bw == pytest.approx((1 << 20) / 1.9e-3 / 1e9)
+    assert lat >= 0

@@ -36,17 +36,22 @@ def _fit(op: str, p: int, sizes: tuple[int, int], times: tuple[float, float]) ->
     (s1, s2), (t1, t2) = sizes, times
     dt = max(t2 - t1, 1e-9)
     bw = k_bw * (s2 - s1) / dt
+    if t2 - t1 < 0.25 * t2:
+        # on a noisy machine t2 - t1 can be ~0 or negative, which fits an absurd bandwidth: the two sizes do not
+        # separate bandwidth from latency, so read the bandwidth from the large transfer's whole time (a lower bound)
+        bw = k_bw * s2 / max(t2, 1e-9)
     alpha = max((t1 - k_bw * s1 / bw) / k_lat, 0.0)
     return bw / 1e9, alpha * 1e6
 
 
-def _time(fn, repeats: int) -> float:
+def _time(fn, repeats: int, group=None) -> float:
+    """Median seconds of ``fn`` over ``repeats`` runs; every member of ``group`` (default: all ranks) must call it."""
     import torch.distributed as dist
 
     fn()  # warm-up
     samples = []
     for _ in range(repeats):
-        dist.barrier()
+        dist.barrier(group=group)
         t0 = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - t0)
@@ -86,7 +91,9 @@ def measure_collectives(
                 ("all_gather", lambda: dist.all_gather(out_list, shard, group=group)),
                 ("reduce_scatter", lambda: _reduce_scatter(shard, full, p, group)),
             ):
-                timings[op].append(_time(fn, repeats) if member else 0.0)
+                # only the group's members time it, so the barrier is the group's (a world barrier that only
+                # some ranks reach would hang the others, which go on to the next group)
+                timings[op].append(_time(fn, repeats, group) if member else 0.0)
             if p == 2:
                 timings["p2p"].append(_time(lambda: _ping(full, rank), repeats) / 2)
         for op in ops:

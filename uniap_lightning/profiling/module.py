@@ -2,7 +2,8 @@
 
 Per layer: parameter count, output bytes and saved-activation bytes per sample (from a real forward, counting
 the tensors autograd saves for backward, parameters excluded), and forward / backward seconds (median of
-``repeats`` timed runs after ``warmup`` untimed ones). Times are taken at two or more micro-batch sizes and written
+``repeats`` timed runs after ``warmup`` untimed ones; made non-decreasing in the micro-batch size, since a
+smaller reading at a larger size can only be noise). Times are taken at two or more micro-batch sizes and written
 to the profile's ``timings`` field, so the cost model interpolates instead of assuming time linear in the batch
 (a CPU or GPU is far from linear at small batches). ``forward_s`` / ``backward_s`` are per sample at the largest
 size.
@@ -157,25 +158,32 @@ def profile_layers(
     buffers = [(b, b.detach().clone()) for layer in layers for b in layer.buffers() if not b.is_meta]
     t_start = time.perf_counter()
     per_size: dict[int, list[tuple[float, float]]] = {}
-    stats: list[tuple[int, float, float, float | None]] = []  # at the largest size: out bytes, act bytes, peak
+    stats: list[tuple[int, float, float | None]] = []  # at the largest size: out bytes, act bytes, peak
+    skipped: dict[int, str] = {}
     try:
         for m in sizes:  # largest last: its outputs give the per-sample byte figures
             x: Any = sample_input[:m]
             times: list[tuple[float, float]] = []
-            for i, (layer, name) in enumerate(zip(layers, names, strict=True)):
-                try:
-                    y, fwd_s, bwd_s, act, peak = _measure_layer(layer, x, repeats, warmup)
-                except ProfilingUnavailable as err:
-                    raise ProfilingUnavailable(f"layer {i} ({name}): {err}") from err
-                except (RuntimeError, TypeError, ValueError, IndexError) as err:
-                    raise ProfilingUnavailable(
-                        f"layer {i} ({name}) rejected the sample batch ({type(err).__name__}: "
-                        f"{str(err).splitlines()[0] if str(err) else ''})"
-                    ) from err
-                times.append((fwd_s, bwd_s))
-                if m == rows:
-                    stats.append((_tensor_bytes(y), act, peak))
-                x = y
+            try:
+                for i, (layer, name) in enumerate(zip(layers, names, strict=True)):
+                    try:
+                        y, fwd_s, bwd_s, act, peak = _measure_layer(layer, x, repeats, warmup)
+                    except ProfilingUnavailable as err:
+                        raise ProfilingUnavailable(f"layer {i} ({name}): {err}") from err
+                    except (RuntimeError, TypeError, ValueError, IndexError) as err:
+                        raise ProfilingUnavailable(
+                            f"layer {i} ({name}) rejected the sample batch ({type(err).__name__}: "
+                            f"{str(err).splitlines()[0] if str(err) else ''})"
+                        ) from err
+                    times.append((fwd_s, bwd_s))
+                    if m == rows:
+                        stats.append((_tensor_bytes(y), act, peak))
+                    x = y
+            except ProfilingUnavailable as err:
+                if m == rows or "meta device" in str(err):
+                    raise
+                skipped[m] = str(err)  # e.g. batch norm refuses one sample: time the other sizes
+                continue
             per_size[m] = times
             if progress is not None:
                 progress(f"timed {len(layers)} layers at micro-batch {m} ({time.perf_counter() - t_start:.1f} s)")
@@ -189,6 +197,15 @@ def profile_layers(
         for layer in layers:
             for p in layer.parameters():
                 p.grad = None
+    sizes = [m for m in sizes if m in per_size]
+    # A larger micro-batch never takes less time: a smaller reading at a larger size is noise (another process took
+    # the core), so each pass's times are made non-decreasing in the size (running maximum, smallest size first).
+    for i in range(len(layers)):
+        hi_f = hi_b = 0.0
+        for m in sizes:
+            f, b = per_size[m][i]
+            hi_f, hi_b = max(hi_f, f), max(hi_b, b)
+            per_size[m][i] = (hi_f, hi_b)
     out: list[LayerProfile] = []
     for i, (layer, name) in enumerate(zip(layers, names)):
         fwd_s, bwd_s = per_size[rows][i]
@@ -213,6 +230,7 @@ def profile_layers(
         "repeats": repeats,
         "timer": "cuda_events" if sample_input.device.type == "cuda" else "perf_counter",
         "peak_memory_bytes": [s[2] for s in stats],
+        "skipped_micro_batches": {str(m): why for m, why in skipped.items()},
         "profile_seconds": time.perf_counter() - t_start,
     }
     return ModelProfile(model=model, layers=out, source="measured", device=device, meta=meta)

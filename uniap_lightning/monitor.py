@@ -1,0 +1,239 @@
+"""Closing the loop: measured step time and peak memory per rank against the plan's prediction.
+
+:class:`UniAPMonitor` is a Lightning callback that :class:`~uniap_lightning.strategy.UniAPStrategy` installs by
+default. After ``warmup_steps`` training batches it times ``window`` batches (``on_train_batch_start`` to
+``on_train_batch_end``: forward, backward, gradient sync and optimizer step), gathers every rank's median step
+time and peak memory, and logs through Lightning's loggers (CSV, TensorBoard, ...):
+
+- ``uniap/step_time_s``: measured seconds per iteration (the slowest rank's median),
+- ``uniap/predicted_tpi_s``: the plan's predicted time per iteration,
+- ``uniap/step_time_error``: (measured - predicted) / predicted,
+- ``uniap/peak_memory_bytes``: the largest per-rank peak, and ``uniap/peak_memory_bytes/rank<r>`` per rank,
+- ``uniap/predicted_memory_bytes``: the plan's largest per-stage memory.
+
+It warns once (rank 0) when the time error exceeds ``time_error_threshold``, and writes a JSON file that
+``uniap explain measured=FILE`` reads: ``tpi_s``, ``stage_time_s`` (per stage and micro-batch: the predicted
+stage times scaled by measured / predicted time per iteration - an approximation, stages are not timed
+separately), ``stage_peak_memory_bytes`` (the largest peak of each stage's ranks), plus per-rank figures.
+
+What "peak memory" measures:
+
+- CUDA: ``torch.cuda.max_memory_allocated`` over the window (the caching allocator's peak of live tensors).
+- CPU: the bytes of this rank's local parameters and optimizer state (counted from the tensors), plus the largest
+  growth of the process's resident set during one step (``VmHWM`` after the step minus ``VmRSS`` before it, from
+  ``/proc/self/status``; ``VmHWM`` is reset before each step through ``/proc/self/clear_refs``, or, where that is
+  not allowed, the lifetime ``ru_maxrss`` is used). The growth covers gradients, activations and temporaries;
+  memory the allocator keeps cached from earlier steps is not counted, so small activations may be
+  under-measured, and the Python / torch runtime itself is excluded on purpose (the plan does not predict it).
+  glibc raises its mmap threshold as large blocks are freed, after which freed activations stay resident and
+  later steps show no growth; start the processes with ``MALLOC_MMAP_THRESHOLD_=65536`` for faithful CPU figures
+  (``benchmarks/fidelity.py`` does).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+
+def _proc_status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _reset_hwm() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    from uniap_lightning.runtime.data_parallel import local_tensor
+
+    t = local_tensor(t)
+    return t.numel() * t.element_size()
+
+
+def static_bytes(module: torch.nn.Module, optimizers: list[Any]) -> int:
+    """Bytes of this rank's local parameters and optimizer state tensors."""
+    seen: set[int] = set()
+    total = 0
+    for p in module.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += _tensor_bytes(p.data)
+    for opt in optimizers:
+        opt = getattr(opt, "_optimizer", opt)
+        for state in opt.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    total += _tensor_bytes(v)
+    return total
+
+
+class UniAPMonitor(pl.Callback):
+    """Measured vs predicted step time and peak memory (see the module docstring)."""
+
+    def __init__(self, *, warmup_steps: int = 3, window: int = 10, time_error_threshold: float = 0.25,
+                 metrics_file: str | Path | None = None, repeat: bool = True) -> None:
+        if warmup_steps < 0 or window < 1:
+            raise ValueError("warmup_steps must be >= 0 and window >= 1")
+        self.warmup_steps, self.window = int(warmup_steps), int(window)
+        self.time_error_threshold = float(time_error_threshold)
+        self.metrics_file = Path(metrics_file) if metrics_file is not None else None
+        self.repeat = repeat
+        self._seen = 0
+        self._times: list[float] = []
+        self._peaks: list[float] = []
+        self._t0 = 0.0
+        self._rss0 = 0
+        self._hwm_reset = False
+        self._static = 0
+        self._warned = False
+        self._done = False
+        #: the last report (identical on every rank), or None
+        self.last: dict[str, Any] | None = None
+
+    # ---------------------------------------------------------------- measuring
+    def _cuda(self, trainer: pl.Trainer) -> torch.device | None:
+        dev = trainer.strategy.root_device
+        return dev if dev.type == "cuda" else None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._measuring = self._seen >= self.warmup_steps and not self._done
+        if not self._measuring:
+            return
+        dev = self._cuda(trainer)
+        if dev is not None:
+            torch.cuda.synchronize(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+        else:
+            if not self._times:
+                self._static = static_bytes(pl_module, trainer.optimizers)
+            self._hwm_reset = _reset_hwm()
+            self._rss0 = (_proc_status_kib("VmRSS") or 0) * 1024
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self._seen += 1
+        if not getattr(self, "_measuring", False):
+            return
+        dev = self._cuda(trainer)
+        if dev is not None:
+            torch.cuda.synchronize(dev)
+        self._times.append(time.perf_counter() - self._t0)
+        if dev is not None:
+            self._peaks.append(float(torch.cuda.max_memory_allocated(dev)))
+        else:
+            if self._hwm_reset:
+                hwm = (_proc_status_kib("VmHWM") or 0) * 1024
+            else:
+                hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            self._peaks.append(float(self._static + max(hwm - self._rss0, 0)))
+        if len(self._times) >= self.window:
+            self._report(trainer, pl_module)
+            self._times, self._peaks = [], []
+            self._done = not self.repeat
+
+    # ---------------------------------------------------------------- reporting
+    def _report(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        import torch.distributed as dist
+
+        mine = (statistics.median(self._times), max(self._peaks))
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            everyone: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)
+        else:
+            everyone = [mine]
+        rank_time = [float(t) for t, _ in everyone]
+        rank_peak = [float(m) for _, m in everyone]
+        report: dict[str, Any] = {
+            "tpi_s": max(rank_time),
+            "rank_step_time_s": rank_time,
+            "rank_peak_memory_bytes": rank_peak,
+            "steps": len(self._times),
+            "warmup_steps": self.warmup_steps,
+            "global_step": trainer.global_step,
+            "memory_measure": "cuda max_memory_allocated" if self._cuda(trainer) is not None else
+            ("cpu: params+optimizer state + step RSS growth (VmHWM-VmRSS)" if self._hwm_reset else
+             "cpu: params+optimizer state + step RSS growth (ru_maxrss-VmRSS)"),
+        }
+        plan = getattr(trainer.strategy, "plan", None) if getattr(trainer.strategy, "_runtime", None) else None
+        metrics = {"uniap/step_time_s": report["tpi_s"], "uniap/peak_memory_bytes": max(rank_peak)}
+        for r, m in enumerate(rank_peak):
+            metrics[f"uniap/peak_memory_bytes/rank{r}"] = m
+        if plan is not None:
+            n = plan.devices_per_stage
+            report["stage_peak_memory_bytes"] = [max(rank_peak[i * n:(i + 1) * n]) for i in range(plan.pp)]
+            est = plan.estimate
+            if est is not None and est.tpi_s > 0:
+                ratio = report["tpi_s"] / est.tpi_s
+                report["stage_time_s"] = [t * ratio for t in est.stage_time_s]
+                report["predicted_tpi_s"] = est.tpi_s
+                report["predicted_stage_time_s"] = list(est.stage_time_s)
+                report["predicted_stage_memory_bytes"] = list(est.stage_memory_bytes)
+                report["step_time_error"] = ratio - 1
+                metrics.update({
+                    "uniap/predicted_tpi_s": est.tpi_s,
+                    "uniap/step_time_error": ratio - 1,
+                    "uniap/predicted_memory_bytes": max(est.stage_memory_bytes),
+                })
+        self.last = report
+        for k, v in metrics.items():
+            pl_module.log(k, float(v), on_step=True, on_epoch=False, sync_dist=False, logger=True)
+        # Trainer.log_dir broadcasts from rank 0: resolve it on every rank, or rank 0 waits alone (deadlock).
+        path = self._metrics_path(trainer)
+        if trainer.global_rank == 0:
+            self._write(path, report)
+            err = report.get("step_time_error")
+            from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+            mem = f"peak memory {max(rank_peak) / 2**20:,.1f} MiB"
+            if plan is not None and plan.estimate is not None:
+                mem += f" (predicted {max(plan.estimate.stage_memory_bytes) / 2**20:,.1f} MiB)"
+            if err is not None:
+                rank_zero_info(f"UniAP monitor: {report['tpi_s'] * 1e3:.2f} ms/step measured vs "
+                               f"{report['predicted_tpi_s'] * 1e3:.2f} ms predicted ({err:+.0%}), {mem}")
+                if abs(err) > self.time_error_threshold and not self._warned:
+                    self._warned = True
+                    rank_zero_warn(
+                        f"UniAP: measured step time {report['tpi_s'] * 1e3:.2f} ms differs from the plan's prediction "
+                        f"{report['predicted_tpi_s'] * 1e3:.2f} ms by {err:+.0%} (threshold "
+                        f"{self.time_error_threshold:.0%}); the plan may not be the fastest here. Check the cluster "
+                        "description / profile (uniap explain measured=<metrics file>)."
+                    )
+            else:
+                rank_zero_info(f"UniAP monitor: {report['tpi_s'] * 1e3:.2f} ms/step measured, {mem}")
+
+    def _metrics_path(self, trainer: pl.Trainer) -> Path:
+        """Collective (``trainer.log_dir``): call on every rank."""
+        if self.metrics_file is not None:
+            return Path(self.metrics_file)
+        return Path(trainer.log_dir or trainer.default_root_dir) / "uniap_measured.json"
+
+    @staticmethod
+    def _write(path: Path, report: dict[str, Any]) -> None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(report, indent=2) + "\n")
+            report["file"] = str(path)
+        except OSError:
+            pass

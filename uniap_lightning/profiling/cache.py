@@ -1,0 +1,133 @@
+"""On-disk cache of measured profiles (model and cluster), and the check that a profile belongs to a model.
+
+A measured model profile is keyed by everything its numbers depend on: the model's structure (layer names,
+module classes, parameter shapes and dtypes), the sample micro-batch's shape and dtype, the device type (and
+GPU name), the world layout (nodes x devices per node: other processes share the machine while profiling), the
+torch / lightning / uniap versions and the profiler's settings. A measured cluster is keyed by the world layout,
+device type, backend and versions. Entries are profile-format JSON files (``profile-<key>.json``) or cluster
+JSON files (``cluster-<key>.json``), written atomically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from uniap_lightning.errors import UniAPError
+from uniap_lightning.profiling.schema import ModelProfile, load_profile, save_profile
+
+
+def default_profile_cache_dir() -> Path:
+    base = os.environ.get("UNIAP_CACHE_DIR")
+    return (Path(base) if base else Path.home() / ".cache" / "uniap-lightning") / "profiles"
+
+
+def versions() -> dict[str, str]:
+    import torch
+
+    out = {"torch": torch.__version__}
+    try:
+        import lightning
+
+        out["lightning"] = lightning.__version__
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        from importlib.metadata import version
+
+        out["uniap_lightning"] = version("uniap_lightning")
+    except Exception:  # noqa: BLE001 - not installed as a distribution
+        out["uniap_lightning"] = "dev"
+    return out
+
+
+def _hash(payload: Any) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def model_structure(layers: Sequence[Any], names: Sequence[str]) -> list[Any]:
+    """Names, classes and parameter shapes / dtypes of the chain (no values)."""
+    return [
+        [name, type(layer).__name__, [[n, list(p.shape), str(p.dtype)] for n, p in layer.named_parameters()]]
+        for layer, name in zip(layers, names)
+    ]
+
+
+def profile_key(*, layers: Sequence[Any], names: Sequence[str], input_shape: Sequence[int], input_dtype: str,
+                device: str, nodes: int, devices_per_node: int, settings: dict[str, Any]) -> str:
+    return _hash({
+        "structure": model_structure(layers, names),
+        "input": [list(input_shape), input_dtype],
+        "device": device,
+        "layout": [nodes, devices_per_node],
+        "versions": versions(),
+        "settings": settings,
+        "kind": "model-profile",
+    })
+
+
+def cluster_key(*, device: str, backend: str, nodes: int, devices_per_node: int) -> str:
+    return _hash({"device": device, "backend": backend, "layout": [nodes, devices_per_node],
+                  "versions": versions(), "kind": "cluster"})
+
+
+def load_cached_profile(cache_dir: Path, key: str) -> ModelProfile | None:
+    path = cache_dir / f"profile-{key}.json"
+    if not path.exists():
+        return None
+    try:
+        return load_profile(path)
+    except UniAPError:
+        return None  # a corrupt entry is measured again and replaced
+
+
+def save_cached_profile(cache_dir: Path, key: str, profile: ModelProfile) -> Path:
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    path = cache_dir / f"profile-{key}.json"
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    save_profile(profile, tmp)
+    tmp.replace(path)
+    return path
+
+
+def load_cached_json(cache_dir: Path, name: str) -> dict[str, Any] | None:
+    path = cache_dir / name
+    try:
+        return json.loads(path.read_text()) if path.exists() else None
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def save_cached_json(cache_dir: Path, name: str, data: dict[str, Any]) -> Path:
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    path = cache_dir / name
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def check_profile_matches(profile: ModelProfile, names: Sequence[str], params: Sequence[int], *,
+                          origin: str = "the profile") -> None:
+    """Refuse a profile made for another model: layer count, names and parameter counts must agree."""
+    if profile.num_layers != len(names):
+        raise UniAPError(
+            f"{origin} describes {profile.num_layers} layers but the model's chain has {len(names)} "
+            f"({', '.join(list(names)[:4])}{' ...' if len(names) > 4 else ''}); the profile is for another model "
+            f"('{profile.model}')"
+        )
+    for u, (lp, name, n) in enumerate(zip(profile.layers, names, params)):
+        if lp.name != name:
+            raise UniAPError(
+                f"{origin}: layer {u} is '{lp.name}' but the model's layer {u} is '{name}'; the profile is for "
+                f"another model ('{profile.model}')"
+            )
+        if lp.params != n:
+            raise UniAPError(
+                f"{origin}: layer {u} ('{name}') has {lp.params} parameters in the profile but {n} in the model; "
+                f"the profile is for another model ('{profile.model}') or another size of it"
+            )
