@@ -24,14 +24,14 @@ def final_loss(out: str) -> float:
 
 
 @pytest.mark.parametrize(
-    ("script", "chance"),
-    [("gpt_text.py", math.log(128)), ("vit_shapes.py", math.log(4)),
-     pytest.param("hf_llama.py", math.log(128), marks=pytest.mark.skipif(
+    ("script", "chance", "steps"),
+    [("gpt_text.py", math.log(128), 8), ("vit_shapes.py", math.log(4), 30),
+     pytest.param("hf_llama.py", math.log(128), 8, marks=pytest.mark.skipif(
          subprocess.run([sys.executable, "-c", "import transformers"], capture_output=True).returncode != 0,
          reason="transformers is not installed"))],
 )
-def test_example_trains(tmp_path, script, chance):
-    res = run([str(ROOT / "examples" / script), "--devices", "2", "--steps", "8"], tmp_path)
+def test_example_trains(tmp_path, script, chance, steps):
+    res = run([str(ROOT / "examples" / script), "--devices", "2", "--steps", str(steps)], tmp_path)
     assert res.returncode == 0, res.stderr[-4000:]
     assert final_loss(res.stdout) < chance
 
