@@ -51,7 +51,7 @@ from uniap_lightning.cluster import GIB
 from uniap_lightning.cost.comm import p2p_s
 from uniap_lightning.cost.model import CostTables, boundary_inter_node, reshard_s
 from uniap_lightning.solver.bounds import run_bottleneck_s
-from uniap_lightning.solver.milp import MS, MilpResult, _mip_name, add_cutoff, optimize
+from uniap_lightning.solver.milp import MS, MilpResult, add_cutoff, new_model, optimize
 
 
 def layer_key(tables: CostTables, u: int) -> tuple:
@@ -80,11 +80,7 @@ class GroupedMilp:
         self.P, self.L = tables.pp, len(tables.layers)
         self.runs = runs_of(tables)
         self.G = len(self.runs)
-        self.m = mip.Model(sense=mip.MINIMIZE, solver_name=_mip_name(solver))
-        self.m.verbose = 0
-        self.m.threads = threads
-        self.m.max_mip_gap = 1e-9
-        self.m.max_mip_gap_abs = 1e-7
+        self.m = new_model(solver, threads)
         self._run_data()
         self._order()
         self._portions()

@@ -71,6 +71,16 @@ def solver_available(name: str) -> bool:
         return False
 
 
+def new_model(solver: str, threads: int = 1) -> mip.Model:
+    """A silent minimization model with gaps tight enough for exact answers (the tests compare to 1e-6)."""
+    m = mip.Model(sense=mip.MINIMIZE, solver_name=_mip_name(solver))
+    m.verbose = 0
+    m.threads = threads
+    m.max_mip_gap = 1e-9
+    m.max_mip_gap_abs = 1e-7
+    return m
+
+
 def _mip_name(name: str) -> str:
     return {"cbc": mip.CBC, "highs": "HiGHS", "gurobi": mip.GUROBI}[name]
 
@@ -82,11 +92,7 @@ class StageMilp:
         t0 = time.perf_counter()
         self.t = tables
         self.P, self.L = tables.pp, len(tables.layers)
-        self.m = mip.Model(sense=mip.MINIMIZE, solver_name=_mip_name(solver))
-        self.m.verbose = 0
-        self.m.threads = threads
-        self.m.max_mip_gap = 1e-9
-        self.m.max_mip_gap_abs = 1e-7
+        self.m = new_model(solver, threads)
         self._variables()
         self._order()
         self._link()
