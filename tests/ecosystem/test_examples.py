@@ -53,3 +53,13 @@ def test_uniap_train_bad_input(tmp_path):
     assert res.returncode == 2 and "trains GPT-style language models" in res.stderr
     res = run(["-m", "uniap_lightning.cli.main", "train", "data.name=imagenet"], tmp_path)
     assert res.returncode == 2 and "data.name='imagenet'" in res.stderr
+
+
+def test_uniap_train_sweep_summary(tmp_path):
+    res = run(["-m", "uniap_lightning.cli.main", "train", "-m", "model=tiny_gpt,tiny_llama", "trainer.devices=1",
+               "trainer.max_steps=4", "trainer.val_check_interval=null", "trainer.limit_val_batches=0",
+               f"hydra.sweep.dir={tmp_path / 'sweep'}"], tmp_path)
+    assert res.returncode == 0, res.stderr[-4000:]
+    rows = (tmp_path / "sweep" / "summary.csv").read_text().strip().splitlines()
+    assert len(rows) == 3 and "measured_samples_per_s" in rows[0] and "final_loss" in rows[0]
+    assert rows[1].startswith("tiny_gpt") and rows[2].startswith("tiny_llama")
