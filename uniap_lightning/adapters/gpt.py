@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from uniap_lightning.adapters.hf import NormHead, _colwise, _divisors_of_all, _replicate, _rowwise
+from uniap_lightning.adapters.hf import NormHead, TokenPositionEmbedding, _colwise, _divisors_of_all, _replicate, _rowwise
 
 
 @dataclass(frozen=True)
@@ -28,24 +28,12 @@ class GPTConfig:
     dropout: float = 0.0
 
 
-class Embedding(nn.Module):
+class Embedding(TokenPositionEmbedding):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device)))
-
-    def uniap_tp_degrees(self) -> list[int]:
-        return _divisors_of_all(self.wte.num_embeddings)
-
-    def uniap_tp_plan(self, tp: int) -> dict[str, Any]:
-        return {"wte": _rowwise(input_layouts=_replicate(), output_layouts=_replicate())}
-
-    def uniap_tp_allreduces(self) -> int:
-        return 1
 
 
 class Block(nn.Module):

@@ -37,11 +37,8 @@ def _replicate() -> Any:
     return Replicate()
 
 
-# ---------------------------------------------------------------------------------------------- GPT-2
-class GPT2Embedding(nn.Module):
-    def __init__(self, wte: nn.Embedding, wpe: nn.Embedding, drop: nn.Module) -> None:
-        super().__init__()
-        self.wte, self.wpe, self.drop = wte, wpe, drop
+class TokenPositionEmbedding(nn.Module):
+    """Token + learned position embedding (``wte``, ``wpe``, ``drop``); tensor parallel over the vocabulary."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(ids.shape[1], device=ids.device)
@@ -55,6 +52,14 @@ class GPT2Embedding(nn.Module):
 
     def uniap_tp_allreduces(self) -> int:
         return 1
+
+
+# ---------------------------------------------------------------------------------------------- GPT-2
+class GPT2Embedding(TokenPositionEmbedding):
+    def __init__(self, wte: nn.Embedding, wpe: nn.Embedding, drop: nn.Module) -> None:
+        super().__init__()
+        self.wte, self.wpe, self.drop = wte, wpe, drop
+
 
 
 class GPT2BlockLayer(nn.Module):
