@@ -17,6 +17,7 @@ import torch
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
@@ -131,6 +132,7 @@ class UniAPStrategy(ModelParallelStrategy):
         #: where the plan came from: "pinned", "cache <path>" or "solver" (set in ``setup``)
         self.plan_origin = ""
         self._fresh_grads: list[Any] = []
+        self._pending_loss: Any = None  # runtime.pipeline.PendingLoss of the last training batch
         self._batch_checked = False
         self._measure_cluster = bool(measure_cluster)
         self._profile_cache = bool(profile_cache)
@@ -209,6 +211,7 @@ class UniAPStrategy(ModelParallelStrategy):
             self._device_mesh = self._runtime.meshes.world
             self.lightning_module._device_mesh = self._device_mesh
         self._install_monitor(trainer)
+        self._install_loss_logger(trainer)
         self._install_clipping()
         self._batch_checked = False
         self.barrier()
@@ -422,6 +425,16 @@ class UniAPStrategy(ModelParallelStrategy):
         mon = self._monitor if isinstance(self._monitor, UniAPMonitor) else UniAPMonitor()
         trainer.callbacks.append(mon)
 
+    def _install_loss_logger(self, trainer: pl.Trainer) -> None:
+        if not any(isinstance(cb, _TrainLossLogger) for cb in trainer.callbacks):
+            # first, so every later callback (progress bar, checkpointing, the user's) sees this batch's loss
+            trainer.callbacks.insert(0, _TrainLossLogger(self))
+
+    def _finish_loss(self) -> torch.Tensor | None:
+        """The global mean loss of the last training batch (waits for its background all-reduce), once."""
+        pending, self._pending_loss = self._pending_loss, None
+        return None if pending is None else self._guard(pending.wait)
+
     # ------------------------------------------------------------------ steps
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -436,15 +449,17 @@ class UniAPStrategy(ModelParallelStrategy):
 
             self._guard(lambda: check_same_batch(x, y))
             self._batch_checked = True
+        self._finish_loss()  # a previous batch that never reached on_train_batch_end (an exception in between)
         params = rt.local_parameters()
         previous = take_grads(params)  # so the schedule's own 1/microbatches scaling touches only fresh grads
         scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
         with self.precision_plugin.train_step_context():
-            loss = self._guard(lambda: rt.runner.train_step(x, y, rt.chain.loss_fn, scale))
+            self._pending_loss = self._guard(lambda: rt.runner.train_step(x, y, rt.chain.loss_fn, scale))
         self._fresh_grads = take_grads(params)
         put_grads(previous)
-        self.lightning_module.log("train_loss", loss, prog_bar=True)
-        return loss
+        # Lightning needs a tensor now; the global mean replaces it in on_train_batch_end (_TrainLossLogger), where
+        # it is also logged, after the gradient averaging and optimizer step had time to overlap its all-reduce.
+        return self._pending_loss.local
 
     @override
     def backward(
@@ -599,6 +614,28 @@ class UniAPStrategy(ModelParallelStrategy):
     def teardown(self) -> None:
         self._fresh_grads = []
         super().teardown()
+
+
+class _TrainLossLogger(Callback):
+    """Logs ``train_loss`` (the global mean, on every rank) and puts it in the batch's ``outputs["loss"]``.
+
+    Installed by the strategy ahead of every other callback, so later callbacks and the LightningModule's
+    ``on_train_batch_end`` see the same value that one process would compute.
+    """
+
+    def __init__(self, strategy: UniAPStrategy) -> None:
+        self.strategy = strategy
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if trainer.strategy is not self.strategy:
+            return
+        loss = self.strategy._finish_loss()
+        if loss is None:
+            return
+        if isinstance(outputs, dict) and "loss" in outputs:
+            outputs["loss"] = loss / trainer.accumulate_grad_batches  # as Lightning normalizes a returned loss
+        pl_module.log("train_loss", loss, prog_bar=True)
 
 
 def _print_plan(plan: Plan, origin: str) -> None:

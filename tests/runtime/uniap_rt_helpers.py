@@ -22,6 +22,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -216,6 +217,8 @@ def _fit(trainer: Any, module: Any, case: dict[str, Any], ckpt: str | None) -> d
     val = _data(case) if case.get("limit_val_batches") else None
     trainer.fit(module, _data(case), val_dataloaders=val, ckpt_path=ckpt)
     extra: dict[str, Any] = {}
+    if "train_loss" in trainer.callback_metrics:  # the last batch's logged loss, on this rank
+        extra["train_loss"] = float(trainer.callback_metrics["train_loss"])
     if val is not None:
         extra["val_loss"] = float(trainer.callback_metrics["val_loss"])
     if case.get("predict"):
@@ -330,6 +333,8 @@ def assert_close_to_reference(
         expected = torch.tensor(ref["losses"])
         assert losses.shape == expected.shape, (r, losses, expected)
         torch.testing.assert_close(losses, expected, rtol=rtol, atol=1e-7)
+        if "train_loss" in ref:  # logged on every rank (also ranks without the last stage): the global mean
+            assert res[name].get("train_loss") == pytest.approx(ref["train_loss"], rel=rtol), (r, res[name], ref)
     merged = merge_states(results, name)
     assert set(merged) == set(ref["state"]), (sorted(merged), sorted(ref["state"]))
     for k, v in ref["state"].items():

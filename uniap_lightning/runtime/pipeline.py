@@ -50,7 +50,7 @@ def unslice(local: torch.Tensor, plan: Plan, gathered: list[torch.Tensor]) -> to
 
 
 class PipelineRunner:
-    """Forward/backward of one batch on this rank's stage, returning the global mean loss on every rank."""
+    """Forward/backward of one batch on this rank's stage; the global mean loss on every rank."""
 
     def __init__(self, plan: Plan, meshes: PlanMeshes, stage_module: StageModule, device: torch.device) -> None:
         self.plan = plan
@@ -92,8 +92,12 @@ class PipelineRunner:
         return self._schedules[key]
 
     # ------------------------------------------------------------------ steps
-    def train_step(self, x: torch.Tensor, y: Any, loss_fn: LossFn, scale: float) -> torch.Tensor:
-        """Forward and backward of one batch; gradients land in ``.grad`` times ``scale``."""
+    def train_step(self, x: torch.Tensor, y: Any, loss_fn: LossFn, scale: float) -> PendingLoss:
+        """Forward and backward of one batch; gradients land in ``.grad`` times ``scale``.
+
+        The global mean loss is reduced in the background (see :class:`PendingLoss`): waiting for it right here
+        would hold every rank until the slowest stage finishes its backward, a per-step barrier that hand-written
+        pipeline code does not have."""
         self._loss_fn, self._loss_scale = loss_fn, scale
         lane = self.meshes.lane
         xs, ys = lane_slice(x, self.plan, lane), lane_slice(y, self.plan, lane)
@@ -107,7 +111,7 @@ class PipelineRunner:
         else:
             args = (xs,) if self.is_first else ()
             self._schedule("train", xs).step(*args, target=ys if self.is_last else None, losses=losses)
-        return self._global_mean([loss.detach() / scale for loss in losses])
+        return self._pending_mean([loss.detach() / scale for loss in losses])
 
     @torch.no_grad()
     def eval_step(self, x: torch.Tensor, y: Any, loss_fn: LossFn) -> torch.Tensor:
@@ -146,9 +150,36 @@ class PipelineRunner:
 
     def _global_mean(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """Mean loss over the global batch, on every rank (it exists only on the last stage)."""
-        n = self.plan.devices_per_stage
-        total = torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
-        total = total.detach().to(self.device, torch.float32).clone()
+        return self._pending_mean(losses).wait()
+
+    def _pending_mean(self, losses: list[torch.Tensor]) -> PendingLoss:
+        local = torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
+        local = local.detach().to(self.device, torch.float32)
+        total = local.clone()
+        work = None
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(total)
-        return total / n
+            work = dist.all_reduce(total, async_op=True)
+        return PendingLoss(local, total, work, self.plan.devices_per_stage)
+
+
+class PendingLoss:
+    """The global mean loss of one batch, being summed over the world in the background.
+
+    ``local`` is this rank's lane mean (zero on ranks without the last stage) and is safe to read at once;
+    :meth:`wait` returns the global mean, identical on every rank. The sum is a 4-byte all-reduce over the default
+    group, issued right after the schedule: ranks that finish early (the last stage in 1F1B) go on with their
+    gradient averaging and optimizer step, and whoever waits later finds it done.
+    """
+
+    def __init__(self, local: torch.Tensor, total: torch.Tensor, work: Any, lanes: int) -> None:
+        self.local = local
+        self._total, self._work, self._lanes = total, work, lanes
+        self._value: torch.Tensor | None = None
+
+    def wait(self) -> torch.Tensor:
+        if self._value is None:
+            if self._work is not None:
+                self._work.wait()
+                self._work = None
+            self._value = self._total / self._lanes
+        return self._value
