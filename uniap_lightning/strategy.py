@@ -133,6 +133,7 @@ class UniAPStrategy(ModelParallelStrategy):
         self.plan_origin = ""
         self._fresh_grads: list[Any] = []
         self._pending_loss: Any = None  # runtime.pipeline.PendingLoss of the last training batch
+        self._premeasured: ModelProfile | None = None  # measured on every rank at once, for rank 0's planning
         self._batch_checked = False
         self._measure_cluster = bool(measure_cluster)
         self._profile_cache = bool(profile_cache)
@@ -233,6 +234,12 @@ class UniAPStrategy(ModelParallelStrategy):
         if self._pinned_plan is None and cluster is None:
             cluster = self._local_cluster()  # collective when measuring: every rank takes part
         self.planning_cluster = cluster
+        self._premeasured = None
+        if self._pinned_plan is None and self._profile_path is None and self._measure_cluster and self.world_size > 1:
+            # every rank profiles at once (the cores or links are shared as in training) and takes part in timing
+            # the layers under TP / FSDP; rank 0 plans with the result
+            batch, why, _ = _sample_batch(trainer)
+            self._premeasured = self._profile(chain, batch, why, everywhere=True)
         payload, error = None, None
         if self.global_rank == 0:
             try:
@@ -320,7 +327,7 @@ class UniAPStrategy(ModelParallelStrategy):
         pinned = self._pinned_plan
         need_profile = pinned is None or bool(pinned.model_fingerprint)
         batch, why, batch_size = _sample_batch(trainer) if need_profile else (None, "", None)
-        profile = self._profile(chain, batch, why) if need_profile else None
+        profile = (self._premeasured or self._profile(chain, batch, why)) if need_profile else None
         if pinned is not None:
             check_plan_matches(pinned, chain.names, world_size=self.world_size, profile=profile)
             return pinned, "pinned"
@@ -348,8 +355,13 @@ class UniAPStrategy(ModelParallelStrategy):
         self.setup_report["solve_s"] = time.perf_counter() - t0
         return result
 
-    def _profile(self, chain: Chain, batch: Any, why: str = "") -> ModelProfile:
+    def _profile(self, chain: Chain, batch: Any, why: str = "", *, everywhere: bool = False) -> ModelProfile | None:
+        """The model's profile (file, cache or measured). ``everywhere``: collective, every rank measures at once
+        and also times the layers under TP / FSDP (:mod:`uniap_lightning.profiling.strategies`); rank 0 gets the
+        profile, the other ranks ``None``."""
         import time
+
+        import torch.distributed as dist
 
         from uniap_lightning.profiling.cache import (
             check_profile_matches,
@@ -362,6 +374,8 @@ class UniAPStrategy(ModelParallelStrategy):
         from uniap_lightning.runtime.tensor_parallel import tp_allreduces, tp_degrees
 
         params = [sum(p.numel() for p in m.parameters()) for m in chain.layers]
+        everywhere = everywhere and dist.is_initialized() and self.world_size > 1
+        lead = self.global_rank == 0
         if self._profile_path is not None:
             profile = load_profile(self._profile_path)
             check_profile_matches(profile, chain.names, params, origin=f"profile file {self._profile_path}")
@@ -385,35 +399,59 @@ class UniAPStrategy(ModelParallelStrategy):
             key = profile_key(
                 layers=chain.layers, names=chain.names, input_shape=list(x.shape), input_dtype=str(x.dtype),
                 device=_device_name(self.root_device), nodes=self.num_nodes, devices_per_node=self.num_processes,
-                settings={"repeats": self._profile_repeats, "micro_batches": self._profile_micro_batches},
+                settings={"repeats": self._profile_repeats, "micro_batches": self._profile_micro_batches,
+                          "overheads": everywhere},
             )
-            cached = load_cached_profile(cache_dir, key)
+            cached = load_cached_profile(cache_dir, key) if lead else None
             if cached is not None:
                 try:
                     check_profile_matches(cached, chain.names, params, origin="cached profile")
-                    self.setup_report.update(profile_origin=f"cache {cache_dir / f'profile-{key}.json'}",
-                                             profile_s=time.perf_counter() - t0)
-                    _info(f"UniAP: reusing the measured profile {cache_dir / f'profile-{key}.json'}")
-                    return cached
                 except UniAPError:
-                    pass
+                    cached = None
+            hit = self.broadcast(cached is not None) if everywhere else cached is not None
+            if hit:
+                self.setup_report.update(profile_origin=f"cache {cache_dir / f'profile-{key}.json'}",
+                                         profile_s=time.perf_counter() - t0)
+                _info(f"UniAP: reusing the measured profile {cache_dir / f'profile-{key}.json'}")
+                return cached if lead else None
         if x is not None:
             _info(f"UniAP: profiling {len(chain.layers)} layers on a sample micro-batch of shape {tuple(x.shape)} "
-                  f"({self._profile_repeats} repeats) ...")
+                  f"({self._profile_repeats} repeats{', on all ranks at once' if everywhere else ''}) ...")
         profile = profile_chain(
             chain.layers, chain.names, x, repeats=self._profile_repeats, micro_batches=self._profile_micro_batches,
             progress=lambda msg: _info(f"UniAP: profiling: {msg}"), why_no_input=why, **kw,
         )
+        if everywhere and x is not None and self.broadcast(profile.source == "measured"):
+            profile = self._time_strategies(chain, x, profile)
         elapsed = time.perf_counter() - t0
         self.setup_report.update(profile_origin=profile.source, profile_s=elapsed)
         _info(f"UniAP: profiled the model in {elapsed:.1f} s ({profile.source})")
-        if key is not None and profile.source == "measured":
+        if key is not None and profile.source == "measured" and lead:
             try:
                 path = save_cached_profile(cache_dir, key, profile)
                 self.setup_report["profile_path"] = str(path)
             except OSError:
                 pass
         return profile
+
+    def _time_strategies(self, chain: Chain, x: torch.Tensor, profile: ModelProfile) -> ModelProfile:
+        """Collective: the profile with each layer's measured TP / FSDP overheads."""
+        import time
+
+        from uniap_lightning.profiling.strategies import attach_overheads, measure_overheads
+
+        sizes = [int(m) for m in profile.meta.get("micro_batches") or [int(x.shape[0])]]
+        sizes = sorted({sizes[0], sizes[-1]})  # the smallest and largest timed size: the cost model interpolates
+        t0 = time.perf_counter()
+        _info(f"UniAP: timing the layers under tensor parallelism and FSDP on {self.world_size} ranks "
+              f"(micro-batches {sizes}) ...")
+        overheads = measure_overheads(
+            chain.layers, chain.names, x, micro_batches=sizes, devices_per_node=self.num_processes,
+            repeats=self._profile_repeats, progress=lambda msg: _info(f"UniAP: profiling strategies: {msg}"),
+        )
+        self.setup_report["strategies_s"] = time.perf_counter() - t0
+        _info(f"UniAP: timed TP / FSDP overheads in {self.setup_report['strategies_s']:.1f} s")
+        return attach_overheads(profile, overheads)
 
     def _install_monitor(self, trainer: pl.Trainer) -> None:
         from uniap_lightning.monitor import UniAPMonitor

@@ -84,14 +84,24 @@ def _layer_cost(
     samples = micro_batch / d
     compute = layer.compute_s(samples) / t
     comm = 0.0
-    if t > 1 and layer.tp_allreduces:
-        comm += 2 * layer.tp_allreduces * all_reduce_s(cluster, layer.output_bytes * samples, t, False)
+    if t > 1:
+        # measured (profile ``overheads``): all-reduces + unsplit compute + dispatch; else the ring formula
+        measured = layer.overhead_s("tp", t, samples)
+        if measured is not None:
+            comm += max(measured, -0.5 * compute)
+        elif layer.tp_allreduces:
+            comm += 2 * layer.tp_allreduces * all_reduce_s(cluster, layer.output_bytes * samples, t, False)
     inter = dp_group_inter_node(cluster, n)
     local_params = layer.params / t
     sync = 0.0
     if d > 1 and shard:
-        comm += 2 * all_gather_s(cluster, local_params * training.weight_bytes, d, inter)
-        comm += reduce_scatter_s(cluster, local_params * training.grad_bytes, d, inter)
+        # measured inside a node for FSDP alone; FSDP x TP and groups across nodes use the formulas
+        measured = layer.overhead_s("fsdp", d, samples) if t == 1 and not inter else None
+        if measured is not None:
+            comm += max(measured, 0.0)
+        else:
+            comm += 2 * all_gather_s(cluster, local_params * training.weight_bytes, d, inter)
+            comm += reduce_scatter_s(cluster, local_params * training.grad_bytes, d, inter)
     elif d > 1:
         sync = all_reduce_s(cluster, local_params * training.grad_bytes, d, inter)
     static = local_params * training.bytes_per_param / (d if shard else 1)

@@ -18,12 +18,21 @@ One record per layer of the chain, in order::
          "tp_allreduces": 1,           # activation all-reduces per pass under tensor parallelism
          # optional:
          "activation_tp_fraction": 0.8,  # share of activation_bytes that tensor parallelism splits (default 1)
-         "timings": [{"micro_batch": 1, "forward_s": ..., "backward_s": ...}, ...]  # per-call seconds
+         "timings": [{"micro_batch": 1, "forward_s": ..., "backward_s": ...}, ...],  # per-call seconds
+         "overheads": [{"kind": "tp", "degree": 2, "micro_batch": 8, "seconds": 0.004}, ...]
         }, ...]
     }
 
 When ``timings`` lists two or more micro-batch sizes, compute time for ``m`` samples is interpolated (and
 extrapolated) linearly between them instead of assuming ``m * forward_s``.
+
+``overheads`` (optional) are measured costs of running the layer under a strategy, per forward + backward of one
+micro-batch of ``micro_batch`` samples on each device, *beyond* the layer's divided compute: for ``kind="tp"``
+(tensor parallel over ``degree`` devices) the measured time minus the single-device time / ``degree`` (so it holds
+the activation all-reduces, the compute tensor parallelism does not split, and the per-call dispatch cost); for
+``kind="fsdp"`` (sharded over ``degree`` devices, no TP) the measured time minus the single-device time (weight
+all-gathers, gradient reduce-scatter, FSDP's own per-call work). Where present, the cost model uses them instead
+of its formulas for those terms (interpolated linearly in the micro-batch size); elsewhere the formulas apply.
 """
 
 from __future__ import annotations
@@ -49,6 +58,17 @@ class Timing:
 
 
 @dataclass(frozen=True)
+class Overhead:
+    kind: str  # "tp" | "fsdp"
+    degree: int
+    micro_batch: int  # samples per device
+    seconds: float  # forward + backward, beyond the divided single-device compute (may be < 0: measured)
+
+
+OVERHEAD_KINDS = ("tp", "fsdp")
+
+
+@dataclass(frozen=True)
 class LayerProfile:
     """Costs of one layer of the chain on one device (see the module docstring for units)."""
 
@@ -62,6 +82,20 @@ class LayerProfile:
     tp_allreduces: int = 0
     activation_tp_fraction: float = 1.0
     timings: tuple[Timing, ...] = ()
+    overheads: tuple[Overhead, ...] = ()
+
+    def overhead_s(self, kind: str, degree: int, samples: float) -> float | None:
+        """Measured extra seconds of ``kind`` at ``degree`` for ``samples`` per device (None when not measured):
+        linear between the measured micro-batch sizes, extended flat beyond them."""
+        pts = sorted((o.micro_batch, o.seconds) for o in self.overheads if o.kind == kind and o.degree == degree)
+        if not pts:
+            return None
+        if samples <= pts[0][0]:
+            return pts[0][1]
+        for (m0, s0), (m1, s1) in zip(pts, pts[1:]):
+            if samples <= m1:
+                return s0 + (s1 - s0) * (samples - m0) / (m1 - m0)
+        return pts[-1][1]
 
     def compute_s(self, samples: float) -> float:
         """Forward + backward seconds for ``samples`` samples on one device (interpolated when timed)."""
@@ -109,6 +143,9 @@ class ModelProfile:
             d["timings"] = [asdict(t) for t in lp.timings]
             if not d["timings"]:
                 del d["timings"]
+            d["overheads"] = [asdict(o) for o in lp.overheads]
+            if not d["overheads"]:
+                del d["overheads"]
             layers.append(d)
         return {
             "format_version": PROFILE_FORMAT_VERSION,
@@ -182,6 +219,23 @@ def _layer_from_dict(item: Any, where: str) -> LayerProfile:
         )
     if len({t.micro_batch for t in timings}) != len(timings):
         raise UniAPError(f"{where}.timings lists a micro_batch size twice")
+    overheads = []
+    for j, o in enumerate(item.get("overheads") or []):
+        ow = f"{where}.overheads[{j}]"
+        if not isinstance(o, dict) or any(k not in o for k in ("kind", "degree", "micro_batch", "seconds")):
+            raise UniAPError(f"{ow} needs 'kind', 'degree', 'micro_batch' and 'seconds'")
+        if o["kind"] not in OVERHEAD_KINDS:
+            raise UniAPError(f"{ow}.kind must be one of {list(OVERHEAD_KINDS)}, got {o['kind']!r}")
+        sec = o["seconds"]
+        if isinstance(sec, bool) or not isinstance(sec, (int, float)) or not math.isfinite(sec):
+            raise UniAPError(f"{ow}.seconds must be a finite number, got {sec!r}")
+        degree = _number(o, "degree", ow, integer=True, positive=True)
+        if degree < 2:
+            raise UniAPError(f"{ow}.degree must be >= 2, got {degree}")
+        overheads.append(Overhead(o["kind"], degree, _number(o, "micro_batch", ow, integer=True, positive=True),
+                                  float(sec)))
+    if len({(o.kind, o.degree, o.micro_batch) for o in overheads}) != len(overheads):
+        raise UniAPError(f"{where}.overheads lists a (kind, degree, micro_batch) twice")
     name = item["name"]
     if not isinstance(name, str) or not name:
         raise UniAPError(f"{where}.name must be a non-empty string")
@@ -196,6 +250,7 @@ def _layer_from_dict(item: Any, where: str) -> LayerProfile:
         tp_allreduces=_number(item, "tp_allreduces", where, integer=True),
         activation_tp_fraction=frac,
         timings=tuple(timings),
+        overheads=tuple(overheads),
     )
 
 

@@ -60,6 +60,8 @@ def cache_key(*, profile: ModelProfile, cluster: Cluster, world_size: int, globa
               solver: str) -> str:
     payload = {
         "fingerprint": profile.fingerprint(),
+        # measured strategy overheads change the cost model's terms, so a plan solved without them is not reused
+        "overheads": sorted({(o.kind, o.degree) for lp in profile.layers for o in lp.overheads}),
         "cluster": asdict(cluster),
         "world_size": world_size,
         "global_batch_size": global_batch_size,

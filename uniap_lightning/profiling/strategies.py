@@ -1,0 +1,165 @@
+"""Measure what tensor parallelism and FSDP cost per layer beyond the divided compute, on the job's own ranks.
+
+The ring formulas of :mod:`uniap_lightning.cost.comm` price the collectives of a sharded layer, but not what
+runs around them: DTensor's dispatch, FSDP2's copy-in/copy-out and hooks, and the part of a layer that tensor
+parallelism does not split (norms, residual adds). On small layers those dominate (measured on 4 gloo ranks:
+FSDP and TP plans ran 70-170% slower than the formulas said). So at setup, every rank takes part in timing each
+*distinct* layer of the chain (layers with the same type and parameter shapes are timed once) under each
+strategy it may get:
+
+- ``("tp", t)`` for each tensor-parallel degree ``t > 1`` the layer supports and the world allows, on groups of
+  ``t`` consecutive ranks (every group at once, as in training): the layer parallelized by
+  :func:`uniap_lightning.runtime.tensor_parallel.apply_tp`;
+- ``("fsdp", d)`` for ``d`` in 2, 4, ... up to the devices of one node: the layer wrapped by ``fully_shard``.
+
+Each is timed forward + backward at a few micro-batch sizes (samples per device), median of ``repeats`` after
+``warmup``, right after the plain layer at the same size (also on every rank at once); the slowest rank's medians
+count. The result, per layer, is :class:`~uniap_lightning.profiling.schema.Overhead` records (``seconds`` = measured
+minus plain / ``t`` for TP, minus plain for FSDP) that :func:`attach_overheads` adds to a profile and the cost
+model uses instead of its formulas.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from uniap_lightning.profiling.schema import ModelProfile, Overhead
+
+
+def _structure_key(layer: nn.Module) -> tuple[Any, ...]:
+    return (type(layer).__qualname__, tuple((n, tuple(p.shape)) for n, p in layer.named_parameters()))
+
+
+def _fwd_bwd_s(layer: nn.Module, x: torch.Tensor, repeats: int, warmup: int) -> float:
+    """Median seconds of forward + backward (gradient of ones) of ``layer`` on ``x``."""
+    samples = []
+    for i in range(warmup + repeats):
+        inp = x.detach().requires_grad_(x.is_floating_point())
+        if x.device.type == "cuda":
+            torch.cuda.synchronize(x.device)
+        t0 = time.perf_counter()
+        out = layer(inp)
+        if out.requires_grad:
+            out.backward(torch.ones_like(out))
+        if x.device.type == "cuda":
+            torch.cuda.synchronize(x.device)
+        if i >= warmup:
+            samples.append(time.perf_counter() - t0)
+    for p in layer.parameters():
+        p.grad = None
+    return statistics.median(samples)
+
+
+def _slowest(seconds: float, device: torch.device) -> float:
+    import torch.distributed as dist
+
+    t = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def strategy_kinds(world: int, devices_per_node: int, tp_degrees: Sequence[int]) -> list[tuple[str, int]]:
+    """The (kind, degree) pairs worth timing for a layer: powers of two that fit the world and (TP, and FSDP
+    as measured here) one node."""
+    kinds = []
+    k = 2
+    while k <= min(world, devices_per_node):
+        if world % k == 0 and devices_per_node % k == 0:
+            if k in tp_degrees:
+                kinds.append(("tp", k))
+            kinds.append(("fsdp", k))
+        k *= 2
+    return kinds
+
+
+def measure_overheads(
+    layers: Sequence[nn.Module],
+    names: Sequence[str],
+    sample_input: torch.Tensor,
+    *,
+    micro_batches: Sequence[int],
+    devices_per_node: int | None = None,
+    repeats: int = 3,
+    warmup: int = 1,
+    progress: Callable[[str], None] | None = None,
+) -> dict[int, list[Overhead]]:
+    """Collective (every rank calls it with the same chain): ``{layer index: [Overhead, ...]}``, the same on every
+    rank. ``micro_batches`` are samples per device; sizes larger than ``sample_input`` are skipped."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from uniap_lightning.runtime.tensor_parallel import apply_tp, tp_degrees
+
+    world = dist.get_world_size()
+    dpn = devices_per_node or world
+    device = sample_input.device
+    rows = int(sample_input.shape[0])
+    sizes = sorted({int(m) for m in micro_batches if 1 <= int(m) <= rows})
+    t_start = time.perf_counter()
+    # one mesh per degree, built in the same order on every rank (new_group is collective)
+    meshes: dict[int, Any] = {}
+    degrees = sorted({k for layer in layers for _, k in strategy_kinds(world, dpn, tp_degrees(layer))})
+    for k in degrees:
+        meshes[k] = init_device_mesh(device.type, (world // k, k), mesh_dim_names=("rest", "group"))["group"]
+    # inputs of every layer at the largest size (a plain forward; the chain's weights are not touched)
+    inputs: list[torch.Tensor] = []
+    with torch.no_grad():
+        x: Any = sample_input[: sizes[-1]] if sizes else sample_input
+        for layer in layers:
+            inputs.append(x)
+            x = layer(x)
+    rng = torch.get_rng_state()
+    buffers = [(b, b.detach().clone()) for layer in layers for b in layer.buffers() if not b.is_meta]
+    out: dict[int, list[Overhead]] = {}
+    seen: dict[tuple[Any, ...], int] = {}
+    try:
+        for i, (layer, name) in enumerate(zip(layers, names, strict=True)):
+            key = _structure_key(layer) + (tuple(inputs[i].shape[1:]), str(inputs[i].dtype))
+            if key in seen:
+                out[i] = out[seen[key]]
+                continue
+            seen[key] = i
+            records: list[Overhead] = []
+            for kind, k in strategy_kinds(world, dpn, tp_degrees(layer)):
+                shard = copy.deepcopy(layer)
+                if kind == "tp":
+                    apply_tp(shard, name, meshes[k])
+                else:
+                    fully_shard(shard, mesh=meshes[k], reshard_after_forward=True)
+                for m in sizes:
+                    xm = inputs[i][:m]
+                    plain = _slowest(_fwd_bwd_s(layer, xm, repeats, warmup), device)
+                    dist.barrier()
+                    timed = _slowest(_fwd_bwd_s(shard, xm, repeats, warmup), device)
+                    records.append(Overhead(kind, k, m, timed - (plain / k if kind == "tp" else plain)))
+                del shard
+            out[i] = records
+            if progress is not None and records:
+                progress(f"timed layer {i} ({name}) under {len(records) // max(len(sizes), 1)} strategies "
+                         f"({time.perf_counter() - t_start:.1f} s)")
+    finally:
+        torch.set_rng_state(rng)
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        for layer in layers:
+            for p in layer.parameters():
+                p.grad = None
+    return out
+
+
+def attach_overheads(profile: ModelProfile, overheads: dict[int, list[Overhead]]) -> ModelProfile:
+    """The profile with each layer's measured overheads (replacing any it had)."""
+    layers = [replace(lp, overheads=tuple(overheads.get(i, lp.overheads))) for i, lp in enumerate(profile.layers)]
+    meta = dict(profile.meta)
+    meta["overheads_measured"] = True
+    return ModelProfile(model=profile.model, layers=layers, source=profile.source, device=profile.device, meta=meta)
