@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from uniap_lightning.errors import UniAPError
 
 GIB = 1024**3
+COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+SCOPES = ("intra", "inter")
 
 
 @dataclass(frozen=True, eq=False)  # identity hash: cost caches key on the object
@@ -18,6 +21,13 @@ class Cluster:
     Bandwidths are bytes-per-second figures in GB/s (1e9 bytes/s) as seen by one device in a ring collective
     (bus bandwidth). ``bandwidth_tables`` optionally maps ``"intra"`` / ``"inter"`` to ``{group_size: GB/s}``
     measured tables that replace the flat figures (interpolated in log2 of the group size, clamped at the ends).
+
+    ``collective_tables`` optionally prices each collective with its own measured figures:
+    ``{op: {"intra"|"inter": {group_size: {"bw_gbps": GB/s, "latency_us": us}}}}`` with ``op`` in
+    :data:`COLLECTIVE_OPS` (``p2p`` is read at group size 2). Bandwidth and latency are interpolated like
+    ``bandwidth_tables``. Where an op has no table for a scope, it is priced as before this table existed, with the
+    all-reduce figures: ``collective_tables["all_reduce"]`` for that scope if present, else ``bandwidth_tables``
+    and the flat latency, else the flat figures.
     """
 
     name: str
@@ -33,6 +43,7 @@ class Cluster:
     memory_reserved_gib: float = 0.0
     device: str = ""
     bandwidth_tables: dict[str, dict[int, float]] = field(default_factory=dict)
+    collective_tables: dict[str, dict[str, dict[int, dict[str, float]]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for key in ("nodes", "devices_per_node"):
@@ -62,6 +73,52 @@ class Cluster:
                     raise UniAPError(
                         f"cluster '{self.name}': bandwidth_tables.{scope}[{p}]={bw}: group sizes >= 2, GB/s > 0"
                     )
+        # frozen: the validated, normalized copy (int group sizes, float figures) replaces the given one
+        object.__setattr__(self, "collective_tables", self._checked_collective_tables(self.collective_tables))
+
+    def _checked_collective_tables(self, tables: Any) -> dict[str, dict[str, dict[int, dict[str, float]]]]:
+        where = f"cluster '{self.name}': collective_tables"
+        if not isinstance(tables, Mapping):
+            raise UniAPError(f"{where} must be a mapping {{op: {{scope: {{group_size: {{bw_gbps, latency_us}}}}}}}}, "
+                             f"got {type(tables).__name__}")
+        out: dict[str, dict[str, dict[int, dict[str, float]]]] = {}
+        for op, scopes in tables.items():
+            if op not in COLLECTIVE_OPS:
+                raise UniAPError(f"{where}: unknown op {op!r}; known ops: {list(COLLECTIVE_OPS)}")
+            if not isinstance(scopes, Mapping):
+                raise UniAPError(f"{where}.{op} must be a mapping of 'intra'/'inter' to tables, got {scopes!r}")
+            out[op] = {}
+            for scope, table in scopes.items():
+                if scope not in SCOPES:
+                    raise UniAPError(f"{where}.{op} keys must be 'intra'/'inter', got {scope!r}")
+                if not isinstance(table, Mapping):
+                    raise UniAPError(f"{where}.{op}.{scope} must be a mapping {{group_size: {{bw_gbps, latency_us}}}}, "
+                                     f"got {table!r}")
+                rows: dict[int, dict[str, float]] = {}
+                for p, rec in table.items():
+                    try:
+                        size = int(p)
+                    except (TypeError, ValueError):
+                        size = 0
+                    if isinstance(p, bool) or size < 2 or (isinstance(p, float) and p != size):
+                        raise UniAPError(f"{where}.{op}.{scope}: group sizes must be integers >= 2, got {p!r}")
+                    if not isinstance(rec, Mapping) or set(rec) != {"bw_gbps", "latency_us"}:
+                        raise UniAPError(
+                            f"{where}.{op}.{scope}[{size}] must be {{bw_gbps: GB/s, latency_us: us}}, got {rec!r}"
+                        )
+                    bw, lat = rec["bw_gbps"], rec["latency_us"]
+                    if isinstance(bw, bool) or not isinstance(bw, (int, float)) or not math.isfinite(bw) or bw <= 0:
+                        raise UniAPError(f"{where}.{op}.{scope}[{size}].bw_gbps must be > 0, got {bw!r}")
+                    if isinstance(lat, bool) or not isinstance(lat, (int, float)) or not math.isfinite(lat) or lat < 0:
+                        raise UniAPError(f"{where}.{op}.{scope}[{size}].latency_us must be >= 0, got {lat!r}")
+                    if size in rows:
+                        raise UniAPError(f"{where}.{op}.{scope}: group size {size} given twice")
+                    rows[size] = {"bw_gbps": float(bw), "latency_us": float(lat)}
+                if rows:
+                    out[op][scope] = rows
+            if not out[op]:
+                del out[op]
+        return out
 
     @property
     def num_devices(self) -> int:
@@ -76,22 +133,28 @@ class Cluster:
     def flops_per_s(self) -> float:
         return self.peak_tflops * 1e12 * self.efficiency
 
-    def bandwidth_bytes_per_s(self, group_size: int, inter_node: bool) -> float:
+    def _op_table(self, op: str, scope: str) -> dict[int, dict[str, float]] | None:
+        """The measured table pricing ``op`` in ``scope``: its own, else all-reduce's, else None."""
+        if op not in COLLECTIVE_OPS:
+            raise UniAPError(f"unknown collective {op!r}; known: {list(COLLECTIVE_OPS)}")
+        return self.collective_tables.get(op, {}).get(scope) or self.collective_tables.get("all_reduce", {}).get(scope)
+
+    def bandwidth_bytes_per_s(self, group_size: int, inter_node: bool, op: str = "all_reduce") -> float:
+        """Bus bandwidth of ``op`` over ``group_size`` devices (bytes/s)."""
         scope = "inter" if inter_node else "intra"
+        rows = self._op_table(op, scope)
+        if rows:
+            return _interpolate({p: r["bw_gbps"] for p, r in rows.items()}, group_size) * 1e9
         table = self.bandwidth_tables.get(scope)
         if table:
-            pts = sorted((int(p), float(bw)) for p, bw in table.items())
-            x = math.log2(max(group_size, 2))
-            if x <= math.log2(pts[0][0]):
-                return pts[0][1] * 1e9
-            for (p0, b0), (p1, b1) in zip(pts, pts[1:]):
-                x0, x1 = math.log2(p0), math.log2(p1)
-                if x <= x1:
-                    return (b0 + (b1 - b0) * (x - x0) / (x1 - x0)) * 1e9
-            return pts[-1][1] * 1e9
+            return _interpolate({int(p): float(bw) for p, bw in table.items()}, group_size) * 1e9
         return (self.inter_bw_gbps if inter_node else self.intra_bw_gbps) * 1e9
 
-    def latency_s(self, inter_node: bool) -> float:
+    def latency_s(self, inter_node: bool, op: str = "all_reduce", group_size: int = 2) -> float:
+        """Per-step latency (alpha) of ``op`` over ``group_size`` devices (seconds)."""
+        rows = self._op_table(op, "inter" if inter_node else "intra")
+        if rows:
+            return _interpolate({p: r["latency_us"] for p, r in rows.items()}, group_size) * 1e-6
         return (self.inter_latency_us if inter_node else self.intra_latency_us) * 1e-6
 
     @classmethod
@@ -106,4 +169,18 @@ class Cluster:
         d = dict(d)
         tables = d.pop("bandwidth_tables", None) or {}
         d["bandwidth_tables"] = {str(s): {int(p): float(b) for p, b in t.items()} for s, t in tables.items()}
+        d["collective_tables"] = d.pop("collective_tables", None) or {}  # keys and figures normalized on construction
         return cls(**d)
+
+
+def _interpolate(table: dict[int, float], group_size: int) -> float:
+    """Piecewise-linear in log2 of the group size through ``table``'s points, clamped at both ends."""
+    pts = sorted(table.items())
+    x = math.log2(max(group_size, 2))
+    if x <= math.log2(pts[0][0]):
+        return pts[0][1]
+    for (p0, v0), (p1, v1) in zip(pts, pts[1:]):
+        x0, x1 = math.log2(p0), math.log2(p1)
+        if x <= x1:
+            return v0 + (v1 - v0) * (x - x0) / (x1 - x0)
+    return pts[-1][1]

@@ -1,8 +1,11 @@
 """Alpha-beta ring model of collectives (Thakur et al. 2005; NCCL's bus-bandwidth convention).
 
-``all_reduce(S, p) = 2 (p - 1) alpha + 2 (p - 1) / p * S / bw``; all-gather and reduce-scatter of a full
-tensor of ``S`` bytes cost half of that. ``bw`` and ``alpha`` come from the cluster and depend on whether the
-group spans nodes (and on the group size, where the cluster carries measured tables).
+``all_reduce(S, p) = 2 (p - 1) alpha + 2 (p - 1) / p * S / bw``; all-gather and reduce-scatter of a full tensor
+of ``S`` bytes: ``(p - 1) alpha + (p - 1) / p * S / bw``; point-to-point: ``alpha + S / bw``. Each collective is
+priced with its own ``bw`` and ``alpha`` (:meth:`Cluster.bandwidth_bytes_per_s` / :meth:`Cluster.latency_s` with
+``op=``), which depend on whether the group spans nodes and on the group size where the cluster carries measured
+``collective_tables`` (e.g. gloo's reduce-scatter is an all-reduce of the whole tensor, several times slower per
+byte than its all-reduce). Without a table for an op the all-reduce figures are used for it.
 """
 
 from __future__ import annotations
@@ -10,27 +13,36 @@ from __future__ import annotations
 from uniap_lightning.cluster import Cluster
 
 
+def _ring(cluster: Cluster, op: str, nbytes: float, p: int, inter_node: bool, steps: float) -> float:
+    """``steps (p - 1) alpha + steps (p - 1) / p * S / bw`` with ``op``'s figures."""
+    bw = cluster.bandwidth_bytes_per_s(p, inter_node, op=op)
+    alpha = cluster.latency_s(inter_node, op=op, group_size=p)
+    return steps * (p - 1) * alpha + steps * (p - 1) / p * nbytes / bw
+
+
 def all_reduce_s(cluster: Cluster, nbytes: float, p: int, inter_node: bool) -> float:
     if p <= 1 or nbytes <= 0:
         return 0.0
-    bw = cluster.bandwidth_bytes_per_s(p, inter_node)
-    return 2 * (p - 1) * cluster.latency_s(inter_node) + 2 * (p - 1) / p * nbytes / bw
+    return _ring(cluster, "all_reduce", nbytes, p, inter_node, 2)
 
 
 def all_gather_s(cluster: Cluster, nbytes: float, p: int, inter_node: bool) -> float:
     """All-gather producing a ``nbytes`` tensor on each of ``p`` devices."""
     if p <= 1 or nbytes <= 0:
         return 0.0
-    bw = cluster.bandwidth_bytes_per_s(p, inter_node)
-    return (p - 1) * cluster.latency_s(inter_node) + (p - 1) / p * nbytes / bw
+    return _ring(cluster, "all_gather", nbytes, p, inter_node, 1)
 
 
 def reduce_scatter_s(cluster: Cluster, nbytes: float, p: int, inter_node: bool) -> float:
-    """Reduce-scatter of a ``nbytes`` tensor over ``p`` devices (same cost as all-gather in a ring)."""
-    return all_gather_s(cluster, nbytes, p, inter_node)
+    """Reduce-scatter of a ``nbytes`` tensor over ``p`` devices (the all-gather formula, reduce-scatter's figures)."""
+    if p <= 1 or nbytes <= 0:
+        return 0.0
+    return _ring(cluster, "reduce_scatter", nbytes, p, inter_node, 1)
 
 
 def p2p_s(cluster: Cluster, nbytes: float, inter_node: bool) -> float:
     if nbytes <= 0:
         return 0.0
-    return cluster.latency_s(inter_node) + nbytes / cluster.bandwidth_bytes_per_s(2, inter_node)
+    return cluster.latency_s(inter_node, op="p2p", group_size=2) + nbytes / cluster.bandwidth_bytes_per_s(
+        2, inter_node, op="p2p"
+    )

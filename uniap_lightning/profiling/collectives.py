@@ -4,9 +4,17 @@ Call :func:`measure_collectives` on every rank of an initialized ``torch.distrib
 group size ``p`` (powers of two up to the world size; the first ``p`` consecutive ranks, so a group inside one
 node while ``p`` fits a node, and across nodes beyond) it times all-reduce, all-gather, reduce-scatter and
 point-to-point at two message sizes (median of ``repeats`` after a warm-up) and fits the alpha-beta model of
-:mod:`uniap_lightning.cost.comm`: ``t(S) = k_lat * alpha + k_bw * S / bw``. The fitted all-reduce figures become
-the cluster's ``bandwidth_tables`` and latencies (:func:`apply_to_cluster`), so the planner uses measured links.
+:mod:`uniap_lightning.cost.comm`: ``t(S) = k_lat * alpha + k_bw * S / bw``. Every op's fit becomes the cluster's
+``collective_tables`` (:func:`apply_to_cluster`), so the planner prices each collective with its own measured
+figures; the all-reduce fit also fills ``bandwidth_tables`` and the flat latencies (display, older readers).
 A few seconds on CPU/gloo with the default sizes.
+
+All-gather and reduce-scatter are timed with the calls FSDP2 (``fully_shard``) makes in torch 2.13
+(``_fsdp_collectives.py``): ``all_gather_single`` into one flat buffer whose own shard is the input (in place),
+and ``reduce_scatter_single`` of the flat gradient buffer with ``ReduceOp.AVG`` (FSDP2's op for fp32/bf16
+gradients). ProcessGroupGloo implements the latter as a clone of the whole input, an all-reduce of it and a
+copy of the rank's chunk, so on gloo reduce-scatter costs more than all-reduce per byte; that is what FSDP pays.
+Older torch (no ``*_single``): ``all_gather_into_tensor`` / ``reduce_scatter_tensor``, as FSDP2 called then.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from uniap_lightning.cluster import Cluster
+from uniap_lightning.cluster import COLLECTIVE_OPS, Cluster
 
 DEFAULT_SIZES = (1 << 12, 1 << 22)  # 4 KiB (latency), 4 MiB (bandwidth)
 
@@ -85,11 +93,13 @@ def measure_collectives(
             numel = max(p, nbytes // 4 // p * p)
             full = torch.ones(numel, device=device)
             shard = torch.ones(numel // p, device=device)
-            out_list = [torch.empty_like(shard) for _ in range(p)]
+            gathered = torch.ones(numel, device=device)
+            # FSDP2 gathers in place: the input is this rank's slot of the output (group rank = rank for members)
+            own = gathered.narrow(0, min(rank, p - 1) * (numel // p), numel // p)
             for op, fn in (
                 ("all_reduce", lambda: dist.all_reduce(full, group=group)),
-                ("all_gather", lambda: dist.all_gather(out_list, shard, group=group)),
-                ("reduce_scatter", lambda: _reduce_scatter(shard, full, p, group)),
+                ("all_gather", lambda: _all_gather(gathered, own, group)),
+                ("reduce_scatter", lambda: _reduce_scatter(shard, full, group)),
             ):
                 # only the group's members time it, so the barrier is the group's (a world barrier that only
                 # some ranks reach would hang the others, which go on to the next group)
@@ -106,13 +116,23 @@ def measure_collectives(
     return shared[0]
 
 
-def _reduce_scatter(shard, full, p, group) -> None:
+def _all_gather(out, inp, group) -> None:
+    """FSDP2's all-gather: ``all_gather_single`` (torch >= 2.13; ``all_gather_into_tensor`` before)."""
     import torch.distributed as dist
 
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, inp, group=group)
+
+
+def _reduce_scatter(shard, full, group) -> None:
+    """FSDP2's gradient reduce-scatter: ``reduce_scatter_single(op=AVG)`` (``reduce_scatter_tensor`` before 2.13)."""
+    import torch.distributed as dist
+
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     try:
-        dist.reduce_scatter_tensor(shard, full, group=group)
-    except (RuntimeError, ValueError, NotImplementedError):  # gloo has no reduce_scatter: all_reduce + slice
-        dist.all_reduce(full, group=group)
+        fn(shard, full, op=dist.ReduceOp.AVG, group=group)
+    except (RuntimeError, ValueError, NotImplementedError):  # a backend without AVG: FSDP2 sums and divides
+        fn(shard, full, op=dist.ReduceOp.SUM, group=group)
 
 
 def _ping(buf, rank: int) -> None:
@@ -128,14 +148,24 @@ def _ping(buf, rank: int) -> None:
 
 
 def apply_to_cluster(cluster: Cluster, measured: dict[str, Any]) -> Cluster:
-    """The cluster with measured all-reduce bandwidth tables and latencies (inside / across nodes)."""
+    """The cluster with every measured op in ``collective_tables``, plus the all-reduce fit as ``bandwidth_tables``
+    and flat bandwidths/latencies (inside / across nodes; medians over group sizes)."""
+    collective: dict[str, dict[str, dict[int, dict[str, float]]]] = {}
+    for op, recs in measured["ops"].items():
+        if op not in COLLECTIVE_OPS:
+            continue
+        for p, rec in recs.items():
+            scope = "inter" if rec["inter_node"] else "intra"
+            collective.setdefault(op, {}).setdefault(scope, {})[int(p)] = {
+                "bw_gbps": float(rec["bw_gbps"]), "latency_us": float(rec["latency_us"])}
     tables: dict[str, dict[int, float]] = {"intra": {}, "inter": {}}
-    lat = {"intra": [], "inter": []}
-    for p, rec in measured["ops"]["all_reduce"].items():
-        scope = "inter" if rec["inter_node"] else "intra"
-        tables[scope][int(p)] = rec["bw_gbps"]
-        lat[scope].append(rec["latency_us"])
-    changes: dict[str, Any] = {"bandwidth_tables": {k: v for k, v in tables.items() if v}}
+    lat: dict[str, list[float]] = {"intra": [], "inter": []}
+    for scope, rows in collective.get("all_reduce", {}).items():
+        for p, rec in rows.items():
+            tables[scope][p] = rec["bw_gbps"]
+            lat[scope].append(rec["latency_us"])
+    changes: dict[str, Any] = {"bandwidth_tables": {k: v for k, v in tables.items() if v},
+                               "collective_tables": collective}
     if lat["intra"]:
         changes["intra_latency_us"] = statistics.median(lat["intra"])
         changes["intra_bw_gbps"] = statistics.median(tables["intra"].values())
@@ -143,3 +173,15 @@ def apply_to_cluster(cluster: Cluster, measured: dict[str, Any]) -> Cluster:
         changes["inter_latency_us"] = statistics.median(lat["inter"])
         changes["inter_bw_gbps"] = statistics.median(tables["inter"].values())
     return replace(cluster, **changes)
+
+
+def describe_collectives(cluster: Cluster, scope: str = "intra") -> str:
+    """One line per op of ``cluster.collective_tables[...][scope]``: ``op: {p: GB/s / us, ...}`` ("" if none)."""
+    lines = []
+    for op in COLLECTIVE_OPS:
+        rows = cluster.collective_tables.get(op, {}).get(scope)
+        if rows:
+            cells = ", ".join(f"{p}: {r['bw_gbps']:.2f} GB/s / {r['latency_us']:.0f} us"
+                              for p, r in sorted(rows.items()))
+            lines.append(f"{op}: {{{cells}}}")
+    return "\n".join(lines)
