@@ -141,12 +141,12 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: str) ->
         profile = ModelProfile.from_dict(box[0])
         log["setup"]["profile_s"] = time.perf_counter() - t0
         say(f"profiled {profile.num_layers} layers at micro-batches 1..16 in {log['setup']['profile_s']:.1f} s")
-        # as the strategy does at setup: every rank times the distinct layers under TP / FSDP (smallest and
-        # largest profiled micro-batch); the formula-only profile is kept to show what the measured terms change
+        # as the strategy does at setup: every rank times the distinct layers under TP / FSDP (smallest, middle
+        # and largest profiled micro-batch); the formula-only profile shows what the measured terms change
         formula_profile = profile
         if not args["no_overheads"]:
             t0 = time.perf_counter()
-            over = measure_overheads(chain.layers, chain.names, ids, micro_batches=[1, 16],
+            over = measure_overheads(chain.layers, chain.names, ids, micro_batches=[1, 4, 16],
                                      devices_per_node=world, repeats=args["profile_repeats"])
             profile = attach_overheads(profile, over)
             log["setup"]["overheads_s"] = time.perf_counter() - t0

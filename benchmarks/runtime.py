@@ -52,12 +52,11 @@ WORLD = 4
 LR = 3e-4
 #: the model of every comparison: the project's plain GPT (embedding, 4 blocks, head: a 6-layer chain)
 MODEL = dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
-#: time collectives at setup when planning (UniAPStrategy's measure_cluster; --measure-cluster); off by default:
-#: a planning run with it stalled here once (see BENCHMARKS_runtime.md)
-MEASURE_CLUSTER = os.environ.get("UNIAP_BENCH_MEASURE_CLUSTER") == "1"
-#: UniAPStrategy's default UniAPMonitor deadlocks once it reports (warm-up 3 + window 10 steps) without a
-#: metrics_file: rank 0 alone reads trainer.log_dir, a collective broadcast (see BENCHMARKS_runtime.md); off here
-STRATEGY_KW: dict[str, Any] = dict(monitor=False)
+#: the planning run (part 3) measures as the strategy does by default (UniAPStrategy measure_cluster=True:
+#: collectives, every rank profiling at once, TP / FSDP overheads); --no-measure-cluster plans from constants
+MEASURE_CLUSTER = os.environ.get("UNIAP_BENCH_MEASURE_CLUSTER", "1") == "1"
+#: the strategy as users get it (its default UniAPMonitor included)
+STRATEGY_KW: dict[str, Any] = {}
 BATCH = 32  # global batch (samples of MODEL["block_size"] tokens)
 
 
@@ -560,8 +559,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="timed steps per run (default 12; --quick 6)")
     ap.add_argument("--rejected", type=int, default=None, help="rejected candidates to run (default 4; --quick 2)")
     ap.add_argument("--parts", default="1,2,3", help="comma list of parts to run: 1,2,3")
-    ap.add_argument("--measure-cluster", action="store_true",
-                    help="let the planning runs time collectives at setup (UniAPStrategy measure_cluster=True)")
+    ap.add_argument("--no-measure-cluster", action="store_true",
+                    help="plan from the constant local cluster and a rank-0 profile (UniAPStrategy measure_cluster=False)")
     ap.add_argument("--markdown", default=None, help="also write the tables as a markdown fragment")
     ap.add_argument("--json", default=None, help="also write the raw measurements (JSON)")
     args = ap.parse_args()
@@ -571,8 +570,7 @@ def main() -> None:
     args.steps = args.steps or (6 if q else 12)
     args.rejected = args.rejected if args.rejected is not None else (2 if q else 4)
     args.parts = [int(p) for p in args.parts.split(",") if p]
-    if args.measure_cluster:
-        os.environ["UNIAP_BENCH_MEASURE_CLUSTER"] = "1"  # inherited by the spawned ranks
+    os.environ["UNIAP_BENCH_MEASURE_CLUSTER"] = "0" if args.no_measure_cluster else "1"  # inherited by the ranks
 
     import torch.multiprocessing as mp
     from rich.console import Console

@@ -294,7 +294,8 @@ class UniAPStrategy(ModelParallelStrategy):
         if cached is not None:
             measured, origin = cached, f"cache {cache_dir / name}"
         else:
-            _info(f"UniAP: measuring collectives on {self.world_size} ranks (all-reduce, all-gather, p2p) ...")
+            _info(f"UniAP: measuring collectives on {self.world_size} ranks (all-reduce, all-gather, reduce-scatter, "
+                  "p2p) ...")
             measured = measure_collectives(repeats=3, devices_per_node=self.num_processes,
                                            sizes_bytes=(1 << 12, 1 << 20))
             measured["ops"] = {op: {int(p): r for p, r in recs.items()} for op, recs in measured["ops"].items()}
@@ -308,9 +309,11 @@ class UniAPStrategy(ModelParallelStrategy):
         cluster = apply_to_cluster(base, measured)
         self.setup_report["cluster_s"] = time.perf_counter() - t0
         self.setup_report["cluster_origin"] = origin
-        bw = ", ".join(f"{p}: {b:.2f}" for p, b in sorted(cluster.bandwidth_tables.get("intra", {}).items()))
-        _info(f"UniAP: cluster links ({origin}, {self.setup_report['cluster_s']:.1f} s): all-reduce bus bandwidth "
-              f"GB/s by group size {{{bw}}}, latency {cluster.intra_latency_us:.0f} us")
+        from uniap_lightning.profiling.collectives import describe_collectives
+
+        table = describe_collectives(cluster).replace("\n", "; ")
+        _info(f"UniAP: cluster links ({origin}, {self.setup_report['cluster_s']:.1f} s), bus bandwidth / latency by "
+              f"group size: {table}")
         return cluster
 
     def _profile_cache_dir(self) -> Path:
@@ -441,7 +444,7 @@ class UniAPStrategy(ModelParallelStrategy):
         from uniap_lightning.profiling.strategies import attach_overheads, measure_overheads
 
         sizes = [int(m) for m in profile.meta.get("micro_batches") or [int(x.shape[0])]]
-        sizes = sorted({sizes[0], sizes[-1]})  # the smallest and largest timed size: the cost model interpolates
+        sizes = sorted({sizes[0], sizes[len(sizes) // 2], sizes[-1]})  # smallest, middle, largest: interpolated
         t0 = time.perf_counter()
         _info(f"UniAP: timing the layers under tensor parallelism and FSDP on {self.world_size} ranks "
               f"(micro-batches {sizes}) ...")

@@ -32,9 +32,9 @@ def test_profile_times_two_micro_batch_sizes_and_round_trips(tmp_path: Path) -> 
     layers = _layers()
     bn_before = layers[2].running_mean.clone()
     prof = profile_layers(layers, NAMES, torch.randn(16, IN), repeats=2)
-    assert prof.source == "measured" and prof.meta["micro_batches"] == [8, 16]
+    assert prof.source == "measured" and prof.meta["micro_batches"] == [2, 4, 16]
     for lp, layer in zip(prof.layers, layers):
-        assert [t.micro_batch for t in lp.timings] == [8, 16]
+        assert [t.micro_batch for t in lp.timings] == [2, 4, 16]
         assert all(t.forward_s > 0 and t.backward_s >= 0 for t in lp.timings)
         assert lp.params == sum(p.numel() for p in layer.parameters())
         assert lp.forward_s == pytest.approx(lp.timings[-1].forward_s / 16)
@@ -221,3 +221,11 @@ def test_timings_never_decrease_with_the_micro_batch_and_bad_sizes_are_skipped()
         f = [t.forward_s for t in lp.timings]
         b = [t.backward_s for t in lp.timings]
         assert f == sorted(f) and b == sorted(b)
+
+
+def test_identical_layers_share_the_median_of_their_timings() -> None:
+    torch.manual_seed(0)
+    layers = [nn.Linear(IN, IN), nn.Linear(IN, IN), nn.Linear(IN, IN), nn.Linear(IN, 5)]
+    prof = profile_layers(layers, ["a", "b", "c", "d"], torch.randn(16, IN), repeats=2)
+    assert prof.layers[0].timings == prof.layers[1].timings == prof.layers[2].timings
+    assert prof.layers[3].params != prof.layers[0].params  # a different layer keeps its own readings

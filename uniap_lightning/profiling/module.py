@@ -6,7 +6,8 @@ the tensors autograd saves for backward, parameters excluded), and forward / bac
 smaller reading at a larger size can only be noise). Times are taken at two or more micro-batch sizes and written
 to the profile's ``timings`` field, so the cost model interpolates instead of assuming time linear in the batch
 (a CPU or GPU is far from linear at small batches). ``forward_s`` / ``backward_s`` are per sample at the largest
-size.
+size. Layers of identical structure (type, parameter shapes, output and activation sizes: a transformer's blocks)
+get the median of their readings, which evens out a noisy measurement of one of them.
 
 Timing: ``time.perf_counter`` on CPU; on CUDA, CUDA events around each pass (after a synchronize), and the
 allocator's peak (``torch.cuda.max_memory_allocated`` minus what was allocated before the layer ran) as the
@@ -65,6 +66,11 @@ class _Timer:
             b.synchronize()
             return a.elapsed_time(b) / 1e3
         return b - a
+
+
+def structure_key(layer: nn.Module) -> tuple[Any, ...]:
+    """Layers with equal keys (type and parameter shapes) compute the same function shape: they cost the same."""
+    return (type(layer).__qualname__, tuple((n, tuple(p.shape)) for n, p in layer.named_parameters()))
 
 
 def _is_meta(layer: nn.Module, x: Any) -> bool:
@@ -126,8 +132,10 @@ def _measure_layer(
 
 
 def default_micro_batches(rows: int) -> list[int]:
-    """Two sizes when the sample allows: half the sample and all of it (one when the sample has one row)."""
-    return sorted({max(rows // 2, 1), rows})
+    """Two samples (batch norm refuses one), a quarter of the sample and all of it (fewer when the sample is small):
+    plans run anything from a sample or two per device (many micro-batches, wide data parallelism) to the whole
+    batch, and a CPU or GPU is least linear at the small end."""
+    return sorted({min(2, rows), max(rows // 4, 1), rows})
 
 
 def profile_layers(
@@ -198,6 +206,17 @@ def profile_layers(
             for p in layer.parameters():
                 p.grad = None
     sizes = [m for m in sizes if m in per_size]
+    # Layers of the same structure on inputs of the same size cost the same: use the median over them at every
+    # size (a transformer's N blocks give N samples of one cost, so a stray reading does not skew one block).
+    groups: dict[Any, list[int]] = {}
+    for i, layer in enumerate(layers):
+        groups.setdefault((structure_key(layer), stats[i][0], stats[i][1]), []).append(i)
+    for members in (g for g in groups.values() if len(g) > 1):
+        for m in sizes:
+            f = statistics.median(per_size[m][i][0] for i in members)
+            b = statistics.median(per_size[m][i][1] for i in members)
+            for i in members:
+                per_size[m][i] = (f, b)
     # A larger micro-batch never takes less time: a smaller reading at a larger size is noise (another process took
     # the core), so each pass's times are made non-decreasing in the size (running maximum, smallest size first).
     for i in range(len(layers)):

@@ -31,11 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from uniap_lightning.profiling.module import structure_key
 from uniap_lightning.profiling.schema import ModelProfile, Overhead
-
-
-def _structure_key(layer: nn.Module) -> tuple[Any, ...]:
-    return (type(layer).__qualname__, tuple((n, tuple(p.shape)) for n, p in layer.named_parameters()))
 
 
 def _fwd_bwd_s(layer: nn.Module, x: torch.Tensor, repeats: int, warmup: int) -> float:
@@ -123,7 +120,7 @@ def measure_overheads(
     seen: dict[tuple[Any, ...], int] = {}
     try:
         for i, (layer, name) in enumerate(zip(layers, names, strict=True)):
-            key = _structure_key(layer) + (tuple(inputs[i].shape[1:]), str(inputs[i].dtype))
+            key = structure_key(layer) + (tuple(inputs[i].shape[1:]), str(inputs[i].dtype))
             if key in seen:
                 out[i] = out[seen[key]]
                 continue
