@@ -6,11 +6,13 @@ One small GPT (``uniap_lightning.adapters.gpt``: 4 blocks, width 192, 64 tokens,
 trains on ``--world`` CPU processes (gloo, one thread each) under a series of pinned plans (pipeline degrees,
 DDP / FSDP / tensor-parallel mixes, micro-batch counts) plus the planner's own choice. Before training, every rank
 takes part in the measurements the strategy makes at setup: collectives on the job's process group
-(``measure_collectives`` -> the cluster's bandwidth tables) and the layer profile (all ranks profile at once, as
-they will train at once: the CPU cores are shared; rank 0's numbers are used), timed at the per-device micro-batch
-sizes the plans use. Predictions are ``evaluate(problem, plan)`` with that measured profile and cluster;
+(``measure_collectives`` -> the cluster's per-collective tables), the layer profile (all ranks profile at once, as
+they will train at once: the CPU cores are shared; the median over ranks is used), timed at the per-device
+micro-batch sizes the plans use, and the TP / FSDP overheads of each distinct layer
+(``uniap_lightning.profiling.strategies``). Predictions are ``evaluate(problem, plan)`` with that measured profile and cluster;
 measurements come from :class:`uniap_lightning.monitor.UniAPMonitor` (median step time of ``--steps`` steps after
-``--warmup``, the slowest rank; peak memory per rank as the monitor defines it on CPU). glibc's mmap threshold is
+``--warmup``, the slowest rank; peak memory per rank as the monitor defines it on CPU), each plan run ``--rounds``
+times in rotating order and the median run reported (with the spread of the runs). glibc's mmap threshold is
 pinned at 64 KiB in the workers so that freed tensors leave the resident set (the monitor measures its growth).
 
 Prints one row per plan and the summary: median absolute relative error (time, memory), Spearman rank correlation
@@ -100,7 +102,7 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: str) ->
     from uniap_lightning.plan import Plan
     from uniap_lightning.problem import Problem, TrainingConfig
     from uniap_lightning.profiling.collectives import apply_to_cluster, measure_collectives
-    from uniap_lightning.profiling.module import profile_layers
+    from uniap_lightning.profiling.module import median_over_ranks, profile_layers
     from uniap_lightning.profiling.schema import ModelProfile
     from uniap_lightning.profiling.strategies import attach_overheads, measure_overheads
     from uniap_lightning.runtime import extract_chain
@@ -135,10 +137,11 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: str) ->
             chain.layers, chain.names, ids, repeats=args["profile_repeats"], warmup=2,
             micro_batches=[1, 2, 4, 8, 16], tp_degrees=[tp_degrees(m) for m in chain.layers],
             tp_allreduces=[tp_allreduces(m) for m in chain.layers], model="fidelity-gpt", device="cpu",
+            sync=dist.barrier,
         )
-        box = [prof.to_dict()]
-        dist.broadcast_object_list(box, src=0)
-        profile = ModelProfile.from_dict(box[0])
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, prof.to_dict())  # as the strategy does: the median over the ranks
+        profile = median_over_ranks([ModelProfile.from_dict(d) for d in everyone])
         log["setup"]["profile_s"] = time.perf_counter() - t0
         say(f"profiled {profile.num_layers} layers at micro-batches 1..16 in {log['setup']['profile_s']:.1f} s")
         # as the strategy does at setup: every rank times the distinct layers under TP / FSDP (smallest, middle
@@ -171,34 +174,44 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: str) ->
                 gc.enable()
         dist.broadcast_object_list(chosen, src=0)
         plans["PLANNER"] = Plan.from_dict(chosen[0])
-        for name, plan in plans.items():
-            problem = Problem(model=profile, cluster=cluster,
-                              training=TrainingConfig(global_batch_size=B, schedule=plan.schedule))
-            est = evaluate(problem, plan)
-            est_formula = evaluate(Problem(model=formula_profile, cluster=cluster, training=problem.training), plan)
-            plan.estimate = est
-            plan.model_fingerprint = ""  # pinned as is (the profile was measured above)
-            mon = UniAPMonitor(warmup_steps=args["warmup"], window=args["steps"], repeat=False,
-                               time_error_threshold=10.0, metrics_file=Path(out) / "measured.json")
-            strategy = UniAPStrategy(plan=plan, monitor=mon, measure_cluster=False)
-            trainer = pl.Trainer(
-                accelerator="cpu", devices=world, strategy=strategy, max_steps=args["warmup"] + args["steps"],
-                logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                use_distributed_sampler=False,
-            )
-            t0 = time.perf_counter()
-            trainer.fit(_module(), _data(args["warmup"] + args["steps"]))
-            m = mon.last or {}
-            row = {"plan": name, "pp": plan.pp, "c": plan.microbatches, "schedule": plan.schedule,
-                   "layers": [[lp.dp, lp.tp, lp.shard, lp.stage] for lp in plan.layers],
-                   "pred_tpi_s": est.tpi_s, "pred_formula_tpi_s": est_formula.tpi_s, "meas_tpi_s": m.get("tpi_s"),
-                   "pred_mem": [est.stage_memory_bytes[r // plan.devices_per_stage] for r in range(world)],
-                   "meas_mem": m.get("rank_peak_memory_bytes"), "wall_s": time.perf_counter() - t0,
-                   "stage_time_s": est.stage_time_s, "sync_s": est.stage_sync_s, "boundary_s": est.boundary_s}
-            log["rows"].append(row)
-            say(f"{name:45s} predicted {est.tpi_s * 1e3:8.1f} ms  measured {row['meas_tpi_s'] * 1e3:8.1f} ms  "
-                f"({row['wall_s']:.0f} s)")
-            del trainer, strategy
+        names = list(plans)
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+        for rnd in range(args["rounds"]):  # rotating order, so a burst of outside load hits every plan alike
+            for name in names[rnd % len(names):] + names[: rnd % len(names)]:
+                plan = plans[name]
+                problem = Problem(model=profile, cluster=cluster,
+                                  training=TrainingConfig(global_batch_size=B, schedule=plan.schedule))
+                est = evaluate(problem, plan)
+                est_formula = evaluate(Problem(model=formula_profile, cluster=cluster, training=problem.training), plan)
+                plan.estimate = est
+                plan.model_fingerprint = ""  # pinned as is (the profile was measured above)
+                mon = UniAPMonitor(warmup_steps=args["warmup"], window=args["steps"], repeat=False,
+                                   time_error_threshold=10.0, metrics_file=Path(out) / "measured.json")
+                strategy = UniAPStrategy(plan=plan, monitor=mon, measure_cluster=False)
+                trainer = pl.Trainer(
+                    accelerator="cpu", devices=world, strategy=strategy, max_steps=args["warmup"] + args["steps"],
+                    logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                    use_distributed_sampler=False,
+                )
+                t0 = time.perf_counter()
+                trainer.fit(_module(), _data(args["warmup"] + args["steps"]))
+                m = mon.last or {}
+                row = {"plan": name, "pp": plan.pp, "c": plan.microbatches, "schedule": plan.schedule,
+                       "layers": [[lp.dp, lp.tp, lp.shard, lp.stage] for lp in plan.layers],
+                       "pred_tpi_s": est.tpi_s, "pred_formula_tpi_s": est_formula.tpi_s, "meas_tpi_s": m.get("tpi_s"),
+                       "pred_mem": [est.stage_memory_bytes[r // plan.devices_per_stage] for r in range(world)],
+                       "meas_mem": m.get("rank_peak_memory_bytes"), "wall_s": time.perf_counter() - t0,
+                       "stage_time_s": est.stage_time_s, "sync_s": est.stage_sync_s, "boundary_s": est.boundary_s}
+                runs[name].append(row)
+                say(f"[round {rnd + 1}] {name:45s} predicted {est.tpi_s * 1e3:8.1f} ms  measured "
+                    f"{row['meas_tpi_s'] * 1e3:8.1f} ms  ({row['wall_s']:.0f} s)")
+                del trainer, strategy
+        for name in names:  # the median run by step time (its memory figures come with it)
+            done = sorted((r for r in runs[name] if r.get("meas_tpi_s")), key=lambda r: r["meas_tpi_s"])
+            if done:
+                row = dict(done[(len(done) - 1) // 2])
+                row["meas_tpi_runs_s"] = [r["meas_tpi_s"] for r in runs[name]]
+                log["rows"].append(row)
     except Exception:  # noqa: BLE001
         log["error"] = traceback.format_exc()
         print(f"rank {rank}: {log['error']}", file=sys.stderr, flush=True)
@@ -229,6 +242,11 @@ def spearman(a: list[float], b: list[float]) -> float:
     return num / den if den else float("nan")
 
 
+def _span(row: dict[str, Any]) -> str:
+    xs = [x for x in row.get("meas_tpi_runs_s") or [row["meas_tpi_s"]] if x]
+    return f"{min(xs) * 1e3:,.0f}-{max(xs) * 1e3:,.0f}" if len(xs) > 1 else "1 run"
+
+
 def summarize(log: dict[str, Any], world: int) -> str:
     rows = [r for r in log["rows"] if r.get("meas_tpi_s")]
     lines = [f"world={world} CPU processes (gloo), model: GPT {BLOCKS} blocks x width {WIDTH}, seq {SEQ}, "
@@ -236,8 +254,8 @@ def summarize(log: dict[str, Any], world: int) -> str:
              f"setup: collectives {log['setup'].get('cluster_s', 0):.1f} s, profile {log['setup'].get('profile_s', 0):.1f} s, "
              f"TP/FSDP overheads {log['setup'].get('overheads_s', 0):.1f} s, solve {log['setup'].get('solve_s', 0):.1f} s",
              "",
-             "| plan | pp | c | sched | predicted ms/it | measured ms/it | time err | formulas only: predicted ms/it "
-             "(err) | predicted MiB (max rank) | measured MiB (max rank) | mem err (median over ranks) |",
+             "| plan | pp | c | sched | predicted ms/it | measured ms/it (runs) | time err | formulas only: predicted "
+             "ms/it (err) | predicted MiB (max rank) | measured MiB (max rank) | mem err (median over ranks) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     t_err, f_err, m_err = [], [], []
     for r in rows:
@@ -251,7 +269,7 @@ def summarize(log: dict[str, Any], world: int) -> str:
         m_err.extend(abs(x) for x in me)
         lines.append(
             f"| {r['plan']} | {r['pp']} | {r['c']} | {r['schedule']} | {r['pred_tpi_s'] * 1e3:,.1f} | "
-            f"{r['meas_tpi_s'] * 1e3:,.1f} | {te:+.1%} | {fp * 1e3:,.1f} ({fe:+.1%}) | {max(r['pred_mem']) / 2**20:,.1f} | "
+            f"{r['meas_tpi_s'] * 1e3:,.1f} ({_span(r)}) | {te:+.1%} | {fp * 1e3:,.1f} ({fe:+.1%}) | {max(r['pred_mem']) / 2**20:,.1f} | "
             f"{max(r['meas_mem'] or [0]) / 2**20:,.1f} | {mem_med:.1%} |"
         )
     pinned = [r for r in rows if r["plan"] != "PLANNER"]
@@ -270,6 +288,10 @@ def summarize(log: dict[str, Any], world: int) -> str:
         rank = [r["plan"] for r in meas].index("PLANNER") + 1
         best = meas[0]
         desc = ", ".join(f"{'fsdp' if s else 'dp'}{d}xtp{t}@{st}" for d, t, s, st in planner["layers"])
+        same = [r["plan"] for r in pinned if (r["layers"], r["pp"], r["c"], r["schedule"]) ==
+                (planner["layers"], planner["pp"], planner["c"], planner["schedule"])]
+        if same:
+            desc += f"; the same layout as the pinned '{same[0]}'"
         lines.append(f"- planner's choice (pp={planner['pp']}, c={planner['c']}, {planner['schedule']}: {desc}) is "
                      f"#{rank} of {len(rows)} by measured time: {planner['meas_tpi_s'] * 1e3:,.1f} ms vs the measured "
                      f"fastest '{best['plan']}' {best['meas_tpi_s'] * 1e3:,.1f} ms "
@@ -283,6 +305,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--profile-repeats", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="runs per plan, in rotating order; the median run counts (default 3)")
     ap.add_argument("--no-overheads", action="store_true",
                     help="do not time TP / FSDP overheads (predict with the cost formulas alone)")
     ap.add_argument("--markdown", type=str, default=None, help="append the table to this file")
@@ -297,7 +321,7 @@ def main() -> None:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as out:
         args = {"steps": a.steps, "warmup": a.warmup, "profile_repeats": a.profile_repeats,
-                "no_overheads": a.no_overheads}
+                "no_overheads": a.no_overheads, "rounds": max(a.rounds, 1)}
         mp.start_processes(_worker, args=(a.world, port, args, out), nprocs=a.world, start_method="spawn")
         log = json.loads(Path(out, "result.json").read_text())
     if a.json:

@@ -422,10 +422,19 @@ class UniAPStrategy(ModelParallelStrategy):
                   f"({self._profile_repeats} repeats{', on all ranks at once' if everywhere else ''}) ...")
         profile = profile_chain(
             chain.layers, chain.names, x, repeats=self._profile_repeats, micro_batches=self._profile_micro_batches,
-            progress=lambda msg: _info(f"UniAP: profiling: {msg}"), why_no_input=why, **kw,
+            progress=lambda msg: _info(f"UniAP: profiling: {msg}"), why_no_input=why,
+            sync=dist.barrier if everywhere else None, **kw,
         )
-        if everywhere and x is not None and self.broadcast(profile.source == "measured"):
-            profile = self._time_strategies(chain, x, profile)
+        if everywhere:
+            from uniap_lightning.profiling.module import median_over_ranks
+            from uniap_lightning.profiling.schema import ModelProfile
+
+            everyone: list[Any] = [None] * self.world_size
+            dist.all_gather_object(everyone, profile.to_dict())
+            if all(d["source"] == "measured" for d in everyone):
+                profile = median_over_ranks([ModelProfile.from_dict(d) for d in everyone])
+                if x is not None:
+                    profile = self._time_strategies(chain, x, profile)
         elapsed = time.perf_counter() - t0
         self.setup_report.update(profile_origin=profile.source, profile_s=elapsed)
         _info(f"UniAP: profiled the model in {elapsed:.1f} s ({profile.source})")

@@ -229,3 +229,25 @@ def test_identical_layers_share_the_median_of_their_timings() -> None:
     prof = profile_layers(layers, ["a", "b", "c", "d"], torch.randn(16, IN), repeats=2)
     assert prof.layers[0].timings == prof.layers[1].timings == prof.layers[2].timings
     assert prof.layers[3].params != prof.layers[0].params  # a different layer keeps its own readings
+
+
+def test_profiles_from_several_ranks_combine_to_the_median() -> None:
+    from dataclasses import replace
+
+    from uniap_lightning.profiling.module import median_over_ranks
+    from uniap_lightning.profiling.schema import Timing
+
+    base = profile_layers(_layers(), NAMES, torch.randn(16, IN), repeats=1)
+
+    def scaled(k: float) -> ModelProfile:
+        layers = [replace(lp, forward_s=lp.forward_s * k, backward_s=lp.backward_s * k,
+                          timings=tuple(Timing(t.micro_batch, t.forward_s * k, t.backward_s * k) for t in lp.timings))
+                  for lp in base.layers]
+        return ModelProfile(model=base.model, layers=layers, source="measured", meta=dict(base.meta))
+
+    combined = median_over_ranks([scaled(1.0), scaled(5.0), scaled(2.0)])  # one rank ran slow, one fast
+    for lp, ref in zip(combined.layers, base.layers):
+        assert lp.forward_s == pytest.approx(2 * ref.forward_s)
+        assert [t.backward_s for t in lp.timings] == pytest.approx([2 * t.backward_s for t in ref.timings])
+        assert lp.params == ref.params and lp.output_bytes == ref.output_bytes
+    assert combined.meta["ranks_combined"] == 3

@@ -29,6 +29,7 @@ import statistics
 import time
 import warnings
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -151,8 +152,12 @@ def profile_layers(
     model: str = "model",
     device: str = "",
     progress: Any = None,
+    sync: Any = None,
 ) -> ModelProfile:
     """Profile ``layers`` applied in order to ``sample_input`` (batch on dim 0) at each of ``micro_batches`` sizes.
+
+    ``sync``, when given, is called before each size (e.g. a barrier, so that ranks profiling together time the
+    same size at the same time and none of them runs alone while the others wait).
 
     Raises :class:`ProfilingUnavailable` when a layer cannot be run on real tensors (meta device, a batch the
     layer rejects); :func:`profile_chain` turns that into the structural fallback.
@@ -170,6 +175,8 @@ def profile_layers(
     skipped: dict[int, str] = {}
     try:
         for m in sizes:  # largest last: its outputs give the per-sample byte figures
+            if sync is not None:
+                sync()
             x: Any = sample_input[:m]
             times: list[tuple[float, float]] = []
             try:
@@ -328,6 +335,7 @@ def profile_chain(
     device: str = "",
     progress: Any = None,
     why_no_input: str = "",
+    sync: Any = None,
 ) -> ModelProfile:
     """Measure the chain; when that is impossible, warn and return the structural profile instead (no crash)."""
     kw = dict(tp_degrees=tp_degrees, tp_allreduces=tp_allreduces, model=model, device=device)
@@ -336,7 +344,7 @@ def profile_chain(
     if sample_input is not None:
         try:
             return profile_layers(layers, names, sample_input, repeats=repeats, warmup=warmup,
-                                  micro_batches=micro_batches, progress=progress, **kw)
+                                  micro_batches=micro_batches, progress=progress, sync=sync, **kw)
         except ProfilingUnavailable as err:
             reason = str(err)
     warnings.warn(
@@ -346,3 +354,25 @@ def profile_chain(
         stacklevel=2,
     )
     return structural_profile(layers, names, sample_input, device_type=device_type, reason=reason, **kw)
+
+
+def median_over_ranks(profiles: Sequence[ModelProfile]) -> ModelProfile:
+    """One profile from the same chain measured on several ranks at once: every time is the median over the
+    ranks (sizes, bytes and the rest from the first). A rank that happened to run alone for a moment, or was
+    descheduled, does not decide the plan."""
+    first = profiles[0]
+    if len(profiles) == 1:
+        return first
+    med = statistics.median
+    layers = []
+    for i, lp in enumerate(first.layers):
+        peers = [p.layers[i] for p in profiles]
+        timings = tuple(
+            Timing(t.micro_batch, med(q.timings[j].forward_s for q in peers), med(q.timings[j].backward_s for q in peers))
+            for j, t in enumerate(lp.timings)
+        ) if all(len(q.timings) == len(lp.timings) for q in peers) else lp.timings
+        layers.append(replace(lp, forward_s=med(q.forward_s for q in peers), backward_s=med(q.backward_s for q in peers),
+                              timings=timings))
+    meta = dict(first.meta)
+    meta["ranks_combined"] = len(profiles)
+    return ModelProfile(model=first.model, layers=layers, source=first.source, device=first.device, meta=meta)
