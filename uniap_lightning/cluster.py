@@ -41,6 +41,9 @@ class Cluster:
     intra_latency_us: float = 5.0
     inter_latency_us: float = 10.0
     memory_reserved_gib: float = 0.0
+    #: fixed cost of one pipeline slot (one micro-batch's forward + backward on one stage) beyond its compute and
+    #: transfers: the schedule's bookkeeping and point-to-point handshakes (measured: ``measure_pipeline_slot``)
+    pipeline_overhead_us: float = 0.0
     device: str = ""
     bandwidth_tables: dict[str, dict[int, float]] = field(default_factory=dict)
     collective_tables: dict[str, dict[str, dict[int, dict[str, float]]]] = field(default_factory=dict)
@@ -54,7 +57,7 @@ class Cluster:
             v = getattr(self, key)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise UniAPError(f"cluster '{self.name}': {key} must be > 0, got {v!r}")
-        for key in ("intra_latency_us", "inter_latency_us", "memory_reserved_gib"):
+        for key in ("intra_latency_us", "inter_latency_us", "memory_reserved_gib", "pipeline_overhead_us"):
             v = getattr(self, key)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise UniAPError(f"cluster '{self.name}': {key} must be >= 0, got {v!r}")
@@ -149,6 +152,10 @@ class Cluster:
         if table:
             return _interpolate({int(p): float(bw) for p, bw in table.items()}, group_size) * 1e9
         return (self.inter_bw_gbps if inter_node else self.intra_bw_gbps) * 1e9
+
+    @property
+    def pipeline_overhead_s(self) -> float:
+        return self.pipeline_overhead_us * 1e-6
 
     def latency_s(self, inter_node: bool, op: str = "all_reduce", group_size: int = 2) -> float:
         """Per-step latency (alpha) of ``op`` over ``group_size`` devices (seconds)."""

@@ -1,10 +1,11 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 from uniap_lightning.cluster import Cluster
 from uniap_lightning.problem import Problem, TrainingConfig
-from uniap_lightning.profiling.schema import LayerProfile, ModelProfile
+from uniap_lightning.profiling.schema import LayerProfile, ModelProfile, Overhead
 
 
 def random_problem(seed: int, *, num_layers: int, nodes: int, per_node: int, batch: int = 8,
@@ -42,6 +43,18 @@ def random_problem(seed: int, *, num_layers: int, nodes: int, per_node: int, bat
         intra_latency_us=rng.uniform(1, 20),
         inter_latency_us=rng.uniform(5, 50),
     )
+    # drawn last, so earlier seeds keep their chains: measured terms on some instances (pipeline slot overhead,
+    # per-layer TP / FSDP overheads), which the MILP must price exactly as evaluate() does
+    if seed % 3 == 1:
+        cluster = replace(cluster, pipeline_overhead_us=rng.uniform(50, 3000))
+    if seed % 2 == 1:
+        layers = [
+            replace(lp, overheads=tuple(
+                Overhead(kind, k, m, rng.uniform(-1e-4, 5e-3))
+                for kind in ("tp", "fsdp") for k in (2, 4) for m in (1, 4)
+            )) if u % 2 == 0 else lp
+            for u, lp in enumerate(layers)
+        ]
     training = TrainingConfig(global_batch_size=batch, schedule=schedule)
     return Problem(ModelProfile("random", layers), cluster, training)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from uniap_lightning.cluster import Cluster
@@ -108,4 +110,14 @@ def test_evaluate_two_stage_pipeline_by_hand():
     assert est.samples_per_s == pytest.approx(8 / est.tpi_s)
     # 1F1B: stage 0 holds min(c, pp - 0) = 2 micro-batches of activations, stage 1 holds 1
     assert est.stage_memory_bytes == pytest.approx([1000 * 16 + 2 * 4e3, 2000 * 16 + 1 * 8e3])
+    # a measured pipeline slot overhead h: every stage pays it per micro-batch, (pp + c - 1) h in all
+    h = 500e-6
+    slow = evaluate(Problem(ModelProfile("m", layers), replace(cl, pipeline_overhead_us=500), tr), plan)
+    assert slow.stage_time_s == pytest.approx([p0 + h, p1 + h])
+    assert slow.tpi_s == pytest.approx(est.tpi_s + (2 + 2 - 1) * h)
+    # without pipeline stages there is no schedule to pay for
+    flat = Plan.from_assignment(stage_of_layer=[0, 0], strategies=[(2, 1, False)] * 2, layer_names=["a", "b"],
+                                pp=1, microbatches=2, schedule="1f1b", global_batch_size=8, num_devices=2)
+    assert evaluate(Problem(ModelProfile("m", layers), replace(cl, pipeline_overhead_us=500), tr), flat).tpi_s == \
+        pytest.approx(evaluate(problem, flat).tpi_s)
     assert est.feasible

@@ -61,6 +61,9 @@ def test_measure_collectives_two_ranks():
         assert row["bw_gbps"] > 0 and row["latency_us"] >= 0
         assert measured.bandwidth_bytes_per_s(2, False, op=op) == pytest.approx(row["bw_gbps"] * 1e9)
     assert reduce_scatter_s(measured, 1e6, 2, False) > 0 and all_gather_s(measured, 1e6, 2, False) > 0
+    # a two-stage torch.distributed.pipelining schedule: the fixed cost of one slot, in the cluster
+    assert 0 <= res["pipeline_slot_us"] < 1e6
+    assert measured.pipeline_overhead_us == pytest.approx(res["pipeline_slot_us"])
     assert res["seconds"] < 60
 
 

@@ -78,6 +78,8 @@ def evaluate(problem: Problem, plan: Plan, *, check_strategies: bool = True) -> 
                 stage_time[i] += reshard_s(cl, lp.output_bytes, b, s.d, strat[u + 1].d)
             else:
                 boundary[i] = boundary_s(cl, lp.output_bytes, b, n, i, s.d, strat[u + 1].d)
+    if pp > 1:  # every stage pays the schedule's fixed cost per micro-batch
+        stage_time = [t + cl.pipeline_overhead_s for t in stage_time]
     memory = [
         stage_static[i] + stage_transient[i] + stage_act[i] * in_flight(plan.schedule, c, pp, i) for i in range(pp)
     ]

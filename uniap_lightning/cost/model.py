@@ -166,6 +166,11 @@ class CostTables:
         self.cost = [[layer_cost(lp, k, self.b, self.n, cl, tr) for k in ks] for lp, ks in zip(self.layers, self.strategies)]
 
     @property
+    def slot_overhead_s(self) -> float:
+        """Fixed cost a stage pays per micro-batch under pipelining (0 without pipeline stages)."""
+        return self.problem.cluster.pipeline_overhead_s if self.pp > 1 else 0.0
+
+    @property
     def feasible_shape(self) -> bool:
         """Every layer has at least one strategy, and stage boundaries can split the micro-batch over n."""
         return all(self.strategies) and (self.pp == 1 or self.b % self.n == 0)

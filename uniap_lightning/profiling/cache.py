@@ -72,7 +72,7 @@ def profile_key(*, layers: Sequence[Any], names: Sequence[str], input_shape: Seq
 
 def cluster_key(*, device: str, backend: str, nodes: int, devices_per_node: int) -> str:
     return _hash({"device": device, "backend": backend, "layout": [nodes, devices_per_node],
-                  "versions": versions(), "kind": "cluster", "ops": 2})  # ops 2: all-gather/reduce-scatter as FSDP2 calls them
+                  "versions": versions(), "kind": "cluster", "ops": 3})  # 3: FSDP2's own calls; pipeline slot
 
 
 def load_cached_profile(cache_dir: Path, key: str) -> ModelProfile | None:

@@ -110,10 +110,53 @@ def measure_collectives(
             if timings[op] and member:
                 bw, lat = _fit(op, p, tuple(sizes_bytes), tuple(timings[op]))  # type: ignore[arg-type]
                 ops[op][p] = {"bw_gbps": bw, "latency_us": lat, "inter_node": p > dpn}
-    result = {"world_size": world, "devices_per_node": dpn, "ops": ops, "seconds": time.perf_counter() - t_start}
+    slot_us = measure_pipeline_slot(repeats=repeats) * 1e6 if world >= 2 else 0.0
+    result = {"world_size": world, "devices_per_node": dpn, "ops": ops, "pipeline_slot_us": slot_us,
+              "seconds": time.perf_counter() - t_start}
     shared = [result]
     dist.broadcast_object_list(shared, src=0)
     return shared[0]
+
+
+def measure_pipeline_slot(*, repeats: int = 3, microbatches: tuple[int, int] = (2, 8)) -> float:
+    """Seconds one pipeline slot costs beyond compute and payload (collective: every rank calls it).
+
+    Consecutive rank pairs run a two-stage ``torch.distributed.pipelining`` 1F1B schedule over a tiny layer (all
+    pairs at once, as pipelines run side by side in training), with ``microbatches`` micro-batches; the step time
+    grows by one slot per extra micro-batch, so the slope is the slot's fixed cost: the schedule's bookkeeping
+    and the forward and backward point-to-point handshakes. The slowest pair's figure counts.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    pairs = [[i, i + 1] for i in range(0, world - 1, 2)]
+    groups = [dist.new_group(pair) for pair in pairs]  # collective: every rank creates every group
+    mine = rank // 2 if rank // 2 < len(pairs) else None
+    times = []
+    for c in microbatches:
+        if mine is None:
+            times.append(0.0)
+            continue
+        torch.manual_seed(0)
+        stage_idx = rank % 2
+        stage = PipelineStage(torch.nn.Linear(8, 8).to(device), stage_idx, 2, device, group=groups[mine])
+        sched = Schedule1F1B(stage, n_microbatches=c, loss_fn=lambda out, target: out.pow(2).mean())
+        x = torch.randn(c, 8, device=device)
+
+        def step() -> None:
+            if stage_idx == 0:
+                sched.step(x)
+            else:
+                sched.step(target=torch.zeros(c, 8, device=device))
+
+        times.append(_time(step, repeats, groups[mine]))
+    slope = max((times[1] - times[0]) / (microbatches[1] - microbatches[0]), 0.0)
+    t = torch.tensor([slope], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
 
 
 def _all_gather(out, inp, group) -> None:
@@ -166,6 +209,8 @@ def apply_to_cluster(cluster: Cluster, measured: dict[str, Any]) -> Cluster:
             lat[scope].append(rec["latency_us"])
     changes: dict[str, Any] = {"bandwidth_tables": {k: v for k, v in tables.items() if v},
                                "collective_tables": collective}
+    if measured.get("pipeline_slot_us") is not None:
+        changes["pipeline_overhead_us"] = float(measured["pipeline_slot_us"])
     if lat["intra"]:
         changes["intra_latency_us"] = statistics.median(lat["intra"])
         changes["intra_bw_gbps"] = statistics.median(tables["intra"].values())

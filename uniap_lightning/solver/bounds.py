@@ -33,7 +33,8 @@ def time_lower_bound_s(t: CostTables) -> float:
         inter = all(boundary_inter_node(t.problem.cluster, t.n, j) for j in range(P - 1))
         smallest = min(lp.output_bytes for lp in t.layers[:-1])
         boundaries = (P - 1) * 2 * p2p_s(t.problem.cluster, smallest * t.b / t.n, inter)
-    return max(spread, peak) + boundaries
+    # every stage's time carries the same slot overhead: exactly (P + c - 1) of it in any plan
+    return max(spread, peak) + boundaries + (P + c - 1) * t.slot_overhead_s
 
 
 def run_bottleneck_s(t: CostTables, first: int, last: int) -> float:

@@ -291,7 +291,7 @@ class GroupedMilp:
                     cost = self.reshard(g, self.levels[g][d], self.levels[g][e])
                     if cost > 0:
                         time_terms.append(cost * tv)
-            p = mip.xsum(time_terms) + mip.xsum(self.junction.get(i, []))
+            p = mip.xsum(time_terms) + mip.xsum(self.junction.get(i, [])) + t.slot_overhead_s * MS
             self.p.append(p)
             m += self.T >= p, f"bottleneck_stage[{i}]"
             if sync_terms:

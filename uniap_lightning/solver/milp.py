@@ -212,7 +212,7 @@ class StageMilp:
                 for u in range(self.L)
                 if i in self.stages_of(u)
                 for k in range(len(t.strategies[u]))
-            ) + mip.xsum(r for (u, ii), r in self.r.items() if ii == i)
+            ) + mip.xsum(r for (u, ii), r in self.r.items() if ii == i) + t.slot_overhead_s * MS
             self.p.append(expr)
             m += self.T >= expr, f"bottleneck_stage[{i}]"
         for j, o in enumerate(self.o):
