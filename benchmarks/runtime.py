@@ -55,8 +55,8 @@ MODEL = dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
 #: the planning run (part 3) measures as the strategy does by default (UniAPStrategy measure_cluster=True:
 #: collectives, every rank profiling at once, TP / FSDP overheads); --no-measure-cluster plans from constants
 MEASURE_CLUSTER = os.environ.get("UNIAP_BENCH_MEASURE_CLUSTER", "1") == "1"
-#: the strategy as users get it (its default UniAPMonitor included)
-STRATEGY_KW: dict[str, Any] = {}
+#: the strategy as users get it (its default UniAPMonitor included; --no-monitor turns it off)
+STRATEGY_KW: dict[str, Any] = {} if os.environ.get("UNIAP_BENCH_MONITOR", "1") == "1" else {"monitor": False}
 BATCH = 32  # global batch (samples of MODEL["block_size"] tokens)
 
 
@@ -559,6 +559,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="timed steps per run (default 12; --quick 6)")
     ap.add_argument("--rejected", type=int, default=None, help="rejected candidates to run (default 4; --quick 2)")
     ap.add_argument("--parts", default="1,2,3", help="comma list of parts to run: 1,2,3")
+    ap.add_argument("--no-monitor", action="store_true", help="UniAPStrategy(monitor=False) in every uniap run")
     ap.add_argument("--no-measure-cluster", action="store_true",
                     help="plan from the constant local cluster and a rank-0 profile (UniAPStrategy measure_cluster=False)")
     ap.add_argument("--markdown", default=None, help="also write the tables as a markdown fragment")
@@ -571,6 +572,7 @@ def main() -> None:
     args.rejected = args.rejected if args.rejected is not None else (2 if q else 4)
     args.parts = [int(p) for p in args.parts.split(",") if p]
     os.environ["UNIAP_BENCH_MEASURE_CLUSTER"] = "0" if args.no_measure_cluster else "1"  # inherited by the ranks
+    os.environ["UNIAP_BENCH_MONITOR"] = "0" if args.no_monitor else "1"
 
     import torch.multiprocessing as mp
     from rich.console import Console

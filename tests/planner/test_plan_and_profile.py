@@ -108,3 +108,9 @@ def test_timings_interpolate_between_measured_batch_sizes(tmp_path):
     layer = load_profile(path).layers[0]
     assert layer.compute_s(3) == pytest.approx(2.5)
     assert layer.compute_s(8) == pytest.approx(5.0)  # extrapolated along the measured slope
+    assert layer.compute_s(1) == pytest.approx(1.5)  # below: along the slope while that is dearer per sample ...
+    steep = {**LAYER, "timings": [{"micro_batch": 2, "forward_s": 0.5, "backward_s": 0.5},
+                                  {"micro_batch": 4, "forward_s": 2.0, "backward_s": 2.0}]}
+    path.write_text(json.dumps({"layers": [steep]}))
+    layer = load_profile(path).layers[0]
+    assert layer.compute_s(1) == pytest.approx(0.5)  # ... never cheaper per sample than the smallest timed size

@@ -108,7 +108,12 @@ class LayerProfile:
                     break
             ta, tb = lo.forward_s + lo.backward_s, hi.forward_s + hi.backward_s
             slope = (tb - ta) / (hi.micro_batch - lo.micro_batch)
-            return max(ta + slope * (samples - lo.micro_batch), 0.0)
+            linear = ta + slope * (samples - lo.micro_batch)
+            if samples < lo.micro_batch:
+                # below the smallest timed size a steep first segment would extrapolate to ~0: never less than
+                # the smallest size's time per sample (fixed costs only make small calls dearer per sample)
+                return max(linear, ta * samples / lo.micro_batch)
+            return max(linear, 0.0)
         return (self.forward_s + self.backward_s) * samples
 
 
