@@ -73,6 +73,20 @@ def build_module(cfg: DictConfig) -> tuple[Any, Any, int]:
     return module, data, seq_len
 
 
+def _one_copy_of_each_log_line() -> None:
+    """Lightning gives its loggers (``lightning``, ``lightning.pytorch``) handlers of their own; Hydra's logging
+    setup gives the root logger one too, and messages that propagate printed every line twice. Keep only Hydra's."""
+    import logging
+
+    if not logging.getLogger().handlers:
+        return
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        log = logging.getLogger(name)
+        for handler in list(log.handlers):
+            log.removeHandler(handler)
+        log.propagate = True
+
+
 def run_train(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
     import lightning.pytorch as pl
 
@@ -80,6 +94,7 @@ def run_train(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
     from uniap_lightning.strategy import UniAPStrategy
 
     check_config(cfg)
+    _one_copy_of_each_log_line()
     children = _launch_other_ranks(cfg, overrides)
     try:
         pl.seed_everything(int(cfg.seed), verbose=False)
