@@ -28,7 +28,8 @@ from __future__ import annotations
 import statistics
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -67,6 +68,27 @@ class _Timer:
             b.synchronize()
             return a.elapsed_time(b) / 1e3
         return b - a
+
+
+@contextmanager
+def training_state_kept(layers: Sequence[nn.Module]) -> Iterator[None]:
+    """Measure without changing training: the RNG state (CPU and CUDA) and every buffer (e.g. batch-norm
+    statistics) are restored, and gradients cleared, when the block ends (also on an error)."""
+    rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    buffers = [(b, b.detach().clone()) for layer in layers for b in layer.buffers() if not b.is_meta]
+    try:
+        yield
+    finally:
+        torch.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        for layer in layers:
+            for p in layer.parameters():
+                p.grad = None
 
 
 def structure_key(layer: nn.Module) -> tuple[Any, ...]:
@@ -166,14 +188,11 @@ def profile_layers(
     sizes = sorted({int(m) for m in (micro_batches or default_micro_batches(rows)) if 1 <= int(m) <= rows}) or [rows]
     if sizes[-1] != rows:
         sizes.append(rows)
-    rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    buffers = [(b, b.detach().clone()) for layer in layers for b in layer.buffers() if not b.is_meta]
     t_start = time.perf_counter()
     per_size: dict[int, list[tuple[float, float]]] = {}
     stats: list[tuple[int, float, float | None]] = []  # at the largest size: out bytes, act bytes, peak
     skipped: dict[int, str] = {}
-    try:
+    with training_state_kept(layers):
         for m in sizes:  # largest last: its outputs give the per-sample byte figures
             if sync is not None:
                 sync()
@@ -202,16 +221,6 @@ def profile_layers(
             per_size[m] = times
             if progress is not None:
                 progress(f"timed {len(layers)} layers at micro-batch {m} ({time.perf_counter() - t_start:.1f} s)")
-    finally:
-        torch.set_rng_state(rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
-        for layer in layers:
-            for p in layer.parameters():
-                p.grad = None
     sizes = [m for m in sizes if m in per_size]
     # Layers of the same structure on inputs of the same size cost the same: use the median over them at every
     # size (a transformer's N blocks give N samples of one cost, so a stray reading does not skew one block).

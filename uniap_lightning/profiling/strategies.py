@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from uniap_lightning.profiling.module import structure_key
+from uniap_lightning.profiling.module import structure_key, training_state_kept
 from uniap_lightning.profiling.schema import ModelProfile, Overhead
 
 
@@ -107,18 +107,16 @@ def measure_overheads(
     degrees = sorted({k for layer in layers for _, k in strategy_kinds(world, dpn, tp_degrees(layer))})
     for k in degrees:
         meshes[k] = init_device_mesh(device.type, (world // k, k), mesh_dim_names=("rest", "group"))["group"]
-    # inputs of every layer at the largest size (a plain forward; the chain's weights are not touched)
-    inputs: list[torch.Tensor] = []
-    with torch.no_grad():
-        x: Any = sample_input[: sizes[-1]] if sizes else sample_input
-        for layer in layers:
-            inputs.append(x)
-            x = layer(x)
-    rng = torch.get_rng_state()
-    buffers = [(b, b.detach().clone()) for layer in layers for b in layer.buffers() if not b.is_meta]
     out: dict[int, list[Overhead]] = {}
     seen: dict[tuple[Any, ...], int] = {}
-    try:
+    with training_state_kept(layers):
+        # inputs of every layer at the largest size (a plain forward; the chain's weights are not touched)
+        inputs: list[torch.Tensor] = []
+        with torch.no_grad():
+            x: Any = sample_input[: sizes[-1]] if sizes else sample_input
+            for layer in layers:
+                inputs.append(x)
+                x = layer(x)
         for i, (layer, name) in enumerate(zip(layers, names, strict=True)):
             key = structure_key(layer) + (tuple(inputs[i].shape[1:]), str(inputs[i].dtype))
             if key in seen:
@@ -143,14 +141,6 @@ def measure_overheads(
             if progress is not None and records:
                 progress(f"timed layer {i} ({name}) under {len(records) // max(len(sizes), 1)} strategies "
                          f"({time.perf_counter() - t_start:.1f} s)")
-    finally:
-        torch.set_rng_state(rng)
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
-        for layer in layers:
-            for p in layer.parameters():
-                p.grad = None
     return out
 
 
