@@ -151,3 +151,10 @@ def test_unknown_op_asked_for_is_refused():
         CL.bandwidth_bytes_per_s(2, False, op="all2all")
     with pytest.raises(UniAPError, match="unknown collective"):
         CL.latency_s(False, op="bcast")
+
+
+@pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf"), "1ms"])
+def test_bad_pipeline_overhead_is_refused(value):
+    with pytest.raises(UniAPError, match="pipeline_overhead_us must be >= 0"):
+        Cluster.from_dict({"name": "c", "nodes": 1, "devices_per_node": 2, "memory_gib": 8, "peak_tflops": 1,
+                           "pipeline_overhead_us": value})
