@@ -11,6 +11,9 @@ time and peak memory, and logs through Lightning's loggers (CSV, TensorBoard, ..
 - ``uniap/peak_memory_bytes``: the largest per-rank peak, and ``uniap/peak_memory_bytes/rank<r>`` per rank,
 - ``uniap/predicted_memory_bytes``: the plan's largest per-stage memory.
 
+Gathering the ranks' figures does not stop training: the gather is started at the end of a window and finished
+at the end of the next batch (or of training), so the figures are logged one batch after their window.
+
 It warns once (rank 0) when the time error exceeds ``time_error_threshold``, and writes a JSON file that
 ``uniap explain measured=FILE`` reads: ``tpi_s``, ``stage_time_s`` (per stage and micro-batch: the predicted
 stage times scaled by measured / predicted time per iteration - an approximation, stages are not timed
@@ -107,6 +110,8 @@ class UniAPMonitor(pl.Callback):
         self._static = 0
         self._warned = False
         self._done = False
+        self._pending: tuple[Any, list[torch.Tensor], int] | None = None  # (work, gathered, steps) of a window
+        self._path: Path | None = None
         #: the last report (identical on every rank), or None
         self.last: dict[str, Any] | None = None
 
@@ -114,6 +119,13 @@ class UniAPMonitor(pl.Callback):
     def _cuda(self, trainer: pl.Trainer) -> torch.device | None:
         dev = trainer.strategy.root_device
         return dev if dev.type == "cuda" else None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Trainer.log_dir broadcasts from rank 0: resolve it here, on every rank, once (not inside a window)
+        self._path = self._metrics_path(trainer)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._finish_report(trainer, pl_module, log=False)  # Lightning forbids self.log here; loggers get it
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -134,6 +146,7 @@ class UniAPMonitor(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self._seen += 1
+        self._finish_report(trainer, pl_module)  # the previous window's gather (started a batch ago)
         if not getattr(self, "_measuring", False):
             return
         dev = self._cuda(trainer)
@@ -149,27 +162,49 @@ class UniAPMonitor(pl.Callback):
                 hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
             self._peaks.append(float(self._static + max(hwm - self._rss0, 0)))
         if len(self._times) >= self.window:
-            self._report(trainer, pl_module)
+            self._start_report()
             self._times, self._peaks = [], []
             self._done = not self.repeat
+            if not self._distributed():
+                self._finish_report(trainer, pl_module)
 
     # ---------------------------------------------------------------- reporting
-    def _report(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    @staticmethod
+    def _distributed() -> bool:
         import torch.distributed as dist
 
-        mine = (statistics.median(self._times), max(self._peaks))
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            everyone: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, mine)
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+    def _start_report(self) -> None:
+        """Start gathering every rank's (median step time, peak memory) of the window just measured."""
+        import torch.distributed as dist
+
+        mine = torch.tensor([statistics.median(self._times), max(self._peaks)], dtype=torch.float64)
+        if self._distributed():
+            gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+            work = dist.all_gather(gathered, mine, async_op=True)
         else:
-            everyone = [mine]
-        rank_time = [float(t) for t, _ in everyone]
-        rank_peak = [float(m) for _, m in everyone]
+            gathered, work = [mine], None
+        self._pending = (work, gathered, len(self._times))
+
+    def _finish_report(self, trainer: pl.Trainer, pl_module: pl.LightningModule, log: bool = True) -> None:
+        """Wait for a started gather (if any) and report it."""
+        if self._pending is None:
+            return
+        (work, gathered, steps), self._pending = self._pending, None
+        if work is not None:
+            guard = getattr(trainer.strategy, "_guard", None)
+            guard(work.wait) if guard is not None else work.wait()
+        self._report(trainer, pl_module, [float(t[0]) for t in gathered], [float(t[1]) for t in gathered], steps,
+                     log=log)
+
+    def _report(self, trainer: pl.Trainer, pl_module: pl.LightningModule, rank_time: list[float],
+                rank_peak: list[float], steps: int, log: bool = True) -> None:
         report: dict[str, Any] = {
             "tpi_s": max(rank_time),
             "rank_step_time_s": rank_time,
             "rank_peak_memory_bytes": rank_peak,
-            "steps": len(self._times),
+            "steps": steps,
             "warmup_steps": self.warmup_steps,
             "global_step": trainer.global_step,
             "memory_measure": "cuda max_memory_allocated" if self._cuda(trainer) is not None else
@@ -197,10 +232,13 @@ class UniAPMonitor(pl.Callback):
                     "uniap/predicted_memory_bytes": max(est.stage_memory_bytes),
                 })
         self.last = report
-        for k, v in metrics.items():
-            pl_module.log(k, float(v), on_step=True, on_epoch=False, sync_dist=False, logger=True)
-        # Trainer.log_dir broadcasts from rank 0: resolve it on every rank, or rank 0 waits alone (deadlock).
-        path = self._metrics_path(trainer)
+        if log:
+            for k, v in metrics.items():
+                pl_module.log(k, float(v), on_step=True, on_epoch=False, sync_dist=False, logger=True)
+        elif trainer.global_rank == 0:
+            for logger in trainer.loggers:
+                logger.log_metrics({k: float(v) for k, v in metrics.items()}, step=trainer.global_step)
+        path = self._path if self._path is not None else self._metrics_path(trainer)
         if trainer.global_rank == 0:
             self._write(path, report)
             err = report.get("step_time_error")

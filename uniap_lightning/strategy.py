@@ -26,6 +26,7 @@ from uniap_lightning.cluster import Cluster
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.measure_at_setup import SetupMeasurements, _device_name, _info
 from uniap_lightning.plan import SCHEDULES, Plan
+from uniap_lightning.sigterm import AgreedSigterm
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -136,6 +137,8 @@ class UniAPStrategy(SetupMeasurements, ModelParallelStrategy):
         self._pending_loss: Any = None  # runtime.pipeline.PendingLoss of the last training batch
         self._premeasured: ModelProfile | None = None  # measured on every rank at once, for rank 0's planning
         self._batch_checked = False
+        # SIGTERM agreed on without Lightning's blocking per-batch broadcast (see uniap_lightning.sigterm)
+        self._sigterm = AgreedSigterm(guard=self._guard)
         self._measure_cluster = bool(measure_cluster)
         self._profile_cache = bool(profile_cache)
         self._profile_repeats = max(int(profile_repeats), 1)
@@ -215,6 +218,7 @@ class UniAPStrategy(SetupMeasurements, ModelParallelStrategy):
         self._install_monitor(trainer)
         self._install_loss_logger(trainer)
         self._install_clipping()
+        self._sigterm.install(trainer)  # before Lightning registers its signal handlers (later in Trainer._run)
         self._batch_checked = False
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:

@@ -190,3 +190,21 @@ def test_stuck_rank_times_out_with_clear_error(tmp_path: Path) -> None:
     assert survivor["error"].startswith("UniAPError: rank 0: a collective or pipeline transfer failed")
     assert "Timed out" in survivor["error"]
     assert survivor["failed_after_s"] < 40.0  # gave up after the 5 s timeout, not when the stuck rank woke up
+
+
+def test_sigterm_on_one_rank_stops_every_rank_at_the_same_batch(tmp_path: Path) -> None:
+    """A SIGTERM that reaches rank 1 only (Lightning heeds rank 0's alone, and rank 1 would leave rank 0 waiting in
+    the next collective) stops both ranks at the start of the second batch after it, agreed without a per-batch
+    barrier (uniap_lightning.sigterm)."""
+    plan = h.make_plan([(1, 1, False)] * 4, [0, 0, 1, 1], pp=2, microbatches=2)
+    cases = {"term": {"plan": plan, "steps": 8, "sigterm_at": 2, "strategy": {"timeout_s": 30}}}
+    codes = h.spawn_and_watch(2, cases, tmp_path, timeout_s=120)
+    assert codes == {0: 0, 1: 0}, codes
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False)["term"] for r in range(2)]
+    for r, res in enumerate(results):
+        assert "error" not in res, (r, res.get("traceback"))
+        assert res["stopped"] == "SIGTERMException", res
+        assert res["received_sigterm"] is True, res
+        # signal after batch 2 -> sent with batch 3's exchange -> read at the start of batch 4: 4 steps done
+        assert res["global_step"] == 4, (r, res)
+        assert len(res["losses"]) == 4, (r, res)

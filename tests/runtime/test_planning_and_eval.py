@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import uniap_rt_helpers as h
+from uniap_lightning.monitor import UniAPMonitor
 
 PP2 = h.make_plan([(1, 1, False)] * 4, [0, 0, 1, 1], pp=2, microbatches=2, schedule="gpipe")
 MIXED = h.make_plan([(2, 1, True), (1, 2, False), (2, 1, False), (1, 2, False)], [0, 0, 0, 0], pp=1, microbatches=2)
@@ -39,6 +40,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]]
         "from_profile_file": {"strategy": {"cache_dir": str(out / "cache2"), "profile": str(profile_file)}},
         "pp2_eval": {"plan": PP2, **EVAL},
         "mixed_eval": {"plan": MIXED, **EVAL},
+        "monitored": {"plan": PP2, "strategy": {"monitor": UniAPMonitor(warmup_steps=1, window=2,
+                                                                        metrics_file=out / "measured.json")}},
         "different_batches": {"plan": PP2, "skew_data": True},  # last: it fails on purpose
     }
     results = h.spawn(2, cases, out)
@@ -77,6 +80,20 @@ def test_validation_and_predict_match_one_process(name: str, runs: Any) -> None:
     for res in results:
         assert res[name]["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-5)
         torch.testing.assert_close(res[name]["predictions"], ref["predictions"], rtol=1e-5, atol=1e-6)
+
+
+def test_monitor_gathers_every_rank_without_blocking(runs: Any) -> None:
+    """The monitor's gather runs in the background: a window's report appears a batch later, the last one at the
+    end of training (5 batches, 1 warm-up, windows of 2: batches 2-3 and 4-5), identical on every rank."""
+    results, cases = runs
+    h.assert_close_to_reference(results, "monitored", h.reference_for(cases["monitored"]))
+    reports = [res["monitored"]["monitor"] for res in results]
+    assert reports[0] is not None and reports[0].pop("file").endswith("measured.json")  # rank 0 writes the file
+    assert reports[0] == reports[1]
+    rep = reports[0]
+    assert rep["steps"] == 2 and rep["global_step"] == 5  # the second window, reported at the end of training
+    assert len(rep["rank_step_time_s"]) == 2 and all(t > 0 for t in rep["rank_step_time_s"])
+    assert rep["tpi_s"] == max(rep["rank_step_time_s"]) and len(rep["stage_peak_memory_bytes"]) == 2
 
 
 def test_ranks_with_different_batches_are_refused(runs: Any) -> None:

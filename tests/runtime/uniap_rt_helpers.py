@@ -9,7 +9,8 @@ A *case* is a dict: ``plan`` (a pinned Plan; absent: the strategy solves), ``str
 arguments), ``module`` (``make_module`` arguments, e.g. ``{"lm": "llama"}``), ``steps`` or ``epochs``,
 ``accumulate``, ``clip``, ``limit_val_batches`` and ``predict`` (collect validation loss / predictions),
 ``save`` / ``resume`` / ``export`` (checkpoint paths relative to the output folder), ``validate_only``,
-``die_at`` / ``hang_s`` (rank 1 dies or hangs at that batch), ``skew_data`` (ranks load different data).
+``die_at`` / ``hang_s`` (rank 1 dies or hangs at that batch), ``sigterm_at`` (rank ``sigterm_rank``, default 1,
+sends itself SIGTERM at the end of that batch), ``skew_data`` (ranks load different data).
 """
 
 from __future__ import annotations
@@ -171,6 +172,23 @@ class DieAt:
         return _Die()
 
 
+class SigtermAt:
+    """Sends its own process SIGTERM at the end of a given batch (a preempted job: SLURM, Kubernetes)."""
+
+    @staticmethod
+    def make(batch_idx: int) -> Any:
+        import signal
+
+        import lightning.pytorch as pl
+
+        class _Term(pl.Callback):
+            def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
+                if idx == batch_idx:
+                    os.kill(os.getpid(), signal.SIGTERM)
+
+        return _Term()
+
+
 def trainer_kwargs(case: dict[str, Any]) -> dict[str, Any]:
     # Checkpoint tests count epochs: Lightning resumes a run stopped by max_steps at a different batch.
     if "epochs" in case:
@@ -250,18 +268,27 @@ def _run_case(rank: int, world: int, case: dict[str, Any], out_dir: Path) -> dic
     callbacks = [rec]
     if "die_at" in case and rank == case.get("die_rank", 1):
         callbacks.append(DieAt.make(case["die_at"], case.get("hang_s", 0.0)))
+    if "sigterm_at" in case and rank == case.get("sigterm_rank", 1):
+        callbacks.append(SigtermAt.make(case["sigterm_at"]))
     trainer = pl.Trainer(devices=world, strategy=strategy, callbacks=callbacks, **trainer_kwargs(case))
     ckpt = str(out_dir / case["resume"]) if "resume" in case else None
     if case.get("validate_only"):
         metrics = trainer.validate(module, _data(case), ckpt_path=ckpt)
         return {"val_loss": metrics[0]["val_loss"], "state": full_local_state(module), "origin": strategy.plan_origin}
-    extra = _fit(trainer, module, case, ckpt)
+    try:
+        extra = _fit(trainer, module, case, ckpt)
+    except SystemExit as stop:  # Lightning's SIGTERMException
+        return {"stopped": type(stop).__name__, "global_step": trainer.global_step, "losses": rec.losses,
+                "received_sigterm": trainer.received_sigterm}
     if "save" in case:
         trainer.save_checkpoint(out_dir / case["save"])
     if "export" in case:
         strategy.save_consolidated(out_dir / case["export"])
+    from uniap_lightning.monitor import UniAPMonitor
+
+    monitor = next((cb for cb in trainer.callbacks if isinstance(cb, UniAPMonitor)), None)
     return {"losses": rec.losses, "state": full_local_state(module), "plan": strategy.plan.to_dict(),
-            "origin": strategy.plan_origin, **extra}
+            "origin": strategy.plan_origin, "monitor": monitor.last if monitor is not None else None, **extra}
 
 
 def worker(rank: int, world: int, port: int, cases: dict[str, dict[str, Any]], out_dir: str) -> None:

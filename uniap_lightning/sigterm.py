@@ -1,0 +1,104 @@
+"""SIGTERM under the strategy: every rank stops at the same batch, without a blocking collective per batch.
+
+Lightning 2.6 checks for SIGTERM by broadcasting a flag from rank 0 at the start of *every* training batch
+(``_TrainingEpochLoop._broadcast_sigterm_tensor``): a blocking collective over the whole world, i.e. a barrier per
+step that hand-written training loops do not have. On 4 CPU ranks it cost 4-8 ms of a 120 ms step (measured in
+``benchmarks/runtime.py``), and across pipeline stages it lines every rank up at each step. Its signal handler
+also issues a ``broadcast`` from inside the handler, which pairs with whatever collective the other ranks run
+next.
+
+:class:`AgreedSigterm` replaces both, for this trainer only:
+
+- the handler only records that this rank got SIGTERM (and, as Lightning's does, forwards it to processes the
+  launcher started);
+- at the start of each training batch every rank starts a non-blocking MAX all-reduce of its flag on a dedicated
+  gloo group and reads the result of the previous batch's all-reduce (normally complete long before);
+- when that result says some rank got SIGTERM, every rank sets ``trainer.received_sigterm`` and raises
+  Lightning's ``SIGTERMException`` at the same batch, as Lightning does after its broadcast.
+
+So a SIGTERM delivered to *any* rank (Lightning only heeds rank 0's) stops all ranks together at the start of
+the second training batch after it arrives. Outside fitting (``trainer.validate`` / ``test`` / ``predict``) the
+flag is set at once, as in Lightning. With a Lightning version that lacks these hooks nothing is replaced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+log = logging.getLogger(__name__)
+
+
+class AgreedSigterm:
+    """Non-blocking, all-rank SIGTERM agreement for one strategy (see the module docstring)."""
+
+    def __init__(self, guard: Callable[[Callable[[], Any]], Any] | None = None) -> None:
+        #: wraps waiting on the exchange, so a dead peer gives the strategy's clear error
+        self._guard = guard or (lambda fn: fn())
+        self.group: Any = None
+        self._got = False  # this rank received SIGTERM and has not told the others yet
+        self._buf: torch.Tensor | None = None
+        self._work: Any = None
+
+    @staticmethod
+    def supported(trainer: pl.Trainer) -> bool:
+        loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+        connector = getattr(trainer, "_signal_connector", None)
+        return (hasattr(loop, "_broadcast_sigterm_tensor") and hasattr(connector, "_sigterm_notifier_fn")
+                and hasattr(connector, "received_sigterm"))
+
+    def install(self, trainer: pl.Trainer) -> bool:
+        """Hook into ``trainer`` (call on every rank, in ``Strategy.setup``: before Lightning registers its signal
+        handlers). Collective the first time (creates the group). Returns whether the hooks were installed."""
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return False
+        if not self.supported(trainer):
+            return False
+        if self.group is None:
+            self.group = dist.new_group(backend="gloo")
+        self._got, self._buf, self._work = False, None, None
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: self.check(trainer)
+        trainer._signal_connector._sigterm_notifier_fn = lambda signum, frame: self.notify(trainer, signum)
+        return True
+
+    def notify(self, trainer: pl.Trainer, signum: int) -> None:
+        """The SIGTERM handler: Lightning's, minus its collective."""
+        from lightning.pytorch.trainer.states import TrainerFn
+        from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
+
+        log.info(rank_prefixed_message(f"Received SIGTERM: {signum}", trainer.local_rank))
+        connector = trainer._signal_connector
+        if not connector.received_sigterm and not self._got:
+            launcher = trainer.strategy.launcher
+            if launcher is not None:
+                launcher.kill(signum)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._got = True  # agreed on at the next batches' exchange (check)
+        else:
+            connector.received_sigterm = True  # no training batches to agree at: Lightning's local behaviour
+
+    def check(self, trainer: pl.Trainer) -> None:
+        """Start of a training batch (in place of Lightning's blocking broadcast)."""
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+        stop = False
+        if self._work is not None:
+            work, self._work = self._work, None
+            self._guard(work.wait)
+            assert self._buf is not None
+            stop = bool(self._buf.item())
+        if stop:
+            trainer._signal_connector.received_sigterm = True
+            with contextlib.suppress(Exception):  # as Lightning: line the ranks up before they exit
+                dist.barrier(group=self.group)
+            raise SIGTERMException()
+        self._buf = torch.tensor([1 if self._got else 0], dtype=torch.int32)
+        self._work = dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
