@@ -85,6 +85,12 @@ class AgreedSigterm:
         else:
             connector.received_sigterm = True  # no training batches to agree at: Lightning's local behaviour
 
+    def finish(self) -> None:
+        """End of training (every rank): complete the last batch's exchange, so nothing is left in flight."""
+        if self._work is not None:
+            work, self._work = self._work, None
+            self._guard(work.wait)
+
     def check(self, trainer: pl.Trainer) -> None:
         """Start of a training batch (in place of Lightning's blocking broadcast)."""
         from lightning.pytorch.utilities.exceptions import SIGTERMException

@@ -503,6 +503,11 @@ class UniAPStrategy(SetupMeasurements, ModelParallelStrategy):
         save_consolidated(self.lightning_module, path, rank=self.global_rank)
 
     @override
+    def on_train_end(self) -> None:
+        self._sigterm.finish()
+        super().on_train_end()
+
+    @override
     def teardown(self) -> None:
         self._fresh_grads = []
         super().teardown()
