@@ -28,9 +28,9 @@ counting; "paired" ratios are medians over runs of the ratio between the two var
 
 CPU time: the same stamps also read ``time.process_time()`` (all threads of the process); a run's CPU figure is
 the per-rank median CPU seconds per step, summed over the ranks. The 4 ranks share 2 cores, so wall time per
-step is about total CPU time / 2, and CPU time is what a framework's per-step overhead adds; unlike wall time it
-does not move when other jobs on the host take the cores (a shared host's wall-clock spread is 15-70% run to
-run, far more than the 3% compared here).
+step is about total CPU time / 2, and CPU time is what a framework's per-step work adds. It is not immune to the
+host: on a VM whose host is busy, stolen time and cache misses are charged to the running process, so CPU time
+rises with the wall time (compare variants only within one run, side by side).
 """
 
 from __future__ import annotations
