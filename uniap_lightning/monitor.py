@@ -162,7 +162,7 @@ class UniAPMonitor(pl.Callback):
                 hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
             self._peaks.append(float(self._static + max(hwm - self._rss0, 0)))
         if len(self._times) >= self.window:
-            self._start_report()
+            self._start_report(trainer.strategy.root_device)
             self._times, self._peaks = [], []
             self._done = not self.repeat
             if not self._distributed():
@@ -175,11 +175,12 @@ class UniAPMonitor(pl.Callback):
 
         return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
-    def _start_report(self) -> None:
-        """Start gathering every rank's (median step time, peak memory) of the window just measured."""
+    def _start_report(self, device: torch.device) -> None:
+        """Start gathering every rank's (median step time, peak memory) of the window just measured (on the
+        strategy's device: NCCL gathers CUDA tensors, gloo CPU ones)."""
         import torch.distributed as dist
 
-        mine = torch.tensor([statistics.median(self._times), max(self._peaks)], dtype=torch.float64)
+        mine = torch.tensor([statistics.median(self._times), max(self._peaks)], dtype=torch.float64, device=device)
         if self._distributed():
             gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
             work = dist.all_gather(gathered, mine, async_op=True)

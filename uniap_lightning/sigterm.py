@@ -2,10 +2,10 @@
 
 Lightning 2.6 checks for SIGTERM by broadcasting a flag from rank 0 at the start of *every* training batch
 (``_TrainingEpochLoop._broadcast_sigterm_tensor``): a blocking collective over the whole world, i.e. a barrier per
-step that hand-written training loops do not have. On 4 CPU ranks it cost 4-8 ms of a 120 ms step (measured in
-``benchmarks/runtime.py``), and across pipeline stages it lines every rank up at each step. Its signal handler
-also issues a ``broadcast`` from inside the handler, which pairs with whatever collective the other ranks run
-next.
+step that hand-written training loops do not have. On 4 CPU ranks (gloo) the time between two batches was 4-8 ms
+with it and 0.5 ms without it, of a 120 ms step; across pipeline stages it lines every rank up at each step. Its
+signal handler also issues a ``broadcast`` from inside the handler, which pairs with whatever collective the other
+ranks run next.
 
 :class:`AgreedSigterm` replaces both, for this trainer only:
 
