@@ -1,7 +1,12 @@
 """Runtime benchmarks: what executing a plan costs, measured on 4 CPU processes (gloo on loopback).
 
-    python benchmarks/runtime.py [--quick] [--runs 5] [--warmup 4] [--steps 16] [--parts 1,2,3]
+    python benchmarks/runtime.py [--quick] [--runs 5] [--warmup 4] [--steps 16] [--parts 0,1,2,3]
                                  [--markdown BENCHMARKS_runtime.md] [--json results.json]
+
+0. **Fixed cost per step** (one process, run before the others): a model so small that a step is mostly loop
+   (1-layer GPT, 16 wide, batch 4) trained by a bare PyTorch loop, by ``Trainer()`` and by
+   ``Trainer(strategy=UniAPStrategy(plan=<one device>))``: what each loop adds per step, in milliseconds,
+   whatever the model (on 4 ranks sharing 2 cores it costs about twice that in wall time).
 
 Three comparisons, each measured side by side in one job (the 4 ranks are spawned once; the variants of a
 comparison alternate run after run, in rotating order, so machine noise hits them alike):
@@ -318,6 +323,69 @@ def interleaved(variants: dict[str, Any], runs: int, say: Any) -> tuple[dict[str
 
 
 # ---------------------------------------------------------------------------------------------- the parts
+TINY = dict(vocab_size=256, block_size=16, n_layer=1, n_head=2, n_embd=16)  # part 0: a step that is mostly loop
+TINY_BATCH = 4
+
+
+def part0(args: Any, say: Any) -> dict[str, Any]:
+    """One process (this one): seconds per step of a bare loop, Lightning's loop and the strategy's, tiny model."""
+    import lightning.pytorch as pl
+
+    from uniap_lightning.adapters import CausalLMModule
+    from uniap_lightning.adapters.gpt import GPT, GPTConfig
+    from uniap_lightning.plan import Plan
+    from uniap_lightning.strategy import UniAPStrategy
+
+    torch.set_num_threads(1)
+    steps, warm = (60, 10) if args.quick else (300, 30)
+
+    def layers() -> list[nn.Module]:
+        torch.manual_seed(0)
+        return GPT(GPTConfig(**TINY)).layers()
+
+    def loader() -> Any:
+        from torch.utils.data import DataLoader, TensorDataset
+
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, TINY["vocab_size"], (TINY_BATCH * steps, TINY["block_size"]), generator=g)
+        return DataLoader(TensorDataset(ids, ids), batch_size=TINY_BATCH, drop_last=True)
+
+    def by_hand() -> float:
+        model = nn.Sequential(*layers())
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        stamps = Stamps()
+        for x, y in loader():
+            lm_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            stamps.stamp()
+        return stamps.window(warm)
+
+    def lightning(strategy: Any) -> float:
+        stamps = Stamps()
+        trainer = pl.Trainer(strategy=strategy, callbacks=[step_timer(stamps)], use_distributed_sampler=False,
+                             **{**trainer_common(steps), "devices": 1})
+        trainer.fit(CausalLMModule(layers(), lr=LR), loader())
+        return stamps.window(warm)
+
+    def uniap() -> float:
+        names = [f"chain.{i}" for i in range(TINY["n_layer"] + 2)]
+        plan = Plan.from_assignment(stage_of_layer=[0] * len(names), strategies=[(1, 1, False)] * len(names),
+                                    layer_names=names, pp=1, microbatches=1, schedule="1f1b",
+                                    global_batch_size=TINY_BATCH, num_devices=1)
+        return lightning(UniAPStrategy(plan=plan, **STRATEGY_KW))
+
+    variants = {"by hand": by_hand, "Lightning Trainer()": lambda: lightning("auto"), "uniap": uniap}
+    out: dict[str, list[float]] = {k: [] for k in variants}
+    for r in range(args.runs):
+        for name in list(variants)[r % 3:] + list(variants)[: r % 3]:
+            gc.collect()
+            out[name].append(variants[name]())
+            say(f"    run {r + 1}/{args.runs} {name}: {out[name][-1] * 1e3:.2f} ms/step")
+    return {"steps": steps, "warmup": warm, "hand_s": out["by hand"], "lightning_s": out["Lightning Trainer()"],
+            "uniap_s": out["uniap"]}
+
+
 def part1(args: Any, say: Any) -> dict[str, Any]:
     names = [f"chain.{i}" for i in range(MODEL["n_layer"] + 2)]
     half = len(names) // 2
@@ -505,6 +573,20 @@ def tables(res: dict[str, Any]) -> list[Any]:
 
     out = []
     runs = res["args"]["runs"]
+    if "part0" in res:
+        p = res["part0"]
+        t = Table(title=f"(0) Fixed cost per step: one process, 1-layer GPT {TINY['n_embd']} wide, batch {TINY_BATCH} "
+                        f"(ms/step, median of {runs} runs of {p['steps']} steps)")
+        for col in ("loop", "ms/step", "over the bare loop", "over Lightning", "paired over the bare loop", "runs"):
+            t.add_column(col)
+        h, lt = med(p["hand_s"]), med(p["lightning_s"])
+        for name, key in (("bare PyTorch loop", "hand_s"), ("Lightning Trainer()", "lightning_s"),
+                          ("Trainer(strategy=UniAPStrategy)", "uniap_s")):
+            v = med(p[key])
+            diff = [a - b for a, b in zip(p[key], p["hand_s"])]
+            t.add_row(name, f"{v * 1e3:.2f}", f"{(v - h) * 1e3:+.2f} ms", f"{(v - lt) * 1e3:+.2f} ms",
+                      f"{med(diff) * 1e3:+.2f} ms", f"{min(p[key]) * 1e3:.2f}-{max(p[key]) * 1e3:.2f}")
+        out.append(t)
     if "part1" in res:
         t = Table(title=f"(1) Strategy executing a plan vs the same layout by hand (ms/step, median of {runs}; "
                         "target: uniap / hand <= 1.03)")
@@ -566,6 +648,11 @@ def tables(res: dict[str, Any]) -> list[Any]:
 
 def verdicts(res: dict[str, Any]) -> list[str]:
     lines = []
+    if "part0" in res:
+        p = res["part0"]
+        h, lt, u = med(p["hand_s"]), med(p["lightning_s"]), med(p["uniap_s"])
+        lines.append(f"(0) per step, one process: Lightning's loop adds {(lt - h) * 1e3:.2f} ms to a bare loop, the "
+                     f"strategy {(u - lt) * 1e3:+.2f} ms more (callbacks, loss logging, gradient hand-over, monitor)")
     if "part1" in res:
         for row in res["part1"]["rows"]:
             h, f, u = med(row["hand_s"]), med(row["flat_s"]), med(row["uniap_s"])
@@ -607,7 +694,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=None, help="steps excluded from timing (default 3; --quick 2)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per run (default 12; --quick 6)")
     ap.add_argument("--rejected", type=int, default=None, help="rejected candidates to run (default 4; --quick 2)")
-    ap.add_argument("--parts", default="1,2,3", help="comma list of parts to run: 1,2,3")
+    ap.add_argument("--parts", default="0,1,2,3", help="comma list of parts to run: 0,1,2,3")
     ap.add_argument("--no-monitor", action="store_true", help="UniAPStrategy(monitor=False) in every uniap run")
     ap.add_argument("--no-measure-cluster", action="store_true",
                     help="plan from the constant local cluster and a rank-0 profile (UniAPStrategy measure_cluster=False)")
@@ -628,16 +715,36 @@ def main() -> None:
 
     console = Console(width=170, record=True)
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="uniap-bench-") as out_dir:
-        try:
-            mp.start_processes(worker, args=(free_port(), args, out_dir), nprocs=WORLD, start_method="spawn")
-        except Exception:
-            for r in range(WORLD):
-                log = Path(out_dir) / f"rank{r}.log"
-                if log.exists():
-                    print(f"----- rank {r} log (tail)\n" + "".join(log.read_text().splitlines(True)[-40:]))
-            raise
-        res = json.loads((Path(out_dir) / "results.json").read_text())
+    part0_res = None
+    if 0 in args.parts:
+        progress = os.fdopen(os.dup(2), "w", buffering=1)
+        progress.write(f"[{time.strftime('%H:%M:%S')}]   part 0: fixed cost per step, one process\n")
+        saved = os.dup(1), os.dup(2)
+        with open(os.devnull, "w") as quiet:  # Lightning's and the plan's chatter, as the ranks' logs below
+            os.dup2(quiet.fileno(), 1)
+            os.dup2(quiet.fileno(), 2)
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    part0_res = part0(args, lambda msg: progress.write(f"[{time.strftime('%H:%M:%S')}] {msg}\n"))
+            finally:
+                os.dup2(saved[0], 1)
+                os.dup2(saved[1], 2)
+    args.parts = [p for p in args.parts if p != 0]
+    res: dict[str, Any] = {"args": vars(args), "model": MODEL, "batch": BATCH, "world": WORLD}
+    if args.parts:
+        with tempfile.TemporaryDirectory(prefix="uniap-bench-") as out_dir:
+            try:
+                mp.start_processes(worker, args=(free_port(), args, out_dir), nprocs=WORLD, start_method="spawn")
+            except Exception:
+                for r in range(WORLD):
+                    log = Path(out_dir) / f"rank{r}.log"
+                    if log.exists():
+                        print(f"----- rank {r} log (tail)\n" + "".join(log.read_text().splitlines(True)[-40:]))
+                raise
+            res = json.loads((Path(out_dir) / "results.json").read_text())
+    if part0_res is not None:
+        res["part0"] = part0_res
     wall = time.perf_counter() - t0
     console.print(f"model: GPT {MODEL}, global batch {BATCH}, {WORLD} CPU processes (gloo), AdamW; "
                   f"{args.runs} runs x ({args.warmup} warm-up + {args.steps} timed steps) per variant; "

@@ -41,8 +41,14 @@ class Runtime:
     replicated: ReplicatedGrads
     runner: PipelineRunner
 
+    _params: list[nn.Parameter] | None = None
+
     def local_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.stage_module.parameters() if p.requires_grad]
+        """This rank's trainable parameters (the set is fixed once the plan is applied; ``requires_grad`` is read
+        each time, since callbacks may freeze or unfreeze layers during training)."""
+        if self._params is None:
+            self._params = list(self.stage_module.parameters())
+        return [p for p in self._params if p.requires_grad]
 
 
 def check_plan_executable(plan: Plan, chain: Chain) -> None:
