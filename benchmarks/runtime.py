@@ -601,7 +601,7 @@ def tables(res: dict[str, Any]) -> list[Any]:
                       spread(row["uniap_s"]))
         out.append(t)
         t = Table(title=f"(1, CPU) the same runs in CPU ms per step, summed over the {res['world']} ranks (median of "
-                        f"{runs}; what each loop costs, independent of other jobs on the host)")
+                        f"{runs}; what each loop costs; compare within one run)")
         for col in ("layout", "hand DDP", "hand flat", "uniap", "uniap / DDP", "uniap / flat", "paired / DDP",
                     "paired / flat"):
             t.add_column(col)
