@@ -239,9 +239,9 @@ class UniAPMonitor(pl.Callback):
         elif trainer.global_rank == 0:
             for logger in trainer.loggers:
                 logger.log_metrics({k: float(v) for k, v in metrics.items()}, step=trainer.global_step)
-        path = self._path if self._path is not None else self._metrics_path(trainer)
         if trainer.global_rank == 0:
-            self._write(path, report)
+            assert self._path is not None  # resolved in on_train_start, on every rank
+            self._write(self._path, report)
             err = report.get("step_time_error")
             from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 

@@ -86,7 +86,7 @@ class AgreedSigterm:
             connector.received_sigterm = True  # no training batches to agree at: Lightning's local behaviour
 
     def finish(self) -> None:
-        """End of training (every rank): complete the last batch's exchange, so nothing is left in flight."""
+        """Complete the exchange in flight, if any (every rank; at the end of training too, so nothing is left)."""
         if self._work is not None:
             work, self._work = self._work, None
             self._guard(work.wait)
@@ -95,13 +95,8 @@ class AgreedSigterm:
         """Start of a training batch (in place of Lightning's blocking broadcast)."""
         from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-        stop = False
-        if self._work is not None:
-            work, self._work = self._work, None
-            self._guard(work.wait)
-            assert self._buf is not None
-            stop = bool(self._buf.item())
-        if stop:
+        self.finish()  # the previous batch's exchange
+        if self._buf is not None and self._buf.item():
             trainer._signal_connector.received_sigterm = True
             with contextlib.suppress(Exception):  # as Lightning: line the ranks up before they exit
                 dist.barrier(group=self.group)

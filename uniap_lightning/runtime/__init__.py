@@ -15,7 +15,7 @@ reshards-on-load; :mod:`.chain` is the model contract and :mod:`.planning` finds
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -41,7 +41,7 @@ class Runtime:
     replicated: ReplicatedGrads
     runner: PipelineRunner
 
-    _params: list[nn.Parameter] | None = None
+    _params: list[nn.Parameter] | None = field(default=None, init=False, repr=False)
 
     def local_parameters(self) -> list[nn.Parameter]:
         """This rank's trainable parameters (the set is fixed once the plan is applied; ``requires_grad`` is read
