@@ -57,7 +57,7 @@ def _data(steps: int) -> Any:
 
 def _plans(world: int, names: list[str]) -> dict[str, Any]:
     """Pinned plans: (strategies per layer, stage per layer, pp, microbatches, schedule)."""
-    from uniap_lightning.plan import Plan
+    from uniap_lightning.planner.plan import Plan
 
     L = len(names)
     w = world
@@ -97,13 +97,13 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: str) ->
     import lightning.pytorch as pl
     import torch.distributed as dist
 
-    from uniap_lightning.cost import evaluate
+    from uniap_lightning.planner.cost import evaluate
     from uniap_lightning.monitor import UniAPMonitor
-    from uniap_lightning.plan import Plan
-    from uniap_lightning.problem import Problem, TrainingConfig
+    from uniap_lightning.planner.plan import Plan
+    from uniap_lightning.planner.problem import Problem, TrainingConfig
     from uniap_lightning.profiling.collectives import apply_to_cluster, measure_collectives
     from uniap_lightning.profiling.module import median_over_ranks, profile_layers
-    from uniap_lightning.profiling.schema import ModelProfile
+    from uniap_lightning.planner.profile import ModelProfile
     from uniap_lightning.profiling.strategies import attach_overheads, measure_overheads
     from uniap_lightning.runtime import extract_chain
     from uniap_lightning.runtime.planning import local_cluster
@@ -161,7 +161,7 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: str) ->
         if rank == 0:
             import gc
 
-            from uniap_lightning.solver import solve
+            from uniap_lightning.planner.solver import solve
 
             gc.disable()
             try:

@@ -16,14 +16,14 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from uniap_lightning.config import available, build_problem
+from uniap_lightning.planner.config import available, build_problem
 from uniap_lightning.errors import UniAPError
-from uniap_lightning.solver import solve
-from uniap_lightning.solver.baselines import BASELINES
+from uniap_lightning.planner.solver import solve
+from uniap_lightning.planner.solver.baselines import BASELINES
 
 
 def batch_for(cluster: str) -> int:
-    from uniap_lightning.config import cluster_from
+    from uniap_lightning.planner.config import cluster_from
 
     return max(32, 2 * cluster_from(cluster).num_devices)
 

@@ -105,7 +105,7 @@ def my_share(t: torch.Tensor, c: int, n: int, lane: int) -> torch.Tensor:
 
 
 def layout_plan(pp: int, c: int, stage_of_layer: list[int], dp: int, names: list[str]) -> Any:
-    from uniap_lightning.plan import Plan
+    from uniap_lightning.planner.plan import Plan
 
     return Plan.from_assignment(
         stage_of_layer=stage_of_layer, strategies=[(dp, 1, False)] * len(names), layer_names=names, pp=pp,
@@ -333,7 +333,7 @@ def part0(args: Any, say: Any) -> dict[str, Any]:
 
     from uniap_lightning.adapters import CausalLMModule
     from uniap_lightning.adapters.gpt import GPT, GPTConfig
-    from uniap_lightning.plan import Plan
+    from uniap_lightning.planner.plan import Plan
     from uniap_lightning.strategy import UniAPStrategy
 
     torch.set_num_threads(1)
@@ -453,7 +453,7 @@ class _Capturing:
 def part3(args: Any, say: Any, cache_dir: str) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from uniap_lightning.plan import Plan
+    from uniap_lightning.planner.plan import Plan
 
     say("  part 3: the strategy plans; chosen vs rejected candidates")
     strategy = _Capturing.make(cache_dir)
@@ -474,9 +474,9 @@ def part3(args: Any, say: Any, cache_dir: str) -> dict[str, Any]:
 def _candidates(chosen: Any, profile: Any, cluster: Any, k: int,
                 say: Any) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """The chosen plan and the ``k`` best-predicted rejected (pp, c) candidates (each pp degree represented)."""
-    from uniap_lightning.problem import Problem, TrainingConfig
+    from uniap_lightning.planner.problem import Problem, TrainingConfig
     from uniap_lightning.runtime.planning import local_cluster
-    from uniap_lightning.solver import solve
+    from uniap_lightning.planner.solver import solve
 
     cluster = cluster or local_cluster(nodes=1, devices_per_node=WORLD, device_type="cpu")
     rebuilt = []

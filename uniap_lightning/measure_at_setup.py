@@ -3,7 +3,7 @@
 A mixin of :class:`uniap_lightning.strategy.UniAPStrategy` (kept apart from the training lifecycle so each file
 holds one concern). In order, when the strategy plans by itself:
 
-1. :meth:`SetupMeasurements._local_cluster` - this machine as a :class:`~uniap_lightning.cluster.Cluster`, its
+1. :meth:`SetupMeasurements._local_cluster` - this machine as a :class:`~uniap_lightning.planner.cluster.Cluster`, its
    collectives and pipeline slot measured on the job's process group (``profiling/collectives.py``), or read from
    the on-disk cache; every rank takes part.
 2. :meth:`SetupMeasurements._profile` - the layer profile: a pinned file, the cache, or measured
@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from uniap_lightning.cluster import Cluster
+from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.errors import UniAPError
 
 if TYPE_CHECKING:
-    from uniap_lightning.profiling.schema import ModelProfile
+    from uniap_lightning.planner.profile import ModelProfile
     from uniap_lightning.runtime import Chain
 
 
@@ -103,7 +103,7 @@ class SetupMeasurements:
             save_cached_profile,
         )
         from uniap_lightning.profiling.module import profile_chain
-        from uniap_lightning.profiling.schema import load_profile
+        from uniap_lightning.planner.profile import load_profile
         from uniap_lightning.runtime.tensor_parallel import tp_allreduces, tp_degrees
 
         params = [sum(p.numel() for p in m.parameters()) for m in chain.layers]
@@ -157,7 +157,7 @@ class SetupMeasurements:
         )
         if everywhere:
             from uniap_lightning.profiling.module import median_over_ranks
-            from uniap_lightning.profiling.schema import ModelProfile
+            from uniap_lightning.planner.profile import ModelProfile
 
             everyone: list[Any] = [None] * self.world_size
             dist.all_gather_object(everyone, profile.to_dict())

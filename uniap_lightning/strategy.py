@@ -1,7 +1,7 @@
 """``UniAPStrategy``: plan at setup, apply the plan, train with Lightning's usual semantics.
 
 The strategy holds the lifecycle only; the work is in :mod:`uniap_lightning.runtime` (executing a plan),
-:mod:`uniap_lightning.profiling.module` (measuring the chain) and :mod:`uniap_lightning.solver` (planning).
+:mod:`uniap_lightning.profiling.module` (measuring the chain) and :mod:`uniap_lightning.planner.solver` (planning).
 The model contract is described in :mod:`uniap_lightning.runtime.chain`.
 """
 
@@ -22,17 +22,17 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from uniap_lightning.cluster import Cluster
+from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.measure_at_setup import SetupMeasurements, _device_name, _info
-from uniap_lightning.plan import SCHEDULES, Plan
+from uniap_lightning.planner.plan import SCHEDULES, Plan
 from uniap_lightning.sigterm import AgreedSigterm
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch.optim import Optimizer
 
-    from uniap_lightning.profiling.schema import ModelProfile
+    from uniap_lightning.planner.profile import ModelProfile
     from uniap_lightning.runtime import Chain, Runtime
 
 SOLVERS = ("auto", "cbc", "highs", "gurobi")
@@ -59,10 +59,10 @@ class UniAPStrategy(SetupMeasurements, ModelParallelStrategy):
     GPT-2 / Llama and a plain GPT go through :mod:`uniap_lightning.adapters`.
 
     Arguments:
-        cluster: the cluster the planner should assume: a :class:`~uniap_lightning.cluster.Cluster`, a dict of its
+        cluster: the cluster the planner should assume: a :class:`~uniap_lightning.planner.cluster.Cluster`, a dict of its
             fields, or ``None`` for a rough description of the local machine derived from ``devices`` and
             ``num_nodes``.
-        plan: a pinned plan (a :class:`~uniap_lightning.plan.Plan` or the path of a plan JSON file); skips
+        plan: a pinned plan (a :class:`~uniap_lightning.planner.plan.Plan` or the path of a plan JSON file); skips
             profiling and solving. It must be for this model (layer names, fingerprint) and world size.
         schedule: pipeline schedule when solving: ``"1f1b"`` (default, less activation memory) or ``"gpipe"``.
         solver: MILP backend for the planner: ``"auto"`` (the best available), ``"cbc"``, ``"highs"``, ``"gurobi"``.
@@ -537,7 +537,7 @@ class _TrainLossLogger(Callback):
 
 def _print_plan(plan: Plan, origin: str) -> None:
     try:
-        from uniap_lightning.report import print_plan
+        from uniap_lightning.planner.report import print_plan
     except ImportError:  # the rich report is optional here; the compact summary says the essentials
         from uniap_lightning.runtime.planning import describe
 

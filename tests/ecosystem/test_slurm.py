@@ -69,7 +69,7 @@ def test_submitit_launcher_config_composes():
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     from hydra import compose, initialize_config_dir
 
-    from uniap_lightning.config import CONF_DIR
+    from uniap_lightning.planner.config import CONF_DIR
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="fit", overrides=["hydra/launcher=uniap_slurm"], return_hydra_config=True)

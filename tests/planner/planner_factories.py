@@ -3,9 +3,9 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
-from uniap_lightning.cluster import Cluster
-from uniap_lightning.problem import Problem, TrainingConfig
-from uniap_lightning.profiling.schema import LayerProfile, ModelProfile, Overhead
+from uniap_lightning.planner.cluster import Cluster
+from uniap_lightning.planner.problem import Problem, TrainingConfig
+from uniap_lightning.planner.profile import LayerProfile, ModelProfile, Overhead
 
 
 def random_problem(seed: int, *, num_layers: int, nodes: int, per_node: int, batch: int = 8,

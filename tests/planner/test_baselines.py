@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from uniap_lightning.config import available, build_problem, cluster_from
-from uniap_lightning.cost import evaluate
+from uniap_lightning.planner.config import available, build_problem, cluster_from
+from uniap_lightning.planner.cost import evaluate
 from uniap_lightning.errors import InfeasibleError
-from uniap_lightning.solver import baseline_plans, solve
+from uniap_lightning.planner.solver import baseline_plans, solve
 
 BIG = {"h100_32x8", "h100_128x8"}
 PAIRS = [(m, c) for m in available("model") for c in available("cluster")]

@@ -9,13 +9,13 @@ from dataclasses import asdict
 import pytest
 import yaml
 
-from uniap_lightning.cluster import Cluster
-from uniap_lightning.config import cluster_from
-from uniap_lightning.cost import all_gather_s, all_reduce_s, layer_cost, p2p_s, reduce_scatter_s
-from uniap_lightning.cost.model import Strategy
+from uniap_lightning.planner.cluster import Cluster
+from uniap_lightning.planner.config import cluster_from
+from uniap_lightning.planner.cost import all_gather_s, all_reduce_s, layer_cost, p2p_s, reduce_scatter_s
+from uniap_lightning.planner.cost.layer import Strategy
 from uniap_lightning.errors import UniAPError
-from uniap_lightning.problem import TrainingConfig
-from uniap_lightning.profiling.schema import LayerProfile
+from uniap_lightning.planner.problem import TrainingConfig
+from uniap_lightning.planner.profile import LayerProfile
 
 BASE = dict(name="ops", nodes=2, devices_per_node=8, memory_gib=16, peak_tflops=1, intra_bw_gbps=10,
             inter_bw_gbps=1, intra_latency_us=5, inter_latency_us=50)

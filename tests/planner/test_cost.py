@@ -6,12 +6,12 @@ from dataclasses import replace
 
 import pytest
 
-from uniap_lightning.cluster import Cluster
-from uniap_lightning.cost import all_gather_s, all_reduce_s, evaluate, layer_cost, p2p_s, reduce_scatter_s
-from uniap_lightning.cost.model import Strategy, boundary_inter_node, in_flight, reshard_s, strategies_for
-from uniap_lightning.plan import Plan
-from uniap_lightning.problem import Problem, TrainingConfig
-from uniap_lightning.profiling.schema import LayerProfile, ModelProfile
+from uniap_lightning.planner.cluster import Cluster
+from uniap_lightning.planner.cost import all_gather_s, all_reduce_s, evaluate, layer_cost, p2p_s, reduce_scatter_s
+from uniap_lightning.planner.cost.layer import Strategy, boundary_inter_node, in_flight, reshard_s, strategies_for
+from uniap_lightning.planner.plan import Plan
+from uniap_lightning.planner.problem import Problem, TrainingConfig
+from uniap_lightning.planner.profile import LayerProfile, ModelProfile
 
 # 10 GB/s and 5 us inside a node, 1 GB/s and 50 us across nodes.
 CL = Cluster(name="hand", nodes=2, devices_per_node=4, memory_gib=16, peak_tflops=1, intra_bw_gbps=10,

@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from uniap_lightning.config import build_problem
+from uniap_lightning.planner.config import build_problem
 from uniap_lightning.errors import UniAPError
-from uniap_lightning.plan import Plan
+from uniap_lightning.planner.plan import Plan
 from uniap_lightning.profiling import load_profile, save_profile
-from uniap_lightning.solver import solve
+from uniap_lightning.planner.solver import solve
 
 REQUIRED_KEYS = {"pp", "microbatches", "schedule", "stages", "layers", "estimate", "solver", "baselines"}
 

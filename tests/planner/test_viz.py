@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from uniap_lightning.config import build_problem
-from uniap_lightning.solver import solve
-from uniap_lightning.viz import draw_plan, pipeline_timeline
+from uniap_lightning.planner.config import build_problem
+from uniap_lightning.planner.solver import solve
+from uniap_lightning.planner.viz import draw_plan, pipeline_timeline
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

@@ -12,8 +12,8 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from uniap_lightning.cluster import Cluster  # noqa: E402
-from uniap_lightning.cost import all_gather_s, all_reduce_s, p2p_s, reduce_scatter_s  # noqa: E402
+from uniap_lightning.planner.cluster import Cluster  # noqa: E402
+from uniap_lightning.planner.cost import all_gather_s, all_reduce_s, p2p_s, reduce_scatter_s  # noqa: E402
 from uniap_lightning.profiling.collectives import (  # noqa: E402
     _fit,
     apply_to_cluster,

@@ -14,7 +14,7 @@ from torch import nn
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.profiling.cache import check_profile_matches
 from uniap_lightning.profiling.module import ProfilingUnavailable, profile_chain, profile_layers
-from uniap_lightning.profiling.schema import ModelProfile, load_profile, save_profile
+from uniap_lightning.planner.profile import ModelProfile, load_profile, save_profile
 
 IN, HID, OUT = 8, 16, 4
 
@@ -171,12 +171,12 @@ def test_monitor_logs_measured_vs_predicted(fitted: Any) -> None:
     # what `uniap explain measured=FILE` reads renders with this file
     from rich.console import Console
 
-    from uniap_lightning.report import explain_renderables
+    from uniap_lightning.planner.report import explain_renderables
 
     class _P:  # explain only needs the profile and cluster for the per-layer table
         model = ModelProfile.from_dict(load_profile(first.strategy.setup_report["profile_path"]).to_dict())
         cluster = first.strategy.planning_cluster
-        from uniap_lightning.problem import TrainingConfig
+        from uniap_lightning.planner.problem import TrainingConfig
 
         training = TrainingConfig(global_batch_size=8)
 
@@ -235,7 +235,7 @@ def test_profiles_from_several_ranks_combine_to_the_median() -> None:
     from dataclasses import replace
 
     from uniap_lightning.profiling.module import median_over_ranks
-    from uniap_lightning.profiling.schema import Timing
+    from uniap_lightning.planner.profile import Timing
 
     base = profile_layers(_layers(), NAMES, torch.randn(16, IN), repeats=1)
 

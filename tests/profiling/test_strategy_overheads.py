@@ -10,12 +10,12 @@ import pytest
 import torch
 from torch import nn
 
-from uniap_lightning.cluster import Cluster
-from uniap_lightning.cost import all_gather_s, all_reduce_s, layer_cost, reduce_scatter_s
-from uniap_lightning.cost.model import Strategy
+from uniap_lightning.planner.cluster import Cluster
+from uniap_lightning.planner.cost import all_gather_s, all_reduce_s, layer_cost, reduce_scatter_s
+from uniap_lightning.planner.cost.layer import Strategy
 from uniap_lightning.errors import UniAPError
-from uniap_lightning.problem import TrainingConfig
-from uniap_lightning.profiling.schema import LayerProfile, ModelProfile, Overhead
+from uniap_lightning.planner.problem import TrainingConfig
+from uniap_lightning.planner.profile import LayerProfile, ModelProfile, Overhead
 from uniap_lightning.profiling.strategies import attach_overheads, strategy_kinds
 from uniap_lightning.runtime.planning import cache_key
 

@@ -20,7 +20,7 @@ EVAL = {"limit_val_batches": 2, "predict": True}
 def _profile_file(path: Path) -> Path:
     """A measured profile saved to a file: the strategy plans from it instead of profiling at setup."""
     from uniap_lightning.profiling.module import profile_layers
-    from uniap_lightning.profiling.schema import save_profile
+    from uniap_lightning.planner.profile import save_profile
     from uniap_lightning.runtime import extract_chain
 
     chain = extract_chain(h.make_module())

@@ -130,7 +130,7 @@ def make_data(batch_size: int, n: int = N_SAMPLES, lm: bool = False, seed: int =
 
 def make_plan(strategies: list[tuple[int, int, bool]], stage_of_layer: list[int], *, pp: int, microbatches: int,
               schedule: str = "1f1b", batch: int = 16, world: int = 2, names: list[str] | None = None) -> Any:
-    from uniap_lightning.plan import Plan
+    from uniap_lightning.planner.plan import Plan
 
     return Plan.from_assignment(
         stage_of_layer=stage_of_layer, strategies=strategies, layer_names=names or NAMES, pp=pp,

@@ -14,9 +14,9 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.markup import escape
 
-from uniap_lightning.config import CONF_DIR, build_problem
+from uniap_lightning.planner.config import CONF_DIR, build_problem
 from uniap_lightning.errors import UniAPError
-from uniap_lightning.problem import Problem
+from uniap_lightning.planner.problem import Problem
 
 CONF = str(CONF_DIR)
 
@@ -68,8 +68,8 @@ def _fail(err: UniAPError, cfg: DictConfig) -> None:
 
 
 def run_plan(cfg: DictConfig) -> None:
-    from uniap_lightning.report import print_plan
-    from uniap_lightning.solver import solve
+    from uniap_lightning.planner.report import print_plan
+    from uniap_lightning.planner.solver import solve
 
     console = Console()
     try:
@@ -91,7 +91,7 @@ def run_plan(cfg: DictConfig) -> None:
         plan.to_json(cfg.out)
         console.print(f"plan written to {cfg.out}")
     if cfg.viz:
-        from uniap_lightning.viz import draw_plan
+        from uniap_lightning.planner.viz import draw_plan
 
         draw_plan(plan, problem, cfg.viz)
         console.print(f"picture written to {cfg.viz}")
@@ -113,9 +113,9 @@ def run_plan(cfg: DictConfig) -> None:
 
 
 def run_evaluate(cfg: DictConfig) -> None:
-    from uniap_lightning.cost import evaluate
-    from uniap_lightning.plan import Plan
-    from uniap_lightning.report import print_plan
+    from uniap_lightning.planner.cost import evaluate
+    from uniap_lightning.planner.plan import Plan
+    from uniap_lightning.planner.report import print_plan
 
     console = Console()
     try:
@@ -136,10 +136,10 @@ def run_evaluate(cfg: DictConfig) -> None:
 
 
 def run_explain(cfg: DictConfig) -> None:
-    from uniap_lightning.cost import evaluate
-    from uniap_lightning.plan import Plan
-    from uniap_lightning.report import explain_renderables, print_plan
-    from uniap_lightning.solver import solve
+    from uniap_lightning.planner.cost import evaluate
+    from uniap_lightning.planner.plan import Plan
+    from uniap_lightning.planner.report import explain_renderables, print_plan
+    from uniap_lightning.planner.solver import solve
 
     console = Console()
     try:

@@ -139,6 +139,6 @@ def run_train(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
 def _cluster(name: str | None):
     if name is None:
         return None
-    from uniap_lightning.config import cluster_from
+    from uniap_lightning.planner.config import cluster_from
 
     return cluster_from(name)

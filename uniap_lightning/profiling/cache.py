@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from uniap_lightning.errors import UniAPError
-from uniap_lightning.profiling.schema import ModelProfile, load_profile, save_profile
+from uniap_lightning.planner.profile import ModelProfile, load_profile, save_profile
 
 
 def default_profile_cache_dir() -> Path:

@@ -4,7 +4,7 @@ Call :func:`measure_collectives` on every rank of an initialized ``torch.distrib
 group size ``p`` (powers of two up to the world size; the first ``p`` consecutive ranks, so a group inside one
 node while ``p`` fits a node, and across nodes beyond) it times all-reduce, all-gather, reduce-scatter and
 point-to-point at two message sizes (median of ``repeats`` after a warm-up) and fits the alpha-beta model of
-:mod:`uniap_lightning.cost.comm`: ``t(S) = k_lat * alpha + k_bw * S / bw``. Every op's fit becomes the cluster's
+:mod:`uniap_lightning.planner.cost.comm`: ``t(S) = k_lat * alpha + k_bw * S / bw``. Every op's fit becomes the cluster's
 ``collective_tables`` (:func:`apply_to_cluster`), so the planner prices each collective with its own measured
 figures; the all-reduce fit also fills ``bandwidth_tables`` and the flat latencies (display, older readers).
 A few seconds on CPU/gloo with the default sizes.
@@ -24,7 +24,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from uniap_lightning.cluster import COLLECTIVE_OPS, Cluster
+from uniap_lightning.planner.cluster import COLLECTIVE_OPS, Cluster
 
 DEFAULT_SIZES = (1 << 12, 1 << 22)  # 4 KiB (latency), 4 MiB (bandwidth)
 

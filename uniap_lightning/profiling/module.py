@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from uniap_lightning.profiling.schema import LayerProfile, ModelProfile, Timing
+from uniap_lightning.planner.profile import LayerProfile, ModelProfile, Timing
 
 #: nominal FLOP/s used by the structural fallback (per device), only to rank layers by cost
 NOMINAL_FLOPS = {"cpu": 5e10, "cuda": 1e14}

@@ -1,6 +1,6 @@
 """Measure what tensor parallelism and FSDP cost per layer beyond the divided compute, on the job's own ranks.
 
-The ring formulas of :mod:`uniap_lightning.cost.comm` price the collectives of a sharded layer, but not what
+The ring formulas of :mod:`uniap_lightning.planner.cost.comm` price the collectives of a sharded layer, but not what
 runs around them: DTensor's dispatch, FSDP2's copy-in/copy-out and hooks, and the part of a layer that tensor
 parallelism does not split (norms, residual adds). On small layers those dominate (measured on 4 gloo ranks:
 FSDP and TP plans ran 70-170% slower than the formulas said). So at setup, every rank takes part in timing each
@@ -14,7 +14,7 @@ strategy it may get:
 
 Each is timed forward + backward at a few micro-batch sizes (samples per device), median of ``repeats`` after
 ``warmup``, right after the plain layer at the same size (also on every rank at once); the slowest rank's medians
-count. The result, per layer, is :class:`~uniap_lightning.profiling.schema.Overhead` records (``seconds`` = measured
+count. The result, per layer, is :class:`~uniap_lightning.planner.profile.Overhead` records (``seconds`` = measured
 minus plain / ``t`` for TP, minus plain for FSDP) that :func:`attach_overheads` adds to a profile and the cost
 model uses instead of its formulas.
 """
@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from uniap_lightning.profiling.module import structure_key, training_state_kept
-from uniap_lightning.profiling.schema import ModelProfile, Overhead
+from uniap_lightning.planner.profile import ModelProfile, Overhead
 
 
 def _fwd_bwd_s(layer: nn.Module, x: torch.Tensor, repeats: int, warmup: int) -> float:

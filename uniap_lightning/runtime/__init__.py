@@ -1,4 +1,4 @@
-"""Execute a :class:`~uniap_lightning.plan.Plan` on real processes.
+"""Execute a :class:`~uniap_lightning.planner.plan.Plan` on real processes.
 
 One concern per module, applied in this order by :func:`apply_plan`:
 
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from uniap_lightning.errors import UniAPError
-from uniap_lightning.plan import Plan
+from uniap_lightning.planner.plan import Plan
 from uniap_lightning.runtime.chain import Chain, UniAPModule, extract_chain
 from uniap_lightning.runtime.data_parallel import ReplicatedGrads
 from uniap_lightning.runtime.mesh import PlanMeshes, build_meshes

@@ -1,6 +1,6 @@
 """Device meshes and process groups for one plan.
 
-Rank layout (see :mod:`uniap_lightning.plan`): ``world = pp * n``; stage ``i`` owns ranks ``[i*n, (i+1)*n)``; the
+Rank layout (see :mod:`uniap_lightning.planner.plan`): ``world = pp * n``; stage ``i`` owns ranks ``[i*n, (i+1)*n)``; the
 rank at position ``r`` inside its stage is on pipeline *lane* ``r``, and lane ``r`` is the pipeline
 ``r, n+r, 2n+r, ...``. Inside a stage a layer with strategy ``(dp, tp)`` sees the stage's ranks as a
 ``(dp, tp)`` grid with ``tp`` innermost.
@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from uniap_lightning.plan import Plan
+from uniap_lightning.planner.plan import Plan
 
 if TYPE_CHECKING:
     import torch.distributed as dist

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from uniap_lightning.errors import UniAPError
-from uniap_lightning.plan import Plan
+from uniap_lightning.planner.plan import Plan
 from uniap_lightning.runtime.mesh import PlanMeshes
 from uniap_lightning.runtime.stage import StageModule
 

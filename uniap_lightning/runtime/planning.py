@@ -16,10 +16,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from uniap_lightning.cluster import Cluster
+from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.errors import UniAPError
-from uniap_lightning.plan import PLAN_FORMAT_VERSION, Plan
-from uniap_lightning.profiling.schema import ModelProfile
+from uniap_lightning.planner.plan import PLAN_FORMAT_VERSION, Plan
+from uniap_lightning.planner.profile import ModelProfile
 
 
 def default_cache_dir() -> Path:
@@ -94,8 +94,8 @@ def solve_plan(
         except UniAPError:
             pass  # a stale or corrupt cache entry is replaced below
     try:
-        from uniap_lightning.problem import Problem, TrainingConfig
-        from uniap_lightning.solver import solve
+        from uniap_lightning.planner.problem import Problem, TrainingConfig
+        from uniap_lightning.planner.solver import solve
     except ImportError as err:
         raise UniAPError(
             f"no plan was given and the planner is not available ({err}); pass plan=<file or Plan> to UniAPStrategy"

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from uniap_lightning.plan import Plan
+from uniap_lightning.planner.plan import Plan
 from uniap_lightning.runtime.chain import Chain
 from uniap_lightning.runtime.data_parallel import ReplicatedGrads, apply_fsdp
 from uniap_lightning.runtime.mesh import PlanMeshes

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import itertools
 
-from uniap_lightning.cost.evaluate import evaluate
-from uniap_lightning.cost.model import strategies_for
-from uniap_lightning.plan import Plan
-from uniap_lightning.problem import Problem
+from uniap_lightning.planner.cost.evaluate import evaluate
+from uniap_lightning.planner.cost.layer import strategies_for
+from uniap_lightning.planner.plan import Plan
+from uniap_lightning.planner.problem import Problem
 
 
 def splits(num_layers: int, pp: int):

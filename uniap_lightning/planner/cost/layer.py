@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
 
-from uniap_lightning.cluster import Cluster
-from uniap_lightning.cost.comm import all_gather_s, all_reduce_s, p2p_s, reduce_scatter_s
-from uniap_lightning.problem import Problem, TrainingConfig
-from uniap_lightning.profiling.schema import LayerProfile
+from uniap_lightning.planner.cluster import Cluster
+from uniap_lightning.planner.cost.comm import all_gather_s, all_reduce_s, p2p_s, reduce_scatter_s
+from uniap_lightning.planner.problem import Problem, TrainingConfig
+from uniap_lightning.planner.profile import LayerProfile
 
 
 class Strategy(NamedTuple):
@@ -195,3 +195,20 @@ class CostTables:
 
     def in_flight(self, stage: int) -> int:
         return in_flight(self.problem.training.schedule, self.c, self.pp, stage)
+
+
+def layer_key(tables: CostTables, u: int) -> tuple:
+    lp = tables.layers[u]
+    return (lp.forward_s, lp.backward_s, lp.params, lp.activation_bytes, lp.output_bytes, lp.tp_degrees,
+            lp.tp_allreduces, lp.activation_tp_fraction, lp.timings, tuple(tables.strategies[u]))
+
+
+def runs_of(tables: CostTables) -> list[tuple[int, int]]:
+    """Maximal runs ``(first, last)`` of consecutive layers with identical costs."""
+    runs: list[tuple[int, int]] = []
+    for u in range(len(tables.layers)):
+        if runs and layer_key(tables, u) == layer_key(tables, runs[-1][0]):
+            runs[-1] = (runs[-1][0], u)
+        else:
+            runs.append((u, u))
+    return runs

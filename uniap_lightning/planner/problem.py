@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from uniap_lightning.cluster import Cluster
+from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.errors import UniAPError
-from uniap_lightning.plan import SCHEDULES
-from uniap_lightning.profiling.schema import ModelProfile
+from uniap_lightning.planner.plan import SCHEDULES
+from uniap_lightning.planner.profile import ModelProfile
 
 
 @dataclass(frozen=True)

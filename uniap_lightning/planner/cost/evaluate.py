@@ -6,10 +6,10 @@ it returns, baselines are scored with it, and the brute-force oracle enumerates 
 
 from __future__ import annotations
 
-from uniap_lightning.cost.model import Strategy, boundary_s, in_flight, layer_cost, reshard_s, strategies_for
+from uniap_lightning.planner.cost.layer import Strategy, boundary_s, in_flight, layer_cost, reshard_s, strategies_for
 from uniap_lightning.errors import UniAPError
-from uniap_lightning.plan import Estimate, Plan
-from uniap_lightning.problem import Problem
+from uniap_lightning.planner.plan import Estimate, Plan
+from uniap_lightning.planner.problem import Problem
 
 
 def check_plan_matches(problem: Problem, plan: Plan) -> None:

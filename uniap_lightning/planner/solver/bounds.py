@@ -4,14 +4,8 @@ from __future__ import annotations
 
 from bisect import bisect_right
 
-from uniap_lightning.cost.comm import p2p_s
-from uniap_lightning.cost.model import CostTables, boundary_inter_node
-
-
-def _runs(t: CostTables) -> list[tuple[int, int]]:
-    from uniap_lightning.solver.grouped import runs_of
-
-    return runs_of(t)
+from uniap_lightning.planner.cost.comm import p2p_s
+from uniap_lightning.planner.cost.layer import CostTables, boundary_inter_node, runs_of
 
 
 def time_lower_bound_s(t: CostTables) -> float:
@@ -25,7 +19,7 @@ def time_lower_bound_s(t: CostTables) -> float:
     P, c = t.pp, t.c
     spread = sum(min(k.time_s * (1 + (c - 1) / P) + k.sync_s / P for k in costs) for costs in t.cost)
     cheapest = [min(k.time_s for k in costs) for costs in t.cost]
-    runs = _runs(t)
+    runs = runs_of(t)
     floor = max(run_bottleneck_s(t, a, e) for a, e in runs)
     peak = sum(cheapest) + (c - 1) * max(max(cheapest), floor)
     boundaries = 0.0

@@ -6,9 +6,9 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from uniap_lightning.cluster import GIB
-from uniap_lightning.cost.model import Strategy
-from uniap_lightning.plan import Plan
+from uniap_lightning.planner.cluster import GIB
+from uniap_lightning.planner.cost.layer import Strategy
+from uniap_lightning.planner.plan import Plan
 
 BASELINE_LABELS = {
     "ddp": "DDP (pp=1, replicate everything)",
@@ -104,7 +104,7 @@ def print_plan(plan: Plan, *, console: Console | None = None, title: str | None 
 def explain_renderables(plan: Plan, problem, measured: dict | None = None) -> Group:
     """Per layer and per stage: strategy, predicted time and memory, measured where known; and why the other
     (pp, c) candidates lost."""
-    from uniap_lightning.cost.model import in_flight, layer_cost
+    from uniap_lightning.planner.cost.layer import in_flight, layer_cost
 
     est = plan.estimate
     b, n = plan.micro_batch_size, plan.devices_per_stage

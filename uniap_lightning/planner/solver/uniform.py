@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from uniap_lightning.cost.evaluate import evaluate
-from uniap_lightning.cost.model import Strategy, strategies_for
+from uniap_lightning.planner.cost.evaluate import evaluate
+from uniap_lightning.planner.cost.layer import Strategy, strategies_for
 from uniap_lightning.errors import UniAPError
-from uniap_lightning.plan import Plan
-from uniap_lightning.problem import Problem
+from uniap_lightning.planner.plan import Plan
+from uniap_lightning.planner.problem import Problem
 
 
 def even_split(num_layers: int, pp: int) -> list[int]:

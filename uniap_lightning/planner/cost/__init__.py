@@ -14,9 +14,9 @@ Formulas (see ``planner.md`` and the README's "Cost model" section):
 * ``TPI = sum_i p_i + sum_j o_j + (c - 1) * max(p_i, o_j) + max_i sync_i``.
 """
 
-from uniap_lightning.cost.comm import all_gather_s, all_reduce_s, p2p_s, reduce_scatter_s
-from uniap_lightning.cost.evaluate import evaluate
-from uniap_lightning.cost.model import CostTables, LayerCost, Strategy, layer_cost, strategies_for
+from uniap_lightning.planner.cost.comm import all_gather_s, all_reduce_s, p2p_s, reduce_scatter_s
+from uniap_lightning.planner.cost.evaluate import evaluate
+from uniap_lightning.planner.cost.layer import CostTables, LayerCost, Strategy, layer_cost, strategies_for
 
 __all__ = [
     "CostTables",

@@ -12,13 +12,13 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from uniap_lightning.cluster import Cluster
+from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.errors import UniAPError
-from uniap_lightning.problem import Problem, TrainingConfig
-from uniap_lightning.profiling.analytic import ModelSpec, analytic_profile
-from uniap_lightning.profiling.schema import ModelProfile, load_profile
+from uniap_lightning.planner.problem import Problem, TrainingConfig
+from uniap_lightning.planner.analytic import ModelSpec, analytic_profile
+from uniap_lightning.planner.profile import ModelProfile, load_profile
 
-CONF_DIR = Path(__file__).resolve().parent / "conf"
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # uniap_lightning/conf: packaged with the wheel
 
 
 def available(group: str) -> list[str]:

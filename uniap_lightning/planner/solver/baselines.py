@@ -11,18 +11,17 @@ A baseline that no memory-feasible plan realizes is reported as ``None``.
 
 from __future__ import annotations
 
-from uniap_lightning.cost.model import Strategy
+from uniap_lightning.planner.cost.layer import Strategy
 from uniap_lightning.errors import UniAPError
-from uniap_lightning.plan import Plan
-from uniap_lightning.problem import Problem
-from uniap_lightning.solver.uniform import best_uniform
+from uniap_lightning.planner.plan import Plan
+from uniap_lightning.planner.problem import Problem
+from uniap_lightning.planner.solver.search import search
+from uniap_lightning.planner.solver.uniform import best_uniform
 
 BASELINES = ("ddp", "fsdp", "megatron", "intra_only", "inter_only")
 
 
 def baseline_plans(problem: Problem, *, solver: str = "auto", time_limit_s: float = 30.0) -> dict[str, Plan | None]:
-    from uniap_lightning.solver.search import search  # local: search uses these plans as incumbents
-
     N = problem.num_devices
     cs = problem.training.microbatch_candidates()
     out: dict[str, Plan | None] = {}

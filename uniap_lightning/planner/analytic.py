@@ -23,9 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from uniap_lightning.cluster import Cluster
+from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.errors import UniAPError
-from uniap_lightning.profiling.schema import LayerProfile, ModelProfile
+from uniap_lightning.planner.profile import LayerProfile, ModelProfile
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 POW2 = (1, 2, 4, 8, 16, 32, 64)

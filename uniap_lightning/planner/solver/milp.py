@@ -47,28 +47,11 @@ from collections import defaultdict
 
 import mip
 
-from uniap_lightning.cluster import GIB
-from uniap_lightning.cost.comm import p2p_s
-from uniap_lightning.cost.model import CostTables, boundary_inter_node, reshard_s
-from uniap_lightning.solver.bounds import run_bottleneck_s
-from uniap_lightning.solver.milp import MS, MilpResult, add_cutoff, new_model, optimize
-
-
-def layer_key(tables: CostTables, u: int) -> tuple:
-    lp = tables.layers[u]
-    return (lp.forward_s, lp.backward_s, lp.params, lp.activation_bytes, lp.output_bytes, lp.tp_degrees,
-            lp.tp_allreduces, lp.activation_tp_fraction, lp.timings, tuple(tables.strategies[u]))
-
-
-def runs_of(tables: CostTables) -> list[tuple[int, int]]:
-    """Maximal runs ``(first, last)`` of consecutive layers with identical costs."""
-    runs: list[tuple[int, int]] = []
-    for u in range(len(tables.layers)):
-        if runs and layer_key(tables, u) == layer_key(tables, runs[-1][0]):
-            runs[-1] = (runs[-1][0], u)
-        else:
-            runs.append((u, u))
-    return runs
+from uniap_lightning.planner.cluster import GIB
+from uniap_lightning.planner.cost.comm import p2p_s
+from uniap_lightning.planner.cost.layer import CostTables, boundary_inter_node, reshard_s, runs_of
+from uniap_lightning.planner.solver.bounds import run_bottleneck_s
+from uniap_lightning.planner.solver.backend import MS, MilpResult, add_cutoff, new_model, optimize
 
 
 class GroupedMilp:

@@ -1,7 +1,7 @@
 """The plan: what the solver decides and what the runtime executes.
 
 A :class:`Plan` is a plain dataclass tree that serializes to JSON (a public, versioned format documented in the
-README) and prints as a readable table (see :mod:`uniap_lightning.report`). It imports neither torch nor
+README) and prints as a readable table (see :mod:`uniap_lightning.planner.report`). It imports neither torch nor
 Lightning.
 
 Rank layout (fixed, so a plan is fully described by these fields): with ``n = num_devices // pp`` devices per

@@ -14,19 +14,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from uniap_lightning.cluster import GIB
-from uniap_lightning.cost.evaluate import evaluate
-from uniap_lightning.cost.model import CostTables, Strategy
+from uniap_lightning.planner.cluster import GIB
+from uniap_lightning.planner.cost.evaluate import evaluate
+from uniap_lightning.planner.cost.layer import CostTables, Strategy
 from uniap_lightning.errors import InfeasibleError, UniAPError
-from uniap_lightning.plan import Plan, SolverInfo
-from uniap_lightning.problem import Problem
-from uniap_lightning.solver.bounds import least_memory_bytes, memory_lower_bound_bytes, time_lower_bound_s
-from uniap_lightning.solver.grouped import GroupedMilp
-from uniap_lightning.solver.milp import StageMilp, solver_available
-from uniap_lightning.solver.uniform import uniform_plan
+from uniap_lightning.planner.plan import Plan, SolverInfo
+from uniap_lightning.planner.problem import Problem
+from uniap_lightning.planner.solver.bounds import least_memory_bytes, memory_lower_bound_bytes, time_lower_bound_s
+from uniap_lightning.planner.solver.milp import GroupedMilp
+from uniap_lightning.planner.solver.backend import solver_available
+from uniap_lightning.planner.solver.uniform import uniform_plan
 
 SOLVERS = ("auto", "cbc", "highs", "gurobi")
-FORMULATIONS = {"grouped": GroupedMilp, "layer": StageMilp}
 Progress = Callable[[str], None]
 
 
@@ -134,15 +133,12 @@ def search(
     pp: list[int] | None = None,
     allowed: Callable[[Strategy], bool] | None = None,
     incumbent: Plan | None = None,
-    formulation: str = "grouped",
     progress: Progress | None = None,
 ) -> Plan:
     """Exact search over ``(pp, c)`` and the MILP; ``allowed`` restricts strategies (for baselines)."""
     t_start = time.perf_counter()
     say = progress or (lambda _msg: None)
     name = resolve_solver(solver)
-    if formulation not in FORMULATIONS:
-        raise UniAPError(f"formulation={formulation!r} must be one of {list(FORMULATIONS)}")
     trace: list[dict] = []
     cands = _candidates(problem, pp, allowed, trace)
     best = _warm_starts(problem, cands)
@@ -168,11 +164,7 @@ def search(
             open_bounds.append(cand.bound_s)
             record["outcome"] = "not solved (time limit)"
             continue
-        milp = FORMULATIONS[formulation](cand.tables, solver=name)
-        if cand.warm is not None and isinstance(milp, StageMilp):
-            milp.warm_start([lp.stage for lp in cand.warm.layers], [
-                cand.tables.strategies[u].index(Strategy(lp.dp, lp.tp, lp.shard)) for u, lp in enumerate(cand.warm.layers)
-            ])
+        milp = GroupedMilp(cand.tables, solver=name)
         res = milp.solve(time_limit_s=remaining, cutoff_s=best.estimate.tpi_s if best else None)
         solved += 1
         say(f"pp={cand.pp} c={cand.c}: {res.status} in {res.solve_s:.2f} s "

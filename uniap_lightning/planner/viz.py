@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from uniap_lightning.cluster import GIB
-from uniap_lightning.cost.model import Strategy
-from uniap_lightning.plan import Plan
-from uniap_lightning.problem import Problem
-from uniap_lightning.report import BASELINE_LABELS
+from uniap_lightning.planner.cluster import GIB
+from uniap_lightning.planner.cost.layer import Strategy
+from uniap_lightning.planner.plan import Plan
+from uniap_lightning.planner.problem import Problem
+from uniap_lightning.planner.report import BASELINE_LABELS
 
 
 def pipeline_timeline(plan: Plan, backward_share: float = 2 / 3) -> list[tuple[int, float, float, str, int]]:

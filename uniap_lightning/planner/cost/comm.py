@@ -10,7 +10,7 @@ byte than its all-reduce). Without a table for an op the all-reduce figures are 
 
 from __future__ import annotations
 
-from uniap_lightning.cluster import Cluster
+from uniap_lightning.planner.cluster import Cluster
 
 
 def _ring(cluster: Cluster, op: str, nbytes: float, p: int, inter_node: bool, steps: float) -> float:

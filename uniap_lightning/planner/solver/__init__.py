@@ -6,11 +6,11 @@ import gc
 from collections.abc import Callable
 from contextlib import contextmanager
 
-from uniap_lightning.cost.evaluate import evaluate
-from uniap_lightning.plan import Plan
-from uniap_lightning.problem import Problem
-from uniap_lightning.solver.baselines import BASELINES, baseline_plans
-from uniap_lightning.solver.search import SOLVERS, resolve_solver, search
+from uniap_lightning.planner.cost.evaluate import evaluate
+from uniap_lightning.planner.plan import Plan
+from uniap_lightning.planner.problem import Problem
+from uniap_lightning.planner.solver.baselines import BASELINES, baseline_plans
+from uniap_lightning.planner.solver.search import SOLVERS, resolve_solver, search
 
 __all__ = ["BASELINES", "SOLVERS", "baseline_plans", "resolve_solver", "search", "solve"]
 
