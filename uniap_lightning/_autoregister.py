@@ -29,10 +29,10 @@ class _RegisterAfterExec(importlib.abc.Loader):
 
     def exec_module(self, module: ModuleType) -> None:
         self._loader.exec_module(module)
+        if _strategy_module_importing():
+            return  # our strategy module is what imported Lightning; it calls register() when its class exists
         try:
-            from uniap_lightning.strategy import UniAPStrategy
-
-            UniAPStrategy.register_strategies(module.StrategyRegistry)
+            register(module.StrategyRegistry)
         except Exception as err:  # never break Lightning's import because of us
             print(f"uniap_lightning: could not register strategy 'uniap' ({err!r})", file=sys.stderr)
 
@@ -51,13 +51,29 @@ class _Finder(importlib.abc.MetaPathFinder):
         return spec
 
 
+STRATEGY_MODULE = "uniap_lightning.strategy"
+
+
+def register(registry: Any) -> None:
+    """The one place that registers ``"uniap"`` in Lightning's ``StrategyRegistry`` (idempotent)."""
+    from uniap_lightning.strategy import UniAPStrategy
+
+    UniAPStrategy.register_strategies(registry)
+
+
+def _strategy_module_importing() -> bool:
+    """True while ``uniap_lightning.strategy`` runs its own body (it imports Lightning before defining the class:
+    importing it again from Lightning's import would find a half-made module)."""
+    module = sys.modules.get(STRATEGY_MODULE)
+    return module is not None and not hasattr(module, "UniAPStrategy")
+
+
 def install() -> None:
     """Arrange registration (idempotent; registers at once if Lightning's strategies are already imported)."""
     module = sys.modules.get(TARGET)
     if module is not None:
-        from uniap_lightning.strategy import UniAPStrategy
-
-        UniAPStrategy.register_strategies(module.StrategyRegistry)
+        if not _strategy_module_importing():
+            register(module.StrategyRegistry)
         return
     if not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder())

@@ -188,6 +188,22 @@ class UniAPStrategy(SetupMeasurements, ModelParallelStrategy):
                 f"{world_size} (devices={self.num_processes} x num_nodes={self.num_nodes})"
             )
         self._setup_distributed()  # process group only; meshes depend on the plan, built in `setup`
+        self._keep_users_sampler()
+
+    def _keep_users_sampler(self) -> None:
+        """Leave the user's sampler as it is: every rank loads the whole global batch and takes its own share
+        (``pipeline.lane_slice``), so the data order must be exactly the one a single device sees.
+
+        Lightning would otherwise replace the sampler of every loader by a ``DistributedSampler``, which for training
+        loaders always shuffles (Lightning assumes training data is shuffled), so ``DataLoader(shuffle=False)``
+        would train on other batches than one device. Lightning has no public way for a strategy to decline the
+        sampler, so the flag it reads is cleared here, before any dataloader is built. A shuffling sampler stays
+        the user's: every rank draws the same order from the same seed (checked on the first batch).
+        """
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        connector = getattr(trainer, "_accelerator_connector", None)
+        if connector is not None:
+            connector.use_distributed_sampler = False
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -212,7 +228,10 @@ class UniAPStrategy(SetupMeasurements, ModelParallelStrategy):
             _materialize_distributed_module(self.model, self.root_device)
             self.model = self.precision_plugin.convert_module(self.model)
             self.model_to_device()
-            self._runtime = self._plan_and_apply(trainer)
+            # planning and wrapping draw no random numbers the user's run would see: a shuffling sampler or dropout
+            # then follows the same random stream as on one device
+            with torch.random.fork_rng(devices=[self.root_device] if self.root_device.type == "cuda" else []):
+                self._runtime = self._plan_and_apply(trainer)
             self._device_mesh = self._runtime.meshes.world
             self.lightning_module._device_mesh = self._device_mesh
         self._install_monitor(trainer)
@@ -593,7 +612,9 @@ def _sample_batch(trainer: pl.Trainer) -> tuple[Any, str, int | None]:
 def _register_on_import() -> None:
     from lightning.pytorch.strategies import StrategyRegistry
 
-    UniAPStrategy.register_strategies(StrategyRegistry)
+    from uniap_lightning._autoregister import register
+
+    register(StrategyRegistry)
 
 
 _register_on_import()  # importing the strategy is enough for Trainer(strategy="uniap")

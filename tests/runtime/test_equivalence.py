@@ -88,3 +88,32 @@ def test_eight_ranks_pp2_x_dp2_x_tp2(spawn_cases: Any) -> None:
     }
     results = spawn_cases(8, cases, "eight_ranks")
     h.assert_close_to_reference(results, "pp2_dp2_tp2", h.reference_for(cases["pp2_dp2_tp2"]))
+
+
+# Lightning's defaults for every Trainer argument (sampler, logger, checkpointing, progress bar), as a user leaves
+# them, and loaders with and without shuffling: the data order must be the one a single device sees.
+DEFAULTS = {"defaults": True}
+DEFAULT_ARGS_TWO_RANKS = {
+    "dp2_replicate_defaults": {"plan": P2([REPL] * 4, ONE_STAGE, pp=1, microbatches=1), **DEFAULTS},
+    "dp2_fsdp_defaults_shuffle": {"plan": P2([FSDP] * 4, ONE_STAGE, pp=1, microbatches=1), "shuffle": True,
+                                  **DEFAULTS},
+    "tp2_defaults": {"plan": P2([TP] * 4, ONE_STAGE, pp=1, microbatches=1), **DEFAULTS},
+    "pp2_defaults_shuffle": {"plan": P2([(1, 1, False)] * 4, TWO_STAGES, pp=2, microbatches=2), "shuffle": True,
+                             **DEFAULTS},
+}
+DEFAULT_ARGS_FOUR_RANKS = {
+    "pp2_x_mixed_defaults_shuffle": {"plan": P4([FSDP, TP, TP, REPL], TWO_STAGES, pp=2, microbatches=2),
+                                     "shuffle": True, **DEFAULTS},
+}
+
+
+@pytest.mark.parametrize("name", list(DEFAULT_ARGS_TWO_RANKS))
+def test_default_trainer_arguments_two_ranks(name: str, spawn_cases: Any) -> None:
+    results = spawn_cases(2, DEFAULT_ARGS_TWO_RANKS, "defaults_two_ranks")
+    h.assert_close_to_reference(results, name, h.reference_for(DEFAULT_ARGS_TWO_RANKS[name]))
+
+
+@pytest.mark.parametrize("name", list(DEFAULT_ARGS_FOUR_RANKS))
+def test_default_trainer_arguments_four_ranks(name: str, spawn_cases: Any) -> None:
+    results = spawn_cases(4, DEFAULT_ARGS_FOUR_RANKS, "defaults_four_ranks")
+    h.assert_close_to_reference(results, name, h.reference_for(DEFAULT_ARGS_FOUR_RANKS[name]))

@@ -116,16 +116,17 @@ def make_module(lr: float = 0.1, optimizer: str = "sgd", lm: str | None = None) 
     return ChainModel()
 
 
-def make_data(batch_size: int, n: int = N_SAMPLES, lm: bool = False, seed: int = 1) -> Any:
+def make_data(batch_size: int, n: int = N_SAMPLES, lm: bool = False, seed: int = 1, shuffle: bool = False) -> Any:
+    """A loader as users write it; ``shuffle=True`` draws its order from the global random state at each epoch."""
     from torch.utils.data import DataLoader, TensorDataset
 
     g = torch.Generator().manual_seed(seed)
     if lm:
         ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
-        return DataLoader(TensorDataset(ids, ids), batch_size=batch_size, shuffle=False, drop_last=True)
+        return DataLoader(TensorDataset(ids, ids), batch_size=batch_size, shuffle=shuffle, drop_last=True)
     x = torch.randn(n, IN, generator=g)
     y = torch.randn(n, OUT, generator=g)
-    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False, drop_last=True)
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=shuffle, drop_last=True)
 
 
 def make_plan(strategies: list[tuple[int, int, bool]], stage_of_layer: list[int], *, pp: int, microbatches: int,
@@ -190,11 +191,15 @@ class SigtermAt:
 
 
 def trainer_kwargs(case: dict[str, Any]) -> dict[str, Any]:
+    """Trainer arguments of a case. Lightning's defaults (the distributed sampler among them) are kept, as users
+    keep them; ``"defaults": True`` keeps *every* default (logger, checkpointing, progress bar, model summary)."""
     # Checkpoint tests count epochs: Lightning resumes a run stopped by max_steps at a different batch.
     if "epochs" in case:
         limits = {"max_epochs": case["epochs"], "max_steps": -1}
     else:
         limits = {"max_steps": case.get("steps", 5)}
+    if case.get("defaults"):
+        return dict(accelerator="cpu", **limits)
     return dict(
         accelerator="cpu",
         **limits,
@@ -206,15 +211,13 @@ def trainer_kwargs(case: dict[str, Any]) -> dict[str, Any]:
         gradient_clip_val=case.get("clip"),
         limit_val_batches=case.get("limit_val_batches", 0),
         num_sanity_val_steps=0,
-        # Lightning would insert a shuffling DistributedSampler under a distributed strategy; the single-process
-        # reference keeps the loader's order, so both use the loader as given.
-        use_distributed_sampler=False,
     )
 
 
 def _data(case: dict[str, Any]) -> Any:
     seed = 1 + int(os.environ.get("LOCAL_RANK", 0)) if case.get("skew_data") else 1  # a broken sampler
-    return make_data(case.get("batch", 16), lm="lm" in case.get("module", {}), seed=seed)
+    return make_data(case.get("batch", 16), lm="lm" in case.get("module", {}), seed=seed,
+                     shuffle=case.get("shuffle", False))
 
 
 def reference(case: dict[str, Any]) -> dict[str, Any]:
@@ -224,8 +227,16 @@ def reference(case: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(1)
     module = make_module(**case.get("module", {}))
     rec = LossRecorder.make()
-    trainer = pl.Trainer(devices=1, callbacks=[rec], **trainer_kwargs(case))
-    extra = _fit(trainer, module, case, ckpt=None)
+    import tempfile
+
+    here = os.getcwd()
+    with tempfile.TemporaryDirectory() as scratch:  # for Lightning's default logger and checkpoints
+        os.chdir(scratch)
+        try:
+            trainer = pl.Trainer(devices=1, callbacks=[rec], **trainer_kwargs(case))
+            extra = _fit(trainer, module, case, ckpt=None)
+        finally:
+            os.chdir(here)
     state = {k: v.detach().clone() for k, v in module.state_dict().items()}
     return {"losses": rec.losses, "state": state, **extra}
 
@@ -297,6 +308,7 @@ def worker(rank: int, world: int, port: int, cases: dict[str, dict[str, Any]], o
         NODE_RANK="0", GLOO_SOCKET_IFNAME="lo",
     )
     torch.set_num_threads(1)
+    os.chdir(out_dir)  # Lightning's default logger and checkpoints write to the working directory
     if os.environ.get("UNIAP_TEST_DUMP_S"):  # debugging aid: where is each rank after this many seconds?
         import faulthandler
 

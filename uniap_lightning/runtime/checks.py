@@ -46,9 +46,10 @@ def check_slurm(cluster_environment: Any, *, num_nodes: int, devices: int) -> No
 def check_same_batch(*tensors: Any) -> None:
     """Every rank must see the same global batch (each takes its own share of it); compare checksums once.
 
-    Lightning's default distributed sampler guarantees it. With ``use_distributed_sampler=False`` and a shuffling
-    sampler that is not seeded alike on every rank, ranks would silently train on different samples - and
-    pipeline stages would pair inputs with the wrong targets.
+    The strategy keeps the user's sampler (no ``DistributedSampler``), so a shuffling sampler draws its order from
+    each rank's random state; seeded alike (``seed_everything``, or a seeded ``generator``) every rank gets the
+    same order as one device would. Otherwise ranks would silently train on different samples - and pipeline
+    stages would pair inputs with the wrong targets.
     """
     import torch
     import torch.distributed as dist
@@ -65,6 +66,6 @@ def check_same_batch(*tensors: Any) -> None:
     if not torch.allclose(high, low, rtol=1e-9, atol=1e-9):
         raise UniAPError(
             "ranks received different batches; every rank must load the same global batch (it takes its own share). "
-            "Keep Trainer(use_distributed_sampler=True) (the default), or give a shuffling sampler the same seed on "
-            "every rank."
+            "Seed every rank alike before building the model and the dataloader (lightning.seed_everything(...)), or "
+            "give a shuffling sampler a seeded generator."
         )
