@@ -59,9 +59,9 @@ class UniAPStrategy(SetupMeasurements, ModelParallelStrategy):
     GPT-2 / Llama and a plain GPT go through :mod:`uniap_lightning.adapters`.
 
     Arguments:
-        cluster: the cluster the planner should assume: a :class:`~uniap_lightning.planner.cluster.Cluster`, a dict of its
-            fields, or ``None`` for a rough description of the local machine derived from ``devices`` and
-            ``num_nodes``.
+        cluster: the cluster the planner should assume: a :class:`~uniap_lightning.planner.cluster.Cluster`, a dict
+            of its fields, the name of a shipped ``conf/cluster`` entry, or ``None`` for this machine (its
+            collectives measured at setup when ``measure_cluster``).
         plan: a pinned plan (a :class:`~uniap_lightning.planner.plan.Plan` or the path of a plan JSON file); skips
             profiling and solving. It must be for this model (layer names, fingerprint) and world size.
         schedule: pipeline schedule when solving: ``"1f1b"`` (default, less activation memory) or ``"gpipe"``.
@@ -89,7 +89,7 @@ class UniAPStrategy(SetupMeasurements, ModelParallelStrategy):
     def __init__(
         self,
         *,
-        cluster: Cluster | Mapping[str, Any] | None = None,
+        cluster: Cluster | Mapping[str, Any] | str | None = None,
         plan: Plan | str | Path | None = None,
         schedule: str = "1f1b",
         solver: str = "auto",
@@ -117,10 +117,13 @@ class UniAPStrategy(SetupMeasurements, ModelParallelStrategy):
             raise UniAPError(f"time_limit must be > 0 seconds, got {time_limit!r}")
         if not timeout_s > 0:
             raise UniAPError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
-        if isinstance(cluster, Mapping):
-            cluster = Cluster.from_dict(dict(cluster))
+        if isinstance(cluster, (str, Mapping)):
+            from uniap_lightning.planner.config import cluster_from
+
+            cluster = cluster_from(cluster if isinstance(cluster, str) else dict(cluster))
         elif cluster is not None and not isinstance(cluster, Cluster):
-            raise UniAPError(f"cluster must be a Cluster, a dict or None, got {type(cluster).__name__}")
+            raise UniAPError(f"cluster must be a Cluster, a dict, a conf/cluster name or None, got "
+                             f"{type(cluster).__name__}")
         if plan is not None and not isinstance(plan, Plan):
             plan = Plan.from_json(Path(plan))
         self._cluster = cluster

@@ -91,7 +91,6 @@ def run_train(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
     import lightning.pytorch as pl
 
     from uniap_lightning.callbacks import PerplexityLogger, ThroughputTimer
-    from uniap_lightning.strategy import UniAPStrategy
 
     check_config(cfg)
     _one_copy_of_each_log_line()
@@ -99,9 +98,7 @@ def run_train(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
     try:
         pl.seed_everything(int(cfg.seed), verbose=False)
         module, data, _ = build_module(cfg)
-        st = cfg.strategy
-        strategy = UniAPStrategy(plan=st.plan, schedule=st.schedule, solver=st.solver, time_limit=float(st.time_limit),
-                                 cluster=_cluster(st.cluster))
+        strategy = build_strategy(cfg)
         ppl, timer = PerplexityLogger(window=5), ThroughputTimer(int(cfg.data.batch_size))
         trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
         trainer = pl.Trainer(strategy=strategy, callbacks=[ppl, timer], logger=pl.loggers.CSVLogger("lightning_logs"),
@@ -136,9 +133,19 @@ def run_train(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
             raise UniAPError(f"a training rank exited with status {max(bad)}; see its output above")
 
 
-def _cluster(name: str | None):
-    if name is None:
-        return None
-    from uniap_lightning.planner.config import cluster_from
+def build_strategy(cfg: DictConfig) -> Any:
+    """``UniAPStrategy`` from the ``strategy`` group: every argument of the class is a ``strategy.*`` override."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
 
-    return cluster_from(name)
+    from uniap_lightning.strategy import UniAPStrategy
+
+    try:
+        strategy = instantiate(cfg.strategy, _convert_="all")
+    except InstantiationException as err:
+        cause = err.__cause__ if isinstance(err.__cause__, UniAPError) else None
+        raise cause or UniAPError(f"strategy.*: {err}") from err
+    if not isinstance(strategy, UniAPStrategy):
+        raise UniAPError(f"strategy._target_ must be uniap_lightning.strategy.UniAPStrategy (or a subclass), got "
+                         f"{type(strategy).__name__}")
+    return strategy
