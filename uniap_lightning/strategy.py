@@ -350,9 +350,19 @@ class UniAPStrategy(SetupMeasurements, ModelParallelStrategy):
         return None if pending is None else self._guard(pending.wait)
 
     # ------------------------------------------------------------------ steps
+    #: True while ``optimizer_step`` runs Lightning's closure: this batch is the last of its accumulation window
+    _closing_window = False
+    #: True when ``.grad`` holds gradients of the current window (an earlier batch of it ran without stepping);
+    #: False on a window's first batch, where Lightning's closure zeroes ``.grad`` before ``backward``
+    _window_open = False
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """Forward and backward of the whole batch through the plan (the module's ``training_step`` is not called)."""
+        """Forward and backward of the whole batch through the plan (the module's ``training_step`` is not called).
+
+        On the last batch of an accumulation window the replicated layers' gradients are averaged during this
+        backward, bucket by bucket as they become final (see ``runtime.data_parallel.ReplicatedGrads``); the
+        window's earlier gradients go into the buckets with the fresh ones, unless this batch opens the window."""
         from uniap_lightning.runtime.grads import put_grads, take_grads
 
         rt = self.runtime
@@ -365,10 +375,19 @@ class UniAPStrategy(SetupMeasurements, ModelParallelStrategy):
             self._batch_checked = True
         self._finish_loss()  # a previous batch that never reached on_train_batch_end (an exception in between)
         params = rt.local_parameters()
-        previous = take_grads(params)  # so the schedule's own 1/microbatches scaling touches only fresh grads
+        previous = take_grads(params)  # kept apart from the fresh ones until `backward` (see runtime.grads)
+        closing = self._closing_window
+        if closing:
+            kept = dict(previous) if self._window_open else {}
+            rt.replicated.arm(backward_passes=rt.plan.microbatches, previous=kept)
         scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
-        with self.precision_plugin.train_step_context():
-            self._pending_loss = self._guard(lambda: rt.runner.train_step(x, y, rt.chain.loss_fn, scale))
+        try:
+            with self.precision_plugin.train_step_context():
+                self._pending_loss = self._guard(lambda: rt.runner.train_step(x, y, rt.chain.loss_fn, scale))
+            self._guard(rt.replicated.flush)
+        finally:
+            rt.replicated.disarm()
+        self._window_open = not closing
         self._fresh_grads = take_grads(params)
         put_grads(previous)
         # Lightning needs a tensor now; the global mean replaces it in on_train_batch_end (_TrainLossLogger), where
@@ -379,27 +398,34 @@ class UniAPStrategy(SetupMeasurements, ModelParallelStrategy):
     def backward(
         self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
     ) -> torch.Tensor:
-        """Hand the gradients computed in ``training_step`` back (Lightning zeroed ``.grad`` in between)."""
+        """Hand the gradients computed in ``training_step`` back (Lightning zeroed ``.grad`` in between), then put
+        the replicated layers' averages in, so ``on_after_backward``, clipping and the optimizer see averaged
+        gradients (as with DDP)."""
         from uniap_lightning.runtime.grads import add_grads
 
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
         add_grads(self._fresh_grads)
         self._fresh_grads = []
+        self._guard(self.runtime.replicated.finish)  # no-op unless this batch closes the window
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
         return closure_loss
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        """Average replicated layers' gradients once per step: after the last backward, before clipping."""
+        """Lightning calls this only on the last batch of an accumulation window and runs that batch's
+        ``training_step`` and ``backward`` inside ``closure``: mark them, so the replicated gradients are reduced
+        once per optimizer step, overlapped with that batch's backward."""
 
-        def closure_then_sync() -> Any:
-            out = closure()
-            self._guard(self.runtime.replicated.all_reduce)
-            return out
+        def closing_closure() -> Any:
+            self._closing_window = True
+            try:
+                return closure()
+            finally:
+                self._closing_window = False
 
-        return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+        return super().optimizer_step(optimizer, closing_closure, model, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:

@@ -3,14 +3,15 @@
 Replication is done here rather than with DDP or ``replicate()``: the plan's cost model charges one gradient
 all-reduce per optimizer *step* (not per micro-batch), layers of one stage may use different data-parallel groups,
 and tensor-parallel layers carry DTensor parameters that DDP does not handle. So replicated layers only record
-their parameters and group; :class:`ReplicatedGrads` averages their gradients once, after the last backward of
-an optimizer step (see ``UniAPStrategy.optimizer_step``).
+their parameters and group, and :class:`ReplicatedGrads` averages their gradients once per optimizer step, in
+buckets all-reduced asynchronously while the backward of the step's last micro-batch is still running (as DDP
+overlaps its buckets with backward); see ``UniAPStrategy.training_step`` / ``backward``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,10 @@ from torch import nn
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+
+#: DDP's default bucket size: large enough that per-collective latency stays small, small enough that the first
+#: buckets (the last layers' gradients) start reducing early in the backward
+BUCKET_CAP_BYTES = 25 * 2**20
 
 
 def apply_fsdp(layer: nn.Module, dp_mesh: DeviceMesh) -> None:
@@ -35,12 +40,130 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
+class Bucket:
+    """Gradients of some parameters of one group, one flat buffer, one all-reduce per optimizer step.
+
+    The buffer persists (allocated at the first step) so no step pays for allocating and faulting it in again.
+    """
+
+    group: dist.ProcessGroup
+    size: int  # ranks in ``group``
+    params: list[nn.Parameter]
+    buffer: torch.Tensor
+    offsets: list[int]
+    filled: list[bool] = field(default_factory=list)
+    work: Any = None
+
+    def slot(self, i: int) -> torch.Tensor:
+        local = local_tensor(self.params[i])
+        return self.buffer[self.offsets[i] : self.offsets[i] + local.numel()].view(local.shape)
+
+    @torch.no_grad()
+    def fill(self, i: int, previous: torch.Tensor | None) -> None:
+        """Copy parameter ``i``'s final gradient (plus ``previous``, the earlier batches of the window) in."""
+        p, out = self.params[i], self.slot(i)
+        if p.grad is None:
+            out.zero_()
+        else:
+            out.copy_(local_tensor(p.grad))
+        if previous is not None:
+            out.add_(local_tensor(previous))
+        self.filled[i] = True
+
+    @property
+    def complete(self) -> bool:
+        return all(self.filled)
+
+    @torch.no_grad()
+    def write_back(self) -> None:
+        """Wait for the all-reduce and replace each gradient by the average."""
+        self.work.wait()
+        self.work = None
+        self.buffer.div_(self.size)
+        for i, p in enumerate(self.params):
+            if not p.requires_grad:
+                continue
+            if p.grad is None:
+                # Every rank takes part in the collective (a parameter unused here may have a gradient on
+                # another rank), so this rank gets the average too.
+                p.grad = torch.zeros_like(p)
+            local_tensor(p.grad).copy_(self.slot(i))
+
+
+def make_buckets(
+    groups: list[tuple[dist.ProcessGroup, int, list[nn.Parameter]]], cap_bytes: int
+) -> list[Bucket]:
+    """Buckets of at most ``cap_bytes`` (a larger parameter gets its own), last-registered parameters first.
+
+    Reverse registration order because backward produces the last layers' gradients first: their bucket can be
+    reduced while the earlier layers are still in backward. Every rank of a group builds the same buckets in the
+    same order (same layers, same parameters), which is what keeps the collectives matched.
+    """
+    out: list[Bucket] = []
+    for group, size, params in groups:
+        current: list[nn.Parameter] = []
+        current_bytes = 0
+        for p in reversed(params):
+            local = local_tensor(p)
+            nbytes = local.numel() * local.element_size()
+            same_kind = not current or (local.dtype, local.device) == _kind(current[0])
+            if current and (current_bytes + nbytes > cap_bytes or not same_kind):
+                out.append(_bucket(group, size, current))
+                current, current_bytes = [], 0
+            current.append(p)
+            current_bytes += nbytes
+        if current:
+            out.append(_bucket(group, size, current))
+    return out
+
+
+def _kind(p: torch.Tensor) -> tuple[torch.dtype, torch.device]:
+    local = local_tensor(p)
+    return local.dtype, local.device
+
+
+def _bucket(group: dist.ProcessGroup, size: int, params: list[nn.Parameter]) -> Bucket:
+    offsets, total = [], 0
+    for p in params:
+        offsets.append(total)
+        total += local_tensor(p).numel()
+    dtype, device = _kind(params[0])
+    buffer = torch.empty(total, dtype=dtype, device=device)
+    return Bucket(group, size, params, buffer, offsets, [False] * len(params))
+
+
+@dataclass
 class ReplicatedGrads:
-    """Parameters replicated over a data-parallel group, averaged once per optimizer step."""
+    """Parameters replicated over data-parallel groups; their gradients averaged once per optimizer step.
+
+    Per optimizer step: :meth:`arm` before the forward/backward of the step's last batch (the last one of the
+    accumulation window), :meth:`flush` right after it, :meth:`finish` before anything reads the gradients. While
+    armed, a hook on each parameter counts its gradient accumulations; at the last micro-batch's one the gradient
+    is final, is copied into its bucket (with the window's earlier batches' gradients, ``previous``), and each
+    bucket whose gradients are all in starts its all-reduce at once - in bucket order, so every rank of a group
+    issues the same collectives in the same order. Parameters without a gradient on this rank (unused in this
+    forward) contribute zeros at :meth:`flush`, so they never hold a collective back on other ranks.
+
+    Memory: the bucket buffers persist and hold one copy of every replicated gradient of this rank, i.e.
+    :meth:`buffer_bytes` = sum over replicated layers of (local parameters x bytes per gradient element), beside
+    the gradients themselves. Freeing the buffers after each step would not lower the peak (all buckets are in
+    flight at the end of the backward) and would pay allocation and page faults every step. The cost model
+    charges exactly this term per replicated layer (``planner/cost``).
+    """
 
     groups: list[tuple[dist.ProcessGroup, int, list[nn.Parameter]]] = field(default_factory=list)
+    bucket_cap_bytes: int = BUCKET_CAP_BYTES
+    buckets: list[Bucket] = field(default_factory=list, init=False)
+    _slot_of: dict[nn.Parameter, tuple[int, int]] = field(default_factory=dict, init=False, repr=False)
+    _hits: dict[nn.Parameter, int] = field(default_factory=dict, init=False, repr=False)
+    _previous: dict[nn.Parameter, torch.Tensor | None] = field(default_factory=dict, init=False, repr=False)
+    _expected: int = field(default=0, init=False, repr=False)  # gradient accumulations per parameter when armed
+    _next: int = field(default=0, init=False, repr=False)  # index of the next bucket to launch
+    _armed: bool = field(default=False, init=False, repr=False)
 
     def add(self, layer: nn.Module, group: dist.ProcessGroup, dp: int) -> None:
+        if self.buckets:
+            raise RuntimeError("ReplicatedGrads.add after the buckets were built (at the first step)")
         params = [p for p in layer.parameters() if p.requires_grad]
         if dp > 1 and params:
             for g, size, plist in self.groups:
@@ -49,22 +172,76 @@ class ReplicatedGrads:
                     return
             self.groups.append((group, dp, params))
 
-    @torch.no_grad()
-    def all_reduce(self) -> None:
-        """Average gradients over each group, one flat bucket per group."""
-        for group, size, params in self.groups:
-            grads = [local_tensor(p.grad) for p in params if p.grad is not None]
-            if len(grads) != len(params):
-                # A parameter without gradient on one rank and with one on another would desynchronize the
-                # collective; materialize zeros so every rank contributes the same buffer layout.
-                for p in params:
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                grads = [local_tensor(p.grad) for p in params]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=group)
-            flat.div_(size)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+    def buffer_bytes(self) -> int:
+        """Bytes of the bucket buffers (the replicated gradients of this rank, once more; see the class doc)."""
+        if not self.buckets:
+            return sum(local_tensor(p).numel() * local_tensor(p).element_size() for _, _, ps in self.groups for p in ps)
+        return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
+
+    def _build(self) -> None:
+        self.buckets = make_buckets(self.groups, self.bucket_cap_bytes)
+        for k, b in enumerate(self.buckets):
+            for i, p in enumerate(b.params):
+                self._slot_of[p] = (k, i)
+                p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def arm(self, *, backward_passes: int, previous: dict[nn.Parameter, torch.Tensor | None]) -> None:
+        """Reduce during the coming forward/backward, in which each parameter accumulates ``backward_passes``
+        gradients (one per micro-batch). ``previous``: gradients that ``.grad`` will hold *in addition* once
+        Lightning's backward is done (the accumulation window's earlier batches), to include in the average."""
+        if not self.groups:
+            return
+        if not self.buckets:
+            self._build()
+        self._drain()
+        self._expected, self._next = backward_passes, 0
+        self._hits = {}
+        self._previous = {p: previous.get(p) for p in self._slot_of}
+        for b in self.buckets:
+            b.filled = [False] * len(b.params)
+        self._armed = True
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if not self._armed:
+            return
+        hits = self._hits[p] = self._hits.get(p, 0) + 1
+        if hits == self._expected:
+            k, i = self._slot_of[p]
+            self.buckets[k].fill(i, self._previous[p])
+            self._launch_complete()
+
+    def _launch_complete(self) -> None:
+        while self._next < len(self.buckets) and self.buckets[self._next].complete:
+            b = self.buckets[self._next]
+            b.work = dist.all_reduce(b.buffer, group=b.group, async_op=True)
+            self._next += 1
+
+    def flush(self) -> None:
+        """After the armed backward: fill what no hook filled (parameters unused in some micro-batches or in all),
+        launch the remaining buckets."""
+        if not self._armed:
+            return
+        self._armed = False
+        for b in self.buckets[self._next :]:
+            for i, done in enumerate(b.filled):
+                if not done:
+                    b.fill(i, self._previous[b.params[i]])
+        self._launch_complete()
+        self._previous, self._hits = {}, {}
+
+    def disarm(self) -> None:
+        """Stop counting (the armed forward/backward failed); launched collectives are waited for at the next arm."""
+        self._armed = False
+        self._previous, self._hits = {}, {}
+
+    def finish(self) -> None:
+        """Wait for the launched buckets and write the averages into ``.grad`` (no-op when nothing is pending)."""
+        for b in self.buckets:
+            if b.work is not None:
+                b.write_back()
+
+    def _drain(self) -> None:
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+                b.work = None

@@ -5,9 +5,12 @@ Each rank feeds its *lane's* share of the batch: the global batch (every rank lo
 takes slice ``r`` of every micro-batch. Lane ``r`` is a pipeline over ranks ``r, n+r, ...`` with its own
 process group, so the ``n`` lanes run side by side.
 
-Losses are means over a lane's slice; gradients are the mean over micro-batches (the schedules' ``scale_grads``)
-and, through the data-parallel averages, over lanes: exactly the gradient of the mean loss over the global
-batch, as on one device.
+Losses are means over a lane's slice; gradients are the mean over micro-batches (each micro-batch's loss carries
+``1 / microbatches`` before its backward) and, through the data-parallel averages, over lanes: exactly the gradient
+of the mean loss over the global batch, as on one device. The scaling is in the loss, not in the schedules'
+``scale_grads`` (which divides ``.grad`` after the whole step), so a gradient is final as soon as the last
+micro-batch's backward has accumulated it: replicated layers start reducing it then
+(:class:`~uniap_lightning.runtime.data_parallel.ReplicatedGrads`).
 """
 
 from __future__ import annotations
@@ -88,7 +91,7 @@ class PipelineRunner:
             one_f_one_b = self.plan.schedule == "1f1b" and self.plan.microbatches >= self.plan.pp
             cls = Schedule1F1B if one_f_one_b else ScheduleGPipe
             loss_fn = None if mode == "predict" else self._scaled_loss
-            self._schedules[key] = cls(stage, n_microbatches=self.plan.microbatches, loss_fn=loss_fn, scale_grads=True)
+            self._schedules[key] = cls(stage, n_microbatches=self.plan.microbatches, loss_fn=loss_fn, scale_grads=False)
         return self._schedules[key]
 
     # ------------------------------------------------------------------ steps
@@ -108,10 +111,11 @@ class PipelineRunner:
                 loss = self._scaled_loss(self.stage_module(xm), ym)
                 (loss / c).backward()
                 losses.append(loss.detach())
-        else:
-            args = (xs,) if self.is_first else ()
-            self._schedule("train", xs).step(*args, target=ys if self.is_last else None, losses=losses)
-        return self._pending_mean([loss.detach() / scale for loss in losses])
+            return self._pending_mean([loss.detach() / scale for loss in losses])
+        self._loss_scale = scale / c  # the schedule does not divide by c (scale_grads=False, see the module doc)
+        args = (xs,) if self.is_first else ()
+        self._schedule("train", xs).step(*args, target=ys if self.is_last else None, losses=losses)
+        return self._pending_mean([loss.detach() / self._loss_scale for loss in losses])
 
     @torch.no_grad()
     def eval_step(self, x: torch.Tensor, y: Any, loss_fn: LossFn) -> torch.Tensor:

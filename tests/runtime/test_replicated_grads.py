@@ -1,0 +1,81 @@
+"""Bucketed replicated-gradient averaging: buckets start during the backward, in order, and sum what ``.grad``
+will hold (fresh + the window's earlier gradients); unused parameters do not hold a bucket back.
+
+One process (a gloo group of one rank, so an all-reduce is the identity and averaging divides by the recorded
+degree): the multi-process parity of the same code is in ``test_equivalence.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from uniap_lightning.runtime.data_parallel import ReplicatedGrads, make_buckets
+
+
+@pytest.fixture
+def world_of_one(tmp_path) -> Iterator[dist.ProcessGroup]:
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def test_buckets_respect_the_cap_and_start_with_the_last_layers() -> None:
+    model = _model()
+    params = list(model.parameters())
+    cap_bytes = (8 * 8 + 8) * 4
+    buckets = make_buckets([(None, 2, params)], cap_bytes=cap_bytes)  # type: ignore[list-item]
+    # reversed: last bias (1) + last weight (8) + middle bias (8) | middle weight (64) + first bias (8) | first weight
+    assert [b.buffer.numel() for b in buckets] == [17, 72, 64]
+    assert buckets[0].params[0] is params[-1]  # last layer's bias first: its gradient is ready first
+    assert all(b.buffer.numel() * 4 <= cap_bytes for b in buckets)
+
+
+def test_buckets_launch_during_backward_and_average_fresh_plus_previous(world_of_one: dist.ProcessGroup) -> None:
+    model = _model()
+    params = list(model.parameters())
+    rg = ReplicatedGrads([(world_of_one, 2, params)], bucket_cap_bytes=1)  # one bucket per parameter
+    previous = {p: torch.full_like(p, 0.5) for p in params}
+    launched_before_flush: list[int] = []
+    rg.arm(backward_passes=2, previous=previous)
+    x = torch.randn(4, 8)
+    model(x).sum().backward()
+    model(x).sum().backward()
+    launched_before_flush.append(rg._next)
+    fresh = [p.grad.clone() for p in params]
+    rg.flush()
+    for p in params:  # what Lightning's backward leaves in .grad: previous + fresh (the strategy's hand-over)
+        p.grad = p.grad + previous[p]
+    rg.finish()
+    assert launched_before_flush == [len(params)]  # every bucket started inside the backward, none at flush
+    for p, g in zip(params, fresh):
+        torch.testing.assert_close(p.grad, (g + 0.5) / 2)
+
+
+def test_unused_parameter_gets_the_average_and_disarmed_hooks_do_nothing(world_of_one: dist.ProcessGroup) -> None:
+    model = _model()
+    unused = nn.Linear(2, 2)
+    params = list(model.parameters()) + list(unused.parameters())
+    rg = ReplicatedGrads([(world_of_one, 2, params)], bucket_cap_bytes=1)
+    rg.arm(backward_passes=1, previous={})
+    model(torch.randn(4, 8)).sum().backward()
+    assert rg._next == 0  # the unused parameters' buckets come first (registered last) and hold the rest back
+    rg.flush()
+    rg.finish()
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in unused.parameters())
+    before = [p.grad.clone() for p in model.parameters()]
+    model(torch.randn(4, 8)).sum().backward()  # not armed: plain accumulation, no collective
+    rg.finish()
+    assert all(not torch.equal(p.grad, b) for p, b in zip(model.parameters(), before))
+    assert all(b.work is None for b in rg.buckets)
