@@ -87,17 +87,43 @@ def save_consolidated(module: nn.Module, path: str | Path, *, rank: int) -> None
         for part in parts:
             for k, v in part.items():
                 merged.setdefault(k, v)
-        torch.save(merged, Path(path))
+        save_atomic(merged, path)
 
 
 def consolidate_checkpoint(checkpoint_dir: str | Path, output_file: str | Path) -> None:
-    """Offline (one process, no process group): turn a DCP checkpoint folder into one file of full weights."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    """Offline (one process, no process group): turn a DCP checkpoint folder into one file of full weights.
 
-    state: dict[str, Any] = {}
-    _load_state_dict(state, storage_reader=FileSystemReader(str(checkpoint_dir)),
-                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-    weights = state.get("state_dict", {})
-    torch.save({k: v for k, v in weights.items() if isinstance(v, torch.Tensor)}, Path(output_file))
+    torch's own ``dcp_to_torch_save`` reads the whole checkpoint (weights, optimizer states, loop state) into
+    one ``torch.save`` file next to the output; the weights are then taken from it (loaded with
+    ``weights_only=True``) and written to ``output_file`` through a temporary file and a rename.
+    """
+    import os
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = Path(output_file)
+    fd, everything = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".all", dir=out.parent)
+    os.close(fd)
+    try:
+        dcp_to_torch_save(str(checkpoint_dir), everything)
+        weights = torch.load(everything, map_location="cpu", weights_only=True).get("state_dict", {})
+        save_atomic({k: v for k, v in weights.items() if isinstance(v, torch.Tensor)}, out)
+    finally:
+        Path(everything).unlink(missing_ok=True)
+
+
+def save_atomic(obj: Any, path: str | Path) -> None:
+    """``torch.save`` to a temporary file in the same folder, then rename: readers never see half a file."""
+    import os
+    import tempfile
+
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
