@@ -1,6 +1,6 @@
 """Runtime benchmarks: what executing a plan costs, measured on 4 CPU processes (gloo on loopback).
 
-    python benchmarks/runtime.py [--quick] [--runs 5] [--warmup 4] [--steps 16] [--parts 0,1,2,3]
+    python benchmarks/runtime.py [--quick] [--runs 5] [--warmup 4] [--steps 16] [--parts 0,1,2,3,4]
                                  [--markdown BENCHMARKS_runtime.md] [--json results.json]
 
 0. **Fixed cost per step** (one process, run before the others): a model so small that a step is mostly loop
@@ -24,6 +24,11 @@ comparison alternate run after run, in rotating order, so machine noise hits the
 3. **Chosen vs rejected plans.** The strategy profiles the model and solves; from its search trace (one record
    per (pp, micro-batches) candidate) each candidate's best plan is rebuilt by solving with that candidate alone
    (same profile, same cluster description), and the chosen plan and several rejected ones are run for real.
+
+4. **Replicated gradients: flat after backward vs bucketed and overlapped** (opt-in: ``--parts 4``). The strategy
+   as it is (replicated gradients all-reduced in buckets while the step's last backward runs) against the same
+   strategy with the path it had before (one flat all-reduce per group after the whole backward; kept here only,
+   as :func:`uniap_with_flat_sync`), paired, for dp2 (a second job of 2 ranks), dp4 and pp2 x dp2.
 
 Timing: a callback (or the hand-written loop) stamps ``time.perf_counter()`` at the end of every optimizer
 step (dataloader, Lightning loop, logging and optimizer included); a variant's figure is the median over
@@ -59,7 +64,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-WORLD = 4
+#: ranks of a job (part 4 also runs one job of 2 ranks: the parent sets this for the ranks it spawns)
+WORLD = int(os.environ.get("UNIAP_BENCH_WORLD", "4"))
 LR = 3e-4
 #: the model of every comparison: the project's plain GPT (embedding, 4 blocks, head: a 6-layer chain)
 MODEL = dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
@@ -508,6 +514,71 @@ def _candidates(chosen: Any, profile: Any, cluster: Any, k: int,
     return out
 
 
+def uniap_with_flat_sync(plan: Any) -> Any:
+    """The strategy with the replicated-gradient path it had before bucketing (part 4's baseline): each group's
+    gradients concatenated into one flat buffer and all-reduced after the whole backward of the step."""
+    import torch.distributed as dist
+
+    from uniap_lightning.runtime.data_parallel import ReplicatedGrads, local_tensor
+    from uniap_lightning.strategy import UniAPStrategy
+
+    class FlatAfterBackward(ReplicatedGrads):
+        pending = False
+
+        def arm(self, *, backward_passes: int, previous: dict[Any, Any]) -> None:
+            self.pending = bool(self.groups)  # no hooks: nothing happens during the backward
+
+        def flush(self) -> None:
+            pass
+
+        @torch.no_grad()
+        def finish(self) -> None:  # called by the strategy's backward, after the whole backward
+            if not self.pending:
+                return
+            self.pending = False
+            for group, size, params in self.groups:
+                for p in params:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                grads = [local_tensor(p.grad) for p in params]
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                dist.all_reduce(flat, group=group)
+                flat.div_(size)
+                offset = 0
+                for g in grads:
+                    g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                    offset += g.numel()
+
+    class FlatSync(UniAPStrategy):
+        def setup(self, trainer: Any) -> None:
+            super().setup(trainer)
+            self.runtime.replicated = FlatAfterBackward(self.runtime.replicated.groups)
+
+    return FlatSync(plan=plan, **STRATEGY_KW)
+
+
+def part4(args: Any, say: Any) -> dict[str, Any]:
+    from uniap_lightning.strategy import UniAPStrategy
+
+    names = [f"chain.{i}" for i in range(MODEL["n_layer"] + 2)]
+    half = len(names) // 2
+    layouts = {f"dp{WORLD} (replicate), 1 micro-batch": (1, 1, [0] * len(names))}
+    if WORLD == 4:
+        layouts["pp2 x dp2, 1F1B, 4 micro-batches"] = (2, 4, [0] * half + [1] * (len(names) - half))
+    rows = []
+    for title, (pp, c, stages) in layouts.items():
+        say(f"  part 4: {title}")
+        plan = layout_plan(pp, c, stages, WORLD // pp, names)
+        res, cpu = interleaved({
+            "flat": lambda plan=plan: run_uniap(None, args.warmup, args.steps, strategy=uniap_with_flat_sync(plan))[0],
+            "buckets": lambda plan=plan: run_uniap(None, args.warmup, args.steps,
+                                                   strategy=UniAPStrategy(plan=plan, **STRATEGY_KW))[0],
+        }, args.runs, say)
+        rows.append({"layout": title, "world": WORLD, "flat_s": res["flat"], "buckets_s": res["buckets"],
+                     "flat_cpu_s": cpu["flat"], "buckets_cpu_s": cpu["buckets"]})
+    return {"rows": rows}
+
+
 # ---------------------------------------------------------------------------------------------- processes
 def worker(rank: int, port: int, args: Any, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
@@ -541,11 +612,38 @@ def worker(rank: int, port: int, args: Any, out_dir: str) -> None:
             results["part2"] = part2(args, say, cache_dir)
         elif part == 3:
             results["part3"] = part3(args, say, cache_dir)
+        elif part == 4:
+            results["part4"] = part4(args, say)
         results[f"part{part}"]["wall_s"] = time.perf_counter() - t0
     if rank == 0:
         (Path(out_dir) / "results.json").write_text(json.dumps(results, indent=1, default=str))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def spawn_job(args: Any, world: int, parts: list[int]) -> dict[str, Any]:
+    """Run ``parts`` on ``world`` freshly spawned ranks; their results (from rank 0)."""
+    import torch.multiprocessing as mp
+
+    job_args = argparse.Namespace(**{**vars(args), "parts": parts})
+    saved = os.environ.get("UNIAP_BENCH_WORLD")
+    os.environ["UNIAP_BENCH_WORLD"] = str(world)  # read by the ranks when they import this module
+    try:
+        with tempfile.TemporaryDirectory(prefix="uniap-bench-") as out_dir:
+            try:
+                mp.start_processes(worker, args=(free_port(), job_args, out_dir), nprocs=world, start_method="spawn")
+            except Exception:
+                for r in range(world):
+                    log = Path(out_dir) / f"rank{r}.log"
+                    if log.exists():
+                        print(f"----- rank {r} log (tail)\n" + "".join(log.read_text().splitlines(True)[-40:]))
+                raise
+            return json.loads((Path(out_dir) / "results.json").read_text())
+    finally:
+        if saved is None:
+            os.environ.pop("UNIAP_BENCH_WORLD", None)
+        else:
+            os.environ["UNIAP_BENCH_WORLD"] = saved
 
 
 def free_port() -> int:
@@ -643,6 +741,20 @@ def tables(res: dict[str, Any]) -> list[Any]:
                       f"{m / med(chosen['measured_s']):.2f}x", str(by_pred.index(r) + 1), str(by_meas.index(r) + 1),
                       spread(r["measured_s"]))
         out.append(t)
+    if "part4" in res:
+        t = Table(title=f"(4) Replicated gradients: one flat all-reduce after backward (before) vs buckets overlapped "
+                        f"with backward (after); ms/step and CPU ms/step summed over ranks, median of {runs}")
+        for col in ("layout", "ranks", "before", "after", "after / before", "paired", "CPU before", "CPU after",
+                    "CPU paired", "runs before", "runs after"):
+            t.add_column(col)
+        for row in res["part4"]["rows"]:
+            f, b = med(row["flat_s"]), med(row["buckets_s"])
+            t.add_row(row["layout"], str(row["world"]), f"{f * 1e3:.1f}", f"{b * 1e3:.1f}", f"{b / f:.3f}",
+                      f"{paired(row['buckets_s'], row['flat_s']):.3f}", f"{med(row['flat_cpu_s']) * 1e3:.1f}",
+                      f"{med(row['buckets_cpu_s']) * 1e3:.1f}",
+                      f"{paired(row['buckets_cpu_s'], row['flat_cpu_s']):.3f}", spread(row["flat_s"]),
+                      spread(row["buckets_s"]))
+        out.append(t)
     return out
 
 
@@ -694,7 +806,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=None, help="steps excluded from timing (default 3; --quick 2)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per run (default 12; --quick 6)")
     ap.add_argument("--rejected", type=int, default=None, help="rejected candidates to run (default 4; --quick 2)")
-    ap.add_argument("--parts", default="0,1,2,3", help="comma list of parts to run: 0,1,2,3")
+    ap.add_argument("--parts", default="0,1,2,3", help="comma list of parts to run: 0,1,2,3,4")
     ap.add_argument("--no-monitor", action="store_true", help="UniAPStrategy(monitor=False) in every uniap run")
     ap.add_argument("--no-measure-cluster", action="store_true",
                     help="plan from the constant local cluster and a rank-0 profile (UniAPStrategy measure_cluster=False)")
@@ -710,7 +822,6 @@ def main() -> None:
     os.environ["UNIAP_BENCH_MEASURE_CLUSTER"] = "0" if args.no_measure_cluster else "1"  # inherited by the ranks
     os.environ["UNIAP_BENCH_MONITOR"] = "0" if args.no_monitor else "1"
 
-    import torch.multiprocessing as mp
     from rich.console import Console
 
     console = Console(width=170, record=True)
@@ -732,17 +843,12 @@ def main() -> None:
                 os.dup2(saved[1], 2)
     args.parts = [p for p in args.parts if p != 0]
     res: dict[str, Any] = {"args": vars(args), "model": MODEL, "batch": BATCH, "world": WORLD}
+    if 4 in args.parts:  # dp2 first, in a job of its own (2 ranks), then the 4-rank job does dp4 and pp2 x dp2
+        dp2 = spawn_job(args, 2, [4])["part4"]
     if args.parts:
-        with tempfile.TemporaryDirectory(prefix="uniap-bench-") as out_dir:
-            try:
-                mp.start_processes(worker, args=(free_port(), args, out_dir), nprocs=WORLD, start_method="spawn")
-            except Exception:
-                for r in range(WORLD):
-                    log = Path(out_dir) / f"rank{r}.log"
-                    if log.exists():
-                        print(f"----- rank {r} log (tail)\n" + "".join(log.read_text().splitlines(True)[-40:]))
-                raise
-            res = json.loads((Path(out_dir) / "results.json").read_text())
+        res = spawn_job(args, WORLD, args.parts)
+    if 4 in args.parts:
+        res["part4"]["rows"] = dp2["rows"] + res["part4"]["rows"]
     if part0_res is not None:
         res["part0"] = part0_res
     wall = time.perf_counter() - t0

@@ -40,6 +40,10 @@ def test_buckets_respect_the_cap_and_start_with_the_last_layers() -> None:
     assert [b.buffer.numel() for b in buckets] == [17, 72, 64]
     assert buckets[0].params[0] is params[-1]  # last layer's bias first: its gradient is ready first
     assert all(b.buffer.numel() * 4 <= cap_bytes for b in buckets)
+    # as DDP: a smaller first bucket, so that a reduction starts early in the backward
+    groups = [(None, 2, params)]
+    first_small = make_buckets(groups, cap_bytes=cap_bytes, first_cap_bytes=9 * 4)  # type: ignore[arg-type]
+    assert [b.buffer.numel() for b in first_small] == [9, 72, 72]
 
 
 def test_buckets_launch_during_backward_and_average_fresh_plus_previous(world_of_one: dist.ProcessGroup) -> None:

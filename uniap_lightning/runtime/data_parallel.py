@@ -20,9 +20,10 @@ from torch import nn
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-#: DDP's default bucket size: large enough that per-collective latency stays small, small enough that the first
-#: buckets (the last layers' gradients) start reducing early in the backward
+#: DDP's default bucket sizes: large enough that per-collective latency stays small; the first bucket of a group
+#: (the last layers' gradients) smaller, so that a reduction starts early in the backward even for a small stage
 BUCKET_CAP_BYTES = 25 * 2**20
+FIRST_BUCKET_CAP_BYTES = 2**20
 
 
 def apply_fsdp(layer: nn.Module, dp_mesh: DeviceMesh) -> None:
@@ -91,9 +92,13 @@ class Bucket:
 
 
 def make_buckets(
-    groups: list[tuple[dist.ProcessGroup, int, list[nn.Parameter]]], cap_bytes: int
+    groups: list[tuple[dist.ProcessGroup, int, list[nn.Parameter]]],
+    cap_bytes: int,
+    *,
+    first_cap_bytes: int = FIRST_BUCKET_CAP_BYTES,
 ) -> list[Bucket]:
-    """Buckets of at most ``cap_bytes`` (a larger parameter gets its own), last-registered parameters first.
+    """Buckets of at most ``cap_bytes`` (``first_cap_bytes`` for a group's first; a larger parameter gets its own),
+    last-registered parameters first.
 
     Reverse registration order because backward produces the last layers' gradients first: their bucket can be
     reduced while the earlier layers are still in backward. Every rank of a group builds the same buckets in the
@@ -102,14 +107,14 @@ def make_buckets(
     out: list[Bucket] = []
     for group, size, params in groups:
         current: list[nn.Parameter] = []
-        current_bytes = 0
+        current_bytes, limit = 0, min(first_cap_bytes, cap_bytes)
         for p in reversed(params):
             local = local_tensor(p)
             nbytes = local.numel() * local.element_size()
             same_kind = not current or (local.dtype, local.device) == _kind(current[0])
-            if current and (current_bytes + nbytes > cap_bytes or not same_kind):
+            if current and (current_bytes + nbytes > limit or not same_kind):
                 out.append(_bucket(group, size, current))
-                current, current_bytes = [], 0
+                current, current_bytes, limit = [], 0, cap_bytes
             current.append(p)
             current_bytes += nbytes
         if current:
@@ -153,6 +158,7 @@ class ReplicatedGrads:
 
     groups: list[tuple[dist.ProcessGroup, int, list[nn.Parameter]]] = field(default_factory=list)
     bucket_cap_bytes: int = BUCKET_CAP_BYTES
+    first_bucket_cap_bytes: int = FIRST_BUCKET_CAP_BYTES
     buckets: list[Bucket] = field(default_factory=list, init=False)
     _slot_of: dict[nn.Parameter, tuple[int, int]] = field(default_factory=dict, init=False, repr=False)
     _hits: dict[nn.Parameter, int] = field(default_factory=dict, init=False, repr=False)
@@ -179,7 +185,7 @@ class ReplicatedGrads:
         return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
 
     def _build(self) -> None:
-        self.buckets = make_buckets(self.groups, self.bucket_cap_bytes)
+        self.buckets = make_buckets(self.groups, self.bucket_cap_bytes, first_cap_bytes=self.first_bucket_cap_bytes)
         for k, b in enumerate(self.buckets):
             for i, p in enumerate(b.params):
                 self._slot_of[p] = (k, i)
