@@ -7,7 +7,6 @@ The model contract is described in :mod:`uniap_lightning.runtime.chain`.
 
 from __future__ import annotations
 
-import traceback
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -20,11 +19,12 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.errors import UniAPError
-from uniap_lightning.measure_at_setup import SetupMeasurements, _device_name, _info
+from uniap_lightning.setup import SetupOptions, SetupResult
 from uniap_lightning.planner.plan import SCHEDULES, Plan
 from uniap_lightning.sigterm import AgreedSigterm
 
@@ -32,13 +32,12 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch.optim import Optimizer
 
-    from uniap_lightning.planner.profile import ModelProfile
-    from uniap_lightning.runtime import Chain, Runtime
+    from uniap_lightning.runtime import Runtime
 
 SOLVERS = ("auto", "cbc", "highs", "gurobi")
 
 
-class UniAPStrategy(SetupMeasurements, ModelParallelStrategy):
+class UniAPStrategy(ModelParallelStrategy):
     """Automatic hybrid parallelism (pipeline x data x tensor, per layer) planned by UniAP's MILP.
 
     Use ``Trainer(strategy="uniap", devices=..., num_nodes=...)`` or pass an instance for options.
@@ -126,31 +125,22 @@ class UniAPStrategy(SetupMeasurements, ModelParallelStrategy):
                              f"{type(cluster).__name__}")
         if plan is not None and not isinstance(plan, Plan):
             plan = Plan.from_json(Path(plan))
-        self._cluster = cluster
         self._pinned_plan: Plan | None = plan
-        self._schedule = schedule
-        self._solver = solver
-        self._time_limit = float(time_limit)
-        self._profile_path = Path(profile) if profile is not None else None
-        self._cache_dir = Path(cache_dir) if cache_dir is not None else None
+        self._setup_options = SetupOptions(
+            cluster=cluster, pinned_plan=plan, schedule=schedule, solver=solver, time_limit_s=float(time_limit),
+            profile_path=Path(profile) if profile is not None else None,
+            cache_dir=Path(cache_dir) if cache_dir is not None else None, measure_cluster=bool(measure_cluster),
+            profile_cache=bool(profile_cache), profile_repeats=max(int(profile_repeats), 1),
+            profile_micro_batches=tuple(profile_micro_batches) if profile_micro_batches else None,
+        )
+        self._setup_result: SetupResult | None = None  # what setup decided (frozen), read by the properties below
         self._runtime: Runtime | None = None
-        #: where the plan came from: "pinned", "cache <path>" or "solver" (set in ``setup``)
-        self.plan_origin = ""
         self._fresh_grads: list[Any] = []
         self._pending_loss: Any = None  # runtime.pipeline.PendingLoss of the last training batch
-        self._premeasured: ModelProfile | None = None  # measured on every rank at once, for rank 0's planning
         self._batch_checked = False
         # SIGTERM agreed on without Lightning's blocking per-batch broadcast (see uniap_lightning.sigterm)
         self._sigterm = AgreedSigterm(guard=self._guard)
-        self._measure_cluster = bool(measure_cluster)
-        self._profile_cache = bool(profile_cache)
-        self._profile_repeats = max(int(profile_repeats), 1)
-        self._profile_micro_batches = list(profile_micro_batches) if profile_micro_batches else None
         self._monitor = monitor
-        #: the cluster the planner used (measured at setup when ``cluster`` was not given)
-        self.planning_cluster: Cluster | None = None
-        #: where the profile came from ("file <path>", "cache <path>", "measured", "structural") and setup timings
-        self.setup_report: dict[str, Any] = {}
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -164,6 +154,27 @@ class UniAPStrategy(SetupMeasurements, ModelParallelStrategy):
         if self._runtime is None:
             raise RuntimeError("The UniAP plan is chosen in `setup`; it is not available before.")
         return self._runtime.plan
+
+    @property
+    def setup_result(self) -> SetupResult | None:
+        """What setup decided (frozen): plan, origin, planning cluster, profile origin, report; ``None`` before."""
+        return self._setup_result
+
+    @property
+    def plan_origin(self) -> str:
+        """Where the plan came from: ``"pinned"``, ``"cache <path>"`` or ``"solver"`` (``""`` before setup)."""
+        return self._setup_result.origin if self._setup_result is not None else ""
+
+    @property
+    def planning_cluster(self) -> Cluster | None:
+        """The cluster the planner used (measured at setup when ``cluster`` was not given)."""
+        return self._setup_result.planning_cluster if self._setup_result is not None else None
+
+    @property
+    def setup_report(self) -> dict[str, Any]:
+        """A copy of how setup went: ``profile_origin`` ("file <path>", "cache <path>", "measured", "structural"),
+        ``profile_path``, ``cluster_origin``, ``precision`` and timings in seconds (``*_s``)."""
+        return dict(self._setup_result.report) if self._setup_result is not None else {}
 
     @property
     def runtime(self) -> Runtime:
@@ -250,84 +261,25 @@ class UniAPStrategy(SetupMeasurements, ModelParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def _plan_and_apply(self, trainer: pl.Trainer) -> Runtime:
+        """Setup's decision (:mod:`uniap_lightning.setup`, agreed on by every rank), then the plan applied."""
         import time
 
         from uniap_lightning.runtime import apply_plan, extract_chain
-        from uniap_lightning.runtime.planning import broadcast_json, check_plan_matches
+        from uniap_lightning.setup import Ranks, run_setup
 
         t0 = time.perf_counter()
         chain = extract_chain(self.lightning_module)
-        cluster = self._cluster
-        if self._pinned_plan is None and cluster is None:
-            cluster = self._local_cluster()  # collective when measuring: every rank takes part
-        self.planning_cluster = cluster
-        self._premeasured = None
-        if self._pinned_plan is None and self._profile_path is None and self._measure_cluster and self.world_size > 1:
-            # every rank profiles at once (the cores or links are shared as in training) and takes part in timing
-            # the layers under TP / FSDP; rank 0 plans with the result
-            batch, why, _ = _sample_batch(trainer)
-            self._premeasured = self._profile(chain, batch, why, everywhere=True)
-        payload, error = None, None
+        ranks = Ranks(rank=self.global_rank, world_size=self.world_size, num_nodes=self.num_nodes,
+                      devices_per_node=self.num_processes, device=self.root_device)
+        result = run_setup(chain, trainer, ranks=ranks, options=self._setup_options,
+                           precision=str(self.precision_plugin.precision),
+                           forward_context=self.precision_plugin.train_step_context)
         if self.global_rank == 0:
-            try:
-                chosen, origin = self._choose_plan(trainer, chain, cluster)
-                payload = {"plan": chosen.to_dict(), "origin": origin, "report": self.setup_report}
-            except Exception as err:  # every rank must learn about the failure, or they would wait forever
-                if not isinstance(err, UniAPError):
-                    traceback.print_exc()
-                error = f"{err}" if isinstance(err, UniAPError) else f"planning failed on rank 0: {err!r}"
-        payload = broadcast_json(payload, error)
-        plan, self.plan_origin = Plan.from_dict(payload["plan"]), str(payload["origin"])
-        self.setup_report = dict(payload.get("report") or {})
-        check_plan_matches(plan, chain.names, world_size=self.world_size, profile=None)
-        if self.global_rank == 0:
-            _print_plan(plan, self.plan_origin)
-        runtime = apply_plan(chain, plan, rank=self.global_rank, device=self.root_device)
-        self.setup_report["setup_s"] = time.perf_counter() - t0
-        _info(
-            f"UniAP setup took {self.setup_report['setup_s']:.1f} s (profiling "
-            f"{self.setup_report.get('profile_s', 0.0):.1f} s [{self.setup_report.get('profile_origin', 'none')}], "
-            f"cluster {self.setup_report.get('cluster_s', 0.0):.1f} s [{self.setup_report.get('cluster_origin', 'given')}], "
-            f"solving {self.setup_report.get('solve_s', 0.0):.1f} s [{self.plan_origin}])"
-        )
+            _print_plan(result.plan, result.origin)
+        runtime = apply_plan(chain, result.plan, rank=self.global_rank, device=self.root_device)
+        self._setup_result = result.with_timing(setup_s=time.perf_counter() - t0)
+        rank_zero_info(self._setup_result.summary())
         return runtime
-
-    def _choose_plan(self, trainer: pl.Trainer, chain: Chain, cluster: Cluster | None) -> tuple[Plan, str]:
-        """Rank 0: the pinned plan (checked against the model) or a cached / solved one."""
-        import time
-
-        from uniap_lightning.runtime.planning import check_plan_matches, default_cache_dir, solve_plan
-
-        pinned = self._pinned_plan
-        need_profile = pinned is None or bool(pinned.model_fingerprint)
-        batch, why, batch_size = _sample_batch(trainer) if need_profile else (None, "", None)
-        profile = (self._premeasured or self._profile(chain, batch, why)) if need_profile else None
-        if pinned is not None:
-            check_plan_matches(pinned, chain.names, world_size=self.world_size, profile=profile)
-            return pinned, "pinned"
-        assert profile is not None and cluster is not None
-        if batch is not None:
-            x, _ = chain.split_batch(batch)
-            batch_size = int(x.shape[0])
-        if not batch_size:
-            raise UniAPError(
-                f"could not tell the global batch size to plan for ({why}); pass plan=<file> to UniAPStrategy or "
-                "give the Trainer a non-empty dataloader"
-            )
-        if cluster.num_devices != self.world_size:
-            raise UniAPError(
-                f"cluster '{cluster.name}' has {cluster.num_devices} devices but the Trainer runs {self.world_size} "
-                "processes; describe the cluster you run on"
-            )
-        _info(f"UniAP: solving for {self.world_size} devices, global batch {batch_size} "
-              f"(solver={self._solver}, time limit {self._time_limit:g} s) ...")
-        t0 = time.perf_counter()
-        result = solve_plan(
-            profile=profile, cluster=cluster, global_batch_size=int(batch_size), schedule=self._schedule,
-            solver=self._solver, time_limit_s=self._time_limit, cache_dir=self._cache_dir or default_cache_dir(),
-        )
-        self.setup_report["solve_s"] = time.perf_counter() - t0
-        return result
 
     def _install_monitor(self, trainer: pl.Trainer) -> None:
         from uniap_lightning.monitor import UniAPMonitor
@@ -602,40 +554,6 @@ def _is_comm_failure(err: BaseException) -> bool:
     text = str(err).lower()
     return any(k in text for k in ("connection closed", "connection reset", "timed out", "timeout", "gloo", "nccl",
                                    "broken pipe", "peer"))
-
-
-def _sample_batch(trainer: pl.Trainer) -> tuple[Any, str, int | None]:
-    """One batch of the data the trainer is about to use (unsplit, on CPU), or ``None`` with the reason and the
-    loader's ``batch_size`` when it yields nothing."""
-    fn = trainer.state.fn
-    loader: Any = None
-    try:
-        if trainer.datamodule is not None:
-            loader = {
-                TrainerFn.FITTING: trainer.datamodule.train_dataloader,
-                TrainerFn.VALIDATING: trainer.datamodule.val_dataloader,
-                TrainerFn.TESTING: trainer.datamodule.test_dataloader,
-                TrainerFn.PREDICTING: trainer.datamodule.predict_dataloader,
-            }[fn]()
-        else:
-            loop = {
-                TrainerFn.FITTING: trainer.fit_loop,
-                TrainerFn.VALIDATING: trainer.validate_loop,
-                TrainerFn.TESTING: trainer.test_loop,
-                TrainerFn.PREDICTING: trainer.predict_loop,
-            }[fn]
-            loader = loop._data_source.dataloader()
-        if isinstance(loader, (list, tuple)):
-            loader = loader[0]
-        return next(iter(loader)), "", None
-    except StopIteration:
-        size = getattr(loader, "batch_size", None)
-        return None, "the dataloader yielded no batch", int(size) if isinstance(size, int) else None
-    except (KeyError, AttributeError, TypeError) as err:
-        raise UniAPError(
-            f"could not draw a sample batch to plan with ({err!r}); pass plan=<file> to UniAPStrategy or give the "
-            "Trainer a non-empty dataloader"
-        ) from err
 
 
 def _register_on_import() -> None:

@@ -87,7 +87,9 @@ def test_overheads_round_trip_and_bad_records_are_refused():
 
 
 def test_a_plan_solved_without_overheads_is_not_reused_with_them():
-    kw = dict(cluster=CL, world_size=8, global_batch_size=8, schedule="1f1b", solver="auto")
+    from uniap_lightning.planner.problem import TrainingConfig
+
+    kw = dict(cluster=CL, world_size=8, training=TrainingConfig(global_batch_size=8), solver="auto")
     plain = ModelProfile(model="m", layers=[PLAIN, PLAIN])
     measured = attach_overheads(plain, {0: list(MEASURED.overheads), 1: list(MEASURED.overheads)})
     assert measured.meta["overheads_measured"] and measured.layers[1].overheads == MEASURED.overheads

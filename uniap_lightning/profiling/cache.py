@@ -1,18 +1,23 @@
 """On-disk cache of measured profiles (model and cluster), and the check that a profile belongs to a model.
 
 A measured model profile is keyed by everything its numbers depend on: the model's structure (layer names,
-module classes, parameter shapes and dtypes), the sample micro-batch's shape and dtype, the device type (and
+module classes, parameter shapes and dtypes), the source code of every module class in the chain, the answers of
+its ``uniap_*`` methods (tensor-parallel degrees and all-reduces), the precision, the sample micro-batch's shape
+and dtype, the device type (and
 GPU name), the world layout (nodes x devices per node: other processes share the machine while profiling), the
 torch / lightning / uniap versions and the profiler's settings. A measured cluster is keyed by the world layout,
 device type, backend and versions. Entries are profile-format JSON files (``profile-<key>.json``) or cluster
-JSON files (``cluster-<key>.json``), written atomically.
+JSON files (``cluster-<key>.json``), written atomically. An unreadable or invalid entry is discarded with a
+warning naming the file, then measured again and replaced.
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -57,13 +62,35 @@ def model_structure(layers: Sequence[Any], names: Sequence[str]) -> list[Any]:
     ]
 
 
+def _class_source(cls: type) -> str:
+    try:
+        return inspect.getsource(cls)
+    except (OSError, TypeError):  # defined in a REPL or a C extension: the name is all we can key on
+        return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def model_code(layers: Sequence[Any]) -> dict[str, str]:
+    """Hash of the source of every distinct module class in the chain (layers and their submodules): changing a
+    layer's code, or adding a ``uniap_*`` method to it, changes what the profile would measure."""
+    classes = {type(m) for layer in layers for m in layer.modules()}
+    return {f"{c.__module__}.{c.__qualname__}": hashlib.sha256(_class_source(c).encode()).hexdigest()[:16]
+            for c in classes}
+
+
 def profile_key(*, layers: Sequence[Any], names: Sequence[str], input_shape: Sequence[int], input_dtype: str,
-                device: str, nodes: int, devices_per_node: int, settings: dict[str, Any]) -> str:
+                device: str, nodes: int, devices_per_node: int, settings: dict[str, Any], precision: str,
+                tp_degrees: Sequence[Sequence[int]], tp_allreduces: Sequence[int]) -> str:
+    """Everything a measured profile depends on: the chain's structure and code, the answers of its ``uniap_*``
+    methods, the sample's shape, the device and world layout, the precision, the library versions and the
+    profiler's settings."""
     return _hash({
         "structure": model_structure(layers, names),
+        "code": model_code(layers),
+        "uniap": [[list(t) for t in tp_degrees], list(tp_allreduces)],
         "input": [list(input_shape), input_dtype],
         "device": device,
         "layout": [nodes, devices_per_node],
+        "precision": precision,
         "versions": versions(),
         "settings": settings,
         "kind": "model-profile",
@@ -75,14 +102,20 @@ def cluster_key(*, device: str, backend: str, nodes: int, devices_per_node: int)
                   "versions": versions(), "kind": "cluster", "ops": 3})  # 3: FSDP2's own calls; pipeline slot
 
 
+def _discard(path: Path, why: str) -> None:
+    warnings.warn(f"UniAP: ignoring the cache entry {path} ({why}); it is rebuilt", stacklevel=3)
+
+
 def load_cached_profile(cache_dir: Path, key: str) -> ModelProfile | None:
+    """The cached profile, or ``None`` when absent; an unreadable or invalid entry is discarded with a warning."""
     path = cache_dir / f"profile-{key}.json"
     if not path.exists():
         return None
     try:
         return load_profile(path)
-    except UniAPError:
-        return None  # a corrupt entry is measured again and replaced
+    except (UniAPError, OSError, UnicodeDecodeError) as err:
+        _discard(path, str(err).splitlines()[0] if str(err) else type(err).__name__)
+        return None
 
 
 def save_cached_profile(cache_dir: Path, key: str, profile: ModelProfile) -> Path:
@@ -95,11 +128,19 @@ def save_cached_profile(cache_dir: Path, key: str, profile: ModelProfile) -> Pat
 
 
 def load_cached_json(cache_dir: Path, name: str) -> dict[str, Any] | None:
+    """A cached JSON object, or ``None`` when absent; an unreadable entry is discarded with a warning."""
     path = cache_dir / name
-    try:
-        return json.loads(path.read_text()) if path.exists() else None
-    except (OSError, json.JSONDecodeError):
+    if not path.exists():
         return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as err:  # ValueError: bad JSON or bytes that are not UTF-8
+        _discard(path, str(err).splitlines()[0] if str(err) else type(err).__name__)
+        return None
+    if not isinstance(data, dict):
+        _discard(path, f"a JSON {type(data).__name__}, not an object")
+        return None
+    return data
 
 
 def save_cached_json(cache_dir: Path, name: str, data: dict[str, Any]) -> Path:

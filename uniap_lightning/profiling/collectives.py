@@ -53,17 +53,15 @@ def _fit(op: str, p: int, sizes: tuple[int, int], times: tuple[float, float]) ->
 
 
 def _time(fn, repeats: int, group=None) -> float:
-    """Median seconds of ``fn`` over ``repeats`` runs; every member of ``group`` (default: all ranks) must call it."""
+    """Median seconds of ``fn`` over ``repeats`` runs after one warm-up, each started by a barrier of ``group``
+    (default: all ranks), every member of which must call it. Timed with profiling's one :class:`Timer`."""
+    import torch
     import torch.distributed as dist
 
-    fn()  # warm-up
-    samples = []
-    for _ in range(repeats):
-        dist.barrier(group=group)
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+    from uniap_lightning.profiling.timing import Timer, median_s
+
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    return median_s(fn, Timer(device), repeats=repeats, warmup=1, before=lambda: dist.barrier(group=group))
 
 
 def measure_collectives(

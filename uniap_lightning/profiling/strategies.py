@@ -22,37 +22,35 @@ model uses instead of its formulas.
 from __future__ import annotations
 
 import copy
-import statistics
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from uniap_lightning.profiling.module import structure_key, training_state_kept
 from uniap_lightning.planner.profile import ModelProfile, Overhead
+from uniap_lightning.profiling.aggregate import structure_key
+from uniap_lightning.profiling.measure import Context, training_state_kept
+from uniap_lightning.profiling.timing import Timer, median_s
 
 
-def _fwd_bwd_s(layer: nn.Module, x: torch.Tensor, repeats: int, warmup: int) -> float:
-    """Median seconds of forward + backward (gradient of ones) of ``layer`` on ``x``."""
-    samples = []
-    for i in range(warmup + repeats):
+def _fwd_bwd_s(layer: nn.Module, x: torch.Tensor, repeats: int, warmup: int, context: Context) -> float:
+    """Median seconds of forward (inside ``context``) + backward (gradient of ones) of ``layer`` on ``x``."""
+
+    def step() -> None:
         inp = x.detach().requires_grad_(x.is_floating_point())
-        if x.device.type == "cuda":
-            torch.cuda.synchronize(x.device)
-        t0 = time.perf_counter()
-        out = layer(inp)
+        with context():
+            out = layer(inp)
         if out.requires_grad:
             out.backward(torch.ones_like(out))
-        if x.device.type == "cuda":
-            torch.cuda.synchronize(x.device)
-        if i >= warmup:
-            samples.append(time.perf_counter() - t0)
+
+    seconds = median_s(step, Timer(x.device), repeats=repeats, warmup=warmup)
     for p in layer.parameters():
         p.grad = None
-    return statistics.median(samples)
+    return seconds
 
 
 def _slowest(seconds: float, device: torch.device) -> float:
@@ -87,9 +85,11 @@ def measure_overheads(
     repeats: int = 3,
     warmup: int = 1,
     progress: Callable[[str], None] | None = None,
+    context: Context = nullcontext,
 ) -> dict[int, list[Overhead]]:
     """Collective (every rank calls it with the same chain): ``{layer index: [Overhead, ...]}``, the same on every
-    rank. ``micro_batches`` are samples per device; sizes larger than ``sample_input`` are skipped."""
+    rank. ``micro_batches`` are samples per device; sizes larger than ``sample_input`` are skipped. Forwards run
+    inside ``context`` (the precision's forward context), as in training."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -112,7 +112,7 @@ def measure_overheads(
     with training_state_kept(layers):
         # inputs of every layer at the largest size (a plain forward; the chain's weights are not touched)
         inputs: list[torch.Tensor] = []
-        with torch.no_grad():
+        with torch.no_grad(), context():
             x: Any = sample_input[: sizes[-1]] if sizes else sample_input
             for layer in layers:
                 inputs.append(x)
@@ -132,9 +132,9 @@ def measure_overheads(
                     fully_shard(shard, mesh=meshes[k], reshard_after_forward=True)
                 for m in sizes:
                     xm = inputs[i][:m]
-                    plain = _slowest(_fwd_bwd_s(layer, xm, repeats, warmup), device)
+                    plain = _slowest(_fwd_bwd_s(layer, xm, repeats, warmup, context), device)
                     dist.barrier()
-                    timed = _slowest(_fwd_bwd_s(shard, xm, repeats, warmup), device)
+                    timed = _slowest(_fwd_bwd_s(shard, xm, repeats, warmup, context), device)
                     records.append(Overhead(kind, k, m, timed - (plain / k if kind == "tp" else plain)))
                 del shard
             out[i] = records

@@ -6,6 +6,7 @@ A LightningModule trains under ``strategy="uniap"`` with no glue code when
   ``uniap_layers()`` method returning the ordered layers (each a submodule of the LightningModule, so parameter
   names stay stable for checkpoints); every trainable parameter belongs to exactly one layer;
 * each layer takes one tensor and returns one tensor, batch on dim 0 (the first layer may take integer token ids);
+  checked at setup on the sample batch by :func:`check_layer_output`;
 * its loss is computed from the chain's output and the target: a ``uniap_loss(output, target)`` method or a
   ``loss_fn`` attribute (e.g. ``nn.CrossEntropyLoss()``), returning the *mean* over the samples it is given;
 * a batch is ``(input, target)``, or the module defines ``uniap_split_batch(batch) -> (input, target)``.
@@ -22,6 +23,7 @@ schedulers, clipping and accumulation work as usual.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -131,3 +133,41 @@ def extract_chain(module: nn.Module) -> Chain:
         )
     split = getattr(module, "uniap_split_batch", None) or default_split_batch
     return Chain(module=module, layers=layers, names=names, loss_fn=_find_loss(module), split_batch=split)
+
+
+def check_layer_output(index: int, name: str, layer: nn.Module, output: Any, rows: int) -> None:
+    """What a layer may return: one tensor with the batch (``rows`` samples) on dim 0.
+
+    The one place that states the contract on outputs, so that widening it (tuples or dicts of tensors) is one edit.
+    """
+    where = f"layer {index} '{name}' ({type(layer).__name__})"
+    rule = "the chain contract is one tensor per layer with the batch on dim 0"
+    if not isinstance(output, torch.Tensor):
+        raise UniAPError(
+            f"{where} returned a {type(output).__name__}, not a tensor; {rule} (return only the tensor the next "
+            "layer takes, e.g. out[0] of a Hugging Face block, or wrap the layer)"
+        )
+    if output.dim() == 0 or int(output.shape[0]) != rows:
+        raise UniAPError(
+            f"{where} returned a tensor of shape {tuple(output.shape)} for a micro-batch of {rows} samples; {rule}"
+        )
+
+
+def check_chain_contract(
+    chain: Chain, x: torch.Tensor, *, context: Callable[[], AbstractContextManager[Any]] = nullcontext
+) -> None:
+    """Run the chain once on ``x`` (no gradients, under ``context``, e.g. the precision's autocast) and check every
+    layer's output with :func:`check_layer_output`.
+
+    A layer that raises is not a contract violation: the check stops there and profiling reports the error (and
+    falls back to a structural profile) as it would without the check. The caller keeps RNG and buffers unchanged.
+    """
+    rows = int(x.shape[0])
+    with torch.no_grad(), context():
+        for i, (layer, name) in enumerate(zip(chain.layers, chain.names)):
+            try:
+                y = layer(x)
+            except Exception:  # noqa: BLE001 - reported by profiling, which runs the same layer on the same input
+                return
+            check_layer_output(i, name, layer, y, rows)
+            x = y

@@ -12,13 +12,15 @@ import gc
 import hashlib
 import json
 import os
-from dataclasses import asdict
+import warnings
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.plan import PLAN_FORMAT_VERSION, Plan
+from uniap_lightning.planner.problem import TrainingConfig
 from uniap_lightning.planner.profile import ModelProfile
 
 
@@ -56,7 +58,7 @@ def local_cluster(*, nodes: int, devices_per_node: int, device_type: str) -> Clu
     )
 
 
-def cache_key(*, profile: ModelProfile, cluster: Cluster, world_size: int, global_batch_size: int, schedule: str,
+def cache_key(*, profile: ModelProfile, cluster: Cluster, world_size: int, training: TrainingConfig,
               solver: str) -> str:
     payload = {
         "fingerprint": profile.fingerprint(),
@@ -64,45 +66,54 @@ def cache_key(*, profile: ModelProfile, cluster: Cluster, world_size: int, globa
         "overheads": sorted({(o.kind, o.degree) for lp in profile.layers for o in lp.overheads}),
         "cluster": asdict(cluster),
         "world_size": world_size,
-        "global_batch_size": global_batch_size,
-        "schedule": schedule,
+        "training": asdict(training),
         "solver": solver,
         "plan_format": PLAN_FORMAT_VERSION,
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
+def _cached_plan(path: Path, *, profile: ModelProfile, world_size: int, global_batch_size: int) -> Plan | None:
+    """The plan cached at ``path`` if it is readable and for this job; otherwise ``None``, with a warning naming
+    the file when there was an entry (it is then solved again and replaced)."""
+    if not path.exists():
+        return None
+    try:
+        plan = Plan.from_json(path)
+        check_plan_matches(plan, [lp.name for lp in profile.layers], world_size=world_size, profile=profile,
+                           global_batch_size=global_batch_size)
+        return plan
+    except (UniAPError, OSError, ValueError) as err:  # ValueError: bytes that are not UTF-8 JSON
+        warnings.warn(f"UniAP: ignoring the cached plan {path} ({str(err).splitlines()[0] if str(err) else err!r}); "
+                      "solving again", stacklevel=3)
+        return None
+
+
 def solve_plan(
     *,
     profile: ModelProfile,
     cluster: Cluster,
-    global_batch_size: int,
-    schedule: str,
+    training: TrainingConfig,
     solver: str,
     time_limit_s: float,
     cache_dir: Path,
 ) -> tuple[Plan, str]:
-    """Solve (or reuse from the cache) a plan; returns it and where it came from ("cache" or "solver")."""
-    key = cache_key(
-        profile=profile, cluster=cluster, world_size=cluster.num_devices, global_batch_size=global_batch_size,
-        schedule=schedule, solver=solver,
-    )
+    """Solve (or reuse from the cache) a plan; returns it and where it came from ("cache <path>" or "solver")."""
+    key = cache_key(profile=profile, cluster=cluster, world_size=cluster.num_devices, training=training,
+                    solver=solver)
     path = cache_dir / f"plan-{key}.json"
-    if path.exists():
-        try:
-            return Plan.from_json(path), f"cache {path}"
-        except UniAPError:
-            pass  # a stale or corrupt cache entry is replaced below
+    cached = _cached_plan(path, profile=profile, world_size=cluster.num_devices,
+                          global_batch_size=training.global_batch_size)
+    if cached is not None:
+        return cached, f"cache {path}"
     try:
-        from uniap_lightning.planner.problem import Problem, TrainingConfig
+        from uniap_lightning.planner.problem import Problem
         from uniap_lightning.planner.solver import solve
     except ImportError as err:
         raise UniAPError(
             f"no plan was given and the planner is not available ({err}); pass plan=<file or Plan> to UniAPStrategy"
         ) from err
-    problem = Problem(
-        model=profile, cluster=cluster, training=TrainingConfig(global_batch_size=global_batch_size, schedule=schedule)
-    )
+    problem = Problem(model=profile, cluster=cluster, training=training)
     # python-mip's HiGHS models free themselves in __del__ through cffi; a cyclic GC pass that fires while cffi
     # holds its type lock re-enters it and deadlocks (seen here, in spawned processes). No cyclic GC while solving.
     gc_was_enabled = gc.isenabled()
@@ -114,16 +125,26 @@ def solve_plan(
             gc.enable()
         gc.collect()
     if not plan.model_fingerprint:
-        plan.model_fingerprint = profile.fingerprint()
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    plan.to_json(tmp)
-    tmp.replace(path)
+        plan = replace(plan, model_fingerprint=profile.fingerprint())
+    try:  # a cache that cannot be written (read-only directory) means "don't cache", not a failed setup
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        plan.to_json(tmp)
+        tmp.replace(path)
+    except OSError as err:
+        warnings.warn(f"UniAP: could not cache the plan in {cache_dir} ({err}); continuing without", stacklevel=2)
     return plan, "solver"
 
 
-def check_plan_matches(plan: Plan, names: list[str], *, world_size: int, profile: ModelProfile | None) -> None:
-    """Refuse a plan made for another model or another number of processes."""
+def check_plan_matches(plan: Plan, names: list[str], *, world_size: int, profile: ModelProfile | None,
+                       global_batch_size: int | None = None) -> None:
+    """Refuse a plan made for another model, another number of processes or another global batch size."""
+    if global_batch_size is not None and plan.global_batch_size != global_batch_size:
+        raise UniAPError(
+            f"the plan is for a global batch of {plan.global_batch_size} samples but the dataloader's batches have "
+            f"{global_batch_size}; set the DataLoader's batch_size to {plan.global_batch_size} or use a plan made "
+            f"for {global_batch_size}"
+        )
     if plan.num_devices != world_size:
         raise UniAPError(
             f"the plan is for num_devices={plan.num_devices} processes but the job has {world_size} "

@@ -1,0 +1,224 @@
+"""Measure a chain of ``nn.Module`` layers on a real sample micro-batch: times, output and saved-activation bytes.
+
+Per layer and micro-batch size: forward and backward seconds (median of ``repeats`` timed runs after ``warmup``
+untimed ones, with :class:`~uniap_lightning.profiling.timing.Timer`), and at the largest size the output bytes, the
+bytes of the tensors autograd saves for backward (parameters excluded) and, on CUDA, the allocator's peak. The
+forward runs inside ``context`` - the precision plugin's forward context (autocast for ``bf16-mixed``) - exactly as
+training runs it, so times and byte counts follow the precision. Raw readings go to
+:mod:`~uniap_lightning.profiling.aggregate` before they become a profile.
+
+Profiling must not change training: the RNG state and every buffer (e.g. batch-norm statistics) are restored and
+gradients are cleared afterwards (:func:`training_state_kept`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from uniap_lightning.errors import UniAPError
+from uniap_lightning.planner.profile import LayerProfile, ModelProfile, Timing
+from uniap_lightning.profiling.aggregate import Readings, never_faster_when_larger, pool_identical_layers
+from uniap_lightning.profiling.timing import Timer
+
+Context = Callable[[], AbstractContextManager[Any]]
+
+
+class ProfilingUnavailable(RuntimeError):
+    """The layers cannot be timed on this input (meta tensors, rejected batch, ...)."""
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@contextmanager
+def training_state_kept(layers: Sequence[nn.Module]) -> Iterator[None]:
+    """Measure without changing training: the RNG state (CPU and CUDA) and every buffer (e.g. batch-norm
+    statistics) are restored, and gradients cleared, when the block ends (also on an error)."""
+    rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    buffers = [(b, b.detach().clone()) for layer in layers for b in layer.buffers() if not b.is_meta]
+    try:
+        yield
+    finally:
+        torch.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        for layer in layers:
+            for p in layer.parameters():
+                p.grad = None
+
+
+def is_meta(layer: nn.Module, x: Any) -> bool:
+    if isinstance(x, torch.Tensor) and x.is_meta:
+        return True
+    return any(p.is_meta for p in layer.parameters()) or any(b.is_meta for b in layer.buffers())
+
+
+def _measure_layer(layer: nn.Module, x: torch.Tensor, repeats: int, warmup: int, context: Context,
+                   check: Callable[[Any], None]) -> tuple[torch.Tensor, float, float, float, float | None]:
+    """Run the layer: (detached output, forward s, backward s, saved activation bytes, peak bytes or None)."""
+    if is_meta(layer, x):
+        raise ProfilingUnavailable("the layer or its input is on the meta device (not materialized)")
+    param_ptrs = {p.data_ptr() for p in layer.parameters()}
+    saved = [0]
+    timer = Timer(x.device)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, torch.Tensor) and t.data_ptr() not in param_ptrs:
+            saved[0] += tensor_bytes(t)
+        return t
+
+    def run(count_saved: bool) -> tuple[torch.Tensor, float, float]:
+        inp = x.detach().requires_grad_(x.is_floating_point())
+        timer.synchronize()
+        t0 = timer.mark()
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if count_saved else nullcontext()
+        with hooks, context():
+            out = layer(inp)
+        check(out)
+        t1 = timer.mark()
+        if out.requires_grad:
+            out.backward(torch.ones_like(out))
+        t2 = timer.mark()
+        return out.detach(), timer.elapsed_s(t0, t1), timer.elapsed_s(t1, t2)
+
+    peak: float | None = None
+    if timer.cuda:
+        timer.synchronize()
+        torch.cuda.reset_peak_memory_stats(x.device)
+        before = torch.cuda.memory_allocated(x.device)
+    out, _, _ = run(count_saved=True)  # warm-up, the saved-tensor count and (CUDA) the peak
+    if timer.cuda:
+        peak = float(torch.cuda.max_memory_allocated(x.device) - before)
+    for _ in range(max(warmup, 1) - 1):
+        run(count_saved=False)
+    fwd, bwd = zip(*(run(count_saved=False)[1:] for _ in range(max(repeats, 1))))
+    return out, _median(fwd), _median(bwd), float(saved[0]), peak
+
+
+def _median(xs: Sequence[float]) -> float:
+    import statistics
+
+    return statistics.median(xs)
+
+
+def _time_chain(layers: Sequence[nn.Module], names: Sequence[str], x: Any, repeats: int, warmup: int,
+                context: Context) -> tuple[list[tuple[float, float]], list[tuple[int, float, float | None]]]:
+    """Every layer in order at one micro-batch size: times, and (out bytes, activation bytes, peak) per layer."""
+    from uniap_lightning.runtime.chain import check_layer_output
+
+    times, stats = [], []
+    for i, (layer, name) in enumerate(zip(layers, names, strict=True)):
+        check = partial(check_layer_output, i, name, layer, rows=int(x.shape[0]))
+        try:
+            y, fwd_s, bwd_s, act, peak = _measure_layer(layer, x, repeats, warmup, context, check)
+        except UniAPError:
+            raise  # the chain contract is broken: an error, not a reason to guess a structural profile
+        except ProfilingUnavailable as err:
+            raise ProfilingUnavailable(f"layer {i} ({name}): {err}") from err
+        except (RuntimeError, TypeError, ValueError, IndexError) as err:
+            raise ProfilingUnavailable(
+                f"layer {i} ({name}) rejected the sample batch ({type(err).__name__}: "
+                f"{str(err).splitlines()[0] if str(err) else ''})"
+            ) from err
+        times.append((fwd_s, bwd_s))
+        stats.append((tensor_bytes(y), act, peak))
+        x = y
+    return times, stats
+
+
+def default_micro_batches(rows: int) -> list[int]:
+    """Two samples (batch norm refuses one), a quarter of the sample and all of it (fewer when the sample is small):
+    plans run anything from a sample or two per device (many micro-batches, wide data parallelism) to the whole
+    batch, and a CPU or GPU is least linear at the small end."""
+    return sorted({min(2, rows), max(rows // 4, 1), rows})
+
+
+def profile_layers(
+    layers: Sequence[nn.Module],
+    names: Sequence[str],
+    sample_input: torch.Tensor,
+    *,
+    tp_degrees: Sequence[Sequence[int]] | None = None,
+    tp_allreduces: Sequence[int] | None = None,
+    repeats: int = 3,
+    warmup: int = 1,
+    micro_batches: Sequence[int] | None = None,
+    model: str = "model",
+    device: str = "",
+    progress: Callable[[str], None] | None = None,
+    sync: Callable[[], Any] | None = None,
+    context: Context = nullcontext,
+) -> ModelProfile:
+    """Profile ``layers`` applied in order to ``sample_input`` (batch on dim 0) at each of ``micro_batches`` sizes,
+    the forward inside ``context`` (the precision's forward context).
+
+    ``sync``, when given, is called once before each size, *also after an error* (e.g. a barrier, so that ranks
+    profiling together time the same size at the same time; a rank that failed keeps answering the barriers, so
+    the others never wait for it). Raises :class:`ProfilingUnavailable` when a layer cannot be run on real tensors
+    (meta device, a batch the layer rejects), which :func:`~uniap_lightning.profiling.module.profile_chain` turns
+    into the structural fallback, and :class:`UniAPError` when a layer breaks the chain contract.
+    """
+    rows = int(sample_input.shape[0])
+    sizes = sorted({int(m) for m in (micro_batches or default_micro_batches(rows)) if 1 <= int(m) <= rows}) or [rows]
+    if sizes[-1] != rows:
+        sizes.append(rows)
+    t_start = time.perf_counter()
+    readings: Readings = {}
+    stats: list[tuple[int, float, float | None]] = []  # at the largest size: out bytes, act bytes, peak
+    skipped: dict[int, str] = {}
+    failure: Exception | None = None
+    with training_state_kept(layers):
+        for m in sizes:  # largest last: its outputs give the per-sample byte figures
+            if sync is not None:
+                sync()
+            if failure is not None:
+                continue
+            try:
+                readings[m], size_stats = _time_chain(layers, names, sample_input[:m], repeats, warmup, context)
+            except ProfilingUnavailable as err:
+                if m == rows or "meta device" in str(err):
+                    failure = err
+                else:
+                    skipped[m] = str(err)  # e.g. batch norm refuses one sample: time the other sizes
+                continue
+            except Exception as err:  # noqa: BLE001 - raised after the remaining syncs
+                failure = err
+                continue
+            if m == rows:
+                stats = size_stats
+            if progress is not None:
+                progress(f"timed {len(layers)} layers at micro-batch {m} ({time.perf_counter() - t_start:.1f} s)")
+    if failure is not None:
+        raise failure
+    pool_identical_layers(layers, [s[:2] for s in stats], readings)
+    never_faster_when_larger(readings)
+    sizes = sorted(readings)
+    out: list[LayerProfile] = []
+    for i, (layer, name) in enumerate(zip(layers, names)):
+        fwd_s, bwd_s = readings[rows][i]
+        out_bytes, act_bytes, _ = stats[i]
+        timings = tuple(Timing(m, *readings[m][i]) for m in sizes) if len(sizes) > 1 else ()
+        out.append(LayerProfile(
+            name=name, forward_s=fwd_s / rows, backward_s=bwd_s / rows, params=sum(p.numel() for p in layer.parameters()),
+            activation_bytes=act_bytes / rows, output_bytes=out_bytes / rows,
+            tp_degrees=tuple(tp_degrees[i]) if tp_degrees else (1,),
+            tp_allreduces=int(tp_allreduces[i]) if tp_allreduces else 0, timings=timings,
+        ))
+    meta = {
+        "micro_batch": rows, "micro_batches": sizes, "repeats": repeats, "timer": Timer(sample_input.device).name,
+        "peak_memory_bytes": [s[2] for s in stats], "skipped_micro_batches": {str(m): why for m, why in skipped.items()},
+        "profile_seconds": time.perf_counter() - t_start,
+    }
+    return ModelProfile(model=model, layers=out, source="measured", device=device, meta=meta)

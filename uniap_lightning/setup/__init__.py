@@ -1,0 +1,194 @@
+"""What ``UniAPStrategy`` does at setup before training: measure, profile, choose a plan, agree on it.
+
+:func:`run_setup` takes the chain, the trainer, this process's place in the job (:class:`~.agree.Ranks`), the
+options (:class:`SetupOptions`) and the precision, and returns a frozen :class:`SetupResult`; the strategy then
+only applies the plan. The steps, the same on every rank:
+
+1. draw a sample batch, split it and check the chain contract on it (every rank; :mod:`.sample`);
+2. a pinned plan: checked against the job (layers, world size, global batch, fingerprint), or else
+3. the cluster (given, or measured / cached: :mod:`.measure`), the profile (on every rank at once when measuring
+   the cluster, else on rank 0: a file, the cache or measured, under the precision's forward context), and on
+   rank 0 a cached plan (checked against the job) or a solved one;
+4. every rank gets rank 0's plan and checks it against its own chain.
+
+Each step ends with an agreement on success (:mod:`.agree`): a failure on any rank raises the same
+:class:`~uniap_lightning.errors.UniAPError`, naming the rank, on every rank within seconds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from uniap_lightning.errors import UniAPError
+from uniap_lightning.planner.cluster import Cluster
+from uniap_lightning.planner.plan import Plan
+from uniap_lightning.setup.agree import Ranks, everyone, from_lead, gather
+from uniap_lightning.setup.measure import Measurements, info
+from uniap_lightning.setup.sample import Sample, take_sample
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from uniap_lightning.planner.profile import ModelProfile
+    from uniap_lightning.runtime import Chain
+
+
+@dataclass(frozen=True)
+class SetupOptions:
+    """The strategy's options that setup reads (see ``UniAPStrategy``'s docstring for each)."""
+
+    cluster: Cluster | None = None
+    pinned_plan: Plan | None = None
+    schedule: str = "1f1b"
+    solver: str = "auto"
+    time_limit_s: float = 60.0
+    profile_path: Path | None = None
+    cache_dir: Path | None = None
+    measure_cluster: bool = True
+    profile_cache: bool = True
+    profile_repeats: int = 3
+    profile_micro_batches: tuple[int, ...] | None = None
+
+    def profile_cache_dir(self) -> Path:
+        from uniap_lightning.profiling.cache import default_profile_cache_dir
+
+        return self.cache_dir / "profiles" if self.cache_dir is not None else default_profile_cache_dir()
+
+    def plan_cache_dir(self) -> Path:
+        from uniap_lightning.runtime.planning import default_cache_dir
+
+        return self.cache_dir or default_cache_dir()
+
+
+@dataclass(frozen=True)
+class SetupResult:
+    """What setup decided: the plan, where it came from, the cluster it was planned for, and how setup went
+    (``report``: ``profile_origin``, ``profile_path``, ``cluster_origin``, ``precision`` and ``*_s`` timings)."""
+
+    plan: Plan
+    origin: str
+    planning_cluster: Cluster | None
+    profile_origin: str
+    report: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+    def with_timing(self, **seconds: float) -> SetupResult:
+        return replace(self, report=MappingProxyType({**self.report, **seconds}))
+
+    def summary(self) -> str:
+        r = self.report
+        return (
+            f"UniAP setup took {r.get('setup_s', 0.0):.1f} s (profiling {r.get('profile_s', 0.0):.1f} s "
+            f"[{self.profile_origin or 'none'}], cluster {r.get('cluster_s', 0.0):.1f} s "
+            f"[{r.get('cluster_origin', 'given')}], solving {r.get('solve_s', 0.0):.1f} s [{self.origin}])"
+        )
+
+
+def run_setup(chain: Chain, trainer: pl.Trainer, *, ranks: Ranks, options: SetupOptions, precision: str = "32-true",
+              forward_context: Callable[[], AbstractContextManager[Any]] = nullcontext) -> SetupResult:
+    """The plan every rank will run, agreed on by all ranks (collective: every rank calls it)."""
+    m = Measurements(ranks=ranks, options=options, precision=precision, forward_context=forward_context,
+                     report={"precision": precision})
+    sample = everyone(ranks, "drawing a sample batch and checking the model's chain",
+                      lambda: take_sample(chain, trainer, ranks.device, forward_context))
+    _same_sample_everywhere(ranks, sample)
+    fitting = _fitting(trainer)
+    cluster = options.cluster
+    if options.pinned_plan is not None:
+        plan, origin, report = from_lead(ranks, "checking the pinned plan",
+                                         lambda: _pinned(m, chain, sample, fitting))
+    else:
+        if cluster is None:
+            cluster = m.cluster()
+        premeasured = None
+        if options.profile_path is None and options.measure_cluster and ranks.distributed:
+            premeasured = m.profile_everywhere(chain, sample)
+        plan, origin, report = from_lead(ranks, "choosing a plan",
+                                         lambda: _solve(m, chain, sample, cluster, premeasured))
+    everyone(ranks, "checking the plan against this rank's model", lambda: _check(plan, chain, ranks))
+    return SetupResult(plan=plan, origin=origin, planning_cluster=cluster,
+                       profile_origin=str(report.get("profile_origin", "")), report=MappingProxyType(report))
+
+
+def _fitting(trainer: pl.Trainer) -> bool:
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    return trainer.state.fn == TrainerFn.FITTING
+
+
+def _same_sample_everywhere(ranks: Ranks, sample: Sample) -> None:
+    """Ranks that profile together must time the same sizes; ranks with other data would train wrongly anyway."""
+    seen = gather(ranks, (sample.why_none or None) if sample.x is None else (tuple(sample.x.shape),
+                                                                              sample.global_batch_size))
+    if any(s != seen[0] for s in seen):
+        described = "; ".join(f"rank {r}: {s if isinstance(s, str) else f'shape {s[0]}, batch {s[1]}'}"
+                              for r, s in enumerate(seen))
+        raise UniAPError(
+            f"the ranks drew different sample batches ({described}); every rank must load the same global batch "
+            "(the same dataloader, batch size and sampler) and split it alike"
+        )
+
+
+def _pinned(m: Measurements, chain: Chain, sample: Sample, fitting: bool) -> tuple[Plan, str, dict[str, Any]]:
+    """Rank 0: the pinned plan, checked against the job (a profile only when the plan carries a fingerprint)."""
+    from uniap_lightning.runtime.planning import check_plan_matches
+
+    plan = m.options.pinned_plan
+    profile = m.profile_on_lead(chain, sample) if plan.model_fingerprint else None
+    check_plan_matches(plan, chain.names, world_size=m.ranks.world_size, profile=profile,
+                       global_batch_size=sample.global_batch_size if fitting else None)
+    return plan, "pinned", m.report
+
+
+def _solve(m: Measurements, chain: Chain, sample: Sample, cluster: Cluster | None,
+           premeasured: ModelProfile | None) -> tuple[Plan, str, dict[str, Any]]:
+    """Rank 0: a cached plan for this job, or a solved one."""
+    from uniap_lightning.runtime.planning import solve_plan
+
+    assert cluster is not None
+    profile = premeasured or m.profile_on_lead(chain, sample)
+    batch = sample.global_batch_size
+    if not batch:
+        raise UniAPError(
+            f"could not tell the global batch size to plan for ({sample.why_none}); pass plan=<file> to "
+            "UniAPStrategy or give the Trainer a non-empty dataloader"
+        )
+    if cluster.num_devices != m.ranks.world_size:
+        raise UniAPError(
+            f"cluster '{cluster.name}' has {cluster.num_devices} devices but the Trainer runs {m.ranks.world_size} "
+            "processes; describe the cluster you run on"
+        )
+    o = m.options
+    info(f"UniAP: solving for {m.ranks.world_size} devices, global batch {batch} "
+         f"(solver={o.solver}, time limit {o.time_limit_s:g} s) ...")
+    t0 = time.perf_counter()
+    plan, origin = solve_plan(profile=profile, cluster=cluster, training=_training(chain, batch, o.schedule),
+                              solver=o.solver, time_limit_s=o.time_limit_s, cache_dir=o.plan_cache_dir())
+    m.report["solve_s"] = time.perf_counter() - t0
+    return plan, origin, m.report
+
+
+def _training(chain: Chain, global_batch_size: int, schedule: str) -> Any:
+    """Training settings with the bytes per parameter of the model's real dtypes (after the precision plugin
+    converted it): weights and gradients in the parameters' dtype, two optimizer states of the same size (Adam)."""
+    from uniap_lightning.planner.problem import TrainingConfig
+
+    params = [p for layer in chain.layers for p in layer.parameters()]
+    count = sum(p.numel() for p in params)
+    per_param = sum(p.numel() * p.element_size() for p in params) / count if count else 4.0
+    return TrainingConfig(global_batch_size=int(global_batch_size), schedule=schedule, weight_bytes=per_param,
+                          grad_bytes=per_param, optimizer_bytes=2 * per_param)
+
+
+def _check(plan: Plan, chain: Chain, ranks: Ranks) -> None:
+    from uniap_lightning.runtime.planning import check_plan_matches
+
+    check_plan_matches(plan, chain.names, world_size=ranks.world_size, profile=None)
+
+
+__all__ = ["Ranks", "SetupOptions", "SetupResult", "run_setup"]

@@ -1,0 +1,106 @@
+"""Agreement on success between the ranks at setup, so that one rank's error never leaves the others waiting.
+
+Setup is a fixed sequence of steps, the same on every rank. A step is either *local* work that every rank does
+(:func:`everyone`) or work that rank 0 does for all (:func:`from_lead`); each ends with one collective that carries
+``(ok, message)`` from every rank (or from rank 0). A failure anywhere therefore reaches every rank at that
+collective, and every rank raises the same :class:`UniAPError` naming the first failing rank, within seconds: no
+rank goes on to a later collective that the failed rank will never join.
+
+What this cannot cover: a step whose own code runs collectives (measuring links, timing layers under TP / FSDP)
+and fails on one rank in the middle of them. Those steps only run deterministic code on identical inputs on every
+rank, so they fail on all ranks alike or not at all; the step after them agrees as usual.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from uniap_lightning.errors import UniAPError
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """Where this process stands in the job."""
+
+    rank: int
+    world_size: int
+    num_nodes: int
+    devices_per_node: int
+    device: torch.device
+
+    @property
+    def lead(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        import torch.distributed as dist
+
+        return self.world_size > 1 and dist.is_available() and dist.is_initialized()
+
+
+def _failure(err: BaseException, rank: int, step: str) -> str:
+    if not isinstance(err, UniAPError):
+        traceback.print_exc()  # an unexpected error: its traceback stays useful on the rank where it happened
+    text = str(err).splitlines()[0] if str(err) else ""
+    what = text if isinstance(err, UniAPError) else f"{type(err).__name__}: {text}"
+    return f"UniAP setup failed on rank {rank} while {step}: {what}"
+
+
+def everyone(ranks: Ranks, step: str, fn: Callable[[], T]) -> T:
+    """Run ``fn`` on every rank, then agree: if it raised anywhere, raise the first failure on every rank."""
+    import torch.distributed as dist
+
+    if not ranks.distributed:
+        return fn()  # one process: the error as raised, traceback included
+    value: Any = None
+    failure: str | None = None
+    cause: BaseException | None = None
+    try:
+        value = fn()
+    except Exception as err:  # noqa: BLE001 - every error must reach the other ranks
+        failure, cause = _failure(err, ranks.rank, step), err
+    failures: list[Any] = [None] * ranks.world_size
+    dist.all_gather_object(failures, failure)
+    first = next((f for f in failures if f), None)
+    if first is not None:
+        raise UniAPError(first) from cause
+    return value
+
+
+def from_lead(ranks: Ranks, step: str, fn: Callable[[], T]) -> T:
+    """Run ``fn`` on rank 0 and send its result (or its failure) to every rank."""
+    import torch.distributed as dist
+
+    if not ranks.distributed:
+        return fn()
+    box: list[Any] = [(None, None)]
+    cause: BaseException | None = None
+    if ranks.lead:
+        try:
+            box = [(fn(), None)]
+        except Exception as err:  # noqa: BLE001 - every error must reach the other ranks
+            box, cause = [(None, _failure(err, 0, step))], err
+    dist.broadcast_object_list(box, src=0)
+    value, failure = box[0]
+    if failure is not None:
+        raise UniAPError(failure) from cause
+    return value
+
+
+def gather(ranks: Ranks, value: T) -> list[T]:
+    """Every rank's ``value``, in rank order, on every rank (call only after an agreement: all ranks are here)."""
+    import torch.distributed as dist
+
+    if not ranks.distributed:
+        return [value]
+    out: list[Any] = [None] * ranks.world_size
+    dist.all_gather_object(out, value)
+    return out
