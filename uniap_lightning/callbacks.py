@@ -1,4 +1,4 @@
-"""Callbacks for training runs: perplexity (torchmetrics) and steady-state throughput."""
+"""Callbacks for training runs: perplexity (torchmetrics), steady-state throughput, a step-bounded progress bar."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ class PerplexityLogger(pl.Callback):
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.val.update_count:
             self.last_val_ppl = math.exp(float(self.val.compute()))
-            pl_module.log("val_ppl", self.last_val_ppl, rank_zero_only=True)
+            pl_module.log("val_ppl", self.last_val_ppl, sync_dist=True)  # equal on every rank (global losses)
             self.val.reset()
 
 
@@ -76,3 +76,13 @@ class ThroughputTimer(pl.Callback):
     @property
     def samples_per_s(self) -> float | None:
         return self.batch / self.step_s if self.step_s else None
+
+
+class StepProgressBar(pl.callbacks.RichProgressBar):
+    """Lightning's rich progress bar, without the "Epoch 0/-2" it shows for a run bounded by ``max_steps``
+    (Lightning sets ``max_epochs=-1`` there and prints ``max_epochs - 1``)."""
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        if self.trainer.max_epochs is not None and self.trainer.max_epochs < 0:
+            return f"{f'Epoch {current_epoch}':{len(self.validation_description)}}"
+        return super()._get_train_description(current_epoch)

@@ -407,7 +407,8 @@ class UniAPStrategy(ModelParallelStrategy):
         args, kwargs = self.precision_plugin.convert_input((args, kwargs))
         x, y = rt.chain.split_batch(args[0])
         loss = self._guard(lambda: rt.runner.eval_step(x, y, rt.chain.loss_fn))
-        self.lightning_module.log(name, loss, prog_bar=True)
+        # the same global mean on every rank; sync_dist averages the epoch's value once, at the epoch's end
+        self.lightning_module.log(name, loss, prog_bar=True, sync_dist=True)
         return loss
 
     def _guard(self, fn: Callable[[], Any]) -> Any:

@@ -36,14 +36,25 @@ def _launch_other_ranks(cfg: DictConfig, overrides: list[str]) -> list[subproces
             "use examples/slurm/train.sbatch for several nodes"
         )
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(devices),
-               NODE_RANK="0")
+               NODE_RANK="0", OMP_NUM_THREADS=_threads_per_rank(devices))
     children = [
         subprocess.Popen([sys.executable, "-m", "uniap_lightning.cli.main", "train", *overrides],
                          env=dict(env, LOCAL_RANK=str(rank)))
         for rank in range(1, devices)
     ]
-    os.environ.update({k: env[k] for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK")}, LOCAL_RANK="0")
+    os.environ.update({k: env[k] for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK", "OMP_NUM_THREADS")},
+                      LOCAL_RANK="0")
+    import torch
+
+    torch.set_num_threads(int(env["OMP_NUM_THREADS"]))  # this process's pool was sized before the variable was set
     return children
+
+
+def _threads_per_rank(devices: int) -> str:
+    """The cores shared out between the ranks, as Lightning's own launchers do (``OMP_NUM_THREADS`` wins if set):
+    with more compute threads than cores the ranks' thread pools preempt each other, and a step can take many
+    times what profiling measured."""
+    return os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // devices))
 
 
 def check_config(cfg: DictConfig) -> None:
@@ -87,13 +98,22 @@ def _one_copy_of_each_log_line() -> None:
         log.propagate = True
 
 
+def _quiet_library_warnings() -> None:
+    """Warnings a `uniap train` user can do nothing about: Lightning 2.6 calls a torch API that torch 2.13
+    deprecates (``isinstance(treespec, LeafSpec)``), once per rank."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+
+
 def run_train(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
     import lightning.pytorch as pl
 
-    from uniap_lightning.callbacks import PerplexityLogger, ThroughputTimer
+    from uniap_lightning.callbacks import PerplexityLogger, StepProgressBar, ThroughputTimer
 
     check_config(cfg)
     _one_copy_of_each_log_line()
+    _quiet_library_warnings()
     children = _launch_other_ranks(cfg, overrides)
     try:
         pl.seed_everything(int(cfg.seed), verbose=False)
@@ -101,7 +121,10 @@ def run_train(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
         strategy = build_strategy(cfg)
         ppl, timer = PerplexityLogger(window=5), ThroughputTimer(int(cfg.data.batch_size))
         trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
-        trainer = pl.Trainer(strategy=strategy, callbacks=[ppl, timer], logger=pl.loggers.CSVLogger("lightning_logs"),
+        callbacks = [ppl, timer]
+        if trainer_kwargs.get("enable_progress_bar", True):
+            callbacks.append(StepProgressBar())
+        trainer = pl.Trainer(strategy=strategy, callbacks=callbacks, logger=pl.loggers.CSVLogger("lightning_logs"),
                              **trainer_kwargs)
         trainer.fit(module, data)
         loss = trainer.callback_metrics.get("train_loss")
