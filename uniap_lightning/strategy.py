@@ -477,6 +477,10 @@ class UniAPStrategy(ModelParallelStrategy):
         A single-file Lightning checkpoint (e.g. from one device or DDP) restores the weights and everything
         Lightning keeps (loops, schedulers, callbacks) but not the optimizer states, whose keys are positions in
         the original optimizer, not names.
+
+        Files are always read with ``weights_only=True`` semantics (tensors and plain data), and a distributed
+        checkpoint's pickled ``.metadata`` only with DCP's own classes: a crafted file is refused with a
+        :class:`UniAPError` and runs nothing, whatever ``weights_only`` says.
         """
         from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
@@ -484,7 +488,7 @@ class UniAPStrategy(ModelParallelStrategy):
 
         path = Path(self.broadcast(str(checkpoint_path)))
         if path.is_file():
-            checkpoint = torch.load(path, map_location="cpu", weights_only=bool(weights_only))
+            checkpoint = ckpt.load_plain(path)  # never unpickles code, whatever `weights_only` says
             ckpt.load_full_weights(checkpoint["state_dict"], self.lightning_module,
                                    strict=self.lightning_module.strict_loading)
             if checkpoint.pop("optimizer_states", None) and self.optimizers:
@@ -493,9 +497,11 @@ class UniAPStrategy(ModelParallelStrategy):
         if not (path / _METADATA_FILENAME).is_file():
             raise UniAPError(f"{path} is neither a checkpoint file nor a distributed checkpoint folder with "
                              f"{_METADATA_FILENAME}")
+        ckpt.check_dcp_metadata(path)  # both refused before any weight is touched
+        metadata = ckpt.load_plain(path / _METADATA_FILENAME)
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
         ckpt.load(path, self.lightning_module, optimizers, strict=self.lightning_module.strict_loading)
-        return torch.load(path / _METADATA_FILENAME, weights_only=False)
+        return metadata
 
     def save_consolidated(self, path: str | Path) -> None:
         """Write all weights, unsharded, into one ``torch.save`` file (on rank 0). Call on every rank."""

@@ -35,11 +35,67 @@ def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict
     return get_optimizer_state_dict(module, optimizer, options=_options())
 
 
+#: What a DCP ``.metadata`` file may name: DCP's own records, tensor sizes, dtypes and layouts, paths.
+_DCP_METADATA_GLOBALS = {
+    "torch": {"Size"},
+    "torch.serialization": {"_get_layout"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+_DCP_METADATA_MODULES = ("torch.distributed.checkpoint.",)
+
+
+def check_dcp_metadata(folder: Path) -> None:
+    """Refuse a DCP folder whose ``.metadata`` names anything but DCP's own records.
+
+    torch's ``FileSystemReader`` reads ``.metadata`` with a plain ``pickle.load``, which runs any code a crafted
+    file names; this reads it first with an unpickler that resolves only the globals DCP writes.
+    """
+    import io
+    import pickle
+
+    from uniap_lightning.errors import UniAPError
+
+    class _Restricted(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            allowed = name in _DCP_METADATA_GLOBALS.get(module, ()) or module.startswith(_DCP_METADATA_MODULES)
+            if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+                allowed = True
+            if not allowed:
+                raise pickle.UnpicklingError(f"{module}.{name} is not part of a distributed checkpoint's metadata")
+            return super().find_class(module, name)
+
+    path = Path(folder) / ".metadata"
+    try:
+        _Restricted(io.BytesIO(path.read_bytes())).load()
+    except Exception as err:  # noqa: BLE001 - any failure means: not a checkpoint we will read
+        raise UniAPError(f"{path}: refused to load this distributed checkpoint ({type(err).__name__}: {err}); "
+                         "UniAP never runs code from a checkpoint file") from err
+
+
+def load_plain(path: Path) -> Any:
+    """``torch.load`` with ``weights_only=True`` (tensors and plain data only), on the CPU; a file that needs more
+    (pickled classes or functions, which could run code) is refused with a :class:`UniAPError`."""
+    import pickle
+
+    from uniap_lightning.errors import UniAPError
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UniAPError(f"{path}: refused to load: it holds pickled Python objects beyond tensors and plain data "
+                         f"({first}). UniAP never runs code from a checkpoint file; re-save it with plain data.") from err
+    except (OSError, RuntimeError, EOFError) as err:
+        raise UniAPError(f"{path}: not a readable checkpoint file ({type(err).__name__}: {err})") from err
+
+
 def load(path: Path, module: nn.Module, optimizers: list[torch.optim.Optimizer], *, strict: bool = True) -> None:
     """Load weights (and optimizer states when ``optimizers`` is non-empty) in place from a DCP folder."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
+    check_dcp_metadata(path)
     state: dict[str, Any] = {"state_dict": model_state(module)}
     for i, opt in enumerate(optimizers):
         state[f"optimizer_{i}"] = optimizer_state(module, opt)
@@ -102,12 +158,13 @@ def consolidate_checkpoint(checkpoint_dir: str | Path, output_file: str | Path) 
 
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+    check_dcp_metadata(Path(checkpoint_dir))
     out = Path(output_file)
     fd, everything = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".all", dir=out.parent)
     os.close(fd)
     try:
         dcp_to_torch_save(str(checkpoint_dir), everything)
-        weights = torch.load(everything, map_location="cpu", weights_only=True).get("state_dict", {})
+        weights = load_plain(Path(everything)).get("state_dict", {})
         save_atomic({k: v for k, v in weights.items() if isinstance(v, torch.Tensor)}, out)
     finally:
         Path(everything).unlink(missing_ok=True)
