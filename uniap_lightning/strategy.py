@@ -17,6 +17,7 @@ from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -26,6 +27,7 @@ from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.setup import SetupOptions, SetupResult
 from uniap_lightning.planner.plan import SCHEDULES, Plan
+from uniap_lightning.precision import with_global_norm_clipping
 from uniap_lightning.sigterm import AgreedSigterm
 
 if TYPE_CHECKING:
@@ -250,7 +252,7 @@ class UniAPStrategy(ModelParallelStrategy):
             self.lightning_module._device_mesh = self._device_mesh
         self._install_monitor(trainer)
         self._install_loss_logger(trainer)
-        self._install_clipping()
+        self._bind_clipping()
         self._sigterm.install(trainer)  # before Lightning registers its signal handlers (later in Trainer._run)
         self._batch_checked = False
         self.barrier()
@@ -425,27 +427,28 @@ class UniAPStrategy(ModelParallelStrategy):
             ) from err
 
     # ------------------------------------------------------------------ clipping
-    def _install_clipping(self) -> None:
-        """Clip by the norm of the whole model's gradient (all stages and shards), not of the local pieces."""
-        from uniap_lightning.runtime.grads import clip_grad_norm
-        from uniap_lightning.runtime.data_parallel import local_tensor
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        if self._precision_plugin is None:
+            self._precision_plugin = with_global_norm_clipping(Precision())
+        return self._precision_plugin
 
-        plugin = self.precision_plugin
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, precision_plugin: Precision | None) -> None:
+        # clipping by the norm of the whole model, whatever the precision (see uniap_lightning.precision)
+        self._precision_plugin = None if precision_plugin is None else with_global_norm_clipping(precision_plugin)
+
+    def _bind_clipping(self) -> None:
+        from uniap_lightning.runtime.grads import clip_grad_norm
+
         n = self.runtime.plan.devices_per_stage
 
-        def by_norm(optimizer: Optimizer, clip_val: float) -> None:
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            self._guard(lambda: clip_grad_norm(params, float(clip_val), n, device=self.root_device))
+        def clip(params: list[Any], max_norm: float) -> None:
+            self._guard(lambda: clip_grad_norm(params, max_norm, n, device=self.root_device))
 
-        @torch.no_grad()
-        def by_value(optimizer: Optimizer, clip_val: float) -> None:
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    if p.grad is not None:
-                        local_tensor(p.grad).clamp_(-float(clip_val), float(clip_val))
-
-        plugin.clip_grad_by_norm = by_norm  # type: ignore[method-assign]
-        plugin.clip_grad_by_value = by_value  # type: ignore[method-assign]
+        self.precision_plugin.bind_global_norm(clip)
 
     # ------------------------------------------------------------------ checkpoints
     @override
