@@ -438,36 +438,20 @@ def part2(args: Any, say: Any, cache_dir: str) -> dict[str, Any]:
             "plans": seen}
 
 
-class _Capturing:
-    """UniAPStrategy that keeps the profile it measured (rank 0), to rebuild the rejected candidates from it."""
-
-    @staticmethod
-    def make(cache_dir: str) -> Any:
-        from uniap_lightning.strategy import UniAPStrategy
-
-        class Capturing(UniAPStrategy):
-            captured: Any = None
-
-            def _profile(self, *args: Any, **kwargs: Any) -> Any:
-                prof = super()._profile(*args, **kwargs)
-                Capturing.captured = prof
-                return prof
-
-        return Capturing(cache_dir=cache_dir, measure_cluster=MEASURE_CLUSTER, **STRATEGY_KW)
-
-
 def part3(args: Any, say: Any, cache_dir: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     from uniap_lightning.planner.plan import Plan
 
     say("  part 3: the strategy plans; chosen vs rejected candidates")
-    strategy = _Capturing.make(cache_dir)
+    from uniap_lightning.strategy import UniAPStrategy
+
+    strategy = UniAPStrategy(cache_dir=cache_dir, measure_cluster=MEASURE_CLUSTER, **STRATEGY_KW)
     _, chosen = run_uniap(None, 1, 1, strategy=strategy)
     box: list[Any] = [None]
     if dist.get_rank() == 0:
         cluster = getattr(strategy, "planning_cluster", None)
-        box = [_candidates(chosen, type(strategy).captured, cluster, args.rejected, say)]
+        box = [_candidates(chosen, strategy.setup_result.profile, cluster, args.rejected, say)]
     dist.broadcast_object_list(box, src=0)
     cands = [(Plan.from_dict(d), info) for d, info in box[0]]
     variants = {label(p): (lambda p=p: run_uniap(p, args.warmup, args.steps)[0]) for p, _ in cands}

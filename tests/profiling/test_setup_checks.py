@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from pathlib import Path
@@ -140,6 +141,10 @@ def test_adding_tensor_parallel_methods_profiles_again(tmp_path: Path) -> None:
     assert second.strategy.setup_report["profile_origin"] == "measured"  # not the first run's cache entry
     assert second.strategy.setup_report["profile_path"] != first.strategy.setup_report["profile_path"]
     assert load_profile(second.strategy.setup_report["profile_path"]).layers[1].tp_degrees == (1, 2)
+    result = second.strategy.setup_result  # frozen: what setup decided, read by the strategy's properties
+    assert result.profile.layers[1].tp_degrees == (1, 2) and result.origin == second.strategy.plan_origin
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        result.origin = "elsewhere"  # type: ignore[misc]
 
 
 # ---------------------------------------------------------------------------------------- bug 9: precision

@@ -68,13 +68,15 @@ class SetupOptions:
 
 @dataclass(frozen=True)
 class SetupResult:
-    """What setup decided: the plan, where it came from, the cluster it was planned for, and how setup went
-    (``report``: ``profile_origin``, ``profile_path``, ``cluster_origin``, ``precision`` and ``*_s`` timings)."""
+    """What setup decided: the plan, where it came from, the cluster and profile it was planned with (``None``
+    when a pinned plan needed none), and how setup went (``report``: ``profile_origin``, ``profile_path``,
+    ``cluster_origin``, ``precision`` and ``*_s`` timings)."""
 
     plan: Plan
     origin: str
     planning_cluster: Cluster | None
     profile_origin: str
+    profile: ModelProfile | None = None
     report: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
     def with_timing(self, **seconds: float) -> SetupResult:
@@ -100,18 +102,18 @@ def run_setup(chain: Chain, trainer: pl.Trainer, *, ranks: Ranks, options: Setup
     fitting = _fitting(trainer)
     cluster = options.cluster
     if options.pinned_plan is not None:
-        plan, origin, report = from_lead(ranks, "checking the pinned plan",
-                                         lambda: _pinned(m, chain, sample, fitting))
+        plan, origin, profile, report = from_lead(ranks, "checking the pinned plan",
+                                                  lambda: _pinned(m, chain, sample, fitting))
     else:
         if cluster is None:
             cluster = m.cluster()
         premeasured = None
         if options.profile_path is None and options.measure_cluster and ranks.distributed:
             premeasured = m.profile_everywhere(chain, sample)
-        plan, origin, report = from_lead(ranks, "choosing a plan",
-                                         lambda: _solve(m, chain, sample, cluster, premeasured))
+        plan, origin, profile, report = from_lead(ranks, "choosing a plan",
+                                                  lambda: _solve(m, chain, sample, cluster, premeasured))
     everyone(ranks, "checking the plan against this rank's model", lambda: _check(plan, chain, ranks))
-    return SetupResult(plan=plan, origin=origin, planning_cluster=cluster,
+    return SetupResult(plan=plan, origin=origin, planning_cluster=cluster, profile=profile,
                        profile_origin=str(report.get("profile_origin", "")), report=MappingProxyType(report))
 
 
@@ -134,7 +136,11 @@ def _same_sample_everywhere(ranks: Ranks, sample: Sample) -> None:
         )
 
 
-def _pinned(m: Measurements, chain: Chain, sample: Sample, fitting: bool) -> tuple[Plan, str, dict[str, Any]]:
+#: what rank 0 sends every rank: the plan, its origin, the profile it was planned with, the report
+Decision = tuple[Plan, str, "ModelProfile | None", dict[str, Any]]
+
+
+def _pinned(m: Measurements, chain: Chain, sample: Sample, fitting: bool) -> Decision:
     """Rank 0: the pinned plan, checked against the job (a profile only when the plan carries a fingerprint)."""
     from uniap_lightning.runtime.planning import check_plan_matches
 
@@ -142,11 +148,11 @@ def _pinned(m: Measurements, chain: Chain, sample: Sample, fitting: bool) -> tup
     profile = m.profile_on_lead(chain, sample) if plan.model_fingerprint else None
     check_plan_matches(plan, chain.names, world_size=m.ranks.world_size, profile=profile,
                        global_batch_size=sample.global_batch_size if fitting else None)
-    return plan, "pinned", m.report
+    return plan, "pinned", profile, m.report
 
 
 def _solve(m: Measurements, chain: Chain, sample: Sample, cluster: Cluster | None,
-           premeasured: ModelProfile | None) -> tuple[Plan, str, dict[str, Any]]:
+           premeasured: ModelProfile | None) -> Decision:
     """Rank 0: a cached plan for this job, or a solved one."""
     from uniap_lightning.runtime.planning import solve_plan
 
@@ -170,7 +176,7 @@ def _solve(m: Measurements, chain: Chain, sample: Sample, cluster: Cluster | Non
     plan, origin = solve_plan(profile=profile, cluster=cluster, training=_training(chain, batch, o.schedule),
                               solver=o.solver, time_limit_s=o.time_limit_s, cache_dir=o.plan_cache_dir())
     m.report["solve_s"] = time.perf_counter() - t0
-    return plan, origin, m.report
+    return plan, origin, profile, m.report
 
 
 def _training(chain: Chain, global_batch_size: int, schedule: str) -> Any:
