@@ -83,3 +83,21 @@ def test_unused_parameter_gets_the_average_and_disarmed_hooks_do_nothing(world_o
     rg.finish()
     assert all(not torch.equal(p.grad, b) for p, b in zip(model.parameters(), before))
     assert all(b.work is None for b in rg.buckets)
+
+
+REPL = (2, 1, False)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_short_last_window_across_epochs_matches_one_process(world: int, tmp_path) -> None:
+    """16 samples per batch, 4 batches per epoch, windows of 3: each epoch ends with a window of one batch that
+    both opens and closes (Lightning zeroes ``.grad`` there), so the buckets must leave the stale gradients out."""
+    import uniap_rt_helpers as h
+
+    if world == 2:
+        plan = h.make_plan([REPL] * 4, [0, 0, 0, 0], pp=1, microbatches=2)
+    else:
+        plan = h.make_plan([REPL] * 4, [0, 0, 1, 1], pp=2, microbatches=2, world=4)
+    cases = {"short_window": {"plan": plan, "accumulate": 3, "epochs": 2, "clip": 0.5}}
+    results = h.spawn(world, cases, tmp_path)
+    h.assert_close_to_reference(results, "short_window", h.reference_for(cases["short_window"]))

@@ -11,6 +11,7 @@ overlaps its buckets with backward); see ``UniAPStrategy.training_step`` / ``bac
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cache
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,9 +36,14 @@ def apply_fsdp(layer: nn.Module, dp_mesh: DeviceMesh) -> None:
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The shard of ``t`` held by this rank (``t`` itself for a plain tensor); in-place edits reach ``t``."""
-    from torch.distributed.tensor import DTensor
+    return t.to_local() if isinstance(t, _dtensor_type()) else t
 
-    return t.to_local() if isinstance(t, DTensor) else t
+
+@cache
+def _dtensor_type() -> type:
+    from torch.distributed.tensor import DTensor  # imported once, not per call: gradient hooks call this
+
+    return DTensor
 
 
 @dataclass
@@ -51,29 +57,29 @@ class Bucket:
     size: int  # ranks in ``group``
     params: list[nn.Parameter]
     buffer: torch.Tensor
-    offsets: list[int]
+    slots: list[torch.Tensor]  # parameter i's piece of ``buffer``, shaped as its local gradient
     filled: list[bool] = field(default_factory=list)
+    missing: int = 0  # slots not filled yet this step
     work: Any = None
 
-    def slot(self, i: int) -> torch.Tensor:
-        local = local_tensor(self.params[i])
-        return self.buffer[self.offsets[i] : self.offsets[i] + local.numel()].view(local.shape)
+    def reset(self) -> None:
+        self.filled = [False] * len(self.params)
+        self.missing = len(self.params)
 
-    @torch.no_grad()
     def fill(self, i: int, previous: torch.Tensor | None) -> None:
-        """Copy parameter ``i``'s final gradient (plus ``previous``, the earlier batches of the window) in."""
-        p, out = self.params[i], self.slot(i)
-        if p.grad is None:
+        """Copy parameter ``i``'s final gradient (plus ``previous``, the earlier batches of the window) in.
+
+        No autograd bookkeeping needed: neither the buffer nor gradients require grad (and hooks run in backward).
+        """
+        grad, out = self.params[i].grad, self.slots[i]
+        if grad is None:
             out.zero_()
         else:
-            out.copy_(local_tensor(p.grad))
+            out.copy_(local_tensor(grad))
         if previous is not None:
             out.add_(local_tensor(previous))
         self.filled[i] = True
-
-    @property
-    def complete(self) -> bool:
-        return all(self.filled)
+        self.missing -= 1
 
     @torch.no_grad()
     def write_back(self) -> None:
@@ -88,7 +94,7 @@ class Bucket:
                 # Every rank takes part in the collective (a parameter unused here may have a gradient on
                 # another rank), so this rank gets the average too.
                 p.grad = torch.zeros_like(p)
-            local_tensor(p.grad).copy_(self.slot(i))
+            local_tensor(p.grad).copy_(self.slots[i])
 
 
 def make_buckets(
@@ -128,13 +134,13 @@ def _kind(p: torch.Tensor) -> tuple[torch.dtype, torch.device]:
 
 
 def _bucket(group: dist.ProcessGroup, size: int, params: list[nn.Parameter]) -> Bucket:
-    offsets, total = [], 0
-    for p in params:
-        offsets.append(total)
-        total += local_tensor(p).numel()
+    shapes = [local_tensor(p).shape for p in params]
     dtype, device = _kind(params[0])
-    buffer = torch.empty(total, dtype=dtype, device=device)
-    return Bucket(group, size, params, buffer, offsets, [False] * len(params))
+    buffer = torch.empty(sum(s.numel() for s in shapes), dtype=dtype, device=device)
+    slots = [piece.view(shape) for piece, shape in zip(buffer.split([s.numel() for s in shapes]), shapes)]
+    bucket = Bucket(group, size, params, buffer, slots)
+    bucket.reset()
+    return bucket
 
 
 @dataclass
@@ -204,7 +210,7 @@ class ReplicatedGrads:
         self._hits = {}
         self._previous = {p: previous.get(p) for p in self._slot_of}
         for b in self.buckets:
-            b.filled = [False] * len(b.params)
+            b.reset()
         self._armed = True
 
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -217,7 +223,7 @@ class ReplicatedGrads:
             self._launch_complete()
 
     def _launch_complete(self) -> None:
-        while self._next < len(self.buckets) and self.buckets[self._next].complete:
+        while self._next < len(self.buckets) and not self.buckets[self._next].missing:
             b = self.buckets[self._next]
             b.work = dist.all_reduce(b.buffer, group=b.group, async_op=True)
             self._next += 1
@@ -228,10 +234,11 @@ class ReplicatedGrads:
         if not self._armed:
             return
         self._armed = False
-        for b in self.buckets[self._next :]:
-            for i, done in enumerate(b.filled):
-                if not done:
-                    b.fill(i, self._previous[b.params[i]])
+        with torch.no_grad():
+            for b in self.buckets[self._next :]:
+                for i, done in enumerate(b.filled):
+                    if not done:
+                        b.fill(i, self._previous[b.params[i]])
         self._launch_complete()
         self._previous, self._hits = {}, {}
 
