@@ -71,11 +71,12 @@ def median_over_ranks(profiles: Sequence[ModelProfile]) -> ModelProfile:
     for i, lp in enumerate(first.layers):
         peers = [p.layers[i] for p in profiles]
         timings = tuple(
-            Timing(t.micro_batch, med(q.timings[j].forward_s for q in peers), med(q.timings[j].backward_s for q in peers))
+            Timing(t.micro_batch, med(q.timings[j].forward_s for q in peers),
+                   med(q.timings[j].backward_s for q in peers))
             for j, t in enumerate(lp.timings)
         ) if all(len(q.timings) == len(lp.timings) for q in peers) else lp.timings
-        layers.append(replace(lp, forward_s=med(q.forward_s for q in peers), backward_s=med(q.backward_s for q in peers),
-                              timings=timings))
+        layers.append(replace(lp, forward_s=med(q.forward_s for q in peers),
+                              backward_s=med(q.backward_s for q in peers), timings=timings))
     meta = dict(first.meta)
     meta["ranks_combined"] = len(profiles)
     return ModelProfile(model=first.model, layers=layers, source=first.source, device=first.device, meta=meta)

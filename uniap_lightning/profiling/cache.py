@@ -3,12 +3,11 @@
 A measured model profile is keyed by everything its numbers depend on: the model's structure (layer names,
 module classes, parameter shapes and dtypes), the source code of every module class in the chain, the answers of
 its ``uniap_*`` methods (tensor-parallel degrees and all-reduces), the precision, the sample micro-batch's shape
-and dtype, the device type (and
-GPU name), the world layout (nodes x devices per node: other processes share the machine while profiling), the
-torch / lightning / uniap versions and the profiler's settings. A measured cluster is keyed by the world layout,
-device type, backend and versions. Entries are profile-format JSON files (``profile-<key>.json``) or cluster
-JSON files (``cluster-<key>.json``), written atomically. An unreadable or invalid entry is discarded with a
-warning naming the file, then measured again and replaced.
+and dtype, the device type (and GPU name), the world layout (nodes x devices per node: other processes share the
+machine while profiling), the torch / lightning / uniap versions and the profiler's settings. A measured cluster
+is keyed by the world layout, device type, backend and versions. Entries are profile-format JSON files
+(``profile-<key>.json``) or cluster JSON files (``cluster-<key>.json``), written atomically. An unreadable or
+invalid entry is discarded with a warning naming the file, then measured again and replaced.
 """
 
 from __future__ import annotations

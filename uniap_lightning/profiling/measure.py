@@ -13,6 +13,7 @@ gradients are cleared afterwards (:func:`training_state_kept`).
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -104,13 +105,7 @@ def _measure_layer(layer: nn.Module, x: torch.Tensor, repeats: int, warmup: int,
     for _ in range(max(warmup, 1) - 1):
         run(count_saved=False)
     fwd, bwd = zip(*(run(count_saved=False)[1:] for _ in range(max(repeats, 1))))
-    return out, _median(fwd), _median(bwd), float(saved[0]), peak
-
-
-def _median(xs: Sequence[float]) -> float:
-    import statistics
-
-    return statistics.median(xs)
+    return out, statistics.median(fwd), statistics.median(bwd), float(saved[0]), peak
 
 
 def _time_chain(layers: Sequence[nn.Module], names: Sequence[str], x: Any, repeats: int, warmup: int,
@@ -204,21 +199,31 @@ def profile_layers(
         raise failure
     pool_identical_layers(layers, [s[:2] for s in stats], readings)
     never_faster_when_larger(readings)
-    sizes = sorted(readings)
-    out: list[LayerProfile] = []
-    for i, (layer, name) in enumerate(zip(layers, names)):
-        fwd_s, bwd_s = readings[rows][i]
-        out_bytes, act_bytes, _ = stats[i]
-        timings = tuple(Timing(m, *readings[m][i]) for m in sizes) if len(sizes) > 1 else ()
-        out.append(LayerProfile(
-            name=name, forward_s=fwd_s / rows, backward_s=bwd_s / rows, params=sum(p.numel() for p in layer.parameters()),
-            activation_bytes=act_bytes / rows, output_bytes=out_bytes / rows,
-            tp_degrees=tuple(tp_degrees[i]) if tp_degrees else (1,),
-            tp_allreduces=int(tp_allreduces[i]) if tp_allreduces else 0, timings=timings,
-        ))
+    out = _layer_profiles(layers, names, readings, stats, tp_degrees=tp_degrees, tp_allreduces=tp_allreduces)
     meta = {
-        "micro_batch": rows, "micro_batches": sizes, "repeats": repeats, "timer": Timer(sample_input.device).name,
-        "peak_memory_bytes": [s[2] for s in stats], "skipped_micro_batches": {str(m): why for m, why in skipped.items()},
+        "micro_batch": rows, "micro_batches": sorted(readings), "repeats": repeats,
+        "timer": Timer(sample_input.device).name, "peak_memory_bytes": [s[2] for s in stats],
+        "skipped_micro_batches": {str(m): why for m, why in skipped.items()},
         "profile_seconds": time.perf_counter() - t_start,
     }
     return ModelProfile(model=model, layers=out, source="measured", device=device, meta=meta)
+
+
+def _layer_profiles(layers: Sequence[nn.Module], names: Sequence[str], readings: Readings,
+                    stats: Sequence[tuple[int, float, float | None]], *, tp_degrees: Sequence[Sequence[int]] | None,
+                    tp_allreduces: Sequence[int] | None) -> list[LayerProfile]:
+    """Per-sample figures at the largest size (the sample's rows), with the timings at every size."""
+    sizes = sorted(readings)
+    rows = sizes[-1]
+    out = []
+    for i, (layer, name) in enumerate(zip(layers, names)):
+        fwd_s, bwd_s = readings[rows][i]
+        out_bytes, act_bytes, _ = stats[i]
+        out.append(LayerProfile(
+            name=name, forward_s=fwd_s / rows, backward_s=bwd_s / rows,
+            params=sum(p.numel() for p in layer.parameters()), activation_bytes=act_bytes / rows,
+            output_bytes=out_bytes / rows, tp_degrees=tuple(tp_degrees[i]) if tp_degrees else (1,),
+            tp_allreduces=int(tp_allreduces[i]) if tp_allreduces else 0,
+            timings=tuple(Timing(m, *readings[m][i]) for m in sizes) if len(sizes) > 1 else (),
+        ))
+    return out
