@@ -104,14 +104,17 @@ def _key(layers: list[nn.Module], precision: str = "32-true") -> str:
                        tp_allreduces=[tp_allreduces(m) for m in layers])
 
 
-class TPBlock(Block):
-    def uniap_tp_degrees(self) -> list[int]:
-        return [1, 2]
+def _tp_block() -> type[nn.Module]:
+    class Block(globals()["Block"]):  # the same class name and code, with the tensor-parallel methods added
+        def uniap_tp_degrees(self) -> list[int]:
+            return [1, 2]
 
-    def uniap_tp_plan(self, tp: int) -> dict[str, Any]:
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+        def uniap_tp_plan(self, tp: int) -> dict[str, Any]:
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-        return {"up": ColwiseParallel(), "down": RowwiseParallel()}
+            return {"up": ColwiseParallel(), "down": RowwiseParallel()}
+
+    return Block
 
 
 def _edited_block() -> type[nn.Module]:
@@ -129,14 +132,14 @@ def _edited_block() -> type[nn.Module]:
 def test_the_profile_key_covers_layer_code_uniap_methods_and_precision() -> None:
     key = _key([Block()])
     assert _key([Block()]) == key  # deterministic
-    assert _key([TPBlock()]) != key  # uniap_tp_* methods added
+    assert _key([_tp_block()()]) != key  # uniap_tp_* methods added
     assert _key([_edited_block()()]) != key  # the layer's code changed
     assert _key([Block()], precision="bf16-mixed") != key
 
 
 def test_adding_tensor_parallel_methods_profiles_again(tmp_path: Path) -> None:
     first = _fit(tmp_path, _module(Block))
-    second = _fit(tmp_path, _module(TPBlock))
+    second = _fit(tmp_path, _module(_tp_block()))
     assert first.strategy.setup_report["profile_origin"] == "measured"
     assert second.strategy.setup_report["profile_origin"] == "measured"  # not the first run's cache entry
     assert second.strategy.setup_report["profile_path"] != first.strategy.setup_report["profile_path"]
@@ -164,8 +167,8 @@ def test_bf16_mixed_profiles_under_autocast_and_keys_its_own_cache_entry(tmp_pat
     full = _fit(tmp_path, _module())
     mixed = _fit(tmp_path, _module(), precision="bf16-mixed")
     rep_full, rep_mixed = full.strategy.setup_report, mixed.strategy.setup_report
-    assert rep_full["precision"] == "32-true" and rep_mixed["precision"] == "bf16-mixed"
     assert rep_mixed["profile_origin"] == "measured" and rep_mixed["profile_path"] != rep_full["profile_path"]
+    assert rep_full["precision"] == "32-true" and rep_mixed["precision"] == "bf16-mixed"
     out_full = [lp.output_bytes for lp in load_profile(rep_full["profile_path"]).layers]
     out_mixed = [lp.output_bytes for lp in load_profile(rep_mixed["profile_path"]).layers]
     assert out_mixed[0] == out_full[0] / 2  # a Linear's output is bf16 under autocast
