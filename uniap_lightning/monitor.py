@@ -35,7 +35,6 @@ What "peak memory" measures:
 
 from __future__ import annotations
 
-import json
 import resource
 import statistics
 import time
@@ -44,6 +43,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+
+from uniap_lightning.files import write_json_atomic
 
 
 def _proc_status_kib(field: str) -> int | None:
@@ -272,7 +273,7 @@ class UniAPMonitor(pl.Callback):
     def _write(path: Path, report: dict[str, Any]) -> None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(report, indent=2) + "\n")
+            write_json_atomic(path, report)
             report["file"] = str(path)
         except OSError:
             pass

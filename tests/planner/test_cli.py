@@ -47,8 +47,16 @@ def test_evaluate_refuses_a_plan_from_another_model(plan_file):
 @pytest.mark.parametrize(
     ("args", "code", "message"),
     [
-        (["model=nope"], 1, "Could not find 'model/nope'"),
-        (["cluster=nope"], 1, "Could not find 'cluster/nope'"),
+        (["model=nope"], 2, "unknown model 'nope'"),
+        (["cluster=nope"], 2, "unknown cluster 'nope'"),
+        (["cluster=a100_1x8,../../etc/x"], 2, "is neither a shipped cluster name"),
+        (["time_limit=-5"], 2, "time_limit=-5: give the search's time limit in seconds, a number > 0"),
+        (["time_limit=nan"], 2, "time_limit=nan"),
+        (["out=/nonexistent-dir/plan.json"], 2, "out='/nonexistent-dir/plan.json': the folder '/nonexistent-dir' does not exist"),
+        (["out=/"], 2, "out='/' is a folder; give a file name"),
+        (["viz=/nonexistent-dir/plan.png"], 2, "viz='/nonexistent-dir/plan.png': the folder"),
+        ([f"profile={sys.executable}"], 2, "is not a text file"),
+        (["profile=/"], 2, "profile file '/' is a folder, not a file"),
         (["model=llama_70b", "cluster=a100_1x8", "batch_size=64"], 2, "no plan fits in memory: the least memory"),
         (["batch_size=0"], 2, "batch_size (global_batch_size) must be a positive integer"),
         (["batch_size=6", "microbatches=[4]"], 2, "microbatches=[4]: each candidate must be a positive integer dividing batch_size=6"),
@@ -93,3 +101,31 @@ def test_explain_shows_layers_stages_and_runners_up(plan_file, tmp_path):
         assert text in res.stdout
     res = uniap("explain", "measured=/nope.json", "model=tiny_gpt", "cluster=local_cpu", "batch_size=16")
     assert res.returncode == 2 and "measured='/nope.json' does not exist" in res.stderr
+
+
+@pytest.mark.parametrize(("command", "args", "message"), [
+    ("evaluate", ["plan=/"], "plan file '/' is a folder, not a file"),
+    ("evaluate", [f"plan={sys.executable}"], "is not a text file"),
+    ("explain", [f"measured={sys.executable}"], "is not a text file"),
+    ("explain", ["measured=MEASURED"], "field 'tpi_s' must be a number of seconds >= 0, got 'fast'"),
+    ("explain", ["measured=NOTJSON"], "is not valid JSON"),
+])
+def test_bad_files_get_one_clear_message(command, args, message, tmp_path):
+    (tmp_path / "m.json").write_text('{"tpi_s": "fast"}')
+    (tmp_path / "n.json").write_text("{not json")
+    args = [a.replace("MEASURED", str(tmp_path / "m.json")).replace("NOTJSON", str(tmp_path / "n.json")) for a in args]
+    res = uniap(command, "model=gpt2_small", *args)
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    assert message in res.stderr and "Traceback" not in res.stderr
+
+
+def test_broken_cluster_yaml_is_one_clear_message(tmp_path):
+    from uniap_lightning.errors import UniAPError
+    from uniap_lightning.planner.config import cluster_from
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nnodes: [1\n")
+    with pytest.raises(UniAPError, match="bad.yaml' is not valid YAML: .*line 2"):
+        cluster_from(str(bad))
+    with pytest.raises(UniAPError, match="does not exist"):
+        cluster_from(str(tmp_path / "missing.yaml"))

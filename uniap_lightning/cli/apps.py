@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,6 +16,7 @@ from rich.markup import escape
 
 from uniap_lightning.planner.config import CONF_DIR, build_problem
 from uniap_lightning.errors import UniAPError
+from uniap_lightning.files import check_output_file, read_json, write_json_atomic
 from uniap_lightning.planner.problem import Problem
 
 CONF = str(CONF_DIR)
@@ -39,6 +40,45 @@ def _problem(cfg: DictConfig) -> Problem:
     )
 
 
+def _check_options(cfg: DictConfig, *, outputs: tuple[str, ...] = ()) -> None:
+    """Refuse bad command-line values before any profile is read or any solver runs."""
+    limit = cfg.get("time_limit")
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not math.isfinite(limit) or limit <= 0:
+        raise UniAPError(f"time_limit={_short(limit)}: give the search's time limit in seconds, a number > 0")
+    for key in outputs:
+        if cfg.get(key):
+            check_output_file(cfg[key], f"{key}=")
+
+
+def _short(value: Any) -> str:
+    """A value for an error message: numbers in at most a few digits (1e308 is not 309 characters)."""
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**12:
+        return f"{float(value):.6g}"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _measured(path: str) -> dict[str, Any]:
+    """The monitor's metrics file (``uniap_measured.json``), with the fields ``uniap explain`` reads checked."""
+    data = read_json(path, "measured=")
+    if not isinstance(data, dict):
+        raise UniAPError(f"measured={path!r}: expected a JSON object as the monitor writes, got {type(data).__name__}")
+    tpi = data.get("tpi_s")
+    if tpi is not None and (isinstance(tpi, bool) or not isinstance(tpi, (int, float)) or not math.isfinite(tpi)
+                            or tpi < 0):
+        raise UniAPError(f"measured={path!r}: field 'tpi_s' must be a number of seconds >= 0, got {_short(tpi)}")
+    for key in ("stage_time_s", "stage_peak_memory_bytes"):
+        values = data.get(key)
+        if values is None:
+            continue
+        if not isinstance(values, list) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0 for v in values):
+            raise UniAPError(f"measured={path!r}: field {key!r} must be a list of numbers >= 0, got {_short(values)}")
+    return data
+
+
 def _pp(cfg: DictConfig) -> list[int] | None:
     if cfg.pp is None:
         return None
@@ -57,7 +97,7 @@ def _record(result: dict[str, Any]) -> None:
     if _multirun():
         out = Path(HydraConfig.get().runtime.output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "result.json").write_text(json.dumps(result, indent=2))
+        write_json_atomic(out / "result.json", result)
 
 
 def _fail(err: UniAPError, cfg: DictConfig) -> None:
@@ -73,6 +113,7 @@ def run_plan(cfg: DictConfig) -> None:
 
     console = Console()
     try:
+        _check_options(cfg, outputs=("out", "viz"))
         problem = _problem(cfg)
         with console.status("[bold]solving[/bold]") as status:
             plan = solve(
@@ -121,6 +162,7 @@ def run_evaluate(cfg: DictConfig) -> None:
     try:
         if not cfg.plan:
             raise UniAPError("give the plan to score: uniap evaluate plan=plan.json model=... cluster=...")
+        _check_options(cfg)
         plan = Plan.from_json(Path(cfg.plan))
         problem = _problem(cfg)
         plan.estimate = evaluate(problem, plan)
@@ -143,6 +185,8 @@ def run_explain(cfg: DictConfig) -> None:
 
     console = Console()
     try:
+        _check_options(cfg)
+        measured = _measured(cfg.measured) if cfg.get("measured") else None
         problem = _problem(cfg)
         if cfg.plan:
             plan = Plan.from_json(Path(cfg.plan))
@@ -151,12 +195,6 @@ def run_explain(cfg: DictConfig) -> None:
             with console.status("[bold]solving[/bold]"):
                 plan = solve(problem, solver=cfg.solver, time_limit_s=float(cfg.time_limit), pp=_pp(cfg),
                              baselines=bool(cfg.baselines))
-        measured = None
-        if cfg.get("measured"):
-            path = Path(cfg.measured)
-            if not path.exists():
-                raise UniAPError(f"measured={str(path)!r} does not exist")
-            measured = json.loads(path.read_text())
     except UniAPError as err:
         _fail(err, cfg)
         return

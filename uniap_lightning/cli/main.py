@@ -35,9 +35,30 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if command == "train":
         _exec_with_faithful_cpu_memory(rest)
+    if not _config_groups_load(rest):
+        return 2
     sys.argv = [f"uniap-{command}", *rest]
     table[command]()
     return 0
+
+
+def _config_groups_load(overrides: list[str]) -> bool:
+    """Read each ``model=`` / ``cluster=`` / ``train=`` choice once before Hydra composes the config: a missing or
+    broken YAML is then one ``error:`` line (Hydra would print its own traceback)."""
+    from uniap_lightning.errors import UniAPError
+    from uniap_lightning.planner.config import load_group
+
+    for arg in overrides:
+        key, sep, value = arg.lstrip("+~").partition("=")
+        if not sep or key not in ("model", "cluster", "train") or not value:
+            continue
+        for name in value.split(","):  # a multirun sweep lists several
+            try:
+                load_group(key, name.strip())
+            except UniAPError as err:
+                print(f"error: {err}", file=sys.stderr)
+                return False
+    return True
 
 
 #: glibc's mmap threshold for `uniap train` ranks (bytes): blocks above it are returned to the OS when freed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,8 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
+
+from uniap_lightning.files import write_text_atomic
 
 COLUMNS = ("model", "cluster", "devices", "batch_size", "pp", "microbatches", "strategies", "tpi_s",
            "samples_per_s", "measured_samples_per_s", "final_loss", "train_ppl", "solve_s", "error")
@@ -26,10 +29,11 @@ class SweepSummary(Callback):
         if not rows:
             return
         cols = [c for c in COLUMNS if any(r.get(c) is not None for r in rows)]
-        with open(sweep_dir / "summary.csv", "w", newline="") as fh:
-            writer = csv.DictWriter(fh, fieldnames=cols, extrasaction="ignore")
-            writer.writeheader()
-            writer.writerows(rows)
+        buf = io.StringIO(newline="")
+        writer = csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+        write_text_atomic(sweep_dir / "summary.csv", buf.getvalue())
         table = Table(title=f"Sweep summary ({len(rows)} runs) -> {sweep_dir / 'summary.csv'}", title_justify="left")
         for c in cols:
             table.add_column(c)

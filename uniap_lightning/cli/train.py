@@ -7,7 +7,6 @@ SLURM ``srun`` starts the ranks and Lightning's SLURM environment wires them.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -18,6 +17,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from uniap_lightning.errors import UniAPError
+from uniap_lightning.files import write_json_atomic
 
 
 def _free_port() -> int:
@@ -144,7 +144,7 @@ def run_train(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
         if cfg.out:
             out = Path(cfg.out)
             out.mkdir(parents=True, exist_ok=True)
-            (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result, indent=2))
+            write_json_atomic(out / f"rank{trainer.global_rank}.json", result)
         if trainer.global_rank == 0:
             print(f"final train loss {result['final_loss']:.4f}, perplexity {result['train_ppl'] or float('nan'):.2f}, "
                   f"{timer.samples_per_s or float('nan'):.1f} samples/s measured "

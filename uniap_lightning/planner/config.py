@@ -7,6 +7,7 @@ the same files; this module lets Python code (and tests) use them directly.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -14,11 +15,13 @@ from omegaconf import OmegaConf
 
 from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.errors import UniAPError
+from uniap_lightning.files import read_text
 from uniap_lightning.planner.problem import Problem, TrainingConfig
 from uniap_lightning.planner.analytic import ModelSpec, analytic_profile
 from uniap_lightning.planner.profile import ModelProfile, load_profile
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # uniap_lightning/conf: packaged with the wheel
+_CONF_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
 def available(group: str) -> list[str]:
@@ -26,10 +29,27 @@ def available(group: str) -> list[str]:
 
 
 def load_group(group: str, name: str) -> dict[str, Any]:
-    path = CONF_DIR / group / f"{name}.yaml"
-    if not path.exists():
-        raise UniAPError(f"unknown {group} {name!r}; available: {', '.join(available(group))}")
-    return OmegaConf.to_container(OmegaConf.load(path), resolve=True)  # type: ignore[return-value]
+    """A shipped entry by name (``conf/<group>/<name>.yaml``), or a YAML file given explicitly as a path (the
+    name ends in ``.yaml`` / ``.yml``; it must exist). Names never reach outside ``conf/<group>``."""
+    if name.endswith((".yaml", ".yml")):
+        path = Path(name)
+    elif _CONF_NAME.fullmatch(name) and ".." not in name:
+        path = CONF_DIR / group / f"{name}.yaml"
+        if not path.is_file():
+            raise UniAPError(f"unknown {group} {name!r}; available: {', '.join(available(group))} "
+                             f"(or give a path to a .yaml file)")
+    else:
+        raise UniAPError(f"{group} {name!r} is neither a shipped {group} name ({', '.join(available(group))}) nor "
+                         "a path to a .yaml file")
+    text = read_text(path, f"{group} file")
+    try:
+        data = OmegaConf.to_container(OmegaConf.create(text), resolve=True)
+    except Exception as err:  # noqa: BLE001 - yaml / omegaconf raise many types for a bad document
+        why = " ".join(line.strip() for line in str(err).splitlines() if line.strip()) or type(err).__name__
+        raise UniAPError(f"{group} file {str(path)!r} is not valid YAML: {why[:300]}") from err
+    if not isinstance(data, dict):
+        raise UniAPError(f"{group} file {str(path)!r} must hold a mapping of fields, got {type(data).__name__}")
+    return data  # type: ignore[return-value]
 
 
 def cluster_from(cfg: str | dict[str, Any] | Cluster) -> Cluster:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from uniap_lightning.errors import UniAPError
+from uniap_lightning.files import read_text, write_text_atomic
 
 PLAN_FORMAT_VERSION = 1
 SCHEDULES = ("gpipe", "1f1b")
@@ -196,7 +197,7 @@ class Plan:
     def to_json(self, path: str | Path | None = None) -> str:
         text = json.dumps(self.to_dict(), indent=2)
         if path is not None:
-            Path(path).write_text(text + "\n")
+            write_text_atomic(path, text + "\n")
         return text
 
     @classmethod
@@ -237,9 +238,7 @@ class Plan:
     def from_json(cls, text_or_path: str | Path) -> Plan:
         p = Path(text_or_path)
         if isinstance(text_or_path, Path) or (len(str(text_or_path)) < 4096 and p.suffix == ".json"):
-            if not p.exists():
-                raise UniAPError(f"plan file {str(p)!r} does not exist")
-            text = p.read_text()
+            text = read_text(p, "plan file")
         else:
             text = str(text_or_path)
         try:

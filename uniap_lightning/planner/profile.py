@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from uniap_lightning.errors import UniAPError
+from uniap_lightning.files import read_json, write_json_atomic
 
 PROFILE_FORMAT_VERSION = 1
 _REQUIRED = ("name", "forward_s", "backward_s", "params", "activation_bytes", "output_bytes", "tp_degrees", "tp_allreduces")
@@ -262,14 +263,9 @@ def _layer_from_dict(item: Any, where: str) -> LayerProfile:
 def load_profile(path: str | Path) -> ModelProfile:
     """Read and validate a profile file; errors name the file, the layer and the field."""
     p = Path(path)
-    if not p.exists():
-        raise UniAPError(f"profile file {str(p)!r} does not exist")
-    try:
-        data = json.loads(p.read_text())
-    except json.JSONDecodeError as err:
-        raise UniAPError(f"profile file {str(p)!r} is not valid JSON: {err}") from err
+    data = read_json(p, "profile file")
     return ModelProfile.from_dict(data, origin=f"profile file {p.name}")
 
 
 def save_profile(profile: ModelProfile, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(profile.to_dict(), indent=2) + "\n")
+    write_json_atomic(path, profile.to_dict())
