@@ -498,9 +498,13 @@ def _candidates(chosen: Any, profile: Any, cluster: Any, k: int,
     return out
 
 
-def uniap_with_flat_sync(plan: Any) -> Any:
+def uniap_with_flat_sync(plan: Any, *, flat: bool = True, waited_s: list[float] | None = None) -> Any:
     """The strategy with the replicated-gradient path it had before bucketing (part 4's baseline): each group's
-    gradients concatenated into one flat buffer and all-reduced after the whole backward of the step."""
+    gradients concatenated into one flat buffer and all-reduced after the whole backward of the step.
+
+    ``flat=False`` keeps the strategy's own path. ``waited_s`` collects, per batch, the seconds the strategy's
+    ``backward`` spends in the gradient sync after the backward (all of the flat all-reduce; only the wait for the
+    buckets still in flight, and the copy back, with buckets): the part of the sync that overlapping hides."""
     import torch.distributed as dist
 
     from uniap_lightning.runtime.data_parallel import ReplicatedGrads, local_tensor
@@ -536,14 +540,32 @@ def uniap_with_flat_sync(plan: Any) -> Any:
     class FlatSync(UniAPStrategy):
         def setup(self, trainer: Any) -> None:
             super().setup(trainer)
-            self.runtime.replicated = FlatAfterBackward(self.runtime.replicated.groups)
+            if flat:
+                self.runtime.replicated = FlatAfterBackward(self.runtime.replicated.groups)
+            if waited_s is not None:
+                finish = self.runtime.replicated.finish
+
+                def timed() -> None:
+                    t0 = time.perf_counter()
+                    finish()
+                    waited_s.append(time.perf_counter() - t0)
+
+                self.runtime.replicated.finish = timed  # type: ignore[method-assign]
 
     return FlatSync(plan=plan, **STRATEGY_KW)
 
 
-def part4(args: Any, say: Any) -> dict[str, Any]:
-    from uniap_lightning.strategy import UniAPStrategy
+def _waited(waited_s: list[float], warmup: int) -> float:
+    """Median seconds waited per step after the warm-up, the slowest rank counting (collective)."""
+    import torch.distributed as dist
 
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, statistics.median(waited_s[warmup:]))
+    waited_s.clear()
+    return max(out)
+
+
+def part4(args: Any, say: Any) -> dict[str, Any]:
     names = [f"chain.{i}" for i in range(MODEL["n_layer"] + 2)]
     half = len(names) // 2
     layouts = {f"dp{WORLD} (replicate), 1 micro-batch": (1, 1, [0] * len(names))}
@@ -553,13 +575,19 @@ def part4(args: Any, say: Any) -> dict[str, Any]:
     for title, (pp, c, stages) in layouts.items():
         say(f"  part 4: {title}")
         plan = layout_plan(pp, c, stages, WORLD // pp, names)
-        res, cpu = interleaved({
-            "flat": lambda plan=plan: run_uniap(None, args.warmup, args.steps, strategy=uniap_with_flat_sync(plan))[0],
-            "buckets": lambda plan=plan: run_uniap(None, args.warmup, args.steps,
-                                                   strategy=UniAPStrategy(plan=plan, **STRATEGY_KW))[0],
-        }, args.runs, say)
+        waited: dict[str, list[float]] = {"flat": [], "buckets": []}
+
+        def run(flat: bool, plan: Any = plan) -> Any:
+            sink: list[float] = []
+            t = run_uniap(None, args.warmup, args.steps,
+                          strategy=uniap_with_flat_sync(plan, flat=flat, waited_s=sink))[0]
+            waited["flat" if flat else "buckets"].append(_waited(sink, args.warmup))
+            return t
+
+        res, cpu = interleaved({"flat": lambda: run(True), "buckets": lambda: run(False)}, args.runs, say)
         rows.append({"layout": title, "world": WORLD, "flat_s": res["flat"], "buckets_s": res["buckets"],
-                     "flat_cpu_s": cpu["flat"], "buckets_cpu_s": cpu["buckets"]})
+                     "flat_cpu_s": cpu["flat"], "buckets_cpu_s": cpu["buckets"], "flat_waited_s": waited["flat"],
+                     "buckets_waited_s": waited["buckets"]})
     return {"rows": rows}
 
 
@@ -727,17 +755,19 @@ def tables(res: dict[str, Any]) -> list[Any]:
         out.append(t)
     if "part4" in res:
         t = Table(title=f"(4) Replicated gradients: one flat all-reduce after backward (before) vs buckets overlapped "
-                        f"with backward (after); ms/step and CPU ms/step summed over ranks, median of {runs}")
+                        f"with backward (after); ms/step, CPU ms/step summed over ranks, ms per step waited for the "
+                        f"sync after the backward (slowest rank); medians of {runs}")
         for col in ("layout", "ranks", "before", "after", "after / before", "paired", "CPU before", "CPU after",
-                    "CPU paired", "runs before", "runs after"):
+                    "CPU paired", "waited before", "waited after", "runs before", "runs after"):
             t.add_column(col)
         for row in res["part4"]["rows"]:
             f, b = med(row["flat_s"]), med(row["buckets_s"])
             t.add_row(row["layout"], str(row["world"]), f"{f * 1e3:.1f}", f"{b * 1e3:.1f}", f"{b / f:.3f}",
                       f"{paired(row['buckets_s'], row['flat_s']):.3f}", f"{med(row['flat_cpu_s']) * 1e3:.1f}",
                       f"{med(row['buckets_cpu_s']) * 1e3:.1f}",
-                      f"{paired(row['buckets_cpu_s'], row['flat_cpu_s']):.3f}", spread(row["flat_s"]),
-                      spread(row["buckets_s"]))
+                      f"{paired(row['buckets_cpu_s'], row['flat_cpu_s']):.3f}",
+                      f"{med(row['flat_waited_s']) * 1e3:.2f}", f"{med(row['buckets_waited_s']) * 1e3:.2f}",
+                      spread(row["flat_s"]), spread(row["buckets_s"]))
         out.append(t)
     return out
 
