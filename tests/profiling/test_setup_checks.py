@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import warnings
 from pathlib import Path
 from typing import Any
@@ -148,6 +149,7 @@ def test_adding_tensor_parallel_methods_profiles_again(tmp_path: Path) -> None:
     assert result.profile.layers[1].tp_degrees == (1, 2) and result.origin == second.strategy.plan_origin
     with pytest.raises(dataclasses.FrozenInstanceError):
         result.origin = "elsewhere"  # type: ignore[misc]
+    assert pickle.loads(pickle.dumps(result)).report == result.report
 
 
 # ---------------------------------------------------------------------------------------- bug 9: precision
@@ -203,3 +205,28 @@ def test_an_unreadable_or_foreign_cached_plan_is_discarded_with_a_warning(tmp_pa
     path.write_bytes(os.urandom(64) + b"\xff\xfe")
     with pytest.warns(UserWarning, match=f"ignoring the cached plan {path}"):
         assert _cached_plan(path, profile=profile, world_size=1, global_batch_size=8) is None
+
+
+def test_an_invalid_cluster_cache_entry_is_discarded_with_a_warning(tmp_path: Path) -> None:
+    import json
+
+    from uniap_lightning.runtime.planning import local_cluster
+    from uniap_lightning.setup import Ranks, SetupOptions
+    from uniap_lightning.setup.measure import Measurements
+
+    m = Measurements(ranks=Ranks(rank=0, world_size=2, num_nodes=1, devices_per_node=2, device=torch.device("cpu")),
+                     options=SetupOptions(cache_dir=tmp_path), precision="32-true", forward_context=lambda: None)
+    base = local_cluster(nodes=1, devices_per_node=2, device_type="cpu")
+    path = tmp_path / "cluster-x.json"
+    good = {"ops": {"all_reduce": {"2": {"bw_gbps": 1.0, "latency_us": 50.0, "inter_node": False}}}}
+    path.write_text(json.dumps(good))
+    assert m._cached_cluster(base, path).collective_tables["all_reduce"]["intra"][2]["bw_gbps"] == 1.0
+    missing = {"ops": {"all_reduce": {"2": {"bw_gbps": 1.0, "latency_us": 50.0}}}}  # no "inter_node"
+    negative = {"ops": {"all_reduce": {"2": {"bw_gbps": -1.0, "latency_us": 50.0, "inter_node": False}}}}
+    for content in (json.dumps(missing), json.dumps(negative), "[1, 2]", b"\xff\xfe" + os.urandom(32)):
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            path.write_text(content)
+        with pytest.warns(UserWarning, match=f"ignoring the cache entry {path}"):
+            assert m._cached_cluster(base, path) is None

@@ -28,7 +28,7 @@ def _module(fail_rank: int | None) -> Any:
     return module
 
 
-def _worker(rank: int, world: int, port: int, case: dict[str, Any], out_dir: str) -> None:
+def _worker(rank: int, world: int, port: int, case: dict[str, Any], out_dir: str, done: Any) -> None:
     import lightning.pytorch as pl
 
     from uniap_lightning import UniAPStrategy
@@ -53,12 +53,16 @@ def _worker(rank: int, world: int, port: int, case: dict[str, Any], out_dir: str
     result["warnings"] = [str(w.message) for w in caught]
     result["seconds"] = time.monotonic() - start
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    # a failed rank stays alive until every rank is done, as `uniap train`'s launcher (rank 0) does: a peer that
+    # still waits in a collective then hangs instead of seeing the connection close
+    done.wait(timeout=SECONDS)
 
 
 def _run(case: dict[str, Any], out: Path) -> list[dict[str, Any]]:
     import torch.multiprocessing as mp
 
-    ctx = mp.start_processes(_worker, args=(2, h.free_port(), case, str(out)), nprocs=2, join=False,
+    done = mp.get_context("spawn").Barrier(2)
+    ctx = mp.start_processes(_worker, args=(2, h.free_port(), case, str(out), done), nprocs=2, join=False,
                              start_method="spawn")
     for proc in ctx.processes:
         proc.join(SECONDS)

@@ -79,6 +79,11 @@ class SetupResult:
     profile: ModelProfile | None = None
     report: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # a mappingproxy does not pickle; the result does (e.g. sent between ranks or saved with a run's outputs)
+        return _result, (self.plan, self.origin, self.planning_cluster, self.profile_origin, self.profile,
+                         dict(self.report))
+
     def with_timing(self, **seconds: float) -> SetupResult:
         return replace(self, report=MappingProxyType({**self.report, **seconds}))
 
@@ -89,6 +94,11 @@ class SetupResult:
             f"[{self.profile_origin or 'none'}], cluster {r.get('cluster_s', 0.0):.1f} s "
             f"[{r.get('cluster_origin', 'given')}], solving {r.get('solve_s', 0.0):.1f} s [{self.origin}])"
         )
+
+
+def _result(plan: Plan, origin: str, cluster: Cluster | None, profile_origin: str, profile: ModelProfile | None,
+            report: dict[str, Any]) -> SetupResult:
+    return SetupResult(plan, origin, cluster, profile_origin, profile, MappingProxyType(report))
 
 
 def run_setup(chain: Chain, trainer: pl.Trainer, *, ranks: Ranks, options: SetupOptions, precision: str = "32-true",
