@@ -21,7 +21,6 @@ import time
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +29,7 @@ from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.planner.plan import Plan
 from uniap_lightning.setup.agree import Ranks, everyone, from_lead, gather
 from uniap_lightning.setup.measure import Measurements, info
+from uniap_lightning.setup.options import SetupOptions
 from uniap_lightning.setup.sample import Sample, take_sample
 
 if TYPE_CHECKING:
@@ -37,33 +37,6 @@ if TYPE_CHECKING:
 
     from uniap_lightning.planner.profile import ModelProfile
     from uniap_lightning.runtime import Chain
-
-
-@dataclass(frozen=True)
-class SetupOptions:
-    """The strategy's options that setup reads (see ``UniAPStrategy``'s docstring for each)."""
-
-    cluster: Cluster | None = None
-    pinned_plan: Plan | None = None
-    schedule: str = "1f1b"
-    solver: str = "auto"
-    time_limit_s: float = 60.0
-    profile_path: Path | None = None
-    cache_dir: Path | None = None
-    measure_cluster: bool = True
-    profile_cache: bool = True
-    profile_repeats: int = 3
-    profile_micro_batches: tuple[int, ...] | None = None
-
-    def profile_cache_dir(self) -> Path:
-        from uniap_lightning.profiling.cache import default_profile_cache_dir
-
-        return self.cache_dir / "profiles" if self.cache_dir is not None else default_profile_cache_dir()
-
-    def plan_cache_dir(self) -> Path:
-        from uniap_lightning.runtime.planning import default_cache_dir
-
-        return self.cache_dir or default_cache_dir()
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ import torch
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.setup.agree import Ranks, everyone, from_lead, gather
+from uniap_lightning.setup.options import SetupOptions
 from uniap_lightning.setup.sample import Sample
 
 if TYPE_CHECKING:
@@ -49,7 +50,7 @@ class Measurements:
     """The measuring steps of setup, sharing the job's ranks, the options and the report being filled in."""
 
     ranks: Ranks
-    options: Any  # SetupOptions (kept untyped here to avoid importing the package that imports this module)
+    options: SetupOptions
     precision: str
     forward_context: Callable[[], AbstractContextManager[Any]]
     report: dict[str, Any] = field(default_factory=dict)
