@@ -1,9 +1,11 @@
-"""Callbacks for training runs: perplexity (torchmetrics), steady-state throughput, a step-bounded progress bar."""
+"""Callbacks for training runs: perplexity (torchmetrics), steady-state throughput, a step-bounded progress bar,
+and a checkpoint written on preemption."""
 
 from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -86,3 +88,42 @@ class StepProgressBar(pl.callbacks.RichProgressBar):
         if self.trainer.max_epochs is not None and self.trainer.max_epochs < 0:
             return f"{f'Epoch {current_epoch}':{len(self.validation_description)}}"
         return super()._get_train_description(current_epoch)
+
+
+class CheckpointOnSigterm(pl.Callback):
+    """On preemption (SIGTERM: SLURM, Kubernetes, ``kill``), write a checkpoint before the run exits.
+
+    Under ``UniAPStrategy`` a SIGTERM that reaches any rank stops every rank at the same batch (see
+    :mod:`uniap_lightning.sigterm`), so all of them take part in this (collective) save. The checkpoint is named
+    ``step-<global step>.ckpt`` in ``dirpath`` and published only once complete; :func:`newest_checkpoint`
+    finds it again (``uniap train resume=auto``).
+    """
+
+    def __init__(self, dirpath: str | Path) -> None:
+        self.dirpath = Path(dirpath)
+        self.saved: Path | None = None
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        from lightning.pytorch.trainer.states import TrainerFn
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+        if not isinstance(exception, SIGTERMException) or trainer.state.fn != TrainerFn.FITTING:
+            return
+        if trainer.global_rank == 0:
+            self.dirpath.mkdir(parents=True, exist_ok=True)
+        path = self.dirpath / f"step-{trainer.global_step:08d}.ckpt"
+        trainer.save_checkpoint(path)
+        self.saved = path
+
+
+def newest_checkpoint(dirpath: str | Path) -> Path | None:
+    """The complete checkpoint with the highest step in ``dirpath`` (written by :class:`CheckpointOnSigterm` or
+    any ``step-*.ckpt``), or ``None``. Half-written ones (a run killed mid-save) are never complete."""
+    from uniap_lightning.runtime.checkpoint import is_complete_checkpoint
+
+    found = []
+    for path in Path(dirpath).glob("step-*.ckpt"):
+        step = path.name[len("step-"):-len(".ckpt")]
+        if step.isdigit() and is_complete_checkpoint(path):
+            found.append((int(step), path))
+    return max(found)[1] if found else None

@@ -469,8 +469,22 @@ class UniAPStrategy(ModelParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Write the distributed checkpoint into a hidden ``.<name>.partial`` folder, then rename it: a checkpoint
+        under its real name is always complete (every shard, ``.metadata`` and ``meta.pt``), even if a rank is
+        killed mid-write. A rank whose peer dies meanwhile fails with a :class:`UniAPError`."""
+        from uniap_lightning.runtime.checkpoint import partial_path, publish, remove_path
+
         checkpoint["uniap_plan"] = self.plan.to_dict()
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+        final = Path(self.broadcast(str(filepath)))
+        partial = partial_path(final)
+        if self.global_rank == 0:
+            remove_path(partial)  # left by a run killed while writing
+        self._guard(self.barrier)
+        self._guard(lambda: super(UniAPStrategy, self).save_checkpoint(checkpoint, partial, storage_options))
+        self._guard(self.barrier)  # every rank's shards and rank 0's meta.pt are on disk
+        if self.global_rank == 0:
+            publish(partial, final)
+        self._guard(self.barrier)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -503,7 +517,8 @@ class UniAPStrategy(ModelParallelStrategy):
         ckpt.check_dcp_metadata(path)  # both refused before any weight is touched
         metadata = ckpt.load_plain(path / _METADATA_FILENAME)
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
-        ckpt.load(path, self.lightning_module, optimizers, strict=self.lightning_module.strict_loading)
+        self._guard(lambda: ckpt.load(path, self.lightning_module, optimizers,
+                                      strict=self.lightning_module.strict_loading))
         return metadata
 
     def save_consolidated(self, path: str | Path) -> None:

@@ -109,24 +109,37 @@ def _quiet_library_warnings() -> None:
 def run_train(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
     import lightning.pytorch as pl
 
-    from uniap_lightning.callbacks import PerplexityLogger, StepProgressBar, ThroughputTimer
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from uniap_lightning.callbacks import CheckpointOnSigterm, PerplexityLogger, StepProgressBar, ThroughputTimer
 
     check_config(cfg)
+    resume = resume_from(cfg)
     _one_copy_of_each_log_line()
     _quiet_library_warnings()
     children = _launch_other_ranks(cfg, overrides)
+    preempted = False
     try:
         pl.seed_everything(int(cfg.seed), verbose=False)
         module, data, _ = build_module(cfg)
         strategy = build_strategy(cfg)
         ppl, timer = PerplexityLogger(window=5), ThroughputTimer(int(cfg.data.batch_size))
         trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
-        callbacks = [ppl, timer]
+        saver = CheckpointOnSigterm(cfg.checkpoint_dir)
+        callbacks = [ppl, timer, saver]
         if trainer_kwargs.get("enable_progress_bar", True):
             callbacks.append(StepProgressBar())
         trainer = pl.Trainer(strategy=strategy, callbacks=callbacks, logger=pl.loggers.CSVLogger("lightning_logs"),
                              **trainer_kwargs)
-        trainer.fit(module, data)
+        try:
+            trainer.fit(module, data, ckpt_path=str(resume) if resume is not None else None)
+        except SIGTERMException:
+            preempted = True
+            if trainer.global_rank == 0:
+                again = " ".join([a for a in overrides if not a.startswith("resume=")] + ["resume=auto"])
+                print(f"stopped by SIGTERM at step {trainer.global_step}; checkpoint {saver.saved}\n"
+                      f"resume with: uniap train {again}", flush=True)
+            raise SystemExit(PREEMPTED_EXIT_CODE) from None
         loss = trainer.callback_metrics.get("train_loss")
         result = {
             "rank": trainer.global_rank,
@@ -151,9 +164,35 @@ def run_train(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
                   f"({result['samples_per_s'] or float('nan'):.1f} predicted)")
         return result
     finally:
-        bad = [c.wait() for c in children]
-        if any(bad):
+        bad = [code for code in (c.wait() for c in children) if code and not (preempted and code == PREEMPTED_EXIT_CODE)]
+        if bad:
             raise UniAPError(f"a training rank exited with status {max(bad)}; see its output above")
+
+
+#: exit status of every rank of a run stopped by SIGTERM after writing its checkpoint (128 + SIGTERM, as a shell
+#: reports a process ended by that signal): schedulers and scripts can tell preemption from completion
+PREEMPTED_EXIT_CODE = 143
+
+
+def resume_from(cfg: DictConfig) -> Path | None:
+    """The checkpoint to resume: ``resume=auto`` (the newest complete one in ``checkpoint_dir``, none: a fresh
+    start) or ``resume=PATH`` (must be a checkpoint)."""
+    from uniap_lightning.callbacks import newest_checkpoint
+    from uniap_lightning.runtime.checkpoint import is_complete_checkpoint
+
+    if not cfg.resume:
+        return None
+    if str(cfg.resume) == "auto":
+        found = newest_checkpoint(cfg.checkpoint_dir)
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            what = f"resuming from {found}" if found else f"no checkpoint in {cfg.checkpoint_dir}/, starting fresh"
+            print(f"resume=auto: {what}", flush=True)
+        return found
+    path = Path(str(cfg.resume))
+    if not (path.is_file() or is_complete_checkpoint(path)):
+        raise UniAPError(f"resume={str(path)!r} is not a checkpoint (a checkpoint file, or a folder with .metadata and "
+                         "meta.pt); use resume=auto for the newest one in checkpoint_dir")
+    return path
 
 
 def build_strategy(cfg: DictConfig) -> Any:

@@ -12,11 +12,12 @@ Hugging Face do).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from importlib import resources
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
 VOCAB_SIZE = 128
 
@@ -45,9 +46,37 @@ class _Windows(Dataset):
         return chunk, chunk  # labels = inputs; the loss shifts them (Hugging Face convention)
 
 
+class ResumableOrder(Sampler[int]):
+    """The order of each epoch follows from ``(seed, epoch)`` alone (a permutation when ``shuffle``), so a run
+    resumed in the middle of an epoch continues with the very samples it would have seen: the first epoch it
+    iterates is ``epoch``, starting after ``skip`` samples; each later ``iter()`` is the next epoch, whole.
+
+    ``len()`` is the whole epoch: Lightning counts the resumed epoch's batches from where it stopped.
+    """
+
+    def __init__(self, n: int, *, shuffle: bool, seed: int, epoch: int = 0, skip: int = 0) -> None:
+        self.n, self.shuffle, self.seed, self.epoch, self.skip = n, shuffle, seed, epoch, skip
+
+    def __iter__(self) -> Iterator[int]:
+        if self.shuffle:
+            order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+        else:
+            order = list(range(self.n))
+        start, self.skip, self.epoch = self.skip, 0, self.epoch + 1
+        return iter(order[start:])
+
+    def __len__(self) -> int:
+        return self.n
+
+
 class TextDataModule(L.LightningDataModule):
     """Next-character prediction on the shipped corpus; 95% train, 5% validation, no shuffling across runs
-    unless ``shuffle=True`` (seeded)."""
+    unless ``shuffle=True`` (seeded).
+
+    Resumable mid-epoch: a training loader built while Lightning restores a checkpoint (``ckpt_path=``) starts at
+    the checkpoint's epoch and skips the batches that epoch had completed (:class:`ResumableOrder`), so a run
+    stopped at any batch (preemption) and resumed sees the same data as one that never stopped.
+    """
 
     def __init__(self, *, seq_len: int = 64, batch_size: int = 16, shuffle: bool = False, seed: int = 0) -> None:
         super().__init__()
@@ -59,8 +88,17 @@ class TextDataModule(L.LightningDataModule):
         self.train_set, self.val_set = _Windows(ids[:cut], seq_len), _Windows(ids[cut:], seq_len)
 
     def train_dataloader(self) -> DataLoader:
-        g = torch.Generator().manual_seed(self.seed)
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=self.shuffle, generator=g, drop_last=True)
+        epoch, skip_batches = self._resume_point()
+        order = ResumableOrder(len(self.train_set), shuffle=self.shuffle, seed=self.seed, epoch=epoch,
+                               skip=skip_batches * self.batch_size)
+        return DataLoader(self.train_set, batch_size=self.batch_size, sampler=order, drop_last=True)
+
+    def _resume_point(self) -> tuple[int, int]:
+        """(epoch, batches of it already trained) when Lightning is restoring a fit, else (0, 0)."""
+        trainer = self.trainer
+        if trainer is None or not trainer.fit_loop.restarting:
+            return 0, 0
+        return trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_progress.current.completed
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.batch_size, drop_last=True)

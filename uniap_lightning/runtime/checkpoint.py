@@ -184,3 +184,35 @@ def save_atomic(obj: Any, path: str | Path) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def partial_path(final: Path) -> Path:
+    """Where a checkpoint is written before it is complete: hidden, next to its final name."""
+    return final.with_name(f".{final.name}.partial")
+
+
+def remove_path(path: Path) -> None:
+    import shutil
+
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def publish(partial: Path, final: Path) -> None:
+    """Give a complete checkpoint its real name; one already there is replaced (moved aside first, then deleted,
+    so the real name never points at a half-written checkpoint)."""
+    import os
+
+    old = final.with_name(f".{final.name}.old")
+    remove_path(old)
+    if final.exists() or final.is_symlink():
+        os.replace(final, old)
+    os.replace(partial, final)
+    remove_path(old)
+
+
+def is_complete_checkpoint(path: Path) -> bool:
+    """A distributed checkpoint folder this project published (or any with both DCP's and Lightning's metadata)."""
+    return path.is_dir() and (path / ".metadata").is_file() and (path / "meta.pt").is_file()
