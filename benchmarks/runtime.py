@@ -498,11 +498,13 @@ def _candidates(chosen: Any, profile: Any, cluster: Any, k: int,
     return out
 
 
-def uniap_with_flat_sync(plan: Any, *, flat: bool = True, waited_s: list[float] | None = None) -> Any:
+def uniap_with_flat_sync(plan: Any, *, flat: bool = True, waited_s: list[float] | None = None,
+                         one_bucket: bool = False) -> Any:
     """The strategy with the replicated-gradient path it had before bucketing (part 4's baseline): each group's
     gradients concatenated into one flat buffer and all-reduced after the whole backward of the step.
 
-    ``flat=False`` keeps the strategy's own path. ``waited_s`` collects, per batch, the seconds the strategy's
+    ``flat=False`` keeps the strategy's own path (``one_bucket``: with all of a group's gradients in one bucket,
+    i.e. the bucketing machinery without overlap, started when the last gradient is final). ``waited_s`` collects, per batch, the seconds the strategy's
     ``backward`` spends in the gradient sync after the backward (all of the flat all-reduce; only the wait for the
     buckets still in flight, and the copy back, with buckets): the part of the sync that overlapping hides."""
     import torch.distributed as dist
@@ -542,6 +544,8 @@ def uniap_with_flat_sync(plan: Any, *, flat: bool = True, waited_s: list[float] 
             super().setup(trainer)
             if flat:
                 self.runtime.replicated = FlatAfterBackward(self.runtime.replicated.groups)
+            elif one_bucket:
+                self.runtime.replicated.first_bucket_cap_bytes = self.runtime.replicated.bucket_cap_bytes
             if waited_s is not None:
                 finish = self.runtime.replicated.finish
 
@@ -575,19 +579,18 @@ def part4(args: Any, say: Any) -> dict[str, Any]:
     for title, (pp, c, stages) in layouts.items():
         say(f"  part 4: {title}")
         plan = layout_plan(pp, c, stages, WORLD // pp, names)
-        waited: dict[str, list[float]] = {"flat": [], "buckets": []}
+        waited: dict[str, list[float]] = {"flat": [], "buckets": [], "one": []}
 
-        def run(flat: bool, plan: Any = plan) -> Any:
+        def run(name: str, plan: Any = plan) -> Any:
             sink: list[float] = []
-            t = run_uniap(None, args.warmup, args.steps,
-                          strategy=uniap_with_flat_sync(plan, flat=flat, waited_s=sink))[0]
-            waited["flat" if flat else "buckets"].append(_waited(sink, args.warmup))
+            strategy = uniap_with_flat_sync(plan, flat=name == "flat", one_bucket=name == "one", waited_s=sink)
+            t = run_uniap(None, args.warmup, args.steps, strategy=strategy)[0]
+            waited[name].append(_waited(sink, args.warmup))
             return t
 
-        res, cpu = interleaved({"flat": lambda: run(True), "buckets": lambda: run(False)}, args.runs, say)
-        rows.append({"layout": title, "world": WORLD, "flat_s": res["flat"], "buckets_s": res["buckets"],
-                     "flat_cpu_s": cpu["flat"], "buckets_cpu_s": cpu["buckets"], "flat_waited_s": waited["flat"],
-                     "buckets_waited_s": waited["buckets"]})
+        res, cpu = interleaved({name: lambda name=name: run(name) for name in waited}, args.runs, say)
+        rows.append({"layout": title, "world": WORLD, **{f"{k}_s": res[k] for k in waited},
+                     **{f"{k}_cpu_s": cpu[k] for k in waited}, **{f"{k}_waited_s": v for k, v in waited.items()}})
     return {"rows": rows}
 
 
@@ -768,6 +771,17 @@ def tables(res: dict[str, Any]) -> list[Any]:
                       f"{paired(row['buckets_cpu_s'], row['flat_cpu_s']):.3f}",
                       f"{med(row['flat_waited_s']) * 1e3:.2f}", f"{med(row['buckets_waited_s']) * 1e3:.2f}",
                       spread(row["flat_s"]), spread(row["buckets_s"]))
+        out.append(t)
+        t = Table(title="(4, control) the bucketed path with all of a group's gradients in ONE bucket (no overlap: "
+                        "it starts when the last gradient is final), paired against before and after")
+        for col in ("layout", "one bucket ms/step", "paired / before", "paired / after", "CPU paired / before",
+                    "CPU paired / after", "waited"):
+            t.add_column(col)
+        for row in res["part4"]["rows"]:
+            t.add_row(row["layout"], f"{med(row['one_s']) * 1e3:.1f}", f"{paired(row['one_s'], row['flat_s']):.3f}",
+                      f"{paired(row['one_s'], row['buckets_s']):.3f}",
+                      f"{paired(row['one_cpu_s'], row['flat_cpu_s']):.3f}",
+                      f"{paired(row['one_cpu_s'], row['buckets_cpu_s']):.3f}", f"{med(row['one_waited_s']) * 1e3:.2f}")
         out.append(t)
     return out
 
