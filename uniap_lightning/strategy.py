@@ -158,6 +158,11 @@ class UniAPStrategy(ModelParallelStrategy):
         return self._runtime.plan
 
     @property
+    def setup_options(self) -> SetupOptions:
+        """The options setup plans with (frozen; from the constructor's arguments)."""
+        return self._setup_options
+
+    @property
     def setup_result(self) -> SetupResult | None:
         """What setup decided (frozen): plan, origin, planning cluster, profile origin, report; ``None`` before."""
         return self._setup_result

@@ -30,9 +30,10 @@ def test_overrides_reach_the_strategy() -> None:
     strategy = build_strategy(_compose("strategy.schedule=gpipe", "strategy.time_limit=7", "strategy.monitor=false",
                                        "strategy.profile_micro_batches=[2,4]", "strategy.cluster=a100_1x8",
                                        "strategy.profile_repeats=5"))
-    assert strategy._schedule == "gpipe" and strategy._time_limit == 7.0 and strategy._monitor is False
-    assert strategy._profile_micro_batches == [2, 4] and strategy._profile_repeats == 5
-    assert strategy._cluster.name == "a100_1x8"
+    options = strategy.setup_options
+    assert options.schedule == "gpipe" and options.time_limit_s == 7.0
+    assert list(options.profile_micro_batches) == [2, 4] and options.profile_repeats == 5
+    assert options.cluster.name == "a100_1x8"
 
 
 @pytest.mark.parametrize("override, message", [
