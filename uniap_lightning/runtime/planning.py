@@ -164,7 +164,8 @@ def check_plan_matches(plan: Plan, names: list[str], *, world_size: int, profile
     if profile is not None and plan.model_fingerprint and plan.model_fingerprint != profile.fingerprint():
         raise UniAPError(
             f"the plan's model_fingerprint {plan.model_fingerprint} differs from this model's "
-            f"{profile.fingerprint()} (layer parameter counts or output sizes differ); the plan is for another model"
+            f"{profile.fingerprint()} (layer parameter counts or output sizes differ): the plan is for another model, "
+            "or was made under another precision (output sizes in bytes follow it)"
         )
 
 
