@@ -3,7 +3,10 @@
 Why stash: Lightning's closure runs ``training_step``, *then* ``zero_grad`` (first batch of an accumulation
 window), *then* ``strategy.backward``. A pipeline schedule runs forward and backward inside ``training_step``, so
 its gradients would be wiped. The strategy takes the fresh gradients out of ``.grad`` right after the schedule,
-puts the previous ones back, and adds the fresh ones in ``backward``.
+puts the previous ones back, and adds the fresh ones in ``backward``. On the last batch of an accumulation window
+the replicated layers' buckets (:class:`~uniap_lightning.runtime.data_parallel.ReplicatedGrads`) already sum the
+fresh gradients with the previous ones during the schedule - unless the batch also opens the window, where
+Lightning's ``zero_grad`` drops the previous ones - and ``backward`` overwrites the sum with the average.
 
 Why a custom norm: with pipeline stages each rank holds only some parameters, sharded (FSDP, TP) or replicated in
 mixed ways, so ``torch.nn.utils.clip_grad_norm_`` on local parameters would clip by a local norm. The global norm
