@@ -37,7 +37,7 @@ import time
 import mip
 
 from uniap_lightning.planner.cluster import GIB
-from uniap_lightning.planner.cost.layer import CostTables
+from uniap_lightning.planner.cost.tables import CostTables
 from uniap_lightning.planner.solver.backend import MS, MilpResult, add_cutoff, new_model, optimize
 
 
@@ -132,9 +132,10 @@ class StageMilp:
         self.o = [m.add_var(f"o[{j}]") for j in range(self.P - 1)]
         for u in range(self.L - 1):
             K, Kn = range(len(t.strategies[u])), range(len(t.strategies[u + 1]))
-            R = {(k, l): t.reshard(u, k, l) * MS for k in K for l in Kn}
+            d, dn = [s.d for s in t.strategies[u]], [s.d for s in t.strategies[u + 1]]
+            R = {(k, l): t.reshard_s(u, d[k], dn[l]) * MS for k in K for l in Kn}
             boundaries = [j for j in range(self.P - 1) if j in self.stages_of(u) and j + 1 in self.stages_of(u + 1)]
-            X = {(k, l, j): t.boundary(u, k, l, j) * MS for k in K for l in Kn for j in boundaries}
+            X = {(k, l, j): t.boundary_s(u, d[k], dn[l], j) * MS for k in K for l in Kn for j in boundaries}
             need_pairs = any(v > 0 for v in R.values()) or bool(boundaries)
             if not need_pairs:
                 continue

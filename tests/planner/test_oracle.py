@@ -70,7 +70,7 @@ def test_grouped_and_per_layer_milp_agree_per_candidate(seed):
     reference, :mod:`reference_milp`) find the same optimum (or both none)."""
     from reference_milp import StageMilp
 
-    from uniap_lightning.planner.cost.layer import CostTables
+    from uniap_lightning.planner.cost.tables import CostTables
     from uniap_lightning.planner.solver.milp import GroupedMilp
 
     problem = repeated_problem(seed, pattern="ABBBBBBC", nodes=2, per_node=4, memory_gib=(2.0, 4.0, 8.0)[seed % 3])

@@ -53,13 +53,15 @@ class Cluster:
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise UniAPError(f"cluster '{self.name}': {key} must be a positive integer, got {v!r}")
+        if not isinstance(self.name, str):
+            raise UniAPError(f"cluster name must be a string, got {self.name!r}")
         for key in ("memory_gib", "peak_tflops", "efficiency", "intra_bw_gbps", "inter_bw_gbps"):
             v = getattr(self, key)
-            if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise UniAPError(f"cluster '{self.name}': {key} must be > 0, got {v!r}")
         for key in ("intra_latency_us", "inter_latency_us", "memory_reserved_gib", "pipeline_overhead_us"):
             v = getattr(self, key)
-            if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise UniAPError(f"cluster '{self.name}': {key} must be >= 0, got {v!r}")
         if self.efficiency > 1:
             raise UniAPError(f"cluster '{self.name}': efficiency must be in (0, 1], got {self.efficiency}")
@@ -166,6 +168,15 @@ class Cluster:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Cluster:
+        if not isinstance(d, Mapping):
+            raise UniAPError(f"a cluster description must be a mapping of fields, got {type(d).__name__}")
+        try:
+            return cls._from_mapping(d)
+        except (TypeError, ValueError, AttributeError, OverflowError) as err:
+            raise UniAPError(f"cluster '{d.get('name', '?')}': a field has the wrong type or value ({err})") from err
+
+    @classmethod
+    def _from_mapping(cls, d: Mapping[str, Any]) -> Cluster:
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(d) - known)
         if unknown:

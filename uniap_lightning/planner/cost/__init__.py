@@ -1,6 +1,7 @@
 """The cost model: per-layer time and memory of each intra-layer strategy, and ``evaluate`` of whole plans.
 
-Formulas (see ``planner.md`` and the README's "Cost model" section):
+Formulas (see ``planner.md`` and the README's "Cost model" section); the per-layer terms are written in
+:mod:`.layer`, combined into stage totals only in :mod:`.tables`, which ``evaluate``, the MILP and the bounds read:
 
 * compute: ``profile.compute_s(b / d) / t`` per micro-batch;
 * tensor parallel: ``2 * tp_allreduces`` ring all-reduces of ``output_bytes * b / d`` over ``t`` devices;
@@ -16,9 +17,11 @@ Formulas (see ``planner.md`` and the README's "Cost model" section):
 
 from uniap_lightning.planner.cost.comm import all_gather_s, all_reduce_s, p2p_s, reduce_scatter_s
 from uniap_lightning.planner.cost.evaluate import evaluate
-from uniap_lightning.planner.cost.layer import CostTables, LayerCost, Strategy, layer_cost, strategies_for
+from uniap_lightning.planner.cost.layer import LayerCost, Strategy, layer_cost, strategies_for
+from uniap_lightning.planner.cost.tables import CandidateCosts, CostTables
 
 __all__ = [
+    "CandidateCosts",
     "CostTables",
     "LayerCost",
     "Strategy",

@@ -6,7 +6,8 @@ it returns, baselines are scored with it, and the brute-force oracle enumerates 
 
 from __future__ import annotations
 
-from uniap_lightning.planner.cost.layer import Strategy, boundary_s, in_flight, layer_cost, reshard_s, strategies_for
+from uniap_lightning.planner.cost.layer import Strategy, strategies_for
+from uniap_lightning.planner.cost.tables import CandidateCosts
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.plan import Estimate, Plan
 from uniap_lightning.planner.problem import Problem
@@ -42,55 +43,53 @@ def evaluate(problem: Problem, plan: Plan, *, check_strategies: bool = True) -> 
     """Score ``plan`` with the cost model (seconds, bytes). ``feasible`` is False when a stage exceeds memory."""
     plan.validate()
     check_plan_matches(problem, plan)
-    cl, tr = problem.cluster, problem.training
+    cl = problem.cluster
     pp, c, n, b = plan.pp, plan.microbatches, plan.devices_per_stage, plan.micro_batch_size
     if pp > 1 and b % n:
         raise UniAPError(
             f"micro-batch size {b} must be divisible by the {n} devices per stage when pp > 1 (stage boundaries "
             "split the micro-batch over every rank of a stage)"
         )
-    layers = problem.model.layers
+    costs = CandidateCosts(problem, pp, c)
     strat = [Strategy(lp.dp, lp.tp, lp.shard and lp.dp > 1) for lp in plan.layers]
     if check_strategies:
-        for u, (lp, s) in enumerate(zip(layers, strat)):
+        for u, (lp, s) in enumerate(zip(costs.layers, strat)):
             if s not in strategies_for(lp, n, cl, b):
                 raise UniAPError(
                     f"plan layer {u} ({lp.name}): strategy dp={s.d} tp={s.t} is not allowed here "
                     f"(tp_degrees={list(lp.tp_degrees)}, devices per node={cl.devices_per_node}, micro-batch={b})"
                 )
-    stage_time = [0.0] * pp
-    stage_sync = [0.0] * pp
-    stage_static = [0.0] * pp
-    stage_act = [0.0] * pp
-    stage_transient = [0.0] * pp
+    layer_time = [0.0] * pp
+    reshard = [0.0] * pp
+    sync = [0.0] * pp
+    static = [0.0] * pp
+    activation = [0.0] * pp
+    transient = [0.0] * pp
     boundary = [0.0] * (pp - 1)
-    for u, (lp, s) in enumerate(zip(layers, strat)):
-        i = plan.layers[u].stage
-        cost = layer_cost(lp, s, b, n, cl, tr)
-        stage_time[i] += cost.time_s
-        stage_sync[i] += cost.sync_s
-        stage_static[i] += cost.static_bytes
-        stage_act[i] += cost.activation_bytes
-        stage_transient[i] = max(stage_transient[i], cost.transient_bytes)
-        if u + 1 < len(layers):
-            j = plan.layers[u + 1].stage
-            if j == i:
-                stage_time[i] += reshard_s(cl, lp.output_bytes, b, s.d, strat[u + 1].d)
+    stage_of = [lp.stage for lp in plan.layers]
+    for u, s in enumerate(strat):
+        i = stage_of[u]
+        terms = costs.terms(u, s)
+        layer_time[i] += terms.time_s
+        sync[i] += terms.sync_s
+        static[i] += terms.static_bytes
+        activation[i] += terms.activation_bytes
+        transient[i] = max(transient[i], terms.transient_bytes)
+        if u + 1 < len(strat):
+            if stage_of[u + 1] == i:
+                reshard[i] += costs.reshard_s(u, s.d, strat[u + 1].d)
             else:
-                boundary[i] = boundary_s(cl, lp.output_bytes, b, n, i, s.d, strat[u + 1].d)
-    if pp > 1:  # every stage pays the schedule's fixed cost per micro-batch
-        stage_time = [t + cl.pipeline_overhead_s for t in stage_time]
-    memory = [
-        stage_static[i] + stage_transient[i] + stage_act[i] * in_flight(plan.schedule, c, pp, i) for i in range(pp)
-    ]
-    tpi = sum(stage_time) + sum(boundary) + (c - 1) * max(stage_time + boundary) + max(stage_sync)
+                boundary[i] = costs.boundary_s(u, s.d, strat[u + 1].d, i)
+    stage_time = [costs.stage_time_s(layer_time[i], reshard[i]) for i in range(pp)]
+    memory = [costs.stage_memory_bytes(i, static[i], activation[i], transient[i]) for i in range(pp)]
+    tpi = costs.tpi_s(sum(stage_time), sum(boundary), max(stage_time + boundary), max(sync))
     limit = cl.memory_bytes
     return Estimate(
         tpi_s=tpi,
         samples_per_s=plan.global_batch_size / tpi if tpi > 0 else float("inf"),
         stage_time_s=stage_time,
         stage_memory_bytes=memory,
-        stage_sync_s=stage_sync,
+        stage_sync_s=sync,
         boundary_s=boundary,
         memory_limit_bytes=limit,
         feasible=all(m <= limit for m in memory),

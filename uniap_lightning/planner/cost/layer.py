@@ -1,4 +1,4 @@
-"""Per-layer costs of each intra-layer strategy, and the tables the MILP and ``evaluate`` share.
+"""Strategies and the per-layer cost terms of each (the formulas); :mod:`.tables` assembles them per candidate.
 
 All functions here return seconds and bytes. One (pp, c) candidate fixes the stage size ``n = N / pp`` and the
 micro-batch size ``b = B / c``; everything else is a function of the layer, its strategy and its neighbours.
@@ -11,8 +11,8 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from uniap_lightning.planner.cluster import Cluster
-from uniap_lightning.planner.cost.comm import all_gather_s, all_reduce_s, p2p_s, reduce_scatter_s
-from uniap_lightning.planner.problem import Problem, TrainingConfig
+from uniap_lightning.planner.cost.comm import all_gather_s, all_reduce_s, reduce_scatter_s
+from uniap_lightning.planner.problem import TrainingConfig
 from uniap_lightning.planner.profile import LayerProfile
 
 
@@ -132,83 +132,7 @@ def boundary_inter_node(cluster: Cluster, n: int, stage: int) -> bool:
     return ((stage + 1) * n) % dpn == 0
 
 
-def boundary_s(
-    cluster: Cluster, out_bytes: float, micro_batch: int, n: int, stage: int, d_last: int, d_first: int
-) -> float:
-    """Stage ``stage`` -> ``stage + 1``: reshard to the boundary layout, send (fwd + bwd), reshard back."""
-    send = 2 * p2p_s(cluster, out_bytes * micro_batch / n, boundary_inter_node(cluster, n, stage))
-    return reshard_s(cluster, out_bytes, micro_batch, d_last, n) + send + reshard_s(
-        cluster, out_bytes, micro_batch, n, d_first
-    )
-
-
 def in_flight(schedule: str, c: int, pp: int, stage: int) -> int:
     """Micro-batches whose activations a stage holds at its peak. torch's 1F1B needs at least ``pp``
     micro-batches; with fewer, the runtime runs GPipe, so that is what memory is costed as."""
     return c if schedule == "gpipe" or c < pp else min(c, pp - stage)
-
-
-class CostTables:
-    """Every cost the MILP needs for one ``(pp, c)`` candidate, indexed by layer and strategy index."""
-
-    def __init__(self, problem: Problem, pp: int, c: int, *, allowed=None) -> None:
-        self.problem, self.pp, self.c = problem, pp, c
-        cl, tr = problem.cluster, problem.training
-        self.n = problem.num_devices // pp
-        self.b = tr.global_batch_size // c
-        self.layers = problem.model.layers
-        self.strategies: list[list[Strategy]] = []
-        for lp in self.layers:
-            ks = strategies_for(lp, self.n, cl, self.b)
-            if allowed is not None:
-                ks = [k for k in ks if allowed(k)]
-            self.strategies.append(ks)
-        self.cost = [[layer_cost(lp, k, self.b, self.n, cl, tr) for k in ks] for lp, ks in zip(self.layers, self.strategies)]
-
-    @property
-    def slot_overhead_s(self) -> float:
-        """Fixed cost a stage pays per micro-batch under pipelining (0 without pipeline stages)."""
-        return self.problem.cluster.pipeline_overhead_s if self.pp > 1 else 0.0
-
-    @property
-    def feasible_shape(self) -> bool:
-        """Every layer has at least one strategy, and stage boundaries can split the micro-batch over n."""
-        return all(self.strategies) and (self.pp == 1 or self.b % self.n == 0)
-
-    def reshard(self, u: int, k: int, l: int) -> float:
-        """Inside a stage, between layer u (strategy k) and u + 1 (strategy l)."""
-        return reshard_s(
-            self.problem.cluster, self.layers[u].output_bytes, self.b, self.strategies[u][k].d, self.strategies[u + 1][l].d
-        )
-
-    def boundary(self, u: int, k: int, l: int, stage: int) -> float:
-        """Layer u (strategy k) ends stage ``stage``; layer u + 1 (strategy l) starts the next one."""
-        return boundary_s(
-            self.problem.cluster,
-            self.layers[u].output_bytes,
-            self.b,
-            self.n,
-            stage,
-            self.strategies[u][k].d,
-            self.strategies[u + 1][l].d,
-        )
-
-    def in_flight(self, stage: int) -> int:
-        return in_flight(self.problem.training.schedule, self.c, self.pp, stage)
-
-
-def layer_key(tables: CostTables, u: int) -> tuple:
-    lp = tables.layers[u]
-    return (lp.forward_s, lp.backward_s, lp.params, lp.activation_bytes, lp.output_bytes, lp.tp_degrees,
-            lp.tp_allreduces, lp.activation_tp_fraction, lp.timings, tuple(tables.strategies[u]))
-
-
-def runs_of(tables: CostTables) -> list[tuple[int, int]]:
-    """Maximal runs ``(first, last)`` of consecutive layers with identical costs."""
-    runs: list[tuple[int, int]] = []
-    for u in range(len(tables.layers)):
-        if runs and layer_key(tables, u) == layer_key(tables, runs[-1][0]):
-            runs[-1] = (runs[-1][0], u)
-        else:
-            runs.append((u, u))
-    return runs

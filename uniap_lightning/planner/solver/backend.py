@@ -6,14 +6,39 @@ bytes) made CBC and HiGHS disagree by up to 60% on the same instance (see ``plan
 
 from __future__ import annotations
 
+import gc
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import mip
 
-from uniap_lightning.planner.cluster import GIB  # noqa: F401  (re-exported: the memory unit of every model)
-
 MS = 1e3  # seconds -> milliseconds inside the model
+
+
+def now_s() -> float:
+    """The clock every time limit is measured on (monotonic; the tests replace it with a fake one)."""
+    return time.monotonic()
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """The moment a whole ``solve`` must be done by. Passed down rather than re-derived from a duration, so the
+    baselines' searches and the main search spend one budget instead of each starting a fresh one."""
+
+    at_s: float
+
+    @classmethod
+    def after(cls, seconds: float) -> Deadline:
+        return cls(now_s() + seconds)
+
+    def remaining_s(self) -> float:
+        return max(0.0, self.at_s - now_s())
+
+    def share(self, fraction: float) -> Deadline:
+        """An earlier deadline: ``fraction`` of the time left from now."""
+        return Deadline(now_s() + fraction * self.remaining_s())
 
 
 @dataclass
@@ -33,6 +58,20 @@ class MilpResult:
         if self.objective_s is None or self.bound_s is None or self.objective_s <= 0:
             return None
         return max(0.0, (self.objective_s - self.bound_s) / self.objective_s)
+
+
+@contextmanager
+def no_gc() -> Iterator[None]:
+    """python-mip's HiGHS backend frees models from cffi finalizers; a garbage-collection pass that runs one
+    while cffi holds its lock deadlocked a spawned process. Collect before, not during, a solve."""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def solver_available(name: str) -> bool:
@@ -70,11 +109,14 @@ def add_cutoff(model: mip.Model, tpi: mip.LinExpr, cutoff_s: float) -> None:
         model.cutoff = cutoff_s * MS * (1 + 1e-9)
 
 
+MIN_SOLVE_S = 0.05  # the least time a solver is given: it may overrun a deadline by this much
+
+
 def optimize(model: mip.Model, time_limit_s: float) -> tuple[str, float | None, float | None, float]:
     """Run the solver; return (status, objective seconds or None, bound seconds or None, wall seconds)."""
-    t0 = time.perf_counter()
-    status = model.optimize(max_seconds=max(time_limit_s, 0.1))
-    solve_s = time.perf_counter() - t0
+    t0 = now_s()
+    status = model.optimize(max_seconds=max(time_limit_s, MIN_SOLVE_S))
+    solve_s = now_s() - t0
     names = {
         mip.OptimizationStatus.OPTIMAL: "optimal",
         mip.OptimizationStatus.FEASIBLE: "feasible",

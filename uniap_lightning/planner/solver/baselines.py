@@ -15,13 +15,19 @@ from uniap_lightning.planner.cost.layer import Strategy
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.plan import Plan
 from uniap_lightning.planner.problem import Problem
+from uniap_lightning.planner.solver.backend import Deadline
 from uniap_lightning.planner.solver.search import search
 from uniap_lightning.planner.solver.uniform import best_uniform
 
 BASELINES = ("ddp", "fsdp", "megatron", "intra_only", "inter_only")
 
 
-def baseline_plans(problem: Problem, *, solver: str = "auto", time_limit_s: float = 30.0) -> dict[str, Plan | None]:
+def baseline_plans(
+    problem: Problem, *, solver: str = "auto", time_limit_s: float = 30.0, deadline: Deadline | None = None
+) -> dict[str, Plan | None]:
+    """Every baseline (``None`` where none fits). The two restricted searches end by ``deadline`` (or
+    ``time_limit_s`` from now), the first taking at most half of that time."""
+    deadline = deadline if deadline is not None else Deadline.after(time_limit_s)
     N = problem.num_devices
     cs = problem.training.microbatch_candidates()
     out: dict[str, Plan | None] = {}
@@ -34,12 +40,12 @@ def baseline_plans(problem: Problem, *, solver: str = "auto", time_limit_s: floa
             if n % t == 0:
                 grid += [(pp, c, Strategy(n // t, t, False)) for c in cs]
     out["megatron"] = best_uniform(problem, iter(grid))
-    for key, kwargs in (
-        ("intra_only", {"pp": [1]}),
-        ("inter_only", {"allowed": lambda s: s.t == 1 and not s.shard}),
+    for key, share, kwargs in (
+        ("intra_only", 0.5, {"pp": [1]}),
+        ("inter_only", 1.0, {"allowed": lambda s: s.t == 1 and not s.shard}),
     ):
         try:
-            out[key] = search(problem, solver=solver, time_limit_s=time_limit_s, **kwargs)
+            out[key] = search(problem, solver=solver, deadline=deadline.share(share), **kwargs)
         except UniAPError:
             out[key] = None
     return out

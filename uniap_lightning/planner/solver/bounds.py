@@ -4,31 +4,29 @@ from __future__ import annotations
 
 from bisect import bisect_right
 
-from uniap_lightning.planner.cost.comm import p2p_s
-from uniap_lightning.planner.cost.layer import CostTables, boundary_inter_node, runs_of
+from uniap_lightning.planner.cost.tables import CostTables
 
 
 def time_lower_bound_s(t: CostTables) -> float:
     """A valid lower bound on the candidate's TPI, from per-layer minima (no solver).
 
-    With ``P`` stages, ``sum_i p_i + (c - 1) max_i p_i >= (1 + (c - 1) / P) sum_i p_i`` and
-    ``max_i sync_i >= sum_i sync_i / P``, so each layer contributes at least
-    ``min_k A_uk (1 + (c - 1) / P) + S_uk / P``; also ``max_i p_i >= max_u min_k A_uk``. Each of the ``P - 1``
-    boundaries costs at least the cheapest point-to-point transfer of any layer's output.
+    ``tpi_s`` is linear in (sum of stage times, sum of boundaries, bottleneck, largest sync). With ``P`` stages,
+    ``max_i p_i >= sum_i p_i / P`` and ``max_i sync_i >= sum_i sync_i / P``, so each layer contributes at least
+    ``min_k tpi_s(A_uk, 0, A_uk / P, S_uk / P)``; also ``max_i p_i >= max_u min_k A_uk`` and the run floors.
+    What every stage pays with no layer at all (``stage_time_s(0)``, the slot overhead) and the cheapest
+    transfer over each of the ``P - 1`` boundaries come on top.
     """
-    P, c = t.pp, t.c
-    spread = sum(min(k.time_s * (1 + (c - 1) / P) + k.sync_s / P for k in costs) for costs in t.cost)
+    P = t.pp
+    spread = sum(min(t.tpi_s(k.time_s, 0.0, k.time_s / P, k.sync_s / P) for k in costs) for costs in t.cost)
     cheapest = [min(k.time_s for k in costs) for costs in t.cost]
-    runs = runs_of(t)
-    floor = max(run_bottleneck_s(t, a, e) for a, e in runs)
-    peak = sum(cheapest) + (c - 1) * max(max(cheapest), floor)
+    floor = max(run_bottleneck_s(t, a, e) for a, e in t.runs())
+    peak = t.tpi_s(sum(cheapest), 0.0, max(max(cheapest), floor), 0.0)
     boundaries = 0.0
     if P > 1:
-        inter = all(boundary_inter_node(t.problem.cluster, t.n, j) for j in range(P - 1))
-        smallest = min(lp.output_bytes for lp in t.layers[:-1])
-        boundaries = (P - 1) * 2 * p2p_s(t.problem.cluster, smallest * t.b / t.n, inter)
-    # every stage's time carries the same slot overhead: exactly (P + c - 1) of it in any plan
-    return max(spread, peak) + boundaries + (P + c - 1) * t.slot_overhead_s
+        smallest = min(range(len(t.layers) - 1), key=lambda u: t.layers[u].output_bytes)
+        boundaries = (P - 1) * min(t.send_s(smallest, j) for j in range(P - 1))
+    empty = t.stage_time_s(0.0)
+    return max(spread, peak) + t.tpi_s(P * empty, boundaries, empty, 0.0)
 
 
 def run_bottleneck_s(t: CostTables, first: int, last: int) -> float:
@@ -49,7 +47,7 @@ def run_bottleneck_s(t: CostTables, first: int, last: int) -> float:
     for i in range(lo, hi + 1):
         F = t.in_flight(i)
         if F not in per_f:
-            opts = [(k.time_s, k.static_bytes + F * k.activation_bytes) for k in costs]
+            opts = [(k.time_s, t.layer_memory_bytes(i, k)) for k in costs]
             per_f[F] = [_least_time(opts, x, limit) for x in range(1, R + 1)]
         tables.append(per_f[F])
     values = sorted({v for tab in tables for v in tab if v < float("inf")})
@@ -87,35 +85,68 @@ def _least_time(opts: list[tuple[float, float]], x: int, limit: float) -> float:
 
 def memory_lower_bound_bytes(t: CostTables) -> float:
     """Cheap bound: the busiest stage holds at least its share of every layer's least memory, and at least the
-    hungriest single layer (each at the fewest micro-batches in flight on any stage)."""
-    F = min(t.in_flight(i) for i in range(t.pp))
-    least = [min(k.static_bytes + F * k.activation_bytes for k in costs) for costs in t.cost]
+    hungriest single layer (each on the stage with the fewest micro-batches in flight)."""
+    lightest = min(range(t.pp), key=t.in_flight)
+    least = [min(t.layer_memory_bytes(lightest, k) for k in costs) for costs in t.cost]
     return max(sum(least) / t.pp, max(least))
 
 
-def least_memory_bytes(t: CostTables) -> float:
-    """The least peak memory per device any plan of this candidate can have (exact minimum over contiguous
-    splits, each layer at its least-memory strategy; the FSDP gather term is bounded below by 0)."""
+def least_memory_bytes(t: CostTables, *, rel_tol: float = 1e-9) -> float:
+    """The least peak memory per device any plan of this candidate can have: the minimum over contiguous splits
+    into ``pp`` non-empty stages of the largest stage, each layer at its least-memory strategy (the FSDP gather
+    term bounded below by 0); to ``rel_tol``, from above.
+
+    Bisection on the answer ``X`` with a greedy feasibility test from the last stage backwards: each stage takes
+    the longest suffix of what is left that fits ``X``. That is exact because a layer costs no more on a later
+    stage (``in_flight`` never grows with the stage index), so a greedy that is ahead never has to place a layer
+    where it costs more than in any feasible split. ``O(L * F + iterations * P log L)`` for ``F`` distinct
+    in-flight counts, where the dynamic program it replaces was ``O(P L^2)``.
+    """
     L, P = len(t.layers), t.pp
-    INF = float("inf")
-
-    def layer_mem(u: int, i: int) -> float:
-        F = t.in_flight(i)
-        return min(c.static_bytes + F * c.activation_bytes for c in t.cost[u])
-
-    # f[i][u]: least max-stage memory placing layers 0..u on stages 0..i, stage i ending at u.
-    f = [[INF] * L for _ in range(P)]
-    prefix = [[0.0] * (L + 1) for _ in range(P)]
+    prefix: dict[int, list[float]] = {}
+    stage_prefix = []
     for i in range(P):
-        for u in range(L):
-            prefix[i][u + 1] = prefix[i][u] + layer_mem(u, i)
-    for u in range(L):
-        f[0][u] = prefix[0][u + 1]
-    for i in range(1, P):
-        for u in range(i, L):
-            best = INF
-            for v in range(i - 1, u):  # stage i holds layers v+1..u
-                cand = max(f[i - 1][v], prefix[i][u + 1] - prefix[i][v + 1])
-                best = min(best, cand)
-            f[i][u] = best
-    return f[P - 1][L - 1]
+        F = t.in_flight(i)
+        if F not in prefix:
+            acc, run = [0.0], 0.0
+            for costs in t.cost:
+                run += min(t.layer_memory_bytes(i, k) for k in costs)
+                acc.append(run)
+            prefix[F] = acc
+        stage_prefix.append(prefix[F])
+
+    def split_max(limit: float) -> float | None:
+        """Largest stage of the backward greedy split under ``limit``, or None if it does not fit."""
+        end, worst = L, 0.0
+        for i in range(P - 1, 0, -1):
+            acc = stage_prefix[i]
+            # smallest start s >= i (stages 0..i-1 keep a layer each) with acc[end] - acc[s] <= limit
+            s = max(bisect_left_value(acc, acc[end] - limit, i, end - 1), i)
+            if acc[end] - acc[s] > limit:
+                return None
+            worst, end = max(worst, acc[end] - acc[s]), s
+        first = stage_prefix[0][end]
+        return None if first > limit else max(worst, first)
+
+    hi = max(stage_prefix[0][L], max(p[L] for p in stage_prefix))
+    lo = 0.0
+    best = split_max(hi)
+    while best is not None and hi - lo > rel_tol * hi:
+        mid = (lo + hi) / 2
+        got = split_max(mid)
+        if got is None:
+            lo = mid
+        else:
+            hi, best = got, got
+    return best if best is not None else float("inf")
+
+
+def bisect_left_value(acc: list[float], value: float, lo: int, hi: int) -> int:
+    """First index ``s`` in ``[lo, hi]`` with ``acc[s] >= value`` (``acc`` non-decreasing), else ``hi``."""
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if acc[mid] >= value:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo

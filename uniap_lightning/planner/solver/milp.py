@@ -1,42 +1,52 @@
-r"""The MILP over runs of identical layers: exact, and free of the symmetry that sinks the per-layer form.
+r"""The MILP of one ``(pp, c)`` candidate: stage split and per-layer strategies, jointly and exactly.
 
-Transformers repeat one block dozens of times. With one binary per layer and strategy (:mod:`.milp`), which of
-80 identical blocks gets which strategy is a symmetric choice that branch-and-bound enumerates; here a run of
-``R_g`` identical layers on a stage is described by integer counts, which is exact because identical layers are
-interchangeable in every cost except resharding, and resharding is captured by a flow over the run's
-data-parallel *levels* (a level = one ``(d, t)``; its strategies differ only in ``shard``).
+UniAP's program is quadratic (placement x strategy); this is an exact linearization over *runs* of identical
+layers. Transformers repeat one block dozens of times; with one binary per layer and strategy, which of 80
+identical blocks gets which strategy is a symmetric choice branch-and-bound enumerates (the per-layer form is
+kept as a test reference, ``tests/planner/reference_milp.py``). Here a run of ``R_g`` interchangeable layers on a
+stage is described by integer counts, which is exact because such layers differ in no cost except resharding,
+and resharding is captured by a walk over the run's data-parallel *levels* (a level = one batch split ``d``; its
+strategies differ only in what does not move activations).
 
-Indices: runs ``g`` (maximal runs of identical consecutive layers, with identical strategy lists), stages ``i``,
-strategies ``k`` of the run, levels ``d`` (distinct ``(d, t)`` of the run), boundaries ``j`` (between stage j and
-j + 1).
+Every coefficient is a term of :class:`~uniap_lightning.planner.cost.tables.CostTables`, and every stage total
+is built with its combinators (``stage_time_s``, ``stage_memory_bytes``, ``tpi_s``): the formulas ``evaluate``
+computes. Units inside the model are milliseconds and GiB (:mod:`.backend`).
+
+Indices: runs ``g`` (``CostTables.runs``), stages ``i``, boundaries ``j`` (between stage j and j + 1), strategies
+``k`` of the run, levels ``d`` of the run.
 
 Variables
-  ``Q[g,i]``, ``E[g,i]`` binary (i = 1..P-1): the first / last layer of run g sits on stage >= i.
-       present ``pi[g,i] = E[g,i] - Q[g,i+1]``;  stage j ends in run g: ``eta[g,j] = Q[g+1,j+1] - Q[g,j+1]``;
-       g spans j and j+1: ``mu[g,j] = E[g,j+1] - Q[g,j+1]``; the junction g|g+1 is boundary j:
-       ``beta[g,j] = Q[g+1,j+1] - E[g,j+1]``.
-  ``n[g,i,k]`` integer: layers of run g on stage i with strategy k (their sum ``m[g,i]``).
-  ``f[g,i,k]``, ``l[g,i,k]`` binary: strategy of the first / last layer of that portion.
-  ``tau[g,i,d,e]`` integer: level changes d -> e inside the portion (a walk from f's level to l's level).
-  ``y[g,i,d]`` binary: level d is used;  ``w[g,i]`` binary: the portion has at most one layer;
-  ``v[g,i,k]`` binary: strategy k is used (for the largest gathered FSDP layer).
+  ``Q[g,i]``, ``E[g,i]`` binary (i = 1..P-1): the first / last layer of run g sits on stage >= i (``Q[g,0] = 1``,
+       ``Q[g,P] = 0``). Present ``pi[g,i] = E[g,i] - Q[g,i+1]``; stage j ends in run g:
+       ``eta[g,j] = Q[g+1,j+1] - Q[g,j+1]``; g spans j and j+1: ``mu[g,j] = E[g,j+1] - Q[g,j+1]``; the junction
+       g|g+1 is boundary j: ``beta[g,j] = Q[g+1,j+1] - E[g,j+1]``.
+  ``n[g,i,k]`` integer: layers of run g on stage i with strategy k (``m[g,i] = sum_k n[g,i,k]``).
+  ``f[g,i,k]``, ``l[g,i,k]`` binary: strategy of the first / last layer of that portion; ``w[g,i]`` binary: the
+       portion has at most one layer.
+  ``tau[g,i,d,e]`` integer: level changes d -> e inside the portion;  ``y[g,i,d]`` binary: level d is used.
+  ``v[g,i,k]`` binary: strategy k is used (for the largest gathered FSDP layer);  ``h[i]``: that layer's bytes.
   ``zeta``, ``psi``, ``chi`` in [0,1]: AND-products for run junctions inside a stage and stage boundaries.
+  ``o[j] >= 0``: boundary j's transfer;  ``T``: the bottleneck;  ``Y``: the largest end-of-iteration sync.
 
-Constraints
-  order:     Q, E non-increasing in i; Q[g,i] <= E[g,i] <= Q[g+1,i]; Q[g+1,i+1] <= E[g,i] (no stage skipped).
-  counts:    sum_i m[g,i] = R_g;  sum_k n = m;  pi <= m <= R_g pi;  sum_k f = sum_k l = pi;  f_k, l_k <= n_k;
-             f_k + l_k <= n_k + w;  |f_k - l_k| <= 1 - w;  m <= 1 + (R_g - 1)(1 - w).
-  walk:      in_d + f_d = out_d + l_d;  in_d + f_d <= n_d (each visit of a level holds a layer);
-             n_d <= R_g y_d <= R_g (in_d + f_d);  for every proper level subset S:
-             sum_{e not in S, d in S} tau[e,d] + f(S) >= y_d (d in S)  (no detached sub-walks).
-  stage:     p_i = sum A n + sum c_g(d,e) tau + junction resharding (zeta);  T >= p_i;  Y >= sum S n.
-  boundary:  o_j >= sum (P2P_gj + Xout_gd) psi[g,j,d] + sum Xin_gd chi[...];
-             psi >= l_d[g,j] + eta[g,j] - 1;  chi >= f_d[g,j+1] + mu[g,j] - 1 or f_d[g+1,j+1] + beta[g,j] - 1.
-  memory:    sum (W + F_i Act) n + gathered_i <= M;  gathered_i >= G_k v_k;  n_k <= R_g v_k.
-Objective: ``sum_i p_i + sum_j o_j + (c - 1) T + Y``, as in :mod:`.milp`.
+Program (terms: ``A`` time, ``S`` sync, ``W`` static, ``Act`` activation, ``G`` transient bytes; ``X`` reshard,
+``Out``/``In`` leaving/entering a boundary; ``F_i`` micro-batches in flight; ``h`` the slot overhead)
+  order:       Q, E non-increasing in i;  Q[g,i] <= E[g,i] <= Q[g+1,i];  Q[g+1,i+1] <= E[g,i].
+  counts:      sum_i m[g,i] = R_g;  pi <= m <= R_g pi.
+  ends:        sum_k f = sum_k l = pi;  f_k, l_k <= n_k;  f_k + l_k <= n_k + w;  |f_k - l_k| <= 1 - w;
+               m <= 1 + (R_g - 1)(1 - w).
+  walk:        in_d + f_d = out_d + l_d;  in_d + f_d <= n_d;  n_d <= R_g y_d <= R_g (in_d + f_d);
+               sum_{e not in S, d in S} tau[e,d] + f(S) >= y_d for every proper level subset S, d in S.
+  junctions:   zeta[g,i,d,e] >= l_d[g,i] + f_e[g+1,i] - 1.
+  boundaries:  o_j >= sum Out_gdj psi[g,j,d] + sum In_gd chi[...];  psi >= l_d[g,j] + eta[g,j] - 1;
+               chi >= f_d[g,j+1] + mu[g,j] - 1 (or f_d[g+1,j+1] + beta[g,j] - 1).
+  stage time:  p_i = sum A n + sum X tau + sum X zeta + h;  T >= p_i.
+  sync:        Y >= sum S n  (per stage).
+  memory:      sum W n + F_i sum Act n + h_i <= M;  h_i >= G_k v_k;  n_k <= R_g v_k.
+  bottleneck:  T >= o_j;  T >= run_bottleneck_s(g)  (a valid inequality from :mod:`.bounds`).
+Objective: ``TPI = sum_i p_i + sum_j o_j + (c - 1) T + Y``.
 
-Any feasible assignment maps to one plan (an Euler walk over levels fixes the order inside each portion) whose
-``evaluate`` equals the objective; the tests check this against brute force on chains with repeated layers.
+Any feasible assignment maps to one plan (an Euler walk over levels fixes the order inside each portion,
+:mod:`.decode`) whose ``evaluate`` equals the objective; the tests check this against brute force.
 """
 
 from __future__ import annotations
@@ -48,36 +58,42 @@ from collections import defaultdict
 import mip
 
 from uniap_lightning.planner.cluster import GIB
-from uniap_lightning.planner.cost.comm import p2p_s
-from uniap_lightning.planner.cost.layer import CostTables, boundary_inter_node, reshard_s, runs_of
-from uniap_lightning.planner.solver.bounds import run_bottleneck_s
+from uniap_lightning.planner.cost.tables import CostTables
 from uniap_lightning.planner.solver.backend import MS, MilpResult, add_cutoff, new_model, optimize
+from uniap_lightning.planner.solver.bounds import run_bottleneck_s
+from uniap_lightning.planner.solver.decode import decode
 
 
 class GroupedMilp:
-    """Builds and solves the run-aggregated MILP of one candidate (see the module docstring)."""
+    """Builds (one method per constraint family, in the module docstring's order) and solves one candidate."""
 
     def __init__(self, tables: CostTables, *, solver: str = "cbc", threads: int = 1) -> None:
         t0 = time.perf_counter()
         self.t = tables
         self.P, self.L = tables.pp, len(tables.layers)
-        self.runs = runs_of(tables)
+        self.runs = tables.runs()
         self.G = len(self.runs)
         self.m = new_model(solver, threads)
         self._run_data()
         self._order()
-        self._portions()
+        self._counts()
+        self._ends()
+        self._walks()
+        self._used()
         self._junctions()
         self._boundaries()
-        self._stage_terms()
-        self.tpi = mip.xsum(self.p) + mip.xsum(self.o) + (tables.c - 1) * self.T + self.Y
+        self._stage_time()
+        self._sync()
+        self._memory()
+        self._bottleneck()
+        self.tpi = tables.tpi_s(mip.xsum(self.p), mip.xsum(self.o), self.T, self.Y)
         self.m.objective = mip.minimize(self.tpi)
         self.build_s = time.perf_counter() - t0
 
-    # ----------------------------------------------------------------- data
+    # ----------------------------------------------------------------- data and indicator expressions
     def _run_data(self) -> None:
         t = self.t
-        self.R, self.K, self.cost, self.levels, self.level_of, self.out = [], [], [], [], [], []
+        self.R, self.K, self.cost, self.levels, self.level_of, self.first = [], [], [], [], [], []
         for a, e in self.runs:
             self.R.append(e - a + 1)
             self.K.append(t.strategies[a])
@@ -85,9 +101,12 @@ class GroupedMilp:
             lv = sorted({s.d for s in t.strategies[a]})
             self.levels.append(lv)
             self.level_of.append([lv.index(s.d) for s in t.strategies[a]])
-            self.out.append(t.layers[a].output_bytes)
+            self.first.append(a)  # every layer of a run has the same output, so run g's pair terms use layer a
+        self.T = self.m.add_var("T")
+        self.Y = self.m.add_var("Y")
 
     def stage_range(self, g: int) -> range:
+        """Stages run g can touch: every earlier layer on its own stage at most, enough layers left for the rest."""
         a, e = self.runs[g]
         return range(max(0, self.P - self.L + a), min(e, self.P - 1) + 1)
 
@@ -101,20 +120,22 @@ class GroupedMilp:
     def E(self, g: int, i: int):
         if i <= 0:
             return 1
-        if i >= self.P:
-            return 0
-        if g < 0:
+        if i >= self.P or g < 0:
             return 0
         return self.ev[g, i]
 
     def pi(self, g: int, i: int):
         return self.E(g, i) - self.Q(g, i + 1)
 
-    def reshard(self, g: int, d_from: int, d_to: int) -> float:
-        return reshard_s(self.t.problem.cluster, self.out[g], self.t.b, d_from, d_to) * MS
+    def reshard_ms(self, g: int, d_from: int, d_to: int) -> float:
+        return self.t.reshard_s(self.first[g], d_from, d_to) * MS
 
-    # ----------------------------------------------------------------- order
+    def _level_sum(self, g: int, d: int, var: dict) -> mip.LinExpr:
+        return mip.xsum(var[k] for k in range(len(self.K[g])) if self.level_of[g][k] == d)
+
+    # ----------------------------------------------------------------- constraint families
     def _order(self) -> None:
+        """Q, E non-increasing in i;  Q[g,i] <= E[g,i] <= Q[g+1,i];  Q[g+1,i+1] <= E[g,i] (no stage skipped)."""
         m, P = self.m, self.P
         self.qv, self.ev = {}, {}
         for g, (a, e) in enumerate(self.runs):
@@ -135,84 +156,98 @@ class GroupedMilp:
                 for i in range(P - 1):
                     m += self.Q(g + 1, i + 1) <= self.E(g, i), f"no_skip[{g},{i}]"
 
-    # ----------------------------------------------------------------- portions
-    def _portions(self) -> None:
+    def _counts(self) -> None:
+        """sum_i m[g,i] = R_g;  pi[g,i] <= m[g,i] <= R_g pi[g,i]  (m = sum_k n[g,i,k])."""
         m = self.m
-        self.n, self.f, self.l, self.tau, self.v = {}, {}, {}, {}, {}
+        self.n = {}
         for g in range(self.G):
-            R, K, lv = self.R[g], range(len(self.K[g])), range(len(self.levels[g]))
+            R = self.R[g]
             for i in self.stage_range(g):
-                pres = self.pi(g, i)
-                n = {k: m.add_var(f"n[{g},{i},{k}]", ub=R, var_type=mip.INTEGER) for k in K}
-                f = {k: m.add_var(f"f[{g},{i},{k}]", var_type=mip.BINARY) for k in K}
-                self.n[g, i], self.f[g, i] = n, f
-                total = mip.xsum(n.values())
-                m += total >= pres, f"present_min[{g},{i}]"
-                m += total <= R * pres, f"present_max[{g},{i}]"
+                n = self.n[g, i] = {k: m.add_var(f"n[{g},{i},{k}]", ub=R, var_type=mip.INTEGER)
+                                    for k in range(len(self.K[g]))}
+                m += mip.xsum(n.values()) >= self.pi(g, i), f"present_min[{g},{i}]"
+                m += mip.xsum(n.values()) <= R * self.pi(g, i), f"present_max[{g},{i}]"
+            m += mip.xsum(v for i in self.stage_range(g) for v in self.n[g, i].values()) == R, f"run_size[{g}]"
+
+    def _ends(self) -> None:
+        """sum_k f = sum_k l = pi;  f_k, l_k <= n_k;  f_k + l_k <= n_k + w;  |f_k - l_k| <= 1 - w;
+        m <= 1 + (R_g - 1)(1 - w). A one-layer run has l = f."""
+        m = self.m
+        self.f, self.l = {}, {}
+        for g in range(self.G):
+            R, K = self.R[g], range(len(self.K[g]))
+            for i in self.stage_range(g):
+                n, pres = self.n[g, i], self.pi(g, i)
+                f = self.f[g, i] = {k: m.add_var(f"f[{g},{i},{k}]", var_type=mip.BINARY) for k in K}
                 m += mip.xsum(f.values()) == pres, f"first_one[{g},{i}]"
-                if R == 1:
-                    self.l[g, i] = f
-                    for k in K:
-                        m += f[k] <= n[k], f"first_used[{g},{i},{k}]"
-                    continue
-                l = {k: m.add_var(f"l[{g},{i},{k}]", var_type=mip.BINARY) for k in K}
-                self.l[g, i] = l
-                w = m.add_var(f"w[{g},{i}]", var_type=mip.BINARY)
-                m += mip.xsum(l.values()) == pres, f"last_one[{g},{i}]"
-                m += total <= 1 + (R - 1) * (1 - w), f"single[{g},{i}]"
                 for k in K:
                     m += f[k] <= n[k], f"first_used[{g},{i},{k}]"
+                if R == 1:
+                    self.l[g, i] = f
+                    continue
+                l = self.l[g, i] = {k: m.add_var(f"l[{g},{i},{k}]", var_type=mip.BINARY) for k in K}
+                w = m.add_var(f"w[{g},{i}]", var_type=mip.BINARY)
+                m += mip.xsum(l.values()) == pres, f"last_one[{g},{i}]"
+                m += mip.xsum(n.values()) <= 1 + (R - 1) * (1 - w), f"single[{g},{i}]"
+                for k in K:
                     m += l[k] <= n[k], f"last_used[{g},{i},{k}]"
                     m += f[k] + l[k] <= n[k] + w, f"ends_distinct[{g},{i},{k}]"
                     m += f[k] - l[k] <= 1 - w, f"single_same_a[{g},{i},{k}]"
                     m += l[k] - f[k] <= 1 - w, f"single_same_b[{g},{i},{k}]"
-                self._walk(g, i, n, f, l)
-            m += mip.xsum(n for i in self.stage_range(g) for n in self.n[g, i].values()) == R, f"run_size[{g}]"
-            for i in self.stage_range(g):
-                for k in K:
-                    if self.cost[g][k].transient_bytes > 0:
-                        v = self.v[g, i, k] = m.add_var(f"v[{g},{i},{k}]", var_type=mip.BINARY)
-                        m += self.n[g, i][k] <= R * v, f"used[{g},{i},{k}]"
 
-    def _level_sum(self, g: int, d: int, var: dict) -> mip.LinExpr:
-        return mip.xsum(var[k] for k in range(len(self.K[g])) if self.level_of[g][k] == d)
-
-    def _walk(self, g: int, i: int, n: dict, f: dict, l: dict) -> None:
-        """Level changes inside the portion form one walk from the first layer's level to the last's."""
-        m, R = self.m, self.R[g]
-        D = range(len(self.levels[g]))
-        if len(D) == 1:
-            return
-        tau = {(d, e): m.add_var(f"tau[{g},{i},{d},{e}]", ub=R, var_type=mip.INTEGER) for d in D for e in D if d != e}
-        self.tau[g, i] = tau
-        y = {d: m.add_var(f"y[{g},{i},{d}]", var_type=mip.BINARY) for d in D}
-        for d in D:
-            into = mip.xsum(tau[e, d] for e in D if e != d)
-            out = mip.xsum(tau[d, e] for e in D if e != d)
-            fd, ld, nd = self._level_sum(g, d, f), self._level_sum(g, d, l), self._level_sum(g, d, n)
-            m += into + fd == out + ld, f"walk_balance[{g},{i},{d}]"
-            m += into + fd <= nd, f"walk_visits[{g},{i},{d}]"
-            m += nd <= R * y[d], f"level_used[{g},{i},{d}]"
-            m += into + fd >= y[d], f"level_visited[{g},{i},{d}]"
-        for size in range(1, len(D)):
-            for S in itertools.combinations(D, size):
-                entering = mip.xsum(tau[e, d] for d in S for e in D if e not in S)
-                start = mip.xsum(self._level_sum(g, d, f) for d in S)
-                for d in S:
-                    m += entering + start >= y[d], f"connected[{g},{i},{S},{d}]"
-
-    # ----------------------------------------------------------------- junctions and boundaries
-    def _junctions(self) -> None:
-        """Run g's last layer and run g+1's first layer on the same stage: resharding between their levels."""
+    def _walks(self) -> None:
+        """Level changes inside a portion form one walk from the first layer's level to the last's:
+        in_d + f_d = out_d + l_d;  in_d + f_d <= n_d;  n_d <= R_g y_d <= R_g (in_d + f_d);
+        sum_{e not in S, d in S} tau[e,d] + f(S) >= y_d for every proper subset S of levels (no detached loops)."""
         m = self.m
-        self.junction = defaultdict(list)  # stage -> list of cost terms
+        self.tau = {}
+        for g in range(self.G):
+            R, D = self.R[g], range(len(self.levels[g]))
+            if R == 1 or len(D) == 1:
+                continue
+            for i in self.stage_range(g):
+                f, l, n = self.f[g, i], self.l[g, i], self.n[g, i]
+                tau = self.tau[g, i] = {(d, e): m.add_var(f"tau[{g},{i},{d},{e}]", ub=R, var_type=mip.INTEGER)
+                                        for d in D for e in D if d != e}
+                y = {d: m.add_var(f"y[{g},{i},{d}]", var_type=mip.BINARY) for d in D}
+                for d in D:
+                    into = mip.xsum(tau[e, d] for e in D if e != d)
+                    out = mip.xsum(tau[d, e] for e in D if e != d)
+                    fd, ld, nd = self._level_sum(g, d, f), self._level_sum(g, d, l), self._level_sum(g, d, n)
+                    m += into + fd == out + ld, f"walk_balance[{g},{i},{d}]"
+                    m += into + fd <= nd, f"walk_visits[{g},{i},{d}]"
+                    m += nd <= R * y[d], f"level_used[{g},{i},{d}]"
+                    m += into + fd >= y[d], f"level_visited[{g},{i},{d}]"
+                for size in range(1, len(D)):
+                    for S in itertools.combinations(D, size):
+                        entering = mip.xsum(tau[e, d] for d in S for e in D if e not in S)
+                        start = mip.xsum(self._level_sum(g, d, f) for d in S)
+                        for d in S:
+                            m += entering + start >= y[d], f"connected[{g},{i},{S},{d}]"
+
+    def _used(self) -> None:
+        """n[g,i,k] <= R_g v[g,i,k] for strategies with transient (gathered FSDP) bytes."""
+        m = self.m
+        self.v = {}
+        for g in range(self.G):
+            for i in self.stage_range(g):
+                for k, c in enumerate(self.cost[g]):
+                    if c.transient_bytes > 0:
+                        v = self.v[g, i, k] = m.add_var(f"v[{g},{i},{k}]", var_type=mip.BINARY)
+                        m += self.n[g, i][k] <= self.R[g] * v, f"used[{g},{i},{k}]"
+
+    def _junctions(self) -> None:
+        """zeta[g,i,d,e] >= l_d[g,i] + f_e[g+1,i] - 1: run g ends and run g+1 starts on stage i at levels d, e;
+        its resharding ``X_g(d, e) zeta`` joins stage i's time."""
+        m = self.m
+        self.junction = defaultdict(list)  # stage -> cost terms
         for g in range(self.G - 1):
             for i in self.stage_range(g):
                 if i not in self.stage_range(g + 1):
                     continue
                 for d, dv in enumerate(self.levels[g]):
                     for e, ev in enumerate(self.levels[g + 1]):
-                        cost = self.reshard(g, dv, ev)
+                        cost = self.reshard_ms(g, dv, ev)
                         if cost <= 0:
                             continue
                         z = m.add_var(f"zeta[{g},{i},{d},{e}]", ub=1)
@@ -221,27 +256,26 @@ class GroupedMilp:
                         self.junction[i].append(cost * z)
 
     def _boundaries(self) -> None:
+        """o_j >= sum Out_gdj psi[g,j,d] + sum In_gd chi[g,h,j,d], where psi >= l_d[g,j] + eta[g,j] - 1 (stage j
+        ends in run g at level d) and chi >= f_d[h,j+1] + gate - 1 (stage j+1 starts in run h = g at level d
+        when g spans the boundary, gate mu; or in h = g+1 when the junction is the boundary, gate beta)."""
         m, t, P = self.m, self.t, self.P
-        cl = t.problem.cluster
         self.o = [m.add_var(f"o[{j}]") for j in range(P - 1)]
         for j in range(P - 1):
             terms = []
-            inter = boundary_inter_node(cl, t.n, j)
             for g in range(self.G):
                 if j not in self.stage_range(g):
                     continue
                 eta = self.Q(g + 1, j + 1) - self.Q(g, j + 1)
-                send = 2 * p2p_s(cl, self.out[g] * t.b / t.n, inter) * MS
                 for d, dv in enumerate(self.levels[g]):
                     psi = m.add_var(f"psi[{g},{j},{d}]", ub=1)
                     m += psi >= self._level_sum(g, d, self.l[g, j]) + eta - 1, f"stage_end[{g},{j},{d}]"
-                    terms.append((send + self.reshard(g, dv, t.n)) * psi)
-                # the next stage starts inside run g, or at run g+1 when the junction is the boundary
+                    terms.append(t.boundary_out_s(self.first[g], dv, j) * MS * psi)
                 for h, gate in ((g, self.E(g, j + 1) - self.Q(g, j + 1)), (g + 1, self.Q(g + 1, j + 1) - self.E(g, j + 1))):
                     if h >= self.G or j + 1 not in self.stage_range(h):
                         continue
                     for d, dv in enumerate(self.levels[h]):
-                        cost = self.reshard(g, t.n, dv)
+                        cost = t.boundary_in_s(self.first[g], dv) * MS
                         if cost <= 0:
                             continue
                         chi = m.add_var(f"chi[{g},{h},{j},{d}]", ub=1)
@@ -249,119 +283,63 @@ class GroupedMilp:
                         terms.append(cost * chi)
             m += self.o[j] >= mip.xsum(terms), f"boundary[{j}]"
 
-    # ----------------------------------------------------------------- per stage
-    def _stage_terms(self) -> None:
-        m, t = self.m, self.t
-        limit = t.problem.cluster.memory_bytes / GIB
-        self.T = m.add_var("T")
-        self.Y = m.add_var("Y")
+    def _here(self, i: int) -> list[int]:
+        return [g for g in range(self.G) if i in self.stage_range(g)]
+
+    def _stage_time(self) -> None:
+        """p_i = stage_time_s(sum A n, sum X tau + sum X zeta)  (which adds the slot overhead);  T >= p_i."""
         self.p = []
         for i in range(self.P):
-            here = [g for g in range(self.G) if i in self.stage_range(g)]
-            time_terms, sync_terms, mem_terms = [], [], []
-            F = t.in_flight(i)
-            gathered = []
-            for g in here:
-                n = self.n[g, i]
-                for k, c in enumerate(self.cost[g]):
-                    time_terms.append(c.time_s * MS * n[k])
-                    if c.sync_s > 0:
-                        sync_terms.append(c.sync_s * MS * n[k])
-                    mem_terms.append((c.static_bytes + F * c.activation_bytes) / GIB * n[k])
-                    if (g, i, k) in self.v:
-                        gathered.append(c.transient_bytes / GIB * self.v[g, i, k])
+            layers, reshard = [], list(self.junction.get(i, []))
+            for g in self._here(i):
+                layers += [c.time_s * MS * self.n[g, i][k] for k, c in enumerate(self.cost[g])]
                 for (d, e), tv in self.tau.get((g, i), {}).items():
-                    cost = self.reshard(g, self.levels[g][d], self.levels[g][e])
-                    if cost > 0:
-                        time_terms.append(cost * tv)
-            p = mip.xsum(time_terms) + mip.xsum(self.junction.get(i, [])) + t.slot_overhead_s * MS
+                    reshard.append(self.reshard_ms(g, self.levels[g][d], self.levels[g][e]) * tv)
+            p = self.t.stage_time_s(mip.xsum(layers), mip.xsum(reshard), per_s=MS)
             self.p.append(p)
-            m += self.T >= p, f"bottleneck_stage[{i}]"
-            if sync_terms:
-                m += self.Y >= mip.xsum(sync_terms), f"sync[{i}]"
-            use = mip.xsum(mem_terms)
-            if gathered:
-                gv = m.add_var(f"gathered[{i}]")
-                for j, term in enumerate(gathered):
-                    m += gv >= term, f"gathered[{i},{j}]"
-                use = use + gv
-            m += use <= limit, f"memory[{i}]"
-        for j, o in enumerate(self.o):
-            m += self.T >= o, f"bottleneck_boundary[{j}]"
-        for g, (a, e) in enumerate(self.runs):  # valid inequality: integer rounding of the split (see bounds)
-            floor = run_bottleneck_s(t, a, e)
-            if e > a and floor < float("inf"):
-                m += self.T >= floor * MS, f"run_floor[{g}]"
+            self.m += self.T >= p, f"bottleneck_stage[{i}]"
 
-    # ----------------------------------------------------------------- solve and decode
+    def _sync(self) -> None:
+        """Y >= sum_{g,k} S_gk n[g,i,k] for every stage i (the largest end-of-iteration all-reduce)."""
+        for i in range(self.P):
+            terms = [c.sync_s * MS * self.n[g, i][k] for g in self._here(i) for k, c in enumerate(self.cost[g])
+                     if c.sync_s > 0]
+            if terms:
+                self.m += self.Y >= mip.xsum(terms), f"sync[{i}]"
+
+    def _memory(self) -> None:
+        """stage_memory_bytes(i, sum W n, sum Act n, h_i) <= M (GiB);  h_i >= G_k v[g,i,k]."""
+        m, t = self.m, self.t
+        limit = t.problem.cluster.memory_bytes / GIB
+        for i in range(self.P):
+            here = self._here(i)
+            static = mip.xsum(c.static_bytes / GIB * self.n[g, i][k] for g in here for k, c in enumerate(self.cost[g]))
+            act = mip.xsum(c.activation_bytes / GIB * self.n[g, i][k] for g in here for k, c in enumerate(self.cost[g]))
+            gathered = [self.cost[g][k].transient_bytes / GIB * v for (g, ii, k), v in self.v.items() if ii == i]
+            h = 0.0
+            if gathered:
+                h = m.add_var(f"gathered[{i}]")
+                for j, term in enumerate(gathered):
+                    m += h >= term, f"gathered[{i},{j}]"
+            m += t.stage_memory_bytes(i, static, act, h) <= limit, f"memory[{i}]"
+
+    def _bottleneck(self) -> None:
+        """T >= o_j;  T >= run_bottleneck_s(g) for every run of two or more layers (valid: see :mod:`.bounds`)."""
+        for j, o in enumerate(self.o):
+            self.m += self.T >= o, f"bottleneck_boundary[{j}]"
+        for g, (a, e) in enumerate(self.runs):
+            floor = run_bottleneck_s(self.t, a, e)
+            if e > a and floor < float("inf"):
+                self.m += self.T >= floor * MS, f"run_floor[{g}]"
+
+    # ----------------------------------------------------------------- solve
     def solve(self, *, time_limit_s: float, cutoff_s: float | None = None) -> MilpResult:
+        """Optimize within ``time_limit_s``; only plans better than ``cutoff_s`` are of interest."""
         if cutoff_s is not None:
             add_cutoff(self.m, self.tpi, cutoff_s)
         name, objective_s, bound_s, solve_s = optimize(self.m, time_limit_s)
-        if objective_s is None:
-            return MilpResult(name, None, bound_s, None, None, self.build_s, solve_s, self.m.num_cols, self.m.num_rows)
-        stages, strategies = self._decode()
+        stages = strategies = None
+        if objective_s is not None:
+            stages, strategies = decode(self)
         return MilpResult(name, objective_s, bound_s, stages, strategies, self.build_s, solve_s,
                           self.m.num_cols, self.m.num_rows)
-
-    def _decode(self) -> tuple[list[int], list[int]]:
-        stages: list[int] = []
-        strategies: list[int] = []
-        for g in range(self.G):
-            for i in self.stage_range(g):
-                counts = {k: round(v.x) for k, v in self.n[g, i].items()}
-                if sum(counts.values()) == 0:
-                    continue
-                seq = self._order_portion(g, i, counts)
-                stages += [i] * len(seq)
-                strategies += seq
-        assert len(stages) == self.L, "decoded plan does not cover the chain"
-        return stages, strategies
-
-    def _order_portion(self, g: int, i: int, counts: dict[int, int]) -> list[int]:
-        """Layers of one portion in an order whose level changes are exactly the solver's walk."""
-        first = next(k for k, v in self.f[g, i].items() if v.x > 0.5)
-        last = next(k for k, v in self.l[g, i].items() if v.x > 0.5)
-        lvl = self.level_of[g]
-        edges = defaultdict(list)
-        for (d, e), tv in self.tau.get((g, i), {}).items():
-            edges[d] += [e] * round(tv.x)
-        walk = _euler_walk(edges, lvl[first])
-        pool = defaultdict(list)  # level -> strategies still to place (first/last reserved below)
-        for k, c in sorted(counts.items(), key=lambda kv: not self.K[g][kv[0]].shard):
-            pool[lvl[k]] += [k] * c
-        pool[lvl[first]].remove(first)
-        if sum(counts.values()) > 1:
-            pool[lvl[last]].remove(last)
-        visits = defaultdict(int)
-        for d in walk:
-            visits[d] += 1
-        total = sum(counts.values())
-        blocks: list[list[int]] = []
-        seen = defaultdict(int)
-        for pos, d in enumerate(walk):
-            seen[d] += 1
-            later = visits[d] - seen[d]  # each later visit of this level needs a layer of its own
-            block = [first] if pos == 0 else []
-            if pos == len(walk) - 1 and total > 1:
-                block += pool[d] + [last]
-                pool[d] = []
-            else:
-                take = max(0 if block else 1, len(pool[d]) - later)
-                block += pool[d][:take]
-                pool[d] = pool[d][take:]
-            blocks.append(block)
-        return [k for b in blocks for k in b]
-
-
-def _euler_walk(edges: dict[int, list[int]], start: int) -> list[int]:
-    """Hierholzer's algorithm on a small multigraph; returns the sequence of visited levels."""
-    adj = {d: list(es) for d, es in edges.items()}
-    stack, walk = [start], []
-    while stack:
-        d = stack[-1]
-        if adj.get(d):
-            stack.append(adj[d].pop())
-        else:
-            walk.append(stack.pop())
-    return walk[::-1]

@@ -3,26 +3,26 @@
 For every candidate ``(pp, c)`` (pipeline degree, micro-batch count) the MILP of :mod:`.milp` chooses the stage
 split and per-layer strategies. Candidates are visited in order of a cheap lower bound on their time per
 iteration (:mod:`.bounds`); a candidate whose bound cannot beat the best plan found so far is pruned without a
-solve, and every solve gets the incumbent as a cutoff and the best uniform plan of its candidate as a warm
-start. The result is exact when every solve reports optimal (``SolverInfo.status == "optimal"``); when a time
-limit stops a solve, the plan carries the remaining MIP gap.
+solve, and every solve gets the incumbent (at first the best uniform plan or baseline) as a cutoff. The result
+is exact when every solve reports optimal (``SolverInfo.status == "optimal"``); when the deadline stops the
+search, the plan carries the remaining MIP gap.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from uniap_lightning.planner.cluster import GIB
 from uniap_lightning.planner.cost.evaluate import evaluate
-from uniap_lightning.planner.cost.layer import CostTables, Strategy
+from uniap_lightning.planner.cost.layer import Strategy
+from uniap_lightning.planner.cost.tables import CostTables
 from uniap_lightning.errors import InfeasibleError, UniAPError
 from uniap_lightning.planner.plan import Plan, SolverInfo
 from uniap_lightning.planner.problem import Problem
 from uniap_lightning.planner.solver.bounds import least_memory_bytes, memory_lower_bound_bytes, time_lower_bound_s
 from uniap_lightning.planner.solver.milp import GroupedMilp
-from uniap_lightning.planner.solver.backend import solver_available
+from uniap_lightning.planner.solver.backend import Deadline, no_gc, now_s, solver_available
 from uniap_lightning.planner.solver.uniform import uniform_plan
 
 SOLVERS = ("auto", "cbc", "highs", "gurobi")
@@ -125,6 +125,7 @@ def _from_milp(problem: Problem, cand: Candidate, stages: list[int], ks: list[in
     )
 
 
+@no_gc()  # also when called directly (tests, baselines): see no_gc
 def search(
     problem: Problem,
     *,
@@ -134,9 +135,15 @@ def search(
     allowed: Callable[[Strategy], bool] | None = None,
     incumbent: Plan | None = None,
     progress: Progress | None = None,
+    deadline: Deadline | None = None,
 ) -> Plan:
-    """Exact search over ``(pp, c)`` and the MILP; ``allowed`` restricts strategies (for baselines)."""
-    t_start = time.perf_counter()
+    """Exact search over ``(pp, c)`` and the MILP; ``allowed`` restricts strategies (for baselines).
+
+    Everything (tables, bounds, warm starts, solves) ends by ``deadline``, or ``time_limit_s`` from now when no
+    deadline is given; a solver is never given less than ``backend.MIN_SOLVE_S``.
+    """
+    t_start = now_s()
+    deadline = deadline if deadline is not None else Deadline.after(time_limit_s)
     say = progress or (lambda _msg: None)
     name = resolve_solver(solver)
     trace: list[dict] = []
@@ -158,7 +165,7 @@ def search(
             pruned += 1
             record["outcome"] = "pruned by bound"
             continue
-        remaining = time_limit_s - (time.perf_counter() - t_start)
+        remaining = deadline.remaining_s()
         if remaining <= 0:
             all_optimal = False
             open_bounds.append(cand.bound_s)
@@ -195,7 +202,7 @@ def search(
         name=name,
         status="optimal" if all_optimal or gap == 0 else "time_limit",
         gap=gap,
-        solve_s=time.perf_counter() - t_start,
+        solve_s=now_s() - t_start,
         candidates=len(cands),
         solved=solved,
         pruned=pruned,

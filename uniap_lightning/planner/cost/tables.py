@@ -1,0 +1,150 @@
+"""The one table of cost terms for a ``(pp, c)`` candidate, and the one place its terms become stage totals.
+
+``evaluate``, the MILP and the bounds all read this table; none of them writes a per-stage total itself. A new
+feature (recomputation, a ZeRO mode, gradient compression) adds a strategy dimension in
+:func:`~uniap_lightning.planner.cost.layer.strategies_for` and its effect in
+:func:`~uniap_lightning.planner.cost.layer.layer_cost` (one of the terms below), and every consumer follows.
+
+Terms, in seconds and bytes (``u`` a layer, ``k`` its strategy; :class:`~.layer.LayerCost` field in brackets):
+
+* time per micro-batch on its stage: compute + tensor-parallel + FSDP communication (``time_s``);
+* sync per iteration: the replicated data-parallel gradient all-reduce at the end of the step (``sync_s``);
+* memory held for the whole step: weights, gradients, optimizer state (``static_bytes``);
+* memory per micro-batch in flight: activations (``activation_bytes``);
+* memory held only while the layer runs (an FSDP layer's gathered weights): a stage holds the largest one
+  (``transient_bytes``);
+* resharding between neighbours ``u``, ``u + 1`` on one stage whose batch splits ``d`` differ
+  (:meth:`CandidateCosts.reshard_s`);
+* a stage boundary after layer ``u``: leaving (reshard to the boundary layout, send forward and backward,
+  :meth:`CandidateCosts.boundary_out_s`) plus entering (reshard from it, :meth:`CandidateCosts.boundary_in_s`);
+* per stage: the pipeline slot overhead per micro-batch (``pp > 1``) and the micro-batches in flight.
+
+Combined, here only (the combinators take numbers or python-mip expressions alike, so the MILP builds its rows
+from the same formulas ``evaluate`` computes):
+
+* stage time ``p_i = sum_u time + sum reshard + slot`` (:meth:`CandidateCosts.stage_time_s`);
+* stage memory ``m_i = sum static + in_flight(i) * sum activation + max transient``
+  (:meth:`CandidateCosts.stage_memory_bytes`);
+* ``TPI = sum_i p_i + sum_j o_j + (c - 1) max(p_i, o_j) + max_i sync_i`` (:meth:`CandidateCosts.tpi_s`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from uniap_lightning.planner.cost.comm import p2p_s
+from uniap_lightning.planner.cost.layer import (
+    LayerCost,
+    Strategy,
+    boundary_inter_node,
+    in_flight,
+    layer_cost,
+    reshard_s,
+    strategies_for,
+)
+from uniap_lightning.planner.problem import Problem
+
+
+class CandidateCosts:
+    """Every term of one ``(pp, c)`` candidate for any strategy, and the formulas that combine them.
+
+    ``evaluate`` uses this directly (a plan may carry a strategy the solver would not enumerate);
+    :class:`CostTables` adds the enumeration the solver chooses from.
+    """
+
+    def __init__(self, problem: Problem, pp: int, c: int) -> None:
+        self.problem, self.pp, self.c = problem, pp, c
+        self.n = problem.num_devices // pp  # devices per stage
+        self.b = problem.training.global_batch_size // c  # micro-batch size
+        self.layers = problem.model.layers
+
+    # ------------------------------------------------------------------ per-layer and pair terms
+    def terms(self, u: int, s: Strategy) -> LayerCost:
+        """Layer ``u``'s terms under strategy ``s`` (cached across candidates by ``layer_cost``)."""
+        return layer_cost(self.layers[u], s, self.b, self.n, self.problem.cluster, self.problem.training)
+
+    def reshard_s(self, u: int, d_from: int, d_to: int) -> float:
+        """Between layer ``u`` (batch split ``d_from``) and ``u + 1`` (``d_to``) on one stage."""
+        return reshard_s(self.problem.cluster, self.layers[u].output_bytes, self.b, d_from, d_to)
+
+    def send_s(self, u: int, j: int) -> float:
+        """Point-to-point send of layer ``u``'s output across boundary ``j`` (forward) and its gradient (backward);
+        every rank of the stage sends its ``b / n`` samples."""
+        inter = boundary_inter_node(self.problem.cluster, self.n, j)
+        return 2 * p2p_s(self.problem.cluster, self.layers[u].output_bytes * self.b / self.n, inter)
+
+    def boundary_out_s(self, u: int, d_last: int, j: int) -> float:
+        """Layer ``u`` (split ``d_last``) ends stage ``j``: reshard to the boundary layout (``n``), then send."""
+        return self.reshard_s(u, d_last, self.n) + self.send_s(u, j)
+
+    def boundary_in_s(self, u: int, d_first: int) -> float:
+        """Layer ``u + 1`` (split ``d_first``) starts the next stage: reshard from the boundary layout."""
+        return self.reshard_s(u, self.n, d_first)
+
+    def boundary_s(self, u: int, d_last: int, d_first: int, j: int) -> float:
+        """Boundary ``j`` falls after layer ``u``: leaving plus entering."""
+        return self.boundary_out_s(u, d_last, j) + self.boundary_in_s(u, d_first)
+
+    def in_flight(self, stage: int) -> int:
+        """Micro-batches whose activations ``stage`` holds at its peak (the schedule's)."""
+        return in_flight(self.problem.training.schedule, self.c, self.pp, stage)
+
+    @property
+    def slot_overhead_s(self) -> float:
+        """Fixed cost a stage pays per micro-batch under pipelining (0 without pipeline stages)."""
+        return self.problem.cluster.pipeline_overhead_s if self.pp > 1 else 0.0
+
+    # ------------------------------------------------------------------ the combinators (the only stage formulas)
+    def stage_time_s(self, layers_s, reshard_s=0.0, *, per_s: float = 1.0):
+        """``p_i = sum_u time + sum reshard + slot``. ``per_s`` is the unit of the arguments per second (the MILP
+        works in milliseconds), needed because the slot overhead is the one constant."""
+        return layers_s + reshard_s + self.slot_overhead_s * per_s
+
+    def stage_memory_bytes(self, stage: int, static, activation, transient=0.0):
+        """``m_i = sum static + in_flight(i) * sum activation + max transient`` (any unit: it is homogeneous)."""
+        return static + self.in_flight(stage) * activation + transient
+
+    def layer_memory_bytes(self, stage: int, cost: LayerCost) -> float:
+        """One layer's share of :meth:`stage_memory_bytes` on ``stage``, without the transient term."""
+        return self.stage_memory_bytes(stage, cost.static_bytes, cost.activation_bytes)
+
+    def tpi_s(self, stages_s, boundaries_s, bottleneck_s, sync_s):
+        """``TPI = sum_i p_i + sum_j o_j + (c - 1) max(p_i, o_j) + max_i sync_i`` from those four quantities
+        (sums, bottleneck and largest sync); linear in them, which the MILP and the bounds rely on."""
+        return stages_s + boundaries_s + (self.c - 1) * bottleneck_s + sync_s
+
+
+class CostTables(CandidateCosts):
+    """The candidate's terms for every strategy the solver may choose: ``strategies[u][k]``, ``cost[u][k]``.
+
+    ``allowed`` restricts the strategies (the baselines' restricted searches).
+    """
+
+    def __init__(self, problem: Problem, pp: int, c: int, *, allowed: Callable[[Strategy], bool] | None = None) -> None:
+        super().__init__(problem, pp, c)
+        self.strategies: list[list[Strategy]] = []
+        for lp in self.layers:
+            ks = strategies_for(lp, self.n, problem.cluster, self.b)
+            if allowed is not None:
+                ks = [k for k in ks if allowed(k)]
+            self.strategies.append(ks)
+        self.cost = [[self.terms(u, k) for k in ks] for u, ks in enumerate(self.strategies)]
+
+    @property
+    def feasible_shape(self) -> bool:
+        """Every layer has at least one strategy, and stage boundaries can split the micro-batch over n."""
+        return all(self.strategies) and (self.pp == 1 or self.b % self.n == 0)
+
+    def layer_key(self, u: int) -> tuple:
+        """Everything the table knows about layer ``u``: two layers with equal keys are interchangeable."""
+        return (self.layers[u].output_bytes, tuple(self.strategies[u]), tuple(self.cost[u]))
+
+    def runs(self) -> list[tuple[int, int]]:
+        """Maximal runs ``(first, last)`` of consecutive interchangeable layers (what the MILP aggregates)."""
+        out: list[tuple[int, int]] = []
+        for u in range(len(self.layers)):
+            if out and self.layer_key(u) == self.layer_key(out[-1][0]):
+                out[-1] = (out[-1][0], u)
+            else:
+                out.append((u, u))
+        return out
