@@ -1,0 +1,95 @@
+"""Limits the planner must honour: the time limit of a whole solve, and inputs too large for naive loops."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from planner_factories import random_problem
+
+from uniap_lightning.planner import config
+from uniap_lightning.planner.cost.tables import CostTables
+from uniap_lightning.planner.problem import divisors
+from uniap_lightning.planner.solver import backend, milp, solve
+from uniap_lightning.planner.solver.bounds import least_memory_bytes
+
+
+class FakeClock:
+    """Time that moves only when a (fake) solver runs: exactly as long as it was allowed to."""
+
+    def __init__(self) -> None:
+        self.now_s = 1000.0
+        self.limits_s: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now_s
+
+    def optimize(self, model, time_limit_s):
+        self.limits_s.append(time_limit_s)
+        self.now_s += max(time_limit_s, backend.MIN_SOLVE_S)
+        return "no_solution", None, None, max(time_limit_s, backend.MIN_SOLVE_S)
+
+
+@pytest.mark.parametrize("limit_s", [2.0, 60.0])
+def test_solve_spends_at_most_its_time_limit_baselines_included(monkeypatch, limit_s):
+    """Every solver call uses all the time it is given. The whole solve (two baseline searches and the main
+    search) must still end within ``time_limit_s`` (plus one minimal solve): the old code gave each baseline
+    search a quarter of the limit on top of the main search's full limit, 1.5x in all."""
+    clock = FakeClock()
+    monkeypatch.setattr(backend, "now_s", clock)
+    monkeypatch.setattr(milp, "optimize", clock.optimize)
+    problem = config.build_problem(model="llama_7b", cluster="h100_4x8", global_batch_size=64)
+    start = clock.now_s
+    plan = solve(problem, solver="cbc", time_limit_s=limit_s)
+    assert len(clock.limits_s) >= 2, "the instance must make both the baselines and the main search solve"
+    assert clock.now_s - start <= limit_s + backend.MIN_SOLVE_S
+    assert plan.estimate.feasible  # the incumbent (a baseline or uniform plan) is what comes back
+    assert plan.solver.status == "time_limit"
+
+
+def test_divisors_of_a_huge_batch_size_are_quick():
+    t0 = time.perf_counter()
+    ds = divisors(1_000_000_000_000)
+    assert time.perf_counter() - t0 < 2.0
+    assert ds[:4] == [1, 2, 4, 5] and ds[-1] == 10**12 and len(ds) == 169  # 2^12 5^12: 13 * 13 divisors
+    assert all(divisors(n) == [d for d in range(1, n + 1) if n % d == 0] for n in range(1, 400))
+
+
+def least_memory_reference(t: CostTables) -> float:
+    """The exact O(P L^2) dynamic program least_memory_bytes replaced."""
+    L, P = len(t.layers), t.pp
+    mem = [[min(t.layer_memory_bytes(i, k) for k in t.cost[u]) for u in range(L)] for i in range(P)]
+    f = [[float("inf")] * L for _ in range(P)]
+    for u in range(L):
+        f[0][u] = sum(mem[0][: u + 1])
+    for i in range(1, P):
+        for u in range(i, L):
+            f[i][u] = min(max(f[i - 1][v], sum(mem[i][v + 1 : u + 1])) for v in range(i - 1, u))
+    return f[P - 1][L - 1]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_least_memory_matches_the_exact_dynamic_program(seed):
+    problem = random_problem(seed, num_layers=3 + seed % 7, nodes=(1, 2)[seed % 2], per_node=4,
+                             schedule=("1f1b", "gpipe")[seed % 3 == 0])
+    checked = 0
+    for pp in problem.pp_candidates():
+        for c in problem.training.microbatch_candidates():
+            t = CostTables(problem, pp, c)
+            if not all(t.strategies):
+                continue
+            assert least_memory_bytes(t) == pytest.approx(least_memory_reference(t), rel=1e-8)
+            checked += 1
+    assert checked > 0
+
+
+def test_least_memory_of_ten_thousand_layers_is_quick():
+    """The error message for 'nothing fits' computes this per candidate; it used to be quadratic in layers."""
+    problem = random_problem(0, num_layers=10_000, nodes=2, per_node=4, batch=64)
+    t = CostTables(problem, 8, 8)
+    t0 = time.perf_counter()
+    least = least_memory_bytes(t)
+    assert time.perf_counter() - t0 < 2.0
+    lightest = [min(t.layer_memory_bytes(7, k) for k in costs) for costs in t.cost]  # fewest in flight
+    heaviest = [min(t.layer_memory_bytes(0, k) for k in costs) for costs in t.cost]
+    assert sum(lightest) / 8 * (1 - 1e-9) <= least <= sum(heaviest)
