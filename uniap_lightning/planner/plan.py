@@ -202,8 +202,11 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Plan:
+        if not isinstance(d, dict):
+            raise UniAPError(f"a plan must be a JSON object, got {type(d).__name__}")
         try:
-            stages = [StagePlan(int(s["index"]), tuple(s["layers"]), tuple(s["ranks"])) for s in d["stages"]]
+            stages = [StagePlan(int(s["index"]), _int_pair(s["layers"], f"stages[{i}].layers"),
+                                tuple(int(r) for r in s["ranks"])) for i, s in enumerate(d["stages"])]
             layers = [
                 LayerPlan(str(x["name"]), int(x["stage"]), int(x["dp"]), int(x["tp"]), bool(x["shard"]))
                 for x in d["layers"]
@@ -227,11 +230,11 @@ class Plan:
                 search=list(d.get("search", [])),
                 format_version=int(d.get("format_version", PLAN_FORMAT_VERSION)),
             )
-        except (KeyError, TypeError, ValueError) as err:
+            plan.validate()
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as err:
             if isinstance(err, UniAPError):
                 raise
             raise UniAPError(f"plan JSON is missing or has a malformed field: {err!r}") from err
-        plan.validate()
         return plan
 
     @classmethod
@@ -261,3 +264,9 @@ class Plan:
             else:
                 runs.append((u, u, lp))
         return runs
+
+
+def _int_pair(value: Any, where: str) -> tuple[int, int]:
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise UniAPError(f"plan field '{where}' must be [first, last] layer indices, got {value!r}")
+    return int(value[0]), int(value[1])

@@ -173,6 +173,8 @@ class ModelProfile:
         if not isinstance(raw, list) or not raw:
             raise UniAPError(f"{origin}: field 'layers' must be a non-empty list")
         layers = [_layer_from_dict(item, f"{origin}: layers[{i}]") for i, item in enumerate(raw)]
+        if not isinstance(data.get("meta") or {}, dict):
+            raise UniAPError(f"{origin}: field 'meta' must be an object, got {type(data.get('meta')).__name__}")
         return cls(
             model=str(data.get("model", "model")),
             layers=layers,

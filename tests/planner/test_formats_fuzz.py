@@ -1,0 +1,143 @@
+"""A standing guard over the three public formats (profile, plan, cluster): any generated or mutated document
+either loads and validates, or is refused with one ``UniAPError`` - never another exception, never a hang."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from uniap_lightning.errors import UniAPError
+from uniap_lightning.planner.cluster import Cluster
+from uniap_lightning.planner.config import build_problem, cluster_from
+from uniap_lightning.planner.plan import Plan
+from uniap_lightning.planner.profile import ModelProfile
+
+SETTINGS = settings(max_examples=150, deadline=2000, derandomize=True,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+JSON_LEAVES = st.one_of(
+    st.none(), st.booleans(), st.integers(min_value=-(10**30), max_value=10**30),
+    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12),
+    st.sampled_from([0, -1, 1, 2**63, 1e308, -0.0, "", "nan", [], {}]),
+)
+JSON = st.recursive(JSON_LEAVES, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                          st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+                    max_leaves=12)
+
+
+def _paths(doc: Any, prefix: tuple = ()) -> list[tuple]:
+    out = [prefix]
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            out += _paths(v, prefix + (k,))
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc[:6]):
+            out += _paths(v, prefix + (i,))
+    return out
+
+
+@st.composite
+def mutated(draw: Any, seed_doc: dict[str, Any]) -> Any:
+    """``seed_doc`` with a few random edits: a value replaced, a key deleted or added, a list emptied."""
+    doc = copy.deepcopy(seed_doc)
+    for _ in range(draw(st.integers(1, 3))):
+        paths = [p for p in _paths(doc) if p]
+        if not paths:
+            break
+        path = draw(st.sampled_from(paths))
+        parent = doc
+        for key in path[:-1]:
+            parent = parent[key]
+        action = draw(st.sampled_from(["replace", "delete", "add"]))
+        if action == "replace":
+            parent[path[-1]] = draw(JSON)
+        elif action == "delete":
+            del parent[path[-1]]
+        elif isinstance(parent, dict):
+            parent[draw(st.text(max_size=8))] = draw(JSON)
+        else:
+            parent.append(draw(JSON))
+    return doc
+
+
+def _problem() -> Any:
+    return build_problem(model="gpt2_small", cluster="a100_1x8", global_batch_size=16)
+
+
+PROFILE = _problem().model.to_dict()
+CLUSTER = json.loads(json.dumps(cluster_from("a100_1x8").to_dict() if hasattr(Cluster, "to_dict") else
+                                {k: v for k, v in vars(cluster_from("a100_1x8")).items()}, default=str))
+
+
+def _plan_doc() -> dict[str, Any]:
+    from uniap_lightning.planner.solver import solve
+
+    return solve(_problem(), time_limit_s=30, baselines=False).to_dict()
+
+
+PLAN = _plan_doc()
+
+
+def _only_clear_errors(load: Any, doc: Any) -> None:
+    try:
+        load(doc)
+    except UniAPError as err:
+        assert str(err).strip(), "an empty error message"
+
+
+def _load_profile(doc: Any) -> None:
+    profile = ModelProfile.from_dict(doc, origin="fuzzed profile")
+    profile.fingerprint()
+
+
+def _load_plan(doc: Any) -> None:
+    Plan.from_dict(doc).to_json()
+
+
+def _load_cluster(doc: Any) -> None:
+    cluster = Cluster.from_dict(doc)
+    cluster.num_devices  # noqa: B018 - derived figures must not raise either
+
+
+@pytest.mark.parametrize("seed, load", [(PROFILE, _load_profile), (PLAN, _load_plan), (CLUSTER, _load_cluster)],
+                         ids=["profile", "plan", "cluster"])
+def test_seed_documents_load(seed: dict[str, Any], load: Any) -> None:
+    load(copy.deepcopy(seed))
+
+
+@SETTINGS
+@given(st.data())
+def test_mutated_profiles_load_or_fail_clearly(data: Any) -> None:
+    _only_clear_errors(_load_profile, data.draw(mutated(PROFILE)))
+
+
+@SETTINGS
+@given(st.data())
+def test_mutated_plans_load_or_fail_clearly(data: Any) -> None:
+    _only_clear_errors(_load_plan, data.draw(mutated(PLAN)))
+
+
+@SETTINGS
+@given(st.data())
+def test_mutated_clusters_load_or_fail_clearly(data: Any) -> None:
+    _only_clear_errors(_load_cluster, data.draw(mutated(CLUSTER)))
+
+
+@SETTINGS
+@given(JSON)
+def test_arbitrary_json_is_refused_clearly(doc: Any) -> None:
+    for load in (_load_profile, _load_plan, _load_cluster):
+        _only_clear_errors(load, doc)
+
+
+def test_non_finite_numbers_are_named() -> None:
+    doc = copy.deepcopy(CLUSTER)
+    doc["memory_gib"] = math.inf
+    with pytest.raises(UniAPError, match="memory_gib"):
+        Cluster.from_dict(doc)
