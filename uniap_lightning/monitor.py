@@ -195,7 +195,7 @@ class UniAPMonitor(pl.Callback):
             return
         (work, gathered, steps), self._pending = self._pending, None
         if work is not None:
-            guard = getattr(trainer.strategy, "_guard", None)
+            guard = getattr(trainer.strategy, "guard", None)  # UniAPStrategy's: a dead peer is a clear error
             guard(work.wait) if guard is not None else work.wait()
         self._report(trainer, pl_module, [float(t[0]) for t in gathered], [float(t[1]) for t in gathered], steps,
                      log=log)
@@ -213,7 +213,8 @@ class UniAPMonitor(pl.Callback):
             ("cpu: params+optimizer state + step RSS growth (VmHWM-VmRSS)" if self._hwm_reset else
              "cpu: params+optimizer state + step RSS growth (ru_maxrss-VmRSS)"),
         }
-        plan = getattr(trainer.strategy, "plan", None) if getattr(trainer.strategy, "_runtime", None) else None
+        strategy = trainer.strategy  # UniAPStrategy once set up: the plan running now; another strategy: none
+        plan = strategy.plan if getattr(strategy, "setup_result", None) is not None else None
         metrics = {"uniap/step_time_s": report["tpi_s"], "uniap/peak_memory_bytes": max(rank_peak)}
         for r, m in enumerate(rank_peak):
             metrics[f"uniap/peak_memory_bytes/rank{r}"] = m

@@ -141,7 +141,7 @@ class UniAPStrategy(ModelParallelStrategy):
         self._pending_loss: Any = None  # runtime.pipeline.PendingLoss of the last training batch
         self._batch_checked = False
         # SIGTERM agreed on without Lightning's blocking per-batch broadcast (see uniap_lightning.sigterm)
-        self._sigterm = AgreedSigterm(guard=self._guard)
+        self._sigterm = AgreedSigterm(guard=self.guard)
         self._monitor = monitor
 
     @classmethod
@@ -306,7 +306,7 @@ class UniAPStrategy(ModelParallelStrategy):
     def _finish_loss(self) -> torch.Tensor | None:
         """The global mean loss of the last training batch (waits for its background all-reduce), once."""
         pending, self._pending_loss = self._pending_loss, None
-        return None if pending is None else self._guard(pending.wait)
+        return None if pending is None else self.guard(pending.wait)
 
     # ------------------------------------------------------------------ steps
     #: True while ``optimizer_step`` runs Lightning's closure: this batch is the last of its accumulation window
@@ -330,7 +330,7 @@ class UniAPStrategy(ModelParallelStrategy):
         if not self._batch_checked:
             from uniap_lightning.runtime.checks import check_same_batch
 
-            self._guard(lambda: check_same_batch(x, y))
+            self.guard(lambda: check_same_batch(x, y))
             self._batch_checked = True
         self._finish_loss()  # a previous batch that never reached on_train_batch_end (an exception in between)
         params = rt.local_parameters()
@@ -342,8 +342,8 @@ class UniAPStrategy(ModelParallelStrategy):
         scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
         try:
             with self.precision_plugin.train_step_context():
-                self._pending_loss = self._guard(lambda: rt.runner.train_step(x, y, rt.chain.loss_fn, scale))
-            self._guard(rt.replicated.flush)
+                self._pending_loss = self.guard(lambda: rt.runner.train_step(x, y, rt.chain.loss_fn, scale))
+            self.guard(rt.replicated.flush)
         finally:
             rt.replicated.disarm()
         self._window_open = not closing
@@ -366,7 +366,7 @@ class UniAPStrategy(ModelParallelStrategy):
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
         add_grads(self._fresh_grads)
         self._fresh_grads = []
-        self._guard(self.runtime.replicated.finish)  # no-op unless this batch closes the window
+        self.guard(self.runtime.replicated.finish)  # no-op unless this batch closes the window
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -407,19 +407,21 @@ class UniAPStrategy(ModelParallelStrategy):
         else:
             x = rt.chain.split_batch(batch)[0] if isinstance(batch, (tuple, list, dict)) else batch
         with self.precision_plugin.predict_step_context():
-            return self._guard(lambda: rt.runner.predict_step(x))
+            return self.guard(lambda: rt.runner.predict_step(x))
 
     def _eval_step(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
         rt = self.runtime
         args, kwargs = self.precision_plugin.convert_input((args, kwargs))
         x, y = rt.chain.split_batch(args[0])
-        loss = self._guard(lambda: rt.runner.eval_step(x, y, rt.chain.loss_fn))
+        loss = self.guard(lambda: rt.runner.eval_step(x, y, rt.chain.loss_fn))
         # the same global mean on every rank; sync_dist averages the epoch's value once, at the epoch's end
         self.lightning_module.log(name, loss, prog_bar=True, sync_dist=True)
         return loss
 
-    def _guard(self, fn: Callable[[], Any]) -> Any:
-        """Turn a failed collective (usually: a peer process died) into a clear error instead of a traceback maze."""
+    def guard(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` (a collective or a wait on one); a failure, usually a peer process that died, becomes a
+        :class:`UniAPError` naming this rank instead of a backend traceback. For callbacks that issue collectives
+        of their own (the monitor does)."""
         try:
             return fn()
         except RuntimeError as err:
@@ -451,7 +453,7 @@ class UniAPStrategy(ModelParallelStrategy):
         n = self.runtime.plan.devices_per_stage
 
         def clip(params: list[Any], max_norm: float) -> None:
-            self._guard(lambda: clip_grad_norm(params, max_norm, n, device=self.root_device))
+            self.guard(lambda: clip_grad_norm(params, max_norm, n, device=self.root_device))
 
         self.precision_plugin.bind_global_norm(clip)
 
@@ -484,12 +486,12 @@ class UniAPStrategy(ModelParallelStrategy):
         partial = partial_path(final)
         if self.global_rank == 0:
             remove_path(partial)  # left by a run killed while writing
-        self._guard(self.barrier)
-        self._guard(lambda: super(UniAPStrategy, self).save_checkpoint(checkpoint, partial, storage_options))
-        self._guard(self.barrier)  # every rank's shards and rank 0's meta.pt are on disk
+        self.guard(self.barrier)
+        self.guard(lambda: super(UniAPStrategy, self).save_checkpoint(checkpoint, partial, storage_options))
+        self.guard(self.barrier)  # every rank's shards and rank 0's meta.pt are on disk
         if self.global_rank == 0:
             publish(partial, final)
-        self._guard(self.barrier)
+        self.guard(self.barrier)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -522,7 +524,7 @@ class UniAPStrategy(ModelParallelStrategy):
         ckpt.check_dcp_metadata(path)  # both refused before any weight is touched
         metadata = ckpt.load_plain(path / _METADATA_FILENAME)
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
-        self._guard(lambda: ckpt.load(path, self.lightning_module, optimizers,
+        self.guard(lambda: ckpt.load(path, self.lightning_module, optimizers,
                                       strict=self.lightning_module.strict_loading))
         return metadata
 
