@@ -45,7 +45,7 @@ def test_replicated_tensor_parallel_layer():
     assert c.comm_s == pytest.approx(tp)
     assert c.time_s == pytest.approx(6e-3 + tp)
     assert c.sync_s == pytest.approx(2 * 5e-6 + 1 * 1e6 / 1e10)  # grads: 5e5 params x 2 B over d = 2
-    assert c.static_bytes == pytest.approx(5e5 * 16)
+    assert c.static_bytes == pytest.approx(5e5 * 16 + 5e5 * 2)  # + the all-reduce bucket: one more copy of grads
     assert c.activation_bytes == pytest.approx(1e6 * 4 / 2)
     assert c.transient_bytes == 0
 
@@ -58,6 +58,16 @@ def test_sharded_layer():
     assert c.sync_s == 0
     assert c.static_bytes == pytest.approx(5e5 * 16 / 2)
     assert c.transient_bytes == pytest.approx(5e5 * 2 / 2)
+
+
+def test_replicated_layers_count_their_gradient_buckets():
+    """The runtime's all-reduce buckets (runtime.data_parallel.ReplicatedGrads) persist and hold one more copy of a
+    replicated layer's local gradients: 1e6 params / t x 2 B; sharded and single-copy layers have none."""
+    assert TR.bytes_per_param == 16
+    assert layer_cost(LAYER, Strategy(4, 1, False), 8, 4, CL, TR).static_bytes == pytest.approx(1e6 * (16 + 2))
+    assert layer_cost(LAYER, Strategy(2, 2, False), 8, 4, CL, TR).static_bytes == pytest.approx(5e5 * (16 + 2))
+    assert layer_cost(LAYER, Strategy(4, 1, True), 8, 4, CL, TR).static_bytes == pytest.approx(1e6 * 16 / 4)
+    assert layer_cost(LAYER, Strategy(1, 4, False), 8, 4, CL, TR).static_bytes == pytest.approx(1e6 / 4 * 16)
 
 
 def test_data_parallel_group_across_nodes_uses_inter_node_link():

@@ -159,7 +159,8 @@ class ReplicatedGrads:
     :meth:`buffer_bytes` = sum over replicated layers of (local parameters x bytes per gradient element), beside
     the gradients themselves. Freeing the buffers after each step would not lower the peak (all buckets are in
     flight at the end of the backward) and would pay allocation and page faults every step. The cost model
-    charges exactly this term per replicated layer (``planner/cost``).
+    charges exactly this, ``local parameters x grad_bytes`` per replicated layer, inside its ``static_bytes``
+    (``planner.cost.layer``).
     """
 
     groups: list[tuple[dist.ProcessGroup, int, list[nn.Parameter]]] = field(default_factory=list)

@@ -40,7 +40,7 @@ class LayerCost:
     compute_s: float
     comm_s: float
     sync_s: float  # per iteration: DP gradient all-reduce
-    static_bytes: float  # weights + grads + optimizer state on one device
+    static_bytes: float  # weights + grads + optimizer state (+ a replicated layer's gradient bucket) on one device
     activation_bytes: float  # per micro-batch in flight, on one device
     transient_bytes: float  # extra bytes while an FSDP layer's weights are gathered
 
@@ -93,7 +93,7 @@ def _layer_cost(
             comm += 2 * layer.tp_allreduces * all_reduce_s(cluster, layer.output_bytes * samples, t, False)
     inter = dp_group_inter_node(cluster, n)
     local_params = layer.params / t
-    sync = 0.0
+    sync = bucket = 0.0
     if d > 1 and shard:
         # measured inside a node for FSDP alone; FSDP x TP and groups across nodes use the formulas
         measured = layer.overhead_s("fsdp", d, samples) if t == 1 and not inter else None
@@ -104,7 +104,10 @@ def _layer_cost(
             comm += reduce_scatter_s(cluster, local_params * training.grad_bytes, d, inter)
     elif d > 1:
         sync = all_reduce_s(cluster, local_params * training.grad_bytes, d, inter)
-    static = local_params * training.bytes_per_param / (d if shard else 1)
+        # the runtime's persistent all-reduce buckets hold one more copy of a replicated layer's gradients
+        # (runtime.data_parallel.ReplicatedGrads)
+        bucket = local_params * training.grad_bytes
+    static = local_params * training.bytes_per_param / (d if shard else 1) + bucket
     transient = local_params * training.weight_bytes * (1 - 1 / d) if shard and d > 1 else 0.0
     f = layer.activation_tp_fraction
     act = layer.activation_bytes * samples * ((1 - f) + f / t)

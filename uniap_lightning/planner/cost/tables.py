@@ -9,7 +9,8 @@ Terms, in seconds and bytes (``u`` a layer, ``k`` its strategy; :class:`~.layer.
 
 * time per micro-batch on its stage: compute + tensor-parallel + FSDP communication (``time_s``);
 * sync per iteration: the replicated data-parallel gradient all-reduce at the end of the step (``sync_s``);
-* memory held for the whole step: weights, gradients, optimizer state (``static_bytes``);
+* memory held for the whole step: weights, gradients, optimizer state, and for a replicated layer (``d > 1``, not
+  sharded) one more copy of its gradients, the runtime's all-reduce buckets (``static_bytes``);
 * memory per micro-batch in flight: activations (``activation_bytes``);
 * memory held only while the layer runs (an FSDP layer's gathered weights): a stage holds the largest one
   (``transient_bytes``);
