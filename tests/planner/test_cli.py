@@ -109,11 +109,20 @@ def test_explain_shows_layers_stages_and_runners_up(plan_file, tmp_path):
     ("explain", [f"measured={sys.executable}"], "is not a text file"),
     ("explain", ["measured=MEASURED"], "field 'tpi_s' must be a number of seconds >= 0, got 'fast'"),
     ("explain", ["measured=NOTJSON"], "is not valid JSON"),
+    ("plan", ["profile=ZEROS"], "every layer has forward_s = backward_s = 0"),
 ])
 def test_bad_files_get_one_clear_message(command, args, message, tmp_path):
+    from uniap_lightning.planner.config import build_problem
+
     (tmp_path / "m.json").write_text('{"tpi_s": "fast"}')
     (tmp_path / "n.json").write_text("{not json")
-    args = [a.replace("MEASURED", str(tmp_path / "m.json")).replace("NOTJSON", str(tmp_path / "n.json")) for a in args]
+    zeros = build_problem(model="gpt2_small", cluster="a100_1x8", global_batch_size=16).model.to_dict()
+    for layer in zeros["layers"]:
+        layer.update(forward_s=0, backward_s=0, params=0, activation_bytes=0, output_bytes=0)
+    (tmp_path / "z.json").write_text(json.dumps(zeros))
+    files = {"MEASURED": "m.json", "NOTJSON": "n.json", "ZEROS": "z.json"}
+    for key, name in files.items():
+        args = [a.replace(key, str(tmp_path / name)) for a in args]
     res = uniap(command, "model=gpt2_small", *args)
     assert res.returncode == 2, (res.stdout, res.stderr)
     assert message in res.stderr and "Traceback" not in res.stderr

@@ -173,6 +173,9 @@ class ModelProfile:
         if not isinstance(raw, list) or not raw:
             raise UniAPError(f"{origin}: field 'layers' must be a non-empty list")
         layers = [_layer_from_dict(item, f"{origin}: layers[{i}]") for i, item in enumerate(raw)]
+        if not any(lp.forward_s + lp.backward_s > 0 for lp in layers):
+            raise UniAPError(f"{origin}: every layer has forward_s = backward_s = 0; a profile needs the time of at "
+                             "least one layer")
         if not isinstance(data.get("meta") or {}, dict):
             raise UniAPError(f"{origin}: field 'meta' must be an object, got {type(data.get('meta')).__name__}")
         return cls(

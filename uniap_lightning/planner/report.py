@@ -82,7 +82,8 @@ def plan_renderables(plan: Plan, *, title: str | None = None) -> Group:
             if tpi is None:
                 base.add_row(label, "[red]does not fit[/red]", "-", "-")
             else:
-                base.add_row(label, _ms(tpi), f"{plan.global_batch_size / tpi:,.1f}", f"{tpi / est.tpi_s:.2f}x")
+                base.add_row(label, _ms(tpi), f"{plan.global_batch_size / tpi:,.1f}" if tpi > 0 else "-",
+                             f"{tpi / est.tpi_s:.2f}x" if est.tpi_s > 0 else "-")
         parts.append(base)
     if plan.solver is not None:
         s = plan.solver
@@ -130,7 +131,7 @@ def explain_renderables(plan: Plan, problem, measured: dict | None = None) -> Gr
             f"{m_mem[i] / GIB:,.2f}" if i < len(m_mem) and m_mem[i] is not None else "-",
         )
     parts = [layers, stages]
-    if measured and measured.get("tpi_s"):
+    if measured and measured.get("tpi_s") and est.tpi_s > 0:
         err = (measured["tpi_s"] - est.tpi_s) / est.tpi_s
         parts.append(Text(f"time per iteration: predicted {_ms(est.tpi_s)} ms, measured {_ms(measured['tpi_s'])} ms "
                           f"({err:+.1%})"))
