@@ -101,3 +101,45 @@ def test_short_last_window_across_epochs_matches_one_process(world: int, tmp_pat
     cases = {"short_window": {"plan": plan, "accumulate": 3, "epochs": 2, "clip": 0.5}}
     results = h.spawn(world, cases, tmp_path)
     h.assert_close_to_reference(results, "short_window", h.reference_for(cases["short_window"]))
+
+
+def _counting_worker(rank: int, world: int, port: int, cases: dict, out_dir: str) -> None:
+    """Train one case and record, after every batch, (optimizer steps so far, bucket collectives so far, buckets)."""
+    import os
+    from pathlib import Path
+
+    import lightning.pytorch as pl
+
+    import uniap_rt_helpers as h
+    from uniap_lightning.strategy import UniAPStrategy
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      NODE_RANK="0", GLOO_SOCKET_IFNAME="lo")
+    os.chdir(out_dir)
+    torch.set_num_threads(1)
+    case = cases["count"]
+    strategy = UniAPStrategy(plan=case["plan"], monitor=False)
+    seen: list[tuple[int, int, int]] = []
+
+    class Count(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+            rg = strategy.runtime.replicated
+            seen.append((trainer.global_step, rg.launches, len(rg.buckets)))
+
+    trainer = pl.Trainer(devices=world, strategy=strategy, callbacks=[Count()], **h.trainer_kwargs(case))
+    trainer.fit(h.make_module(), h.make_data(16))
+    torch.save(seen, Path(out_dir) / f"rank{rank}.pt")
+
+
+def test_one_collective_per_bucket_per_optimizer_step(tmp_path) -> None:
+    """Accumulation windows of 3 over two 4-batch epochs: 4 optimizer steps, and each starts every bucket once
+    (all-reduce is linear, so parity alone would not notice a reduction per batch)."""
+    import uniap_rt_helpers as h
+
+    cases = {"count": {"plan": h.make_plan([REPL] * 4, [0, 0, 0, 0], pp=1, microbatches=2), "accumulate": 3,
+                       "epochs": 2}}
+    for seen in h.spawn(2, cases, tmp_path, fn=_counting_worker):
+        steps = [s for s, _, _ in seen]
+        buckets = seen[-1][2]
+        assert steps == [0, 0, 1, 2, 2, 2, 3, 4] and buckets >= 1
+        assert [launches for _, launches, _ in seen] == [step * buckets for step in steps]

@@ -170,6 +170,8 @@ class ReplicatedGrads:
     _slot_of: dict[nn.Parameter, tuple[int, int]] = field(default_factory=dict, init=False, repr=False)
     _hits: dict[nn.Parameter, int] = field(default_factory=dict, init=False, repr=False)
     _previous: dict[nn.Parameter, torch.Tensor | None] = field(default_factory=dict, init=False, repr=False)
+    #: collectives started so far: one per bucket per optimizer step
+    launches: int = field(default=0, init=False)
     _expected: int = field(default=0, init=False, repr=False)  # gradient accumulations per parameter when armed
     _next: int = field(default=0, init=False, repr=False)  # index of the next bucket to launch
     _armed: bool = field(default=False, init=False, repr=False)
@@ -228,6 +230,7 @@ class ReplicatedGrads:
             b = self.buckets[self._next]
             b.work = dist.all_reduce(b.buffer, group=b.group, async_op=True)
             self._next += 1
+            self.launches += 1
 
     def flush(self) -> None:
         """After the armed backward: fill what no hook filled (parameters unused in some micro-batches or in all),
