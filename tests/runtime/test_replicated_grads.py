@@ -67,6 +67,25 @@ def test_buckets_launch_during_backward_and_average_fresh_plus_previous(world_of
         torch.testing.assert_close(p.grad, (g + 0.5) / 2)
 
 
+def test_tied_parameter_gets_one_slot_and_buffer_bytes_count_each_gradient_once(
+    world_of_one: dist.ProcessGroup,
+) -> None:
+    first, second = nn.Linear(4, 4), nn.Linear(4, 4)
+    second.weight = first.weight  # tied: one parameter used by two replicated layers
+    rg = ReplicatedGrads()
+    rg.add(first, world_of_one, 2)
+    rg.add(second, world_of_one, 2)
+    assert rg.buffer_bytes() == (16 + 4 + 4) * 4
+    rg.arm(backward_passes=1, previous={})
+    second(first(torch.randn(3, 4))).sum().backward()
+    assert rg._next == len(rg.buckets)  # the tied weight's hook ran once, after both uses were accumulated
+    expected = first.weight.grad.clone() / 2
+    rg.flush()
+    rg.finish()
+    torch.testing.assert_close(first.weight.grad, expected)
+    assert rg.buffer_bytes() == (16 + 4 + 4) * 4
+
+
 def test_unused_parameter_gets_the_average_and_disarmed_hooks_do_nothing(world_of_one: dist.ProcessGroup) -> None:
     model = _model()
     unused = nn.Linear(2, 2)

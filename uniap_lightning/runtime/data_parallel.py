@@ -179,7 +179,9 @@ class ReplicatedGrads:
     def add(self, layer: nn.Module, group: dist.ProcessGroup, dp: int) -> None:
         if self.buckets:
             raise RuntimeError("ReplicatedGrads.add after the buckets were built (at the first step)")
-        params = [p for p in layer.parameters() if p.requires_grad]
+        # a parameter shared by two layers (tied weights) gets one slot: its hook runs once per backward
+        known = {id(p) for _, _, plist in self.groups for p in plist}
+        params = [p for p in layer.parameters() if p.requires_grad and id(p) not in known]
         if dp > 1 and params:
             for g, size, plist in self.groups:
                 if g is group:
@@ -190,7 +192,8 @@ class ReplicatedGrads:
     def buffer_bytes(self) -> int:
         """Bytes of the bucket buffers (the replicated gradients of this rank, once more; see the class doc)."""
         if not self.buckets:
-            return sum(local_tensor(p).numel() * local_tensor(p).element_size() for _, _, ps in self.groups for p in ps)
+            locals_ = [local_tensor(p) for _, _, plist in self.groups for p in plist]
+            return sum(t.numel() * t.element_size() for t in locals_)
         return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
 
     def _build(self) -> None:
