@@ -418,6 +418,14 @@ class UniAPStrategy(ModelParallelStrategy):
         self.lightning_module.log(name, loss, prog_bar=True, sync_dist=True)
         return loss
 
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        self.guard(lambda: super(UniAPStrategy, self).barrier(*args, **kwargs))
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return self.guard(lambda: super(UniAPStrategy, self).broadcast(obj, src))
+
     def guard(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` (a collective or a wait on one); a failure, usually a peer process that died, becomes a
         :class:`UniAPError` naming this rank instead of a backend traceback. For callbacks that issue collectives
@@ -486,12 +494,12 @@ class UniAPStrategy(ModelParallelStrategy):
         partial = partial_path(final)
         if self.global_rank == 0:
             remove_path(partial)  # left by a run killed while writing
-        self.guard(self.barrier)
+        self.barrier()
         self.guard(lambda: super(UniAPStrategy, self).save_checkpoint(checkpoint, partial, storage_options))
-        self.guard(self.barrier)  # every rank's shards and rank 0's meta.pt are on disk
+        self.barrier()  # every rank's shards and rank 0's meta.pt are on disk
         if self.global_rank == 0:
             publish(partial, final)
-        self.guard(self.barrier)
+        self.barrier()
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

@@ -181,6 +181,18 @@ def test_rank_dying_mid_step_gives_clear_error_on_survivors(tmp_path: Path) -> N
     assert "Another rank probably died" in survivor["error"]
 
 
+def test_rank_dying_while_a_checkpoint_is_written_gives_clear_error_and_no_checkpoint(tmp_path: Path) -> None:
+    plan = h.make_plan([(1, 1, False)] * 4, [0, 0, 1, 1], pp=2, microbatches=2)
+    cases = {"save": {"plan": plan, "steps": 2, "save": "run.ckpt", "die_while_saving": True, "die_rank": 0,
+                      "strategy": {"timeout_s": 30}}}
+    codes = h.spawn_and_watch(2, cases, tmp_path, timeout_s=120)
+    assert codes[0] == 17, codes  # the launcher-like rank killed mid-save
+    assert codes[1] == 0, codes  # the survivor ended with an error recorded, it did not hang
+    survivor = torch.load(tmp_path / "rank1.pt", weights_only=False)["save"]
+    assert survivor["error"].startswith("UniAPError: rank 1: a collective or pipeline transfer failed"), survivor
+    assert not (tmp_path / "run.ckpt").exists()  # nothing half-written under the checkpoint's name
+
+
 @pytest.mark.slow
 def test_stuck_rank_times_out_with_clear_error(tmp_path: Path) -> None:
     plan = h.make_plan([(1, 1, False)] * 4, [0, 0, 1, 1], pp=2, microbatches=2)

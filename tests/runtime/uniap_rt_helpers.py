@@ -9,7 +9,8 @@ A *case* is a dict: ``plan`` (a pinned Plan; absent: the strategy solves), ``str
 arguments), ``module`` (``make_module`` arguments, e.g. ``{"lm": "llama"}``), ``steps`` or ``epochs``,
 ``accumulate``, ``clip``, ``limit_val_batches`` and ``predict`` (collect validation loss / predictions),
 ``save`` / ``resume`` / ``export`` (checkpoint paths relative to the output folder), ``validate_only``,
-``die_at`` / ``hang_s`` (rank 1 dies or hangs at that batch), ``sigterm_at`` (rank ``sigterm_rank``, default 1,
+``die_at`` / ``hang_s`` (rank 1 dies or hangs at that batch), ``die_while_saving`` (rank ``die_rank``, default 1,
+dies as the ``save`` checkpoint starts), ``sigterm_at`` (rank ``sigterm_rank``, default 1,
 sends itself SIGTERM at the end of that batch), ``skew_data`` (ranks load different data).
 """
 
@@ -173,6 +174,20 @@ class DieAt:
         return _Die()
 
 
+class DieWhileSaving:
+    """Kills its process abruptly when Lightning starts writing a checkpoint (a launcher killed mid-save)."""
+
+    @staticmethod
+    def make() -> Any:
+        import lightning.pytorch as pl
+
+        class _Die(pl.Callback):
+            def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: Any) -> None:
+                os._exit(17)
+
+        return _Die()
+
+
 class SigtermAt:
     """Sends its own process SIGTERM at the end of a given batch (a preempted job: SLURM, Kubernetes)."""
 
@@ -279,6 +294,8 @@ def _run_case(rank: int, world: int, case: dict[str, Any], out_dir: Path) -> dic
     callbacks = [rec]
     if "die_at" in case and rank == case.get("die_rank", 1):
         callbacks.append(DieAt.make(case["die_at"], case.get("hang_s", 0.0)))
+    if case.get("die_while_saving") and rank == case.get("die_rank", 1):
+        callbacks.append(DieWhileSaving.make())
     if "sigterm_at" in case and rank == case.get("sigterm_rank", 1):
         callbacks.append(SigtermAt.make(case["sigterm_at"]))
     trainer = pl.Trainer(devices=world, strategy=strategy, callbacks=callbacks, **trainer_kwargs(case))
