@@ -35,16 +35,7 @@ def brute_force(problem: Problem) -> Plan | None:
                 continue
             for stage_of in splits(len(layers), pp):
                 for combo in itertools.product(*options):
-                    plan = Plan.from_assignment(
-                        stage_of_layer=stage_of,
-                        strategies=[tuple(s) for s in combo],
-                        layer_names=[lp.name for lp in layers],
-                        pp=pp,
-                        microbatches=c,
-                        schedule=problem.training.schedule,
-                        global_batch_size=problem.training.global_batch_size,
-                        num_devices=problem.num_devices,
-                    )
+                    plan = problem.plan_for(stage_of_layer=stage_of, strategies=combo, pp=pp, microbatches=c)
                     est = evaluate(problem, plan, check_strategies=False)
                     if est.feasible and (best is None or est.tpi_s < best.estimate.tpi_s):
                         plan.estimate = est

@@ -93,3 +93,15 @@ def test_least_memory_of_ten_thousand_layers_is_quick():
     lightest = [min(t.layer_memory_bytes(7, k) for k in costs) for costs in t.cost]  # fewest in flight
     heaviest = [min(t.layer_memory_bytes(0, k) for k in costs) for costs in t.cost]
     assert sum(lightest) / 8 * (1 - 1e-9) <= least <= sum(heaviest)
+
+
+def test_a_huge_chain_that_fits_nowhere_answers_within_the_time_limit():
+    """Tabulating 10,000 layers takes about a second per (pp, c) candidate here: the search stops at the deadline
+    and says so, instead of running on (it took minutes: the memory message alone was quadratic in layers)."""
+    from uniap_lightning.errors import UniAPError
+
+    problem = random_problem(0, num_layers=10_000, nodes=2, per_node=4, batch=64, memory_gib=1.0)
+    t0 = time.perf_counter()
+    with pytest.raises(UniAPError, match="time limit ran out|no plan fits"):
+        solve(problem, solver="cbc", time_limit_s=2.0)
+    assert time.perf_counter() - t0 < 2.0 + 4.0  # one candidate's table may be in progress at the deadline

@@ -7,7 +7,7 @@ from typing import Any
 
 from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.errors import UniAPError
-from uniap_lightning.planner.plan import SCHEDULES
+from uniap_lightning.planner.plan import SCHEDULES, Plan
 from uniap_lightning.planner.profile import ModelProfile
 
 
@@ -96,3 +96,20 @@ class Problem:
                 "stages that divide a node or span whole nodes"
             )
         return out
+
+    def plan_for(self, *, stage_of_layer: list[int], strategies: list, pp: int, microbatches: int) -> Plan:
+        """A plan of this problem (its model, cluster, batch and schedule) from a stage and a ``(dp, tp, shard)``
+        strategy per layer: the one place the solver, the baselines and the tests stamp a plan's identity."""
+        return Plan.from_assignment(
+            stage_of_layer=stage_of_layer,
+            strategies=[tuple(s) for s in strategies],
+            layer_names=[lp.name for lp in self.model.layers],
+            pp=pp,
+            microbatches=microbatches,
+            schedule=self.training.schedule,
+            global_batch_size=self.training.global_batch_size,
+            num_devices=self.num_devices,
+            model=self.model.model,
+            cluster=self.cluster.name,
+            model_fingerprint=self.model.fingerprint(),
+        )

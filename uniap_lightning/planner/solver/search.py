@@ -49,28 +49,36 @@ class Candidate:
     warm: Plan | None = None
 
 
-def _candidates(problem: Problem, pp: list[int] | None, allowed, trace: list[dict] | None = None) -> list[Candidate]:
+def _candidates(
+    problem: Problem, pp: list[int] | None, allowed, trace: list[dict], deadline: Deadline
+) -> tuple[list[Candidate], bool]:
+    """The candidates that may fit memory, with their bounds; and whether the deadline cut the enumeration
+    short (a 10,000-layer chain takes seconds per candidate to tabulate)."""
     pps = problem.pp_candidates() if pp is None else pp
     bad = [p for p in pps if p not in problem.pp_candidates()]
     if bad:
         raise UniAPError(f"pp={bad} is not a usable pipeline degree here; usable: {problem.pp_candidates()}")
     out, skipped = [], []
-    for p in pps:
-        for c in problem.training.microbatch_candidates():
-            t = CostTables(problem, p, c, allowed=allowed)
-            if not t.feasible_shape:
-                continue
-            mem = memory_lower_bound_bytes(t)
-            if mem > problem.cluster.memory_bytes:
-                skipped.append(t)  # cannot fit: no solve needed
-                if trace is not None:
-                    trace.append({"pp": p, "microbatches": c, "outcome": "does not fit", "tpi_s": None,
-                                  "bound_s": None, "memory_bound_bytes": mem})
-                continue
-            out.append(Candidate(p, c, t, time_lower_bound_s(t)))
+    shapes = [(p, c) for p in pps for c in problem.training.microbatch_candidates()]
+    for n_done, (p, c) in enumerate(shapes):
+        if deadline.remaining_s() <= 0:
+            trace += [{"pp": q, "microbatches": d, "outcome": "not considered (time limit)", "tpi_s": None,
+                       "bound_s": None} for q, d in shapes[n_done:]]
+            if not out:
+                raise UniAPError(_out_of_time(problem, f"after {n_done} of {len(shapes)} (pp, c) candidates"))
+            return out, True
+        t = CostTables(problem, p, c, allowed=allowed)
+        if not t.feasible_shape:
+            continue
+        mem = memory_lower_bound_bytes(t)
+        if mem > problem.cluster.memory_bytes:
+            skipped.append(t)  # cannot fit: no solve needed
+            trace.append({"pp": p, "microbatches": c, "outcome": "does not fit", "tpi_s": None,
+                          "bound_s": None, "memory_bound_bytes": mem})
+            continue
+        out.append(Candidate(p, c, t, time_lower_bound_s(t)))
     if not out and skipped:
-        least = min(least_memory_bytes(t) for t in skipped)
-        raise InfeasibleError(_no_fit(problem, least))
+        raise InfeasibleError(_no_fit(problem, skipped, deadline))
     if not out:
         B = problem.training.global_batch_size
         raise UniAPError(
@@ -78,10 +86,20 @@ def _candidates(problem: Problem, pp: list[int] | None, allowed, trace: list[dic
             f"{problem.num_devices} devices; each micro-batch must split over the data-parallel ranks (try a "
             f"batch size that is a multiple of {problem.num_devices})"
         )
-    return out
+    return out, False
 
 
-def _no_fit(problem: Problem, least_bytes: float) -> str:
+def _out_of_time(problem: Problem, where: str) -> str:
+    return (f"the time limit ran out {where} without a plan that fits for '{problem.model.model}' on "
+            f"'{problem.cluster.name}'; give the planner more time (time_limit)")
+
+
+def _no_fit(problem: Problem, tables: list[CostTables], deadline: Deadline) -> str:
+    """The message for "nothing fits", with the least memory any plan needs: exact per candidate while time
+    remains, the cheap bound after that (both are lower bounds)."""
+    least_bytes = min(
+        least_memory_bytes(t) if deadline.remaining_s() > 0 else memory_lower_bound_bytes(t) for t in tables
+    )
     return (
         f"no plan fits in memory: the least memory per device any plan needs is {least_bytes / GIB:.2f} GiB "
         f"(lower bound), but '{problem.cluster.name}' devices have {problem.cluster.memory_bytes / GIB:.2f} GiB "
@@ -110,19 +128,8 @@ def _warm_starts(problem: Problem, cands: list[Candidate]) -> Plan | None:
 
 def _from_milp(problem: Problem, cand: Candidate, stages: list[int], ks: list[int]) -> Plan:
     t = cand.tables
-    return Plan.from_assignment(
-        stage_of_layer=stages,
-        strategies=[tuple(t.strategies[u][k]) for u, k in enumerate(ks)],
-        layer_names=[lp.name for lp in problem.model.layers],
-        pp=cand.pp,
-        microbatches=cand.c,
-        schedule=problem.training.schedule,
-        global_batch_size=problem.training.global_batch_size,
-        num_devices=problem.num_devices,
-        model=problem.model.model,
-        cluster=problem.cluster.name,
-        model_fingerprint=problem.model.fingerprint(),
-    )
+    return problem.plan_for(stage_of_layer=stages, strategies=[t.strategies[u][k] for u, k in enumerate(ks)],
+                            pp=cand.pp, microbatches=cand.c)
 
 
 @no_gc()  # also when called directly (tests, baselines): see no_gc
@@ -147,7 +154,7 @@ def search(
     say = progress or (lambda _msg: None)
     name = resolve_solver(solver)
     trace: list[dict] = []
-    cands = _candidates(problem, pp, allowed, trace)
+    cands, cut_short = _candidates(problem, pp, allowed, trace, deadline)
     best = _warm_starts(problem, cands)
     if incumbent is not None and incumbent.estimate and incumbent.estimate.feasible and (pp is None or incumbent.pp in pp):
         if best is None or incumbent.estimate.tpi_s < best.estimate.tpi_s:
@@ -156,8 +163,8 @@ def search(
         + (f"{best.estimate.tpi_s * 1e3:.2f} ms" if best else "none fits memory"))
     cands.sort(key=lambda cd: cd.bound_s)
     solved = pruned = 0
-    all_optimal = True
-    open_bounds: list[float] = []
+    all_optimal = not cut_short
+    open_bounds: list[float] = [0.0] if cut_short else []  # candidates never tabulated: nothing is known of them
     for cand in cands:
         record = {"pp": cand.pp, "microbatches": cand.c, "outcome": "", "tpi_s": None, "bound_s": cand.bound_s}
         trace.append(record)
@@ -191,9 +198,10 @@ def search(
         if plan.estimate.feasible and (best is None or plan.estimate.tpi_s < best.estimate.tpi_s):
             plan.solver = SolverInfo(name, res.status, res.gap, 0.0, objective_s=res.objective_s)
             best = plan
+    if best is None and not all_optimal:
+        raise UniAPError(_out_of_time(problem, "before any candidate was solved"))
     if best is None:
-        least = min(least_memory_bytes(cd.tables) for cd in cands)
-        raise InfeasibleError(_no_fit(problem, least))
+        raise InfeasibleError(_no_fit(problem, [cd.tables for cd in cands], deadline))
     gap = 0.0
     if not all_optimal and open_bounds:
         gap = max(0.0, (best.estimate.tpi_s - min(open_bounds)) / best.estimate.tpi_s)

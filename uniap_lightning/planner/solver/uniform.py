@@ -29,19 +29,8 @@ def uniform_plan(problem: Problem, pp: int, c: int, s: Strategy) -> Plan | None:
         return None
     if any(s not in strategies_for(lp, n, problem.cluster, b) for lp in layers):
         return None
-    return Plan.from_assignment(
-        stage_of_layer=even_split(len(layers), pp),
-        strategies=[tuple(s)] * len(layers),
-        layer_names=[lp.name for lp in layers],
-        pp=pp,
-        microbatches=c,
-        schedule=problem.training.schedule,
-        global_batch_size=problem.training.global_batch_size,
-        num_devices=problem.num_devices,
-        model=problem.model.model,
-        cluster=problem.cluster.name,
-        model_fingerprint=problem.model.fingerprint(),
-    )
+    return problem.plan_for(stage_of_layer=even_split(len(layers), pp), strategies=[s] * len(layers), pp=pp,
+                            microbatches=c)
 
 
 def best_uniform(problem: Problem, candidates: Iterator[tuple[int, int, Strategy]]) -> Plan | None:
