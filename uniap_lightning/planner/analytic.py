@@ -20,7 +20,7 @@ Sources of the formulas (per sample, sequence length ``s``, hidden ``h``, heads 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from uniap_lightning.planner.cluster import Cluster

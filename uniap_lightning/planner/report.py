@@ -105,17 +105,17 @@ def print_plan(plan: Plan, *, console: Console | None = None, title: str | None 
 def explain_renderables(plan: Plan, problem, measured: dict | None = None) -> Group:
     """Per layer and per stage: strategy, predicted time and memory, measured where known; and why the other
     (pp, c) candidates lost."""
-    from uniap_lightning.planner.cost.layer import in_flight, layer_cost
+    from uniap_lightning.planner.cost.tables import CandidateCosts
 
     est = plan.estimate
-    b, n = plan.micro_batch_size, plan.devices_per_stage
+    costs = CandidateCosts(problem, plan.pp, plan.microbatches)
     layers = Table(title="Per layer (predicted, one device, one micro-batch)", title_justify="left")
     for col in ("#", "layer", "stage", "strategy", "compute ms", "comm ms", "sync ms / iter", "weights+opt MiB",
                 "activations MiB"):
         layers.add_column(col, justify="left" if col in ("layer", "strategy") else "right")
-    for u, (lp, prof) in enumerate(zip(plan.layers, problem.model.layers)):
-        c = layer_cost(prof, Strategy(lp.dp, lp.tp, lp.shard), b, n, problem.cluster, problem.training)
-        F = in_flight(plan.schedule, plan.microbatches, plan.pp, lp.stage)
+    for u, lp in enumerate(plan.layers):
+        c = costs.terms(u, Strategy(lp.dp, lp.tp, lp.shard))
+        F = costs.in_flight(lp.stage)
         layers.add_row(str(u), lp.name, str(lp.stage), Strategy(lp.dp, lp.tp, lp.shard).label(), _ms(c.compute_s),
                        _ms(c.comm_s), _ms(c.sync_s), f"{c.static_bytes / 2**20:,.1f}",
                        f"{F * c.activation_bytes / 2**20:,.1f} ({F} in flight)")

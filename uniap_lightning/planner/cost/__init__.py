@@ -15,6 +15,8 @@ Formulas (see ``planner.md`` and the README's "Cost model" section); the per-lay
 * ``TPI = sum_i p_i + sum_j o_j + (c - 1) * max(p_i, o_j) + max_i sync_i``.
 """
 
+from __future__ import annotations
+
 from uniap_lightning.planner.cost.comm import all_gather_s, all_reduce_s, p2p_s, reduce_scatter_s
 from uniap_lightning.planner.cost.evaluate import evaluate
 from uniap_lightning.planner.cost.layer import LayerCost, Strategy, layer_cost, strategies_for
