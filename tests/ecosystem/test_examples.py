@@ -53,6 +53,10 @@ def test_uniap_train_bad_input(tmp_path):
     assert res.returncode == 2 and "trains GPT-style language models" in res.stderr
     res = run(["-m", "uniap_lightning.cli.main", "train", "data.name=imagenet"], tmp_path)
     assert res.returncode == 2 and "data.name='imagenet'" in res.stderr
+    # launched ranks included: one error line from each, no traceback, and no rank left waiting
+    res = run(["-m", "uniap_lightning.cli.main", "train", "trainer.devices=2", "+trainer.no_such_argument=1"], tmp_path)
+    assert res.returncode == 2 and "Lightning refuses these Trainer arguments" in res.stderr, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr
 
 
 def test_uniap_train_sweep_summary(tmp_path):

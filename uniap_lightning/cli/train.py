@@ -107,66 +107,94 @@ def _quiet_library_warnings() -> None:
 
 
 def run_train(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
-    import lightning.pytorch as pl
-
-    from lightning.pytorch.utilities.exceptions import SIGTERMException
-
-    from uniap_lightning.callbacks import CheckpointOnSigterm, PerplexityLogger, StepProgressBar, ThroughputTimer
-
+    """Train as this rank (starting the other ranks first when this process is the launcher)."""
     check_config(cfg)
     resume = resume_from(cfg)
     _one_copy_of_each_log_line()
     _quiet_library_warnings()
     children = _launch_other_ranks(cfg, overrides)
-    preempted = False
     try:
-        pl.seed_everything(int(cfg.seed), verbose=False)
-        module, data, _ = build_module(cfg)
-        strategy = build_strategy(cfg)
-        ppl, timer = PerplexityLogger(window=5), ThroughputTimer(int(cfg.data.batch_size))
-        trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
-        saver = CheckpointOnSigterm(cfg.checkpoint_dir)
-        callbacks = [ppl, timer, saver]
-        if trainer_kwargs.get("enable_progress_bar", True):
-            callbacks.append(StepProgressBar())
+        result = _train(cfg, overrides, resume)
+    except SystemExit as stop:
+        # preempted: every rank writes its part of the checkpoint, then stops by itself
+        _end_children(children, grace_s=None if stop.code == PREEMPTED_EXIT_CODE else CHILD_GRACE_S)
+        raise
+    except BaseException:
+        # this rank's error is the one to report; the others got the same (setup agrees on failures) or stop
+        # because of it. One still waiting (e.g. in a rendezvous this rank never reached) is ended.
+        _end_children(children, grace_s=CHILD_GRACE_S)
+        raise
+    bad = [code for code in (c.wait() for c in children) if code]
+    if bad:
+        raise UniAPError(f"a training rank exited with status {max(bad)}; see its output above")
+    return result
+
+
+def _train(cfg: DictConfig, overrides: list[str], resume: Path | None) -> dict[str, Any]:
+    import lightning.pytorch as pl
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
+
+    from uniap_lightning.callbacks import CheckpointOnSigterm, PerplexityLogger, StepProgressBar, ThroughputTimer
+
+    pl.seed_everything(int(cfg.seed), verbose=False)
+    module, data, _ = build_module(cfg)
+    strategy = build_strategy(cfg)
+    ppl, timer = PerplexityLogger(window=5), ThroughputTimer(int(cfg.data.batch_size))
+    trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    saver = CheckpointOnSigterm(cfg.checkpoint_dir)
+    callbacks = [ppl, timer, saver]
+    if trainer_kwargs.get("enable_progress_bar", True):
+        callbacks.append(StepProgressBar())
+    try:
         trainer = pl.Trainer(strategy=strategy, callbacks=callbacks, logger=pl.loggers.CSVLogger("lightning_logs"),
                              **trainer_kwargs)
-        try:
-            trainer.fit(module, data, ckpt_path=str(resume) if resume is not None else None)
-        except SIGTERMException:
-            preempted = True
-            if trainer.global_rank == 0:
-                again = " ".join([a for a in overrides if not a.startswith("resume=")] + ["resume=auto"])
-                print(f"stopped by SIGTERM at step {trainer.global_step}; checkpoint {saver.saved}\n"
-                      f"resume with: uniap train {again}", flush=True)
-            raise SystemExit(PREEMPTED_EXIT_CODE) from None
-        loss = trainer.callback_metrics.get("train_loss")
-        result = {
-            "rank": trainer.global_rank,
-            "world_size": trainer.world_size,
-            "model": cfg.model.name,
-            "steps": trainer.global_step,
-            "final_loss": float(loss) if loss is not None else None,
-            "train_ppl": ppl.last_train_ppl,
-            "val_ppl": ppl.last_val_ppl,
-            "measured_samples_per_s": timer.samples_per_s,
-            "samples_per_s": strategy.plan.estimate.samples_per_s if strategy.plan.estimate else None,
-            "plan_origin": strategy.plan_origin,
-            "plan": strategy.plan.to_dict(),
-        }
-        if cfg.out:
-            out = Path(cfg.out)
-            out.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(out / f"rank{trainer.global_rank}.json", result)
+    except (TypeError, ValueError, MisconfigurationException) as err:
+        raise UniAPError(f"trainer.*: Lightning refuses these Trainer arguments: {err}") from err
+    try:
+        trainer.fit(module, data, ckpt_path=str(resume) if resume is not None else None)
+    except SIGTERMException:
         if trainer.global_rank == 0:
-            print(f"final train loss {result['final_loss']:.4f}, perplexity {result['train_ppl'] or float('nan'):.2f}, "
-                  f"{timer.samples_per_s or float('nan'):.1f} samples/s measured "
-                  f"({result['samples_per_s'] or float('nan'):.1f} predicted)")
-        return result
-    finally:
-        bad = [code for code in (c.wait() for c in children) if code and not (preempted and code == PREEMPTED_EXIT_CODE)]
-        if bad:
-            raise UniAPError(f"a training rank exited with status {max(bad)}; see its output above")
+            again = " ".join([a for a in overrides if not a.startswith("resume=")] + ["resume=auto"])
+            print(f"stopped by SIGTERM at step {trainer.global_step}; checkpoint {saver.saved}\n"
+                  f"resume with: uniap train {again}", flush=True)
+        raise SystemExit(PREEMPTED_EXIT_CODE) from None
+    loss = trainer.callback_metrics.get("train_loss")
+    result = {
+        "rank": trainer.global_rank,
+        "world_size": trainer.world_size,
+        "model": cfg.model.name,
+        "steps": trainer.global_step,
+        "final_loss": float(loss) if loss is not None else None,
+        "train_ppl": ppl.last_train_ppl,
+        "val_ppl": ppl.last_val_ppl,
+        "measured_samples_per_s": timer.samples_per_s,
+        "samples_per_s": strategy.plan.estimate.samples_per_s if strategy.plan.estimate else None,
+        "plan_origin": strategy.plan_origin,
+        "plan": strategy.plan.to_dict(),
+    }
+    if cfg.out:
+        out = Path(cfg.out)
+        out.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(out / f"rank{trainer.global_rank}.json", result)
+    if trainer.global_rank == 0:
+        print(f"final train loss {result['final_loss']:.4f}, perplexity {result['train_ppl'] or float('nan'):.2f}, "
+              f"{timer.samples_per_s or float('nan'):.1f} samples/s measured "
+              f"({result['samples_per_s'] or float('nan'):.1f} predicted)")
+    return result
+
+
+#: seconds the ranks this process started get to end by themselves once it has failed, before they are killed
+CHILD_GRACE_S = 15.0
+
+
+def _end_children(children: list[subprocess.Popen], *, grace_s: float | None) -> None:
+    """Wait for the started ranks (at most ``grace_s`` each, then kill them); ``None``: wait as long as they run."""
+    for child in children:
+        try:
+            child.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
 
 
 #: exit status of every rank of a run stopped by SIGTERM after writing its checkpoint (128 + SIGTERM, as a shell
