@@ -24,12 +24,12 @@ Variables
   ``f[g,i,k]``, ``l[g,i,k]`` binary: strategy of the first / last layer of that portion; ``w[g,i]`` binary: the
        portion has at most one layer.
   ``tau[g,i,d,e]`` integer: level changes d -> e inside the portion;  ``y[g,i,d]`` binary: level d is used.
-  ``v[g,i,k]`` binary: strategy k is used (for the largest gathered FSDP layer);  ``h[i]``: that layer's bytes.
+  ``v[g,i,k]`` binary: strategy k is used (for the largest gathered FSDP layer);  ``gmax[i]``: that layer's bytes.
   ``zeta``, ``psi``, ``chi`` in [0,1]: AND-products for run junctions inside a stage and stage boundaries.
   ``o[j] >= 0``: boundary j's transfer;  ``T``: the bottleneck;  ``Y``: the largest end-of-iteration sync.
 
 Program (terms: ``A`` time, ``S`` sync, ``W`` static, ``Act`` activation, ``G`` transient bytes; ``X`` reshard,
-``Out``/``In`` leaving/entering a boundary; ``F_i`` micro-batches in flight; ``h`` the slot overhead)
+``Out``/``In`` leaving/entering a boundary; ``F_i`` micro-batches in flight; ``H`` the slot overhead)
   order:       Q, E non-increasing in i;  Q[g,i] <= E[g,i] <= Q[g+1,i];  Q[g+1,i+1] <= E[g,i].
   counts:      sum_i m[g,i] = R_g;  pi <= m <= R_g pi.
   ends:        sum_k f = sum_k l = pi;  f_k, l_k <= n_k;  f_k + l_k <= n_k + w;  |f_k - l_k| <= 1 - w;
@@ -39,9 +39,9 @@ Program (terms: ``A`` time, ``S`` sync, ``W`` static, ``Act`` activation, ``G`` 
   junctions:   zeta[g,i,d,e] >= l_d[g,i] + f_e[g+1,i] - 1.
   boundaries:  o_j >= sum Out_gdj psi[g,j,d] + sum In_gd chi[...];  psi >= l_d[g,j] + eta[g,j] - 1;
                chi >= f_d[g,j+1] + mu[g,j] - 1 (or f_d[g+1,j+1] + beta[g,j] - 1).
-  stage time:  p_i = sum A n + sum X tau + sum X zeta + h;  T >= p_i.
+  stage time:  p_i = sum A n + sum X tau + sum X zeta + H;  T >= p_i.
   sync:        Y >= sum S n  (per stage).
-  memory:      sum W n + F_i sum Act n + h_i <= M;  h_i >= G_k v_k;  n_k <= R_g v_k.
+  memory:      sum W n + F_i sum Act n + gmax_i <= M;  gmax_i >= G_k v_k;  n_k <= R_g v_k.
   bottleneck:  T >= o_j;  T >= run_bottleneck_s(g)  (a valid inequality from :mod:`.bounds`).
 Objective: ``TPI = sum_i p_i + sum_j o_j + (c - 1) T + Y``.
 
@@ -308,7 +308,7 @@ class GroupedMilp:
                 self.m += self.Y >= mip.xsum(terms), f"sync[{i}]"
 
     def _memory(self) -> None:
-        """stage_memory_bytes(i, sum W n, sum Act n, h_i) <= M (GiB);  h_i >= G_k v[g,i,k]."""
+        """stage_memory_bytes(i, sum W n, sum Act n, gmax_i) <= M (GiB);  gmax_i >= G_k v[g,i,k]."""
         m, t = self.m, self.t
         limit = t.problem.cluster.memory_bytes / GIB
         for i in range(self.P):
@@ -316,12 +316,12 @@ class GroupedMilp:
             static = mip.xsum(c.static_bytes / GIB * self.n[g, i][k] for g in here for k, c in enumerate(self.cost[g]))
             act = mip.xsum(c.activation_bytes / GIB * self.n[g, i][k] for g in here for k, c in enumerate(self.cost[g]))
             gathered = [self.cost[g][k].transient_bytes / GIB * v for (g, ii, k), v in self.v.items() if ii == i]
-            h = 0.0
+            gmax = 0.0
             if gathered:
-                h = m.add_var(f"gathered[{i}]")
+                gmax = m.add_var(f"gmax[{i}]")
                 for j, term in enumerate(gathered):
-                    m += h >= term, f"gathered[{i},{j}]"
-            m += t.stage_memory_bytes(i, static, act, h) <= limit, f"memory[{i}]"
+                    m += gmax >= term, f"gathered[{i},{j}]"
+            m += t.stage_memory_bytes(i, static, act, gmax) <= limit, f"memory[{i}]"
 
     def _bottleneck(self) -> None:
         """T >= o_j;  T >= run_bottleneck_s(g) for every run of two or more layers (valid: see :mod:`.bounds`)."""
