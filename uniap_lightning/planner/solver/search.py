@@ -23,7 +23,7 @@ from uniap_lightning.planner.problem import Problem
 from uniap_lightning.planner.solver.bounds import least_memory_bytes, memory_lower_bound_bytes, time_lower_bound_s
 from uniap_lightning.planner.solver.milp import GroupedMilp
 from uniap_lightning.planner.solver.backend import Deadline, no_gc, now_s, solver_available
-from uniap_lightning.planner.solver.uniform import uniform_plan
+from uniap_lightning.planner.solver.uniform import best_uniform
 
 SOLVERS = ("auto", "cbc", "highs", "gurobi")
 Progress = Callable[[str], None]
@@ -108,22 +108,14 @@ def _no_fit(problem: Problem, tables: list[CostTables], deadline: Deadline) -> s
     )
 
 
-def _warm_starts(problem: Problem, cands: list[Candidate]) -> Plan | None:
-    """Give each candidate its best memory-feasible uniform plan; return the best overall."""
-    best = None
+def _warm_starts(problem: Problem, cands: list[Candidate], deadline: Deadline) -> Plan | None:
+    """Give each candidate its best memory-feasible uniform plan (strategies every layer allows here); return the
+    best overall."""
     for cand in cands:
-        for k in {s for ks in cand.tables.strategies for s in ks}:
-            plan = uniform_plan(problem, cand.pp, cand.c, k)
-            if plan is None or any(k not in ks for ks in cand.tables.strategies):
-                continue
-            plan.estimate = evaluate(problem, plan, check_strategies=False)
-            if not plan.estimate.feasible:
-                continue
-            if cand.warm is None or plan.estimate.tpi_s < cand.warm.estimate.tpi_s:
-                cand.warm = plan
-            if best is None or plan.estimate.tpi_s < best.estimate.tpi_s:
-                best = plan
-    return best
+        ks = cand.tables.strategies
+        uniform = [k for k in dict.fromkeys(s for row in ks for s in row) if all(k in row for row in ks)]
+        cand.warm = best_uniform(problem, ((cand.pp, cand.c, k) for k in uniform), deadline=deadline)
+    return min((cd.warm for cd in cands if cd.warm is not None), key=lambda p: p.estimate.tpi_s, default=None)
 
 
 def _from_milp(problem: Problem, cand: Candidate, stages: list[int], ks: list[int]) -> Plan:
@@ -155,7 +147,7 @@ def search(
     name = resolve_solver(solver)
     trace: list[dict] = []
     cands, cut_short = _candidates(problem, pp, allowed, trace, deadline)
-    best = _warm_starts(problem, cands)
+    best = _warm_starts(problem, cands, deadline)
     if incumbent is not None and incumbent.estimate and incumbent.estimate.feasible and (pp is None or incumbent.pp in pp):
         if best is None or incumbent.estimate.tpi_s < best.estimate.tpi_s:
             best = incumbent

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable
 
 from uniap_lightning.planner.cost.evaluate import evaluate
 from uniap_lightning.planner.cost.layer import Strategy, strategies_for
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.plan import Plan
 from uniap_lightning.planner.problem import Problem
+from uniap_lightning.planner.solver.backend import Deadline
 
 
 def even_split(num_layers: int, pp: int) -> list[int]:
@@ -33,10 +34,15 @@ def uniform_plan(problem: Problem, pp: int, c: int, s: Strategy) -> Plan | None:
                             microbatches=c)
 
 
-def best_uniform(problem: Problem, candidates: Iterator[tuple[int, int, Strategy]]) -> Plan | None:
-    """The fastest memory-feasible uniform plan among ``(pp, c, strategy)`` candidates."""
+def best_uniform(
+    problem: Problem, candidates: Iterable[tuple[int, int, Strategy]], *, deadline: Deadline | None = None
+) -> Plan | None:
+    """The fastest memory-feasible uniform plan among ``(pp, c, strategy)`` candidates; those left when the
+    deadline passes are not scored (each is an ``evaluate`` of the whole chain)."""
     best: Plan | None = None
     for pp, c, s in candidates:
+        if deadline is not None and deadline.remaining_s() <= 0:
+            break
         try:
             plan = uniform_plan(problem, pp, c, s)
         except UniAPError:
