@@ -1,5 +1,5 @@
-"""Callbacks for training runs: perplexity (torchmetrics), steady-state throughput, a step-bounded progress bar,
-and a checkpoint written on preemption."""
+"""Callbacks: the strategy's train-loss logger; for training runs, perplexity (torchmetrics), steady-state
+throughput, a step-bounded progress bar, and a checkpoint written on preemption."""
 
 from __future__ import annotations
 
@@ -127,3 +127,25 @@ def newest_checkpoint(dirpath: str | Path) -> Path | None:
         if step.isdigit() and is_complete_checkpoint(path):
             found.append((int(step), path))
     return max(found)[1] if found else None
+
+
+class TrainLossLogger(pl.Callback):
+    """Logs ``train_loss`` (the global mean, on every rank) and puts it in the batch's ``outputs["loss"]``.
+
+    Installed by the strategy ahead of every other callback, so later callbacks and the LightningModule's
+    ``on_train_batch_end`` see the same value that one process would compute.
+    """
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if trainer.strategy is not self.strategy:
+            return
+        loss = self.strategy.train_step_state.finish_loss()
+        if loss is None:
+            return
+        if isinstance(outputs, dict) and "loss" in outputs:
+            outputs["loss"] = loss / trainer.accumulate_grad_batches  # as Lightning normalizes a returned loss
+        pl_module.log("train_loss", loss, prog_bar=True)

@@ -63,3 +63,13 @@ def with_global_norm_clipping(plugin: Precision) -> Precision:
     out = copy.copy(plugin)
     out.__class__ = _with_mixin(type(plugin))
     return out
+
+
+def global_norm_clipper(devices_per_stage: int, *, device: torch.device, guard: Any) -> ClipByNorm:
+    """The clip a plan needs: by the norm of the whole model's gradient (a collective over the world)."""
+    from uniap_lightning.runtime.grads import clip_grad_norm
+
+    def clip(params: list[torch.nn.Parameter], max_norm: float) -> None:
+        guard(lambda: clip_grad_norm(params, max_norm, devices_per_stage, device=device))
+
+    return clip

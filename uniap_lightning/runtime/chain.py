@@ -63,6 +63,13 @@ class Chain:
         setattr(parent, child, new)
         self.layers[index] = new
 
+    def prediction_input(self, batch: Any) -> torch.Tensor:
+        """The chain's input in a prediction batch: ``(input,)``, ``(input, target)``, a layout ``split_batch``
+        knows, or the input itself."""
+        if isinstance(batch, (tuple, list)) and len(batch) == 1:
+            return batch[0]
+        return self.split_batch(batch)[0] if isinstance(batch, (tuple, list, dict)) else batch
+
 
 def default_split_batch(batch: Any) -> tuple[torch.Tensor, Any]:
     if isinstance(batch, (tuple, list)) and len(batch) == 2:

@@ -186,6 +186,21 @@ def save_atomic(obj: Any, path: str | Path) -> None:
         raise
 
 
+def save_published(final: Path, write: Any, *, lead: bool, barrier: Any, guard: Any) -> None:
+    """Collective: ``write(folder)`` the checkpoint into a hidden ``.<name>.partial`` folder, then (``lead`` rank)
+    rename it to ``final`` once every rank's part is on disk. A checkpoint under its real name is always complete
+    (every shard, ``.metadata`` and ``meta.pt``), even if a rank is killed mid-write."""
+    partial = partial_path(final)
+    if lead:
+        remove_path(partial)  # left by a run killed while writing
+    barrier()
+    guard(lambda: write(partial))
+    barrier()
+    if lead:
+        publish(partial, final)
+    barrier()
+
+
 def partial_path(final: Path) -> Path:
     """Where a checkpoint is written before it is complete: hidden, next to its final name."""
     return final.with_name(f".{final.name}.partial")
@@ -216,3 +231,33 @@ def publish(partial: Path, final: Path) -> None:
 def is_complete_checkpoint(path: Path) -> bool:
     """A distributed checkpoint folder this project published (or any with both DCP's and Lightning's metadata)."""
     return path.is_dir() and (path / ".metadata").is_file() and (path / "meta.pt").is_file()
+
+
+def load_any(path: Path, module: nn.Module, optimizers: list[torch.optim.Optimizer], *, strict: bool,
+             guard: Any) -> dict[str, Any]:
+    """Load a checkpoint saved under any plan (or by another strategy) into this rank's part of ``module``;
+    returns what Lightning restores besides weights and optimizer states (loops, schedulers, callbacks).
+
+    A distributed checkpoint folder restores weights and optimizer states, resharded by parameter name. A
+    single-file Lightning checkpoint (one device, DDP) restores the weights but not the optimizer states, whose keys
+    are positions in the original optimizer, not names. Nothing is unpickled beyond plain data (see
+    :func:`load_plain`, :func:`check_dcp_metadata`), and both are refused before any weight is touched.
+    """
+    from lightning.fabric.utilities.load import _METADATA_FILENAME
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+    from uniap_lightning.errors import UniAPError
+
+    if path.is_file():
+        checkpoint = load_plain(path)
+        load_full_weights(checkpoint["state_dict"], module, strict=strict)
+        if checkpoint.pop("optimizer_states", None) and optimizers:
+            rank_zero_warn(f"{path.name} is a single-file checkpoint: optimizer states start fresh under UniAP")
+        return checkpoint
+    if not (path / _METADATA_FILENAME).is_file():
+        raise UniAPError(f"{path} is neither a checkpoint file nor a distributed checkpoint folder with "
+                         f"{_METADATA_FILENAME}")
+    check_dcp_metadata(path)
+    metadata = load_plain(path / _METADATA_FILENAME)
+    guard(lambda: load(path, module, optimizers, strict=strict))
+    return metadata

@@ -69,3 +69,51 @@ def check_same_batch(*tensors: Any) -> None:
             "Seed every rank alike before building the model and the dataloader (lightning.seed_everything(...)), or "
             "give a shuffling sampler a seeded generator."
         )
+
+
+def clear_comm_errors(fn: Any, *, rank: int) -> Any:
+    """Run ``fn`` (a collective or a wait on one); a backend failure, usually a peer process that died, becomes a
+    :class:`UniAPError` naming this rank instead of a backend traceback."""
+    try:
+        return fn()
+    except RuntimeError as err:
+        if not _is_comm_failure(err):
+            raise
+        raise UniAPError(
+            f"rank {rank}: a collective or pipeline transfer failed ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}). Another rank probably died or stopped responding; "
+            "see its log for the cause."
+        ) from err
+
+
+def _is_comm_failure(err: BaseException) -> bool:
+    import torch.distributed as dist
+
+    if isinstance(err, (dist.DistError,)):
+        return True
+    text = str(err).lower()
+    return any(k in text for k in ("connection closed", "connection reset", "timed out", "timeout", "gloo", "nccl",
+                                   "broken pipe", "peer"))
+
+
+def check_module_supported(module: Any, precision_plugin: Any) -> None:
+    """What the strategy cannot run, refused at setup before any plan is made."""
+    if not module.automatic_optimization:
+        raise UniAPError(
+            "UniAPStrategy runs the forward and backward passes itself and needs automatic optimization; "
+            "remove `self.automatic_optimization = False` from the LightningModule"
+        )
+    if getattr(precision_plugin, "scaler", None) is not None:
+        raise UniAPError(
+            "fp16 mixed precision with a gradient scaler is not supported by UniAPStrategy (the pipeline computes "
+            "gradients inside training_step); use precision='bf16-mixed' or '32-true'"
+        )
+
+
+def check_pinned_world(plan: Any, *, num_nodes: int, devices: int) -> None:
+    """A pinned plan is for one number of processes."""
+    if plan is not None and plan.num_devices != num_nodes * devices:
+        raise UniAPError(
+            f"the pinned plan is for num_devices={plan.num_devices} processes but the Trainer has "
+            f"{num_nodes * devices} (devices={devices} x num_nodes={num_nodes})"
+        )

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
     from uniap_lightning.planner.profile import ModelProfile
-    from uniap_lightning.runtime import Chain
+    from uniap_lightning.runtime import Chain, Runtime
 
 
 @dataclass(frozen=True)
@@ -181,3 +181,24 @@ def _check(plan: Plan, chain: Chain, ranks: Ranks) -> None:
 
 
 __all__ = ["Ranks", "SetupOptions", "SetupResult", "run_setup"]
+
+
+def plan_and_apply(module: Any, trainer: pl.Trainer, *, ranks: Ranks, options: SetupOptions,
+                   precision_plugin: Any) -> tuple[SetupResult, Runtime]:
+    """What ``UniAPStrategy.setup`` runs once: the chain of ``module``, :func:`run_setup` under the precision
+    plugin's forward context, the plan printed on rank 0, then applied on this rank (collective)."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+    from uniap_lightning.planner.report import print_plan
+    from uniap_lightning.runtime import apply_plan, extract_chain
+
+    t0 = time.perf_counter()
+    chain = extract_chain(module)
+    result = run_setup(chain, trainer, ranks=ranks, options=options, precision=str(precision_plugin.precision),
+                       forward_context=precision_plugin.train_step_context)
+    if ranks.rank == 0:
+        print_plan(result.plan, title=f"UniAP plan ({result.origin})")
+    runtime = apply_plan(chain, result.plan, rank=ranks.rank, device=ranks.device)
+    result = result.with_timing(setup_s=time.perf_counter() - t0)
+    rank_zero_info(result.summary())
+    return result, runtime

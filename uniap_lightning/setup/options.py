@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.planner.plan import Plan
 
@@ -24,6 +27,37 @@ class SetupOptions:
     profile_cache: bool = True
     profile_repeats: int = 3
     profile_micro_batches: tuple[int, ...] | None = None
+
+    @classmethod
+    def from_arguments(cls, *, cluster: Any, plan: Any, schedule: str, solver: str, time_limit: float, profile: Any,
+                       cache_dir: Any, measure_cluster: bool, profile_cache: bool, profile_repeats: int,
+                       profile_micro_batches: Any) -> SetupOptions:
+        """Check and normalize ``UniAPStrategy``'s arguments (clear errors when the strategy is built)."""
+        from uniap_lightning.planner.plan import SCHEDULES
+        from uniap_lightning.planner.solver.search import SOLVERS
+
+        if schedule not in SCHEDULES:
+            raise UniAPError(f"schedule={schedule!r} must be one of {list(SCHEDULES)}")
+        if solver not in SOLVERS:
+            raise UniAPError(f"solver={solver!r} must be one of {list(SOLVERS)}")
+        if isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)) or not time_limit > 0:
+            raise UniAPError(f"time_limit must be > 0 seconds, got {time_limit!r}")
+        if isinstance(cluster, (str, Mapping)):
+            from uniap_lightning.planner.config import cluster_from
+
+            cluster = cluster_from(cluster if isinstance(cluster, str) else dict(cluster))
+        elif cluster is not None and not isinstance(cluster, Cluster):
+            raise UniAPError(f"cluster must be a Cluster, a dict, a conf/cluster name or None, got "
+                             f"{type(cluster).__name__}")
+        if plan is not None and not isinstance(plan, Plan):
+            plan = Plan.from_json(Path(plan))
+        return cls(
+            cluster=cluster, pinned_plan=plan, schedule=schedule, solver=solver, time_limit_s=float(time_limit),
+            profile_path=Path(profile) if profile is not None else None,
+            cache_dir=Path(cache_dir) if cache_dir is not None else None, measure_cluster=bool(measure_cluster),
+            profile_cache=bool(profile_cache), profile_repeats=max(int(profile_repeats), 1),
+            profile_micro_batches=tuple(profile_micro_batches) if profile_micro_batches else None,
+        )
 
     def profile_cache_dir(self) -> Path:
         from uniap_lightning.profiling.cache import default_profile_cache_dir

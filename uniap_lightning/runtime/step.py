@@ -1,0 +1,95 @@
+"""One training batch under Lightning's automatic optimization: the schedule, the gradients, the loss.
+
+Lightning's closure runs ``training_step``, *then* ``zero_grad`` (first batch of an accumulation window), *then*
+``backward``. A pipeline schedule runs forward and backward inside ``training_step``, so :class:`TrainStep` keeps
+the fresh gradients apart (:mod:`.grads`) and hands them back in ``backward``.
+
+Replicated layers' gradients are averaged once per optimizer step, overlapped with the backward of the window's
+last batch (:class:`~.data_parallel.ReplicatedGrads`): Lightning calls ``optimizer_step`` only on that batch and
+runs its ``training_step`` and ``backward`` inside the closure, so the strategy marks it (:meth:`closing`). The
+window's earlier gradients go into the buckets with the fresh ones, unless that batch also opens the window
+(Lightning then wipes them).
+
+The loss is summed over the world in the background (:class:`~.pipeline.PendingLoss`); :meth:`finish_loss` waits
+for it once, in ``on_train_batch_end``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from uniap_lightning.runtime.grads import GradStash, add_grads, put_grads, take_grads
+
+if TYPE_CHECKING:
+    from uniap_lightning.runtime import Runtime
+    from uniap_lightning.runtime.pipeline import PendingLoss
+
+Guard = Callable[[Callable[[], Any]], Any]
+
+
+class TrainStep:
+    """The state one training batch leaves for the next hooks: fresh gradients, the pending loss, the window."""
+
+    def __init__(self, runtime: Runtime, guard: Guard) -> None:
+        self.runtime, self.guard = runtime, guard
+        self._fresh: GradStash = []
+        self._pending: PendingLoss | None = None
+        self._closing = False  # this batch is the last of its accumulation window
+        self._window_open = False  # `.grad` holds earlier gradients of the current window
+        self._batch_checked = False
+
+    @contextmanager
+    def closing(self) -> Iterator[None]:
+        """Around Lightning's closure in ``optimizer_step``: the batch inside closes its window."""
+        self._closing = True
+        try:
+            yield
+        finally:
+            self._closing = False
+
+    def run(self, x: Any, y: Any, *, accumulate: int,
+            context: Callable[[], AbstractContextManager[Any]]) -> torch.Tensor:
+        """Forward and backward of the whole batch; returns this rank's local loss (the global mean follows in
+        :meth:`finish_loss`)."""
+        rt = self.runtime
+        if not self._batch_checked:
+            from uniap_lightning.runtime.checks import check_same_batch
+
+            self.guard(lambda: check_same_batch(x, y))
+            self._batch_checked = True
+        self.finish_loss()  # a previous batch that never reached on_train_batch_end (an exception in between)
+        params = rt.local_parameters()
+        previous = take_grads(params)
+        closing = self._closing
+        if closing:
+            rt.replicated.arm(backward_passes=rt.plan.microbatches, previous=dict(previous) if self._window_open else {})
+        try:
+            with context():
+                self._pending = self.guard(lambda: rt.runner.train_step(x, y, rt.chain.loss_fn, 1.0 / accumulate))
+            self.guard(rt.replicated.flush)
+        finally:
+            rt.replicated.disarm()
+        self._window_open = not closing
+        self._fresh = take_grads(params)
+        put_grads(previous)
+        assert self._pending is not None
+        return self._pending.local
+
+    def hand_back(self) -> None:
+        """In ``backward``: the batch's gradients back into ``.grad``, then the replicated layers' averages."""
+        add_grads(self._fresh)
+        self._fresh = []
+        self.guard(self.runtime.replicated.finish)  # no-op unless this batch closes the window
+
+    def finish_loss(self) -> torch.Tensor | None:
+        """The global mean loss of the last training batch (waits for its background all-reduce), once."""
+        pending, self._pending = self._pending, None
+        return None if pending is None else self.guard(pending.wait)
+
+    def reset(self) -> None:
+        """At each setup (fit, validate, ...): check the next batch again, forget gradients in flight."""
+        self._fresh, self._batch_checked = [], False
