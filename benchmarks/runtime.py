@@ -241,8 +241,10 @@ def flat_all_reduce(params: list[nn.Parameter], group: Any, size: int) -> None:
     """Average gradients over ``group`` with one flat all-reduce."""
     import torch.distributed as dist
 
+    from uniap_lightning.runtime.data_parallel import local_tensor
+
     with torch.no_grad():
-        grads = [p.grad for p in params]
+        grads = [local_tensor(p.grad) for p in params]  # the local shard of a tensor-parallel (DTensor) gradient
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=group)
         flat.div_(size)
@@ -507,9 +509,7 @@ def uniap_with_flat_sync(plan: Any, *, flat: bool = True, waited_s: list[float] 
     i.e. the bucketing machinery without overlap, started when the last gradient is final). ``waited_s`` collects, per batch, the seconds the strategy's
     ``backward`` spends in the gradient sync after the backward (all of the flat all-reduce; only the wait for the
     buckets still in flight, and the copy back, with buckets): the part of the sync that overlapping hides."""
-    import torch.distributed as dist
-
-    from uniap_lightning.runtime.data_parallel import ReplicatedGrads, local_tensor
+    from uniap_lightning.runtime.data_parallel import ReplicatedGrads
     from uniap_lightning.strategy import UniAPStrategy
 
     class FlatAfterBackward(ReplicatedGrads):
@@ -530,14 +530,7 @@ def uniap_with_flat_sync(plan: Any, *, flat: bool = True, waited_s: list[float] 
                 for p in params:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
-                grads = [local_tensor(p.grad) for p in params]
-                flat = torch.cat([g.reshape(-1) for g in grads])
-                dist.all_reduce(flat, group=group)
-                flat.div_(size)
-                offset = 0
-                for g in grads:
-                    g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                    offset += g.numel()
+                flat_all_reduce(params, group, size)
 
     class FlatSync(UniAPStrategy):
         def setup(self, trainer: Any) -> None:
