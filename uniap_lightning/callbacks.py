@@ -8,15 +8,23 @@ import time
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
+from typing import TYPE_CHECKING
+
 import torch
-from torchmetrics.aggregation import MeanMetric
+# submodules, not `lightning.pytorch` itself: the strategy imports this module while Lightning may still be importing
+# its strategies (the registration hook), when `lightning.pytorch.Callback` does not exist yet
+from lightning.pytorch.callbacks import Callback, RichProgressBar
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 
-class PerplexityLogger(pl.Callback):
+class PerplexityLogger(Callback):
     """Logs ``train_ppl`` = exp(mean training loss over the last ``window`` steps) and ``val_ppl``."""
 
     def __init__(self, window: int = 10) -> None:
+        from torchmetrics.aggregation import MeanMetric
+
         self.window = window
         self.train = MeanMetric()
         self.val = MeanMetric()
@@ -53,7 +61,7 @@ class PerplexityLogger(pl.Callback):
             self.val.reset()
 
 
-class ThroughputTimer(pl.Callback):
+class ThroughputTimer(Callback):
     """Wall time per training step after ``warmup`` steps; ``samples_per_s`` for a global batch."""
 
     def __init__(self, global_batch_size: int, warmup: int = 2) -> None:
@@ -80,7 +88,7 @@ class ThroughputTimer(pl.Callback):
         return self.batch / self.step_s if self.step_s else None
 
 
-class StepProgressBar(pl.callbacks.RichProgressBar):
+class StepProgressBar(RichProgressBar):
     """Lightning's rich progress bar, without the "Epoch 0/-2" it shows for a run bounded by ``max_steps``
     (Lightning sets ``max_epochs=-1`` there and prints ``max_epochs - 1``)."""
 
@@ -90,7 +98,7 @@ class StepProgressBar(pl.callbacks.RichProgressBar):
         return super()._get_train_description(current_epoch)
 
 
-class CheckpointOnSigterm(pl.Callback):
+class CheckpointOnSigterm(Callback):
     """On preemption (SIGTERM: SLURM, Kubernetes, ``kill``), write a checkpoint before the run exits.
 
     Under ``UniAPStrategy`` a SIGTERM that reaches any rank stops every rank at the same batch (see
@@ -129,7 +137,7 @@ def newest_checkpoint(dirpath: str | Path) -> Path | None:
     return max(found)[1] if found else None
 
 
-class TrainLossLogger(pl.Callback):
+class TrainLossLogger(Callback):
     """Logs ``train_loss`` (the global mean, on every rank) and puts it in the batch's ``outputs["loss"]``.
 
     Installed by the strategy ahead of every other callback, so later callbacks and the LightningModule's

@@ -367,8 +367,7 @@ class UniAPStrategy(ModelParallelStrategy):
 
         path = Path(self.broadcast(str(checkpoint_path)))
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
-        return load_any(path, self.lightning_module, optimizers, strict=self.lightning_module.strict_loading,
-                        guard=self.guard)
+        return load_any(path, self.lightning_module, optimizers, guard=self.guard)
 
     def save_consolidated(self, path: str | Path) -> None:
         """Write all weights, unsharded, into one ``torch.save`` file (on rank 0). Call on every rank."""

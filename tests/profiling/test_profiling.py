@@ -173,14 +173,11 @@ def test_monitor_logs_measured_vs_predicted(fitted: Any) -> None:
 
     from uniap_lightning.planner.report import explain_renderables
 
-    class _P:  # explain only needs the profile and cluster for the per-layer table
-        model = ModelProfile.from_dict(load_profile(first.strategy.setup_report["profile_path"]).to_dict())
-        cluster = first.strategy.planning_cluster
-        from uniap_lightning.planner.problem import TrainingConfig
+    from uniap_lightning.planner.problem import Problem, TrainingConfig
 
-        training = TrainingConfig(global_batch_size=8)
-
-    Console(file=open("/dev/null", "w")).print(explain_renderables(first.strategy.plan, _P(), data))
+    problem = Problem(model=load_profile(first.strategy.setup_report["profile_path"]),
+                      cluster=first.strategy.planning_cluster, training=TrainingConfig(global_batch_size=8))
+    Console(file=open("/dev/null", "w")).print(explain_renderables(first.strategy.plan, problem, data))
 
 
 def test_empty_dataloader_plans_structurally(tmp_path: Path) -> None:

@@ -19,6 +19,10 @@ from uniap_lightning.runtime.data_parallel import ReplicatedGrads, make_buckets
 
 @pytest.fixture
 def world_of_one(tmp_path) -> Iterator[dist.ProcessGroup]:
+    """A one-process group; an in-process Trainer of an earlier test (devices=1) may have left one behind."""
+    if dist.is_initialized():
+        yield dist.group.WORLD
+        return
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         yield dist.group.WORLD

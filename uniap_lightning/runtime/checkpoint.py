@@ -233,8 +233,7 @@ def is_complete_checkpoint(path: Path) -> bool:
     return path.is_dir() and (path / ".metadata").is_file() and (path / "meta.pt").is_file()
 
 
-def load_any(path: Path, module: nn.Module, optimizers: list[torch.optim.Optimizer], *, strict: bool,
-             guard: Any) -> dict[str, Any]:
+def load_any(path: Path, module: nn.Module, optimizers: list[torch.optim.Optimizer], *, guard: Any) -> dict[str, Any]:
     """Load a checkpoint saved under any plan (or by another strategy) into this rank's part of ``module``;
     returns what Lightning restores besides weights and optimizer states (loops, schedulers, callbacks).
 
@@ -248,6 +247,7 @@ def load_any(path: Path, module: nn.Module, optimizers: list[torch.optim.Optimiz
 
     from uniap_lightning.errors import UniAPError
 
+    strict = getattr(module, "strict_loading", True)  # the LightningModule's choice
     if path.is_file():
         checkpoint = load_plain(path)
         load_full_weights(checkpoint["state_dict"], module, strict=strict)
