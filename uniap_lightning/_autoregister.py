@@ -29,8 +29,6 @@ class _RegisterAfterExec(importlib.abc.Loader):
 
     def exec_module(self, module: ModuleType) -> None:
         self._loader.exec_module(module)
-        if _strategy_module_importing():
-            return  # our strategy module is what imported Lightning; it calls register() when its class exists
         try:
             register(module.StrategyRegistry)
         except Exception as err:  # never break Lightning's import because of us
@@ -51,29 +49,29 @@ class _Finder(importlib.abc.MetaPathFinder):
         return spec
 
 
-STRATEGY_MODULE = "uniap_lightning.strategy"
+NAME = "uniap"
+
+
+def make_strategy(**kwargs: Any) -> Any:
+    """What ``"uniap"`` is registered as: builds a :class:`~uniap_lightning.strategy.UniAPStrategy`, importing it
+    only when a Trainer asks for one. Registering the class itself would import it (and torch, and Lightning's
+    submodules) in the middle of Lightning's own import, where half-made modules break the import."""
+    from uniap_lightning.strategy import UniAPStrategy
+
+    return UniAPStrategy(**kwargs)
 
 
 def register(registry: Any) -> None:
     """The one place that registers ``"uniap"`` in Lightning's ``StrategyRegistry`` (idempotent)."""
-    from uniap_lightning.strategy import UniAPStrategy
-
-    UniAPStrategy.register_strategies(registry)
-
-
-def _strategy_module_importing() -> bool:
-    """True while ``uniap_lightning.strategy`` runs its own body (it imports Lightning before defining the class:
-    importing it again from Lightning's import would find a half-made module)."""
-    module = sys.modules.get(STRATEGY_MODULE)
-    return module is not None and not hasattr(module, "UniAPStrategy")
+    if NAME not in registry:
+        registry.register(NAME, make_strategy, description="UniAP automatic hybrid parallelism")
 
 
 def install() -> None:
     """Arrange registration (idempotent; registers at once if Lightning's strategies are already imported)."""
     module = sys.modules.get(TARGET)
     if module is not None:
-        if not _strategy_module_importing():
-            register(module.StrategyRegistry)
+        register(module.StrategyRegistry)
         return
     if not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder())

@@ -20,7 +20,6 @@ from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.setup import SetupOptions, SetupResult
 from uniap_lightning.planner.plan import Plan
-from uniap_lightning.callbacks import TrainLossLogger
 from uniap_lightning.precision import global_norm_clipper, with_global_norm_clipping
 from uniap_lightning.runtime.step import TrainStep
 from uniap_lightning.sigterm import AgreedSigterm
@@ -110,8 +109,9 @@ class UniAPStrategy(ModelParallelStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Make ``Trainer(strategy="uniap")`` work (called by Lightning for its own strategies, and by us)."""
-        if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(cls.strategy_name, cls, description="UniAP automatic hybrid parallelism")
+        from uniap_lightning._autoregister import register
+
+        register(strategy_registry)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -222,6 +222,7 @@ class UniAPStrategy(ModelParallelStrategy):
         return runtime
 
     def _install_callbacks(self, trainer: pl.Trainer) -> None:
+        from uniap_lightning.callbacks import TrainLossLogger
         from uniap_lightning.monitor import UniAPMonitor
 
         if not any(isinstance(cb, TrainLossLogger) for cb in trainer.callbacks):

@@ -65,6 +65,8 @@ def test_strategy_name_works_after_install_without_import(editable: bool, tmp_pa
     "from uniap_lightning import UniAPStrategy",
     "import uniap_lightning.strategy",
     "import lightning.pytorch.strategies; import uniap_lightning",
+    "import uniap_lightning.callbacks",  # a module that imports Lightning itself, before the strategy exists
+    "import uniap_lightning.precision",
 ])
 def test_any_import_order_registers_once_without_warning(first_import: str) -> None:
     # a fresh interpreter of the test's own environment (where the package is installed as the README says)
@@ -72,7 +74,7 @@ def test_any_import_order_registers_once_without_warning(first_import: str) -> N
         {first_import}
         from lightning.pytorch.strategies import StrategyRegistry
         from uniap_lightning.strategy import UniAPStrategy
-        print(StrategyRegistry["uniap"]["strategy"] is UniAPStrategy)
+        print(isinstance(StrategyRegistry.get("uniap"), UniAPStrategy))
     """
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -87,4 +89,5 @@ def test_register_strategies_is_idempotent() -> None:
 
     UniAPStrategy.register_strategies(StrategyRegistry)
     UniAPStrategy.register_strategies(StrategyRegistry)
-    assert StrategyRegistry["uniap"]["strategy"] is UniAPStrategy
+    assert StrategyRegistry.available_strategies().count("uniap") == 1
+    assert isinstance(StrategyRegistry.get("uniap"), UniAPStrategy)
