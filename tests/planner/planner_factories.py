@@ -47,6 +47,8 @@ def random_problem(seed: int, *, num_layers: int, nodes: int, per_node: int, bat
     # per-layer TP / FSDP overheads), which the MILP must price exactly as evaluate() does
     if seed % 3 == 1:
         cluster = replace(cluster, pipeline_overhead_us=rng.uniform(50, 3000))
+    if seed % 4 == 2:  # a measured optimizer step: per iteration, on the parameters each rank holds
+        cluster = replace(cluster, optimizer_ns_per_param=rng.uniform(0.1, 5.0))
     if seed % 2 == 1:
         layers = [
             replace(lp, overheads=tuple(

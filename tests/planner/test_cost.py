@@ -131,3 +131,11 @@ def test_evaluate_two_stage_pipeline_by_hand():
     assert evaluate(Problem(ModelProfile("m", layers), replace(cl, pipeline_overhead_us=500), tr), flat).tpi_s == \
         pytest.approx(evaluate(problem, flat).tpi_s)
     assert est.feasible
+    # a measured optimizer step: once per iteration, on the parameters each rank holds (replicated: all of them
+    # over dp; sharded: its 1/d), after the gradient sync
+    k = 2e-9  # s per parameter
+    with_opt = Problem(ModelProfile("m", layers), replace(cl, optimizer_ns_per_param=k * 1e9), tr)
+    assert evaluate(with_opt, plan).tpi_s == pytest.approx(est.tpi_s + k * 2000)  # slower stage: 2000 parameters
+    sharded = Plan.from_assignment(stage_of_layer=[0, 0], strategies=[(2, 1, True)] * 2, layer_names=["a", "b"],
+                                   pp=1, microbatches=2, schedule="1f1b", global_batch_size=8, num_devices=2)
+    assert evaluate(with_opt, sharded).tpi_s == pytest.approx(evaluate(problem, sharded).tpi_s + k * 3000 / 2)

@@ -33,8 +33,6 @@ def main(argv: list[str] | None = None) -> int:
     if command not in table:
         print(f"uniap: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2
-    if command == "train":
-        _exec_with_faithful_cpu_memory(rest)
     if not _config_groups_load(rest):
         return 2
     sys.argv = [f"uniap-{command}", *rest]
@@ -59,27 +57,6 @@ def _config_groups_load(overrides: list[str]) -> bool:
                 print(f"error: {err}", file=sys.stderr)
                 return False
     return True
-
-
-#: glibc's mmap threshold for `uniap train` ranks (bytes): blocks above it are returned to the OS when freed
-MMAP_THRESHOLD_BYTES = 65536
-
-
-def _exec_with_faithful_cpu_memory(rest: list[str]) -> None:
-    """Restart this process once with ``MALLOC_MMAP_THRESHOLD_`` set, so the ranks `uniap train` starts inherit it.
-
-    On CPU the monitor's peak memory is local parameters + optimizer state + the step's growth in resident memory.
-    By default glibc raises its mmap threshold as blocks are freed, keeps activations of the previous step in its
-    heap, and the growth it shows is a fraction of what a step really holds (3.6 MiB for a predicted 13.2 MiB on
-    the demo). glibc reads the variable only at process start, hence the restart (``exec``: same process id, so
-    srun and the launcher see no difference). Set the variable yourself to keep another value.
-    """
-    import os
-
-    if sys.platform != "linux" or "MALLOC_MMAP_THRESHOLD_" in os.environ:
-        return
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD_BYTES))
-    os.execve(sys.executable, [sys.executable, "-m", "uniap_lightning.cli.main", "train", *rest], env)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,11 @@ class Cluster:
     #: fixed cost of one pipeline slot (one micro-batch's forward + backward on one stage) beyond its compute and
     #: transfers: the schedule's bookkeeping and point-to-point handshakes (measured: ``measure_pipeline_slot``)
     pipeline_overhead_us: float = 0.0
+    #: one optimizer step's time per parameter it updates (Adam-style: reads and writes weights, gradients and two
+    #: moments), charged per iteration on the parameters each rank holds (measured: ``measure_optimizer_step``)
+    optimizer_ns_per_param: float = 0.0
+    #: and its fixed cost per parameter tensor (kernel launches, per-tensor bookkeeping: what small layers pay)
+    optimizer_us_per_tensor: float = 0.0
     device: str = ""
     bandwidth_tables: dict[str, dict[int, float]] = field(default_factory=dict)
     collective_tables: dict[str, dict[str, dict[int, dict[str, float]]]] = field(default_factory=dict)
@@ -59,7 +64,8 @@ class Cluster:
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise UniAPError(f"cluster '{self.name}': {key} must be > 0, got {v!r}")
-        for key in ("intra_latency_us", "inter_latency_us", "memory_reserved_gib", "pipeline_overhead_us"):
+        for key in ("intra_latency_us", "inter_latency_us", "memory_reserved_gib", "pipeline_overhead_us",
+                    "optimizer_ns_per_param", "optimizer_us_per_tensor"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise UniAPError(f"cluster '{self.name}': {key} must be >= 0, got {v!r}")
@@ -158,6 +164,14 @@ class Cluster:
     @property
     def pipeline_overhead_s(self) -> float:
         return self.pipeline_overhead_us * 1e-6
+
+    @property
+    def optimizer_s_per_param(self) -> float:
+        return self.optimizer_ns_per_param * 1e-9
+
+    @property
+    def optimizer_s_per_tensor(self) -> float:
+        return self.optimizer_us_per_tensor * 1e-6
 
     def latency_s(self, inter_node: bool, op: str = "all_reduce", group_size: int = 2) -> float:
         """Per-step latency (alpha) of ``op`` over ``group_size`` devices (seconds)."""

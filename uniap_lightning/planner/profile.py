@@ -84,6 +84,8 @@ class LayerProfile:
     activation_tp_fraction: float = 1.0
     timings: tuple[Timing, ...] = ()
     overheads: tuple[Overhead, ...] = ()
+    #: trainable parameter tensors (an optimizer step has a fixed cost per tensor; 0: not known)
+    param_tensors: int = 0
 
     def overhead_s(self, kind: str, degree: int, samples: float) -> float | None:
         """Measured extra seconds of ``kind`` at ``degree`` for ``samples`` per device (None when not measured):
@@ -262,6 +264,7 @@ def _layer_from_dict(item: Any, where: str) -> LayerProfile:
         activation_tp_fraction=frac,
         timings=tuple(timings),
         overheads=tuple(overheads),
+        param_tensors=_number(item, "param_tensors", where, integer=True) if "param_tensors" in item else 0,
     )
 
 

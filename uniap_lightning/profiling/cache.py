@@ -92,13 +92,13 @@ def profile_key(*, layers: Sequence[Any], names: Sequence[str], input_shape: Seq
         "precision": precision,
         "versions": versions(),
         "settings": settings,
-        "kind": "model-profile",
+        "kind": "model-profile", "fields": 2,  # 2: param_tensors
     })
 
 
 def cluster_key(*, device: str, backend: str, nodes: int, devices_per_node: int) -> str:
     return _hash({"device": device, "backend": backend, "layout": [nodes, devices_per_node],
-                  "versions": versions(), "kind": "cluster", "ops": 3})  # 3: FSDP2's own calls; pipeline slot
+                  "versions": versions(), "kind": "cluster", "ops": 5})  # 5: FSDP2's calls; pipeline slot; optimizer
 
 
 def _discard(path: Path, why: str) -> None:

@@ -109,7 +109,9 @@ def measure_collectives(
                 bw, lat = _fit(op, p, tuple(sizes_bytes), tuple(timings[op]))  # type: ignore[arg-type]
                 ops[op][p] = {"bw_gbps": bw, "latency_us": lat, "inter_node": p > dpn}
     slot_us = measure_pipeline_slot(repeats=repeats) * 1e6 if world >= 2 else 0.0
+    per_param_s, per_tensor_s = measure_optimizer_step(device, repeats=repeats)
     result = {"world_size": world, "devices_per_node": dpn, "ops": ops, "pipeline_slot_us": slot_us,
+              "optimizer_ns_per_param": per_param_s * 1e9, "optimizer_us_per_tensor": per_tensor_s * 1e6,
               "seconds": time.perf_counter() - t_start}
     shared = [result]
     dist.broadcast_object_list(shared, src=0)
@@ -209,6 +211,9 @@ def apply_to_cluster(cluster: Cluster, measured: dict[str, Any]) -> Cluster:
                                "collective_tables": collective}
     if measured.get("pipeline_slot_us") is not None:
         changes["pipeline_overhead_us"] = float(measured["pipeline_slot_us"])
+    for key in ("optimizer_ns_per_param", "optimizer_us_per_tensor"):
+        if measured.get(key) is not None:
+            changes[key] = float(measured[key])
     if lat["intra"]:
         changes["intra_latency_us"] = statistics.median(lat["intra"])
         changes["intra_bw_gbps"] = statistics.median(tables["intra"].values())
@@ -216,6 +221,35 @@ def apply_to_cluster(cluster: Cluster, measured: dict[str, Any]) -> Cluster:
         changes["inter_latency_us"] = statistics.median(lat["inter"])
         changes["inter_bw_gbps"] = statistics.median(tables["inter"].values())
     return replace(cluster, **changes)
+
+
+def measure_optimizer_step(device: Any, *, repeats: int = 5, big: int = 1 << 20, small: int = 1 << 10,
+                           tensors: int = 64) -> tuple[float, float]:
+    """``(seconds per parameter, seconds per tensor)`` of one ``torch.optim.AdamW`` step (torch's default
+    implementation for the device), from two timings: one tensor of ``big`` elements and ``tensors`` tensors of
+    ``small`` elements. Timed on every rank at once, as in training (the ranks share the cores or the memory bus);
+    the median over ranks. Adam is what large models train with; SGD costs less, so this errs towards the slower
+    plan."""
+    import torch
+    import torch.distributed as dist
+
+    from uniap_lightning.profiling.timing import Timer, median_s
+
+    def step_s(shapes: list[int]) -> float:
+        weights = [torch.nn.Parameter(torch.zeros(n, device=device)) for n in shapes]
+        for w in weights:
+            w.grad = torch.full_like(w, 1e-3)
+        optimizer = torch.optim.AdamW(weights, lr=1e-3)
+        return median_s(optimizer.step, Timer(torch.device(device)), repeats=repeats, warmup=2, before=dist.barrier)
+
+    one, many = step_s([big]), step_s([small] * tensors)
+    # one = t + big * p and many = tensors * t + tensors * small * p, solved for p (per parameter), t (per tensor)
+    per_param = max((tensors * one - many) / (tensors * big - tensors * small), 0.0)
+    per_tensor = max((one - big * per_param), 0.0)
+    mine = torch.tensor([per_param, per_tensor], dtype=torch.float64, device=device)
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return (statistics.median(float(t[0]) for t in everyone), statistics.median(float(t[1]) for t in everyone))
 
 
 def describe_collectives(cluster: Cluster, scope: str = "intra") -> str:

@@ -225,5 +225,6 @@ def _layer_profiles(layers: Sequence[nn.Module], names: Sequence[str], readings:
             output_bytes=out_bytes / rows, tp_degrees=tuple(tp_degrees[i]) if tp_degrees else (1,),
             tp_allreduces=int(tp_allreduces[i]) if tp_allreduces else 0,
             timings=tuple(Timing(m, *readings[m][i]) for m in sizes) if len(sizes) > 1 else (),
+            param_tensors=sum(1 for p in layer.parameters() if p.requires_grad),
         ))
     return out

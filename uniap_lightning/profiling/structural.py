@@ -63,6 +63,7 @@ def structural_profile(
                 name=name, forward_s=fwd, backward_s=2 * fwd, params=params, activation_bytes=4 * out_bytes,
                 output_bytes=out_bytes, tp_degrees=tuple(tp_degrees[i]) if tp_degrees else (1,),
                 tp_allreduces=int(tp_allreduces[i]) if tp_allreduces else 0,
+                param_tensors=sum(1 for p in layer.parameters() if p.requires_grad),
             )
         )
     return ModelProfile(model=model, layers=out, source="structural", device=device,

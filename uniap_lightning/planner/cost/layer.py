@@ -39,7 +39,7 @@ class LayerCost:
     time_s: float  # per micro-batch: compute + TP + FSDP communication
     compute_s: float
     comm_s: float
-    sync_s: float  # per iteration: DP gradient all-reduce
+    sync_s: float  # per iteration: DP gradient all-reduce, then the optimizer step on this rank's parameters
     static_bytes: float  # weights + grads + optimizer state (+ a replicated layer's gradient bucket) on one device
     activation_bytes: float  # per micro-batch in flight, on one device
     transient_bytes: float  # extra bytes while an FSDP layer's weights are gathered
@@ -107,6 +107,9 @@ def _layer_cost(
         # the runtime's persistent all-reduce buckets hold one more copy of a replicated layer's gradients
         # (runtime.data_parallel.ReplicatedGrads)
         bucket = local_params * training.grad_bytes
+    # the optimizer updates the parameters this rank holds, once per iteration, after the gradient sync
+    sync += cluster.optimizer_s_per_param * local_params / (d if shard else 1)
+    sync += cluster.optimizer_s_per_tensor * layer.param_tensors
     static = local_params * training.bytes_per_param / (d if shard else 1) + bucket
     transient = local_params * training.weight_bytes * (1 - 1 / d) if shard and d > 1 else 0.0
     f = layer.activation_tp_fraction
