@@ -230,3 +230,14 @@ def test_an_invalid_cluster_cache_entry_is_discarded_with_a_warning(tmp_path: Pa
             path.write_text(content)
         with pytest.warns(UserWarning, match=f"ignoring the cache entry {path}"):
             assert m._cached_cluster(base, path) is None
+
+
+def test_a_cache_folder_that_cannot_be_written_means_no_caching(tmp_path: Path) -> None:
+    # a regular file where the cache folder should be: every write below it fails (as root, a read-only folder
+    # would not stop the writes, so the test uses what fails for anyone)
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    with pytest.warns(UserWarning, match="could not cache the plan"):
+        trainer = _fit(tmp_path, _module(), cache_dir=str(blocker / "cache"))
+    assert trainer.global_step == 1 and trainer.strategy.plan_origin == "solver"
+    assert blocker.is_file()
