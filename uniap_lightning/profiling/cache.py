@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from uniap_lightning.errors import UniAPError
+from uniap_lightning.files import write_json_atomic
 from uniap_lightning.planner.profile import ModelProfile, load_profile, save_profile
 
 
@@ -120,9 +121,7 @@ def load_cached_profile(cache_dir: Path, key: str) -> ModelProfile | None:
 def save_cached_profile(cache_dir: Path, key: str, profile: ModelProfile) -> Path:
     cache_dir.mkdir(parents=True, exist_ok=True)
     path = cache_dir / f"profile-{key}.json"
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    save_profile(profile, tmp)
-    tmp.replace(path)
+    save_profile(profile, path)  # atomic
     return path
 
 
@@ -144,11 +143,7 @@ def load_cached_json(cache_dir: Path, name: str) -> dict[str, Any] | None:
 
 def save_cached_json(cache_dir: Path, name: str, data: dict[str, Any]) -> Path:
     cache_dir.mkdir(parents=True, exist_ok=True)
-    path = cache_dir / name
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    tmp.replace(path)
-    return path
+    return write_json_atomic(cache_dir / name, data)
 
 
 def check_profile_matches(profile: ModelProfile, names: Sequence[str], params: Sequence[int], *,

@@ -1,21 +1,17 @@
 """Where a plan comes from at setup: pinned (a file or a Plan), the on-disk cache, or the solver.
 
-Only rank 0 profiles and solves; the result (or the error message) is broadcast as JSON so that every rank either
-gets the same plan or raises the same :class:`UniAPError` - never a rank waiting for a peer that already failed.
-Solved plans are cached as JSON under a key that hashes everything they depend on (profile fingerprint, cluster,
+Rank 0 plans; :mod:`uniap_lightning.setup` hands the plan (or the error) to every rank. Solved plans are cached as JSON under a key that hashes everything they depend on (profile fingerprint, cluster,
 world size, global batch size, schedule, solver); a restart with the same inputs reuses the plan.
 """
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import json
 import os
 import warnings
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
 
 from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.errors import UniAPError
@@ -114,23 +110,12 @@ def solve_plan(
             f"no plan was given and the planner is not available ({err}); pass plan=<file or Plan> to UniAPStrategy"
         ) from err
     problem = Problem(model=profile, cluster=cluster, training=training)
-    # python-mip's HiGHS models free themselves in __del__ through cffi; a cyclic GC pass that fires while cffi
-    # holds its type lock re-enters it and deadlocks (seen here, in spawned processes). No cyclic GC while solving.
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        plan = solve(problem, solver=solver, time_limit_s=time_limit_s)
-    finally:
-        if gc_was_enabled:
-            gc.enable()
-        gc.collect()
+    plan = solve(problem, solver=solver, time_limit_s=time_limit_s)  # no cyclic GC while solving (see no_gc)
     if not plan.model_fingerprint:
         plan = replace(plan, model_fingerprint=profile.fingerprint())
     try:  # a cache that cannot be written (read-only directory) means "don't cache", not a failed setup
         cache_dir.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        plan.to_json(tmp)
-        tmp.replace(path)
+        plan.to_json(path)  # atomic
     except OSError as err:
         warnings.warn(f"UniAP: could not cache the plan in {cache_dir} ({err}); continuing without", stacklevel=2)
     return plan, "solver"
@@ -167,35 +152,3 @@ def check_plan_matches(plan: Plan, names: list[str], *, world_size: int, profile
             f"{profile.fingerprint()} (layer parameter counts or output sizes differ): the plan is for another model, "
             "or was made under another precision (output sizes in bytes follow it)"
         )
-
-
-def describe(plan: Plan, origin: str) -> str:
-    """A compact, readable summary printed at setup."""
-    lines = [
-        f"UniAP plan ({origin}): {plan.num_devices} processes, pp={plan.pp} x {plan.devices_per_stage} per stage, "
-        f"{plan.microbatches} micro-batches of {plan.micro_batch_size}, schedule={plan.schedule}"
-    ]
-    for first, last, lp in plan.strategy_runs():
-        kind = "fsdp" if lp.shard else "replicate"
-        span = plan.layers[first].name if first == last else f"{plan.layers[first].name} .. {plan.layers[last].name}"
-        lines.append(f"  stage {lp.stage}: {span}: dp={lp.dp} ({kind}) tp={lp.tp}")
-    if plan.estimate is not None:
-        lines.append(
-            f"  predicted: {plan.estimate.tpi_s * 1e3:.2f} ms/step, peak memory "
-            f"{max(plan.estimate.stage_memory_bytes) / 2**30:.2f} GiB/device"
-        )
-    return "\n".join(lines)
-
-
-def broadcast_json(obj: dict[str, Any] | None, error: str | None, src: int = 0) -> dict[str, Any]:
-    """Send rank ``src``'s plan dict or error to every rank; raise the error everywhere."""
-    import torch.distributed as dist
-
-    box = [(obj, error)]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(box, src=src)
-    obj, error = box[0]
-    if error is not None:
-        raise UniAPError(error)
-    assert obj is not None
-    return obj
