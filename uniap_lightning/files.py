@@ -17,13 +17,14 @@ from typing import Any
 from uniap_lightning.errors import UniAPError
 
 
-def write_text_atomic(path: str | Path, text: str) -> Path:
-    """Write ``text`` to ``path`` through a temporary file in the same folder and ``os.replace``."""
+def write_bytes_atomic(path: str | Path, write: Any) -> Path:
+    """``write(file)`` into a temporary file in the same folder (a binary file object), flushed to disk, then
+    ``os.replace`` onto ``path``."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -31,6 +32,11 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` atomically."""
+    return write_bytes_atomic(path, lambda f: f.write(text.encode("utf-8")))
 
 
 def write_json_atomic(path: str | Path, data: Any) -> Path:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from uniap_lightning.files import write_bytes_atomic
 from uniap_lightning.planner.cluster import GIB
 from uniap_lightning.planner.cost.layer import Strategy
 from uniap_lightning.planner.plan import Plan
@@ -128,7 +129,6 @@ def draw_plan(plan: Plan, problem: Problem, path: str | Path) -> Path:
     ax.set_title("Plan vs baselines (same cost model)")
 
     fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out, dpi=110)
+    out = write_bytes_atomic(path, lambda f: fig.savefig(f, dpi=110, format=Path(path).suffix.lstrip(".") or "png"))
     plt.close(fig)
     return out
