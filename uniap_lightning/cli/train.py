@@ -42,8 +42,8 @@ def _launch_other_ranks(cfg: DictConfig, overrides: list[str]) -> list[subproces
                          env=dict(env, LOCAL_RANK=str(rank)))
         for rank in range(1, devices)
     ]
-    os.environ.update({k: env[k] for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK", "OMP_NUM_THREADS")},
-                      LOCAL_RANK="0")
+    shared = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK", "OMP_NUM_THREADS")
+    os.environ.update({k: env[k] for k in shared}, LOCAL_RANK="0")
     import torch
 
     torch.set_num_threads(int(env["OMP_NUM_THREADS"]))  # this process's pool was sized before the variable was set

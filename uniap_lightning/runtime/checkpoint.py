@@ -171,19 +171,10 @@ def consolidate_checkpoint(checkpoint_dir: str | Path, output_file: str | Path) 
 
 
 def save_atomic(obj: Any, path: str | Path) -> None:
-    """``torch.save`` to a temporary file in the same folder, then rename: readers never see half a file."""
-    import os
-    import tempfile
+    """``torch.save`` through :func:`~uniap_lightning.files.write_bytes_atomic`: readers never see half a file."""
+    from uniap_lightning.files import write_bytes_atomic
 
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_bytes_atomic(path, lambda f: torch.save(obj, f))
 
 
 def save_published(final: Path, write: Any, *, lead: bool, barrier: Any, guard: Any) -> None:

@@ -180,15 +180,12 @@ def _check(plan: Plan, chain: Chain, ranks: Ranks) -> None:
     check_plan_matches(plan, chain.names, world_size=ranks.world_size, profile=None)
 
 
-__all__ = ["Ranks", "SetupOptions", "SetupResult", "run_setup"]
 
 
 def plan_and_apply(module: Any, trainer: pl.Trainer, *, ranks: Ranks, options: SetupOptions,
                    precision_plugin: Any) -> tuple[SetupResult, Runtime]:
     """What ``UniAPStrategy.setup`` runs once: the chain of ``module``, :func:`run_setup` under the precision
     plugin's forward context, the plan printed on rank 0, then applied on this rank (collective)."""
-    from lightning.pytorch.utilities.rank_zero import rank_zero_info
-
     from uniap_lightning.planner.report import print_plan
     from uniap_lightning.runtime import apply_plan, extract_chain
 
@@ -200,5 +197,8 @@ def plan_and_apply(module: Any, trainer: pl.Trainer, *, ranks: Ranks, options: S
         print_plan(result.plan, title=f"UniAP plan ({result.origin})")
     runtime = apply_plan(chain, result.plan, rank=ranks.rank, device=ranks.device)
     result = result.with_timing(setup_s=time.perf_counter() - t0)
-    rank_zero_info(result.summary())
+    info(result.summary())
     return result, runtime
+
+
+__all__ = ["Ranks", "SetupOptions", "SetupResult", "plan_and_apply", "run_setup"]
