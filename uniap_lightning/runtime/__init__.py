@@ -9,8 +9,9 @@ One concern per module, applied in this order by :func:`apply_plan`:
 3. :mod:`.reshard` - activation re-layout between layers with different data-parallel degrees;
 4. :mod:`.pipeline` - micro-batches through ``torch.distributed.pipelining`` schedules over the pipeline lanes.
 
-:mod:`.grads` adapts gradients to Lightning's closure and clips by the global norm; :mod:`.checkpoint` saves and
-reshards-on-load; :mod:`.chain` is the model contract and :mod:`.planning` finds the plan.
+:mod:`.step` runs one training batch under Lightning's closure (with :mod:`.grads`: gradients kept apart and handed
+back, clipping by the global norm); :mod:`.checkpoint` saves and reshards-on-load; :mod:`.chain` is the model
+contract and :mod:`.planning` caches and solves plans for :mod:`uniap_lightning.setup`.
 """
 
 from __future__ import annotations

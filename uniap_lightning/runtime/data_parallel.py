@@ -5,7 +5,7 @@ all-reduce per optimizer *step* (not per micro-batch), layers of one stage may u
 and tensor-parallel layers carry DTensor parameters that DDP does not handle. So replicated layers only record
 their parameters and group, and :class:`ReplicatedGrads` averages their gradients once per optimizer step, in
 buckets all-reduced asynchronously while the backward of the step's last micro-batch is still running (as DDP
-overlaps its buckets with backward); see ``UniAPStrategy.training_step`` / ``backward``.
+overlaps its buckets with backward); see :class:`uniap_lightning.runtime.step.TrainStep`.
 """
 
 from __future__ import annotations
