@@ -153,8 +153,9 @@ def test_unknown_op_asked_for_is_refused():
         CL.latency_s(False, op="bcast")
 
 
-@pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf"), "1ms"])
-def test_bad_pipeline_overhead_is_refused(value):
-    with pytest.raises(UniAPError, match="pipeline_overhead_us must be >= 0"):
+@pytest.mark.parametrize("field", ["pipeline_overhead_us", "optimizer_ns_per_param", "optimizer_us_per_tensor"])
+@pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf"), "1ms", True])
+def test_bad_measured_cluster_figures_are_refused(field, value):
+    with pytest.raises(UniAPError, match=f"{field} must be >= 0"):
         Cluster.from_dict({"name": "c", "nodes": 1, "devices_per_node": 2, "memory_gib": 8, "peak_tflops": 1,
-                           "pipeline_overhead_us": value})
+                           field: value})

@@ -114,3 +114,15 @@ def test_timings_interpolate_between_measured_batch_sizes(tmp_path):
     path.write_text(json.dumps({"layers": [steep]}))
     layer = load_profile(path).layers[0]
     assert layer.compute_s(1) == pytest.approx(0.5)  # ... never cheaper per sample than the smallest timed size
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, "3", None])
+def test_bad_param_tensors_is_refused(value):
+    from uniap_lightning.errors import UniAPError
+    from uniap_lightning.planner.config import build_problem
+    from uniap_lightning.planner.profile import ModelProfile
+
+    doc = build_problem(model="gpt2_small", cluster="a100_1x8", global_batch_size=16).model.to_dict()
+    doc["layers"][1]["param_tensors"] = value
+    with pytest.raises(UniAPError, match=r"layers\[1\]\.param_tensors"):
+        ModelProfile.from_dict(doc, origin="profile")
