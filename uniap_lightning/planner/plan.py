@@ -6,8 +6,14 @@ Lightning.
 
 Rank layout (fixed, so a plan is fully described by these fields): with ``n = num_devices // pp`` devices per
 stage, stage ``i`` owns ranks ``[i*n, (i+1)*n)``. Inside a stage a layer with strategy ``(dp, tp)`` uses the stage's
-ranks as a ``(dp, tp)`` grid with ``tp`` innermost (consecutive ranks form a tensor-parallel group). ``shard``
-tells whether the ``dp`` copies are replicated (DDP-style all-reduce) or sharded (FSDP / ZeRO-3).
+ranks as a ``(dp, tp)`` grid with ``tp`` innermost (consecutive ranks form a tensor-parallel group). ``dp_mode``
+tells how the ``dp`` copies hold their state: ``replicate`` (DDP-style all-reduce), ``zero1`` (optimizer state
+sharded), ``zero2`` (optimizer state and gradients sharded) or ``zero3`` (FSDP: parameters too). ``recompute``
+runs the layer's forward again in backward instead of keeping its activations; ``compression`` is how a
+``replicate`` / ``zero1`` layer's gradients travel (``none``, ``bf16``, ``powersgd``, ``topk``).
+
+Format history: version 1 had ``shard: bool`` per layer (read as ``zero3`` / ``replicate``); version 2 replaced it
+with ``dp_mode`` and added ``recompute``, ``compression`` and the plan-level ``compression_options``.
 """
 
 from __future__ import annotations
@@ -20,19 +26,52 @@ from typing import Any
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.files import read_text, write_text_atomic
 
-PLAN_FORMAT_VERSION = 1
+PLAN_FORMAT_VERSION = 2
+READABLE_FORMAT_VERSIONS = (1, 2)
 SCHEDULES = ("gpipe", "1f1b")
+DP_MODES = ("replicate", "zero1", "zero2", "zero3")
+COMPRESSIONS = ("none", "bf16", "powersgd", "topk")
+# modes whose gradients are all-reduced whole, so a compressor can stand in for the all-reduce
+COMPRESSIBLE_DP_MODES = ("replicate", "zero1")
+# parameters of the compressors, plan-wide (the plan JSON carries them so a plan runs as it was priced)
+COMPRESSION_DEFAULTS: dict[str, float] = {"powersgd_rank": 1, "topk_ratio": 0.01}
 
 
 @dataclass(frozen=True)
 class LayerPlan:
-    """Strategy of one layer: its stage and its intra-layer split ``dp * tp == devices per stage``."""
+    """Strategy of one layer: its stage, its intra-layer split ``dp * tp == devices per stage``, how the ``dp``
+    copies hold state (``dp_mode``), whether it recomputes activations, and how its gradients are compressed."""
 
     name: str
     stage: int
     dp: int
     tp: int
-    shard: bool
+    dp_mode: str = "replicate"
+    recompute: bool = False
+    compression: str = "none"
+
+    @property
+    def shard(self) -> bool:
+        """Parameters sharded across the ``dp`` copies (ZeRO-3 / FSDP); the version-1 field."""
+        return self.dp > 1 and self.dp_mode == "zero3"
+
+    def check(self, where: str) -> None:
+        if self.dp_mode not in DP_MODES:
+            raise UniAPError(f"{where}: dp_mode={self.dp_mode!r} must be one of {DP_MODES}")
+        if self.compression not in COMPRESSIONS:
+            raise UniAPError(f"{where}: compression={self.compression!r} must be one of {COMPRESSIONS}")
+        if not isinstance(self.recompute, bool):
+            raise UniAPError(f"{where}: recompute must be true or false, got {self.recompute!r}")
+        if self.dp == 1 and (self.dp_mode != "replicate" or self.compression != "none"):
+            raise UniAPError(
+                f"{where}: dp=1 has no data-parallel copies, so dp_mode must be 'replicate' and compression 'none' "
+                f"(got {self.dp_mode!r}, {self.compression!r})"
+            )
+        if self.compression != "none" and self.dp_mode not in COMPRESSIBLE_DP_MODES:
+            raise UniAPError(
+                f"{where}: compression={self.compression!r} needs dp_mode in {COMPRESSIBLE_DP_MODES} "
+                f"(gradients all-reduced whole), got {self.dp_mode!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -91,6 +130,7 @@ class Plan:
     baselines: dict[str, float | None] = field(default_factory=dict)
     # one record per (pp, c) candidate: outcome ("optimal", "pruned by bound", "does not fit", ...), tpi_s, bound_s
     search: list[dict[str, Any]] = field(default_factory=list)
+    compression_options: dict[str, float] = field(default_factory=lambda: dict(COMPRESSION_DEFAULTS))
     format_version: int = PLAN_FORMAT_VERSION
 
     # ------------------------------------------------------------------ derived
@@ -115,7 +155,7 @@ class Plan:
         cls,
         *,
         stage_of_layer: list[int],
-        strategies: list[tuple[int, int, bool]],
+        strategies: list[tuple[Any, ...]],
         layer_names: list[str],
         pp: int,
         microbatches: int,
@@ -124,7 +164,8 @@ class Plan:
         num_devices: int,
         **extra: Any,
     ) -> Plan:
-        """Build a plan from per-layer stage indices and ``(dp, tp, shard)`` strategies."""
+        """Build a plan from per-layer stage indices and strategies, each ``(dp, tp, shard)`` (version-1 shape)
+        or ``(dp, tp, dp_mode, recompute, compression)``."""
         n = num_devices // pp
         stages = []
         for i in range(pp):
@@ -132,10 +173,7 @@ class Plan:
             if not members:
                 raise UniAPError(f"stage {i} has no layers (pp={pp}, stage_of_layer={stage_of_layer})")
             stages.append(StagePlan(i, (members[0], members[-1]), tuple(range(i * n, (i + 1) * n))))
-        layers = [
-            LayerPlan(name, s, d, t, bool(sh) and d > 1)
-            for name, s, (d, t, sh) in zip(layer_names, stage_of_layer, strategies, strict=True)
-        ]
+        layers = [_layer_plan(name, s, strat) for name, s, strat in zip(layer_names, stage_of_layer, strategies, strict=True)]
         plan = cls(pp, microbatches, schedule, global_batch_size, num_devices, stages, layers, **extra)
         plan.validate()
         return plan
@@ -145,8 +183,18 @@ class Plan:
         """Check internal consistency; raise :class:`UniAPError` naming the first bad field."""
         if self.format_version != PLAN_FORMAT_VERSION:
             raise UniAPError(
-                f"plan format_version={self.format_version} is not supported (expected {PLAN_FORMAT_VERSION})"
+                f"plan format_version={self.format_version} is not supported (expected {PLAN_FORMAT_VERSION}; "
+                f"files of versions {READABLE_FORMAT_VERSIONS} are read and upgraded)"
             )
+        unknown = set(self.compression_options) - set(COMPRESSION_DEFAULTS)
+        if unknown:
+            raise UniAPError(f"plan compression_options has unknown keys {sorted(unknown)} (known: {sorted(COMPRESSION_DEFAULTS)})")
+        rank = self.compression_options.get("powersgd_rank", 1)
+        ratio = self.compression_options.get("topk_ratio", 0.01)
+        if int(rank) != rank or rank < 1:
+            raise UniAPError(f"plan compression_options.powersgd_rank must be an integer >= 1, got {rank!r}")
+        if not 0 < ratio <= 1:
+            raise UniAPError(f"plan compression_options.topk_ratio must be in (0, 1], got {ratio!r}")
         if self.schedule not in SCHEDULES:
             raise UniAPError(f"plan schedule={self.schedule!r} must be one of {SCHEDULES}")
         for key in ("pp", "microbatches", "global_batch_size", "num_devices"):
@@ -181,6 +229,7 @@ class Plan:
             first, last = self.stages[lp.stage].layers if 0 <= lp.stage < self.pp else (-1, -1)
             if not first <= u <= last:
                 raise UniAPError(f"plan layer {u} ({lp.name}) says stage {lp.stage}, but that stage does not hold it")
+            lp.check(f"plan layer {u} ({lp.name})")
             if lp.dp * lp.tp != n:
                 raise UniAPError(f"plan layer {u} ({lp.name}): dp*tp = {lp.dp}*{lp.tp} != devices per stage {n}")
             if mb % lp.dp:
@@ -192,6 +241,8 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["stages"] = [{"index": s.index, "layers": list(s.layers), "ranks": list(s.ranks)} for s in self.stages]
+        for x, lp in zip(d["layers"], self.layers, strict=True):
+            x["shard"] = lp.shard  # derived from dp_mode; kept so version-1 readers still see it
         return d
 
     def to_json(self, path: str | Path | None = None) -> str:
@@ -207,10 +258,12 @@ class Plan:
         try:
             stages = [StagePlan(int(s["index"]), _int_pair(s["layers"], f"stages[{i}].layers"),
                                 tuple(int(r) for r in s["ranks"])) for i, s in enumerate(d["stages"])]
-            layers = [
-                LayerPlan(str(x["name"]), int(x["stage"]), int(x["dp"]), int(x["tp"]), bool(x["shard"]))
-                for x in d["layers"]
-            ]
+            version = int(d.get("format_version", PLAN_FORMAT_VERSION))
+            if version not in READABLE_FORMAT_VERSIONS:
+                raise UniAPError(
+                    f"plan format_version={version} is not supported (this version reads {READABLE_FORMAT_VERSIONS})"
+                )
+            layers = [_layer_from_dict(x, version) for x in d["layers"]]
             est = Estimate(**d["estimate"]) if d.get("estimate") else None
             sol = SolverInfo(**d["solver"]) if d.get("solver") else None
             plan = cls(
@@ -228,7 +281,7 @@ class Plan:
                 solver=sol,
                 baselines=dict(d.get("baselines", {})),
                 search=list(d.get("search", [])),
-                format_version=int(d.get("format_version", PLAN_FORMAT_VERSION)),
+                compression_options={**COMPRESSION_DEFAULTS, **dict(d.get("compression_options", {}))},
             )
             plan.validate()
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as err:
@@ -254,16 +307,40 @@ class Plan:
         """Fold consecutive layers with the same stage and strategy into ``(first, last, layer)`` runs."""
         runs: list[tuple[int, int, LayerPlan]] = []
         for u, lp in enumerate(self.layers):
-            if runs and (runs[-1][2].stage, runs[-1][2].dp, runs[-1][2].tp, runs[-1][2].shard) == (
-                lp.stage,
-                lp.dp,
-                lp.tp,
-                lp.shard,
-            ):
+            if runs and _choice(runs[-1][2]) == _choice(lp):
                 runs[-1] = (runs[-1][0], u, runs[-1][2])
             else:
                 runs.append((u, u, lp))
         return runs
+
+
+def _choice(lp: LayerPlan) -> tuple[Any, ...]:
+    return (lp.stage, lp.dp, lp.tp, lp.dp_mode, lp.recompute, lp.compression)
+
+
+def _layer_plan(name: str, stage: int, strategy: Any) -> LayerPlan:
+    if hasattr(strategy, "dp_mode"):  # a cost-model Strategy or a LayerPlan
+        d, t = (strategy.dp, strategy.tp) if hasattr(strategy, "dp") else (strategy.d, strategy.t)
+        mode, rec, comp = strategy.dp_mode, bool(strategy.recompute), strategy.compression
+    elif len(strategy) == 3:
+        d, t, sh = strategy
+        mode, rec, comp = ("zero3" if sh else "replicate"), False, "none"
+    else:
+        d, t, mode, rec, comp = strategy
+    if d == 1:  # one copy: nothing to shard or compress
+        mode, comp = "replicate", "none"
+    return LayerPlan(name, stage, int(d), int(t), str(mode), bool(rec), str(comp))
+
+
+def _layer_from_dict(x: dict[str, Any], version: int) -> LayerPlan:
+    d, t = int(x["dp"]), int(x["tp"])
+    if version == 1:
+        mode = "zero3" if bool(x["shard"]) and d > 1 else "replicate"
+        return LayerPlan(str(x["name"]), int(x["stage"]), d, t, mode)
+    rec = x.get("recompute", False)
+    if not isinstance(rec, bool):
+        raise UniAPError(f"plan layer {x.get('name')!r}: recompute must be true or false, got {rec!r}")
+    return LayerPlan(str(x["name"]), int(x["stage"]), d, t, str(x["dp_mode"]), rec, str(x.get("compression", "none")))
 
 
 def _int_pair(value: Any, where: str) -> tuple[int, int]:
