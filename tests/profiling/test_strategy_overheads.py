@@ -65,13 +65,33 @@ def test_measured_fsdp_overhead_only_inside_a_node_and_without_tp():
     assert c8.comm_s == pytest.approx(2 * all_gather_s(CL, 1e6 * 2, 8, True) + reduce_scatter_s(CL, 1e6 * 2, 8, True))
 
 
+def test_measured_replication_replaces_the_allreduce_formula_once_per_step():
+    rep = replace(PLAIN, param_tensors=2, overheads=(Overhead("dp", 2, 4, 0.007),))
+    base = layer_cost(PLAIN, Strategy(2, 1, False), 8, 2, CL, TR)
+    c = layer_cost(rep, Strategy(2, 1, False), 8, 2, CL, TR)
+    formula = all_reduce_s(CL, 1e6 * 2, 2, False)
+    optimizer = CL.optimizer_s_per_param * 1e6
+    assert base.sync_s == pytest.approx(formula + optimizer)
+    assert c.sync_s == pytest.approx(0.007 + optimizer + CL.optimizer_s_per_tensor * 2)
+    assert c.time_s == base.time_s  # per micro-batch time unchanged: the average runs once per step
+    # measured below zero (a GPU overlapping it entirely) never makes the sync pay back time
+    neg = replace(PLAIN, overheads=(Overhead("dp", 2, 4, -0.003),))
+    assert layer_cost(neg, Strategy(2, 1, False), 8, 2, CL, TR).sync_s == pytest.approx(optimizer)
+    # with TP, or a group across nodes: the formula
+    c22 = layer_cost(replace(rep, overheads=(Overhead("dp", 2, 2, 0.007),)), Strategy(2, 2, False), 8, 4, CL, TR)
+    assert c22.sync_s == pytest.approx(all_reduce_s(CL, 5e5 * 2, 2, False) + optimizer / 2
+                                       + CL.optimizer_s_per_tensor * 2)
+    c8 = layer_cost(replace(rep, overheads=(Overhead("dp", 8, 1, 0.5),)), Strategy(8, 1, False), 8, 8, CL, TR)
+    assert c8.sync_s == pytest.approx(all_reduce_s(CL, 1e6 * 2, 8, True) + optimizer + CL.optimizer_s_per_tensor * 2)
+
+
 def test_overheads_round_trip_and_bad_records_are_refused():
     prof = ModelProfile(model="m", layers=[MEASURED], source="measured")
     back = ModelProfile.from_dict(prof.to_dict())
     assert back.layers[0].overheads == MEASURED.overheads
     assert "overheads" not in ModelProfile(model="m", layers=[PLAIN]).to_dict()["layers"][0]  # optional field
     for bad, msg in [
-        ({"kind": "dp", "degree": 2, "micro_batch": 1, "seconds": 0.1}, "kind must be one of"),
+        ({"kind": "ddp", "degree": 2, "micro_batch": 1, "seconds": 0.1}, "kind must be one of"),
         ({"kind": "tp", "degree": 1, "micro_batch": 1, "seconds": 0.1}, "degree must be >= 2"),
         ({"kind": "tp", "degree": 2, "micro_batch": 1}, "needs 'kind'"),
         ({"kind": "tp", "degree": 2, "micro_batch": 1, "seconds": float("nan")}, "finite number"),
@@ -98,8 +118,8 @@ def test_a_plan_solved_without_overheads_is_not_reused_with_them():
 
 
 def test_strategy_kinds_stay_inside_a_node():
-    assert strategy_kinds(4, 4, [1, 2, 4]) == [("tp", 2), ("fsdp", 2), ("tp", 4), ("fsdp", 4)]
-    assert strategy_kinds(8, 2, [1, 4]) == [("fsdp", 2)]
+    assert strategy_kinds(4, 4, [1, 2, 4]) == [("tp", 2), ("fsdp", 2), ("dp", 2), ("tp", 4), ("fsdp", 4), ("dp", 4)]
+    assert strategy_kinds(8, 2, [1, 4]) == [("fsdp", 2), ("dp", 2)]
     assert strategy_kinds(1, 1, [1, 2]) == []
 
 
@@ -145,9 +165,9 @@ def test_measure_overheads_on_two_gloo_ranks(tmp_path):
     assert r0["untouched"] and r0["no_grads"] and r1["untouched"] and r1["no_grads"]
     res = r0["res"]
     kinds = lambda i: sorted({(o.kind, o.degree) for o in res[i]})  # noqa: E731
-    assert kinds(0) == [("fsdp", 2), ("tp", 2)]  # nn.Linear: column-parallel
-    assert kinds(1) == [("fsdp", 2), ("tp", 2)]  # Linear-GELU-Linear: Megatron MLP
+    assert kinds(0) == [("dp", 2), ("fsdp", 2), ("tp", 2)]  # nn.Linear: column-parallel
+    assert kinds(1) == [("dp", 2), ("fsdp", 2), ("tp", 2)]  # Linear-GELU-Linear: Megatron MLP
     assert res[2] == res[1]  # same structure: timed once
-    assert kinds(3) == [("fsdp", 2)]  # no TP plan for a LayerNorm
+    assert kinds(3) == [("dp", 2), ("fsdp", 2)]  # no TP plan for a LayerNorm
     assert sorted({o.micro_batch for o in res[1]}) == [2, 8]  # 99 > the sample's 8 rows: skipped
     assert all(o.seconds == o.seconds and abs(o.seconds) < 5 for i in res for o in res[i])

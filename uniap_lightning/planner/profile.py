@@ -31,8 +31,12 @@ micro-batch of ``micro_batch`` samples on each device, *beyond* the layer's divi
 (tensor parallel over ``degree`` devices) the measured time minus the single-device time / ``degree`` (so it holds
 the activation all-reduces, the compute tensor parallelism does not split, and the per-call dispatch cost); for
 ``kind="fsdp"`` (sharded over ``degree`` devices, no TP) the measured time minus the single-device time (weight
-all-gathers, gradient reduce-scatter, FSDP's own per-call work). Where present, the cost model uses them instead
-of its formulas for those terms (interpolated linearly in the micro-batch size); elsewhere the formulas apply.
+all-gathers, gradient reduce-scatter, FSDP's own per-call work); for ``kind="dp"`` (replicated over ``degree``
+devices, no TP) the time of a forward + backward whose gradient average is started during the backward and waited
+for, minus the single-device time (the all-reduce as it runs beside the backward in training: on CPU ranks that
+share cores it also slows the backward; on a GPU it may overlap). Where present, the cost model uses them instead
+of its formulas for those terms (``dp``: once per optimizer step, in place of the all-reduce formula; the others
+per micro-batch), interpolated linearly in the micro-batch size; elsewhere the formulas apply.
 """
 
 from __future__ import annotations
@@ -60,13 +64,13 @@ class Timing:
 
 @dataclass(frozen=True)
 class Overhead:
-    kind: str  # "tp" | "fsdp"
+    kind: str  # "tp" | "fsdp" | "dp"
     degree: int
     micro_batch: int  # samples per device
     seconds: float  # forward + backward, beyond the divided single-device compute (may be < 0: measured)
 
 
-OVERHEAD_KINDS = ("tp", "fsdp")
+OVERHEAD_KINDS = ("tp", "fsdp", "dp")
 
 
 @dataclass(frozen=True)

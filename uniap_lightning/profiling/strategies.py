@@ -10,13 +10,20 @@ strategy it may get:
 - ``("tp", t)`` for each tensor-parallel degree ``t > 1`` the layer supports and the world allows, on groups of
   ``t`` consecutive ranks (every group at once, as in training): the layer parallelized by
   :func:`uniap_lightning.runtime.tensor_parallel.apply_tp`;
-- ``("fsdp", d)`` for ``d`` in 2, 4, ... up to the devices of one node: the layer wrapped by ``fully_shard``.
+- ``("fsdp", d)`` for ``d`` in 2, 4, ... up to the devices of one node: the layer wrapped by ``fully_shard``;
+- ``("dp", d)`` for the same ``d``: the layer replicated, its gradients averaged by the runtime's own
+  :class:`~uniap_lightning.runtime.data_parallel.ReplicatedGrads` (hooks, bucket copies, the all-reduce started
+  during the backward), and the step waited for as in training. Where ranks share CPU cores, the all-reduce does
+  not overlap the backward: gloo's reduction runs on the cores the backward needs, and the hooks' copies add to it
+  (measured on the README demo, 2 ranks on 2 cores: +3.5-4 ms inside a 13 ms backward, beside the all-reduce's
+  own time). On a GPU the same measurement sees the overlap instead, so the figure may be below the all-reduce
+  formula.
 
 Each is timed forward + backward at a few micro-batch sizes (samples per device), median of ``repeats`` after
 ``warmup``, right after the plain layer at the same size (also on every rank at once); the slowest rank's medians
 count. The result, per layer, is :class:`~uniap_lightning.planner.profile.Overhead` records (``seconds`` = measured
-minus plain / ``t`` for TP, minus plain for FSDP) that :func:`attach_overheads` adds to a profile and the cost
-model uses instead of its formulas.
+minus plain / ``t`` for TP, minus plain for FSDP and replication) that :func:`attach_overheads` adds to a profile
+and the cost model uses instead of its formulas (for replication: instead of the all-reduce formula, per step).
 """
 
 from __future__ import annotations
@@ -37,15 +44,23 @@ from uniap_lightning.profiling.measure import Context, training_state_kept
 from uniap_lightning.profiling.timing import Timer, median_s
 
 
-def _fwd_bwd_s(layer: nn.Module, x: torch.Tensor, repeats: int, warmup: int, context: Context) -> float:
-    """Median seconds of forward (inside ``context``) + backward (gradient of ones) of ``layer`` on ``x``."""
+def _fwd_bwd_s(layer: nn.Module, x: torch.Tensor, repeats: int, warmup: int, context: Context,
+               replicated: Any = None) -> float:
+    """Median seconds of forward (inside ``context``) + backward (gradient of ones) of ``layer`` on ``x``; with
+    ``replicated`` (a ReplicatedGrads holding the layer), its gradient average is armed, started during the
+    backward and waited for, as :class:`~uniap_lightning.runtime.step.TrainStep` does for a step's last batch."""
 
     def step() -> None:
         inp = x.detach().requires_grad_(x.is_floating_point())
+        if replicated is not None:
+            replicated.arm(backward_passes=1, previous={})
         with context():
             out = layer(inp)
         if out.requires_grad:
             out.backward(torch.ones_like(out))
+        if replicated is not None:
+            replicated.flush()
+            replicated.finish()
 
     seconds = median_s(step, Timer(x.device), repeats=repeats, warmup=warmup)
     for p in layer.parameters():
@@ -71,6 +86,7 @@ def strategy_kinds(world: int, devices_per_node: int, tp_degrees: Sequence[int])
             if k in tp_degrees:
                 kinds.append(("tp", k))
             kinds.append(("fsdp", k))
+            kinds.append(("dp", k))
         k *= 2
     return kinds
 
@@ -94,6 +110,7 @@ def measure_overheads(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    from uniap_lightning.runtime.data_parallel import ReplicatedGrads
     from uniap_lightning.runtime.tensor_parallel import apply_tp, tp_degrees
 
     world = dist.get_world_size()
@@ -126,15 +143,21 @@ def measure_overheads(
             records: list[Overhead] = []
             for kind, k in strategy_kinds(world, dpn, tp_degrees(layer)):
                 shard = copy.deepcopy(layer)
+                replicated = None
                 if kind == "tp":
                     apply_tp(shard, name, meshes[k])
-                else:
+                elif kind == "fsdp":
                     fully_shard(shard, mesh=meshes[k], reshard_after_forward=True)
+                else:
+                    replicated = ReplicatedGrads()
+                    replicated.add(shard, meshes[k].get_group(), k)
+                    if not replicated.groups:  # no trainable parameters: nothing to average
+                        continue
                 for m in sizes:
                     xm = inputs[i][:m]
                     plain = _slowest(_fwd_bwd_s(layer, xm, repeats, warmup, context), device)
                     dist.barrier()
-                    timed = _slowest(_fwd_bwd_s(shard, xm, repeats, warmup, context), device)
+                    timed = _slowest(_fwd_bwd_s(shard, xm, repeats, warmup, context, replicated), device)
                     records.append(Overhead(kind, k, m, timed - (plain / k if kind == "tp" else plain)))
                 del shard
             out[i] = records

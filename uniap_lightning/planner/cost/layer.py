@@ -103,7 +103,13 @@ def _layer_cost(
             comm += 2 * all_gather_s(cluster, local_params * training.weight_bytes, d, inter)
             comm += reduce_scatter_s(cluster, local_params * training.grad_bytes, d, inter)
     elif d > 1:
-        sync = all_reduce_s(cluster, local_params * training.grad_bytes, d, inter)
+        # measured inside a node for replication alone (the all-reduce beside the step's last backward, waited
+        # for: on CPU ranks sharing cores it also slows that backward); else the ring formula
+        measured = layer.overhead_s("dp", d, samples) if t == 1 and not inter else None
+        if measured is not None:
+            sync = max(measured, 0.0)
+        else:
+            sync = all_reduce_s(cluster, local_params * training.grad_bytes, d, inter)
         # the runtime's persistent all-reduce buckets hold one more copy of a replicated layer's gradients
         # (runtime.data_parallel.ReplicatedGrads)
         bucket = local_params * training.grad_bytes
