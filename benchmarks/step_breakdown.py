@@ -1,6 +1,6 @@
 """Where the demo's training step goes, against the plan's prediction (the README's `uniap train` model and data).
 
-    python benchmarks/step_breakdown.py [--devices 2] [--steps 40]
+    python benchmarks/step_breakdown.py [--devices 2] [--steps 40] [--pp 2 --microbatches 8]
 
 Runs the shipped tiny GPT on the shipped corpus with ``Trainer(strategy=UniAPStrategy(...))`` on ``--devices`` CPU
 processes (the cores shared out, as `uniap train` does), with the plan the strategy solves (as the demo), and times, on rank 0, per step (medians after 5
@@ -31,7 +31,16 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+strategy_of_solved_run: list[Any] = []  # the solved run's SetupResult (profile and cluster), in this process
+
+
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, cache: str) -> None:
+    _fit(rank, world, port, argparse.Namespace(**{**vars(args), "pp": 0}), cache)  # the demo: solve
+    if args.pp:
+        _fit(rank, world, port + 1, args, cache)  # then the pinned plan, scored by the same profile
+
+
+def _fit(rank: int, world: int, port: int, args: argparse.Namespace, cache: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       NODE_RANK="0")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -46,7 +55,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, cache: s
         cfg = compose(config_name="fit")
     pl.seed_everything(0, verbose=False)
     module, data, _ = build_module(cfg)
-    strategy = UniAPStrategy(monitor=False, cache_dir=cache)
+    strategy = UniAPStrategy(monitor=False, cache_dir=cache, plan=_pinned(args, world, module, cfg))
     times: dict[str, list[float]] = {k: [] for k in ("step", "training_step", "backward", "gap")}
 
     def timed(name: str, fn: Any) -> Any:
@@ -76,11 +85,41 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, cache: s
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          limit_val_batches=0, callbacks=[Steps()])
     trainer.fit(module, data)
+    if args.pp and strategy.plan.estimate is None:  # pinned: score it with the solved run's profile and cluster
+        from dataclasses import replace
+
+        from uniap_lightning.planner.cost import evaluate
+        from uniap_lightning.planner.problem import Problem, TrainingConfig
+
+        solved = strategy_of_solved_run[0]
+        problem = Problem(model=solved.profile, cluster=solved.planning_cluster,
+                          training=TrainingConfig(global_batch_size=strategy.plan.global_batch_size))
+        strategy_plan = replace(strategy.plan, estimate=evaluate(problem, strategy.plan))
+    else:
+        strategy_plan = strategy.plan
+        strategy_of_solved_run[:] = [strategy.setup_result]
     med = {k: statistics.median(v[5:]) * 1e3 for k, v in times.items()}
-    if strategy.plan.pp == 1:
+    if strategy_plan.pp == 1:
         med.update(_outside_lightning(strategy, data))
     if rank == 0:
-        _print(med, strategy.plan)
+        _print(med, strategy_plan)
+
+
+def _pinned(args: argparse.Namespace, world: int, module: Any, cfg: Any) -> Any:
+    """With ``--pp``: a pinned plan, the chain's layers split evenly over ``pp`` stages, one device per stage's
+    rank doing plain data parallelism over the rest (the plan's estimate is filled in by the strategy)."""
+    if not args.pp:
+        return None
+    from uniap_lightning.planner.plan import Plan
+    from uniap_lightning.runtime.chain import extract_chain
+
+    names = extract_chain(module).names
+    per = -(-len(names) // args.pp)
+    n = world // args.pp
+    return Plan.from_assignment(
+        stage_of_layer=[min(u // per, args.pp - 1) for u in range(len(names))], strategies=[(n, 1, False)] * len(names),
+        layer_names=names, pp=args.pp, microbatches=args.microbatches, schedule="1f1b",
+        global_batch_size=int(cfg.data.batch_size), num_devices=world)
 
 
 def _outside_lightning(strategy: Any, data: Any) -> dict[str, float]:
@@ -128,6 +167,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--pp", type=int, default=0, help="pin a plan with this many stages (0: solve, as the demo)")
+    parser.add_argument("--microbatches", type=int, default=1, help="micro-batches of the pinned plan")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as cache:
         mp.start_processes(_worker, args=(args.devices, _port(), args, cache), nprocs=args.devices,
