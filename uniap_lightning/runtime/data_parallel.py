@@ -5,7 +5,9 @@ all-reduce per optimizer *step* (not per micro-batch), layers of one stage may u
 and tensor-parallel layers carry DTensor parameters that DDP does not handle. So replicated layers only record
 their parameters and group, and :class:`ReplicatedGrads` averages their gradients once per optimizer step, in
 buckets all-reduced asynchronously while the backward of the step's last micro-batch is still running (as DDP
-overlaps its buckets with backward); see :class:`uniap_lightning.runtime.step.TrainStep`.
+overlaps its buckets with backward); see :class:`uniap_lightning.runtime.step.TrainStep`. A layer whose plan says
+``compression`` gets buckets of its own whose averaging a compressor does instead (:mod:`.compression`); every
+collective's payload is counted (:attr:`ReplicatedGrads.counter`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from uniap_lightning.planner.plan import COMPRESSION_DEFAULTS
+from uniap_lightning.runtime.compression import ByteCounter, Compressor, all_reduce, make_compressor, wire_bytes
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -61,6 +66,7 @@ class Bucket:
     filled: list[bool] = field(default_factory=list)
     missing: int = 0  # slots not filled yet this step
     work: Any = None
+    compressor: Compressor | None = None  # None: a plain all-reduce; else it averages (and holds error feedback)
 
     def reset(self) -> None:
         self.filled = [False] * len(self.params)
@@ -82,11 +88,20 @@ class Bucket:
         self.missing -= 1
 
     @torch.no_grad()
+    def launch(self, counter: ByteCounter | None) -> None:
+        """Start averaging the complete buffer: the plain all-reduce, or the compressor's first collectives."""
+        if self.compressor is None:
+            self.work = all_reduce(self.buffer, self.group, counter)
+        else:
+            self.work = self.compressor.start(self.buffer, self.slots, self.group, self.size, counter)
+
+    @torch.no_grad()
     def write_back(self) -> None:
-        """Wait for the all-reduce and replace each gradient by the average."""
+        """Wait for the all-reduce (or the compressed averaging) and replace each gradient by the average."""
         self.work.wait()
         self.work = None
-        self.buffer.div_(self.size)
+        if self.compressor is None:  # a compressor leaves the average in the buffer itself
+            self.buffer.div_(self.size)
         for i, p in enumerate(self.params):
             if not p.requires_grad:
                 continue
@@ -98,20 +113,24 @@ class Bucket:
 
 
 def make_buckets(
-    groups: list[tuple[dist.ProcessGroup, int, list[nn.Parameter]]],
+    groups: list[tuple[Any, ...]],
     cap_bytes: int,
     *,
     first_cap_bytes: int = FIRST_BUCKET_CAP_BYTES,
+    compression_options: dict[str, float] | None = None,
 ) -> list[Bucket]:
     """Buckets of at most ``cap_bytes`` (``first_cap_bytes`` for a group's first; a larger parameter gets its own),
     last-registered parameters first.
 
     Reverse registration order because backward produces the last layers' gradients first: their bucket can be
     reduced while the earlier layers are still in backward. Every rank of a group builds the same buckets in the
-    same order (same layers, same parameters), which is what keeps the collectives matched.
+    same order (same layers, same parameters), which is what keeps the collectives matched. A group is
+    ``(process group, size, parameters)`` or ``(..., compression)``; each bucket gets its own compressor.
     """
     out: list[Bucket] = []
-    for group, size, params in groups:
+    options = compression_options if compression_options is not None else COMPRESSION_DEFAULTS
+    for group, size, params, *method in groups:
+        name = method[0] if method else "none"
         current: list[nn.Parameter] = []
         current_bytes, limit = 0, min(first_cap_bytes, cap_bytes)
         for p in reversed(params):
@@ -119,12 +138,12 @@ def make_buckets(
             nbytes = local.numel() * local.element_size()
             same_kind = not current or (local.dtype, local.device) == _kind(current[0])
             if current and (current_bytes + nbytes > limit or not same_kind):
-                out.append(_bucket(group, size, current))
+                out.append(_bucket(group, size, current, make_compressor(name, options)))
                 current, current_bytes, limit = [], 0, cap_bytes
             current.append(p)
             current_bytes += nbytes
         if current:
-            out.append(_bucket(group, size, current))
+            out.append(_bucket(group, size, current, make_compressor(name, options)))
     return out
 
 
@@ -133,12 +152,13 @@ def _kind(p: torch.Tensor) -> tuple[torch.dtype, torch.device]:
     return local.dtype, local.device
 
 
-def _bucket(group: dist.ProcessGroup, size: int, params: list[nn.Parameter]) -> Bucket:
+def _bucket(group: dist.ProcessGroup, size: int, params: list[nn.Parameter],
+            compressor: Compressor | None = None) -> Bucket:
     shapes = [local_tensor(p).shape for p in params]
     dtype, device = _kind(params[0])
     buffer = torch.empty(sum(s.numel() for s in shapes), dtype=dtype, device=device)
     slots = [piece.view(shape) for piece, shape in zip(buffer.split([s.numel() for s in shapes]), shapes)]
-    bucket = Bucket(group, size, params, buffer, slots)
+    bucket = Bucket(group, size, params, buffer, slots, compressor=compressor)
     bucket.reset()
     return bucket
 
@@ -163,9 +183,14 @@ class ReplicatedGrads:
     (``planner.cost.layer``).
     """
 
-    groups: list[tuple[dist.ProcessGroup, int, list[nn.Parameter]]] = field(default_factory=list)
+    #: ``(group, dp, parameters)`` or ``(group, dp, parameters, compression)``
+    groups: list[tuple[Any, ...]] = field(default_factory=list)
     bucket_cap_bytes: int = BUCKET_CAP_BYTES
     first_bucket_cap_bytes: int = FIRST_BUCKET_CAP_BYTES
+    #: the plan's ``compression_options`` (PowerSGD rank, top-k ratio)
+    compression_options: dict[str, float] = field(default_factory=lambda: dict(COMPRESSION_DEFAULTS))
+    #: payload bytes of this rank's gradient collectives: the last optimizer step's and the total
+    counter: ByteCounter = field(default_factory=ByteCounter, init=False)
     buckets: list[Bucket] = field(default_factory=list, init=False)
     _slot_of: dict[nn.Parameter, tuple[int, int]] = field(default_factory=dict, init=False, repr=False)
     _hits: dict[nn.Parameter, int] = field(default_factory=dict, init=False, repr=False)
@@ -176,28 +201,42 @@ class ReplicatedGrads:
     _next: int = field(default=0, init=False, repr=False)  # index of the next bucket to launch
     _armed: bool = field(default=False, init=False, repr=False)
 
-    def add(self, layer: nn.Module, group: dist.ProcessGroup, dp: int) -> None:
+    def add(self, layer: nn.Module, group: dist.ProcessGroup, dp: int, compression: str = "none") -> None:
+        """Average ``layer``'s gradients over ``group`` (``dp`` ranks) each optimizer step, compressed as
+        ``compression`` says (``"none"``, ``"bf16"``, ``"powersgd"``, ``"topk"``; see :mod:`.compression`)."""
+        make_compressor(compression, self.compression_options)  # an unknown method fails here, not mid-step
         if self.buckets:
             raise RuntimeError("ReplicatedGrads.add after the buckets were built (at the first step)")
         # a parameter shared by two layers (tied weights) gets one slot: its hook runs once per backward
-        known = {id(p) for _, _, plist in self.groups for p in plist}
+        known = {id(p) for _, _, plist, *_ in self.groups for p in plist}
         params = [p for p in layer.parameters() if p.requires_grad and id(p) not in known]
         if dp > 1 and params:
-            for g, size, plist in self.groups:
-                if g is group:
+            for g, _, plist, *method in self.groups:
+                if g is group and (method[0] if method else "none") == compression:
                     plist.extend(params)
                     return
-            self.groups.append((group, dp, params))
+            self.groups.append((group, dp, params, compression))
 
     def buffer_bytes(self) -> int:
         """Bytes of the bucket buffers (the replicated gradients of this rank, once more; see the class doc)."""
         if not self.buckets:
-            locals_ = [local_tensor(p) for _, _, plist in self.groups for p in plist]
+            locals_ = [local_tensor(p) for _, _, plist, *_ in self.groups for p in plist]
             return sum(t.numel() * t.element_size() for t in locals_)
         return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
 
+    def wire_bytes_per_step(self) -> int:
+        """Bytes this rank's gradient collectives should carry per optimizer step, by the agreed formulas
+        (:func:`.compression.wire_bytes`); :attr:`counter` counts what they carried."""
+        total = 0
+        for _, _, plist, *method in self.groups:
+            for t in map(local_tensor, plist):
+                total += wire_bytes(method[0] if method else "none", [tuple(t.shape)], grad_bytes=t.element_size(),
+                                    options=self.compression_options)
+        return total
+
     def _build(self) -> None:
-        self.buckets = make_buckets(self.groups, self.bucket_cap_bytes, first_cap_bytes=self.first_bucket_cap_bytes)
+        self.buckets = make_buckets(self.groups, self.bucket_cap_bytes, first_cap_bytes=self.first_bucket_cap_bytes,
+                                    compression_options=self.compression_options)
         for k, b in enumerate(self.buckets):
             for i, p in enumerate(b.params):
                 self._slot_of[p] = (k, i)
@@ -213,6 +252,7 @@ class ReplicatedGrads:
             self._build()
         self._drain()
         self._expected, self._next = backward_passes, 0
+        self.counter.begin_step()
         self._hits = {}
         self._previous = {p: previous.get(p) for p in self._slot_of}
         for b in self.buckets:
@@ -231,7 +271,7 @@ class ReplicatedGrads:
     def _launch_complete(self) -> None:
         while self._next < len(self.buckets) and not self.buckets[self._next].missing:
             b = self.buckets[self._next]
-            b.work = dist.all_reduce(b.buffer, group=b.group, async_op=True)
+            b.launch(self.counter)
             self._next += 1
             self.launches += 1
 

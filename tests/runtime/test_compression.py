@@ -1,0 +1,231 @@
+"""Gradient compression (runtime/compression.py): each compressor against a single-process reference written
+here from the algorithm's definition, on 2 real gloo ranks (one spawn for all cases); bytes counted == formula.
+
+Every case runs two optimizer steps on the same bucket so the error-feedback state (and PowerSGD's warm-started
+``Q``) carries over from the first to the second.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+SHAPES = [(6, 5), (4, 3, 2), (5,)]  # a matrix, a 3-D piece (viewed 4 x 6), a vector
+WORLD = 2
+CASES = {
+    "bf16": ("bf16", {}),
+    "powersgd_r1": ("powersgd", {"powersgd_rank": 1}),
+    "powersgd_r2": ("powersgd", {"powersgd_rank": 2}),
+    "powersgd_full": ("powersgd", {"powersgd_rank": 6}),  # capped at min(n, k) per matrix: exact
+    "topk_q": ("topk", {"topk_ratio": 0.2}),
+    "topk_all": ("topk", {"topk_ratio": 1.0}),
+}
+
+
+def grads(rank: int, step: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return [torch.randn(s, generator=g) for s in SHAPES]
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from uniap_lightning.planner.plan import COMPRESSION_DEFAULTS
+    from uniap_lightning.runtime.compression import ByteCounter, make_compressor
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results: dict[str, Any] = {}
+    for name, (method, options) in CASES.items():
+        comp = make_compressor(method, {**COMPRESSION_DEFAULTS, **options})
+        numel = sum(math.prod(s) for s in SHAPES)
+        buffer = torch.empty(numel)
+        slots = [p.view(s) for p, s in zip(buffer.split([math.prod(s) for s in SHAPES]), SHAPES)]
+        steps = []
+        for step in range(2):
+            counter = ByteCounter()
+            counter.begin_step()
+            for slot, g in zip(slots, grads(rank, step)):
+                slot.copy_(g)
+            comp.start(buffer, slots, dist.group.WORLD, world, counter).wait()
+            error = getattr(comp, "error", None)
+            steps.append({"out": buffer.clone(), "error": None if error is None else error.clone(),
+                          "bytes": counter.step_bytes, "by_op": dict(counter.step_by_op)})
+        results[name] = steps
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    import torch.multiprocessing as mp
+
+    from uniap_rt_helpers import free_port
+
+    out = tmp_path_factory.mktemp("compression")
+    mp.start_processes(_worker, args=(WORLD, free_port(), str(out)), nprocs=WORLD, start_method="spawn")
+    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
+
+
+def _flat(ts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in ts])
+
+
+def _split(flat: torch.Tensor) -> list[torch.Tensor]:
+    return [p.view(s) for p, s in zip(flat.split([math.prod(s) for s in SHAPES]), SHAPES)]
+
+
+# ---------------------------------------------------------------------------------------------- references
+def ref_powersgd(rank_r: int) -> list[dict[str, Any]]:
+    """PowerSGD (Vogels et al., Algorithm 1 with torch's hook's choices), d ranks simulated in one process:
+    P = sum_i M_i Q, orthogonalize P, Q = mean_i M_i^T P, approx = P Q^T, error_i = M_i - approx; vectors
+    averaged exactly. Orthogonalization by QR (sign conventions cancel in P Q^T)."""
+    errors = [torch.zeros(sum(math.prod(s) for s in SHAPES)) for _ in range(WORLD)]
+    qs: list[torch.Tensor | None] = [None, None]
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for step in range(2):
+        ms = [_flat(grads(r, step)) + errors[r] for r in range(WORLD)]
+        pieces = [_split(m) for m in ms]
+        approx = []
+        mi = 0
+        for j, shape in enumerate(SHAPES):
+            if len(shape) < 2:
+                approx.append(sum(p[j] for p in pieces) / WORLD)
+                continue
+            n = shape[0]
+            mats = [p[j].reshape(n, -1) for p in pieces]
+            k = mats[0].shape[1]
+            r = min(n, k, rank_r)
+            if qs[mi] is None:
+                qs[mi] = torch.randn(1, k, r, generator=gen)[0]
+            q = torch.linalg.qr(qs[mi]).Q
+            p = torch.linalg.qr(sum(m @ q for m in mats)).Q
+            q = sum(m.T @ p for m in mats) / WORLD
+            qs[mi] = q
+            approx.append((p @ q.T).reshape(shape))
+            mi += 1
+        avg = _flat(approx)
+        for r in range(WORLD):
+            e = ms[r] - avg
+            for j, piece in enumerate(_split(e)):
+                if len(SHAPES[j]) < 2:
+                    piece.zero_()
+            errors[r] = e
+        out.append({"out": avg, "errors": [e.clone() for e in errors]})
+    return out
+
+
+def ref_topk(ratio: float) -> list[dict[str, Any]]:
+    """Top-k with error feedback (Lin et al. 2018, without momentum correction): each rank sends the k largest
+    |g + e| per piece and keeps the rest as its error; the result is the sum of what was sent / d."""
+    errors = [torch.zeros(sum(math.prod(s) for s in SHAPES)) for _ in range(WORLD)]
+    out = []
+    for step in range(2):
+        total = torch.zeros_like(errors[0])
+        for r in range(WORLD):
+            acc = _flat(grads(r, step)) + errors[r]
+            sent = torch.zeros_like(acc)
+            offset = 0
+            for s in SHAPES:
+                n = math.prod(s)
+                k = max(1, math.ceil(ratio * n))
+                piece = acc[offset:offset + n]
+                keep = piece.abs().argsort(descending=True)[:k] + offset
+                sent[keep] = acc[keep]
+                offset += n
+            total += sent
+            errors[r] = acc - sent
+        out.append({"out": total / WORLD, "errors": [e.clone() for e in errors]})
+    return out
+
+
+# -------------------------------------------------------------------------------------------------- tests
+def _wire_formula(method: str, options: dict[str, float]) -> int:
+    """The agreed bytes per rank per step (notes/issue12-interfaces.md), written out independently."""
+    if method == "bf16":
+        return 2 * sum(math.prod(s) for s in SHAPES)
+    if method == "powersgd":
+        r = options["powersgd_rank"]
+        total = 0
+        for s in SHAPES:
+            n, numel = s[0], math.prod(s)
+            total += 4 * min(r, n, numel // n) * (n + numel // n) if len(s) >= 2 else 4 * numel
+        return total
+    return sum(8 * max(1, math.ceil(options["topk_ratio"] * math.prod(s))) for s in SHAPES)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_counted_bytes_equal_the_formula(ranks: list[dict[str, Any]], name: str) -> None:
+    method, options = CASES[name]
+    for res in ranks:
+        for step in res[name]:
+            assert step["bytes"] == _wire_formula(method, options)
+            assert set(step["by_op"]) == ({"all_gather"} if method == "topk" else {"all_reduce"})
+
+
+def test_bf16_is_the_mean_up_to_bf16_rounding(ranks: list[dict[str, Any]]) -> None:
+    for step in range(2):
+        exact = (_flat(grads(0, step)) + _flat(grads(1, step))) / 2
+        rounded = (_flat(grads(0, step)).bfloat16() + _flat(grads(1, step)).bfloat16()).float() / 2
+        for res in ranks:
+            got = res["bf16"][step]["out"]
+            torch.testing.assert_close(got, rounded, rtol=0, atol=0)
+            torch.testing.assert_close(got, exact, rtol=2**-7, atol=1e-2)
+            assert not torch.equal(got, exact)  # it did round
+
+
+@pytest.mark.parametrize("name,rank_r", [("powersgd_r1", 1), ("powersgd_r2", 2), ("powersgd_full", 6)])
+def test_powersgd_matches_the_reference_with_error_feedback_and_warm_start(
+    ranks: list[dict[str, Any]], name: str, rank_r: int
+) -> None:
+    ref = ref_powersgd(rank_r)
+    for r, res in enumerate(ranks):
+        for step in range(2):
+            torch.testing.assert_close(res[name][step]["out"], ref[step]["out"], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(res[name][step]["error"], ref[step]["errors"][r], rtol=1e-4, atol=1e-5)
+    if rank_r == 1:  # low rank: a real approximation, and the error carries it to the next step
+        assert ref[0]["errors"][0].abs().max() > 0.1
+
+
+def test_powersgd_at_full_rank_is_the_exact_mean(ranks: list[dict[str, Any]]) -> None:
+    for res in ranks:
+        for step in range(2):
+            # step 1 adds step 0's errors, which sum to zero over the ranks at full rank
+            exact = (_flat(grads(0, step)) + _flat(grads(1, step))) / 2
+            torch.testing.assert_close(res["powersgd_full"][step]["out"], exact, rtol=1e-4, atol=1e-5)
+
+
+def test_topk_matches_the_reference_and_keeps_what_it_did_not_send(ranks: list[dict[str, Any]]) -> None:
+    ref = ref_topk(0.2)
+    for r, res in enumerate(ranks):
+        for step in range(2):
+            torch.testing.assert_close(res["topk_q"][step]["out"], ref[step]["out"], rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(res["topk_q"][step]["error"], ref[step]["errors"][r], rtol=1e-6, atol=1e-7)
+    assert (ref[0]["errors"][0] != 0).sum() > 0
+
+
+def test_topk_with_ratio_one_is_the_plain_all_reduce(ranks: list[dict[str, Any]]) -> None:
+    for res in ranks:
+        for step in range(2):
+            exact = (_flat(grads(0, step)) + _flat(grads(1, step))) / 2
+            assert torch.equal(res["topk_all"][step]["out"], exact)
+            assert torch.equal(res["topk_all"][step]["error"], torch.zeros_like(exact))
+
+
+def test_wire_bytes_formula_and_unknown_method() -> None:
+    from uniap_lightning.runtime.compression import make_compressor, topk_count, wire_bytes
+
+    opts = {"powersgd_rank": 2, "topk_ratio": 0.01}
+    assert wire_bytes("none", [(10, 20), (20,)], grad_bytes=4, options=opts) == 4 * 220
+    assert wire_bytes("powersgd", [(10, 20), (20,)], grad_bytes=4, options=opts) == 4 * 2 * 30 + 4 * 20
+    assert wire_bytes("topk", [(10, 20), (20,)], grad_bytes=4, options=opts) == 8 * (2 + 1)
+    assert topk_count(5, 0.01) == 1 and topk_count(300, 0.01) == 3 and topk_count(4, 1.0) == 4
+    with pytest.raises(ValueError, match="unknown compression 'fp8'"):
+        make_compressor("fp8", opts)
