@@ -65,6 +65,9 @@ class UniAPStrategy(ModelParallelStrategy):
             library versions) instead of measuring again.
         profile_repeats: timed runs per layer and micro-batch size (the median is kept).
         profile_micro_batches: micro-batch sizes to time (default: half the sample batch and all of it, at most 16).
+        compression: gradient compression the planner may choose per replicated / ZeRO-1 layer (opt-in: numerics
+            change): ``None`` (off), ``"bf16"``, ``"powersgd"`` or ``"topk"`` (that method or none, per layer),
+            ``"auto"`` (any); see :mod:`uniap_lightning.runtime.compression`.
         monitor: ``True`` (default) installs a :class:`~uniap_lightning.monitor.UniAPMonitor` with default settings
             (measured vs predicted step time and peak memory, logged as ``uniap/*`` metrics); pass a monitor
             instance for other settings or ``False`` for none.
@@ -89,6 +92,7 @@ class UniAPStrategy(ModelParallelStrategy):
         profile_repeats: int = 3,
         profile_micro_batches: list[int] | None = None,
         monitor: Any = True,
+        compression: str | None = None,
     ) -> None:
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise UniAPError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
@@ -97,7 +101,7 @@ class UniAPStrategy(ModelParallelStrategy):
         self._setup_options = SetupOptions.from_arguments(
             cluster=cluster, plan=plan, schedule=schedule, solver=solver, time_limit=time_limit, profile=profile,
             cache_dir=cache_dir, measure_cluster=measure_cluster, profile_cache=profile_cache,
-            profile_repeats=profile_repeats, profile_micro_batches=profile_micro_batches,
+            profile_repeats=profile_repeats, profile_micro_batches=profile_micro_batches, compression=compression,
         )
         self._setup_result: SetupResult | None = None  # what setup decided (frozen), read by the properties below
         self._runtime: Runtime | None = None

@@ -9,7 +9,13 @@ from typing import Any
 
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.cluster import Cluster
-from uniap_lightning.planner.plan import Plan
+from uniap_lightning.planner.plan import COMPRESSIONS, Plan
+
+#: what ``UniAPStrategy(compression=...)`` accepts, and the methods the planner may then choose from per layer
+COMPRESSION_CHOICES: dict[str | None, tuple[str, ...]] = {
+    None: ("none",), "none": ("none",), **{m: ("none", m) for m in COMPRESSIONS if m != "none"},
+    "auto": COMPRESSIONS,
+}
 
 
 @dataclass(frozen=True)
@@ -27,15 +33,21 @@ class SetupOptions:
     profile_cache: bool = True
     profile_repeats: int = 3
     profile_micro_batches: tuple[int, ...] | None = None
+    #: gradient compression methods the planner may choose per replicated / ZeRO-1 layer (always with "none")
+    compression: tuple[str, ...] = ("none",)
 
     @classmethod
     def from_arguments(cls, *, cluster: Any, plan: Any, schedule: str, solver: str, time_limit: float, profile: Any,
                        cache_dir: Any, measure_cluster: bool, profile_cache: bool, profile_repeats: int,
-                       profile_micro_batches: Any) -> SetupOptions:
+                       profile_micro_batches: Any, compression: Any = None) -> SetupOptions:
         """Check and normalize ``UniAPStrategy``'s arguments (clear errors when the strategy is built)."""
         from uniap_lightning.planner.plan import SCHEDULES
         from uniap_lightning.planner.solver.search import SOLVERS
 
+        if not isinstance(compression, (str, type(None))) or compression not in COMPRESSION_CHOICES:
+            allowed = ", ".join(repr(c) for c in COMPRESSION_CHOICES if c != "none")
+            raise UniAPError(f"compression={compression!r} must be one of {allowed} (None: off; a method: the "
+                             "planner may use it per layer; 'auto': it chooses among all)")
         if schedule not in SCHEDULES:
             raise UniAPError(f"schedule={schedule!r} must be one of {list(SCHEDULES)}")
         if solver not in SOLVERS:
@@ -57,6 +69,7 @@ class SetupOptions:
             cache_dir=Path(cache_dir) if cache_dir is not None else None, measure_cluster=bool(measure_cluster),
             profile_cache=bool(profile_cache), profile_repeats=max(int(profile_repeats), 1),
             profile_micro_batches=tuple(profile_micro_batches) if profile_micro_batches else None,
+            compression=COMPRESSION_CHOICES[compression],
         )
 
     def profile_cache_dir(self) -> Path:
