@@ -6,7 +6,8 @@ variables of Lightning's ``LightningEnvironment`` (so Lightning does not launch 
 process group is created once), which keeps start-up cost low on a 2-core machine.
 
 A *case* is a dict: ``plan`` (a pinned Plan; absent: the strategy solves), ``strategy`` (more UniAPStrategy
-arguments), ``module`` (``make_module`` arguments, e.g. ``{"lm": "llama"}``), ``steps`` or ``epochs``,
+arguments), ``module`` (``make_module`` arguments, e.g. ``{"lm": "llama"}`` or ``{"factory": "mod:fn", ...}``),
+``data`` (``{"factory": "mod:fn", ...}``: a loader of ``batch`` samples instead of the tiny regression data), ``steps`` or ``epochs``,
 ``accumulate``, ``clip``, ``limit_val_batches`` and ``predict`` (collect validation loss / predictions),
 ``save`` / ``resume`` / ``export`` (checkpoint paths relative to the output folder), ``validate_only``,
 ``die_at`` / ``hang_s`` (rank 1 dies or hangs at that batch), ``die_while_saving`` (rank ``die_rank``, default 1,
@@ -74,9 +75,21 @@ def make_lm_module(kind: str) -> Any:
     return SGDLM(layers)
 
 
-def make_module(lr: float = 0.1, optimizer: str = "sgd", lm: str | None = None) -> Any:
+def _factory(path: str) -> Any:
+    """``"module:function"`` imported (models and data of other test files, e.g. ``uniap_models:tuple_module``)."""
+    import importlib
+
+    mod, _, fn = path.partition(":")
+    return getattr(importlib.import_module(mod), fn)
+
+
+def make_module(lr: float = 0.1, optimizer: str = "sgd", lm: str | None = None, factory: str | None = None,
+                **kwargs: Any) -> Any:
     import lightning.pytorch as pl
 
+    if factory is not None:
+        torch.manual_seed(0)
+        return _factory(factory)(**kwargs)
     if lm is not None:
         return make_lm_module(lm)
 
@@ -230,6 +243,9 @@ def trainer_kwargs(case: dict[str, Any]) -> dict[str, Any]:
 
 
 def _data(case: dict[str, Any]) -> Any:
+    if "data" in case:  # {"factory": "module:function", ...keyword arguments}
+        spec = dict(case["data"])
+        return _factory(spec.pop("factory"))(batch_size=case.get("batch", 16), **spec)
     seed = 1 + int(os.environ.get("LOCAL_RANK", 0)) if case.get("skew_data") else 1  # a broken sampler
     return make_data(case.get("batch", 16), lm="lm" in case.get("module", {}), seed=seed,
                      shuffle=case.get("shuffle", False))

@@ -26,8 +26,11 @@ Readings = dict[int, list[tuple[float, float]]]
 
 
 def structure_key(layer: nn.Module) -> tuple[Any, ...]:
-    """Layers with equal keys (type and parameter shapes) compute the same function shape: they cost the same."""
-    return (type(layer).__qualname__, tuple((n, tuple(p.shape)) for n, p in layer.named_parameters()))
+    """Layers with equal keys (type, parameter shapes and, where the layer defines ``uniap_structure_key()``, what
+    else decides its cost - e.g. a Swin block's window shift or a T5 block's cross-attention) compute the same
+    function shape: they cost the same. Layers of different classes, shapes or answers are never pooled."""
+    extra = layer.uniap_structure_key() if hasattr(layer, "uniap_structure_key") else None
+    return (type(layer).__qualname__, tuple((n, tuple(p.shape)) for n, p in layer.named_parameters()), repr(extra))
 
 
 def pool_identical_layers(layers: Sequence[nn.Module], sizes_bytes: Sequence[tuple[int, float]],

@@ -7,6 +7,10 @@ forward runs inside ``context`` - the precision plugin's forward context (autoca
 training runs it, so times and byte counts follow the precision. Raw readings go to
 :mod:`~uniap_lightning.profiling.aggregate` before they become a profile.
 
+A layer's input and output may hold several tensors (a payload, :mod:`uniap_lightning.runtime.payload`): the output
+bytes are the sum over its tensors (what crosses a stage boundary), the backward starts from every output tensor
+that requires grad, and floating-point inputs get gradients as in training.
+
 Profiling must not change training: the RNG state and every buffer (e.g. batch-norm statistics) are restored and
 gradients are cleared afterwards (:func:`training_state_kept`).
 """
@@ -27,6 +31,7 @@ from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.profile import LayerProfile, ModelProfile, Timing
 from uniap_lightning.profiling.aggregate import Readings, never_faster_when_larger, pool_identical_layers
 from uniap_lightning.profiling.timing import Timer
+from uniap_lightning.runtime.payload import backward_ones, call_layer, flatten, float_leaves, head, nbytes, rows
 
 Context = Callable[[], AbstractContextManager[Any]]
 
@@ -63,59 +68,69 @@ def training_state_kept(layers: Sequence[nn.Module]) -> Iterator[None]:
 def is_meta(layer: nn.Module, x: Any) -> bool:
     if isinstance(x, torch.Tensor) and x.is_meta:
         return True
+    if isinstance(x, (tuple, dict)) and any(isinstance(t, torch.Tensor) and t.is_meta for t in flatten(x)):
+        return True
     return any(p.is_meta for p in layer.parameters()) or any(b.is_meta for b in layer.buffers())
 
 
-def _measure_layer(layer: nn.Module, x: torch.Tensor, repeats: int, warmup: int, context: Context,
-                   check: Callable[[Any], None]) -> tuple[torch.Tensor, float, float, float, float | None]:
-    """Run the layer: (detached output, forward s, backward s, saved activation bytes, peak bytes or None)."""
+def _measure_layer(layer: nn.Module, x: Any, repeats: int, warmup: int, context: Context,
+                   check: Callable[[Any], None]) -> tuple[Any, float, float, float, float | None]:
+    """Run the layer on payload ``x``: (detached output, forward s, backward s, saved activation bytes, peak bytes
+    or None)."""
     if is_meta(layer, x):
         raise ProfilingUnavailable("the layer or its input is on the meta device (not materialized)")
     param_ptrs = {p.data_ptr() for p in layer.parameters()}
     saved = [0]
-    timer = Timer(x.device)
+    device = flatten(x)[0].device
+    timer = Timer(device)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         if isinstance(t, torch.Tensor) and t.data_ptr() not in param_ptrs:
             saved[0] += tensor_bytes(t)
         return t
 
-    def run(count_saved: bool) -> tuple[torch.Tensor, float, float]:
-        inp = x.detach().requires_grad_(x.is_floating_point())
+    def run(count_saved: bool) -> tuple[Any, float, float]:
+        inp = float_leaves(x)
         timer.synchronize()
         t0 = timer.mark()
         hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if count_saved else nullcontext()
         with hooks, context():
-            out = layer(inp)
+            out = call_layer(layer, inp)
         check(out)
         t1 = timer.mark()
-        if out.requires_grad:
-            out.backward(torch.ones_like(out))
+        backward_ones(out)
         t2 = timer.mark()
-        return out.detach(), timer.elapsed_s(t0, t1), timer.elapsed_s(t1, t2)
+        return float_leaves_detached(out), timer.elapsed_s(t0, t1), timer.elapsed_s(t1, t2)
 
     peak: float | None = None
     if timer.cuda:
         timer.synchronize()
-        torch.cuda.reset_peak_memory_stats(x.device)
-        before = torch.cuda.memory_allocated(x.device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
     out, _, _ = run(count_saved=True)  # warm-up, the saved-tensor count and (CUDA) the peak
     if timer.cuda:
-        peak = float(torch.cuda.max_memory_allocated(x.device) - before)
+        peak = float(torch.cuda.max_memory_allocated(device) - before)
     for _ in range(max(warmup, 1) - 1):
         run(count_saved=False)
     fwd, bwd = zip(*(run(count_saved=False)[1:] for _ in range(max(repeats, 1))))
     return out, statistics.median(fwd), statistics.median(bwd), float(saved[0]), peak
 
 
+def float_leaves_detached(out: Any) -> Any:
+    from uniap_lightning.runtime.payload import map_tensors
+
+    return map_tensors(lambda t: t.detach(), out)
+
+
 def _time_chain(layers: Sequence[nn.Module], names: Sequence[str], x: Any, repeats: int, warmup: int,
                 context: Context) -> tuple[list[tuple[float, float]], list[tuple[int, float, float | None]]]:
-    """Every layer in order at one micro-batch size: times, and (out bytes, activation bytes, peak) per layer."""
+    """Every layer in order at one micro-batch size: times, and (out bytes summed over the output's tensors,
+    activation bytes, peak) per layer."""
     from uniap_lightning.runtime.chain import check_layer_output
 
     times, stats = [], []
     for i, (layer, name) in enumerate(zip(layers, names, strict=True)):
-        check = partial(check_layer_output, i, name, layer, rows=int(x.shape[0]))
+        check = partial(check_layer_output, i, name, layer, rows=rows(x))
         try:
             y, fwd_s, bwd_s, act, peak = _measure_layer(layer, x, repeats, warmup, context, check)
         except UniAPError:
@@ -128,7 +143,7 @@ def _time_chain(layers: Sequence[nn.Module], names: Sequence[str], x: Any, repea
                 f"{str(err).splitlines()[0] if str(err) else ''})"
             ) from err
         times.append((fwd_s, bwd_s))
-        stats.append((tensor_bytes(y), act, peak))
+        stats.append((nbytes(y), act, peak))
         x = y
     return times, stats
 
@@ -143,7 +158,7 @@ def default_micro_batches(rows: int) -> list[int]:
 def profile_layers(
     layers: Sequence[nn.Module],
     names: Sequence[str],
-    sample_input: torch.Tensor,
+    sample_input: Any,
     *,
     tp_degrees: Sequence[Sequence[int]] | None = None,
     tp_allreduces: Sequence[int] | None = None,
@@ -156,7 +171,7 @@ def profile_layers(
     sync: Callable[[], Any] | None = None,
     context: Context = nullcontext,
 ) -> ModelProfile:
-    """Profile ``layers`` applied in order to ``sample_input`` (batch on dim 0) at each of ``micro_batches`` sizes,
+    """Profile ``layers`` applied in order to ``sample_input`` (a payload, batch on dim 0) at each of ``micro_batches`` sizes,
     the forward inside ``context`` (the precision's forward context).
 
     ``sync``, when given, is called once before each size, *also after an error* (e.g. a barrier, so that ranks
@@ -165,10 +180,10 @@ def profile_layers(
     (meta device, a batch the layer rejects), which :func:`~uniap_lightning.profiling.module.profile_chain` turns
     into the structural fallback, and :class:`UniAPError` when a layer breaks the chain contract.
     """
-    rows = int(sample_input.shape[0])
-    sizes = sorted({int(m) for m in (micro_batches or default_micro_batches(rows)) if 1 <= int(m) <= rows}) or [rows]
-    if sizes[-1] != rows:
-        sizes.append(rows)
+    n_rows = rows(sample_input)
+    sizes = sorted({int(m) for m in (micro_batches or default_micro_batches(n_rows)) if 1 <= int(m) <= n_rows}) or [n_rows]
+    if sizes[-1] != n_rows:
+        sizes.append(n_rows)
     t_start = time.perf_counter()
     readings: Readings = {}
     stats: list[tuple[int, float, float | None]] = []  # at the largest size: out bytes, act bytes, peak
@@ -181,9 +196,9 @@ def profile_layers(
             if failure is not None:
                 continue
             try:
-                readings[m], size_stats = _time_chain(layers, names, sample_input[:m], repeats, warmup, context)
+                readings[m], size_stats = _time_chain(layers, names, head(sample_input, m), repeats, warmup, context)
             except ProfilingUnavailable as err:
-                if m == rows or "meta device" in str(err):
+                if m == n_rows or "meta device" in str(err):
                     failure = err
                 else:
                     skipped[m] = str(err)  # e.g. batch norm refuses one sample: time the other sizes
@@ -191,7 +206,7 @@ def profile_layers(
             except Exception as err:  # noqa: BLE001 - raised after the remaining syncs
                 failure = err
                 continue
-            if m == rows:
+            if m == n_rows:
                 stats = size_stats
             if progress is not None:
                 progress(f"timed {len(layers)} layers at micro-batch {m} ({time.perf_counter() - t_start:.1f} s)")
@@ -201,8 +216,8 @@ def profile_layers(
     never_faster_when_larger(readings)
     out = _layer_profiles(layers, names, readings, stats, tp_degrees=tp_degrees, tp_allreduces=tp_allreduces)
     meta = {
-        "micro_batch": rows, "micro_batches": sorted(readings), "repeats": repeats,
-        "timer": Timer(sample_input.device).name, "peak_memory_bytes": [s[2] for s in stats],
+        "micro_batch": n_rows, "micro_batches": sorted(readings), "repeats": repeats,
+        "timer": Timer(flatten(sample_input)[0].device).name, "peak_memory_bytes": [s[2] for s in stats],
         "skipped_micro_batches": {str(m): why for m, why in skipped.items()},
         "profile_seconds": time.perf_counter() - t_start,
     }

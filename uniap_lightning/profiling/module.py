@@ -46,7 +46,9 @@ def profile_chain(layers: Sequence[nn.Module], names: Sequence[str], sample_inpu
         stacklevel=2,
     )
     kept = {k: options[k] for k in ("tp_degrees", "tp_allreduces", "model", "device") if k in options}
-    device_type = sample_input.device.type if isinstance(sample_input, torch.Tensor) else "cpu"
+    from uniap_lightning.runtime.payload import flatten, is_payload
+
+    device_type = flatten(sample_input)[0].device.type if is_payload(sample_input) else "cpu"
     return structural_profile(layers, names, sample_input, device_type=device_type, reason=reason, **kept)
 
 

@@ -42,6 +42,7 @@ from uniap_lightning.planner.profile import ModelProfile, Overhead
 from uniap_lightning.profiling.aggregate import structure_key
 from uniap_lightning.profiling.measure import Context, training_state_kept
 from uniap_lightning.profiling.timing import Timer, median_s
+from uniap_lightning.runtime.payload import backward_ones, call_layer, flatten, float_leaves, head, rows, signature
 
 
 def _fwd_bwd_s(layer: nn.Module, x: torch.Tensor, repeats: int, warmup: int, context: Context,
@@ -94,7 +95,7 @@ def strategy_kinds(world: int, devices_per_node: int, tp_degrees: Sequence[int])
 def measure_overheads(
     layers: Sequence[nn.Module],
     names: Sequence[str],
-    sample_input: torch.Tensor,
+    sample_input: Any,
     *,
     micro_batches: Sequence[int],
     devices_per_node: int | None = None,
@@ -115,9 +116,9 @@ def measure_overheads(
 
     world = dist.get_world_size()
     dpn = devices_per_node or world
-    device = sample_input.device
-    rows = int(sample_input.shape[0])
-    sizes = sorted({int(m) for m in micro_batches if 1 <= int(m) <= rows})
+    device = flatten(sample_input)[0].device
+    n_rows = rows(sample_input)
+    sizes = sorted({int(m) for m in micro_batches if 1 <= int(m) <= n_rows})
     t_start = time.perf_counter()
     # one mesh per degree, built in the same order on every rank (new_group is collective)
     meshes: dict[int, Any] = {}
@@ -128,14 +129,14 @@ def measure_overheads(
     seen: dict[tuple[Any, ...], int] = {}
     with training_state_kept(layers):
         # inputs of every layer at the largest size (a plain forward; the chain's weights are not touched)
-        inputs: list[torch.Tensor] = []
+        inputs: list[Any] = []
         with torch.no_grad(), context():
-            x: Any = sample_input[: sizes[-1]] if sizes else sample_input
+            x: Any = head(sample_input, sizes[-1]) if sizes else sample_input
             for layer in layers:
                 inputs.append(x)
-                x = layer(x)
+                x = call_layer(layer, x)
         for i, (layer, name) in enumerate(zip(layers, names, strict=True)):
-            key = structure_key(layer) + (tuple(inputs[i].shape[1:]), str(inputs[i].dtype))
+            key = structure_key(layer) + (repr(signature(head(inputs[i], 1))),)
             if key in seen:
                 out[i] = out[seen[key]]
                 continue
@@ -154,7 +155,7 @@ def measure_overheads(
                     if not replicated.groups:  # no trainable parameters: nothing to average
                         continue
                 for m in sizes:
-                    xm = inputs[i][:m]
+                    xm = head(inputs[i], m)
                     plain = _slowest(_fwd_bwd_s(layer, xm, repeats, warmup, context), device)
                     dist.barrier()
                     timed = _slowest(_fwd_bwd_s(shard, xm, repeats, warmup, context, replicated), device)

@@ -40,9 +40,11 @@ def structural_profile(
     ``tokens`` the output's elements per sample over its last dimension; backward is twice the forward.
     """
     flops = NOMINAL_FLOPS.get(device_type, NOMINAL_FLOPS["cpu"])
+    from uniap_lightning.runtime.payload import call_layer, flatten, map_tensors, nbytes
+
     x: Any = None
     if sample_input is not None:
-        x = torch.empty(sample_input.shape, dtype=sample_input.dtype, device="meta")
+        x = map_tensors(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), sample_input)
     out: list[LayerProfile] = []
     for i, (layer, name) in enumerate(zip(layers, names, strict=True)):
         params = sum(p.numel() for p in layer.parameters())
@@ -50,10 +52,11 @@ def structural_profile(
         if x is not None:
             try:
                 with torch.no_grad():
-                    y = _meta_copy(layer)(x)
-                rows = max(int(y.shape[0]), 1)
-                out_bytes = tensor_bytes(y) / rows
-                tokens = y.numel() / rows / max(int(y.shape[-1]), 1) if y.dim() > 1 else 1.0
+                    y = call_layer(_meta_copy(layer), x)
+                first = flatten(y)[0]
+                rows = max(int(first.shape[0]), 1)
+                out_bytes = nbytes(y) / rows
+                tokens = first.numel() / rows / max(int(first.shape[-1]), 1) if first.dim() > 1 else 1.0
                 x = y
             except Exception:  # noqa: BLE001 - any failure only loses the size estimate
                 x = None

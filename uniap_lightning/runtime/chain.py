@@ -5,11 +5,16 @@ A LightningModule trains under ``strategy="uniap"`` with no glue code when
 * its network is a chain: either exactly one ``nn.Sequential`` attribute (its children are the layers), or a
   ``uniap_layers()`` method returning the ordered layers (each a submodule of the LightningModule, so parameter
   names stay stable for checkpoints); every trainable parameter belongs to exactly one layer;
-* each layer takes one tensor and returns one tensor, batch on dim 0 (the first layer may take integer token ids);
-  checked at setup on the sample batch by :func:`check_layer_output`;
+* each layer takes and returns a *payload*: one tensor, a tuple of tensors or a flat dict of tensors, every tensor
+  with the batch on dim 0 (the first layer may take integer token ids); how a layer is called with each kind, and
+  how a dict's entries a layer does not return travel on, is in :mod:`.payload`; checked at setup on the sample
+  batch by :func:`check_layer_output`;
 * its loss is computed from the chain's output and the target: a ``uniap_loss(output, target)`` method or a
   ``loss_fn`` attribute (e.g. ``nn.CrossEntropyLoss()``), returning the *mean* over the samples it is given;
-* a batch is ``(input, target)``, or the module defines ``uniap_split_batch(batch) -> (input, target)``.
+* a batch is ``(input, target)``, a dict with a ``labels`` entry (the input is the other entries, as a dict), or
+  the module defines ``uniap_split_batch(batch) -> (input, target)``; input and target may be payloads;
+* or its network is a Hugging Face ``PreTrainedModel`` of a supported family (one attribute): the chain, the loss
+  (the model's own, labels in the batch dict) and the batch layout come from :mod:`uniap_lightning.adapters.auto`.
 
 :class:`UniAPModule` states this as a Protocol. Models that are not chains get an adapter
 (:mod:`uniap_lightning.adapters`) that exposes them as one.
@@ -31,6 +36,7 @@ import torch
 from torch import nn
 
 from uniap_lightning.errors import UniAPError
+from uniap_lightning.runtime.payload import Payload, Spec, call_layer, flatten, is_payload, rows, spec_of
 
 
 @runtime_checkable
@@ -53,17 +59,41 @@ class Chain:
     module: nn.Module
     layers: list[nn.Module]
     names: list[str]
-    loss_fn: Callable[[torch.Tensor, Any], torch.Tensor]
-    split_batch: Callable[[Any], tuple[torch.Tensor, Any]]
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    split_batch: Callable[[Any], tuple[Payload, Any]]
+    #: per layer, the modules of ``module`` (FQNs) holding its parameters, when the layer is a view over the
+    #: module's own modules (adapters built by the strategy) rather than a submodule itself; ``None``: ``names``
+    parts: list[list[str]] | None = None
+    #: the structure of the chain's input and of each layer's output (:mod:`.payload`), learned from the sample
+    #: batch by :func:`check_chain_contract`; ``None`` until then (a single tensor everywhere)
+    input_spec: Spec = None
+    specs: list[Spec] | None = None
 
     def replace(self, index: int, new: nn.Module) -> None:
-        """Put ``new`` where layer ``index`` sits in the module tree (keeps every other name unchanged)."""
-        parent_name, _, child = self.names[index].rpartition(".")
-        parent = self.module.get_submodule(parent_name) if parent_name else self.module
-        setattr(parent, child, new)
+        """Put ``new`` where layer ``index`` sits in the module tree (keeps every other name unchanged); a view
+        layer's parts are replaced by ``nn.Identity`` (their parameter names simply disappear)."""
+        if self.parts is not None:
+            for fqn in self.parts[index]:
+                self._set(fqn, nn.Identity())
+        else:
+            self._set(self.names[index], new)
         self.layers[index] = new
 
-    def prediction_input(self, batch: Any) -> torch.Tensor:
+    def _set(self, fqn: str, new: nn.Module) -> None:
+        parent_name, _, child = fqn.rpartition(".")
+        parent = self.module.get_submodule(parent_name) if parent_name else self.module
+        setattr(parent, child, new)
+
+    def spec_before(self, index: int) -> Spec:
+        """The structure of layer ``index``'s input."""
+        if index == 0:
+            return self.input_spec
+        return self.specs[index - 1] if self.specs is not None else None
+
+    def spec_after(self, index: int) -> Spec:
+        return self.specs[index] if self.specs is not None else None
+
+    def prediction_input(self, batch: Any) -> Payload:
         """The chain's input in a prediction batch: ``(input,)``, ``(input, target)``, a layout ``split_batch``
         knows, or the input itself."""
         if isinstance(batch, (tuple, list)) and len(batch) == 1:
@@ -71,16 +101,18 @@ class Chain:
         return self.split_batch(batch)[0] if isinstance(batch, (tuple, list, dict)) else batch
 
 
-def default_split_batch(batch: Any) -> tuple[torch.Tensor, Any]:
+def default_split_batch(batch: Any) -> tuple[Payload, Any]:
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
         return batch[0], batch[1]
+    if isinstance(batch, dict) and "labels" in batch and len(batch) > 1:
+        return {k: v for k, v in batch.items() if k != "labels"}, batch["labels"]
     raise UniAPError(
-        f"the batch is a {type(batch).__name__}; the strategy expects (input, target). Define "
-        "uniap_split_batch(batch) -> (input, target) on the LightningModule for other layouts."
+        f"the batch is a {type(batch).__name__}; the strategy expects (input, target) or a dict with 'labels'. "
+        "Define uniap_split_batch(batch) -> (input, target) on the LightningModule for other layouts."
     )
 
 
-def _find_layers(module: nn.Module) -> list[nn.Module]:
+def _find_layers(module: nn.Module) -> list[nn.Module] | Chain:
     if hasattr(module, "uniap_layers"):
         layers = list(module.uniap_layers())
         if not layers:
@@ -89,13 +121,19 @@ def _find_layers(module: nn.Module) -> list[nn.Module]:
     seqs = [(n, m) for n, m in module.named_children() if isinstance(m, nn.Sequential)]
     if len(seqs) == 1:
         return list(seqs[0][1].children())
+    from uniap_lightning.adapters.auto import find_pretrained, pretrained_chain
+
+    found_hf = find_pretrained(module)
+    if found_hf is not None:
+        return pretrained_chain(module, *found_hf)
     found = f"found {len(seqs)} nn.Sequential attributes ({', '.join(n for n, _ in seqs)})" if seqs else (
         "found no nn.Sequential attribute"
     )
     raise UniAPError(
         f"{type(module).__name__} is not a chain of layers the strategy can split: {found}. Put the network in one "
-        "nn.Sequential attribute, define uniap_layers() returning the ordered layers, or use an adapter from "
-        "uniap_lightning.adapters (Hugging Face GPT-2 / Llama, plain GPT)."
+        "nn.Sequential attribute, define uniap_layers() returning the ordered layers, hold a Hugging Face model of a "
+        "supported family (uniap_lightning.adapters.auto.FAMILIES) as one attribute, or use an adapter from "
+        "uniap_lightning.adapters (plain GPT)."
     )
 
 
@@ -114,6 +152,8 @@ def _find_loss(module: nn.Module) -> Callable[[torch.Tensor, Any], torch.Tensor]
 def extract_chain(module: nn.Module) -> Chain:
     """Find the chain, its loss and batch layout; refuse what the runtime cannot split, with the reason."""
     layers = _find_layers(module)
+    if isinstance(layers, Chain):  # built by an adapter the strategy chose (a Hugging Face model)
+        return layers
     names_by_id = {id(m): n for n, m in module.named_modules() if n}
     names = []
     for i, layer in enumerate(layers):
@@ -143,38 +183,50 @@ def extract_chain(module: nn.Module) -> Chain:
 
 
 def check_layer_output(index: int, name: str, layer: nn.Module, output: Any, rows: int) -> None:
-    """What a layer may return: one tensor with the batch (``rows`` samples) on dim 0.
+    """What a layer may return: a payload (one tensor, a tuple or a flat dict of tensors, :mod:`.payload`), every
+    tensor with the batch (``rows`` samples) on dim 0.
 
-    The one place that states the contract on outputs, so that widening it (tuples or dicts of tensors) is one edit.
+    The one place that states the contract on outputs.
     """
     where = f"layer {index} '{name}' ({type(layer).__name__})"
-    rule = "the chain contract is one tensor per layer with the batch on dim 0"
-    if not isinstance(output, torch.Tensor):
+    rule = ("the chain contract is one tensor, a tuple or a flat dict of tensors per layer, each with the batch on "
+            "dim 0")
+    if not is_payload(output):
+        what = type(output).__name__
+        if isinstance(output, (tuple, dict)):
+            kinds = sorted({type(v).__name__ for v in (output.values() if isinstance(output, dict) else output)})
+            what = f"{what} holding {', '.join(kinds) or 'nothing'}"
         raise UniAPError(
-            f"{where} returned a {type(output).__name__}, not a tensor; {rule} (return only the tensor the next "
-            "layer takes, e.g. out[0] of a Hugging Face block, or wrap the layer)"
+            f"{where} returned a {what}; {rule} (return only tensors, e.g. out[0] of a Hugging Face block, or "
+            "wrap the layer)"
         )
-    if output.dim() == 0 or int(output.shape[0]) != rows:
+    bad = [tuple(t.shape) for t in flatten(output) if t.dim() == 0 or int(t.shape[0]) != rows]
+    if bad:
         raise UniAPError(
-            f"{where} returned a tensor of shape {tuple(output.shape)} for a micro-batch of {rows} samples; {rule}"
+            f"{where} returned a tensor of shape {bad[0]} for a micro-batch of {rows} samples; {rule} (constants "
+            "such as causal masks or rotary tables are rebuilt inside each layer, not passed on)"
         )
 
 
 def check_chain_contract(
-    chain: Chain, x: torch.Tensor, *, context: Callable[[], AbstractContextManager[Any]] = nullcontext
+    chain: Chain, x: Payload, *, context: Callable[[], AbstractContextManager[Any]] = nullcontext
 ) -> None:
-    """Run the chain once on ``x`` (no gradients, under ``context``, e.g. the precision's autocast) and check every
-    layer's output with :func:`check_layer_output`.
+    """Run the chain once on ``x`` (no gradients, under ``context``, e.g. the precision's autocast), check every
+    layer's output with :func:`check_layer_output` and record the structure of each (``chain.specs``).
 
     A layer that raises is not a contract violation: the check stops there and profiling reports the error (and
     falls back to a structural profile) as it would without the check. The caller keeps RNG and buffers unchanged.
     """
-    rows = int(x.shape[0])
+    n = rows(x)
+    chain.input_spec = spec_of(x)
+    specs: list[Spec] = []
     with torch.no_grad(), context():
         for i, (layer, name) in enumerate(zip(chain.layers, chain.names)):
             try:
-                y = layer(x)
+                y = call_layer(layer, x)
             except Exception:  # noqa: BLE001 - reported by profiling, which runs the same layer on the same input
                 return
-            check_layer_output(i, name, layer, y, rows)
+            check_layer_output(i, name, layer, y, n)
+            specs.append(spec_of(y))
             x = y
+    chain.specs = specs

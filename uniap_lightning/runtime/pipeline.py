@@ -11,6 +11,11 @@ of the mean loss over the global batch, as on one device. The scaling is in the 
 ``scale_grads`` (which divides ``.grad`` after the whole step), so a gradient is final as soon as the last
 micro-batch's backward has accumulated it: replicated layers start reducing it then
 (:class:`~uniap_lightning.runtime.data_parallel.ReplicatedGrads`).
+
+Inputs and targets may be payloads (:mod:`.payload`: a tensor, a tuple or a flat dict of tensors): every tensor is
+sliced alike. Stages send and receive the tensors of a payload as one flat tuple. The schedules get, as their
+``target``, the index of each micro-batch; the loss looks the micro-batch's real target up by that index, so a
+target may be any payload (e.g. labels with the count of valid tokens) where torch's schedules take one tensor.
 """
 
 from __future__ import annotations
@@ -24,15 +29,26 @@ import torch.distributed as dist
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.plan import Plan
 from uniap_lightning.runtime.mesh import PlanMeshes
+from uniap_lightning.runtime.payload import chunk, concat, flatten, is_payload, map_tensors, signature, unflatten
 from uniap_lightning.runtime.stage import StageModule
 
-LossFn = Callable[[torch.Tensor, Any], torch.Tensor]
+LossFn = Callable[[Any, Any], torch.Tensor]
 
 
 def lane_slice(t: Any, plan: Plan, lane: int) -> Any:
-    """This lane's samples of every micro-batch, concatenated in micro-batch order."""
-    if not isinstance(t, torch.Tensor):
-        raise UniAPError(f"batch inputs and targets must be tensors, got {type(t).__name__}")
+    """This lane's samples of every micro-batch, concatenated in micro-batch order (every tensor of a payload;
+    ``None`` stays ``None``)."""
+    if t is None:
+        return None
+    if not is_payload(t):
+        raise UniAPError(
+            f"batch inputs and targets must be tensors, tuples or flat dicts of tensors (batch on dim 0), got "
+            f"{type(t).__name__}"
+        )
+    return map_tensors(lambda x: _lane_slice_tensor(x, plan, lane), t)
+
+
+def _lane_slice_tensor(t: torch.Tensor, plan: Plan, lane: int) -> torch.Tensor:
     batch = t.shape[0]
     c, n = plan.microbatches, plan.devices_per_stage
     if batch % (c * n):
@@ -64,6 +80,7 @@ class PipelineRunner:
         # Schedules keep the loss function they were built with; it reads the current loss and scale from here.
         self._loss_fn: LossFn | None = None
         self._loss_scale = 1.0
+        self._targets: list[Any] = []  # this step's targets per micro-batch, read by _indexed_loss
 
     @property
     def is_first(self) -> bool:
@@ -74,15 +91,23 @@ class PipelineRunner:
         return self.meshes.stage == self.plan.pp - 1
 
     # ------------------------------------------------------------------ schedules
-    def _scaled_loss(self, out: torch.Tensor, target: Any) -> torch.Tensor:
-        assert self._loss_fn is not None
-        return self._loss_fn(out, target) * self._loss_scale
+    def _output(self, out: Any) -> Any:
+        """The last stage's output (a tensor or the flat tuple a stage returns) as the chain's payload."""
+        return unflatten(out, self.stage_module.out_spec)
 
-    def _schedule(self, mode: str, xs: torch.Tensor) -> Any:
-        """One PipelineStage + schedule per (mode, input shape): stages infer and cache tensor shapes."""
+    def _scaled_loss(self, out: Any, target: Any) -> torch.Tensor:
+        assert self._loss_fn is not None
+        return self._loss_fn(self._output(out), target) * self._loss_scale
+
+    def _indexed_loss(self, out: Any, index: torch.Tensor) -> torch.Tensor:
+        """The schedules' loss: ``index`` is the micro-batch's position, its target is looked up."""
+        return self._scaled_loss(out, self._targets[int(index.reshape(-1)[0])])
+
+    def _schedule(self, mode: str, xs: Any) -> Any:
+        """One PipelineStage + schedule per (mode, input shapes): stages infer and cache tensor shapes."""
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-        key = (mode, tuple(xs.shape), xs.dtype)
+        key = (mode, repr(signature(xs)))
         if key not in self._schedules:
             stage = PipelineStage(
                 self.stage_module, self.meshes.stage, self.plan.pp, self.device, group=self.meshes.lane_group
@@ -90,12 +115,12 @@ class PipelineRunner:
             # With fewer micro-batches than stages 1F1B has no steady state and is exactly GPipe (torch refuses it).
             one_f_one_b = self.plan.schedule == "1f1b" and self.plan.microbatches >= self.plan.pp
             cls = Schedule1F1B if one_f_one_b else ScheduleGPipe
-            loss_fn = None if mode == "predict" else self._scaled_loss
+            loss_fn = None if mode == "predict" else self._indexed_loss
             self._schedules[key] = cls(stage, n_microbatches=self.plan.microbatches, loss_fn=loss_fn, scale_grads=False)
         return self._schedules[key]
 
     # ------------------------------------------------------------------ steps
-    def train_step(self, x: torch.Tensor, y: Any, loss_fn: LossFn, scale: float) -> PendingLoss:
+    def train_step(self, x: Any, y: Any, loss_fn: LossFn, scale: float) -> PendingLoss:
         """Forward and backward of one batch; gradients land in ``.grad`` times ``scale``.
 
         The global mean loss is reduced in the background (see :class:`PendingLoss`): waiting for it right here
@@ -106,51 +131,73 @@ class PipelineRunner:
         xs, ys = lane_slice(x, self.plan, lane), lane_slice(y, self.plan, lane)
         c = self.plan.microbatches
         losses: list[torch.Tensor] = []
+        self._targets = self._chunks(ys)
         if self.plan.pp == 1:
-            for xm, ym in zip(xs.chunk(c), ys.chunk(c)):
-                loss = self._scaled_loss(self.stage_module(xm), ym)
+            for xm, ym in zip(chunk(xs, c), self._targets):
+                loss = self._scaled_loss(self.stage_module(*flatten(xm)), ym)
                 (loss / c).backward()
                 losses.append(loss.detach())
+            self._targets = []
             return self._pending_mean([loss.detach() / scale for loss in losses])
         self._loss_scale = scale / c  # the schedule does not divide by c (scale_grads=False, see the module doc)
-        args = (xs,) if self.is_first else ()
-        self._schedule("train", xs).step(*args, target=ys if self.is_last else None, losses=losses)
+        args = flatten(xs) if self.is_first else ()
+        try:
+            self._schedule("train", xs).step(*args, target=self._indices() if self.is_last else None, losses=losses)
+        finally:
+            self._targets = []
         return self._pending_mean([loss.detach() / self._loss_scale for loss in losses])
 
+    def _chunks(self, ys: Any) -> list[Any]:
+        c = self.plan.microbatches
+        return [None] * c if ys is None else chunk(ys, c)
+
+    def _indices(self) -> torch.Tensor:
+        return torch.arange(self.plan.microbatches, device=self.device)
+
     @torch.no_grad()
-    def eval_step(self, x: torch.Tensor, y: Any, loss_fn: LossFn) -> torch.Tensor:
+    def eval_step(self, x: Any, y: Any, loss_fn: LossFn) -> torch.Tensor:
         self._loss_fn, self._loss_scale = loss_fn, 1.0
         lane = self.meshes.lane
         xs, ys = lane_slice(x, self.plan, lane), lane_slice(y, self.plan, lane)
         c = self.plan.microbatches
         losses: list[torch.Tensor] = []
-        if self.plan.pp == 1:
-            losses = [loss_fn(self.stage_module(xm), ym) for xm, ym in zip(xs.chunk(c), ys.chunk(c))]
-        else:
-            args = (xs,) if self.is_first else ()
-            self._schedule("eval", xs).eval(*args, target=ys if self.is_last else None, losses=losses)
+        self._targets = self._chunks(ys)
+        try:
+            if self.plan.pp == 1:
+                losses = [self._scaled_loss(self.stage_module(*flatten(xm)), ym)
+                          for xm, ym in zip(chunk(xs, c), self._targets)]
+            else:
+                args = flatten(xs) if self.is_first else ()
+                self._schedule("eval", xs).eval(*args, target=self._indices() if self.is_last else None,
+                                                losses=losses)
+        finally:
+            self._targets = []
         return self._global_mean([loss.detach() for loss in losses])
 
     @torch.no_grad()
-    def predict_step(self, x: torch.Tensor) -> torch.Tensor:
-        """The chain's output for the whole batch, on every rank."""
+    def predict_step(self, x: Any) -> Any:
+        """The chain's output for the whole batch (a payload), on every rank."""
         xs = lane_slice(x, self.plan, self.meshes.lane)
         if self.plan.pp == 1:
-            out = torch.cat([self.stage_module(xm) for xm in xs.chunk(self.plan.microbatches)])
+            out = concat([self._output(self.stage_module(*flatten(xm))) for xm in chunk(xs, self.plan.microbatches)])
         else:
-            out = self._schedule("predict", xs).eval(*((xs,) if self.is_first else ()))
+            out = self._schedule("predict", xs).eval(*(flatten(xs) if self.is_first else ()))
+            out = self._output(out) if self.is_last else None
         full = None
         if self.is_last:
             n = self.plan.devices_per_stage
-            parts = [out]
-            if n > 1:
-                parts = [torch.empty_like(out) for _ in range(n)]
-                dist.all_gather(parts, out.contiguous(), group=self.meshes.stage_group)
-            full = unslice(out, self.plan, parts)
+            full = map_tensors(lambda t: self._gather_lanes(t, n), out)
         box = [full]
         if self.plan.pp > 1 or self.plan.devices_per_stage > 1:
             dist.broadcast_object_list(box, src=(self.plan.pp - 1) * self.plan.devices_per_stage)
         return box[0]
+
+    def _gather_lanes(self, out: torch.Tensor, n: int) -> torch.Tensor:
+        parts = [out]
+        if n > 1:
+            parts = [torch.empty_like(out) for _ in range(n)]
+            dist.all_gather(parts, out.contiguous(), group=self.meshes.stage_group)
+        return unslice(out, self.plan, parts)
 
     def _global_mean(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """Mean loss over the global batch, on every rank (it exists only on the last stage)."""

@@ -10,6 +10,9 @@ layout ``d_f`` to a coarse one ``d_c`` is an all-gather forward and "take my sli
 going from coarse to fine is "take my slice" forward and an all-gather of gradients, times ``d_c / d_f``,
 backward. With that, a replicated or sharded layer that averages over its ``dp`` ranks gets exactly the
 gradient of the global mean loss, whatever the layouts around it.
+
+A layer's input or output may hold several tensors (:mod:`.payload`): each is re-laid out alike (tensors without
+gradients, e.g. integer padding masks, by the same gather / split outside autograd).
 """
 
 from __future__ import annotations
@@ -55,13 +58,19 @@ class _Split(torch.autograd.Function):
         return _all_gather_cat(grad, ctx.group, ctx.size) / ctx.size, None, None, None
 
 
-def relayout(x: torch.Tensor, dp_from: int, dp_to: int, meshes: PlanMeshes) -> torch.Tensor:
-    """Move activation ``x`` from layout ``dp_from`` to layout ``dp_to`` (identity when equal)."""
+def relayout(x: Any, dp_from: int, dp_to: int, meshes: PlanMeshes) -> Any:
+    """Move activation ``x`` (a tensor, or every tensor of a payload) from layout ``dp_from`` to layout ``dp_to``
+    (identity when equal)."""
     if dp_from == dp_to:
         return x
+    from uniap_lightning.runtime.payload import map_tensors
+
     group = meshes.regather_group(dp_from, dp_to)
     if dp_from > dp_to:  # fine -> coarse: gather the fine chunks that make up my coarse chunk
         size = dp_from // dp_to
-        return _Gather.apply(x, group, size, meshes.chunk_index(dp_from) % size)
+        index = meshes.chunk_index(dp_from) % size
+        return map_tensors(lambda t: _Gather.apply(t, group, size, index) if t.requires_grad
+                           else _all_gather_cat(t, group, size), x)
     size = dp_to // dp_from
-    return _Split.apply(x, group, size, meshes.chunk_index(dp_to) % size)
+    index = meshes.chunk_index(dp_to) % size
+    return map_tensors(lambda t: _Split.apply(t, group, size, index), x)

@@ -58,8 +58,10 @@ class TrainStep:
         rt = self.runtime
         if not self._batch_checked:
             from uniap_lightning.runtime.checks import check_same_batch
+            from uniap_lightning.runtime.payload import flatten, is_payload
 
-            self.guard(lambda: check_same_batch(x, y))
+            tensors = [t for part in (x, y) if is_payload(part) for t in flatten(part)]
+            self.guard(lambda: check_same_batch(*tensors))
             self._batch_checked = True
         self.finish_loss()  # a previous batch that never reached on_train_batch_end (an exception in between)
         params = rt.local_parameters()
@@ -67,12 +69,15 @@ class TrainStep:
         closing = self._closing
         if closing:
             rt.replicated.arm(backward_passes=rt.plan.microbatches, previous=dict(previous) if self._window_open else {})
+        zero = rt.stage_module.zero  # zero1/zero2: gradient sync and reshard only in the window's last backward
+        zero.begin(closing=closing, backward_passes=rt.plan.microbatches)
         try:
             with context():
                 self._pending = self.guard(lambda: rt.runner.train_step(x, y, rt.chain.loss_fn, 1.0 / accumulate))
             self.guard(rt.replicated.flush)
         finally:
             rt.replicated.disarm()
+            zero.end()
         self._window_open = not closing
         self._fresh = take_grads(params)
         put_grads(previous)
@@ -84,6 +89,7 @@ class TrainStep:
         add_grads(self._fresh)
         self._fresh = []
         self.guard(self.runtime.replicated.finish)  # no-op unless this batch closes the window
+        self.runtime.stage_module.zero.finish()  # zero1: the averages into the shards (same condition)
 
     def finish_loss(self) -> torch.Tensor | None:
         """The global mean loss of the last training batch (waits for its background all-reduce), once."""

@@ -108,7 +108,7 @@ def _fitting(trainer: pl.Trainer) -> bool:
 
 def _same_sample_everywhere(ranks: Ranks, sample: Sample) -> None:
     """Ranks that profile together must time the same sizes; ranks with other data would train wrongly anyway."""
-    seen = gather(ranks, (sample.why_none or None) if sample.x is None else (tuple(sample.x.shape),
+    seen = gather(ranks, (sample.why_none or None) if sample.x is None else (repr(sample.shape()),
                                                                               sample.global_batch_size))
     if any(s != seen[0] for s in seen):
         described = "; ".join(f"rank {r}: {s if isinstance(s, str) else f'shape {s[0]}, batch {s[1]}'}"

@@ -26,7 +26,7 @@ from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.setup.agree import Ranks, everyone, from_lead, gather
 from uniap_lightning.setup.options import SetupOptions
-from uniap_lightning.setup.sample import Sample
+from uniap_lightning.setup.sample import Sample, input_dtype, input_shape
 
 if TYPE_CHECKING:
     from uniap_lightning.planner.profile import ModelProfile
@@ -132,7 +132,7 @@ class Measurements:
 
         o, r = self.options, self.ranks
         return profile_key(
-            layers=chain.layers, names=chain.names, input_shape=list(x.shape), input_dtype=str(x.dtype),
+            layers=chain.layers, names=chain.names, input_shape=input_shape(x), input_dtype=input_dtype(x),
             device=device_name(r.device), nodes=r.num_nodes, devices_per_node=r.devices_per_node,
             settings={"repeats": o.profile_repeats, "micro_batches": o.profile_micro_batches, "overheads": everywhere},
             precision=self.precision, tp_degrees=[tp_degrees(m) for m in chain.layers],
@@ -160,7 +160,7 @@ class Measurements:
 
         o, x = self.options, sample.x
         if x is not None:
-            info(f"UniAP: profiling {len(chain.layers)} layers on a sample micro-batch of shape {tuple(x.shape)} "
+            info(f"UniAP: profiling {len(chain.layers)} layers on a sample micro-batch of shape {sample.shape()} "
                  f"({o.profile_repeats} repeats, precision {self.precision}"
                  f"{', on all ranks at once' if sync else ''}) ...")
         return profile_chain(
@@ -247,7 +247,9 @@ class Measurements:
         """Collective: the profile with each layer's measured TP / FSDP overheads."""
         from uniap_lightning.profiling.strategies import attach_overheads, measure_overheads
 
-        sizes = [int(m) for m in profile.meta.get("micro_batches") or [int(x.shape[0])]]
+        from uniap_lightning.runtime.payload import rows
+
+        sizes = [int(m) for m in profile.meta.get("micro_batches") or [rows(x)]]
         sizes = sorted({sizes[0], sizes[len(sizes) // 2], sizes[-1]})  # smallest, middle, largest: interpolated
         t0 = time.perf_counter()
         info(f"UniAP: timing the layers under tensor parallelism and FSDP on {self.ranks.world_size} ranks "

@@ -22,11 +22,30 @@ PROFILE_ROWS = 16
 
 @dataclass(frozen=True)
 class Sample:
-    """The model's input for profiling (``None`` with the reason when there is none) and the global batch size."""
+    """The model's input for profiling (a payload: a tensor, tuple or flat dict of tensors; ``None`` with the
+    reason when there is none) and the global batch size."""
 
-    x: torch.Tensor | None
+    x: Any
     why_none: str
     global_batch_size: int | None
+
+    def shape(self) -> Any:
+        """The input's shape (a tensor) or the shapes and dtypes of its tensors with its structure (a payload):
+        what ranks compare and profile cache keys hold."""
+        return input_shape(self.x)
+
+
+def input_shape(x: Any) -> Any:
+    """``list(x.shape)`` for a tensor (as profile cache keys always held), else the payload's signature."""
+    from uniap_lightning.runtime.payload import signature
+
+    if x is None:
+        return None
+    return list(x.shape) if isinstance(x, torch.Tensor) else signature(x)
+
+
+def input_dtype(x: Any) -> str:
+    return str(x.dtype) if isinstance(x, torch.Tensor) else "payload"
 
 
 def draw_batch(trainer: pl.Trainer) -> tuple[Any, str, int | None]:
@@ -70,6 +89,7 @@ def take_sample(chain: Chain, trainer: pl.Trainer, device: torch.device,
     """Draw a batch, split it, and check the chain contract on it (every layer's output, under ``context``)."""
     from uniap_lightning.profiling.measure import is_meta, training_state_kept
     from uniap_lightning.runtime.chain import check_chain_contract
+    from uniap_lightning.runtime.payload import head, is_payload, rows as payload_rows, to_device
 
     batch, why, loader_batch = draw_batch(trainer)
     if batch is None:
@@ -80,11 +100,26 @@ def take_sample(chain: Chain, trainer: pl.Trainer, device: torch.device,
         raise
     except Exception as err:  # noqa: BLE001 - a batch we cannot split is profiled structurally
         return Sample(None, f"the sample batch could not be split into (input, target): {err!r}", None)
-    if not isinstance(x, torch.Tensor) or x.dim() == 0:
-        raise UniAPError(f"the model's input must be a tensor with the batch on dim 0, got {type(x).__name__}")
-    rows = int(x.shape[0])
-    x = x[: min(rows, PROFILE_ROWS)].to(device)
-    if not any(is_meta(layer, x) for layer in chain.layers):
+    if isinstance(x, list):
+        x = tuple(x)
+    if not is_payload(x) or any(t.dim() == 0 for t in _tensors(x)):
+        raise UniAPError(
+            "the model's input must be a tensor, a tuple or a flat dict of tensors, each with the batch on dim 0; "
+            f"got {type(x).__name__}"
+        )
+    counts = {int(t.shape[0]) for t in _tensors(x)}
+    if len(counts) > 1:
+        raise UniAPError(f"the tensors of the model's input hold different numbers of samples on dim 0 ({sorted(counts)})"
+                         "; every tensor of a batch must have the batch on dim 0")
+    rows = payload_rows(x)
+    x = to_device(head(x, min(rows, PROFILE_ROWS)), device)
+    if not any(is_meta(layer, t) for layer in chain.layers for t in _tensors(x)):
         with training_state_kept(chain.layers):
-            check_chain_contract(chain, x[:2], context=context)
+            check_chain_contract(chain, head(x, 2), context=context)
     return Sample(x, "", rows)
+
+
+def _tensors(x: Any) -> tuple[torch.Tensor, ...]:
+    from uniap_lightning.runtime.payload import flatten
+
+    return flatten(x)

@@ -1,0 +1,179 @@
+"""Hugging Face models with no user code: the strategy recognizes the family and builds the chain itself.
+
+A LightningModule that holds one ``transformers.PreTrainedModel`` attribute (and no ``nn.Sequential`` chain or
+``uniap_layers()``) trains under ``Trainer(strategy="uniap")`` as it is: :func:`find_pretrained` finds the model,
+:func:`pretrained_chain` asks the family's builder (:data:`FAMILIES`, by ``config.model_type``) for
+
+* the layers: views over the model's own modules (embedding, one layer per block, head), so parameter names stay
+  the model's and a consolidated export loads back with ``from_pretrained`` / ``load_state_dict``;
+* the loss: the model's own (labels in the batch dict), normalized by the whole batch's count of labelled items so
+  that padded batches split into micro-batches give the one-device loss exactly (see :class:`HFTarget`);
+* the batch layout: a dict batch (``input_ids``, ``attention_mask``, ``labels``, ...) as Hugging Face users have it.
+
+Layers carry tensor-parallel plans for attention and MLP where the family's modules allow it. A family without a
+builder is refused with a :class:`~uniap_lightning.errors.UniAPError` naming what to implement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from uniap_lightning.errors import UniAPError
+
+
+@dataclass
+class Family:
+    """How to turn a model of one family into a chain."""
+
+    #: ``model -> [(layer, [FQN of each module of the model it wraps, relative to the model])]``
+    layers: Callable[[Any], list[tuple[nn.Module, list[str]]]]
+    #: ``(model, output, target) -> mean loss`` (the model's own loss, see :class:`HFTarget`)
+    loss: Callable[[Any, Any, HFTarget], torch.Tensor]
+    #: the keys of the batch dict the chain's first layer takes
+    inputs: tuple[str, ...]
+    #: how many items of ``labels`` the model's loss averages over (e.g. tokens whose label is not -100)
+    count: Callable[[torch.Tensor], torch.Tensor]
+    #: ``(model, batch) -> extra inputs`` derived from the batch (e.g. T5's decoder ids from its labels)
+    prepare: Callable[[Any, dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
+    #: the attention implementation the layers run with (``None``: the model's own)
+    attention: str | None = "sdpa"
+
+
+def count_rows(labels: torch.Tensor) -> torch.Tensor:
+    """Losses that average over samples (classification): every row counts once."""
+    return torch.tensor(labels.shape[0])
+
+
+def count_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """Losses that average over labelled tokens (label != -100)."""
+    return (labels != -100).sum()
+
+
+def count_next_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """Causal LM losses: the labels are shifted by one inside the loss, so the first position never counts."""
+    return (labels[..., 1:] != -100).sum()
+
+
+#: model_type -> Family (filled by the family modules on import, see :func:`_load_families`)
+FAMILIES: dict[str, Family] = {}
+
+
+def register(model_type: str, family: Family) -> None:
+    FAMILIES[model_type] = family
+
+
+def _load_families() -> None:
+    from uniap_lightning.adapters import families  # noqa: F401 - registers every built-in family
+
+
+def find_pretrained(module: nn.Module) -> tuple[str, Any] | None:
+    """The one ``PreTrainedModel`` attribute of ``module`` as ``(attribute, model)``; ``None`` when there is none
+    (or transformers is not installed)."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return None
+    found = [(n, m) for n, m in module.named_children() if isinstance(m, PreTrainedModel)]
+    if len(found) > 1:
+        raise UniAPError(
+            f"{type(module).__name__} holds {len(found)} Hugging Face models ({', '.join(n for n, _ in found)}); the "
+            "strategy can build the chain of one. Define uniap_layers() for the combination."
+        )
+    return found[0] if found else None
+
+
+@dataclass
+class HFTarget:
+    """What the loss of one micro-batch needs: its ``labels`` and the scale that makes the mean over micro-batches
+    equal the model's own mean over the *whole* batch.
+
+    Hugging Face losses average over the labelled items (tokens whose label is not -100, or rows). A micro-batch
+    holding ``r`` of the batch's ``R`` rows computes ``sum of its item losses * R / (r * N)`` with ``N`` the
+    labelled items of the whole batch; the strategy averages its micro-batches' losses (``R / r`` of them), which
+    gives ``sum over the batch / N``: the one-device loss, however the padding falls (``global_scale`` is
+    ``R / N`` on every row, so it splits with the batch)."""
+
+    labels: torch.Tensor
+    global_scale: torch.Tensor
+
+    def per_item_sum_scale(self) -> torch.Tensor:
+        """The factor for the micro-batch's *sum* of item losses."""
+        return self.global_scale[0] / self.labels.shape[0]
+
+
+def _split_for(family: Family, model: Any) -> Callable[[Any], tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
+    def split(batch: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        if not isinstance(batch, dict) or "labels" not in batch:
+            got = sorted(batch) if isinstance(batch, dict) else type(batch).__name__
+            raise UniAPError(
+                f"a Hugging Face model trains on dict batches with 'labels' (its own loss), got {got}; the model "
+                f"takes {list(family.inputs)} (and 'labels')"
+            )
+        missing = [k for k in family.inputs[:1] if k not in batch]
+        if missing:
+            raise UniAPError(f"the batch has no {missing[0]!r} entry (it has {sorted(batch)})")
+        inputs = {k: batch[k] for k in family.inputs if k in batch}
+        if family.prepare is not None:
+            inputs.update(family.prepare(model, batch))
+        labels = batch["labels"]
+        items = family.count(labels).to(torch.float64).clamp(min=1)
+        scale = (labels.shape[0] / items).to(torch.float32)
+        return inputs, {"labels": labels, "global_scale": scale.expand(labels.shape[0]).contiguous()}
+
+    return split
+
+
+def pretrained_chain(module: nn.Module, attribute: str, model: Any) -> Any:
+    """The :class:`~uniap_lightning.runtime.chain.Chain` of ``module.<attribute>`` (a Hugging Face model)."""
+    from uniap_lightning.runtime.chain import Chain
+
+    _load_families()
+    config = getattr(model, "config", None)
+    kind = getattr(config, "model_type", None)
+    family = FAMILIES.get(kind)
+    if family is None:
+        raise UniAPError(
+            f"{type(model).__name__} (model_type={kind!r}) is not a Hugging Face family the strategy can split; "
+            f"supported: {sorted(FAMILIES)}. Implement uniap_layers() on your LightningModule returning the model's "
+            "layers in order (each taking and returning a tensor, a tuple or a dict of tensors), with "
+            "uniap_loss(output, target) and, for dict batches, uniap_split_batch(batch); see "
+            "uniap_lightning.runtime.chain"
+        )
+    if family.attention is not None and hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(family.attention)
+    pairs = family.layers(model)
+    layers = [layer for layer, _ in pairs]
+    parts = [[f"{attribute}.{p}" for p in fqns] for _, fqns in pairs]
+    names = [p[0] for p in parts]
+    _check_covers(module, attribute, model, parts)
+    target_loss = family.loss
+
+    def loss_fn(output: Any, target: dict[str, torch.Tensor]) -> torch.Tensor:
+        return target_loss(model, output, HFTarget(target["labels"], target["global_scale"]))
+
+    return Chain(module=module, layers=layers, names=names, loss_fn=loss_fn, split_batch=_split_for(family, model),
+                 parts=parts)
+
+
+def _check_covers(module: nn.Module, attribute: str, model: Any, parts: list[list[str]]) -> None:
+    """Every trainable parameter of the model belongs to exactly one layer: tied weights (an output embedding that
+    is the input embedding) cannot sit on two pipeline stages."""
+    owned: dict[int, tuple[int, str]] = {}
+    for i, fqns in enumerate(parts):
+        for fqn in fqns:
+            for p in module.get_submodule(fqn).parameters():
+                if id(p) in owned and owned[id(p)][0] != i:
+                    raise UniAPError(
+                        f"{type(model).__name__}: '{owned[id(p)][1]}' and '{fqn}' share a parameter (tied weights), "
+                        "which cannot sit on different pipeline stages; build the model with "
+                        "tie_word_embeddings=False"
+                    )
+                owned[id(p)] = (i, fqn)
+    stray = [f"{attribute}.{n}" for n, p in model.named_parameters() if p.requires_grad and id(p) not in owned]
+    if stray:
+        raise UniAPError(f"the {type(model).__name__} adapter leaves parameters outside the chain: {stray[:5]}")
