@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -110,9 +111,10 @@ def measure_collectives(
                 ops[op][p] = {"bw_gbps": bw, "latency_us": lat, "inter_node": p > dpn}
     slot_us = measure_pipeline_slot(repeats=repeats) * 1e6 if world >= 2 else 0.0
     per_param_s, per_tensor_s = measure_optimizer_step(device, repeats=repeats)
+    compression = measure_compression(device=device, repeats=repeats)
     result = {"world_size": world, "devices_per_node": dpn, "ops": ops, "pipeline_slot_us": slot_us,
               "optimizer_ns_per_param": per_param_s * 1e9, "optimizer_us_per_tensor": per_tensor_s * 1e6,
-              "seconds": time.perf_counter() - t_start}
+              "compression_ns_per_param": compression, "seconds": time.perf_counter() - t_start}
     shared = [result]
     dist.broadcast_object_list(shared, src=0)
     return shared[0]
@@ -214,6 +216,8 @@ def apply_to_cluster(cluster: Cluster, measured: dict[str, Any]) -> Cluster:
     for key in ("optimizer_ns_per_param", "optimizer_us_per_tensor"):
         if measured.get(key) is not None:
             changes[key] = float(measured[key])
+    if measured.get("compression_ns_per_param"):
+        changes["compression_ns_per_param"] = {m: float(v) for m, v in measured["compression_ns_per_param"].items()}
     if lat["intra"]:
         changes["intra_latency_us"] = statistics.median(lat["intra"])
         changes["intra_bw_gbps"] = statistics.median(tables["intra"].values())
@@ -250,6 +254,50 @@ def measure_optimizer_step(device: Any, *, repeats: int = 5, big: int = 1 << 20,
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
     return (statistics.median(float(t[0]) for t in everyone), statistics.median(float(t[1]) for t in everyone))
+
+
+def measure_compression(options: Mapping[str, float] | None = None, *, device: Any = None, repeats: int = 3,
+                        rows: int = 1024, cols: int = 1024) -> dict[str, float]:
+    """Nanoseconds per gradient element to compress and decompress with each method of
+    :mod:`uniap_lightning.runtime.compression` (``powersgd``: per element and unit of rank, the cost model's
+    ``time = y * r * numel``), on this host: the runtime's own compressors on one bucket of a ``rows x cols`` fp32
+    gradient and a ``rows``-element vector, with ``options`` (default: the plan defaults, PowerSGD rank 1, top-k 1%).
+
+    Collective: every rank calls it, all at once as in training (the cores or the memory bus are shared); each rank
+    compresses over a process group of its own, so the collectives inside are the compute-free one-rank ones and
+    the figure is the compression's compute (plus one copy of the gradient into the bucket). The median over ranks.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from uniap_lightning.planner.plan import COMPRESSION_DEFAULTS
+    from uniap_lightning.profiling.timing import Timer, median_s
+    from uniap_lightning.runtime.compression import METHODS, make_compressor
+
+    opts = {**COMPRESSION_DEFAULTS, **dict(options or {})}
+    world, rank = dist.get_world_size(), dist.get_rank()
+    own = [dist.new_group([r]) for r in range(world)][rank]  # collective: every rank creates every group
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    device = torch.device(device)
+    grad = torch.randn(rows * cols + rows, generator=torch.Generator().manual_seed(rank)).to(device)
+    buffer = torch.empty_like(grad)
+    slots = [buffer[: rows * cols].view(rows, cols), buffer[rows * cols:]]
+    figures = []
+    for method in METHODS:
+        compressor = make_compressor(method, opts)
+
+        def run(compressor: Any = compressor) -> None:
+            buffer.copy_(grad)
+            compressor.start(buffer, slots, own, 1, None).wait()
+
+        seconds = median_s(run, Timer(device), repeats=repeats, warmup=1, before=dist.barrier)
+        per_unit = int(opts["powersgd_rank"]) if method == "powersgd" else 1
+        figures.append(seconds / grad.numel() / per_unit * 1e9)
+    mine = torch.tensor(figures, dtype=torch.float64, device=device)
+    everyone = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(everyone, mine)
+    return {m: statistics.median(float(t[i]) for t in everyone) for i, m in enumerate(METHODS)}
 
 
 def describe_collectives(cluster: Cluster, scope: str = "intra") -> str:

@@ -228,6 +228,8 @@ def _layer_profiles(layers: Sequence[nn.Module], names: Sequence[str], readings:
                     stats: Sequence[tuple[int, float, float | None]], *, tp_degrees: Sequence[Sequence[int]] | None,
                     tp_allreduces: Sequence[int] | None) -> list[LayerProfile]:
     """Per-sample figures at the largest size (the sample's rows), with the timings at every size."""
+    from uniap_lightning.profiling.structural import powersgd_dims  # structural imports this module
+
     sizes = sorted(readings)
     rows = sizes[-1]
     out = []
@@ -241,5 +243,6 @@ def _layer_profiles(layers: Sequence[nn.Module], names: Sequence[str], readings:
             tp_allreduces=int(tp_allreduces[i]) if tp_allreduces else 0,
             timings=tuple(Timing(m, *readings[m][i]) for m in sizes) if len(sizes) > 1 else (),
             param_tensors=sum(1 for p in layer.parameters() if p.requires_grad),
+            **powersgd_dims(layer),  # PowerSGD pricing (profiling.structural)
         ))
     return out

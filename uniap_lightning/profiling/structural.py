@@ -67,10 +67,27 @@ def structural_profile(
                 output_bytes=out_bytes, tp_degrees=tuple(tp_degrees[i]) if tp_degrees else (1,),
                 tp_allreduces=int(tp_allreduces[i]) if tp_allreduces else 0,
                 param_tensors=sum(1 for p in layer.parameters() if p.requires_grad),
+                **powersgd_dims(layer),
             )
         )
     return ModelProfile(model=model, layers=out, source="structural", device=device,
                         meta={"fallback_reason": reason, "nominal_flops": flops})
+
+
+def powersgd_dims(layer: nn.Module) -> dict[str, Any]:
+    """The profile's PowerSGD pricing fields of ``layer``'s trainable parameters: ``matrix_dims``, the sum over
+    parameters with ``ndim >= 2`` of ``shape[0] + numel / shape[0]`` (PowerSGD sends ``rank x`` that many numbers),
+    and ``vector_params``, the elements of the others (sent uncompressed). Shapes are the full parameters'; meta
+    tensors work."""
+    matrix, vector = 0, 0
+    for p in layer.parameters():
+        if not p.requires_grad:
+            continue
+        if p.dim() >= 2 and p.numel():
+            matrix += p.shape[0] + p.numel() // p.shape[0]
+        else:
+            vector += p.numel()
+    return {"matrix_dims": float(matrix), "vector_params": vector}
 
 
 def _meta_copy(layer: nn.Module) -> nn.Module:

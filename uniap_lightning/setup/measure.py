@@ -72,7 +72,7 @@ class Measurements:
         origin = f"cache {path}"
         if cluster is None:
             info(f"UniAP: measuring collectives on {r.world_size} ranks (all-reduce, all-gather, reduce-scatter, "
-                 "p2p) ...")
+                 "p2p), the optimizer step and gradient compression ...")
             cluster = everyone(r, "measuring the cluster's links", lambda: self._measure_cluster(base, path))
             origin = "measured"
         self.report.update(cluster_s=time.perf_counter() - t0, cluster_origin=origin)
@@ -81,6 +81,10 @@ class Measurements:
         table = describe_collectives(cluster).replace("\n", "; ")
         info(f"UniAP: cluster links ({origin}, {self.report['cluster_s']:.1f} s), bus bandwidth / latency by "
              f"group size: {table}")
+        figures = cluster.compression_ns_per_param
+        if figures:
+            info("UniAP: gradient compression, ns per element (powersgd: per unit of rank): "
+                 + ", ".join(f"{m} {v:.2f}" for m, v in figures.items()))
         return cluster
 
     def _cluster_cache_path(self) -> Path:
@@ -102,8 +106,8 @@ class Measurements:
         if not self.options.profile_cache:
             return None
         data = load_cached_json(path.parent, path.name)
-        if data is None:
-            return None
+        if data is None or not data.get("compression_ns_per_param"):
+            return None  # none, or measured before compression was timed: measured again
         try:  # a valid entry makes a valid cluster; anything else is measured again
             return apply_to_cluster(base, _int_group_sizes(data))
         except (UniAPError, KeyError, TypeError, ValueError, AttributeError) as err:
