@@ -2,8 +2,11 @@
 
 The order of the techniques is fixed: (1) drop the layers of other stages, (2) broadcast the local layers'
 initial weights from the stage's first rank (ranks may have initialized differently), (3) tensor parallelism,
-(4) FSDP or replication over the data-parallel dimension. TP comes before FSDP because FSDP2 shards whatever
-parameters it finds, and must find the DTensor TP shards to build 2-D (dp x tp) parameters.
+(4) the layer's data-parallel mode (``replicate``, or ``zero1``/``zero2``/``zero3`` through FSDP2, see :mod:`.zero`).
+TP comes before FSDP because FSDP2 shards whatever parameters it finds, and must find the DTensor TP shards to build
+2-D (dp x tp) parameters. A layer whose plan says ``recompute`` runs under non-reentrant activation checkpointing
+(:func:`torch.utils.checkpoint.checkpoint`) in :meth:`StageModule.forward`: nothing is wrapped, so parameter names
+stay the user's.
 """
 
 from __future__ import annotations
@@ -11,13 +14,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from uniap_lightning.planner.plan import Plan
 from uniap_lightning.runtime.chain import Chain
-from uniap_lightning.runtime.data_parallel import ReplicatedGrads, apply_fsdp
+from uniap_lightning.runtime.data_parallel import ReplicatedGrads
 from uniap_lightning.runtime.mesh import PlanMeshes
 from uniap_lightning.runtime.reshard import relayout
 from uniap_lightning.runtime.tensor_parallel import apply_tp
+from uniap_lightning.runtime.zero import ZERO_MODES, ZeroLayers
 
 
 class StageModule(nn.Module):
@@ -27,19 +32,25 @@ class StageModule(nn.Module):
     the optimizer's parameters stay those of the user's module.
     """
 
-    def __init__(self, layers: list[nn.Module], dps: list[int], meshes: PlanMeshes) -> None:
+    def __init__(self, layers: list[nn.Module], dps: list[int], meshes: PlanMeshes, *,
+                 recompute: list[bool] | None = None, zero: ZeroLayers | None = None) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
         self.dps = dps
         self.meshes = meshes
+        self.recompute = recompute or [False] * len(layers)  # per layer: activation checkpointing
+        self.zero = zero if zero is not None else ZeroLayers()  # zero1/zero2 switches per micro-batch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = self.meshes.n
         current = n
-        for layer, dp in zip(self.layers, self.dps):
+        for layer, dp, again in zip(self.layers, self.dps, self.recompute):
             x = relayout(x, current, dp, self.meshes)
             current = dp
-            x = layer(x)
+            if again and torch.is_grad_enabled():
+                x = checkpoint(layer, x, use_reentrant=False)
+            else:
+                x = layer(x)
         return relayout(x, current, n, self.meshes)
 
 
@@ -69,12 +80,18 @@ def build_stage(chain: Chain, plan: Plan, meshes: PlanMeshes) -> tuple[StageModu
     layers = [chain.layers[u] for u in indices]
     broadcast_from_stage_leader(layers, meshes)
     replicated = ReplicatedGrads()
+    zero = ZeroLayers()
     for u, layer in zip(indices, layers):
         lp = plan.layers[u]
         if lp.tp > 1:
             apply_tp(layer, chain.names[u], meshes.tp_mesh(lp.dp, lp.tp))
-        if lp.dp > 1 and lp.shard:
-            apply_fsdp(layer, meshes.dp_mesh(lp.dp, lp.tp))
-        elif lp.dp > 1:
-            replicated.add(layer, meshes.dp_mesh(lp.dp, lp.tp).get_group(), lp.dp)
-    return StageModule(layers, [plan.layers[u].dp for u in indices], meshes), replicated
+        if lp.dp == 1:
+            continue
+        mesh = meshes.dp_mesh(lp.dp, lp.tp)
+        if lp.dp_mode in ZERO_MODES:
+            zero.add(layer, lp.dp_mode, mesh, replicated, mesh.get_group(), lp.dp, lp.compression)
+        else:
+            replicated.add(layer, mesh.get_group(), lp.dp, lp.compression)
+    module = StageModule(layers, [plan.layers[u].dp for u in indices], meshes,
+                         recompute=[plan.layers[u].recompute for u in indices], zero=zero)
+    return module, replicated

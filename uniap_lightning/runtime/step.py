@@ -58,10 +58,8 @@ class TrainStep:
         rt = self.runtime
         if not self._batch_checked:
             from uniap_lightning.runtime.checks import check_same_batch
-            from uniap_lightning.runtime.payload import flatten, is_payload
 
-            tensors = [t for part in (x, y) if is_payload(part) for t in flatten(part)]
-            self.guard(lambda: check_same_batch(*tensors))
+            self.guard(lambda: check_same_batch(x, y))
             self._batch_checked = True
         self.finish_loss()  # a previous batch that never reached on_train_batch_end (an exception in between)
         params = rt.local_parameters()

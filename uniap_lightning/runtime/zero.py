@@ -1,0 +1,229 @@
+"""ZeRO data-parallel modes per layer (``LayerPlan.dp_mode``), executed with FSDP2 and the replicated-gradient book.
+
+``replicate`` layers are :class:`~.data_parallel.ReplicatedGrads`' (gradients all-reduced once per optimizer
+step). The three ZeRO modes all make the layer an FSDP2 module (``fully_shard`` over the layer's data-parallel
+mesh), so the module's registered parameters are DTensor shards: the user's optimizer from
+``configure_optimizers`` is built on them and holds only ``1/d`` of the optimizer state, and distributed
+checkpoints reshard them by name exactly as today's FSDP layers (a plan differing only in ``dp_mode`` loads any
+other's checkpoint). What differs is when parameters are gathered and how gradients are reduced:
+
+- ``zero3``: ``fully_shard(reshard_after_forward=True)`` (today's FSDP): parameters gathered in forward and again
+  in backward, gradients reduce-scattered at every micro-batch.
+- ``zero2``: ``reshard_after_forward=False``; while a step accumulates (micro-batches, and Lightning batches of an
+  accumulation window) ``set_requires_gradient_sync(False)`` and ``set_reshard_after_backward(False)``, both turned
+  on only for the backward of the step's last micro-batch. So parameters are all-gathered once per step (at the
+  step's first forward) and stay gathered until the last backward; the unsharded gradient accumulates inside FSDP2
+  and is reduce-scattered once per step.
+- ``zero1``: as ``zero2``, but FSDP2 never reduce-scatters (gradient sync always off). The unsharded gradient (on
+  FSDP2's unsharded parameter, a leaf that autograd accumulates into) is averaged whole by
+  :class:`~.data_parallel.ReplicatedGrads` - the same buckets, overlap and compression as a replicated layer - and
+  :meth:`ZeroLayers.finish` copies this rank's chunk of the average into the sharded parameter's gradient, which
+  the user's optimizer steps; the updated shards are all-gathered at the next step's first forward.
+
+Why FSDP2 for zero1 rather than an own shard-parameter scheme: the optimizer and the checkpoint must see the
+*module's* parameters (Lightning builds the optimizer from ``self.parameters()``; DCP maps optimizer state to
+parameter names through the module), so the module must own shard-sized parameters while its forward runs with
+full ones - exactly what FSDP2 does, including 2-D (dp x tp) DTensor shards. Only the gradient path is replaced.
+
+Memory per rank, per layer (``P`` local parameters after tp, ``b``/``g``/``o`` bytes per parameter, ``d`` = dp):
+besides the agreed formulas (``docs``: issue 12 interfaces), FSDP2 keeps the sharded parameter (``P*b/d``, the
+copy the optimizer updates) next to the gathered one while a zero1/zero2 layer is gathered, and zero1 holds
+the sharded gradient (``P*g/d``) next to the unsharded one and its all-reduce bucket (``P*g``) at the end of the
+step. :func:`held_bytes` measures these from the live tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from uniap_lightning.runtime.data_parallel import ReplicatedGrads, apply_fsdp, local_tensor
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+ZERO_MODES = ("zero1", "zero2", "zero3")
+
+
+class _Params:
+    """The unsharded parameters of a zero1 layer, in the shape :meth:`ReplicatedGrads.add` reads a layer."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self._params = params
+
+    def parameters(self) -> list[nn.Parameter]:
+        return list(self._params)
+
+
+def fsdp_params(layer: nn.Module) -> list[Any]:
+    """FSDP2's per-parameter records (``FSDPParam``) of a ``fully_shard`` layer."""
+    state = layer._get_fsdp_state()  # type: ignore[operator]
+    return [fp for group in state._fsdp_param_groups for fp in group.fsdp_params]
+
+
+@dataclass
+class _Layer:
+    module: nn.Module
+    mode: str
+    backwards: int = 0  # backward passes of this layer seen in the current batch
+
+
+@dataclass
+class ZeroLayers:
+    """The zero1/zero2 layers of this rank's stage and the per-micro-batch FSDP2 switches they need.
+
+    :meth:`begin` before a training batch's forward/backward (``closing``: the batch ends its accumulation window;
+    ``backward_passes``: micro-batches per batch), :meth:`end` after it, :meth:`finish` after
+    :meth:`ReplicatedGrads.finish` (zero1: the averaged gradients into the shards).
+    """
+
+    layers: list[_Layer] = field(default_factory=list)
+    _closing: bool = field(default=True, init=False)
+    _expected: int = field(default=1, init=False)
+    _armed: bool = field(default=False, init=False)
+    _to_finish: bool = field(default=False, init=False)  # a closing batch ran: zero1 gradients to hand to shards
+
+    def add(self, layer: nn.Module, mode: str, dp_mesh: DeviceMesh, replicated: ReplicatedGrads, group: Any,
+            dp: int, compression: str = "none") -> None:
+        """Make ``layer`` an FSDP2 module in ``mode`` (``zero1``/``zero2``/``zero3``) over ``dp_mesh``."""
+        if mode == "zero3":
+            apply_fsdp(layer, dp_mesh)
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=False)
+        entry = _Layer(layer, mode)
+        self.layers.append(entry)
+        layer.register_forward_hook(lambda m, args, out, e=entry: self._after_forward(e, out))
+        if mode == "zero1":
+            # FSDP2 creates the unsharded parameters at the first all-gather: gather once now (collective over the
+            # layer's dp group, same order on every rank) so their gradients can be registered for averaging
+            layer.unshard()  # type: ignore[operator]
+            layer.reshard()  # type: ignore[operator]
+            unsharded = [fp.unsharded_param for fp in fsdp_params(layer) if fp.sharded_param.requires_grad]
+            replicated.add(_Params(unsharded), group, dp, compression)  # type: ignore[arg-type]
+        self._switch(entry, last=True)
+
+    # ------------------------------------------------------------------ per batch
+    def begin(self, *, closing: bool, backward_passes: int) -> None:
+        self._closing, self._expected, self._armed = closing, backward_passes, True
+        self._to_finish = closing
+        for e in self.layers:
+            e.backwards = 0
+            self._switch(e, last=closing and backward_passes == 1)
+
+    def end(self) -> None:
+        """After the batch (or its failure): the switches back to a plain step's (sync and reshard on)."""
+        self._armed = False
+        for e in self.layers:
+            self._switch(e, last=True)
+
+    def _switch(self, e: _Layer, *, last: bool) -> None:
+        e.module.set_requires_gradient_sync(last and e.mode == "zero2", recurse=False)  # type: ignore[operator]
+        e.module.set_reshard_after_backward(last, recurse=False)  # type: ignore[operator]
+
+    def _after_forward(self, e: _Layer, out: Any) -> None:
+        if not torch.is_grad_enabled():
+            # evaluation: nothing follows that would use the gathered parameters; keep idle layers sharded (the
+            # module's parameters are then the shards the optimizer and checkpoints know)
+            e.module.reshard()  # type: ignore[operator]
+            return
+        if not self._armed:
+            return
+        fired = [False]
+
+        def on_grad(grad: torch.Tensor) -> torch.Tensor:
+            # the start of this layer's backward for one micro-batch (once, whatever the number of outputs); FSDP2
+            # reads the switches in its post-backward, at the end of the same backward
+            if not fired[0]:
+                fired[0] = True
+                e.backwards += 1
+                self._switch(e, last=self._closing and e.backwards >= self._expected)
+            return grad
+
+        # a recomputation (checkpointed layer) runs forward again; its outputs get no gradient, so no count
+        for t in _tensors(out):
+            if t.requires_grad:
+                t.register_hook(on_grad)
+
+    # ------------------------------------------------------------------ zero1
+    @torch.no_grad()
+    def finish(self) -> None:
+        """zero1: move this rank's chunk of each averaged unsharded gradient into the sharded gradient; free the
+        unsharded one (the next window starts from nothing, as after ``zero_grad``)."""
+        from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
+
+        if not self._to_finish:  # the window goes on: the unsharded gradients keep accumulating
+            return
+        self._to_finish = False
+        for e in self.layers:
+            if e.mode != "zero1":
+                continue
+            for fp in fsdp_params(e.module):
+                full = fp.unsharded_param.grad
+                if full is None:
+                    continue
+                fp.unsharded_param.grad = None
+                dim = fp.fsdp_placement.dim
+                chunk = _chunk_with_empty(local_tensor(full), fp.mesh_info.shard_mesh_size, dim)[
+                    fp.mesh_info.shard_mesh_rank]
+                shard = fp.to_sharded_dtensor(chunk.contiguous().clone().view(fp.sharded_size))
+                p = fp.sharded_param
+                p.grad = shard if p.grad is None else p.grad + shard
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _tensors(o)]
+    if isinstance(out, dict):
+        return [t for o in out.values() for t in _tensors(o)]
+    return []
+
+
+# ---------------------------------------------------------------------- measurement
+def _storage_bytes(t: torch.Tensor | None, seen: set[int]) -> int:
+    if t is None:
+        return 0
+    t = local_tensor(t)
+    s = t.untyped_storage()
+    key = s.data_ptr()
+    if s.nbytes() == 0 or key in seen:
+        return 0
+    seen.add(key)
+    return s.nbytes()
+
+
+def held_bytes(layer: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[str, int]:
+    """Bytes this rank holds for one layer right now, from the live tensors (each storage counted once).
+
+    ``params``: the registered parameters (an FSDP2 layer's shards); ``gathered``: FSDP2's gathered parameters
+    while allocated; ``grads``: gradients of the registered parameters; ``unsharded_grads``: FSDP2's unsharded
+    (accumulating) gradients; ``optimizer``: state tensors of ``optimizers`` for the layer's parameters, scalars
+    such as Adam's ``step`` left out (they do not scale with the parameters)."""
+    seen: set[int] = set()
+    out = dict.fromkeys(("params", "gathered", "grads", "unsharded_grads", "optimizer"), 0)
+    records = fsdp_params(layer) if hasattr(layer, "_get_fsdp_state") else []
+    owned = [fp.sharded_param for fp in records]
+    for fp in records:
+        unsharded = getattr(fp, "_unsharded_param", None)
+        out["params"] += _storage_bytes(fp.sharded_param, seen)
+        out["gathered"] += _storage_bytes(unsharded, seen)
+        out["grads"] += _storage_bytes(fp.sharded_param.grad, seen)
+        out["unsharded_grads"] += _storage_bytes(None if unsharded is None else unsharded.grad, seen)
+        out["unsharded_grads"] += _storage_bytes(fp.unsharded_accumulated_grad, seen)
+    if not records:
+        owned = list(layer.parameters())
+        for p in owned:
+            out["params"] += _storage_bytes(p, seen)
+            out["grads"] += _storage_bytes(p.grad, seen)
+    for optimizer in optimizers:
+        for p in owned:
+            for v in optimizer.state.get(p, {}).values():
+                if isinstance(v, torch.Tensor) and v.numel() > 1:
+                    out["optimizer"] += _storage_bytes(v, seen)
+    return out
