@@ -79,7 +79,7 @@ def build_stage(chain: Chain, plan: Plan, meshes: PlanMeshes) -> tuple[StageModu
     indices = plan.layers_of_stage(stage)
     layers = [chain.layers[u] for u in indices]
     broadcast_from_stage_leader(layers, meshes)
-    replicated = ReplicatedGrads()
+    replicated = ReplicatedGrads(compression_options=dict(plan.compression_options))
     zero = ZeroLayers()
     for u, layer in zip(indices, layers):
         lp = plan.layers[u]
