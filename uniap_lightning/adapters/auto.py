@@ -42,6 +42,9 @@ class Family:
     prepare: Callable[[Any, dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
     #: the attention implementation the layers run with (``None``: the model's own)
     attention: str | None = "sdpa"
+    #: weights the model ties (``(module holding the original, module given an equal copy)``, relative to the
+    #: model, e.g. T5's ``("shared", "lm_head")``): kept as two copies with summed gradients (runtime/ties.py)
+    ties: tuple[tuple[str, str], ...] = ()
 
 
 def count_rows(labels: torch.Tensor) -> torch.Tensor:
@@ -146,18 +149,43 @@ def pretrained_chain(module: nn.Module, attribute: str, model: Any) -> Any:
         )
     if family.attention is not None and hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(family.attention)
+    for src, dst in family.ties:
+        _untie(model, src, dst)
     pairs = family.layers(model)
     layers = [layer for layer, _ in pairs]
     parts = [[f"{attribute}.{p}" for p in fqns] for _, fqns in pairs]
     names = [p[0] for p in parts]
     _check_covers(module, attribute, model, parts)
+    ties = [_tie(layers, pairs, model, src, dst) for src, dst in family.ties]
     target_loss = family.loss
 
     def loss_fn(output: Any, target: dict[str, torch.Tensor]) -> torch.Tensor:
         return target_loss(model, output, HFTarget(target["labels"], target["global_scale"]))
 
     return Chain(module=module, layers=layers, names=names, loss_fn=loss_fn, split_batch=_split_for(family, model),
-                 parts=parts)
+                 parts=parts, ties=ties)
+
+
+def _untie(model: Any, src: str, dst: str) -> None:
+    """``dst`` gets its own parameter, equal to ``src``'s (when they are the same parameter)."""
+    a, b = model.get_submodule(src), model.get_submodule(dst)
+    if a.weight is b.weight:
+        b.weight = nn.Parameter(a.weight.detach().clone(), requires_grad=a.weight.requires_grad)
+
+
+def _tie(layers: list[nn.Module], pairs: list[tuple[nn.Module, list[str]]], model: Any, src: str,
+         dst: str) -> tuple[int, int, str, str]:
+    """The tie as (layer a, layer b, parameter name in a, in b): the layers holding ``src`` and ``dst``."""
+    found = []
+    for fqn in (src, dst):
+        weight = model.get_submodule(fqn).weight
+        for u, layer in enumerate(layers):
+            names = [n for n, p in layer.named_parameters() if p is weight]
+            if names:
+                found.append((u, names[0]))
+                break
+    (a, name_a), (b, name_b) = found
+    return a, b, name_a, name_b
 
 
 def _check_covers(module: nn.Module, attribute: str, model: Any, parts: list[list[str]]) -> None:

@@ -29,6 +29,7 @@ from uniap_lightning.runtime.mesh import PlanMeshes, build_meshes
 from uniap_lightning.runtime.pipeline import PipelineRunner
 from uniap_lightning.runtime.stage import StageModule, build_stage
 from uniap_lightning.runtime.tensor_parallel import check_tp_supported
+from uniap_lightning.runtime.ties import TiedGrads
 
 
 @dataclass
@@ -41,6 +42,7 @@ class Runtime:
     stage_module: StageModule
     replicated: ReplicatedGrads
     runner: PipelineRunner
+    ties: TiedGrads | None = None  # tied weights kept as equal copies (an adapter's chain, see .ties)
 
     _params: list[nn.Parameter] | None = field(default=None, init=False, repr=False)
 
@@ -69,8 +71,12 @@ def apply_plan(chain: Chain, plan: Plan, *, rank: int, device: torch.device) -> 
     check_plan_executable(plan, chain)
     meshes = build_meshes(plan, rank=rank, device_type=device.type)
     stage_module, replicated = build_stage(chain, plan, meshes)
+    ties = None
+    if chain.ties:
+        ties = TiedGrads(chain.ties, chain.layers, plan, meshes)
+        ties.sync_values()
     runner = PipelineRunner(plan, meshes, stage_module, device)
-    return Runtime(plan, chain, meshes, stage_module, replicated, runner)
+    return Runtime(plan, chain, meshes, stage_module, replicated, runner, ties)
 
 
 __all__ = ["Chain", "Runtime", "UniAPModule", "apply_plan", "extract_chain"]

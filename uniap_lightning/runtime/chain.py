@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -68,6 +68,9 @@ class Chain:
     #: batch by :func:`check_chain_contract`; ``None`` until then (a single tensor everywhere)
     input_spec: Spec = None
     specs: list[Spec] | None = None
+    #: tied weights kept as two equal copies (``(layer a, layer b, parameter name in a, name in b)``, see
+    #: :mod:`.ties`); only adapters the strategy builds declare them, a user's chain must not share parameters
+    ties: list[tuple[int, int, str, str]] = field(default_factory=list)
 
     def replace(self, index: int, new: nn.Module) -> None:
         """Put ``new`` where layer ``index`` sits in the module tree (keeps every other name unchanged); a view

@@ -20,6 +20,7 @@ from uniap_lightning.planner.plan import Plan
 from uniap_lightning.runtime.chain import Chain
 from uniap_lightning.runtime.data_parallel import ReplicatedGrads
 from uniap_lightning.runtime.mesh import PlanMeshes
+from uniap_lightning.runtime.payload import Spec, call_layer, flatten, spec_of, unflatten
 from uniap_lightning.runtime.reshard import relayout
 from uniap_lightning.runtime.tensor_parallel import apply_tp
 from uniap_lightning.runtime.zero import ZERO_MODES, ZeroLayers
@@ -30,28 +31,38 @@ class StageModule(nn.Module):
 
     Not attached to the LightningModule (its layers are, under their original names), so checkpoint keys and
     the optimizer's parameters stay those of the user's module.
+
+    Pipeline stages exchange flat tuples of tensors, so the forward takes the tensors of its input payload
+    (:mod:`.payload`) as positional arguments, rebuilds the payload from ``in_spec``, and returns the output's
+    tensors: one tensor when the output is one (the original contract), else a flat tuple, whose structure is
+    ``out_spec``.
     """
 
-    def __init__(self, layers: list[nn.Module], dps: list[int], meshes: PlanMeshes, *,
-                 recompute: list[bool] | None = None, zero: ZeroLayers | None = None) -> None:
+    def __init__(self, layers: list[nn.Module], dps: list[int], meshes: PlanMeshes, *, in_spec: Spec = None,
+                 out_spec: Spec = None, recompute: list[bool] | None = None, zero: ZeroLayers | None = None) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
         self.dps = dps
         self.meshes = meshes
         self.recompute = recompute or [False] * len(layers)  # per layer: activation checkpointing
         self.zero = zero if zero is not None else ZeroLayers()  # zero1/zero2 switches per micro-batch
+        self.in_spec, self.out_spec = in_spec, out_spec
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, *tensors: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         n = self.meshes.n
         current = n
+        x = unflatten(tensors, self.in_spec)
         for layer, dp, again in zip(self.layers, self.dps, self.recompute):
             x = relayout(x, current, dp, self.meshes)
             current = dp
             if again and torch.is_grad_enabled():
-                x = checkpoint(layer, x, use_reentrant=False)
+                x = checkpoint(call_layer, layer, x, use_reentrant=False)
             else:
-                x = layer(x)
-        return relayout(x, current, n, self.meshes)
+                x = call_layer(layer, x)
+        x = relayout(x, current, n, self.meshes)
+        self.out_spec = spec_of(x)
+        flat = flatten(x)
+        return flat[0] if self.out_spec is None else flat
 
 
 def drop_other_stages(chain: Chain, plan: Plan, stage: int) -> None:
@@ -92,6 +103,7 @@ def build_stage(chain: Chain, plan: Plan, meshes: PlanMeshes) -> tuple[StageModu
             zero.add(layer, lp.dp_mode, mesh, replicated, mesh.get_group(), lp.dp, lp.compression)
         else:
             replicated.add(layer, mesh.get_group(), lp.dp, lp.compression)
-    module = StageModule(layers, [plan.layers[u].dp for u in indices], meshes,
+    specs = {"in_spec": chain.spec_before(indices[0]), "out_spec": chain.spec_after(indices[-1])} if indices else {}
+    module = StageModule(layers, [plan.layers[u].dp for u in indices], meshes, **specs,
                          recompute=[plan.layers[u].recompute for u in indices], zero=zero)
     return module, replicated

@@ -58,8 +58,10 @@ class TrainStep:
         rt = self.runtime
         if not self._batch_checked:
             from uniap_lightning.runtime.checks import check_same_batch
+            from uniap_lightning.runtime.payload import flatten, is_payload
 
-            self.guard(lambda: check_same_batch(x, y))
+            tensors = [t for part in (x, y) if is_payload(part) for t in flatten(part)]
+            self.guard(lambda: check_same_batch(*tensors))
             self._batch_checked = True
         self.finish_loss()  # a previous batch that never reached on_train_batch_end (an exception in between)
         params = rt.local_parameters()
@@ -87,6 +89,9 @@ class TrainStep:
         add_grads(self._fresh)
         self._fresh = []
         self.guard(self.runtime.replicated.finish)  # no-op unless this batch closes the window
+        ties = self.runtime.ties
+        if ties is not None and self._closing:  # once per optimizer step, after the data-parallel averages
+            self.guard(ties.sum_grads)
         self.runtime.stage_module.zero.finish()  # zero1: the averages into the shards (same condition)
 
     def finish_loss(self) -> torch.Tensor | None:

@@ -1,0 +1,155 @@
+"""Hugging Face models with no user code: a LightningModule holding the model, training on its own loss with dict
+batches (padded text, labels -100 where padded), trains under pinned pipeline / tensor / FSDP plans and matches one
+process training the same model with plain Lightning within 1e-5 (loss of every step and every parameter); the
+consolidated export loads back into the Hugging Face class (``from_pretrained``)."""
+
+from __future__ import annotations
+
+import atexit
+import shutil
+import tempfile
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import uniap_rt_helpers as h
+
+pytest.importorskip("transformers")  # the [hf] extra
+from hf_models import build, hf_batches, hf_module  # noqa: E402
+
+from uniap_lightning.errors import UniAPError  # noqa: E402
+
+ONE, REPL, FSDP, TP = (1, 1, False), (2, 1, False), (2, 1, True), (1, 2, False)
+# consolidated exports are written here by rank 0 of the spawned group (an absolute path in the case)
+EXPORTS = Path(tempfile.mkdtemp(prefix="uniap_hf_exports_"))
+atexit.register(shutil.rmtree, EXPORTS, ignore_errors=True)
+
+
+@cache
+def names(family: str) -> tuple[str, ...]:
+    from uniap_lightning.runtime import extract_chain
+
+    return tuple(extract_chain(hf_module(family)).names)
+
+
+def case(family: str, strategies: list[tuple[int, int, bool]], stages: list[int], *, world: int = 2,
+         lr: float = 0.1, **kw: Any) -> dict[str, Any]:
+    pp = max(stages) + 1
+    plan = h.make_plan(strategies, stages, names=list(names(family)), pp=pp, world=world,
+                       microbatches=kw.pop("microbatches", 2), schedule=kw.pop("schedule", "1f1b"))
+    return {"plan": plan, "module": {"factory": "hf_models:hf_module", "family": family, "lr": lr},
+            "data": {"factory": "hf_models:hf_batches", "family": family}, "steps": 4, **kw}
+
+
+TWO_RANKS = {
+    "bert_pp2_padded": case("bert", [ONE] * 4, [0, 0, 1, 1], export=str(EXPORTS / "bert.pt")),
+    # the boundary carries the encoder's output with the decoder's hidden states; the tied embedding / LM head
+    # sit on different stages
+    "t5_pp2_encoder_decoder": case("t5", [ONE] * 7, [0, 0, 0, 0, 1, 1, 1], lr=0.01, export=str(EXPORTS / "t5.pt")),
+    "vit_tp2": case("vit", [FSDP, TP, TP, REPL], [0] * 4),
+    "swin_fsdp_tp_mixed": case("swin", [FSDP, REPL, TP, FSDP, TP, FSDP, REPL], [0] * 7, export=str(EXPORTS / "swin.pt")),
+    "llama_tp2_fsdp_padded": case("llama", [FSDP, TP, TP, REPL], [0] * 4),
+    "gpt2_dp2_padded": case("gpt2", [REPL, FSDP, REPL, FSDP], [0] * 4, microbatches=1),
+}
+
+
+def _P4(family: str, strategies: list[tuple[int, int, bool]], stages: list[int], **kw: Any) -> dict[str, Any]:
+    return case(family, strategies, stages, world=4, **kw)
+
+
+D2T2 = (2, 2, True)
+FOUR_RANKS = {
+    "bert_pp2_x_fsdp2": _P4("bert", [FSDP] * 4, [0, 0, 1, 1]),
+    "bert_dp2_x_tp2": _P4("bert", [D2T2, D2T2, (1, 4, False), (4, 1, False)], [0] * 4),
+    "t5_pp2_x_tp2": _P4("t5", [REPL, TP, TP, REPL, TP, TP, FSDP], [0, 0, 0, 0, 1, 1, 1], lr=0.01),
+    "t5_pp4": _P4("t5", [ONE] * 7, [0, 0, 1, 1, 2, 2, 3], lr=0.01, microbatches=4),
+    "vit_pp2_x_tp2": _P4("vit", [REPL, TP, TP, FSDP], [0, 0, 1, 1]),
+    "swin_pp2_x_mixed": _P4("swin", [FSDP, TP, REPL, FSDP, TP, REPL, FSDP], [0, 0, 0, 0, 1, 1, 1]),
+    "llama_pp2_x_tp2": _P4("llama", [TP] * 4, [0, 0, 1, 1]),
+}
+
+
+def _check_export(name: str, cases: dict[str, Any], out: Path) -> None:
+    """The consolidated file: the model's own state-dict keys (under the LightningModule's ``model.``), loading
+    with ``from_pretrained`` into the Hugging Face class with no missing or unexpected key, equal to training."""
+    c = cases[name]
+    if "export" not in c:
+        return
+    from safetensors.torch import save_file
+
+    state = torch.load(c["export"], weights_only=True)
+    family = c["module"]["family"]
+    hf = {k.removeprefix("model."): v for k, v in state.items()}
+    model = build(family)
+    assert set(hf) == set(model.state_dict()), sorted(set(hf) ^ set(model.state_dict()))
+    folder = out / f"{name}_pretrained"
+    model.config.save_pretrained(folder)
+    save_file({k: v.contiguous() for k, v in hf.items()}, folder / "model.safetensors")
+    loaded, info = type(model).from_pretrained(folder, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    for k, v in loaded.state_dict().items():
+        torch.testing.assert_close(v, hf[k], rtol=0, atol=0, msg=k)
+
+
+@pytest.mark.parametrize("name", list(TWO_RANKS))
+def test_hf_families_two_ranks(name: str, spawn_cases: Any, tmp_path_factory: pytest.TempPathFactory) -> None:
+    results = spawn_cases(2, TWO_RANKS, "hf_two_ranks")
+    h.assert_close_to_reference(results, name, h.reference_for(TWO_RANKS[name]))
+    _check_export(name, TWO_RANKS, tmp_path_factory.mktemp(name))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(FOUR_RANKS))
+def test_hf_families_four_ranks(name: str, spawn_cases: Any) -> None:
+    results = spawn_cases(4, FOUR_RANKS, "hf_four_ranks")
+    h.assert_close_to_reference(results, name, h.reference_for(FOUR_RANKS[name]))
+
+
+def test_unsupported_family_names_what_to_implement() -> None:
+    import lightning.pytorch as pl
+    from transformers import DistilBertConfig, DistilBertForSequenceClassification
+
+    from uniap_lightning.runtime import extract_chain
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = DistilBertForSequenceClassification(DistilBertConfig(
+                vocab_size=32, dim=16, n_layers=1, n_heads=2, hidden_dim=32, max_position_embeddings=8))
+
+    with pytest.raises(UniAPError, match=r"DistilBertForSequenceClassification \(model_type='distilbert'\) is not a "
+                                         r"Hugging Face family.*supported: \['bert', 'gpt2', 'llama', 'swin', 't5', "
+                                         r"'vit'\]. Implement uniap_layers\(\)"):
+        extract_chain(Module())
+
+
+def test_dict_batch_without_labels_is_refused() -> None:
+    from uniap_lightning.runtime import extract_chain
+
+    chain = extract_chain(hf_module("bert"))
+    with pytest.raises(UniAPError, match="dict batches with 'labels'"):
+        chain.split_batch({"input_ids": torch.zeros(2, 4, dtype=torch.long)})
+
+
+def test_padded_micro_batches_give_the_whole_batch_loss() -> None:
+    """Micro-batches holding different numbers of real tokens average to the model's own loss on the batch."""
+    from uniap_lightning.runtime import extract_chain
+    from uniap_lightning.runtime.payload import call_layer, chunk
+
+    for family in ("llama", "t5"):
+        module = hf_module(family)
+        batch = next(iter(hf_batches(8, family)))
+        expected = module.model(**batch).loss
+        chain = extract_chain(module)
+        x, y = chain.split_batch(batch)
+        losses = []
+        for xm, ym in zip(chunk(x, 4), chunk(y, 4)):
+            for layer in chain.layers:
+                xm = call_layer(layer, xm)
+            losses.append(chain.loss_fn(xm, ym))
+        tokens = [int((ym["labels"] != -100).sum()) for ym in chunk(y, 4)]
+        assert len(set(tokens)) > 1, tokens  # the padding really differs between micro-batches
+        torch.testing.assert_close(torch.stack(losses).mean(), expected, rtol=1e-6, atol=0)

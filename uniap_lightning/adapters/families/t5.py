@@ -1,0 +1,146 @@
+"""T5 (``T5ForConditionalGeneration``) as one chain: embedding, encoder blocks, the encoder's final norm, decoder
+blocks, the decoder's final norm + LM head.
+
+The layers pass a dict. Through the encoder: ``hidden``, the batch's ``attention_mask`` and the decoder's embedded
+inputs ``decoder`` (embedded on the first stage with the shared embedding, so the embedding lives on one stage),
+and ``enc_rel``, the relative-position table of the encoder's first block (a parameter of that block only: the
+later blocks compute their position bias from it, so the gradient reaches it from every block; it is sent with the
+batch on dim 0, a few hundred numbers per sample). At the encoder's end ``encoder`` (its output) travels with the
+decoder's ``hidden`` states and ``dec_rel`` through the decoder. Masks (padding, causal) are rebuilt in each block.
+
+Tensor parallelism covers the feed-forward (``wi`` column-, ``wo`` row-parallel): T5's position bias is computed
+for all heads from a table shared by every block of a stack, which a head-sharded attention would have to slice
+per rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from uniap_lightning.adapters.auto import Family, count_tokens, register
+from uniap_lightning.adapters.families.common import View, colwise, divisors_of_all, rowwise, token_loss
+
+Payload = dict[str, torch.Tensor]
+
+
+class T5Embed(View):
+    """input_ids -> hidden and decoder_input_ids -> decoder, both with the shared embedding."""
+
+    def forward(self, d: Payload) -> dict[str, Any]:
+        return {"hidden": self.dropout(self.shared(d["input_ids"])), "decoder": self.shared(d["decoder_input_ids"]),
+                "input_ids": None, "decoder_input_ids": None}
+
+
+def _bias(attention: nn.Module, table: torch.Tensor, q_len: int, k_len: int) -> torch.Tensor:
+    """``T5Attention.compute_bias`` with the table given (the first block's ``relative_attention_bias.weight``)."""
+    device = table.device
+    context = torch.arange(q_len, dtype=torch.long, device=device)[:, None]
+    memory = torch.arange(k_len, dtype=torch.long, device=device)[None, :]
+    buckets = attention._relative_position_bucket(
+        memory - context, bidirectional=not attention.is_decoder, num_buckets=attention.relative_attention_num_buckets,
+        max_distance=attention.relative_attention_max_distance)
+    return nn.functional.embedding(buckets, table).permute([2, 0, 1]).unsqueeze(0)
+
+
+class T5Block(View):
+    """One block of either stack. The first block of a stack owns the relative-position table and passes it on."""
+
+    def __init__(self, block: nn.Module, config: Any, *, first: bool) -> None:
+        super().__init__(block=block)
+        self.config, self.first, self.decoder = config, first, bool(config.is_decoder)
+
+    def uniap_structure_key(self) -> tuple[bool, bool]:
+        return (self.decoder, self.first)
+
+    def forward(self, d: Payload) -> dict[str, torch.Tensor]:
+        from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+
+        hidden = d["hidden"]
+        attention = self.block.layer[0].SelfAttention
+        key = "dec_rel" if self.decoder else "enc_rel"
+        rel = attention.relative_attention_bias.weight.unsqueeze(0).expand(hidden.shape[0], -1, -1) if self.first \
+            else d[key]
+        bias = _bias(attention, rel[0], hidden.shape[1], hidden.shape[1])
+        if self.decoder:
+            mask = create_causal_mask(config=self.config, inputs_embeds=hidden,
+                                      attention_mask=d.get("decoder_attention_mask"), cache=None)
+            cross = create_bidirectional_mask(config=self.config, inputs_embeds=hidden,
+                                              attention_mask=d.get("attention_mask"),
+                                              encoder_hidden_states=d["encoder"])
+            out = self.block(hidden, mask, bias, d["encoder"], cross, None)
+        else:
+            mask = create_bidirectional_mask(config=self.config, inputs_embeds=hidden,
+                                             attention_mask=d.get("attention_mask"))
+            out = self.block(hidden, mask, bias)
+        return {"hidden": out[0], key: rel}
+
+    def uniap_tp_degrees(self) -> list[int]:
+        ff = self.block.layer[-1].DenseReluDense
+        return divisors_of_all(ff.wo.in_features)
+
+    def uniap_tp_plan(self, tp: int) -> dict[str, Any]:
+        ff = self.block.layer[-1].DenseReluDense
+        prefix = f"block.layer.{len(self.block.layer) - 1}.DenseReluDense"
+        wis = ["wi_0", "wi_1"] if hasattr(ff, "wi_0") else ["wi"]
+        return {**{f"{prefix}.{w}": colwise() for w in wis}, f"{prefix}.wo": rowwise()}
+
+    def uniap_tp_allreduces(self) -> int:
+        return 1
+
+
+class T5EncoderEnd(View):
+    """The encoder's final norm: its output becomes ``encoder``; the decoder's embedded inputs become ``hidden``."""
+
+    def forward(self, d: Payload) -> dict[str, Any]:
+        return {"encoder": self.dropout(self.final_layer_norm(d["hidden"])), "hidden": self.decoder_dropout(d["decoder"]),
+                "decoder": None, "enc_rel": None}
+
+
+class T5Head(View):
+    def __init__(self, *, scale: float | None, **modules: nn.Module) -> None:
+        super().__init__(**modules)
+        self.scale = scale
+
+    def forward(self, d: Payload) -> torch.Tensor:
+        out = self.dropout(self.final_layer_norm(d["hidden"]))
+        if self.scale is not None:
+            out = out * self.scale
+        return self.lm_head(out)
+
+
+def t5_layers(model: Any) -> list[tuple[nn.Module, list[str]]]:
+    if not hasattr(model, "lm_head") or not hasattr(model, "decoder"):
+        from uniap_lightning.errors import UniAPError
+
+        raise UniAPError(f"{type(model).__name__}: the strategy splits T5ForConditionalGeneration; for other heads "
+                         "define uniap_layers() (and uniap_loss) on your LightningModule")
+    enc, dec = model.encoder, model.decoder
+    scale = model.model_dim**-0.5 if getattr(model.config, "scale_decoder_outputs", False) else None
+    return [
+        (T5Embed(shared=model.shared, dropout=enc.dropout), ["shared", "encoder.embed_tokens", "decoder.embed_tokens"]),
+        *[(T5Block(b, enc.config, first=i == 0), [f"encoder.block.{i}"]) for i, b in enumerate(enc.block)],
+        (T5EncoderEnd(final_layer_norm=enc.final_layer_norm, dropout=enc.dropout, decoder_dropout=dec.dropout),
+         ["encoder.final_layer_norm"]),
+        *[(T5Block(b, dec.config, first=i == 0), [f"decoder.block.{i}"]) for i, b in enumerate(dec.block)],
+        (T5Head(final_layer_norm=dec.final_layer_norm, dropout=dec.dropout, lm_head=model.lm_head, scale=scale),
+         ["decoder.final_layer_norm", "lm_head"]),
+    ]
+
+
+def t5_prepare(model: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The decoder's inputs: given, or the labels shifted right (as T5 does when only labels are given)."""
+    if "decoder_input_ids" in batch:
+        return {}
+    return {"decoder_input_ids": model._shift_right(batch["labels"])}
+
+
+def t5_loss(model: Any, logits: torch.Tensor, target: Any) -> torch.Tensor:
+    return token_loss(logits, target.labels, target)
+
+
+register("t5", Family(layers=t5_layers, loss=t5_loss, count=count_tokens, prepare=t5_prepare, attention=None,
+                      ties=(("shared", "lm_head"),),
+                      inputs=("input_ids", "attention_mask", "decoder_input_ids", "decoder_attention_mask")))
