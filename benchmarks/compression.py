@@ -1,0 +1,187 @@
+"""Gradient compression on the shipped GPT: bytes per step and loss, none vs bf16 vs PowerSGD vs top-k.
+
+    python benchmarks/compression.py [--devices 2] [--steps 150] [--seeds 0 1 2] [--methods none bf16 ...]
+
+Trains `uniap train`'s default model (conf/model/tiny_gpt: 4 blocks, hidden 64, on the shipped character corpus,
+AdamW lr 3e-3, global batch 16, shuffled) with ``Trainer(strategy=UniAPStrategy(plan=...))`` on ``--devices`` CPU
+processes (gloo; the cores shared out as `uniap train` does), each run with a pinned plan: one stage, every layer
+data-parallel over all devices (``replicate``) with one compression method. Per run, on rank 0:
+
+- bytes per optimizer step: *counted* (the payloads handed to the gradient collectives,
+  ``ReplicatedGrads.counter``), the *formula* per parameter tensor (``wire_bytes_per_step``: what the counter
+  must equal) and the *cost model*'s per-layer figure from the profile fields (``params``, ``matrix_dims``,
+  ``vector_params``, ``param_tensors``, as ``planner/cost/layer.py`` prices it);
+- the loss: the global mean training loss, averaged over the last ``--tail`` steps (one batch is noisy).
+
+Each method runs with every seed (model init and data order); the table gives medians over seeds, the loss
+relative to uncompressed training, and the byte ratio (uncompressed / method): the figure the seed's
+"communication down to a tenth" claim is checked against. ``--json`` writes every run's numbers and loss curve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+#: method label -> (plan compression, compression_options)
+METHODS: dict[str, tuple[str, dict[str, float]]] = {
+    "none": ("none", {}),
+    "bf16": ("bf16", {}),
+    "powersgd-r1": ("powersgd", {"powersgd_rank": 1}),
+    "powersgd-r2": ("powersgd", {"powersgd_rank": 2}),
+    "powersgd-r4": ("powersgd", {"powersgd_rank": 4}),
+    "topk-1%": ("topk", {"topk_ratio": 0.01}),
+    "topk-10%": ("topk", {"topk_ratio": 0.1}),
+}
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cost_model_bytes(layers: list[Any], method: str, options: dict[str, float]) -> int:
+    """Per-step bytes as the cost model prices them, per layer from the profile's fields."""
+    from uniap_lightning.profiling.structural import powersgd_dims
+
+    total = 0.0
+    for layer in layers:
+        params = sum(p.numel() for p in layer.parameters() if p.requires_grad)
+        tensors = sum(1 for p in layer.parameters() if p.requires_grad)
+        dims = powersgd_dims(layer)
+        if method == "none":
+            total += 4 * params
+        elif method == "bf16":
+            total += 2 * params
+        elif method == "powersgd":
+            total += 4 * options["powersgd_rank"] * dims["matrix_dims"] + 4 * dims["vector_params"]
+        else:
+            total += 8 * max(math.ceil(options["topk_ratio"] * params), tensors)
+    return int(total)
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      NODE_RANK="0", GLOO_SOCKET_IFNAME="lo")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    import warnings
+
+    import lightning.pytorch as pl
+    from hydra import compose, initialize_config_dir
+
+    from uniap_lightning.cli.train import build_module
+    from uniap_lightning.planner.config import CONF_DIR
+    from uniap_lightning.planner.plan import COMPRESSION_DEFAULTS, Plan
+    from uniap_lightning.runtime.chain import extract_chain
+    from uniap_lightning.strategy import UniAPStrategy
+
+    warnings.filterwarnings("ignore")
+    runs = []
+    for label in args.methods:
+        method, options = METHODS[label]
+        options = {**COMPRESSION_DEFAULTS, **options}
+        for seed in args.seeds:
+            with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+                cfg = compose(config_name="fit", overrides=[f"seed={seed}", f"data.batch_size={args.batch}"])
+            pl.seed_everything(seed, verbose=False)
+            module, data, _ = build_module(cfg)
+            chain = extract_chain(module)
+            plan = Plan.from_assignment(
+                stage_of_layer=[0] * len(chain.names), layer_names=chain.names, pp=1, microbatches=1,
+                strategies=[(world, 1, "replicate", False, method)] * len(chain.names), schedule="1f1b",
+                global_batch_size=args.batch, num_devices=world, compression_options=options)
+            strategy = UniAPStrategy(plan=plan, monitor=False)
+            losses: list[float] = []
+            steps: list[tuple[int, int]] = []
+
+            class Record(pl.Callback):
+                def on_before_optimizer_step(self, trainer: Any, *a: Any) -> None:
+                    rg = strategy.runtime.replicated
+                    steps.append((rg.counter.step_bytes, rg.wire_bytes_per_step()))
+
+                def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, *a: Any) -> None:
+                    losses.append(float(outputs["loss"]))  # the global mean (TrainLossLogger runs first)
+
+            trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=args.steps,
+                                 callbacks=[Record()], logger=False, enable_checkpointing=False,
+                                 enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                                 num_sanity_val_steps=0)
+            t0 = time.perf_counter()
+            trainer.fit(module, data)
+            seconds = time.perf_counter() - t0
+            counted = [c for c, _ in steps]
+            runs.append({
+                "method": label, "seed": seed, "steps": len(steps), "seconds": seconds,
+                "bytes_counted": statistics.median(counted), "bytes_counted_all_equal": len(set(counted)) == 1,
+                "bytes_formula": steps[0][1],
+                "bytes_cost_model": _cost_model_bytes(chain.layers, method, options),
+                "final_loss": sum(losses[-args.tail:]) / len(losses[-args.tail:]), "losses": losses,
+            })
+            if rank == 0:
+                r = runs[-1]
+                print(f"{label:12s} seed {seed}: loss {r['final_loss']:.4f}, {r['bytes_counted']:.0f} bytes/step "
+                      f"counted ({r['bytes_formula']} formula), {seconds:.0f} s", flush=True)
+    if rank == 0:
+        with open(os.path.join(out, "runs.json"), "w") as f:
+            json.dump(runs, f)
+
+
+def table(runs: list[dict[str, Any]], world: int, steps: int) -> str:
+    by: dict[str, list[dict[str, Any]]] = {}
+    for r in runs:
+        by.setdefault(r["method"], []).append(r)
+    base_loss = statistics.median(r["final_loss"] for r in by["none"]) if "none" in by else None
+    base_bytes = statistics.median(r["bytes_counted"] for r in by["none"]) if "none" in by else None
+    lines = [f"{world} processes, {steps} steps, seeds {sorted({r['seed'] for r in runs})} (medians over seeds)",
+             "| method | bytes/step counted | = formula | cost model | bytes ratio (none / method) | final loss "
+             "| vs none | worst seed vs none |",
+             "|---|---|---|---|---|---|---|---|"]
+    for label, rs in by.items():
+        counted = statistics.median(r["bytes_counted"] for r in rs)
+        same = all(r["bytes_counted"] == r["bytes_formula"] and r["bytes_counted_all_equal"] for r in rs)
+        loss = statistics.median(r["final_loss"] for r in rs)
+        rel = f"{100 * (loss / base_loss - 1):+.2f}%" if base_loss else "-"
+        worst = "-"
+        if "none" in by:
+            pairs = {r["seed"]: r["final_loss"] for r in by["none"]}
+            worst = f"{100 * max(r['final_loss'] / pairs[r['seed']] - 1 for r in rs if r['seed'] in pairs):+.2f}%"
+        ratio = f"{base_bytes / counted:.1f}x" if base_bytes else "-"
+        lines.append(f"| {label} | {counted:,.0f} | {'yes' if same else 'NO'} | {rs[0]['bytes_cost_model']:,} | "
+                     f"{ratio} | {loss:.4f} | {rel} | {worst} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--tail", type=int, default=10, help="steps averaged for the final loss")
+    parser.add_argument("--json", help="write every run (numbers and loss curves) here")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as out:
+        mp.start_processes(_worker, args=(args.devices, _port(), args, out), nprocs=args.devices,
+                           start_method="spawn")
+        with open(os.path.join(out, "runs.json")) as f:
+            runs = json.load(f)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"devices": args.devices, "steps": args.steps, "runs": runs}, f)
+    print(table(runs, args.devices, args.steps))
+
+
+if __name__ == "__main__":
+    main()
