@@ -17,7 +17,9 @@ at the end of the next batch (or of training), so the figures are logged one bat
 It warns once (rank 0) when the time error exceeds ``time_error_threshold``, and writes a JSON file that
 ``uniap explain measured=FILE`` reads: ``tpi_s``, ``stage_time_s`` (per stage and micro-batch: the predicted
 stage times scaled by measured / predicted time per iteration - an approximation, stages are not timed
-separately), ``stage_peak_memory_bytes`` (the largest peak of each stage's ranks), plus per-rank figures.
+separately), ``stage_peak_memory_bytes`` (the largest peak of each stage's ranks), plus per-rank figures, and
+``rebalances``: the plan switches of a ``rebalance=True`` run so far (:mod:`uniap_lightning.rebalance`). A switch
+starts a new window after ``warmup_steps`` (figures of one window never mix two plans).
 
 What "peak memory" measures:
 
@@ -182,6 +184,11 @@ class UniAPMonitor(pl.Callback):
             if not self._distributed():
                 self._finish_report(trainer, pl_module)
 
+    def on_plan_switch(self, trainer: pl.Trainer, event: dict[str, Any]) -> None:
+        """The strategy switched plans (``rebalance=True``): drop the window in progress, warm up again."""
+        self._times, self._peaks, self._seen, self._measuring = [], [], 0, False
+        self._done = False
+
     # ---------------------------------------------------------------- reporting
     @staticmethod
     def _distributed() -> bool:
@@ -247,6 +254,9 @@ class UniAPMonitor(pl.Callback):
                     "uniap/step_time_error": ratio - 1,
                     "uniap/predicted_memory_bytes": max(est.stage_memory_bytes),
                 })
+        rebalances = getattr(strategy, "rebalances", None)
+        if rebalances:
+            report["rebalances"] = rebalances
         self.last = report
         if log:
             for k, v in metrics.items():

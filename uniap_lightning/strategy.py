@@ -21,6 +21,7 @@ from uniap_lightning.errors import UniAPError
 from uniap_lightning.setup import SetupOptions, SetupResult
 from uniap_lightning.planner.plan import Plan
 from uniap_lightning.precision import global_norm_clipper, with_global_norm_clipping
+from uniap_lightning.rebalance.decision import RebalanceOptions
 from uniap_lightning.runtime.step import TrainStep
 from uniap_lightning.sigterm import AgreedSigterm
 
@@ -71,6 +72,9 @@ class UniAPStrategy(ModelParallelStrategy):
         monitor: ``True`` (default) installs a :class:`~uniap_lightning.monitor.UniAPMonitor` with default settings
             (measured vs predicted step time and peak memory, logged as ``uniap/*`` metrics); pass a monitor
             instance for other settings or ``False`` for none.
+        rebalance: re-plan from measured stage times every ``rebalance_check_every`` steps and switch plans inside
+            the same ``fit`` when a new plan is predicted faster by more than ``rebalance_threshold``, at most
+            ``max_rebalances`` times (:mod:`uniap_lightning.rebalance`; ``rebalances`` lists the switches).
     """
 
     strategy_name = "uniap"
@@ -93,6 +97,10 @@ class UniAPStrategy(ModelParallelStrategy):
         profile_micro_batches: list[int] | None = None,
         monitor: Any = True,
         compression: str | None = None,
+        rebalance: bool = False,
+        rebalance_threshold: float = 0.10,
+        rebalance_check_every: int = 50,
+        max_rebalances: int = 3,
     ) -> None:
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise UniAPError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
@@ -109,6 +117,10 @@ class UniAPStrategy(ModelParallelStrategy):
         # SIGTERM agreed on without Lightning's blocking per-batch broadcast (see uniap_lightning.sigterm)
         self._sigterm = AgreedSigterm(guard=self.guard)
         self._monitor = monitor
+        self._rebalance = RebalanceOptions.from_arguments(rebalance=rebalance, rebalance_threshold=rebalance_threshold,
+                                                          rebalance_check_every=rebalance_check_every,
+                                                          max_rebalances=max_rebalances)
+        self._rebalancer: Any = None  # the Rebalancer callback (rebalance=True, after setup)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -200,9 +212,7 @@ class UniAPStrategy(ModelParallelStrategy):
             # planning and wrapping draw no random numbers the user's run would see: a shuffling sampler or dropout
             # then follows the same random stream as on one device
             with torch.random.fork_rng(devices=[self.root_device] if self.root_device.type == "cuda" else []):
-                self._runtime = self._plan_and_apply(trainer)
-            self._device_mesh = self._runtime.meshes.world
-            self.lightning_module._device_mesh = self._device_mesh
+                self.install_runtime(self._plan_and_apply(trainer))
         self._install_callbacks(trainer)
         self.precision_plugin.bind_global_norm(global_norm_clipper(self.runtime.plan.devices_per_stage,
                                                                    device=self.root_device, guard=self.guard))
@@ -216,13 +226,16 @@ class UniAPStrategy(ModelParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def _plan_and_apply(self, trainer: pl.Trainer) -> Runtime:
-        """Setup's decision (agreed on by every rank, printed on rank 0), then the plan applied on this rank."""
-        from uniap_lightning.setup import Ranks, plan_and_apply
+        """Setup's decision (agreed on by every rank, printed on rank 0), then the plan applied on this rank; with
+        ``rebalance=True`` also what re-planning needs (:func:`uniap_lightning.rebalance.plan_and_apply`)."""
+        from uniap_lightning.rebalance import plan_and_apply
+        from uniap_lightning.setup import Ranks
 
         ranks = Ranks(rank=self.global_rank, world_size=self.world_size, num_nodes=self.num_nodes,
                       devices_per_node=self.num_processes, device=self.root_device)
-        self._setup_result, runtime = plan_and_apply(self.lightning_module, trainer, ranks=ranks,
-                                                     options=self._setup_options, precision_plugin=self.precision_plugin)
+        self._setup_result, runtime, self._rebalancer = plan_and_apply(self, trainer, ranks=ranks,
+                                                                       options=self._setup_options,
+                                                                       rebalance=self._rebalance)
         return runtime
 
     def _install_callbacks(self, trainer: pl.Trainer) -> None:
@@ -234,6 +247,19 @@ class UniAPStrategy(ModelParallelStrategy):
             trainer.callbacks.insert(0, TrainLossLogger(self))
         if self._monitor not in (False, None) and not any(isinstance(cb, UniAPMonitor) for cb in trainer.callbacks):
             trainer.callbacks.append(self._monitor if isinstance(self._monitor, UniAPMonitor) else UniAPMonitor())
+        if self._rebalancer is not None and self._rebalancer not in trainer.callbacks:
+            trainer.callbacks.append(self._rebalancer)  # last: the batch's loss is reduced when it switches
+            self._rebalancer.attach(self)
+
+    def install_runtime(self, runtime: Runtime) -> None:
+        """Run ``runtime`` from now on (a plan switch, :mod:`uniap_lightning.rebalance.switch`)."""
+        self._runtime, self._step = runtime, None
+        self._device_mesh = self.lightning_module._device_mesh = runtime.meshes.world
+
+    @property
+    def rebalances(self) -> list[dict[str, Any]]:
+        """The plan switches of this run (step, reason, speeds, plans, predicted and measured gain, seconds)."""
+        return [e.to_dict() for e in self._rebalancer.events] if self._rebalancer is not None else []
 
     @property
     def train_step_state(self) -> TrainStep:

@@ -200,6 +200,24 @@ def run_explain(cfg: DictConfig) -> None:
         return
     print_plan(plan, console=console)
     console.print(explain_renderables(plan, problem, measured))
+    if measured and measured.get("rebalances"):
+        console.print(_rebalance_table(measured["rebalances"]))
+
+
+def _rebalance_table(events: list[Any]) -> Any:
+    """The plan switches of a ``rebalance=True`` run, from the monitor's file."""
+    from rich.table import Table
+
+    table = Table(title="Plan switches during training (rebalance=True)")
+    for col in ("step", "from", "to", "why", "predicted", "measured", "switch s"):
+        table.add_column(col)
+    pct = lambda v: "-" if not isinstance(v, (int, float)) else f"{v:+.0%}"  # noqa: E731
+    for e in events if isinstance(events, list) else []:
+        if isinstance(e, dict):
+            table.add_row(str(e.get("step", "?")), escape(str(e.get("old_plan", ""))), escape(str(e.get("new_plan", ""))),
+                          escape(str(e.get("reason", ""))), pct(e.get("predicted_gain")), pct(e.get("measured_gain")),
+                          f"{e['switch_s']:.2f}" if isinstance(e.get("switch_s"), (int, float)) else "-")
+    return table
 
 
 @hydra.main(version_base="1.3", config_path=CONF, config_name="plan")
