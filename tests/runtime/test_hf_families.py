@@ -8,7 +8,6 @@ from __future__ import annotations
 import atexit
 import shutil
 import tempfile
-from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -28,17 +27,27 @@ EXPORTS = Path(tempfile.mkdtemp(prefix="uniap_hf_exports_"))
 atexit.register(shutil.rmtree, EXPORTS, ignore_errors=True)
 
 
-@cache
-def names(family: str) -> tuple[str, ...]:
-    from uniap_lightning.runtime import extract_chain
-
-    return tuple(extract_chain(hf_module(family)).names)
+def names(family: str) -> list[str]:
+    """The chain's layer names: the model's own module paths under the LightningModule's ``model`` attribute
+    (written out here, so collecting the tests builds no model; the runs check them against the real chain)."""
+    blocks = {
+        "bert": ["bert.embeddings", "bert.encoder.layer.0", "bert.encoder.layer.1", "bert.pooler"],
+        "gpt2": ["transformer.wte", "transformer.h.0", "transformer.h.1", "transformer.ln_f"],
+        "llama": ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm"],
+        "t5": ["shared", "encoder.block.0", "encoder.block.1", "encoder.final_layer_norm", "decoder.block.0",
+               "decoder.block.1", "decoder.final_layer_norm"],
+        "vit": ["vit.embeddings", "vit.layers.0", "vit.layers.1", "vit.layernorm"],
+        "swin": ["swin.embeddings", "swin.encoder.layers.0.blocks.0", "swin.encoder.layers.0.blocks.1",
+                 "swin.encoder.layers.0.downsample", "swin.encoder.layers.1.blocks.0", "swin.encoder.layers.1.blocks.1",
+                 "swin.layernorm"],
+    }[family]
+    return [f"model.{b}" for b in blocks]
 
 
 def case(family: str, strategies: list[tuple[int, int, bool]], stages: list[int], *, world: int = 2,
          lr: float = 0.1, **kw: Any) -> dict[str, Any]:
     pp = max(stages) + 1
-    plan = h.make_plan(strategies, stages, names=list(names(family)), pp=pp, world=world,
+    plan = h.make_plan(strategies, stages, names=names(family), pp=pp, world=world,
                        microbatches=kw.pop("microbatches", 2), schedule=kw.pop("schedule", "1f1b"))
     return {"plan": plan, "module": {"factory": "hf_models:hf_module", "family": family, "lr": lr},
             "data": {"factory": "hf_models:hf_batches", "family": family}, "steps": 4, **kw}
@@ -153,3 +162,48 @@ def test_padded_micro_batches_give_the_whole_batch_loss() -> None:
         tokens = [int((ym["labels"] != -100).sum()) for ym in chunk(y, 4)]
         assert len(set(tokens)) > 1, tokens  # the padding really differs between micro-batches
         torch.testing.assert_close(torch.stack(losses).mean(), expected, rtol=1e-6, atol=0)
+
+
+def _runs_and_keys(family: str, **config: Any) -> tuple[list[tuple[int, int]], list[Any], list[str]]:
+    """The grouped MILP's runs on a measured profile of the tiny ``family`` model, with each layer's structure."""
+    from uniap_lightning.planner.config import build_problem
+    from uniap_lightning.planner.cost.tables import CostTables
+    from uniap_lightning.profiling.aggregate import structure_key
+    from uniap_lightning.profiling.measure import profile_layers
+    from uniap_lightning.runtime import extract_chain
+    from uniap_lightning.runtime.chain import check_chain_contract
+
+    torch.manual_seed(0)
+    model = build(family) if not config else _with(family, **config)
+    module = h.make_module(factory="hf_models:HFModule", model=model)
+    chain = extract_chain(module)
+    x, _ = chain.split_batch(next(iter(hf_batches(8, family))))
+    check_chain_contract(chain, x)  # (Swin blocks settle their window shift on the first call)
+    profile = profile_layers(chain.layers, chain.names, x, repeats=1, micro_batches=[4, 8])
+    problem = build_problem(profile=profile, cluster="a100_1x8", global_batch_size=8)
+    return CostTables(problem, 1, 1).runs(), [structure_key(layer) for layer in chain.layers], chain.names
+
+
+def _with(family: str, **config: Any) -> Any:
+    import transformers as tr
+
+    base = build(family).config.to_dict()
+    base.update(config)
+    cls = {"t5": (tr.T5Config, tr.T5ForConditionalGeneration), "swin": (tr.SwinConfig, tr.SwinForImageClassification)}
+    cfg_cls, model_cls = cls[family]
+    return model_cls(cfg_cls.from_dict(base))
+
+
+@pytest.mark.parametrize("family", ["t5", "swin"])
+def test_runs_of_identical_layers_come_from_structural_identity(family: str) -> None:
+    """Layers that are not all alike (T5's two stacks, each with a first block owning the position table; Swin's
+    stages of other widths and grids, shifted and unshifted windows, patch merging): the planner's runs of
+    interchangeable layers never join layers of different structure, and do join identical neighbours."""
+    config = {"num_layers": 4, "num_decoder_layers": 3} if family == "t5" else {"depths": [4, 2]}
+    runs, keys, names = _runs_and_keys(family, **config)
+    for first, last in runs:
+        assert len({repr(k) for k in keys[first:last + 1]}) == 1, (names[first:last + 1], keys[first:last + 1])
+    long_runs = [(a, b) for a, b in runs if b > a]
+    assert long_runs, (runs, names)  # identical neighbours (e.g. T5 encoder blocks 1-3) are grouped
+    joinable = sum(1 for u in range(len(keys) - 1) if keys[u] == keys[u + 1])
+    assert sum(b - a for a, b in runs) == joinable  # every pair of identical neighbours, and only those

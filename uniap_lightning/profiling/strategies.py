@@ -45,25 +45,25 @@ from uniap_lightning.profiling.timing import Timer, median_s
 from uniap_lightning.runtime.payload import backward_ones, call_layer, flatten, float_leaves, head, rows, signature
 
 
-def _fwd_bwd_s(layer: nn.Module, x: torch.Tensor, repeats: int, warmup: int, context: Context,
+def _fwd_bwd_s(layer: nn.Module, x: Any, repeats: int, warmup: int, context: Context,
                replicated: Any = None) -> float:
     """Median seconds of forward (inside ``context``) + backward (gradient of ones) of ``layer`` on ``x``; with
     ``replicated`` (a ReplicatedGrads holding the layer), its gradient average is armed, started during the
-    backward and waited for, as :class:`~uniap_lightning.runtime.step.TrainStep` does for a step's last batch."""
+    backward and waited for, as :class:`~uniap_lightning.runtime.step.TrainStep` does for a step's last batch.
+    ``x`` may be a payload (a tuple or dict of tensors, :mod:`uniap_lightning.runtime.payload`)."""
 
     def step() -> None:
-        inp = x.detach().requires_grad_(x.is_floating_point())
+        inp = float_leaves(x)
         if replicated is not None:
             replicated.arm(backward_passes=1, previous={})
         with context():
-            out = layer(inp)
-        if out.requires_grad:
-            out.backward(torch.ones_like(out))
+            out = call_layer(layer, inp)
+        backward_ones(out)
         if replicated is not None:
             replicated.flush()
             replicated.finish()
 
-    seconds = median_s(step, Timer(x.device), repeats=repeats, warmup=warmup)
+    seconds = median_s(step, Timer(flatten(x)[0].device), repeats=repeats, warmup=warmup)
     for p in layer.parameters():
         p.grad = None
     return seconds

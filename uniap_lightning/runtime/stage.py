@@ -61,7 +61,7 @@ class StageModule(nn.Module):
                 x = call_layer(layer, x)
         x = relayout(x, current, n, self.meshes)
         self.out_spec = spec_of(x)
-        flat = flatten(x)
+        flat = tuple(t.contiguous() for t in flatten(x))  # sent as is (an expanded tensor is not contiguous)
         return flat[0] if self.out_spec is None else flat
 
 
