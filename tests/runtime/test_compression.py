@@ -232,7 +232,7 @@ def test_wire_bytes_formula_and_unknown_method() -> None:
 
 
 # ------------------------------------------------------------------------------------- training, 2 processes
-STEPS = 24
+STEPS = 16
 
 
 def _plan(methods: list[str], *, modes: list[str] | None = None, dp: int = 2, world: int = 2, rank_r: int = 2,
@@ -248,6 +248,11 @@ def _plan(methods: list[str], *, modes: list[str] | None = None, dp: int = 2, wo
     )
 
 
+#: point-to-point so slow that the planner keeps one stage, gradient all-reduce slow enough that compressing pays
+SLOW_LINKS = {"name": "slow-links", "nodes": 1, "devices_per_node": 2, "memory_gib": 4, "peak_tflops": 0.001,
+              "collective_tables": {"p2p": {"intra": {2: {"bw_gbps": 1e-6, "latency_us": 1e6}}},
+                                    "all_reduce": {"intra": {2: {"bw_gbps": 1e-4, "latency_us": 1.0}}}}}
+
 TRAIN_CASES = {
     "none": {"methods": ["none"] * 4},
     "bf16": {"methods": ["bf16"] * 4},
@@ -256,6 +261,8 @@ TRAIN_CASES = {
     "mixed_accumulate": {"methods": ["powersgd", "topk", "bf16", "none"], "accumulate": 2},
     # ZeRO-1 layers' gradients are all-reduced whole through the same compressed buckets (runtime/zero.py)
     "zero1": {"methods": ["powersgd", "topk", "bf16", "none"], "modes": ["zero1", "zero1", "replicate", "zero1"]},
+    # solved at setup: UniAPStrategy(compression=...) reaches the planner, which may use that method per layer
+    "solved": {"strategy": {"cluster": SLOW_LINKS, "compression": "powersgd", "time_limit": 20, "profile_repeats": 1}},
 }
 
 
@@ -273,8 +280,11 @@ def _train_worker(rank: int, world: int, port: int, cases: dict[str, Any], out_d
     torch.set_num_threads(1)
     results: dict[str, Any] = {}
     for name, case in cases.items():
-        strategy = UniAPStrategy(plan=_plan(case["methods"], modes=case.get("modes"), dp=case.get("dp", world),
-                                            world=world), monitor=False)
+        if "strategy" in case:  # solved at setup
+            strategy = UniAPStrategy(monitor=False, cache_dir=out_dir, **case["strategy"])
+        else:
+            strategy = UniAPStrategy(plan=_plan(case["methods"], modes=case.get("modes"), dp=case.get("dp", world),
+                                                world=world), monitor=False)
         seen: list[tuple[int, int, int]] = []
 
         class Count(pl.Callback):
@@ -286,7 +296,7 @@ def _train_worker(rank: int, world: int, port: int, cases: dict[str, Any], out_d
         trainer = pl.Trainer(devices=world, strategy=strategy, callbacks=[rec, Count()],
                              **h.trainer_kwargs({"steps": STEPS, "accumulate": case.get("accumulate", 1)}))
         trainer.fit(h.make_module(), h.make_data(16))
-        results[name] = {"losses": rec.losses, "bytes": seen}
+        results[name] = {"losses": rec.losses, "bytes": seen, "plan": strategy.plan.to_dict()}
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
 
 
@@ -295,6 +305,13 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     import uniap_rt_helpers as h
 
     return h.spawn(WORLD, TRAIN_CASES, tmp_path_factory.mktemp("compressed_training"), fn=_train_worker)
+
+
+def test_the_planner_chooses_the_allowed_compression_and_the_runtime_executes_it(
+    trained: list[dict[str, Any]],
+) -> None:
+    chosen = {lp["compression"] for lp in trained[0]["solved"]["plan"]["layers"]}
+    assert "powersgd" in chosen <= {"none", "powersgd"}, chosen
 
 
 def test_training_counts_the_formula_bytes_once_per_optimizer_step(trained: list[dict[str, Any]]) -> None:
