@@ -58,6 +58,13 @@ def test_unmeasured_ranks_keep_their_speed():
     assert new_speeds([None, 1.0, 2.0, None], (1.0, 1.0, 1.0, 0.5)) == (1.0, 1.0, 0.5, 0.5)
 
 
+def test_speeds_given_by_the_cluster_description_are_kept_when_measurements_agree():
+    # a heterogeneous cluster described relative to a slower profiling device: ranks 0-1 twice as fast
+    speeds = (2.0, 2.0, 1.0, 1.0)
+    assert new_speeds([1.0, 1.0, 1.0, 1.0], speeds) == speeds
+    assert not _assess([1.0, 1.0, 2.0, 2.0], predicted=(1.0, 2.0), speeds=speeds).replan
+
+
 def test_switch_needs_a_different_plan_and_a_gain_above_the_threshold():
     assert predicted_gain(1.2, 1.0) == pytest.approx(0.2)
     assert should_switch(0.2, 0.1, same_plan=False)
@@ -160,7 +167,8 @@ def slow_module(slow_rank: int = 3, delay_s: float = 0.002) -> Any:
 
         def configure_optimizers(self) -> Any:
             opt = torch.optim.Adam(self.parameters(), lr=0.01)
-            return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)}
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)  # steps across the switch
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     return SlowChain()
 
@@ -171,9 +179,13 @@ def _run(rank: int, world: int, case: dict[str, Any], out: Path) -> dict[str, An
     from uniap_lightning.runtime.checkpoint import full_local_state
     from uniap_lightning.strategy import UniAPStrategy
 
+    from uniap_lightning.monitor import UniAPMonitor
+
     module = slow_module(**case.get("module", {}))
     rec = h.LossRecorder.make()
-    strategy = UniAPStrategy(cluster="local_cpu", cache_dir=str(out / "cache"), **case.get("strategy", {}))
+    monitor = UniAPMonitor(warmup_steps=1, window=3, metrics_file=out / f"measured-{rank}.json")
+    strategy = UniAPStrategy(cluster="local_cpu", cache_dir=str(out / "cache"), monitor=monitor,
+                             **case.get("strategy", {}))
     trainer = pl.Trainer(devices=world, strategy=strategy, callbacks=[rec], accelerator="cpu",
                          max_epochs=case["epochs"])  # every other Trainer argument at its default
     trainer.fit(module, h.make_data(16), ckpt_path=str(out / case["resume"]) if "resume" in case else None)
@@ -181,7 +193,7 @@ def _run(rank: int, world: int, case: dict[str, Any], out: Path) -> dict[str, An
         trainer.save_checkpoint(out / case["save"])
     return {"losses": rec.losses, "state": full_local_state(module), "train_loss":
             float(trainer.callback_metrics["train_loss"]), "first_plan": strategy.setup_result.plan,
-            "plan": strategy.plan, "rebalances": strategy.rebalances}
+            "plan": strategy.plan, "rebalances": strategy.rebalances, "monitor": monitor.last}
 
 
 def _worker(rank: int, world: int, port: int, cases: dict[str, dict[str, Any]], out_dir: str) -> None:
@@ -245,6 +257,17 @@ def test_a_slow_rank_triggers_a_switch_with_parity_to_one_process(rebalanced: An
     assert _slow_rank_work(res[0]["plan"], SLOW) < _slow_rank_work(res[0]["first_plan"], SLOW)
     assert first["measured_gain"] is not None and first["switch_s"] > 0
     h.assert_close_to_reference(rebalanced, "switch", _reference(3))
+    # the monitor's file (what `uniap explain measured=FILE` reads) lists the switch, and explain shows it
+    from rich.console import Console
+
+    from uniap_lightning.cli.apps import _rebalance_table
+
+    shown = res[0]["monitor"]["rebalances"]
+    assert shown[0]["step"] == 4 and shown[0]["new_plan"] == first["new_plan"]
+    console = Console(width=200, record=True)
+    console.print(_rebalance_table(shown))
+    text = console.export_text()
+    assert "Plan switches" in text and first["new_plan"][:10] in text
 
 
 @pytest.mark.slow

@@ -133,7 +133,7 @@ class Rebalancer(Callback):
             if self.timer is not None:
                 self.timer.clear()
             return
-        if step % self.options.check_every or (trainer.max_steps > 0 and step >= trainer.max_steps):
+        if step % self.options.check_every or step >= _total_steps(trainer):  # not after the last step
             return
         self._check(trainer, pl_module)
         self._step_times = []
@@ -160,7 +160,8 @@ class Rebalancer(Callback):
         self._measured_gain(pl_module, trainer.global_step, step_time)
         self.checks.append({"step": trainer.global_step, "replan": verdict.replan, "reason": verdict.reason,
                             "speeds": list(verdict.speeds), "switch": verdict.plan is not None,
-                            "predicted_gain": verdict.gain, "step_time_s": step_time})
+                            "predicted_gain": verdict.gain, "step_time_s": step_time,
+                            "stage_s_per_microbatch": verdict.measured})
         if verdict.replan:
             self.speeds = verdict.speeds
             self.cluster = self.base_cluster.with_rank_speed(self.speeds)
@@ -180,8 +181,8 @@ class Rebalancer(Callback):
     def _decide(self, plan: Plan, gathered: list[Any]) -> Verdict:
         """Rank 0: assess the measurements, re-solve when speeds moved; never raises (a failed re-plan keeps the
         running plan, with the reason)."""
+        measured = [None if m is None else m[0] + m[1] for m, _ in gathered]
         try:
-            measured = [None if m is None else m[0] + m[1] for m, _ in gathered]
             check = assess(measured_s=measured, predicted_stage_s=self._predicted_stage_s(plan),
                            devices_per_stage=plan.devices_per_stage, speeds=self.speeds,
                            threshold=self.options.threshold, switches=len(self.events),
@@ -194,7 +195,7 @@ class Rebalancer(Callback):
 
             rank_zero_warn(f"UniAP rebalance: re-planning failed, keeping the running plan ({type(err).__name__}: "
                            f"{err})")
-            return Verdict(False, self.speeds, f"re-planning failed: {err}")
+            return Verdict(False, self.speeds, f"re-planning failed: {err}", measured=measured)
 
     def _solve(self, plan: Plan, speeds: tuple[float, ...], reason: str, measured: list[Any]) -> Verdict:
         from uniap_lightning.planner.cost import evaluate
@@ -255,3 +256,10 @@ class Rebalancer(Callback):
             rank_zero_info(f"UniAP rebalance at step {last.step}: measured gain {last.measured_gain:+.1%} "
                            f"({last.step_time_before_s * 1e3:.1f} -> {step_time * 1e3:.1f} ms/step; predicted "
                            f"{last.predicted_gain:+.1%})")
+
+
+def _total_steps(trainer: pl.Trainer) -> float:
+    try:
+        return float(trainer.estimated_stepping_batches)
+    except Exception:  # noqa: BLE001 - e.g. an iterable dataloader without a length: checks go on to the end
+        return float(trainer.max_steps) if trainer.max_steps > 0 else float("inf")

@@ -6,8 +6,8 @@ share their medians (one all-gather) and each computes, from the same numbers, t
 1. **Speed factors.** A rank's *slowness* is its measured time per micro-batch over what the plan predicts for it
    (the predicted stage time, rescaled by the rank's own speed against the slowest of its stage). Slowness is
    taken relative to the least slow rank, so a cost model that is off by the same factor everywhere does not look
-   like a slow device; the new speed of a rank is its current speed divided by that relative slowness, and the
-   fastest rank's speed is set to 1.0 (the speed the profile was measured at).
+   like a slow device; the new speed of a rank is its current speed divided by that relative slowness, rescaled
+   so that the fastest speed stays what it was (1.0 unless the cluster description said otherwise).
 2. **Re-plan?** When some rank's speed moved by more than ``threshold`` from the speed the running plan was
    scored with, rank 0 re-solves on the cluster with the new speeds.
 3. **Switch?** The running plan re-scored on that cluster against the new plan: switch when the predicted gain
@@ -64,14 +64,15 @@ def rank_slowness(measured_s: list[float | None], predicted_stage_s: list[float]
 
 
 def new_speeds(slowness: list[float | None], speeds: tuple[float, ...]) -> tuple[float, ...]:
-    """Current speeds corrected by each rank's slowness relative to the least slow rank, the fastest at 1.0."""
+    """Current speeds corrected by each rank's slowness relative to the least slow rank, rescaled so that the
+    fastest speed is the current fastest."""
     known = [s for s in slowness if s is not None]
     if not known:
         return tuple(speeds)
     base = min(known)
     raw = [v if s is None else v * base / s for v, s in zip(speeds, slowness)]
-    top = max(raw)
-    return tuple(round(v / top, 4) for v in raw)
+    scale = max(speeds) / max(raw)
+    return tuple(round(v * scale, 4) for v in raw)
 
 
 def speeds_moved(new: tuple[float, ...], old: tuple[float, ...], threshold: float) -> list[int]:
