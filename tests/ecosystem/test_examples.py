@@ -17,6 +17,11 @@ def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd, timeout=600, check=False)
 
 
+NEEDS_HF = pytest.mark.skipif(
+    subprocess.run([sys.executable, "-c", "import transformers"], capture_output=True).returncode != 0,
+    reason="transformers is not installed")
+
+
 def final_loss(out: str) -> float:
     match = re.search(r"final train loss:? ([0-9.]+)", out)
     assert match, out[-3000:]
@@ -26,9 +31,10 @@ def final_loss(out: str) -> float:
 @pytest.mark.parametrize(
     ("script", "chance", "steps"),
     [("gpt_text.py", math.log(128), 8), ("vit_shapes.py", math.log(4), 30),
-     pytest.param("hf_llama.py", math.log(128), 8, marks=pytest.mark.skipif(
-         subprocess.run([sys.executable, "-c", "import transformers"], capture_output=True).returncode != 0,
-         reason="transformers is not installed"))],
+     pytest.param("hf_llama.py", math.log(128), 8, marks=NEEDS_HF),
+     # Hugging Face models with no adapter code: the strategy recognizes the family (slow: setup profiles them)
+     pytest.param("hf_bert_classify.py", math.log(3), 30, marks=[NEEDS_HF, pytest.mark.slow]),
+     pytest.param("hf_t5_corpus.py", math.log(128), 40, marks=[NEEDS_HF, pytest.mark.slow])],
 )
 def test_example_trains(tmp_path, script, chance, steps):
     res = run([str(ROOT / "examples" / script), "--devices", "2", "--steps", str(steps)], tmp_path)

@@ -54,13 +54,20 @@ def case(family: str, strategies: list[tuple[int, int, bool]], stages: list[int]
 
 
 TWO_RANKS = {
-    "bert_pp2_padded": case("bert", [ONE] * 4, [0, 0, 1, 1], export=str(EXPORTS / "bert.pt")),
+    "bert_pp2_padded": case("bert", [ONE] * 4, [0, 0, 1, 1], export=str(EXPORTS / "bert.pt"), limit_val_batches=2),
     # the boundary carries the encoder's output with the decoder's hidden states; the tied embedding / LM head
     # sit on different stages
     "t5_pp2_encoder_decoder": case("t5", [ONE] * 7, [0, 0, 0, 0, 1, 1, 1], lr=0.01, export=str(EXPORTS / "t5.pt")),
-    "vit_tp2": case("vit", [FSDP, TP, TP, REPL], [0] * 4),
     "swin_fsdp_tp_mixed": case("swin", [FSDP, REPL, TP, FSDP, TP, FSDP, REPL], [0] * 7, export=str(EXPORTS / "swin.pt")),
     "llama_tp2_fsdp_padded": case("llama", [FSDP, TP, TP, REPL], [0] * 4),
+    # no plan: the strategy profiles the Swin chain (dict payloads, unequal layers), solves and applies the plan
+    "swin_solved": {**case("swin", [REPL] * 7, [0] * 7), "plan": None,
+                    "strategy": {"measure_cluster": False, "cache_dir": str(EXPORTS / "plans")}},
+}
+
+
+TWO_RANKS_SLOW = {
+    "vit_tp2": case("vit", [FSDP, TP, TP, REPL], [0] * 4),
     "gpt2_dp2_padded": case("gpt2", [REPL, FSDP, REPL, FSDP], [0] * 4, microbatches=1),
 }
 
@@ -107,7 +114,19 @@ def _check_export(name: str, cases: dict[str, Any], out: Path) -> None:
 def test_hf_families_two_ranks(name: str, spawn_cases: Any, tmp_path_factory: pytest.TempPathFactory) -> None:
     results = spawn_cases(2, TWO_RANKS, "hf_two_ranks")
     h.assert_close_to_reference(results, name, h.reference_for(TWO_RANKS[name]))
+    if "val_loss" in results[0][name]:  # validation on dict batches: the model's own loss, the whole-batch mean
+        ref = h.reference_for(TWO_RANKS[name])
+        assert all(r[name]["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-5) for r in results)
+    if TWO_RANKS[name]["plan"] is None:
+        assert results[0][name]["origin"] == "solver"
     _check_export(name, TWO_RANKS, tmp_path_factory.mktemp(name))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(TWO_RANKS_SLOW))
+def test_hf_families_two_ranks_more(name: str, spawn_cases: Any) -> None:
+    results = spawn_cases(2, TWO_RANKS_SLOW, "hf_two_ranks_slow")
+    h.assert_close_to_reference(results, name, h.reference_for(TWO_RANKS_SLOW[name]))
 
 
 @pytest.mark.slow
@@ -179,7 +198,7 @@ def _runs_and_keys(family: str, **config: Any) -> tuple[list[tuple[int, int]], l
     chain = extract_chain(module)
     x, _ = chain.split_batch(next(iter(hf_batches(8, family))))
     check_chain_contract(chain, x)  # (Swin blocks settle their window shift on the first call)
-    profile = profile_layers(chain.layers, chain.names, x, repeats=1, micro_batches=[4, 8])
+    profile = profile_layers(chain.layers, chain.names, x, repeats=1, micro_batches=[8])
     problem = build_problem(profile=profile, cluster="a100_1x8", global_batch_size=8)
     return CostTables(problem, 1, 1).runs(), [structure_key(layer) for layer in chain.layers], chain.names
 

@@ -27,7 +27,8 @@ CASES = {
     # the boundary carries {mask (int64), h}
     "pp2_dict_boundary": {"plan": _plan([ONE] * 6, [0, 0, 1, 1, 1, 1], pp=2, microbatches=2, schedule="gpipe")},
     # the boundary carries the tuple (h, gate); 1F1B with 4 micro-batches
-    "pp2_tuple_boundary": {"plan": _plan([ONE] * 6, [0, 0, 0, 0, 1, 1], pp=2, microbatches=4)},
+    "pp2_tuple_boundary": {"plan": _plan([ONE] * 6, [0, 0, 0, 0, 1, 1], pp=2, microbatches=4),
+                           "limit_val_batches": 2, "predict": True},
     # one stage, dp 2 -> 1 -> 2: the dict (with its integer mask) is gathered, then split again
     "dp2_tp2_relayouts": {"plan": _plan([REPL, TP, FSDP, REPL, FSDP, REPL], [0] * 6, pp=1, microbatches=2),
                           "accumulate": 2},
@@ -39,7 +40,13 @@ for case in CASES.values():
 @pytest.mark.parametrize("name", list(CASES))
 def test_multi_tensor_layers_match_one_process(name: str, spawn_cases: Any) -> None:
     results = spawn_cases(2, CASES, "multi_tensor")
-    h.assert_close_to_reference(results, name, h.reference_for(CASES[name]))
+    ref = h.reference_for(CASES[name])
+    h.assert_close_to_reference(results, name, ref)
+    for res in results:  # validation and prediction on dict batches through the pipeline, on every rank
+        if "val_loss" in ref:
+            assert res[name]["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-5)
+        if "predictions" in ref:
+            torch.testing.assert_close(res[name]["predictions"], ref["predictions"], rtol=1e-5, atol=1e-6)
 
 
 def test_contract_records_the_structure_and_checks_every_tensor() -> None:

@@ -99,11 +99,22 @@ class MultiTensorChain(pl.LightningModule):
     def uniap_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.mse_loss(output, target)
 
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         x: Any = {k: v for k, v in batch.items() if k != "labels"}
         for layer in self.uniap_layers():
             x = call_layer(layer, x)
-        return self.uniap_loss(x, batch["labels"])
+        return x
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.uniap_loss(self(batch), batch["labels"])
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.uniap_loss(self(batch), batch["labels"])
+        self.log("val_loss", loss)
+        return loss
+
+    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self(batch)
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)

@@ -1,5 +1,9 @@
 """Adapters: expose models that are not a plain ``nn.Sequential`` as a chain of layers for the strategy.
 
+Hugging Face models of the supported families (BERT, GPT-2, Llama, T5, ViT, Swin) need none of this: a
+LightningModule holding the model as an attribute and returning ``self.model(**batch).loss`` trains as it is, the
+strategy builds the chain itself (:mod:`uniap_lightning.adapters.auto`). What follows is for chains written by hand.
+
 Every adapter returns a list of layers (each maps one tensor to one tensor, batch on dim 0) that wrap - not copy -
 the model's own modules, plus, where it is supported, a tensor-parallel plan per layer (``uniap_tp_plan``).
 :class:`CausalLMModule` turns such a list into a LightningModule that trains under ``strategy="uniap"``::

@@ -44,7 +44,8 @@ class UniAPModule(Protocol):
     """What a LightningModule may define to describe itself to the strategy (all optional but the loss)."""
 
     def uniap_layers(self) -> Sequence[nn.Module]:
-        """The ordered layers of the network; each maps one tensor to one tensor."""
+        """The ordered layers of the network; each maps a payload (a tensor, a tuple or a flat dict of tensors,
+        see :mod:`.payload`) to the next layer's."""
         ...
 
     def uniap_loss(self, output: torch.Tensor, target: Any) -> torch.Tensor:

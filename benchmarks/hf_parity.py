@@ -1,0 +1,54 @@
+"""Parity figures of the Hugging Face families: every case of tests/runtime/test_hf_families.py (2 and 4 gloo
+ranks, pinned pp / tp / FSDP plans, padded batches) against plain Lightning on one process.
+
+    python benchmarks/hf_parity.py            # prints one row per case: the largest differences after 4 SGD steps
+
+Columns: the largest relative difference of a step's loss, and the largest absolute and relative differences of
+any parameter element (relative to the largest magnitude of that parameter), over all steps and parameters.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "runtime"))
+
+import test_hf_families as t  # noqa: E402
+import uniap_rt_helpers as h  # noqa: E402
+
+
+def figures(results: list[dict], name: str, ref: dict) -> tuple[float, float, float]:
+    for res in results:
+        if "error" in res.get(name, {"error": "did not run"}):
+            raise RuntimeError(f"{name}: {res.get(name, {}).get('error', 'did not run')}")
+    losses = torch.tensor(results[0][name]["losses"], dtype=torch.float64)
+    expected = torch.tensor(ref["losses"], dtype=torch.float64)
+    loss_rel = float(((losses - expected).abs() / expected.abs()).max())
+    merged = h.merge_states(results, name)
+    abs_diff = rel_diff = 0.0
+    for k, v in ref["state"].items():
+        if not v.is_floating_point():
+            continue
+        d = float((merged[k].double() - v.double()).abs().max())
+        abs_diff = max(abs_diff, d)
+        rel_diff = max(rel_diff, d / max(float(v.double().abs().max()), 1e-12))
+    return loss_rel, abs_diff, rel_diff
+
+
+def main() -> None:
+    print(f"{'case':32} {'ranks':>5} {'loss rel':>10} {'param abs':>10} {'param rel':>10}")
+    for world, cases in ((2, t.TWO_RANKS), (2, t.TWO_RANKS_SLOW), (4, t.FOUR_RANKS)):
+        with tempfile.TemporaryDirectory() as out:
+            results = h.spawn(world, cases, Path(out))
+        for name, case in cases.items():
+            loss_rel, abs_diff, rel_diff = figures(results, name, h.reference_for(case))
+            print(f"{name:32} {world:>5} {loss_rel:10.1e} {abs_diff:10.1e} {rel_diff:10.1e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
