@@ -9,7 +9,10 @@ time and peak memory, and logs through Lightning's loggers (CSV, TensorBoard, ..
 - ``uniap/predicted_tpi_s``: the plan's predicted time per iteration,
 - ``uniap/step_time_error``: (measured - predicted) / predicted,
 - ``uniap/peak_memory_bytes``: the largest per-rank peak, and ``uniap/peak_memory_bytes/rank<r>`` per rank,
-- ``uniap/predicted_memory_bytes``: the plan's largest per-stage memory.
+- ``uniap/predicted_memory_bytes``: the plan's largest per-stage memory,
+- ``uniap/grad_sync_bytes`` / ``uniap/predicted_grad_sync_bytes``: the largest per-rank payload of the last
+  optimizer step's gradient collectives (replicated / ZeRO-1 layers, compressed or not), counted, and the formula's
+  figure for the same tensors (:mod:`uniap_lightning.runtime.compression`).
 
 Gathering the ranks' figures does not stop training: the gather is started at the end of a window and finished
 at the end of the next batch (or of training), so the figures are logged one batch after their window.
@@ -105,6 +108,15 @@ def static_bytes(module: torch.nn.Module, optimizers: list[Any]) -> int:
     return total
 
 
+def _grad_sync_bytes(trainer: pl.Trainer) -> tuple[int, int]:
+    """This rank's gradient-collective payload of the last optimizer step: (counted, formula); 0s when unknown."""
+    strategy = trainer.strategy  # UniAPStrategy once set up; another strategy: nothing to count
+    if getattr(strategy, "setup_result", None) is None:
+        return 0, 0
+    replicated = strategy.runtime.replicated
+    return replicated.counter.step_bytes, replicated.wire_bytes_per_step()
+
+
 class UniAPMonitor(pl.Callback):
     """Measured vs predicted step time and peak memory (see the module docstring)."""
 
@@ -178,6 +190,7 @@ class UniAPMonitor(pl.Callback):
                 hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
             self._peaks.append(float(self._static + max(hwm - self._rss0, 0)))
         if len(self._times) >= self.window:
+            self._sync = _grad_sync_bytes(trainer)
             self._start_report(trainer.strategy.root_device)
             self._times, self._peaks = [], []
             self._done = not self.repeat
@@ -201,7 +214,8 @@ class UniAPMonitor(pl.Callback):
         strategy's device: NCCL gathers CUDA tensors, gloo CPU ones)."""
         import torch.distributed as dist
 
-        mine = torch.tensor([statistics.median(self._times), max(self._peaks)], dtype=torch.float64, device=device)
+        mine = torch.tensor([statistics.median(self._times), max(self._peaks), *getattr(self, "_sync", (0, 0))],
+                            dtype=torch.float64, device=device)
         if self._distributed():
             gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
             work = dist.all_gather(gathered, mine, async_op=True)
@@ -218,10 +232,11 @@ class UniAPMonitor(pl.Callback):
             guard = getattr(trainer.strategy, "guard", None)  # UniAPStrategy's: a dead peer is a clear error
             guard(work.wait) if guard is not None else work.wait()
         self._report(trainer, pl_module, [float(t[0]) for t in gathered], [float(t[1]) for t in gathered], steps,
-                     log=log)
+                     log=log, sync=[(float(t[2]), float(t[3])) for t in gathered])
 
     def _report(self, trainer: pl.Trainer, pl_module: pl.LightningModule, rank_time: list[float],
-                rank_peak: list[float], steps: int, log: bool = True) -> None:
+                rank_peak: list[float], steps: int, log: bool = True,
+                sync: list[tuple[float, float]] | None = None) -> None:
         report: dict[str, Any] = {
             "tpi_s": max(rank_time),
             "rank_step_time_s": rank_time,
@@ -254,6 +269,11 @@ class UniAPMonitor(pl.Callback):
                     "uniap/step_time_error": ratio - 1,
                     "uniap/predicted_memory_bytes": max(est.stage_memory_bytes),
                 })
+        if sync and max(p for _, p in sync) > 0:  # counted vs formula bytes of the gradient collectives, per rank
+            report["rank_grad_sync_bytes"] = [c for c, _ in sync]
+            report["rank_predicted_grad_sync_bytes"] = [p for _, p in sync]
+            metrics["uniap/grad_sync_bytes"] = max(c for c, _ in sync)
+            metrics["uniap/predicted_grad_sync_bytes"] = max(p for _, p in sync)
         rebalances = getattr(strategy, "rebalances", None)
         if rebalances:
             report["rebalances"] = rebalances
@@ -273,6 +293,9 @@ class UniAPMonitor(pl.Callback):
             mem = f"peak memory {max(rank_peak) / 2**20:,.1f} MiB"
             if plan is not None and plan.estimate is not None:
                 mem += f" (predicted {max(plan.estimate.stage_memory_bytes) / 2**20:,.1f} MiB)"
+            if "uniap/grad_sync_bytes" in metrics:
+                mem += (f", gradient sync {metrics['uniap/grad_sync_bytes'] / 2**20:,.3f} MiB/step (predicted "
+                        f"{metrics['uniap/predicted_grad_sync_bytes'] / 2**20:,.3f} MiB)")
             if err is not None:
                 rank_zero_info(f"UniAP monitor: {report['tpi_s'] * 1e3:.2f} ms/step measured vs "
                                f"{report['predicted_tpi_s'] * 1e3:.2f} ms predicted ({err:+.0%}), {mem}")

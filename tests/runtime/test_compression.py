@@ -255,7 +255,7 @@ SLOW_LINKS = {"name": "slow-links", "nodes": 1, "devices_per_node": 2, "memory_g
 
 TRAIN_CASES = {
     "none": {"methods": ["none"] * 4},
-    "bf16": {"methods": ["bf16"] * 4},
+    "bf16": {"methods": ["bf16"] * 4, "monitor": True},
     "powersgd": {"methods": ["powersgd"] * 4},
     "topk": {"methods": ["topk"] * 4},
     "mixed_accumulate": {"methods": ["powersgd", "topk", "bf16", "none"], "accumulate": 2},
@@ -272,6 +272,7 @@ def _train_worker(rank: int, world: int, port: int, cases: dict[str, Any], out_d
     import lightning.pytorch as pl
 
     import uniap_rt_helpers as h
+    from uniap_lightning.monitor import UniAPMonitor
     from uniap_lightning.strategy import UniAPStrategy
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
@@ -280,11 +281,12 @@ def _train_worker(rank: int, world: int, port: int, cases: dict[str, Any], out_d
     torch.set_num_threads(1)
     results: dict[str, Any] = {}
     for name, case in cases.items():
+        monitor = UniAPMonitor(warmup_steps=1, window=4, metrics_file=Path(out_dir) / f"{name}.json")
         if "strategy" in case:  # solved at setup
             strategy = UniAPStrategy(monitor=False, cache_dir=out_dir, **case["strategy"])
         else:
             strategy = UniAPStrategy(plan=_plan(case["methods"], modes=case.get("modes"), dp=case.get("dp", world),
-                                                world=world), monitor=False)
+                                                world=world), monitor=monitor if case.get("monitor") else False)
         seen: list[tuple[int, int, int]] = []
 
         class Count(pl.Callback):
@@ -296,7 +298,7 @@ def _train_worker(rank: int, world: int, port: int, cases: dict[str, Any], out_d
         trainer = pl.Trainer(devices=world, strategy=strategy, callbacks=[rec, Count()],
                              **h.trainer_kwargs({"steps": STEPS, "accumulate": case.get("accumulate", 1)}))
         trainer.fit(h.make_module(), h.make_data(16))
-        results[name] = {"losses": rec.losses, "bytes": seen, "plan": strategy.plan.to_dict()}
+        results[name] = {"losses": rec.losses, "bytes": seen, "plan": strategy.plan.to_dict(), "monitor": monitor.last}
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
 
 
@@ -326,6 +328,13 @@ def test_training_counts_the_formula_bytes_once_per_optimizer_step(trained: list
     assert trained[0]["bf16"]["bytes"][0][1] * 2 == plain
     assert trained[0]["topk"]["bytes"][0][1] < plain / 4
     assert trained[0]["powersgd"]["bytes"][0][1] < plain / 2
+
+
+def test_the_monitor_reports_counted_bytes_next_to_the_formula(trained: list[dict[str, Any]]) -> None:
+    report = trained[0]["bf16"]["monitor"]
+    per_rank = trained[0]["bf16"]["bytes"][-1][2]
+    assert report["rank_grad_sync_bytes"] == report["rank_predicted_grad_sync_bytes"] == [per_rank] * WORLD
+    assert trained[1]["bf16"]["monitor"]["rank_grad_sync_bytes"] == report["rank_grad_sync_bytes"]
 
 
 def test_compressed_training_converges_near_uncompressed(trained: list[dict[str, Any]]) -> None:
