@@ -96,6 +96,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
                 cfg = compose(config_name="fit", overrides=[f"seed={seed}", f"data.batch_size={args.batch}"])
             pl.seed_everything(seed, verbose=False)
             module, data, _ = build_module(cfg)
+            if args.optimizer == "sgd":  # the PowerSGD paper's setting: SGD with momentum (and its error feedback)
+                module.configure_optimizers = lambda m=module: torch.optim.SGD(m.parameters(), lr=args.lr,
+                                                                                momentum=0.9)
             chain = extract_chain(module)
             plan = Plan.from_assignment(
                 stage_of_layer=[0] * len(chain.names), layer_names=chain.names, pp=1, microbatches=1,
@@ -170,6 +173,9 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--tail", type=int, default=10, help="steps averaged for the final loss")
+    parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
+                        help="adamw: `uniap train`'s (lr 3e-3); sgd: SGD with momentum 0.9 at --lr")
+    parser.add_argument("--lr", type=float, default=0.3, help="SGD's learning rate")
     parser.add_argument("--json", help="write every run (numbers and loss curves) here")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as out:
@@ -180,6 +186,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"devices": args.devices, "steps": args.steps, "runs": runs}, f)
+    print(f"optimizer: {'AdamW lr 3e-3' if args.optimizer == 'adamw' else f'SGD momentum 0.9 lr {args.lr}'}")
     print(table(runs, args.devices, args.steps))
 
 
