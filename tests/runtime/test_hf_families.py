@@ -54,7 +54,8 @@ def case(family: str, strategies: list[tuple[int, int, bool]], stages: list[int]
 
 
 TWO_RANKS = {
-    "bert_pp2_padded": case("bert", [ONE] * 4, [0, 0, 1, 1], export=str(EXPORTS / "bert.pt"), limit_val_batches=2),
+    "bert_pp2_padded": case("bert", [ONE] * 4, [0, 0, 1, 1], export=str(EXPORTS / "bert.pt"),
+                            limit_val_batches=2),
     # the boundary carries the encoder's output with the decoder's hidden states; the tied embedding / LM head
     # sit on different stages
     "t5_pp2_encoder_decoder": case("t5", [ONE] * 7, [0, 0, 0, 0, 1, 1, 1], lr=0.01, export=str(EXPORTS / "t5.pt")),

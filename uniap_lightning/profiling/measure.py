@@ -100,7 +100,7 @@ def _measure_layer(layer: nn.Module, x: Any, repeats: int, warmup: int, context:
         t1 = timer.mark()
         backward_ones(out)
         t2 = timer.mark()
-        return float_leaves_detached(out), timer.elapsed_s(t0, t1), timer.elapsed_s(t1, t2)
+        return _detached(out), timer.elapsed_s(t0, t1), timer.elapsed_s(t1, t2)
 
     peak: float | None = None
     if timer.cuda:
@@ -116,7 +116,7 @@ def _measure_layer(layer: nn.Module, x: Any, repeats: int, warmup: int, context:
     return out, statistics.median(fwd), statistics.median(bwd), float(saved[0]), peak
 
 
-def float_leaves_detached(out: Any) -> Any:
+def _detached(out: Any) -> Any:
     from uniap_lightning.runtime.payload import map_tensors
 
     return map_tensors(lambda t: t.detach(), out)
@@ -171,8 +171,8 @@ def profile_layers(
     sync: Callable[[], Any] | None = None,
     context: Context = nullcontext,
 ) -> ModelProfile:
-    """Profile ``layers`` applied in order to ``sample_input`` (a payload, batch on dim 0) at each of ``micro_batches`` sizes,
-    the forward inside ``context`` (the precision's forward context).
+    """Profile ``layers`` applied in order to ``sample_input`` (a payload, batch on dim 0) at each of
+    ``micro_batches`` sizes, the forward inside ``context`` (the precision's forward context).
 
     ``sync``, when given, is called once before each size, *also after an error* (e.g. a barrier, so that ranks
     profiling together time the same size at the same time; a rank that failed keeps answering the barriers, so
@@ -181,7 +181,8 @@ def profile_layers(
     into the structural fallback, and :class:`UniAPError` when a layer breaks the chain contract.
     """
     n_rows = rows(sample_input)
-    sizes = sorted({int(m) for m in (micro_batches or default_micro_batches(n_rows)) if 1 <= int(m) <= n_rows}) or [n_rows]
+    wanted = micro_batches or default_micro_batches(n_rows)
+    sizes = sorted({int(m) for m in wanted if 1 <= int(m) <= n_rows}) or [n_rows]
     if sizes[-1] != n_rows:
         sizes.append(n_rows)
     t_start = time.perf_counter()

@@ -109,8 +109,8 @@ def take_sample(chain: Chain, trainer: pl.Trainer, device: torch.device,
         )
     counts = {int(t.shape[0]) for t in _tensors(x)}
     if len(counts) > 1:
-        raise UniAPError(f"the tensors of the model's input hold different numbers of samples on dim 0 ({sorted(counts)})"
-                         "; every tensor of a batch must have the batch on dim 0")
+        raise UniAPError(f"the tensors of the model's input hold different numbers of samples on dim 0 "
+                         f"({sorted(counts)}); every tensor of a batch must have the batch on dim 0")
     rows = payload_rows(x)
     x = to_device(head(x, min(rows, PROFILE_ROWS)), device)
     if not any(is_meta(layer, t) for layer in chain.layers for t in _tensors(x)):

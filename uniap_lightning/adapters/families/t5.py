@@ -95,8 +95,8 @@ class T5EncoderEnd(View):
     """The encoder's final norm: its output becomes ``encoder``; the decoder's embedded inputs become ``hidden``."""
 
     def forward(self, d: Payload) -> dict[str, Any]:
-        return {"encoder": self.dropout(self.final_layer_norm(d["hidden"])), "hidden": self.decoder_dropout(d["decoder"]),
-                "decoder": None, "enc_rel": None}
+        encoder = self.dropout(self.final_layer_norm(d["hidden"]))
+        return {"encoder": encoder, "hidden": self.decoder_dropout(d["decoder"]), "decoder": None, "enc_rel": None}
 
 
 class T5Head(View):
