@@ -56,7 +56,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             comp.start(buffer, slots, dist.group.WORLD, world, counter).wait()
             error = getattr(comp, "error", None)
             steps.append({"out": buffer.clone(), "error": None if error is None else error.clone(),
-                          "bytes": counter.step_bytes, "by_op": dict(counter.step_by_op)})
+                          "bytes": counter.step_bytes, "by_op": dict(counter.step_by_op),
+                          "state_bytes": comp.state_bytes()})
         results[name] = steps
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     dist.destroy_process_group()
@@ -168,6 +169,18 @@ def test_counted_bytes_equal_the_formula(ranks: list[dict[str, Any]], name: str)
         for step in res[name]:
             assert step["bytes"] == _wire_formula(method, options)
             assert set(step["by_op"]) == ({"all_gather"} if method == "topk" else {"all_reduce"})
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_kept_state_is_the_error_buffer_and_the_warm_start_factors(ranks: list[dict[str, Any]], name: str) -> None:
+    """What the cost model charges as the compressor's memory: 4 bytes per element of error feedback (top-k and
+    PowerSGD), plus PowerSGD's Q factors (k x r per matrix); bf16 keeps nothing."""
+    method, options = CASES[name]
+    numel = sum(math.prod(s) for s in SHAPES)
+    r = options.get("powersgd_rank", 0)
+    q = sum(math.prod(s) // s[0] * min(r, s[0], math.prod(s) // s[0]) for s in SHAPES if len(s) >= 2)
+    expected = {"bf16": 0, "topk": 4 * numel, "powersgd": 4 * numel + 4 * q}[method]
+    assert all(step["state_bytes"] == expected for res in ranks for step in res[name])
 
 
 def test_bf16_is_the_mean_up_to_bf16_rounding(ranks: list[dict[str, Any]]) -> None:

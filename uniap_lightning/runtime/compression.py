@@ -37,6 +37,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+try:  # torch's own (Gram-Schmidt for rank <= 2, QR above), as its powerSGD_hook uses
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _orthogonalize
+except ImportError:  # a torch without it: QR, what the hook does for rank > 2
+    def _orthogonalize(matrices: torch.Tensor, epsilon: float = 0) -> None:
+        matrices.copy_(torch.linalg.qr(matrices).Q)
+
 METHODS = ("bf16", "powersgd", "topk")
 #: seed of PowerSGD's first ``Q`` (the same on every rank of a group: the ``P`` all-reduce needs a shared basis)
 POWERSGD_SEED = 0
@@ -162,7 +168,11 @@ class BF16Compressor(Compressor):
 
 
 class PowerSGDCompressor(Compressor):
-    """Rank-``r`` PowerSGD with error feedback and warm start (torch's ``powerSGD_hook``, per bucket)."""
+    """Rank-``r`` PowerSGD with error feedback and warm start (torch's ``powerSGD_hook``, per bucket).
+
+    Memory: the fp32 error-feedback buffer (the bucket's size; ``M = grad + error`` is formed in it and becomes
+    the new error in place) and the warm-started ``Q`` factors, kept; ``P`` and one matrix's approximation at a
+    time, transient."""
 
     method = "powersgd"
 
@@ -178,32 +188,31 @@ class PowerSGDCompressor(Compressor):
 
     def start(self, buffer: torch.Tensor, slots: Sequence[torch.Tensor], group: dist.ProcessGroup, size: int,
               counter: ByteCounter | None) -> Pending:
-        from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _orthogonalize
-
-        flat = buffer.to(torch.float32, copy=True)
         if self.error is None:
-            self.error = torch.zeros_like(flat)
-        flat.add_(self.error)
-        pieces = _pieces(flat, slots)
-        matrices = [m.view(1, m.shape[0], -1) for m in pieces if m.dim() >= 2 and m.numel()]
-        vectors = [v for v in pieces if not (v.dim() >= 2 and v.numel())]
+            self.error = torch.zeros(buffer.shape, dtype=torch.float32, device=buffer.device)
+        m_flat = self.error.add_(buffer)  # M = grad + error, in the error buffer
+        pieces = _pieces(m_flat, slots)
+        is_matrix = [p.dim() >= 2 and p.numel() > 0 for p in pieces]
+        matrices = [p.view(1, p.shape[0], -1) for p, mat in zip(pieces, is_matrix) if mat]
         ranks = [powersgd_rank(m.shape[1:], self.rank) for m in matrices]
         if self.qs is None:  # the first step: the same random Q on every rank (a shared seed), orthogonalized
             gen = torch.Generator().manual_seed(POWERSGD_SEED)
-            self.qs = [torch.randn(1, m.shape[2], r, generator=gen).to(flat.device) for m, r in zip(matrices, ranks)]
+            self.qs = [torch.randn(1, m.shape[2], r, generator=gen).to(m.device) for m, r in zip(matrices, ranks)]
         for q in self.qs:
             _orthogonalize(q, ORTHOGONALIZATION_EPSILON)
-        p_flat = torch.empty(sum(m.shape[1] * r for m, r in zip(matrices, ranks)), device=flat.device)
+        p_flat = m_flat.new_empty(sum(m.shape[1] * r for m, r in zip(matrices, ranks)))
         ps = _views(p_flat, [(1, m.shape[1], r) for m, r in zip(matrices, ranks)])
         for m, q, p in zip(matrices, self.qs, ps):
             torch.bmm(m, q, out=p)
-        vec = torch.cat([v.reshape(-1) for v in vectors]) if vectors else flat.new_empty(0)
+        # 1-D pieces travel uncompressed in fp32 (a copy: their error must stay readable as this rank's gradient)
+        vec = torch.cat([p.reshape(-1) for p, mat in zip(pieces, is_matrix) if not mat] or [m_flat.new_empty(0)])
         works = [all_reduce(t, group, counter) for t in (vec, p_flat) if t.numel()]
 
         def finish() -> None:
             for w in works:
                 w.wait()
-            q_flat = flat.new_empty(sum(q.numel() for q in self.qs))
+            assert self.qs is not None
+            q_flat = m_flat.new_empty(sum(q.numel() for q in self.qs))
             qs = _views(q_flat, [tuple(q.shape) for q in self.qs])
             for p in ps:
                 _orthogonalize(p, ORTHOGONALIZATION_EPSILON)
@@ -213,29 +222,28 @@ class PowerSGDCompressor(Compressor):
                 all_reduce(q_flat, group, counter).wait()
             q_flat.div_(size)
             self.qs = qs  # the averaged Q: next step's warm start (as torch's hook keeps it)
-            approx = flat.clone()
-            approx_pieces = _pieces(approx, slots)
-            approx_matrices = [a.view(1, a.shape[0], -1) for a in approx_pieces if a.dim() >= 2 and a.numel()]
-            for a, p, q in zip(approx_matrices, ps, qs):
-                torch.bmm(p, q.transpose(1, 2), out=a)
+            out_pieces = _pieces(buffer, slots)
+            matrix_iter = iter(zip(matrices, ps, qs))
             offset = 0
-            for a in approx_pieces:
-                if not (a.dim() >= 2 and a.numel()):
-                    a.copy_(vec[offset:offset + a.numel()].view_as(a).div(size))
-                    offset += a.numel()
-            # error feedback: what this rank's gradient (plus carried error) lost in the low-rank average; 1-D
-            # pieces travel exactly, their error stays zero
-            torch.sub(flat, approx, out=self.error)
-            for e in _pieces(self.error, slots):
-                if not (e.dim() >= 2 and e.numel()):
-                    e.zero_()
-            buffer.copy_(approx)
+            for piece, out, mat in zip(pieces, out_pieces, is_matrix):
+                if mat:
+                    m, p, q = next(matrix_iter)
+                    approx = torch.bmm(p, q.transpose(1, 2))
+                    m.sub_(approx)  # error feedback: what this rank's M lost in the low-rank average
+                    out.copy_(approx.view(out.shape))
+                else:  # exact: no error to carry
+                    out.copy_(vec[offset:offset + piece.numel()].view(out.shape).div(size))
+                    piece.zero_()
+                    offset += piece.numel()
 
         return Pending(finish)
 
 
 class TopKCompressor(Compressor):
-    """Top-k sparsification per gradient piece with error feedback; values and int32 indices all-gathered."""
+    """Top-k sparsification per gradient piece with error feedback; values and int32 indices all-gathered.
+
+    Memory: the fp32 error-feedback buffer (the bucket's size: ``grad + error`` is formed in it and what is sent
+    is zeroed there), kept; the gathered values and indices (``d * k`` each), transient."""
 
     method = "topk"
 
@@ -251,22 +259,19 @@ class TopKCompressor(Compressor):
               counter: ByteCounter | None) -> Pending:
         if buffer.numel() >= 2**31:
             raise ValueError(f"top-k compression indexes a bucket with int32: {buffer.numel()} elements is too many")
-        flat = buffer.to(torch.float32, copy=True)
         if self.error is None:
-            self.error = torch.zeros_like(flat)
-        flat.add_(self.error)
+            self.error = torch.zeros(buffer.shape, dtype=torch.float32, device=buffer.device)
+        acc = self.error.add_(buffer)  # grad + error, in the error buffer
         chosen, offset = [], 0
         for piece in slots:
             n = piece.numel()
             if n:
-                idx = torch.topk(flat[offset:offset + n].abs(), topk_count(n, self.ratio), sorted=False).indices
+                idx = torch.topk(acc[offset:offset + n].abs(), topk_count(n, self.ratio), sorted=False).indices
                 chosen.append(idx + offset)
             offset += n
-        index = torch.cat(chosen) if chosen else torch.zeros(0, dtype=torch.long, device=flat.device)
-        values = flat[index]
-        # error feedback: everything not sent this step is carried to the next
-        self.error.copy_(flat)
-        self.error[index] = 0.0
+        index = torch.cat(chosen) if chosen else torch.zeros(0, dtype=torch.long, device=acc.device)
+        values = acc[index]
+        acc[index] = 0.0  # error feedback: everything not sent this step is carried to the next
         sent_idx = index.to(torch.int32)
         all_values = values.new_empty(size * values.numel())
         all_idx = sent_idx.new_empty(size * sent_idx.numel())
@@ -275,9 +280,9 @@ class TopKCompressor(Compressor):
         def finish() -> None:
             for w in works:
                 w.wait()
-            out = torch.zeros_like(flat)
-            out.index_add_(0, all_idx.long(), all_values)
-            buffer.copy_(out.div_(size))
+            buffer.zero_()
+            buffer.index_add_(0, all_idx.long(), all_values.to(buffer.dtype))
+            buffer.div_(size)
 
         return Pending(finish)
 
