@@ -41,10 +41,10 @@ def build(family: str) -> Any:
             vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
             max_position_embeddings=SEQ, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
             pad_token_id=PAD))
-    if family == "gpt2":
+    if family in ("gpt2", "gpt2_tied"):  # GPT-2's default ties the LM head to the token embedding
         return tr.GPT2LMHeadModel(tr.GPT2Config(
             vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
-            attn_pdrop=0.0, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0))
+            attn_pdrop=0.0, tie_word_embeddings=family == "gpt2_tied", bos_token_id=0, eos_token_id=0))
     if family == "llama":
         return tr.LlamaForCausalLM(tr.LlamaConfig(
             vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -94,6 +94,6 @@ def hf_batches(batch_size: int, family: str, n: int = 32, seed: int = 1) -> Any:
             target = torch.randint(1, VOCAB, (SEQ,), generator=g)
             labels = torch.where(torch.arange(SEQ) < tl, target, torch.full_like(target, -100))
             rows.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
-        else:
+        else:  # causal LMs (gpt2, gpt2_tied, llama)
             rows.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
     return DataLoader(rows, batch_size=batch_size, shuffle=False, drop_last=True)

@@ -33,6 +33,7 @@ def names(family: str) -> list[str]:
     blocks = {
         "bert": ["bert.embeddings", "bert.encoder.layer.0", "bert.encoder.layer.1", "bert.pooler"],
         "gpt2": ["transformer.wte", "transformer.h.0", "transformer.h.1", "transformer.ln_f"],
+        "gpt2_tied": ["transformer.wte", "transformer.h.0", "transformer.h.1", "transformer.ln_f"],
         "llama": ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm"],
         "t5": ["shared", "encoder.block.0", "encoder.block.1", "encoder.final_layer_norm", "decoder.block.0",
                "decoder.block.1", "decoder.final_layer_norm"],
@@ -61,6 +62,9 @@ TWO_RANKS = {
     "t5_pp2_encoder_decoder": case("t5", [ONE] * 7, [0, 0, 0, 0, 1, 1, 1], lr=0.01, export=str(EXPORTS / "t5.pt")),
     "swin_fsdp_tp_mixed": case("swin", [FSDP, REPL, TP, FSDP, TP, FSDP, REPL], [0] * 7, export=str(EXPORTS / "swin.pt")),
     "llama_tp2_fsdp_padded": case("llama", [FSDP, TP, TP, REPL], [0] * 4),
+    # GPT-2 as configured by default (LM head tied to the token embedding): the two copies on one stage, one
+    # replicated and one sharded, get the tied gradient
+    "gpt2_tied_dp2": case("gpt2_tied", [REPL, FSDP, REPL, FSDP], [0] * 4, export=str(EXPORTS / "gpt2_tied.pt")),
     # no plan: the strategy profiles the Swin chain (dict payloads, unequal layers), solves and applies the plan
     "swin_solved": {**case("swin", [REPL] * 7, [0] * 7), "plan": None,
                     "strategy": {"measure_cluster": False, "cache_dir": str(EXPORTS / "plans")}},
@@ -227,3 +231,16 @@ def test_runs_of_identical_layers_come_from_structural_identity(family: str) -> 
     assert long_runs, (runs, names)  # identical neighbours (e.g. T5 encoder blocks 1-3) are grouped
     joinable = sum(1 for u in range(len(keys) - 1) if keys[u] == keys[u + 1])
     assert sum(b - a for a, b in runs) == joinable  # every pair of identical neighbours, and only those
+
+
+def test_only_tied_weights_become_tied_copies() -> None:
+    """GPT-2 with its default tie gets the LM head as an equal copy of the embedding (one tie); an untied model
+    keeps its two independent weights (no tie, so no gradient is summed)."""
+    from uniap_lightning.runtime import extract_chain
+
+    tied = extract_chain(hf_module("gpt2_tied"))
+    assert tied.ties == [(0, 3, "wte.weight", "lm_head.weight")]
+    model = tied.module.model
+    assert model.lm_head.weight is not model.transformer.wte.weight
+    torch.testing.assert_close(model.lm_head.weight, model.transformer.wte.weight, rtol=0, atol=0)
+    assert extract_chain(hf_module("gpt2")).ties == [] and extract_chain(hf_module("llama")).ties == []

@@ -149,14 +149,13 @@ def pretrained_chain(module: nn.Module, attribute: str, model: Any) -> Any:
         )
     if family.attention is not None and hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(family.attention)
-    for src, dst in family.ties:
-        _untie(model, src, dst)
+    tied = [(src, dst) for src, dst in family.ties if _untie(model, src, dst)]
     pairs = family.layers(model)
     layers = [layer for layer, _ in pairs]
     parts = [[f"{attribute}.{p}" for p in fqns] for _, fqns in pairs]
     names = [p[0] for p in parts]
     _check_covers(module, attribute, model, parts)
-    ties = [_tie(layers, pairs, model, src, dst) for src, dst in family.ties]
+    ties = [_tie(layers, model, src, dst) for src, dst in tied]
     target_loss = family.loss
 
     def loss_fn(output: Any, target: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -166,15 +165,16 @@ def pretrained_chain(module: nn.Module, attribute: str, model: Any) -> Any:
                  parts=parts, ties=ties)
 
 
-def _untie(model: Any, src: str, dst: str) -> None:
-    """``dst`` gets its own parameter, equal to ``src``'s (when they are the same parameter)."""
+def _untie(model: Any, src: str, dst: str) -> bool:
+    """``dst`` gets its own parameter, equal to ``src``'s, when they are the same parameter (then ``True``)."""
     a, b = model.get_submodule(src), model.get_submodule(dst)
-    if a.weight is b.weight:
-        b.weight = nn.Parameter(a.weight.detach().clone(), requires_grad=a.weight.requires_grad)
+    if a.weight is not b.weight:
+        return False
+    b.weight = nn.Parameter(a.weight.detach().clone(), requires_grad=a.weight.requires_grad)
+    return True
 
 
-def _tie(layers: list[nn.Module], pairs: list[tuple[nn.Module, list[str]]], model: Any, src: str,
-         dst: str) -> tuple[int, int, str, str]:
+def _tie(layers: list[nn.Module], model: Any, src: str, dst: str) -> tuple[int, int, str, str]:
     """The tie as (layer a, layer b, parameter name in a, in b): the layers holding ``src`` and ``dst``."""
     found = []
     for fqn in (src, dst):

@@ -214,7 +214,9 @@ def llama_layers(model: Any) -> list[tuple[nn.Module, list[str]]]:
 
 register("bert", Family(layers=bert_layers, loss=classification_loss,
                         inputs=("input_ids", "attention_mask", "token_type_ids"), count=count_rows))
+# tie_word_embeddings=True (GPT-2's default): the LM head gets an equal copy of the token embedding, with summed
+# gradients (runtime/ties.py)
 register("gpt2", Family(layers=gpt2_layers, loss=causal_lm_loss, inputs=("input_ids", "attention_mask"),
-                        count=count_next_tokens))
+                        count=count_next_tokens, ties=(("transformer.wte", "lm_head"),)))
 register("llama", Family(layers=llama_layers, loss=causal_lm_loss, inputs=("input_ids", "attention_mask"),
-                         count=count_next_tokens))
+                         count=count_next_tokens, ties=(("model.embed_tokens", "lm_head"),)))
