@@ -60,6 +60,8 @@ TWO_RANKS = {
     # the boundary carries the encoder's output with the decoder's hidden states; the tied embedding / LM head
     # sit on different stages
     "t5_pp2_encoder_decoder": case("t5", [ONE] * 7, [0, 0, 0, 0, 1, 1, 1], lr=0.01, export=str(EXPORTS / "t5.pt")),
+    # head-parallel self- and cross-attention slicing the shared position bias; the tied copies on one stage
+    "t5_tp2_one_stage": case("t5", [REPL, TP, TP, FSDP, TP, TP, REPL], [0] * 7, lr=0.01),
     "swin_fsdp_tp_mixed": case("swin", [FSDP, REPL, TP, FSDP, TP, FSDP, REPL], [0] * 7, export=str(EXPORTS / "swin.pt")),
     "llama_tp2_fsdp_padded": case("llama", [FSDP, TP, TP, REPL], [0] * 4),
     # GPT-2 as configured by default (LM head tied to the token embedding): the two copies on one stage, one

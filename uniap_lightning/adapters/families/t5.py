@@ -8,9 +8,10 @@ later blocks compute their position bias from it, so the gradient reaches it fro
 batch on dim 0, a few hundred numbers per sample). At the encoder's end ``encoder`` (its output) travels with the
 decoder's ``hidden`` states and ``dec_rel`` through the decoder. Masks (padding, causal) are rebuilt in each block.
 
-Tensor parallelism covers the feed-forward (``wi`` column-, ``wo`` row-parallel): T5's position bias is computed
-for all heads from a table shared by every block of a stack, which a head-sharded attention would have to slice
-per rank.
+Tensor parallelism in the Megatron pattern: q/k/v (self- and cross-attention) and ``wi`` column-parallel, ``o``
+and ``wo`` row-parallel. The position bias is computed for all heads from the stack's shared table and each rank
+takes its heads' slice; the slicing sums the heads' gradients over the tensor-parallel group on the way back
+(Megatron's "copy to the tensor-parallel region"), so the table gets its whole gradient on every rank.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from uniap_lightning.adapters.auto import Family, count_tokens, register
@@ -45,6 +47,42 @@ def _bias(attention: nn.Module, table: torch.Tensor, q_len: int, k_len: int) -> 
     return nn.functional.embedding(buckets, table).permute([2, 0, 1]).unsqueeze(0)
 
 
+class _CopyToTensorParallel(torch.autograd.Function):
+    """Identity forward; backward, the gradients of the ranks' head slices summed over the tensor-parallel group."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _tp_heads(attention: nn.Module) -> tuple[int, int, Any]:
+    """(tensor-parallel degree, this rank's index, group) of an attention whose q is column-parallel, else (1, 0,
+    None)."""
+    from torch.distributed.tensor import DTensor
+
+    w = attention.q.weight
+    if not isinstance(w, DTensor) or w.device_mesh.ndim != 1 or w.device_mesh.size() == 1:
+        return 1, 0, None
+    mesh = w.device_mesh
+    return mesh.size(), mesh.get_local_rank(), mesh.get_group()
+
+
+def _local_bias(attention: nn.Module, bias: torch.Tensor) -> torch.Tensor:
+    """This rank's heads of a ``[1, heads, q, k]`` bias (all of it without tensor parallelism)."""
+    tp, r, group = _tp_heads(attention)
+    if tp == 1:
+        return bias
+    heads = bias.shape[1] // tp
+    return _CopyToTensorParallel.apply(bias, group)[:, r * heads:(r + 1) * heads]
+
+
 class T5Block(View):
     """One block of either stack. The first block of a stack owns the relative-position table and passes it on."""
 
@@ -63,14 +101,18 @@ class T5Block(View):
         key = "dec_rel" if self.decoder else "enc_rel"
         rel = attention.relative_attention_bias.weight.unsqueeze(0).expand(hidden.shape[0], -1, -1) if self.first \
             else d[key]
-        bias = _bias(attention, rel[0], hidden.shape[1], hidden.shape[1])
+        bias = _local_bias(attention, _bias(attention, rel[0], hidden.shape[1], hidden.shape[1]))
         if self.decoder:
             mask = create_causal_mask(config=self.config, inputs_embeds=hidden,
                                       attention_mask=d.get("decoder_attention_mask"), cache=None)
             cross = create_bidirectional_mask(config=self.config, inputs_embeds=hidden,
                                               attention_mask=d.get("attention_mask"),
                                               encoder_hidden_states=d["encoder"])
-            out = self.block(hidden, mask, bias, d["encoder"], cross, None)
+            # T5 builds a zero cross-attention bias for all heads when given none: give this rank's heads'
+            cross_attention = self.block.layer[1].EncDecAttention
+            zeros = torch.zeros(1, cross_attention.n_heads // _tp_heads(cross_attention)[0], hidden.shape[1],
+                                d["encoder"].shape[1], dtype=hidden.dtype, device=hidden.device)
+            out = self.block(hidden, mask, bias, d["encoder"], cross, zeros)
         else:
             mask = create_bidirectional_mask(config=self.config, inputs_embeds=hidden,
                                              attention_mask=d.get("attention_mask"))
@@ -79,16 +121,21 @@ class T5Block(View):
 
     def uniap_tp_degrees(self) -> list[int]:
         ff = self.block.layer[-1].DenseReluDense
-        return divisors_of_all(ff.wo.in_features)
+        return divisors_of_all(ff.wo.in_features, self.block.layer[0].SelfAttention.n_heads)
 
     def uniap_tp_plan(self, tp: int) -> dict[str, Any]:
         ff = self.block.layer[-1].DenseReluDense
         prefix = f"block.layer.{len(self.block.layer) - 1}.DenseReluDense"
         wis = ["wi_0", "wi_1"] if hasattr(ff, "wi_0") else ["wi"]
-        return {**{f"{prefix}.{w}": colwise() for w in wis}, f"{prefix}.wo": rowwise()}
+        plan = {**{f"{prefix}.{w}": colwise() for w in wis}, f"{prefix}.wo": rowwise()}
+        attentions = ["layer.0.SelfAttention"] + (["layer.1.EncDecAttention"] if self.decoder else [])
+        for a in attentions:
+            plan.update({f"block.{a}.{p}": colwise() for p in ("q", "k", "v")})
+            plan[f"block.{a}.o"] = rowwise()
+        return plan
 
     def uniap_tp_allreduces(self) -> int:
-        return 1
+        return 3 if self.decoder else 2
 
 
 class T5EncoderEnd(View):
