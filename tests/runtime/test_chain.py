@@ -65,3 +65,41 @@ def test_replacing_a_layer_keeps_other_names() -> None:
     chain.replace(1, nn.Identity())
     names = [n for n, _ in module.named_parameters()]
     assert "blocks.0.weight" not in names and {"embed.weight", "blocks.1.weight", "head.weight"} <= set(names)
+
+
+def test_payload_calling_rules() -> None:
+    """A tuple is passed as positional arguments; a dict as one argument, the entries a layer does not return
+    travel on and an entry returned as None is dropped; structures survive the flat tuples stages exchange."""
+    from uniap_lightning.runtime.payload import call_layer, chunk, concat, flatten, spec_of, unflatten
+
+    class Pair(nn.Module):
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return a + b, b
+
+    class Update(nn.Module):
+        def forward(self, d: dict[str, torch.Tensor]) -> dict[str, Any]:
+            return {"h": d["h"] * 2, "ids": None, "new": d["mask"].float()}
+
+    a, b = torch.ones(4, 2), torch.full((4, 2), 3.0)
+    assert torch.equal(call_layer(Pair(), (a, b))[0], a + b)
+    d = {"ids": torch.zeros(4, 3, dtype=torch.long), "h": a, "mask": torch.ones(4, 3, dtype=torch.long)}
+    out = call_layer(Update(), d)
+    assert list(out) == ["h", "mask", "new"] and torch.equal(out["h"], 2 * a) and out["mask"] is d["mask"]
+    for payload in (a, (a, b), out):
+        assert spec_of(unflatten(flatten(payload), spec_of(payload))) == spec_of(payload)
+        parts = chunk(payload, 2)
+        assert all(t.shape[0] == 2 for part in parts for t in flatten(part))
+        assert all(torch.equal(x, y) for x, y in zip(flatten(concat(parts)), flatten(payload)))
+
+
+def test_dict_batch_with_labels_splits_by_default() -> None:
+    from uniap_lightning.errors import UniAPError
+    from uniap_lightning.runtime.chain import default_split_batch
+
+    x, y = default_split_batch({"input_ids": torch.zeros(2, 3), "attention_mask": torch.ones(2, 3),
+                                "labels": torch.zeros(2)})
+    assert set(x) == {"input_ids", "attention_mask"} and y.shape == (2,)
+    import pytest
+
+    with pytest.raises(UniAPError, match="expects \\(input, target\\) or a dict with 'labels'"):
+        default_split_batch({"input_ids": torch.zeros(2, 3)})
