@@ -133,6 +133,36 @@ def _probe_case(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
     return {**probe.result, "numel": numel, "plan": strategy.plan.to_dict()}
 
 
+def _count_case(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
+    """Train two steps counting, in the second, each local layer's forward calls with gradients on (a recomputed
+    layer runs its forward again in backward)."""
+    import lightning.pytorch as pl
+
+    from uniap_lightning.strategy import UniAPStrategy
+
+    module = h.make_module()
+    strategy = UniAPStrategy(plan=case["plan"])
+    calls: dict[str, int] = {}
+
+    class Count(pl.Callback):
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            rt = strategy.runtime
+            for u in rt.plan.layers_of_stage(rt.meshes.stage):
+                name = rt.chain.names[u]
+                calls[name] = 0
+                # a pre-hook: checkpoint's recomputation stops once it has what backward needs, before post-hooks
+                rt.chain.layers[u].register_forward_pre_hook(
+                    lambda *_, name=name: calls.__setitem__(name, calls[name] + torch.is_grad_enabled()))
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, idx: int) -> None:
+            if idx == 1:  # count the second step only: the first also runs the pipeline stages' shape inference
+                calls.update(dict.fromkeys(calls, 0))
+
+    trainer = pl.Trainer(devices=world, strategy=strategy, callbacks=[Count()], **h.trainer_kwargs(case))
+    trainer.fit(module, h.make_data(16))
+    return {"calls": calls}
+
+
 def worker(rank: int, world: int, port: int, cases: dict[str, dict[str, Any]], out_dir: str) -> None:
     """:func:`uniap_rt_helpers.worker`, plus memory-probe cases."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
@@ -143,7 +173,8 @@ def worker(rank: int, world: int, port: int, cases: dict[str, dict[str, Any]], o
     for name, case in cases.items():
         start = time.monotonic()
         try:
-            run = _probe_case if case.get("probe") else (lambda r, w, c: h._run_case(r, w, c, Path(out_dir)))
+            run = (_probe_case if case.get("probe") else _count_case if case.get("count") else
+                   (lambda r, w, c: h._run_case(r, w, c, Path(out_dir))))
             results[name] = run(rank, world, case)
         except Exception as err:  # recorded, so one broken case does not hide the others
             results[name] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc(),
@@ -215,10 +246,15 @@ RESUME_TWO = {
 }
 
 
+# recompute on net.1 (stage 0) and net.3 (stage 1), two micro-batches per step
+COUNT_PLAN = P2([S(1, 1), S(1, 1, REP, True), S(1, 1), S(1, 1, REP, True)], TWO_STAGES, pp=2, microbatches=2)
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], Path]:
     out = tmp_path_factory.mktemp("zero_two")
-    cases = {**TWO_RANKS, **COMPRESSED, **RESUME_TWO, "memory": {"plan": MEMORY_2, **MEMORY_CASE}}
+    cases = {**TWO_RANKS, **COMPRESSED, **RESUME_TWO, "memory": {"plan": MEMORY_2, **MEMORY_CASE},
+             "count": {"plan": COUNT_PLAN, "count": True, "steps": 2}}
     return h.spawn(2, cases, out, fn=worker), out
 
 
@@ -288,3 +324,14 @@ def test_memory_per_mode_four_ranks(four_ranks: Any) -> None:
     # the optimizer state of a zero layer is a quarter of the replicated one's per parameter
     by_mode = {row[3]: row[6]["optimizer"] / row[5] for row in rows}
     assert by_mode[REP] == O and by_mode[Z1] == by_mode[Z2] == by_mode[Z3] == O / 4
+
+
+def test_recomputed_layers_run_forward_again(two_ranks: Any) -> None:
+    """Per micro-batch a recomputed layer's forward runs twice with gradients on (forward, then in backward),
+    the others once: the recomputation really happens (the equivalence tests show it changes no number)."""
+    results, _ = two_ranks
+    calls = {}
+    for r in results:
+        assert "error" not in r["count"], r["count"].get("traceback")
+        calls.update(r["count"]["calls"])
+    assert calls == {"net.0": 2, "net.1": 4, "net.2": 2, "net.3": 4}, calls
