@@ -128,9 +128,9 @@ WIDTH, DEPTH = 16, 8
 class SlowLayer(nn.Module):
     """A layer that sleeps ``delay_s`` per sample in its forward while ``slow`` is set (a throttled device)."""
 
-    def __init__(self, width: int, delay_s: float) -> None:
+    def __init__(self, width: int, out: int, delay_s: float) -> None:
         super().__init__()
-        self.lin = nn.Linear(width, width)
+        self.lin = nn.Linear(width, out)
         self.delay_s = delay_s
         self.slow = False
 
@@ -141,16 +141,17 @@ class SlowLayer(nn.Module):
 
 
 def slow_module(slow_rank: int = 3, delay_s: float = 0.002) -> Any:
-    """Adam + StepLR over a chain of ``DEPTH`` equal layers; from the first training batch on, every layer runs
-    slowly on process ``slow_rank`` (``dist.get_rank()``; never in a single-process run)."""
+    """Adam + StepLR over a chain of ``DEPTH`` equal layers between an input and an output layer; from the first
+    training batch on, every layer runs slowly on process ``slow_rank`` (``dist.get_rank()``; never in a
+    single-process run), as every operation of a throttled device does."""
     import lightning.pytorch as pl
     import torch.distributed as dist
 
     class SlowChain(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.net = nn.Sequential(nn.Linear(h.IN, WIDTH), *[SlowLayer(WIDTH, delay_s) for _ in range(DEPTH)],
-                                     nn.Linear(WIDTH, h.OUT))
+            widths = [h.IN] + [WIDTH] * (DEPTH + 1) + [h.OUT]
+            self.net = nn.Sequential(*[SlowLayer(a, b, delay_s) for a, b in zip(widths, widths[1:])])
             self.loss_fn = nn.MSELoss()
 
         def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -181,7 +182,7 @@ def _run(rank: int, world: int, case: dict[str, Any], out: Path) -> dict[str, An
 
     from uniap_lightning.monitor import UniAPMonitor
 
-    module = slow_module(**case.get("module", {}))
+    module = h.make_module(factory="test_rebalance:slow_module", **case.get("module", {}))  # seeded as the reference
     rec = h.LossRecorder.make()
     monitor = UniAPMonitor(warmup_steps=1, window=3, metrics_file=out / f"measured-{rank}.json")
     strategy = UniAPStrategy(cluster="local_cpu", cache_dir=str(out / "cache"), monitor=monitor,
@@ -193,7 +194,9 @@ def _run(rank: int, world: int, case: dict[str, Any], out: Path) -> dict[str, An
         trainer.save_checkpoint(out / case["save"])
     return {"losses": rec.losses, "state": full_local_state(module), "train_loss":
             float(trainer.callback_metrics["train_loss"]), "first_plan": strategy.setup_result.plan,
-            "plan": strategy.plan, "rebalances": strategy.rebalances, "monitor": monitor.last}
+            "plan": strategy.plan, "rebalances": strategy.rebalances, "monitor": monitor.last,
+            "switched_to": [e.plan for e in strategy._rebalancer.events] if strategy._rebalancer else [],
+            "checks": strategy._rebalancer.checks if strategy._rebalancer else []}
 
 
 def _worker(rank: int, world: int, port: int, cases: dict[str, dict[str, Any]], out_dir: str) -> None:
@@ -249,12 +252,16 @@ def _reference(epochs: int) -> dict[str, Any]:
 def test_a_slow_rank_triggers_a_switch_with_parity_to_one_process(rebalanced: Any) -> None:
     res = [r["switch"] for r in rebalanced]
     events = res[0]["rebalances"]
-    assert events and all(r["rebalances"] == events for r in res), "every rank switched alike"
+    same = ("step", "reason", "speeds", "old_plan", "new_plan", "predicted_gain", "measured_gain")
+    assert events, res[0]["checks"]
+    assert all([{k: e[k] for k in same} for e in r["rebalances"]] == [{k: e[k] for k in same} for e in events]
+               for r in res), "every rank switched alike"
     first = events[0]
-    assert first["step"] == 4 and first["speeds"][SLOW] < 0.8 and first["predicted_gain"] > 0.10
-    n = res[0]["first_plan"].devices_per_stage
-    assert all(s > 0.8 for r, s in enumerate(first["speeds"]) if r // n != SLOW // n)  # other stages: healthy
-    assert _slow_rank_work(res[0]["plan"], SLOW) < _slow_rank_work(res[0]["first_plan"], SLOW)
+    assert first["step"] == 4 and first["predicted_gain"] > 0.10
+    speeds = first["speeds"]  # healthy ranks' figures are noisy on shared cores; the slow one stands out
+    assert speeds[SLOW] < 0.5 * min(s for r, s in enumerate(speeds) if r != SLOW), speeds
+    assert _slow_rank_work(res[0]["switched_to"][0], SLOW) < _slow_rank_work(res[0]["first_plan"], SLOW)
+    assert res[0]["plan"] is not None and all(r["plan"] == res[0]["plan"] for r in res)
     assert first["measured_gain"] is not None and first["switch_s"] > 0
     h.assert_close_to_reference(rebalanced, "switch", _reference(3))
     # the monitor's file (what `uniap explain measured=FILE` reads) lists the switch, and explain shows it

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.callbacks import Callback
@@ -66,9 +66,10 @@ class RebalanceEvent:
     step_time_before_s: float | None
     step_time_after_s: float | None = None
     measured_gain: float | None = None
+    plan: Plan | None = field(default=None, repr=False)  # the plan switched to (not in ``to_dict``)
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "plan"}
         d["speeds"] = list(self.speeds)
         return d
 
@@ -231,7 +232,8 @@ class Rebalancer(Callback):
         event = RebalanceEvent(step=trainer.global_step, reason=verdict.reason, speeds=verdict.speeds, old_plan=old,
                                new_plan=describe(verdict.plan), predicted_tpi_old_s=verdict.tpi_old_s,
                                predicted_tpi_new_s=verdict.tpi_new_s, predicted_gain=verdict.gain,
-                               switch_s=seconds, solve_s=verdict.solve_s, step_time_before_s=step_time)
+                               switch_s=seconds, solve_s=verdict.solve_s, step_time_before_s=step_time,
+                               plan=verdict.plan)
         self.events.append(event)
         for cb in trainer.callbacks:
             if hasattr(cb, "on_plan_switch"):

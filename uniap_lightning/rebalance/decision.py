@@ -72,7 +72,7 @@ def new_speeds(slowness: list[float | None], speeds: tuple[float, ...]) -> tuple
     base = min(known)
     raw = [v if s is None else v * base / s for v, s in zip(speeds, slowness)]
     scale = max(speeds) / max(raw)
-    return tuple(round(v * scale, 4) for v in raw)
+    return tuple(float(f"{v * scale:.4g}") for v in raw)  # 4 significant digits: stable, never 0
 
 
 def speeds_moved(new: tuple[float, ...], old: tuple[float, ...], threshold: float) -> list[int]:
