@@ -40,8 +40,11 @@ METHODS: dict[str, tuple[str, dict[str, float]]] = {
     "powersgd-r1": ("powersgd", {"powersgd_rank": 1}),
     "powersgd-r2": ("powersgd", {"powersgd_rank": 2}),
     "powersgd-r4": ("powersgd", {"powersgd_rank": 4}),
+    "powersgd-r8": ("powersgd", {"powersgd_rank": 8}),
+    "powersgd-r16": ("powersgd", {"powersgd_rank": 16}),
     "topk-1%": ("topk", {"topk_ratio": 0.01}),
     "topk-10%": ("topk", {"topk_ratio": 0.1}),
+    "topk-25%": ("topk", {"topk_ratio": 0.25}),
 }
 
 
