@@ -10,8 +10,8 @@ from torch import nn
 from uniap_lightning.adapters.auto import HFTarget
 from uniap_lightning.adapters.hf import _colwise, _divisors_of_all, _replicate, _rowwise
 
-__all__ = ["View", "causal_lm_loss", "classification_loss", "colwise", "divisors_of_all", "rowwise", "replicate",
-           "token_loss"]
+__all__ = ["View", "causal_lm_loss", "classification_loss", "colwise", "divisors_of_all", "local_heads", "rowwise",
+           "replicate", "tensor_parallel_heads", "token_loss"]
 
 colwise, rowwise, replicate, divisors_of_all = _colwise, _rowwise, _replicate, _divisors_of_all
 
@@ -44,3 +44,43 @@ def classification_loss(model: Any, logits: torch.Tensor, target: HFTarget) -> t
     """The model's own sequence / image classification loss (a mean over samples, so a micro-batch's mean is
     already the right share)."""
     return model.loss_function(target.labels, logits, model.config)
+
+
+class _CopyToTensorParallel(torch.autograd.Function):
+    """Identity forward; backward, the gradients of the ranks' head slices summed over the tensor-parallel group
+    (Megatron's "copy to the tensor-parallel region")."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        import torch.distributed as dist
+
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def tensor_parallel_heads(weight: torch.Tensor) -> tuple[int, int, Any]:
+    """(tensor-parallel degree, this rank's index, group) of an attention whose query projection ``weight`` is
+    column-parallel (a DTensor on a 1-D mesh); ``(1, 0, None)`` otherwise."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(weight, DTensor) or weight.device_mesh.ndim != 1 or weight.device_mesh.size() == 1:
+        return 1, 0, None
+    mesh = weight.device_mesh
+    return mesh.size(), mesh.get_local_rank(), mesh.get_group()
+
+
+def local_heads(query_weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """This rank's heads of a ``[1, heads, q, k]`` attention bias computed for all heads (all of it without tensor
+    parallelism); the heads' gradients are summed over the group on the way back, so whatever computed the bias (a
+    position table) gets its whole gradient on every rank."""
+    tp, r, group = tensor_parallel_heads(query_weight)
+    if tp == 1:
+        return bias
+    heads = bias.shape[1] // tp
+    return _CopyToTensorParallel.apply(bias, group)[:, r * heads:(r + 1) * heads]

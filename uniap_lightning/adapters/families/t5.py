@@ -19,11 +19,18 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from uniap_lightning.adapters.auto import Family, count_tokens, register
-from uniap_lightning.adapters.families.common import View, colwise, divisors_of_all, rowwise, token_loss
+from uniap_lightning.adapters.families.common import (
+    View,
+    colwise,
+    divisors_of_all,
+    local_heads,
+    rowwise,
+    tensor_parallel_heads,
+    token_loss,
+)
 
 Payload = dict[str, torch.Tensor]
 
@@ -47,42 +54,6 @@ def _bias(attention: nn.Module, table: torch.Tensor, q_len: int, k_len: int) -> 
     return nn.functional.embedding(buckets, table).permute([2, 0, 1]).unsqueeze(0)
 
 
-class _CopyToTensorParallel(torch.autograd.Function):
-    """Identity forward; backward, the gradients of the ranks' head slices summed over the tensor-parallel group."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-def _tp_heads(attention: nn.Module) -> tuple[int, int, Any]:
-    """(tensor-parallel degree, this rank's index, group) of an attention whose q is column-parallel, else (1, 0,
-    None)."""
-    from torch.distributed.tensor import DTensor
-
-    w = attention.q.weight
-    if not isinstance(w, DTensor) or w.device_mesh.ndim != 1 or w.device_mesh.size() == 1:
-        return 1, 0, None
-    mesh = w.device_mesh
-    return mesh.size(), mesh.get_local_rank(), mesh.get_group()
-
-
-def _local_bias(attention: nn.Module, bias: torch.Tensor) -> torch.Tensor:
-    """This rank's heads of a ``[1, heads, q, k]`` bias (all of it without tensor parallelism)."""
-    tp, r, group = _tp_heads(attention)
-    if tp == 1:
-        return bias
-    heads = bias.shape[1] // tp
-    return _CopyToTensorParallel.apply(bias, group)[:, r * heads:(r + 1) * heads]
-
-
 class T5Block(View):
     """One block of either stack. The first block of a stack owns the relative-position table and passes it on."""
 
@@ -101,7 +72,7 @@ class T5Block(View):
         key = "dec_rel" if self.decoder else "enc_rel"
         rel = attention.relative_attention_bias.weight.unsqueeze(0).expand(hidden.shape[0], -1, -1) if self.first \
             else d[key]
-        bias = _local_bias(attention, _bias(attention, rel[0], hidden.shape[1], hidden.shape[1]))
+        bias = local_heads(attention.q.weight, _bias(attention, rel[0], hidden.shape[1], hidden.shape[1]))
         if self.decoder:
             mask = create_causal_mask(config=self.config, inputs_embeds=hidden,
                                       attention_mask=d.get("decoder_attention_mask"), cache=None)
@@ -110,7 +81,7 @@ class T5Block(View):
                                               encoder_hidden_states=d["encoder"])
             # T5 builds a zero cross-attention bias for all heads when given none: give this rank's heads'
             cross_attention = self.block.layer[1].EncDecAttention
-            zeros = torch.zeros(1, cross_attention.n_heads // _tp_heads(cross_attention)[0], hidden.shape[1],
+            zeros = torch.zeros(1, cross_attention.n_heads // tensor_parallel_heads(cross_attention.q.weight)[0], hidden.shape[1],
                                 d["encoder"].shape[1], dtype=hidden.dtype, device=hidden.device)
             out = self.block(hidden, mask, bias, d["encoder"], cross, zeros)
         else:

@@ -3,20 +3,28 @@
 Batches are dicts ``{"pixel_values", "labels"}``. ViT: patch embedding, one layer per encoder block, final norm +
 classifier on the first token. Swin: patch embedding, one layer per block of every stage, one layer per patch
 merging between stages, final norm + average pool + classifier; a block's patch-grid size is a constant of its
-stage (from the config), not sent. Swin's blocks differ between stages (width, heads, grid) and within a stage
+stage (from the config), not sent. Both shard attention heads and MLP under tensor parallelism. Swin's blocks differ between stages (width, heads, grid) and within a stage
 (shifted windows or not): each answers ``uniap_structure_key()``, so profiling pools only truly identical blocks.
 """
 
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
 from uniap_lightning.adapters.auto import Family, count_rows, register
-from uniap_lightning.adapters.families.common import View, classification_loss, colwise, divisors_of_all, rowwise
+from uniap_lightning.adapters.families.common import (
+    View,
+    classification_loss,
+    colwise,
+    divisors_of_all,
+    local_heads,
+    rowwise,
+)
 
 Payload = dict[str, torch.Tensor]
 
@@ -69,13 +77,23 @@ def vit_layers(model: Any) -> list[tuple[nn.Module, list[str]]]:
 
 
 # ------------------------------------------------------------------------------------------------------ Swin
+def _heads_of_this_rank(attention: nn.Module, module: nn.Module, args: Any, bias: torch.Tensor) -> torch.Tensor:
+    """Forward hook of a Swin attention's relative-position bias: this rank's heads under tensor parallelism."""
+    return local_heads(attention.q_proj.weight, bias)
+
+
 class SwinBlock(View):
-    """One Swin block on its stage's patch grid ``dims``. Tensor parallel over the MLP only: the attention adds a
-    per-head relative-position bias that a head-sharded attention would have to slice per rank."""
+    """One Swin block on its stage's patch grid ``dims``. Tensor parallel in the Megatron pattern (q/k/v and fc1
+    column-, o and fc2 row-parallel); the block's relative-position bias, computed for all heads from its table,
+    is cut to this rank's heads by a forward hook (no-op without tensor parallelism; parameter names unchanged)."""
 
     def __init__(self, block: nn.Module, dims: tuple[int, int]) -> None:
         super().__init__(block=block)
         self.dims = dims
+        attention = block.attention
+        if not getattr(attention, "_uniap_heads_hook", False):
+            attention.relative_position_bias.register_forward_hook(partial(_heads_of_this_rank, attention))
+            attention._uniap_heads_hook = True
 
     def uniap_structure_key(self) -> tuple[Any, ...]:
         return (self.dims, self.block.shift_size, self.block.window_size)
@@ -85,13 +103,14 @@ class SwinBlock(View):
         return {"hidden": out[0] if isinstance(out, tuple) else out}
 
     def uniap_tp_degrees(self) -> list[int]:
-        return divisors_of_all(self.block.mlp.fc1.out_features)
+        return divisors_of_all(self.block.mlp.fc1.out_features, self.block.attention.num_attention_heads)
 
     def uniap_tp_plan(self, tp: int) -> dict[str, Any]:
-        return _mlp_plan("block")
+        attn = {f"block.attention.{p}": colwise() for p in ("q_proj", "k_proj", "v_proj")}
+        return {**attn, "block.attention.o_proj": rowwise(), **_mlp_plan("block")}
 
     def uniap_tp_allreduces(self) -> int:
-        return 1
+        return 2
 
 
 class SwinMerge(View):
