@@ -68,7 +68,8 @@ class UniAPStrategy(ModelParallelStrategy):
         profile_micro_batches: micro-batch sizes to time (default: half the sample batch and all of it, at most 16).
         compression: gradient compression the planner may choose per replicated / ZeRO-1 layer (opt-in: numerics
             change): ``None`` (off), ``"bf16"``, ``"powersgd"`` or ``"topk"`` (that method or none, per layer),
-            ``"auto"`` (any); see :mod:`uniap_lightning.runtime.compression`.
+            ``"auto"`` (any); see :mod:`uniap_lightning.runtime.compression`. ``compression_options``: their
+            parameters, ``{"powersgd_rank": 1, "topk_ratio": 0.01}`` by default (higher: closer to uncompressed).
         monitor: ``True`` (default) installs a :class:`~uniap_lightning.monitor.UniAPMonitor` with default settings
             (measured vs predicted step time and peak memory, logged as ``uniap/*`` metrics); pass a monitor
             instance for other settings or ``False`` for none.
@@ -97,6 +98,7 @@ class UniAPStrategy(ModelParallelStrategy):
         profile_micro_batches: list[int] | None = None,
         monitor: Any = True,
         compression: str | None = None,
+        compression_options: Mapping[str, float] | None = None,
         rebalance: bool = False,
         rebalance_threshold: float = 0.10,
         rebalance_check_every: int = 50,
@@ -110,6 +112,7 @@ class UniAPStrategy(ModelParallelStrategy):
             cluster=cluster, plan=plan, schedule=schedule, solver=solver, time_limit=time_limit, profile=profile,
             cache_dir=cache_dir, measure_cluster=measure_cluster, profile_cache=profile_cache,
             profile_repeats=profile_repeats, profile_micro_batches=profile_micro_batches, compression=compression,
+            compression_options=compression_options,
         )
         self._setup_result: SetupResult | None = None  # what setup decided (frozen), read by the properties below
         self._runtime: Runtime | None = None

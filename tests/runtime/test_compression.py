@@ -275,7 +275,8 @@ TRAIN_CASES = {
     # ZeRO-1 layers' gradients are all-reduced whole through the same compressed buckets (runtime/zero.py)
     "zero1": {"methods": ["powersgd", "topk", "bf16", "none"], "modes": ["zero1", "zero1", "replicate", "zero1"]},
     # solved at setup: UniAPStrategy(compression=...) reaches the planner, which may use that method per layer
-    "solved": {"strategy": {"cluster": SLOW_LINKS, "compression": "powersgd", "time_limit": 20, "profile_repeats": 1}},
+    "solved": {"strategy": {"cluster": SLOW_LINKS, "compression": "powersgd", "compression_options": {"powersgd_rank": 3},
+                            "time_limit": 20, "profile_repeats": 1}},
 }
 
 
@@ -325,8 +326,10 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 def test_the_planner_chooses_the_allowed_compression_and_the_runtime_executes_it(
     trained: list[dict[str, Any]],
 ) -> None:
-    chosen = {lp["compression"] for lp in trained[0]["solved"]["plan"]["layers"]}
+    plan = trained[0]["solved"]["plan"]
+    chosen = {lp["compression"] for lp in plan["layers"]}
     assert "powersgd" in chosen <= {"none", "powersgd"}, chosen
+    assert plan["compression_options"] == {"powersgd_rank": 3, "topk_ratio": 0.01}  # priced and run with rank 3
 
 
 def test_training_counts_the_formula_bytes_once_per_optimizer_step(trained: list[dict[str, Any]]) -> None:
@@ -382,6 +385,19 @@ def test_strategy_option_is_the_planners_allowed_set(value: str | None, allowed:
     assert UniAPStrategy(compression=value).setup_options.compression == allowed
 
 
+@pytest.mark.parametrize("options, message", [
+    ({"rank": 4}, r"unknown key\(s\) \['rank'\]"), ({"powersgd_rank": 0}, "powersgd_rank must be an integer >= 1"),
+    ({"powersgd_rank": 2.5}, "powersgd_rank must be an integer"), ({"topk_ratio": 0}, r"topk_ratio must be .* \(0, 1\]"),
+    ([4], "compression_options must be a dict"),
+])
+def test_bad_compression_options_are_refused_when_the_strategy_is_built(options: Any, message: str) -> None:
+    from uniap_lightning.errors import UniAPError
+    from uniap_lightning.strategy import UniAPStrategy
+
+    with pytest.raises(UniAPError, match=message):
+        UniAPStrategy(compression="auto", compression_options=options)
+
+
 @pytest.mark.parametrize("value", ["fp8", "PowerSGD", ["bf16"], 1])
 def test_bad_compression_is_refused_when_the_strategy_is_built(value: Any) -> None:
     from uniap_lightning.errors import UniAPError
@@ -400,9 +416,12 @@ def test_uniap_train_override_reaches_the_strategy() -> None:
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         assert compose(config_name="fit").strategy.compression is None  # off by default
-        cfg = compose(config_name="fit", overrides=["strategy.compression=bf16"])
+        cfg = compose(config_name="fit", overrides=["strategy.compression=bf16",
+                                                    "strategy.compression_options={powersgd_rank: 4}"])
         bad = compose(config_name="fit", overrides=["strategy.compression=zip"])
-    assert build_strategy(cfg).setup_options.compression == ("none", "bf16")
+    options = build_strategy(cfg).setup_options
+    assert options.compression == ("none", "bf16")
+    assert options.compression_options_dict == {"powersgd_rank": 4, "topk_ratio": 0.01}
     with pytest.raises(UniAPError, match="compression='zip'"):
         build_strategy(bad)
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.cluster import Cluster
-from uniap_lightning.planner.plan import COMPRESSIONS, Plan
+from uniap_lightning.planner.plan import COMPRESSION_DEFAULTS, COMPRESSIONS, Plan
 
 #: what ``UniAPStrategy(compression=...)`` accepts, and the methods the planner may then choose from per layer
 COMPRESSION_CHOICES: dict[str | None, tuple[str, ...]] = {
@@ -35,11 +35,14 @@ class SetupOptions:
     profile_micro_batches: tuple[int, ...] | None = None
     #: gradient compression methods the planner may choose per replicated / ZeRO-1 layer (always with "none")
     compression: tuple[str, ...] = ("none",)
+    #: the compressors' parameters the planner prices and stamps into the plan (``powersgd_rank``, ``topk_ratio``)
+    compression_options: tuple[tuple[str, float], ...] = tuple(sorted(COMPRESSION_DEFAULTS.items()))
 
     @classmethod
     def from_arguments(cls, *, cluster: Any, plan: Any, schedule: str, solver: str, time_limit: float, profile: Any,
                        cache_dir: Any, measure_cluster: bool, profile_cache: bool, profile_repeats: int,
-                       profile_micro_batches: Any, compression: Any = None) -> SetupOptions:
+                       profile_micro_batches: Any, compression: Any = None,
+                       compression_options: Any = None) -> SetupOptions:
         """Check and normalize ``UniAPStrategy``'s arguments (clear errors when the strategy is built)."""
         from uniap_lightning.planner.plan import SCHEDULES
         from uniap_lightning.planner.solver.search import SOLVERS
@@ -70,7 +73,12 @@ class SetupOptions:
             profile_cache=bool(profile_cache), profile_repeats=max(int(profile_repeats), 1),
             profile_micro_batches=tuple(profile_micro_batches) if profile_micro_batches else None,
             compression=COMPRESSION_CHOICES[compression],
+            compression_options=tuple(sorted(_compression_options(compression_options).items())),
         )
+
+    @property
+    def compression_options_dict(self) -> dict[str, float]:
+        return dict(self.compression_options)
 
     def profile_cache_dir(self) -> Path:
         from uniap_lightning.profiling.cache import default_profile_cache_dir
@@ -81,3 +89,23 @@ class SetupOptions:
         from uniap_lightning.runtime.planning import default_cache_dir
 
         return self.cache_dir or default_cache_dir()
+
+
+def _compression_options(value: Any) -> dict[str, float]:
+    """``compression_options`` checked: a mapping of known keys, ``powersgd_rank`` an integer >= 1, ``topk_ratio`` in
+    (0, 1]; missing keys take the plan defaults."""
+    if value is None:
+        return dict(COMPRESSION_DEFAULTS)
+    if not isinstance(value, Mapping):
+        raise UniAPError(f"compression_options must be a dict like {{'powersgd_rank': 4, 'topk_ratio': 0.1}}, got "
+                         f"{value!r}")
+    unknown = sorted(set(value) - set(COMPRESSION_DEFAULTS))
+    if unknown:
+        raise UniAPError(f"compression_options has unknown key(s) {unknown}; known: {sorted(COMPRESSION_DEFAULTS)}")
+    out = {**COMPRESSION_DEFAULTS, **dict(value)}
+    rank, ratio = out["powersgd_rank"], out["topk_ratio"]
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise UniAPError(f"compression_options.powersgd_rank must be an integer >= 1, got {rank!r}")
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+        raise UniAPError(f"compression_options.topk_ratio must be a number in (0, 1], got {ratio!r}")
+    return {"powersgd_rank": int(rank), "topk_ratio": float(ratio)}
