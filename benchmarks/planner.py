@@ -1,8 +1,15 @@
-"""Planner benchmarks: wall time of `uniap plan`, plan quality vs baselines, CBC vs HiGHS.
+"""Planner benchmarks: wall time of `uniap plan`, plan quality vs baselines, CBC vs HiGHS, before vs after.
 
-    python benchmarks/planner.py [--repeats 3] [--quick] [--markdown BENCHMARKS_planner.md]
+    python benchmarks/planner.py [--repeats 3] [--quick] [--skip wall,quality,solvers]
+    python benchmarks/planner.py --skip wall,quality,solvers --big 60         # every model on h100_32x8
+    python benchmarks/planner.py --skip wall,quality,solvers --huge 300       # LLaMA-70B / 7B on h100_128x8
+    python benchmarks/planner.py --skip wall,quality,solvers --quality-json after.json [--time-limit 60]
+    python benchmarks/planner.py --compare before.json after.json
 
-Prints tables (medians of --repeats runs). Batch size: max(32, 2 x devices) unless stated.
+Prints tables (medians of --repeats runs). Batch size: max(32, 2 x devices) unless stated. ``--quality-json``
+records samples/s (or, where nothing fits, the least memory any plan needs) for every shipped model x cluster;
+``--compare`` puts two such files side by side (e.g. the planner before and after a change, each file written
+by its own checkout).
 """
 
 from __future__ import annotations
@@ -28,18 +35,101 @@ def batch_for(cluster: str) -> int:
     return max(32, 2 * cluster_from(cluster).num_devices)
 
 
-def wall_time(model: str, cluster: str, batch: int, repeats: int, solver: str = "auto") -> tuple[float, str]:
+def wall_time(model: str, cluster: str, batch: int, repeats: int, solver: str = "auto",
+              time_limit: float | None = None) -> tuple[float, str]:
     times, status = [], ""
+    extra = [f"time_limit={time_limit:g}"] if time_limit is not None else []
     for _ in range(repeats):
         t0 = time.perf_counter()
         out = subprocess.run(
             ["uniap", "plan", f"model={model}", f"cluster={cluster}", f"batch_size={batch}", f"solver={solver}",
-             ],
+             *extra],
             capture_output=True, text=True, check=False,
         )
         times.append(time.perf_counter() - t0)
         status = next((ln for ln in out.stdout.splitlines() if ln.startswith("solver:")), out.stderr.strip()[-80:])
     return statistics.median(times), status
+
+
+def quality_json(path: str, time_limit: float) -> None:
+    """samples/s, status and peak memory of the plan for every shipped model x cluster, or the least memory
+    per device any plan needs where nothing fits; written to ``path`` as it goes."""
+    import json
+    import re
+
+    from uniap_lightning.errors import InfeasibleError
+
+    out: dict[str, dict] = {}
+    for model in available("model"):
+        for cluster in available("cluster"):
+            prob = build_problem(model=model, cluster=cluster, global_batch_size=batch_for(cluster))
+            t0 = time.perf_counter()
+            try:
+                plan = solve(prob, time_limit_s=time_limit)
+                rec = {"samples_per_s": plan.estimate.samples_per_s, "status": plan.solver.status,
+                       "gap": plan.solver.gap, "peak_gib": max(plan.estimate.stage_memory_bytes) / 2**30,
+                       "recomputed": sum(lp.recompute for lp in plan.layers),
+                       "modes": sorted({lp.dp_mode for lp in plan.layers if lp.dp > 1})}
+            except InfeasibleError as err:
+                m = re.search(r"needs ([0-9.]+) GiB", str(err))
+                rec = {"infeasible": True, "least_gib": float(m.group(1)) if m else None}
+            except UniAPError as err:
+                rec = {"error": str(err)[:200]}
+            rec["wall_s"] = time.perf_counter() - t0
+            out[f"{model}@{cluster}"] = rec
+            print(model, cluster, rec, flush=True)
+            with open(path, "w") as f:
+                json.dump(out, f, indent=1)
+
+
+def compare(before_path: str, after_path: str, console: Console) -> None:
+    import json
+
+    before, after = (json.load(open(p)) for p in (before_path, after_path))
+    table = Table(title="Plan quality before vs after (samples/s; where nothing fits: least memory per device)")
+    for col in ("model", "cluster", "before", "after", "change", "after: recomputed layers, modes"):
+        table.add_column(col)
+
+    def cell(r: dict | None) -> str:
+        if r is None:
+            return "-"
+        if r.get("infeasible"):
+            return f"does not fit (needs >= {r['least_gib']:.1f} GiB)" if r.get("least_gib") else "does not fit"
+        if "error" in r:
+            return "error"
+        return f"{r['samples_per_s']:,.1f}" + ("" if r["status"] == "optimal" else f" (gap {r['gap']:.1%})")
+
+    for key in sorted(after):
+        model, cluster = key.split("@")
+        b, a = before.get(key), after[key]
+        change = "-"
+        if b and a and "samples_per_s" in a and "samples_per_s" in b:
+            change = f"{a['samples_per_s'] / b['samples_per_s'] - 1:+.1%}"
+        elif b and b.get("infeasible") and "samples_per_s" in (a or {}):
+            change = f"now fits ({a['peak_gib']:.1f} GiB peak)"
+        extra = f"{a.get('recomputed', 0)}, {'/'.join(a.get('modes', []))}" if "samples_per_s" in a else ""
+        table.add_row(model, cluster, cell(b), cell(a), change, extra)
+    console.print(table)
+
+
+def scale(clusters: list[str], models: list[str], limit: float, console: Console) -> None:
+    """Whole `uniap plan` per model on the big clusters: wall time, status and gap (one run each)."""
+    table = Table(title=f"`uniap plan` on the big clusters (time_limit={limit:g} s, one run each)")
+    for col in ("model", "cluster", "devices", "batch", "wall s", "solver line"):
+        table.add_column(col)
+    for cluster in clusters:
+        for model in models:
+            b = batch_for(cluster)
+            wall, status = wall_time(model, cluster, b, 1, time_limit=limit)
+            table.add_row(model, cluster, str(cluster_devices(cluster)), str(b), f"{wall:.1f}", status)
+            console.print(f"  {model} on {cluster}: {wall:.1f} s {status}", style="dim")
+    console.print(table)
+
+
+def cluster_devices(cluster: str) -> int:
+    from uniap_lightning.planner.config import cluster_from
+
+    return cluster_from(cluster).num_devices
 
 
 def main() -> None:
@@ -48,9 +138,22 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="skip the 1024-device run and the full quality matrix")
     ap.add_argument("--time-limit", type=float, default=30.0, help="solver time limit for the quality matrix")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: wall,quality,solvers")
+    ap.add_argument("--big", type=float, default=None, help="every shipped model on h100_32x8 at this time limit")
+    ap.add_argument("--huge", type=float, default=None, help="LLaMA-70B and LLaMA-7B on h100_128x8 at this limit")
+    ap.add_argument("--quality-json", default=None, help="write samples/s of every model x cluster to this file")
+    ap.add_argument("--compare", nargs=2, default=None, metavar=("BEFORE", "AFTER"))
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     console = Console(width=160)
+    if args.compare:
+        compare(*args.compare, console)
+        return
+    if args.quality_json:
+        quality_json(args.quality_json, args.time_limit)
+    if args.big is not None:
+        scale(["h100_32x8"], available("model"), args.big, console)
+    if args.huge is not None:
+        scale(["h100_128x8"], ["llama_70b", "llama_7b"], args.huge, console)
 
     if "wall" not in skip:
         cases = [("llama_7b", "a100_1x8"), ("bert_huge", "titanxp_2x4"), ("llama_13b", "h100_4x8"),
@@ -87,9 +190,10 @@ def main() -> None:
                     "OOM" if plan.baselines.get(k) is None else f"{plan.baselines[k] / plan.estimate.tpi_s:.2f}x"
                     for k in BASELINES
                 ]
-                tps = sorted({(lp.dp, lp.tp, lp.shard) for lp in plan.layers})
+                from uniap_lightning.planner.cost.evaluate import strategy_of
+
                 desc = f"pp{plan.pp} c{plan.microbatches} " + "/".join(
-                    f"{'f' if s else 'd'}{d}t{t}" for d, t, s in tps)
+                    sorted({strategy_of(lp).label() for lp in plan.layers}))
                 table.add_row(model, cluster, str(b), desc, f"{plan.estimate.samples_per_s:,.1f}", *ratios,
                               f"{plan.solver.solve_s:.2f}", plan.solver.status)
         console.print(table)

@@ -9,8 +9,11 @@ from uniap_lightning.planner.profile import LayerProfile, ModelProfile, Overhead
 
 
 def random_problem(seed: int, *, num_layers: int, nodes: int, per_node: int, batch: int = 8,
-                   schedule: str = "1f1b", memory_gib: float | None = None) -> Problem:
-    """A random chain with heterogeneous layers on a random cluster, seeded."""
+                   schedule: str = "1f1b", memory_gib: float | None = None,
+                   compression: tuple[str, ...] = ("none",)) -> Problem:
+    """A random chain with heterogeneous layers on a random cluster, seeded. ``compression``: the methods the
+    solver may choose (with them, some layers get measured PowerSGD dimensions and the cluster measured
+    compression figures)."""
     rng = random.Random(seed)
     layers = []
     for u in range(num_layers):
@@ -57,16 +60,38 @@ def random_problem(seed: int, *, num_layers: int, nodes: int, per_node: int, bat
             )) if u % 2 == 0 else lp
             for u, lp in enumerate(layers)
         ]
+    options = {}
+    if set(compression) - {"none"}:  # drawn last again: the chains above stay as they were for every seed
+        layers = [replace(lp, param_tensors=rng.randint(1, 6), matrix_dims=(rng.uniform(2e3, 2e4) if u % 2 else None),
+                          vector_params=(rng.randint(0, 10_000) if u % 2 else None))
+                  for u, lp in enumerate(layers)]
+        if seed % 2:
+            cluster = replace(cluster, compression_ns_per_param={"bf16": rng.uniform(0.01, 1), "topk": rng.uniform(0.1, 5),
+                                                                 "powersgd": rng.uniform(0.05, 2)})
+        options = {"powersgd_rank": rng.choice([1, 2, 4]), "topk_ratio": rng.choice([0.001, 0.01, 0.1])}
     training = TrainingConfig(global_batch_size=batch, schedule=schedule)
-    return Problem(ModelProfile("random", layers), cluster, training)
+    return Problem(ModelProfile("random", layers), cluster, training, compression=compression,
+                   compression_options=options)
 
 
 def repeated_problem(seed: int, *, pattern: str, nodes: int, per_node: int, batch: int = 8,
-                     schedule: str = "1f1b", memory_gib: float = 8.0) -> Problem:
+                     schedule: str = "1f1b", memory_gib: float = 8.0, compression: tuple[str, ...] = ("none",)) -> Problem:
     """Like :func:`random_problem`, but layers follow ``pattern`` (e.g. "ABBBBC"): equal letters are identical
     layers, so runs of repeated blocks (what the grouped MILP aggregates) appear."""
     base = random_problem(seed, num_layers=len(set(pattern)), nodes=nodes, per_node=per_node, batch=batch,
-                          schedule=schedule, memory_gib=memory_gib)
+                          schedule=schedule, memory_gib=memory_gib, compression=compression)
     templates = {ch: base.model.layers[j] for j, ch in enumerate(sorted(set(pattern)))}
     layers = [LayerProfile(**{**templates[ch].__dict__, "name": f"{ch}{u}"}) for u, ch in enumerate(pattern)]
-    return Problem(ModelProfile("repeated", layers), base.cluster, base.training)
+    return Problem(ModelProfile("repeated", layers), base.cluster, base.training, compression=base.compression,
+                   compression_options=base.compression_options)
+
+
+def forced_problem(seed: int, *, memory_gib: float, activation_scale: float, param_scale: float,
+                   num_layers: int = 4, nodes: int = 1, per_node: int = 2) -> Problem:
+    """:func:`random_problem` with activations scaled up and parameters down: with little memory the optimum
+    must recompute activations, shard, or accumulate (ZeRO-1 / ZeRO-2 then differ)."""
+    base = random_problem(seed, num_layers=num_layers, nodes=nodes, per_node=per_node, schedule="gpipe",
+                          memory_gib=memory_gib)
+    layers = [replace(lp, params=int(lp.params * param_scale), activation_bytes=lp.activation_bytes * activation_scale)
+              for lp in base.model.layers]
+    return Problem(ModelProfile("forced", layers), base.cluster, base.training)

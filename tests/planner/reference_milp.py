@@ -26,7 +26,8 @@ Constraints (one function each below)
   stage time: p_i = sum_uk A[u,k] w[u,i,k] + sum_u r[u,i];  T >= p_i;  T >= o[j];  T >= sum_k A[u,k] x[u,k].
   sync:       Y >= sum_uk S[u,k] w[u,i,k].
   memory:     sum_uk (W[u,k] + F_i Act[u,k]) w[u,i,k] + g[i] <= M;  g[i] >= sum_k G[u,k] w[u,i,k]  (g: the
-              largest gathered FSDP layer, F_i micro-batches in flight).
+              largest transient, a gathered ZeRO-3 layer or a recomputed layer's activations; F_i micro-batches
+              in flight).
 Objective: minimize ``sum_i p_i + sum_j o[j] + (c - 1) T + Y`` (UniAP's TPI).
 """
 
@@ -214,24 +215,21 @@ class StageMilp:
             m += use <= limit, f"memory[{i}]"
 
     def _symmetry(self) -> None:
-        """Identical neighbours on one stage with the same (d, t): sharded before replicated.
+        """Identical neighbours on one stage with the same batch split d: strategies in index order.
 
         Swapping such a pair changes no cost (time, sync, memory and resharding depend on the multiset and on d
-        only), so ordering them removes equivalent optima without losing any: x[u,(d,t,R)] + x[u+1,(d,t,S)]
-        <= 1 + (boundary after u).
+        only), so ordering them removes equivalent optima without losing any: x[u,k] + x[u+1,l] <= 1 +
+        (boundary after u) for l < k with the same d.
         """
         t = self.t
         for u in range(self.L - 1):
-            if t.layers[u] != t.layers[u + 1]:
+            if t.layers[u] != t.layers[u + 1] or t.strategies[u] != t.strategies[u + 1]:
                 continue
-            idx = {k: j for j, k in enumerate(t.strategies[u + 1])}
             boundary = mip.xsum(self.b(u, j) for j in range(self.P - 1)) if self.P > 1 else 0
             for k, s in enumerate(t.strategies[u]):
-                if s.shard or s.d == 1:
-                    continue
-                sharded = idx.get(s._replace(shard=True))
-                if sharded is not None:
-                    self.m += self.x[u, k] + self.x[u + 1, sharded] <= 1 + boundary, f"sym[{u},{k}]"
+                for l in range(k):
+                    if t.strategies[u + 1][l].d == s.d:
+                        self.m += self.x[u, k] + self.x[u + 1, l] <= 1 + boundary, f"sym[{u},{k},{l}]"
 
     # ----------------------------------------------------------------- solve
     def warm_start(self, stage_of_layer: list[int], strategy_index: list[int]) -> None:

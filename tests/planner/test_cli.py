@@ -9,9 +9,9 @@ import sys
 import pytest
 
 
-def uniap(*args: str, cwd=None) -> subprocess.CompletedProcess:
+def uniap(*args: str, cwd=None, env=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "uniap_lightning.cli.main", *args], capture_output=True,
-                          text=True, cwd=cwd, timeout=300, check=False)
+                          text=True, cwd=cwd, timeout=300, check=False, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def plan_file(tmp_path_factory):
 def test_plan_writes_the_documented_json(plan_file):
     data = json.loads(plan_file.read_text())
     assert data["pp"] >= 1 and data["estimate"]["feasible"] is True
-    assert set(data["baselines"]) == {"ddp", "fsdp", "megatron", "intra_only", "inter_only"}
+    assert set(data["baselines"]) == {"ddp", "zero2", "fsdp", "megatron", "intra_only", "inter_only"}
     assert data["solver"]["status"] == "optimal"
 
 
@@ -138,3 +138,27 @@ def test_broken_cluster_yaml_is_one_clear_message(tmp_path):
         cluster_from(str(bad))
     with pytest.raises(UniAPError, match="does not exist"):
         cluster_from(str(tmp_path / "missing.yaml"))
+
+
+def test_plan_with_compression_shows_modes_recompute_and_compression(tmp_path):
+    out = tmp_path / "plan.json"
+    res = uniap("plan", "model=gpt2_small", "cluster=a100_2x8", "batch_size=32", "compression=auto",
+                "baselines=false", f"out={out}")
+    assert res.returncode == 0, res.stderr
+    for column in ("dp mode", "recompute", "compression"):
+        assert column in res.stdout
+    data = json.loads(out.read_text())
+    assert data["format_version"] == 2 and data["compression_options"] == {"powersgd_rank": 1, "topk_ratio": 0.01}
+    assert all({"dp_mode", "recompute", "compression"} <= set(layer) for layer in data["layers"])
+    import os
+
+    res = uniap("explain", f"plan={out}", "model=gpt2_small", "cluster=a100_2x8", "batch_size=32",
+                env={**os.environ, "COLUMNS": "250"})
+    assert res.returncode == 0, res.stderr
+    assert "transient MiB" in res.stdout and "dp mode" in res.stdout
+
+
+def test_plan_refuses_an_unknown_compression():
+    res = uniap("plan", "model=gpt2_small", "compression=zip")
+    assert res.returncode == 2
+    assert "compression: unknown method(s) ['zip']" in res.stderr and "Traceback" not in res.stderr

@@ -83,8 +83,8 @@ def test_activation_fraction_not_split_by_tensor_parallelism():
 
 def test_strategies_respect_tp_degrees_node_and_micro_batch():
     got = strategies_for(LAYER, 4, CL, 8)
-    assert got == [Strategy(4, 1, False), Strategy(4, 1, True), Strategy(2, 2, False), Strategy(2, 2, True),
-                   Strategy(1, 4, False)]
+    assert sorted({(s.d, s.t) for s in got}) == [(1, 4), (2, 2), (4, 1)]
+    assert len(got) == 2 * 4 + 2 * 4 + 2  # (mode x recompute) for d > 1, recompute only for d = 1
     assert Strategy(4, 1, False) not in strategies_for(LAYER, 4, CL, 2)  # 2 samples cannot split 4 ways
 
 
@@ -139,3 +139,100 @@ def test_evaluate_two_stage_pipeline_by_hand():
     sharded = Plan.from_assignment(stage_of_layer=[0, 0], strategies=[(2, 1, True)] * 2, layer_names=["a", "b"],
                                    pp=1, microbatches=2, schedule="1f1b", global_batch_size=8, num_devices=2)
     assert evaluate(with_opt, sharded).tpi_s == pytest.approx(evaluate(problem, sharded).tpi_s + k * 3000 / 2)
+
+
+# ---------------------------------------------------------------- issue 12: ZeRO modes, recomputation, compression
+from uniap_lightning.planner.cost.layer import Pricing  # noqa: E402
+
+P4 = Pricing(8, 4)  # micro-batch 8 on a 4-device stage, one micro-batch per step
+P4_ACC = Pricing(8, 4, accumulate=True)
+
+
+def test_zero_modes_memory_and_collectives_by_hand():
+    """1e6 parameters, d = 4, 2 B weights, 2 B gradients, 12 B optimizer state."""
+    ar, ag, rs = all_reduce_s(CL, 2e6, 4, False), all_gather_s(CL, 2e6, 4, False), reduce_scatter_s(CL, 2e6, 4, False)
+    z1 = layer_cost(LAYER, Strategy(4, 1, "zero1"), P4, cluster=CL, training=TR)
+    assert z1.static_bytes == pytest.approx(1e6 * (2 + 2) + 1e6 * 12 / 4)
+    assert z1.sync_s == pytest.approx(ar + ag) and z1.comm_s == 0
+    z2 = layer_cost(LAYER, Strategy(4, 1, "zero2"), P4, cluster=CL, training=TR)
+    assert z2.static_bytes == pytest.approx(1e6 * 2 + 1e6 * (2 + 12) / 4)
+    assert z2.sync_s == pytest.approx(rs + ag) and z2.comm_s == 0
+    # accumulating over micro-batches, FSDP2 holds the unsharded gradient until the last one
+    z2acc = layer_cost(LAYER, Strategy(4, 1, "zero2"), P4_ACC, cluster=CL, training=TR)
+    assert z2acc.static_bytes == pytest.approx(1e6 * 2 + 1e6 * (2 + 12) / 4 + 1e6 * 2)
+    z3 = layer_cost(LAYER, Strategy(4, 1, "zero3"), P4, cluster=CL, training=TR)
+    assert z3.static_bytes == pytest.approx(1e6 * 16 / 4) and z3.sync_s == 0
+    assert z3.comm_s == pytest.approx(2 * ag + rs) and z3.transient_bytes == pytest.approx(2e6 * 3 / 4)
+    assert Strategy(4, 1, True) == Strategy(4, 1, "zero3") and Strategy(4, 1, True).shard
+
+
+def test_optimizer_step_runs_on_the_shard_a_mode_holds():
+    cl = replace(CL, optimizer_ns_per_param=2.0)
+    for mode, held in (("replicate", 1e6), ("zero1", 2.5e5), ("zero2", 2.5e5), ("zero3", 2.5e5)):
+        c = layer_cost(LAYER, Strategy(4, 1, mode), P4, cluster=cl, training=TR)
+        base = layer_cost(LAYER, Strategy(4, 1, mode), P4, cluster=CL, training=TR)
+        assert c.sync_s - base.sync_s == pytest.approx(2e-9 * held), mode
+
+
+def test_recomputation_keeps_the_input_and_adds_a_forward():
+    s = Strategy(4, 1, "replicate", True)
+    c = layer_cost(LAYER, s, P4, cluster=CL, training=TR, input_bytes=3e5)
+    plain = layer_cost(LAYER, Strategy(4, 1), P4, cluster=CL, training=TR, input_bytes=3e5)
+    assert c.compute_s == pytest.approx(plain.compute_s * (1 + 1 / 3))  # forward is 1 of 3 ms
+    assert c.activation_bytes == pytest.approx(3e5 * 2)  # 2 samples per device keep only their input
+    assert c.transient_bytes == pytest.approx(1e6 * 2)  # one micro-batch's activations while it recomputes
+    assert (c.sync_s, c.static_bytes) == (plain.sync_s, plain.static_bytes)
+    # with tensor parallelism the forward's all-reduces run again too: half the TP communication
+    tp = layer_cost(LAYER, Strategy(2, 2, "replicate", True), P4, cluster=CL, training=TR)
+    tp_plain = layer_cost(LAYER, Strategy(2, 2), P4, cluster=CL, training=TR)
+    assert tp.comm_s == pytest.approx(tp_plain.comm_s * 1.5)
+
+
+def test_compressed_gradient_sync_by_hand():
+    flops = CL.flops_per_s  # 5e11: analytic compression compute in FLOP-times per element
+    bf16 = layer_cost(LAYER, Strategy(4, 1, "replicate", False, "bf16"), P4, cluster=CL, training=TR)
+    assert bf16.sync_s == pytest.approx(all_reduce_s(CL, 2e6, 4, False) + 1500 / flops * 1e6)
+    # PowerSGD rank 2: no measured dimensions, one tensor taken as a 1000 x 1000 matrix: 4 * 2 * 2000 bytes
+    psgd = layer_cost(LAYER, Strategy(4, 1, "zero1", False, "powersgd"), Pricing(8, 4, powersgd_rank=2),
+                      cluster=CL, training=TR)
+    low_rank = 4 * 2 * 2000
+    assert psgd.sync_s == pytest.approx(2 * all_reduce_s(CL, low_rank / 2, 4, False) + all_gather_s(CL, 2e6, 4, False)
+                                        + 2 * 2000 / flops * 1e6)
+    assert psgd.static_bytes == pytest.approx(1e6 * 4 + 1e6 * 12 / 4 + 4e6 + low_rank)  # + error feedback, P, Q
+    measured = replace(LAYER, matrix_dims=3000.0, vector_params=1000)
+    cl = replace(CL, compression_ns_per_param={"powersgd": 0.5, "topk": 4.0})
+    psgd = layer_cost(measured, Strategy(4, 1, "replicate", False, "powersgd"), P4, cluster=cl, training=TR)
+    assert psgd.sync_s == pytest.approx(2 * all_reduce_s(cl, 6000, 4, False) + all_reduce_s(cl, 4000, 4, False)
+                                        + 0.5e-9 * 1e6)
+    # top-k 1%: 10,000 values + indices per rank, all-gathered over 4 ranks
+    topk = layer_cost(LAYER, Strategy(4, 1, "replicate", False, "topk"), P4, cluster=cl, training=TR)
+    assert topk.sync_s == pytest.approx(all_gather_s(cl, 8 * 10_000 * 4, 4, False) + 4e-9 * 1e6)
+    assert topk.static_bytes == pytest.approx(1e6 * 16 + 1e6 * 2 + 4e6)
+
+
+def test_stage_memory_holds_the_largest_transient_once():
+    """Two layers on one stage, one recomputed, one ZeRO-3: static + in-flight activations + the larger of the
+    recomputed activations and the gathered weights (not their sum)."""
+    layers = [replace(LAYER, name="a"), replace(LAYER, name="b")]
+    problem = Problem(ModelProfile("m", layers), replace(CL, nodes=1), TrainingConfig(global_batch_size=8, weight_bytes=2,
+                      grad_bytes=2, optimizer_bytes=12, schedule="gpipe"))
+    plan = problem.plan_for(stage_of_layer=[0, 0], strategies=[(4, 1, "replicate", True, "none"), (4, 1, "zero3", False, "none")],
+                            pp=1, microbatches=2)
+    est = evaluate(problem, plan)
+    b = Pricing(4, 4, accumulate=True)
+    a = layer_cost(layers[0], Strategy(4, 1, "replicate", True), b, cluster=problem.cluster, training=problem.training)
+    z = layer_cost(layers[1], Strategy(4, 1, "zero3"), b, cluster=problem.cluster, training=problem.training,
+                   input_bytes=1e5)
+    assert a.activation_bytes == 0  # the first layer's input (token ids) is free
+    expected = a.static_bytes + z.static_bytes + 2 * (a.activation_bytes + z.activation_bytes) + max(
+        a.transient_bytes, z.transient_bytes)
+    assert est.stage_memory_bytes[0] == pytest.approx(expected)
+
+
+def test_strategies_per_layer_cover_every_mode_and_the_allowed_compression():
+    ks = strategies_for(LAYER, 4, CL, 8, compression=("none", "topk"))
+    assert {k.dp_mode for k in ks if k.d > 1} == {"replicate", "zero1", "zero2", "zero3"}
+    assert {k.compression for k in ks if k.dp_mode in ("replicate", "zero1") and k.d > 1} == {"none", "topk"}
+    assert all(k.compression == "none" for k in ks if k.dp_mode in ("zero2", "zero3") or k.d == 1)
+    assert {k.recompute for k in ks} == {False, True}
+    assert all(k.dp_mode == "replicate" for k in ks if k.d == 1)

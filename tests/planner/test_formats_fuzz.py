@@ -141,3 +141,106 @@ def test_non_finite_numbers_are_named() -> None:
     doc["memory_gib"] = math.inf
     with pytest.raises(UniAPError, match="memory_gib"):
         Cluster.from_dict(doc)
+
+
+# ---------------------------------------------------------------- issue 12's fields: plan v2, profile, cluster
+NEW_VALUES = st.one_of(JSON_LEAVES, st.sampled_from(["replicate", "zero1", "zero2", "zero3", "none", "bf16",
+                                                     "powersgd", "topk", True, False, 0.5, 3]))
+
+
+def _v2_plan_doc() -> dict[str, Any]:
+    """A plan with every new field in use: modes, recomputation and compression differ between layers."""
+    doc = copy.deepcopy(PLAN)
+    modes = ["replicate", "zero1", "zero2", "zero3"]
+    for u, layer in enumerate(doc["layers"]):
+        if layer["dp"] > 1:
+            layer["dp_mode"] = modes[u % 4]
+            layer["compression"] = ["none", "bf16", "powersgd", "topk"][(u // 4) % 4] if u % 4 < 2 else "none"
+        layer["recompute"] = u % 2 == 1
+        layer["shard"] = layer["dp"] > 1 and layer["dp_mode"] == "zero3"
+    doc["compression_options"] = {"powersgd_rank": 2, "topk_ratio": 0.05}
+    return doc
+
+
+PLAN_V2 = _v2_plan_doc()
+
+
+def test_plan_v2_round_trips_every_new_field() -> None:
+    plan = Plan.from_dict(copy.deepcopy(PLAN_V2))
+    again = Plan.from_json(plan.to_json())
+    assert again == plan
+    assert {lp.dp_mode for lp in plan.layers if lp.dp > 1} == {"replicate", "zero1", "zero2", "zero3"}
+    assert any(lp.recompute for lp in plan.layers) and any(lp.compression == "topk" for lp in plan.layers)
+    assert again.compression_options == {"powersgd_rank": 2, "topk_ratio": 0.05}
+
+
+def test_plan_v1_files_load_as_replicate_or_zero3() -> None:
+    doc = copy.deepcopy(PLAN)
+    doc["format_version"] = 1
+    doc.pop("compression_options", None)
+    for u, layer in enumerate(doc["layers"]):
+        for key in ("dp_mode", "recompute", "compression"):
+            layer.pop(key, None)
+        layer["shard"] = u % 2 == 0
+    plan = Plan.from_dict(doc)
+    assert plan.format_version == 2
+    for u, lp in enumerate(plan.layers):
+        assert lp.dp_mode == ("zero3" if u % 2 == 0 and lp.dp > 1 else "replicate")
+        assert not lp.recompute and lp.compression == "none"
+
+
+@st.composite
+def _new_field_edits(draw: Any, doc: dict[str, Any], where: Any, keys: list[str]) -> Any:
+    doc = copy.deepcopy(doc)
+    for _ in range(draw(st.integers(1, 3))):
+        target = where(doc, draw(st.integers(0, 10**6)))
+        key = draw(st.sampled_from(keys))
+        if draw(st.booleans()) and key in target:
+            del target[key]
+        else:
+            target[key] = draw(NEW_VALUES)
+    return doc
+
+
+def _a_layer(doc: dict[str, Any], j: int) -> dict[str, Any]:
+    return doc["layers"][j % len(doc["layers"])]
+
+
+@SETTINGS
+@given(st.data())
+def test_fuzzed_new_plan_fields_load_or_fail_clearly(data: Any) -> None:
+    doc = data.draw(_new_field_edits(PLAN_V2, _a_layer, ["dp_mode", "recompute", "compression", "shard"]))
+    if data.draw(st.booleans()):
+        doc["compression_options"] = data.draw(st.one_of(
+            NEW_VALUES, st.dictionaries(st.sampled_from(["powersgd_rank", "topk_ratio", "x"]), NEW_VALUES, max_size=2)))
+    _only_clear_errors(_load_plan, doc)
+
+
+@SETTINGS
+@given(st.data())
+def test_fuzzed_new_profile_fields_load_or_fail_clearly(data: Any) -> None:
+    doc = data.draw(_new_field_edits(PROFILE, _a_layer, ["matrix_dims", "vector_params", "param_tensors"]))
+    _only_clear_errors(lambda d: [lp.powersgd_dims() for lp in ModelProfile.from_dict(d).layers], doc)
+
+
+@SETTINGS
+@given(st.one_of(NEW_VALUES, st.dictionaries(st.sampled_from(["bf16", "powersgd", "topk", "zip"]), NEW_VALUES,
+                                             max_size=3)))
+def test_fuzzed_compression_figures_load_or_fail_clearly(figures: Any) -> None:
+    doc = copy.deepcopy(CLUSTER)
+    doc["compression_ns_per_param"] = figures
+
+    def load(d: Any) -> None:
+        cluster = Cluster.from_dict(d)
+        for method in ("bf16", "powersgd", "topk"):
+            assert cluster.compression_s_per_param(method) >= 0
+
+    _only_clear_errors(load, doc)
+
+
+@SETTINGS
+@given(st.one_of(NEW_VALUES, st.lists(NEW_VALUES, max_size=3)))
+def test_fuzzed_compression_option_is_refused_clearly(value: Any) -> None:
+    from uniap_lightning.planner.problem import compression_methods
+
+    _only_clear_errors(compression_methods, value)

@@ -27,3 +27,18 @@ def test_timeline_and_picture(tmp_path, schedule):
     assert makespan > busy  # stage 0 idles: the bubble
     path = draw_plan(plan, problem, tmp_path / "plan.png")
     assert path.stat().st_size > 20_000 and path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_picture_of_a_plan_that_recomputes_and_compresses(tmp_path):
+    """Activations large, memory tight: the plan recomputes (hatched in the picture) and mixes ZeRO modes."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from planner_factories import forced_problem
+
+    problem = forced_problem(0, memory_gib=1.0, activation_scale=5, param_scale=0.05)
+    plan = solve(problem, time_limit_s=60, compression="bf16")
+    assert any(lp.recompute for lp in plan.layers)
+    path = draw_plan(plan, problem, tmp_path / "plan.png")
+    assert path.read_bytes()[:4] == b"\x89PNG"

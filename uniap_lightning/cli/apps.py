@@ -29,7 +29,11 @@ def _problem(cfg: DictConfig) -> Problem:
     mb = cfg.microbatches
     if mb is not None:
         mb = list(mb) if OmegaConf.is_list(mb) else [mb]
+    comp = cfg.get("compression")
+    if OmegaConf.is_list(comp):
+        comp = list(comp)
     return build_problem(
+        compression=comp,
         model=model,
         cluster=cluster,
         training=train,
@@ -108,6 +112,7 @@ def _fail(err: UniAPError, cfg: DictConfig) -> None:
 
 
 def run_plan(cfg: DictConfig) -> None:
+    from uniap_lightning.planner.cost.evaluate import strategy_of
     from uniap_lightning.planner.report import print_plan
     from uniap_lightning.planner.solver import solve
 
@@ -144,7 +149,7 @@ def run_plan(cfg: DictConfig) -> None:
             "batch_size": plan.global_batch_size,
             "pp": plan.pp,
             "microbatches": plan.microbatches,
-            "strategies": ", ".join(sorted({f"dp{lp.dp}tp{lp.tp}{'s' if lp.shard else ''}" for lp in plan.layers})),
+            "strategies": ", ".join(sorted({strategy_of(lp).label() for lp in plan.layers})),
             "tpi_s": plan.estimate.tpi_s,
             "samples_per_s": plan.estimate.samples_per_s,
             "solve_s": plan.solver.solve_s if plan.solver else None,

@@ -12,6 +12,13 @@ from uniap_lightning.errors import UniAPError
 GIB = 1024**3
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 SCOPES = ("intra", "inter")
+#: Analytic cost of compressing and decompressing one gradient element where the cluster has no measured figure,
+#: in FLOP-times of the device (``seconds per element = value / flops_per_s``). These passes are memory-bound: an
+#: accelerator does ~100-150 FLOPs in the time it moves one byte (H100: ~400 TFLOP/s used, 3.35 TB/s). bf16 reads
+#: and writes ~12 bytes per element (cast down and back): ~1500; PowerSGD (per unit of rank) reads the gradient for
+#: two thin matmuls and updates the error-feedback buffer, ~16 bytes: ~2000; top-k's selection is a partial sort,
+#: measured ~10x a streaming pass: ~15000.
+COMPRESSION_FLOP_EQUIVALENTS = {"bf16": 1500.0, "powersgd": 2000.0, "topk": 15000.0}
 
 
 @dataclass(frozen=True, eq=False)  # identity hash: cost caches key on the object
@@ -49,6 +56,10 @@ class Cluster:
     optimizer_ns_per_param: float = 0.0
     #: and its fixed cost per parameter tensor (kernel launches, per-tensor bookkeeping: what small layers pay)
     optimizer_us_per_tensor: float = 0.0
+    #: gradient compression compute (compress + decompress) in ns per gradient element, per method ("bf16",
+    #: "powersgd" (per element and unit of rank), "topk"); methods not given use the analytic default
+    #: (:data:`COMPRESSION_FLOP_EQUIVALENTS`); measured at setup (``profiling.collectives.measure_compression``)
+    compression_ns_per_param: dict[str, float] = field(default_factory=dict)
     device: str = ""
     bandwidth_tables: dict[str, dict[int, float]] = field(default_factory=dict)
     collective_tables: dict[str, dict[str, dict[int, dict[str, float]]]] = field(default_factory=dict)
@@ -84,8 +95,30 @@ class Cluster:
                     raise UniAPError(
                         f"cluster '{self.name}': bandwidth_tables.{scope}[{p}]={bw}: group sizes >= 2, GB/s > 0"
                     )
+        object.__setattr__(self, "compression_ns_per_param", self._checked_compression(self.compression_ns_per_param))
         # frozen: the validated, normalized copy (int group sizes, float figures) replaces the given one
         object.__setattr__(self, "collective_tables", self._checked_collective_tables(self.collective_tables))
+
+    def _checked_compression(self, figures: Any) -> dict[str, float]:
+        where = f"cluster '{self.name}': compression_ns_per_param"
+        if not isinstance(figures, Mapping):
+            raise UniAPError(f"{where} must be a mapping {{method: ns per element}} with methods "
+                             f"{list(COMPRESSION_FLOP_EQUIVALENTS)}, got {type(figures).__name__}")
+        out = {}
+        for method, v in figures.items():
+            if method not in COMPRESSION_FLOP_EQUIVALENTS:
+                raise UniAPError(f"{where}: unknown method {method!r}; known: {list(COMPRESSION_FLOP_EQUIVALENTS)}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise UniAPError(f"{where}.{method} must be a number >= 0 (ns per element), got {v!r}")
+            out[method] = float(v)
+        return out
+
+    def compression_s_per_param(self, method: str) -> float:
+        """Seconds to compress and decompress one gradient element with ``method`` (PowerSGD: per unit of rank):
+        the measured figure, else the analytic default."""
+        if method in self.compression_ns_per_param:
+            return self.compression_ns_per_param[method] * 1e-9
+        return COMPRESSION_FLOP_EQUIVALENTS[method] / self.flops_per_s
 
     def _checked_collective_tables(self, tables: Any) -> dict[str, dict[str, dict[int, dict[str, float]]]]:
         where = f"cluster '{self.name}': collective_tables"
@@ -202,6 +235,7 @@ class Cluster:
         tables = d.pop("bandwidth_tables", None) or {}
         d["bandwidth_tables"] = {str(s): {int(p): float(b) for p, b in t.items()} for s, t in tables.items()}
         d["collective_tables"] = d.pop("collective_tables", None) or {}  # keys and figures normalized on construction
+        d["compression_ns_per_param"] = d.pop("compression_ns_per_param", None) or {}
         return cls(**d)
 
 

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.files import read_text
-from uniap_lightning.planner.problem import Problem, TrainingConfig
+from uniap_lightning.planner.problem import Problem, TrainingConfig, compression_methods
 from uniap_lightning.planner.analytic import ModelSpec, analytic_profile
 from uniap_lightning.planner.profile import ModelProfile, load_profile
 
@@ -84,9 +84,11 @@ def build_problem(
     cluster: str | dict[str, Any] | Cluster,
     training: str | dict[str, Any] | TrainingConfig | None = None,
     profile: str | Path | ModelProfile | None = None,
+    compression: str | list[str] | tuple[str, ...] | None = None,
     **training_overrides: Any,
 ) -> Problem:
-    """A problem from a model config (analytic profile) or a profile file, a cluster and training settings."""
+    """A problem from a model config (analytic profile) or a profile file, a cluster and training settings.
+    ``compression``: None (off), a method, "auto" (all) or a list: what the solver may choose per layer."""
     cl = cluster_from(cluster)
     if profile is not None:
         prof = profile if isinstance(profile, ModelProfile) else load_profile(profile)
@@ -94,4 +96,4 @@ def build_problem(
         prof = analytic_profile(model_spec_from(model), cl)
     else:
         raise UniAPError("give a model (a name from conf/model or a dict) or a profile file")
-    return Problem(prof, cl, training_from(training, **training_overrides))
+    return Problem(prof, cl, training_from(training, **training_overrides), compression=compression_methods(compression))

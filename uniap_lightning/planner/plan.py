@@ -19,6 +19,7 @@ with ``dp_mode`` and added ``recompute``, ``compression`` and the plan-level ``c
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -186,15 +187,7 @@ class Plan:
                 f"plan format_version={self.format_version} is not supported (expected {PLAN_FORMAT_VERSION}; "
                 f"files of versions {READABLE_FORMAT_VERSIONS} are read and upgraded)"
             )
-        unknown = set(self.compression_options) - set(COMPRESSION_DEFAULTS)
-        if unknown:
-            raise UniAPError(f"plan compression_options has unknown keys {sorted(unknown)} (known: {sorted(COMPRESSION_DEFAULTS)})")
-        rank = self.compression_options.get("powersgd_rank", 1)
-        ratio = self.compression_options.get("topk_ratio", 0.01)
-        if int(rank) != rank or rank < 1:
-            raise UniAPError(f"plan compression_options.powersgd_rank must be an integer >= 1, got {rank!r}")
-        if not 0 < ratio <= 1:
-            raise UniAPError(f"plan compression_options.topk_ratio must be in (0, 1], got {ratio!r}")
+        check_compression_options(self.compression_options, "plan compression_options")
         if self.schedule not in SCHEDULES:
             raise UniAPError(f"plan schedule={self.schedule!r} must be one of {SCHEDULES}")
         for key in ("pp", "microbatches", "global_batch_size", "num_devices"):
@@ -312,6 +305,21 @@ class Plan:
             else:
                 runs.append((u, u, lp))
         return runs
+
+
+def check_compression_options(options: Any, where: str) -> None:
+    """``{"powersgd_rank": int >= 1, "topk_ratio": (0, 1]}`` (either may be absent); UniAPError naming the key."""
+    if not isinstance(options, dict):
+        raise UniAPError(f"{where} must be an object {{powersgd_rank, topk_ratio}}, got {options!r}")
+    unknown = set(options) - set(COMPRESSION_DEFAULTS)
+    if unknown:
+        raise UniAPError(f"{where} has unknown keys {sorted(map(str, unknown))} (known: {sorted(COMPRESSION_DEFAULTS)})")
+    rank = options.get("powersgd_rank", 1)
+    ratio = options.get("topk_ratio", 0.01)
+    if isinstance(rank, bool) or not isinstance(rank, (int, float)) or not math.isfinite(rank) or int(rank) != rank or rank < 1:
+        raise UniAPError(f"{where}.powersgd_rank must be an integer >= 1, got {rank!r}")
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+        raise UniAPError(f"{where}.topk_ratio must be in (0, 1], got {ratio!r}")
 
 
 def _choice(lp: LayerPlan) -> tuple[Any, ...]:

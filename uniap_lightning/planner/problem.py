@@ -7,7 +7,7 @@ from typing import Any
 
 from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.errors import UniAPError
-from uniap_lightning.planner.plan import SCHEDULES, Plan
+from uniap_lightning.planner.plan import COMPRESSION_DEFAULTS, COMPRESSIONS, SCHEDULES, Plan, check_compression_options
 from uniap_lightning.planner.profile import ModelProfile
 
 
@@ -70,12 +70,24 @@ def divisors(n: int) -> list[int]:
 
 @dataclass
 class Problem:
-    """Everything the cost model and the solver need."""
+    """Everything the cost model and the solver need.
+
+    ``compression``: the gradient compression methods the solver may choose per replicated / ZeRO-1 layer besides
+    ``"none"`` (opt-in: they change numerics); ``compression_options`` their parameters (``powersgd_rank``,
+    ``topk_ratio``), stamped into every plan.
+    """
 
     model: ModelProfile
     cluster: Cluster
     training: TrainingConfig
     meta: dict[str, Any] = field(default_factory=dict)
+    compression: tuple[str, ...] = ("none",)
+    compression_options: dict[str, float] = field(default_factory=lambda: dict(COMPRESSION_DEFAULTS))
+
+    def __post_init__(self) -> None:
+        self.compression = compression_methods(self.compression)
+        self.compression_options = {**COMPRESSION_DEFAULTS, **dict(self.compression_options)}
+        check_compression_options(self.compression_options, "compression_options")
 
     @property
     def num_devices(self) -> int:
@@ -98,8 +110,9 @@ class Problem:
         return out
 
     def plan_for(self, *, stage_of_layer: list[int], strategies: list, pp: int, microbatches: int) -> Plan:
-        """A plan of this problem (its model, cluster, batch and schedule) from a stage and a ``(dp, tp, shard)``
-        strategy per layer: the one place the solver, the baselines and the tests stamp a plan's identity."""
+        """A plan of this problem (its model, cluster, batch, schedule and compression options) from a stage and a
+        strategy per layer (``(dp, tp, shard)`` or ``(dp, tp, dp_mode, recompute, compression)``): the one place
+        the solver, the baselines and the tests stamp a plan's identity."""
         return Plan.from_assignment(
             stage_of_layer=stage_of_layer,
             strategies=[tuple(s) for s in strategies],
@@ -112,4 +125,20 @@ class Problem:
             model=self.model.model,
             cluster=self.cluster.name,
             model_fingerprint=self.model.fingerprint(),
+            compression_options=dict(self.compression_options),
         )
+
+
+def compression_methods(value: Any) -> tuple[str, ...]:
+    """The allowed compression methods as a tuple that always holds ``"none"``: from None / "none" (off), one
+    method name, "auto" (every method), or a list of names. Refuses anything else, naming the field."""
+    if value is None:
+        return ("none",)
+    if isinstance(value, str):
+        value = list(COMPRESSIONS) if value == "auto" else [value]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise UniAPError(f"compression={value!r} must be None, 'auto', one of {list(COMPRESSIONS)} or a list of them")
+    bad = [v for v in value if v not in COMPRESSIONS]
+    if bad:
+        raise UniAPError(f"compression: unknown method(s) {bad}; known: {list(COMPRESSIONS)} (or 'auto')")
+    return tuple(m for m in COMPRESSIONS if m == "none" or m in value)

@@ -19,7 +19,10 @@ One record per layer of the chain, in order::
          # optional:
          "activation_tp_fraction": 0.8,  # share of activation_bytes that tensor parallelism splits (default 1)
          "timings": [{"micro_batch": 1, "forward_s": ..., "backward_s": ...}, ...],  # per-call seconds
-         "overheads": [{"kind": "tp", "degree": 2, "micro_batch": 8, "seconds": 0.004}, ...]
+         "overheads": [{"kind": "tp", "degree": 2, "micro_batch": 8, "seconds": 0.004}, ...],
+         "param_tensors": 4,            # trainable parameter tensors (optimizer step cost per tensor)
+         "matrix_dims": 4096,           # sum over parameters with ndim >= 2 of shape[0] + numel / shape[0]
+         "vector_params": 2048          # elements in parameters with ndim < 2 (biases, norms)
         }, ...]
     }
 
@@ -90,6 +93,27 @@ class LayerProfile:
     overheads: tuple[Overhead, ...] = ()
     #: trainable parameter tensors (an optimizer step has a fixed cost per tensor; 0: not known)
     param_tensors: int = 0
+    #: PowerSGD pricing (optional): sum of ``shape[0] + numel / shape[0]`` over parameters with ndim >= 2, and the
+    #: elements of parameters with ndim < 2; None: estimated (:meth:`powersgd_dims`)
+    matrix_dims: float | None = None
+    vector_params: int | None = None
+
+    def powersgd_dims(self) -> tuple[float, float]:
+        """``(matrix_dims, vector_params)``: the profiled values, else every tensor taken as a square matrix."""
+        if self.matrix_dims is not None:
+            return float(self.matrix_dims), float(self.vector_params or 0)
+        tensors = max(self.param_tensors, 1)
+        return 2.0 * math.sqrt(self.params / tensors) * tensors, float(self.vector_params or 0)
+
+    @property
+    def forward_fraction(self) -> float:
+        """Forward's share of forward + backward (what recomputing the layer adds to its backward)."""
+        if self.timings:
+            t = max(self.timings, key=lambda x: x.micro_batch)
+            f, b = t.forward_s, t.backward_s
+        else:
+            f, b = self.forward_s, self.backward_s
+        return f / (f + b) if f + b > 0 else 0.5
 
     def overhead_s(self, kind: str, degree: int, samples: float) -> float | None:
         """Measured extra seconds of ``kind`` at ``degree`` for ``samples`` per device (None when not measured):
@@ -158,6 +182,9 @@ class ModelProfile:
             d["overheads"] = [asdict(o) for o in lp.overheads]
             if not d["overheads"]:
                 del d["overheads"]
+            for key in ("matrix_dims", "vector_params"):
+                if d[key] is None:
+                    del d[key]
             layers.append(d)
         return {
             "format_version": PROFILE_FORMAT_VERSION,
@@ -269,6 +296,9 @@ def _layer_from_dict(item: Any, where: str) -> LayerProfile:
         timings=tuple(timings),
         overheads=tuple(overheads),
         param_tensors=_number(item, "param_tensors", where, integer=True) if "param_tensors" in item else 0,
+        matrix_dims=_number(item, "matrix_dims", where) if item.get("matrix_dims") is not None else None,
+        vector_params=(_number(item, "vector_params", where, integer=True)
+                       if item.get("vector_params") is not None else None),
     )
 
 

@@ -7,15 +7,24 @@ from rich.table import Table
 from rich.text import Text
 
 from uniap_lightning.planner.cluster import GIB
-from uniap_lightning.planner.cost.layer import Strategy
+from uniap_lightning.planner.cost.evaluate import strategy_of
 from uniap_lightning.planner.plan import Plan
 
 BASELINE_LABELS = {
     "ddp": "DDP (pp=1, replicate everything)",
+    "zero2": "DDP + ZeRO-2 (pp=1, + recompute where needed to fit)",
     "fsdp": "FSDP / ZeRO-3 (pp=1)",
-    "megatron": "best uniform Megatron grid",
+    "megatron": "best uniform Megatron grid (full recomputation if nothing fits without)",
     "intra_only": "intra-layer only (pp=1)",
     "inter_only": "inter-layer only (pipeline + DP)",
+}
+
+
+DP_MODE_LABELS = {
+    "replicate": "replicated (DDP)",
+    "zero1": "ZeRO-1 (optimizer sharded)",
+    "zero2": "ZeRO-2 (+ gradients)",
+    "zero3": "ZeRO-3 / FSDP (+ parameters)",
 }
 
 
@@ -51,7 +60,7 @@ def plan_renderables(plan: Plan, *, title: str | None = None) -> Group:
     for st in plan.stages:
         first, last = st.layers
         strat = ", ".join(
-            f"{Strategy(lp.dp, lp.tp, lp.shard).label()}" + (f" [{names[a]}..{names[b]}]" if a != b else f" [{names[a]}]")
+            f"{strategy_of(lp).label()}" + (f" [{names[a]}..{names[b]}]" if a != b else f" [{names[a]}]")
             for a, b, lp in runs
             if lp.stage == st.index
         )
@@ -66,11 +75,12 @@ def plan_renderables(plan: Plan, *, title: str | None = None) -> Group:
         stages.add_row(str(st.index), _range(names, first, last), ranks, strat, t, sync, mem)
 
     layers = Table(title="Per-layer strategy (consecutive equal layers folded)", title_justify="left")
-    for col in ("layers", "stage", "dp", "tp", "data parallel"):
+    for col in ("layers", "stage", "dp", "tp", "dp mode", "recompute", "compression"):
         layers.add_column(col)
     for a, b, lp in runs:
-        kind = "-" if lp.dp == 1 else ("sharded (FSDP)" if lp.shard else "replicated (DDP)")
-        layers.add_row(_range(names, a, b), str(lp.stage), str(lp.dp), str(lp.tp), kind)
+        kind = "-" if lp.dp == 1 else DP_MODE_LABELS[lp.dp_mode]
+        layers.add_row(_range(names, a, b), str(lp.stage), str(lp.dp), str(lp.tp), kind,
+                       "yes" if lp.recompute else "-", lp.compression if lp.compression != "none" else "-")
 
     parts = [head, stages, layers]
     if plan.baselines and est is not None:
@@ -108,17 +118,19 @@ def explain_renderables(plan: Plan, problem, measured: dict | None = None) -> Gr
     from uniap_lightning.planner.cost.tables import CandidateCosts
 
     est = plan.estimate
-    costs = CandidateCosts(problem, plan.pp, plan.microbatches)
+    costs = CandidateCosts(problem, plan.pp, plan.microbatches, compression_options=plan.compression_options)
     layers = Table(title="Per layer (predicted, one device, one micro-batch)", title_justify="left")
-    for col in ("#", "layer", "stage", "strategy", "compute ms", "comm ms", "sync ms / iter", "weights+opt MiB",
-                "activations MiB"):
-        layers.add_column(col, justify="left" if col in ("layer", "strategy") else "right")
+    for col in ("#", "layer", "stage", "strategy", "dp mode", "recompute", "compression", "compute ms", "comm ms",
+                "sync ms / iter", "state MiB", "activations MiB", "transient MiB"):
+        layers.add_column(col, justify="left" if col in ("layer", "strategy", "dp mode", "compression") else "right")
     for u, lp in enumerate(plan.layers):
-        c = costs.terms(u, Strategy(lp.dp, lp.tp, lp.shard))
+        s = strategy_of(lp)
+        c = costs.terms(u, s)
         F = costs.in_flight(lp.stage)
-        layers.add_row(str(u), lp.name, str(lp.stage), Strategy(lp.dp, lp.tp, lp.shard).label(), _ms(c.compute_s),
-                       _ms(c.comm_s), _ms(c.sync_s), f"{c.static_bytes / 2**20:,.1f}",
-                       f"{F * c.activation_bytes / 2**20:,.1f} ({F} in flight)")
+        layers.add_row(str(u), lp.name, str(lp.stage), s.label(), s.dp_mode if s.d > 1 else "-",
+                       "yes" if s.recompute else "-", s.compression if s.compression != "none" else "-",
+                       _ms(c.compute_s), _ms(c.comm_s), _ms(c.sync_s), f"{c.static_bytes / 2**20:,.1f}",
+                       f"{F * c.activation_bytes / 2**20:,.1f} ({F} in flight)", f"{c.transient_bytes / 2**20:,.1f}")
     stages = Table(title="Per stage: predicted vs measured", title_justify="left")
     for col in ("stage", "predicted ms / µbatch", "measured ms / µbatch", "predicted GiB", "measured peak GiB"):
         stages.add_column(col, justify="right")

@@ -1,6 +1,7 @@
 """Pictures of a plan (matplotlib, headless): ``uniap plan ... viz=plan.png``.
 
-Four panels: the chain of layers grouped into stages and coloured by strategy; memory per device per stage
+Four panels: the chain of layers grouped into stages and coloured by strategy (the colour names the split and the
+data-parallel mode, e.g. ``z2dp4xtp2``, a compressed layer adds ``+bf16``; recomputed layers are hatched); memory per device per stage
 against the limit; a pipeline timeline of one iteration's micro-batches (the bubble is the white space); the
 baselines' time per iteration next to the plan's.
 """
@@ -11,7 +12,7 @@ from pathlib import Path
 
 from uniap_lightning.files import write_bytes_atomic
 from uniap_lightning.planner.cluster import GIB
-from uniap_lightning.planner.cost.layer import Strategy
+from uniap_lightning.planner.cost.evaluate import strategy_of
 from uniap_lightning.planner.plan import Plan
 from uniap_lightning.planner.problem import Problem
 from uniap_lightning.planner.report import BASELINE_LABELS
@@ -80,19 +81,26 @@ def draw_plan(plan: Plan, problem: Problem, path: str | Path) -> Path:
         f"{est.samples_per_s:,.1f} samples/s",
         fontsize=11,
     )
-    labels = sorted({Strategy(lp.dp, lp.tp, lp.shard).label() for lp in plan.layers})
+    def label(lp) -> str:  # recomputation is drawn as hatching, not a colour of its own
+        return strategy_of(lp)._replace(recompute=False).label()
+
+    labels = sorted({label(lp) for lp in plan.layers})
     cmap = plt.get_cmap("tab10")
     colour = {lab: cmap(j % 10) for j, lab in enumerate(labels)}
 
     ax = axes[0, 0]
     for u, lp in enumerate(plan.layers):
-        ax.barh(lp.stage, 1, left=u, color=colour[Strategy(lp.dp, lp.tp, lp.shard).label()], edgecolor="white", lw=0.3)
+        ax.barh(lp.stage, 1, left=u, color=colour[label(lp)], edgecolor="white", lw=0.3,
+                hatch="///" if lp.recompute else None)
     ax.set_yticks(range(plan.pp), [f"stage {i}\nranks {s.ranks[0]}-{s.ranks[-1]}" for i, s in enumerate(plan.stages)],
                   fontsize=7 if plan.pp > 8 else 9)
     ax.invert_yaxis()
     ax.set_xlabel("layer index along the chain")
     ax.set_title("Layers grouped into stages, coloured by strategy")
-    ax.legend(handles=[Patch(color=colour[lab], label=lab) for lab in labels], fontsize=8, loc="lower right")
+    handles = [Patch(color=colour[lab], label=lab) for lab in labels]
+    if any(lp.recompute for lp in plan.layers):
+        handles.append(Patch(facecolor="white", edgecolor="black", hatch="///", label="recomputed"))
+    ax.legend(handles=handles, fontsize=8, loc="lower right")
 
     ax = axes[0, 1]
     mem = [m / GIB for m in est.stage_memory_bytes]

@@ -9,8 +9,15 @@ from __future__ import annotations
 from uniap_lightning.planner.cost.layer import Strategy, strategies_for
 from uniap_lightning.planner.cost.tables import CandidateCosts
 from uniap_lightning.errors import UniAPError
-from uniap_lightning.planner.plan import Estimate, Plan
+from uniap_lightning.planner.plan import COMPRESSIONS, Estimate, LayerPlan, Plan
 from uniap_lightning.planner.problem import Problem
+
+
+def strategy_of(lp: LayerPlan) -> Strategy:
+    """The cost model's strategy for a plan's layer."""
+    if lp.dp == 1:
+        return Strategy(1, lp.tp, "replicate", lp.recompute, "none")
+    return Strategy(lp.dp, lp.tp, lp.dp_mode, lp.recompute, lp.compression)
 
 
 def check_plan_matches(problem: Problem, plan: Plan) -> None:
@@ -50,11 +57,11 @@ def evaluate(problem: Problem, plan: Plan, *, check_strategies: bool = True) -> 
             f"micro-batch size {b} must be divisible by the {n} devices per stage when pp > 1 (stage boundaries "
             "split the micro-batch over every rank of a stage)"
         )
-    costs = CandidateCosts(problem, pp, c)
-    strat = [Strategy(lp.dp, lp.tp, lp.shard and lp.dp > 1) for lp in plan.layers]
+    costs = CandidateCosts(problem, pp, c, compression_options=plan.compression_options)
+    strat = [strategy_of(lp) for lp in plan.layers]
     if check_strategies:
         for u, (lp, s) in enumerate(zip(costs.layers, strat)):
-            if s not in strategies_for(lp, n, cl, b):
+            if s not in strategies_for(lp, n, cl, b, compression=COMPRESSIONS):
                 raise UniAPError(
                     f"plan layer {u} ({lp.name}): strategy dp={s.d} tp={s.t} is not allowed here "
                     f"(tp_degrees={list(lp.tp_degrees)}, devices per node={cl.devices_per_node}, micro-batch={b})"

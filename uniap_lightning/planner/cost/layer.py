@@ -2,54 +2,119 @@
 
 All functions here return seconds and bytes. One (pp, c) candidate fixes the stage size ``n = N / pp`` and the
 micro-batch size ``b = B / c``; everything else is a function of the layer, its strategy and its neighbours.
+
+With ``P`` the layer's parameters on one rank (``params / t``), ``d`` data-parallel copies and ``w, g, o`` bytes
+per parameter of weights, gradients and optimizer state:
+
+=========  ===========================================  ===========================================================
+dp_mode    memory held (``static_bytes``)               communication
+=========  ===========================================  ===========================================================
+replicate  ``P (w + g + o) + P g`` (all-reduce bucket)  gradient all-reduce once per step (``sync_s``)
+zero1      ``P (w + g) + P o / d``                      gradient all-reduce + all-gather of ``P w``, once per step
+zero2      ``P w + P (g + o) / d`` (+ ``P g`` when the  reduce-scatter of ``P g`` + all-gather of ``P w``, once per
+           step accumulates, c > 1)                     step
+zero3      ``P (w + g + o) / d``, + ``P w (1 - 1/d)``   two all-gathers of ``P w`` and a reduce-scatter of ``P g``
+           while gathered (``transient_bytes``)          per micro-batch (``time_s``)
+=========  ===========================================  ===========================================================
+
+Recomputation: the layer keeps its input (``input_bytes`` per sample, whole on every TP rank) instead of its
+activations, its activations live again while it recomputes (``transient_bytes``: a stage holds the largest
+transient), and ``time_s`` gains one forward (compute and forward TP all-reduces). Compression (replicate / zero1)
+replaces the gradient all-reduce: bf16 halves its bytes; PowerSGD rank ``r`` all-reduces ``4 r (n + k)`` bytes per
+``n x k`` matrix in two rounds and the vectors uncompressed; top-k all-gathers ``8 k`` bytes per rank (``k =
+ratio * P``, at least one per tensor). Each adds the cluster's compression compute per element and, for PowerSGD
+and top-k, an fp32 error-feedback buffer (``4 P`` bytes; PowerSGD also its factors) to ``static_bytes``.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
 
 from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.planner.cost.comm import all_gather_s, all_reduce_s, reduce_scatter_s
+from uniap_lightning.planner.plan import COMPRESSIBLE_DP_MODES, DP_MODES
 from uniap_lightning.planner.problem import TrainingConfig
 from uniap_lightning.planner.profile import LayerProfile
 
 
-class Strategy(NamedTuple):
-    """Intra-layer strategy: ``d`` data-parallel copies (replicated or sharded) x ``t`` tensor-parallel ranks."""
-
+class _StrategyFields(NamedTuple):
     d: int
     t: int
-    shard: bool
+    dp_mode: str = "replicate"
+    recompute: bool = False
+    compression: str = "none"
+
+
+class Strategy(_StrategyFields):
+    """Intra-layer strategy: ``d`` data-parallel copies x ``t`` tensor-parallel ranks; how the copies hold state
+    (``dp_mode``: replicate / zero1 / zero2 / zero3), whether the layer recomputes its activations in backward, and
+    how its gradients travel (``compression``, replicate / zero1 only). ``Strategy(d, t, shard)`` with a bool
+    third field is the version-1 shape (``True``: zero3)."""
+
+    __slots__ = ()
+
+    def __new__(cls, d: int, t: int, dp_mode: str | bool = "replicate", recompute: bool = False,
+                compression: str = "none") -> Strategy:
+        if isinstance(dp_mode, bool):
+            dp_mode = "zero3" if dp_mode else "replicate"
+        return super().__new__(cls, d, t, dp_mode, recompute, compression)
+
+    @property
+    def shard(self) -> bool:
+        """Parameters sharded over the data-parallel copies (ZeRO-3 / FSDP)."""
+        return self.d > 1 and self.dp_mode == "zero3"
 
     def label(self) -> str:
         parts = []
         if self.d > 1:
-            parts.append(f"{'fsdp' if self.shard else 'dp'}{self.d}")
+            parts.append(f"{DP_LABELS[self.dp_mode]}{self.d}")
         if self.t > 1:
             parts.append(f"tp{self.t}")
-        return "x".join(parts) or "single"
+        out = "x".join(parts) or "single"
+        if self.compression != "none":
+            out += f"+{self.compression}"
+        return out + ("+rc" if self.recompute else "")
+
+
+DP_LABELS = {"replicate": "dp", "zero1": "z1dp", "zero2": "z2dp", "zero3": "fsdp"}
 
 
 @dataclass(frozen=True)
 class LayerCost:
     """Costs of one layer under one strategy, for one micro-batch size."""
 
-    time_s: float  # per micro-batch: compute + TP + FSDP communication
+    time_s: float  # per micro-batch: compute (+ recomputed forward) + TP + ZeRO-3 communication
     compute_s: float
     comm_s: float
-    sync_s: float  # per iteration: DP gradient all-reduce, then the optimizer step on this rank's parameters
-    static_bytes: float  # weights + grads + optimizer state (+ a replicated layer's gradient bucket) on one device
-    activation_bytes: float  # per micro-batch in flight, on one device
-    transient_bytes: float  # extra bytes while an FSDP layer's weights are gathered
+    sync_s: float  # per iteration: gradient sync (compressed or not), ZeRO gathers, then the optimizer step
+    static_bytes: float  # weights + grads + optimizer state per dp_mode (+ buckets, error feedback) on one device
+    activation_bytes: float  # per micro-batch in flight, on one device (a recomputed layer: its input only)
+    transient_bytes: float  # extra bytes while the layer runs: gathered ZeRO-3 weights + recomputed activations
 
 
-def strategies_for(layer: LayerProfile, n: int, cluster: Cluster, micro_batch: int) -> list[Strategy]:
-    """Strategies ``(d, t, shard)`` with ``d * t = n`` that the layer allows on a stage of ``n`` devices.
+@dataclass(frozen=True)
+class Pricing:
+    """What a candidate fixes beyond the layer and strategy: micro-batch size, stage size, whether gradients
+    accumulate over several micro-batches (ZeRO-2 then holds a full gradient), and the compressors' parameters."""
+
+    micro_batch: int
+    n: int
+    accumulate: bool = False
+    powersgd_rank: int = 1
+    topk_ratio: float = 0.01
+
+
+def strategies_for(
+    layer: LayerProfile, n: int, cluster: Cluster, micro_batch: int, *, compression: tuple[str, ...] = ("none",)
+) -> list[Strategy]:
+    """Strategies with ``d * t = n`` that the layer allows on a stage of ``n`` devices.
 
     ``t`` must be a degree the layer supports and stay inside a node (aligned), and ``d`` must divide the
-    micro-batch. ``shard`` only matters when ``d > 1``.
+    micro-batch. With ``d > 1`` every ``dp_mode``; compression (methods in ``compression`` besides "none") only for
+    replicate / zero1; recomputation on or off everywhere.
     """
     dpn = cluster.devices_per_node
     out = []
@@ -59,9 +124,11 @@ def strategies_for(layer: LayerProfile, n: int, cluster: Cluster, micro_batch: i
         d = n // t
         if micro_batch % d:
             continue
-        out.append(Strategy(d, t, False))
-        if d > 1:
-            out.append(Strategy(d, t, True))
+        for mode in DP_MODES if d > 1 else ("replicate",):
+            comps = [m for m in compression if m != "none"] if d > 1 and mode in COMPRESSIBLE_DP_MODES else []
+            for comp in ("none", *comps):
+                for rec in (False, True):
+                    out.append(Strategy(d, t, mode, rec, comp))
     return out
 
 
@@ -71,56 +138,96 @@ def dp_group_inter_node(cluster: Cluster, n: int) -> bool:
 
 
 def layer_cost(
-    layer: LayerProfile, s: Strategy, micro_batch: int, n: int, cluster: Cluster, training: TrainingConfig
+    layer: LayerProfile, s: Strategy, micro_batch: int | Pricing, n: int | None = None,
+    cluster: Cluster | None = None, training: TrainingConfig | None = None, *, input_bytes: float = 0.0,
 ) -> LayerCost:
-    return _layer_cost(layer, s, micro_batch, n, cluster, training)
+    """Layer terms under ``s``. ``micro_batch`` is a :class:`Pricing` or (older shape) the micro-batch size with
+    ``n`` given; ``input_bytes`` is the per-sample size of the layer's input (the previous layer's output), what a
+    recomputed layer keeps for backward."""
+    pricing = micro_batch if isinstance(micro_batch, Pricing) else Pricing(micro_batch, n)
+    return _layer_cost(layer, Strategy(*s), pricing, cluster, training, input_bytes)
 
 
-@lru_cache(maxsize=200_000)
+@lru_cache(maxsize=400_000)
 def _layer_cost(
-    layer: LayerProfile, s: Strategy, micro_batch: int, n: int, cluster: Cluster, training: TrainingConfig
+    layer: LayerProfile, s: Strategy, pr: Pricing, cluster: Cluster, training: TrainingConfig, input_bytes: float
 ) -> LayerCost:
-    d, t, shard = s
-    samples = micro_batch / d
+    d, t = s.d, s.t
+    mode = s.dp_mode if d > 1 else "replicate"
+    samples = pr.micro_batch / d
     compute = layer.compute_s(samples) / t
-    comm = 0.0
+    tp_comm = 0.0
     if t > 1:
         # measured (profile ``overheads``): all-reduces + unsplit compute + dispatch; else the ring formula
         measured = layer.overhead_s("tp", t, samples)
         if measured is not None:
-            comm += max(measured, -0.5 * compute)
+            tp_comm = max(measured, -0.5 * compute)
         elif layer.tp_allreduces:
-            comm += 2 * layer.tp_allreduces * all_reduce_s(cluster, layer.output_bytes * samples, t, False)
-    inter = dp_group_inter_node(cluster, n)
-    local_params = layer.params / t
-    sync = bucket = 0.0
-    if d > 1 and shard:
+            tp_comm = 2 * layer.tp_allreduces * all_reduce_s(cluster, layer.output_bytes * samples, t, False)
+    comm = tp_comm
+    if s.recompute:  # the forward again in backward: its compute and its forward TP all-reduces
+        compute += compute * layer.forward_fraction
+        comm += tp_comm / 2
+    inter = dp_group_inter_node(cluster, pr.n)
+    P = layer.params / t  # parameters on one rank after tensor parallelism
+    w, g, o = training.weight_bytes, training.grad_bytes, training.optimizer_bytes
+    sync = extra = 0.0
+    if mode == "zero3":
         # measured inside a node for FSDP alone; FSDP x TP and groups across nodes use the formulas
         measured = layer.overhead_s("fsdp", d, samples) if t == 1 and not inter else None
         if measured is not None:
             comm += max(measured, 0.0)
         else:
-            comm += 2 * all_gather_s(cluster, local_params * training.weight_bytes, d, inter)
-            comm += reduce_scatter_s(cluster, local_params * training.grad_bytes, d, inter)
-    elif d > 1:
-        # measured inside a node for replication alone (the all-reduce beside the step's last backward, waited
-        # for: on CPU ranks sharing cores it also slows that backward); else the ring formula
-        measured = layer.overhead_s("dp", d, samples) if t == 1 and not inter else None
-        if measured is not None:
-            sync = max(measured, 0.0)
-        else:
-            sync = all_reduce_s(cluster, local_params * training.grad_bytes, d, inter)
+            comm += 2 * all_gather_s(cluster, P * w, d, inter)
+            comm += reduce_scatter_s(cluster, P * g, d, inter)
+        static = P * (w + g + o) / d
+    elif mode == "zero2":
+        sync = reduce_scatter_s(cluster, P * g, d, inter) + all_gather_s(cluster, P * w, d, inter)
+        # with accumulation FSDP2 keeps the unsharded gradient until the last micro-batch's reduce-scatter
+        static = P * w + P * (o + g) / d + (P * g if pr.accumulate else 0.0)
+    elif mode == "zero1":
+        sync, extra = _gradient_sync(layer, s, P, d, inter, cluster, training, pr)
+        sync += all_gather_s(cluster, P * w, d, inter)  # the updated parameters
+        static = P * (w + g) + P * o / d + extra
+    else:
+        sync, extra = _gradient_sync(layer, s, P, d, inter, cluster, training, pr) if d > 1 else (0.0, 0.0)
         # the runtime's persistent all-reduce buckets hold one more copy of a replicated layer's gradients
         # (runtime.data_parallel.ReplicatedGrads)
-        bucket = local_params * training.grad_bytes
+        static = P * (w + g + o) + (P * g if d > 1 else 0.0) + extra
     # the optimizer updates the parameters this rank holds, once per iteration, after the gradient sync
-    sync += cluster.optimizer_s_per_param * local_params / (d if shard else 1)
+    sync += cluster.optimizer_s_per_param * P / (1 if mode == "replicate" else d)
     sync += cluster.optimizer_s_per_tensor * layer.param_tensors
-    static = local_params * training.bytes_per_param / (d if shard else 1) + bucket
-    transient = local_params * training.weight_bytes * (1 - 1 / d) if shard and d > 1 else 0.0
+    transient = P * w * (1 - 1 / d) if mode == "zero3" else 0.0
     f = layer.activation_tp_fraction
     act = layer.activation_bytes * samples * ((1 - f) + f / t)
+    if s.recompute:
+        # keeps only its input (whole on every TP rank); its own activations live again while it recomputes
+        transient += act
+        act = input_bytes * samples
     return LayerCost(compute + comm, compute, comm, sync, static, act, transient)
+
+
+def _gradient_sync(layer: LayerProfile, s: Strategy, P: float, d: int, inter: bool, cluster: Cluster,
+                   training: TrainingConfig, pr: Pricing) -> tuple[float, float]:
+    """Seconds of a replicate / zero1 layer's per-step gradient reduction and the bytes its compressor keeps
+    (error feedback): all-reduce of ``P g`` bytes, or its compressed form."""
+    method = s.compression
+    if method == "none":
+        return all_reduce_s(cluster, P * training.grad_bytes, d, inter), 0.0
+    work = cluster.compression_s_per_param(method) * P
+    if method == "bf16":
+        return all_reduce_s(cluster, P * 2, d, inter) + work, 0.0
+    if method == "powersgd":
+        r = pr.powersgd_rank
+        dims, vectors = layer.powersgd_dims()
+        # a TP shard splits one side of each matrix: (n / t + k) or (n + k / t)
+        dims = dims * (1 + 1 / s.t) / 2
+        low_rank = 4 * r * dims  # P (n r) then Q (k r), fp32
+        sync = 2 * all_reduce_s(cluster, low_rank / 2, d, inter) + all_reduce_s(cluster, 4 * vectors / s.t, d, inter)
+        return sync + work * r, P * 4 + low_rank  # error feedback (fp32) and the P, Q factors
+    # topk: every rank sends k values (fp32) and indices (int32) per tensor, all-gathered
+    k = max(math.ceil(pr.topk_ratio * P), max(layer.param_tensors, 1))
+    return all_gather_s(cluster, 8 * k * d, d, inter) + work, P * 4  # error feedback (fp32)
 
 
 def reshard_s(cluster: Cluster, out_bytes: float, micro_batch: int, d_from: int, d_to: int) -> float:

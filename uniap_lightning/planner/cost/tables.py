@@ -8,12 +8,14 @@ feature (recomputation, a ZeRO mode, gradient compression) adds a strategy dimen
 Terms, in seconds and bytes (``u`` a layer, ``k`` its strategy; :class:`~.layer.LayerCost` field in brackets):
 
 * time per micro-batch on its stage: compute + tensor-parallel + FSDP communication (``time_s``);
-* sync per iteration: the replicated data-parallel gradient all-reduce at the end of the step (``sync_s``);
-* memory held for the whole step: weights, gradients, optimizer state, and for a replicated layer (``d > 1``, not
-  sharded) one more copy of its gradients, the runtime's all-reduce buckets (``static_bytes``);
-* memory per micro-batch in flight: activations (``activation_bytes``);
-* memory held only while the layer runs (an FSDP layer's gathered weights): a stage holds the largest one
-  (``transient_bytes``);
+* sync per iteration: gradient all-reduce (or its compressed form) / reduce-scatter and the ZeRO-1/2 parameter
+  all-gather at the end of the step, and the optimizer step (``sync_s``);
+* memory held for the whole step: weights, gradients, optimizer state as the ``dp_mode`` shards them, for a
+  replicated layer (``d > 1``) one more copy of its gradients (the runtime's all-reduce buckets), a compressor's
+  error feedback (``static_bytes``);
+* memory per micro-batch in flight: activations, or a recomputed layer's input (``activation_bytes``);
+* memory held only while the layer runs (a ZeRO-3 layer's gathered weights, a recomputed layer's activations): a
+  stage holds the largest one (``transient_bytes``);
 * resharding between neighbours ``u``, ``u + 1`` on one stage whose batch splits ``d`` differ
   (:meth:`CandidateCosts.reshard_s`);
 * a stage boundary after layer ``u``: leaving (reshard to the boundary layout, send forward and backward,
@@ -36,6 +38,7 @@ from collections.abc import Callable
 from uniap_lightning.planner.cost.comm import p2p_s
 from uniap_lightning.planner.cost.layer import (
     LayerCost,
+    Pricing,
     Strategy,
     boundary_inter_node,
     in_flight,
@@ -46,6 +49,10 @@ from uniap_lightning.planner.cost.layer import (
 from uniap_lightning.planner.problem import Problem
 
 
+class TabulationStopped(Exception):
+    """A table's ``stop`` callback said so (the search's deadline passed while tabulating a long chain)."""
+
+
 class CandidateCosts:
     """Every term of one ``(pp, c)`` candidate for any strategy, and the formulas that combine them.
 
@@ -53,16 +60,22 @@ class CandidateCosts:
     :class:`CostTables` adds the enumeration the solver chooses from.
     """
 
-    def __init__(self, problem: Problem, pp: int, c: int) -> None:
+    def __init__(self, problem: Problem, pp: int, c: int, *, compression_options: dict | None = None) -> None:
         self.problem, self.pp, self.c = problem, pp, c
         self.n = problem.num_devices // pp  # devices per stage
         self.b = problem.training.global_batch_size // c  # micro-batch size
         self.layers = problem.model.layers
+        opts = compression_options if compression_options is not None else problem.compression_options
+        self.pricing = Pricing(self.b, self.n, accumulate=c > 1, powersgd_rank=int(opts.get("powersgd_rank", 1)),
+                               topk_ratio=float(opts.get("topk_ratio", 0.01)))
 
     # ------------------------------------------------------------------ per-layer and pair terms
     def terms(self, u: int, s: Strategy) -> LayerCost:
-        """Layer ``u``'s terms under strategy ``s`` (cached across candidates by ``layer_cost``)."""
-        return layer_cost(self.layers[u], s, self.b, self.n, self.problem.cluster, self.problem.training)
+        """Layer ``u``'s terms under strategy ``s`` (cached across candidates by ``layer_cost``); its input is
+        layer ``u - 1``'s output (the first layer's input, token ids, is taken as free)."""
+        inp = self.layers[u - 1].output_bytes if u > 0 else 0.0
+        return layer_cost(self.layers[u], s, self.pricing, cluster=self.problem.cluster,
+                          training=self.problem.training, input_bytes=inp)
 
     def reshard_s(self, u: int, d_from: int, d_to: int) -> float:
         """Between layer ``u`` (batch split ``d_from``) and ``u + 1`` (``d_to``) on one stage."""
@@ -118,18 +131,29 @@ class CandidateCosts:
 class CostTables(CandidateCosts):
     """The candidate's terms for every strategy the solver may choose: ``strategies[u][k]``, ``cost[u][k]``.
 
-    ``allowed`` restricts the strategies (the baselines' restricted searches).
+    ``allowed`` restricts the strategies (the baselines' restricted searches). Strategies another strategy of the
+    same layer and batch split ``d`` dominates (no term larger; ties keep the first) are dropped: every other cost
+    (resharding, boundaries) depends on ``d`` alone and every stage formula is non-decreasing in each term, so some
+    optimal plan never uses them (``prune=False`` keeps them).
     """
 
-    def __init__(self, problem: Problem, pp: int, c: int, *, allowed: Callable[[Strategy], bool] | None = None) -> None:
+    def __init__(self, problem: Problem, pp: int, c: int, *, allowed: Callable[[Strategy], bool] | None = None,
+                 prune: bool = True, stop: Callable[[], bool] | None = None) -> None:
         super().__init__(problem, pp, c)
         self.strategies: list[list[Strategy]] = []
-        for lp in self.layers:
-            ks = strategies_for(lp, self.n, problem.cluster, self.b)
+        self.cost: list[list[LayerCost]] = []
+        for u, lp in enumerate(self.layers):
+            if stop is not None and u % 512 == 511 and stop():
+                raise TabulationStopped(f"stopped after {u} of {len(self.layers)} layers")
+            ks = strategies_for(lp, self.n, problem.cluster, self.b, compression=problem.compression)
             if allowed is not None:
                 ks = [k for k in ks if allowed(k)]
+            cs = [self.terms(u, k) for k in ks]
+            if prune:
+                keep = undominated(ks, cs)
+                ks, cs = [ks[j] for j in keep], [cs[j] for j in keep]
             self.strategies.append(ks)
-        self.cost = [[self.terms(u, k) for k in ks] for u, ks in enumerate(self.strategies)]
+            self.cost.append(cs)
 
     @property
     def feasible_shape(self) -> bool:
@@ -149,3 +173,24 @@ class CostTables(CandidateCosts):
             else:
                 out.append((u, u))
         return out
+
+
+def _vector(c: LayerCost) -> tuple[float, ...]:
+    return (c.time_s, c.sync_s, c.static_bytes, c.activation_bytes, c.transient_bytes)
+
+
+def undominated(strategies: list[Strategy], costs: list[LayerCost]) -> list[int]:
+    """Indices of the strategies no other strategy with the same ``d`` dominates (ties: the first one stays)."""
+    vec = [_vector(c) for c in costs]
+    keep = []
+    for j, (s, v) in enumerate(zip(strategies, vec)):
+        dominated = False
+        for i, (s2, v2) in enumerate(zip(strategies, vec)):
+            if i == j or s2.d != s.d:
+                continue
+            if all(a <= b for a, b in zip(v2, v)) and (v2 != v or i < j):
+                dominated = True
+                break
+        if not dominated:
+            keep.append(j)
+    return keep

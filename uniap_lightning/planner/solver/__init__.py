@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from uniap_lightning.planner.cost.evaluate import evaluate
 from uniap_lightning.planner.plan import Plan
-from uniap_lightning.planner.problem import Problem
+from uniap_lightning.planner.problem import Problem, compression_methods
 from uniap_lightning.planner.solver.backend import Deadline, no_gc
 from uniap_lightning.planner.solver.baselines import BASELINES, baseline_plans
 from uniap_lightning.planner.solver.search import SOLVERS, resolve_solver, search
@@ -23,6 +24,7 @@ def solve(
     pp: list[int] | None = None,
     baselines: bool = True,
     progress: Callable[[str], None] | None = None,
+    compression: str | list[str] | tuple[str, ...] | None = None,
 ) -> Plan:
     """Find the plan with the least predicted time per iteration that fits memory.
 
@@ -30,8 +32,12 @@ def solve(
     ``time_limit_s`` bounds the whole call, baselines included (one deadline; a solver may overrun it by
     ``backend.MIN_SOLVE_S``). With ``baselines=True`` the baselines are computed first, used as
     incumbents (so the plan is never worse than any of them) and reported in ``plan.baselines``.
+    ``compression`` (None: the problem's own ``compression``) sets the gradient compression methods the solver may
+    choose per layer: a method, "auto" (all), a list, or "none".
     Raises :class:`~uniap_lightning.errors.InfeasibleError` when nothing fits, naming the memory shortfall.
     """
+    if compression is not None:
+        problem = replace(problem, compression=compression_methods(compression))
     with no_gc():
         return _solve(problem, solver=solver, time_limit_s=time_limit_s, pp=pp, baselines=baselines,
                       progress=progress)

@@ -98,15 +98,21 @@ def _mip_name(name: str) -> str:
 
 
 def add_cutoff(model: mip.Model, tpi: mip.LinExpr, cutoff_s: float) -> None:
-    """Only plans better than ``cutoff_s`` (the incumbent) are of interest.
+    """Only plans better than ``cutoff_s`` (the incumbent) are of interest: the solver prunes every node whose
+    bound reaches it (CBC: ``cutoff``; HiGHS: its ``objective_bound`` option, which python-mip's ``cutoff`` sets).
 
-    CBC takes it natively (``Model.cutoff``) and prunes with it. python-mip's HiGHS backend ignores
-    ``Model.cutoff`` (and then reported a worse incumbent as "optimal" in our tests), and an explicit objective
-    row slowed HiGHS down 20x on a 256-device instance (70 s vs 2.8 s), so HiGHS solves the candidate in full;
-    the search's own lower bounds do the pruning.
+    HiGHS may then report "optimal" with a solution *worse* than the cutoff (found before the cutoff pruned the
+    rest): that means no plan better than the cutoff exists, and :func:`cutoff_result` says so. (An explicit
+    objective row instead slowed HiGHS down 20x on a 256-device instance; the option prunes: a candidate whose
+    optimum is worse than the incumbent closed in 0.13 s instead of 12 s.)
     """
-    if model.solver_name.upper() == "CBC":
-        model.cutoff = cutoff_s * MS * (1 + 1e-9)
+    model.cutoff = cutoff_s * MS * (1 + 1e-9)
+
+
+def beyond_cutoff(status: str, objective_s: float | None, cutoff_s: float | None) -> bool:
+    """A finished solve whose best solution is no better than the cutoff: the candidate holds no better plan."""
+    return (cutoff_s is not None and status == "optimal" and objective_s is not None
+            and objective_s >= cutoff_s * (1 - 1e-12))
 
 
 MIN_SOLVE_S = 0.05  # the least time a solver is given: it may overrun a deadline by this much

@@ -1,10 +1,15 @@
 """Baselines, scored by the same ``evaluate`` as the planner's plans.
 
 * ``ddp``: pp = 1, every layer data parallel over all devices (replicated), best micro-batch count;
+* ``zero2``: the same with ZeRO-2 on every layer, recomputing the activations of the layers (the planner picks
+  which, with pp = 1 and this one split) where that is needed to fit memory;
 * ``fsdp``: the same, sharded (ZeRO-3);
-* ``megatron``: the best uniform Megatron-style grid: one ``(pp, tp, dp)`` for all layers, even split, best c;
+* ``megatron``: the best uniform Megatron-style grid: one ``(pp, tp, dp)`` for all layers, replicated, even
+  split, best c; with full recomputation (every layer) when no grid point fits without it;
 * ``intra_only``: the planner restricted to pp = 1 (UniAP's intra-layer-only ablation);
 * ``inter_only``: the planner restricted to tp = 1 with replicated data parallelism (pipeline + DP only).
+
+No baseline compresses gradients.
 
 A baseline that no memory-feasible plan realizes is reported as ``None``.
 """
@@ -19,7 +24,7 @@ from uniap_lightning.planner.solver.backend import Deadline
 from uniap_lightning.planner.solver.search import search
 from uniap_lightning.planner.solver.uniform import best_uniform
 
-BASELINES = ("ddp", "fsdp", "megatron", "intra_only", "inter_only")
+BASELINES = ("ddp", "zero2", "fsdp", "megatron", "intra_only", "inter_only")
 
 
 def baseline_plans(
@@ -31,18 +36,28 @@ def baseline_plans(
     N = problem.num_devices
     cs = problem.training.microbatch_candidates()
     out: dict[str, Plan | None] = {}
-    out["ddp"] = best_uniform(problem, ((1, c, Strategy(N, 1, False)) for c in cs), deadline=deadline)
-    out["fsdp"] = best_uniform(problem, ((1, c, Strategy(N, 1, N > 1)) for c in cs), deadline=deadline)
-    grid = []
-    for pp in problem.pp_candidates():
-        n = N // pp
-        for t in (1, 2, 4, 8, 16, 32, 64):
-            if n % t == 0:
-                grid += [(pp, c, Strategy(n // t, t, False)) for c in cs]
-    out["megatron"] = best_uniform(problem, grid, deadline=deadline)
+    out["ddp"] = best_uniform(problem, ((1, c, Strategy(N, 1)) for c in cs), deadline=deadline)
+    try:  # ZeRO-2 everywhere; the search only decides which layers recompute (and c)
+        out["zero2"] = search(problem, solver=solver, deadline=deadline.share(0.2), pp=[1],
+                              allowed=lambda s: s.d == N and s.compression == "none" and s.dp_mode == ("zero2" if N > 1 else "replicate"))
+    except UniAPError:
+        out["zero2"] = None
+    out["fsdp"] = best_uniform(problem, ((1, c, Strategy(N, 1, "zero3" if N > 1 else "replicate")) for c in cs),
+                               deadline=deadline)
+    for recompute in (False, True):
+        grid = []
+        for pp in problem.pp_candidates():
+            n = N // pp
+            for t in (1, 2, 4, 8, 16, 32, 64):
+                if n % t == 0:
+                    grid += [(pp, c, Strategy(n // t, t, "replicate", recompute)) for c in cs]
+        out["megatron"] = best_uniform(problem, grid, deadline=deadline)
+        if out["megatron"] is not None:
+            break
+    plain = lambda s: s.t == 1 and s.dp_mode == "replicate" and not s.recompute and s.compression == "none"  # noqa: E731
     for key, share, kwargs in (
-        ("intra_only", 0.5, {"pp": [1]}),
-        ("inter_only", 1.0, {"allowed": lambda s: s.t == 1 and not s.shard}),
+        ("intra_only", 0.5, {"pp": [1], "allowed": lambda s: s.compression == "none"}),
+        ("inter_only", 1.0, {"allowed": plain}),
     ):
         try:
             out[key] = search(problem, solver=solver, deadline=deadline.share(share), **kwargs)

@@ -30,22 +30,26 @@ def decode(milp: GroupedMilp) -> tuple[list[int], list[int]]:
     return stages, strategies
 
 
+def _value(x) -> float:
+    return float(x.x) if hasattr(x, "x") else float(x)
+
+
 def _order_portion(milp: GroupedMilp, g: int, i: int, counts: dict[int, int]) -> list[int]:
-    """Layers of one portion in an order whose level changes are exactly the solver's walk."""
-    first = next(k for k, v in milp.f[g, i].items() if v.x > 0.5)
-    last = next(k for k, v in milp.l[g, i].items() if v.x > 0.5)
+    """Layers of one portion in an order whose level changes are exactly the solver's walk. The solver fixed the
+    first and last layers' levels (batch splits); which strategy of that level stands there costs nothing more."""
+    first_d = max(milp.f[g, i], key=lambda d: _value(milp.f[g, i][d]))
+    last_d = max(milp.l[g, i], key=lambda d: _value(milp.l[g, i][d]))
     lvl = milp.level_of[g]
     edges = defaultdict(list)
     for (d, e), tv in milp.tau.get((g, i), {}).items():
         edges[d] += [e] * round(tv.x)
-    walk = euler_walk(edges, lvl[first])
+    walk = euler_walk(edges, first_d)
     pool = defaultdict(list)  # level -> strategies still to place (first/last reserved below)
-    for k, c in sorted(counts.items(), key=lambda kv: not milp.K[g][kv[0]].shard):
+    for k, c in sorted(counts.items()):
         pool[lvl[k]] += [k] * c
-    pool[lvl[first]].remove(first)
+    first = pool[first_d].pop(0)
     total = sum(counts.values())
-    if total > 1:
-        pool[lvl[last]].remove(last)
+    last = pool[last_d].pop() if total > 1 else first
     visits = defaultdict(int)
     for d in walk:
         visits[d] += 1

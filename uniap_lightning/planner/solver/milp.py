@@ -59,7 +59,7 @@ import mip
 
 from uniap_lightning.planner.cluster import GIB
 from uniap_lightning.planner.cost.tables import CostTables
-from uniap_lightning.planner.solver.backend import MS, MilpResult, add_cutoff, new_model, optimize
+from uniap_lightning.planner.solver.backend import MS, MilpResult, add_cutoff, beyond_cutoff, new_model, optimize
 from uniap_lightning.planner.solver.bounds import run_bottleneck_s
 from uniap_lightning.planner.solver.decode import decode
 
@@ -170,30 +170,35 @@ class GroupedMilp:
             m += mip.xsum(v for i in self.stage_range(g) for v in self.n[g, i].values()) == R, f"run_size[{g}]"
 
     def _ends(self) -> None:
-        """sum_k f = sum_k l = pi;  f_k, l_k <= n_k;  f_k + l_k <= n_k + w;  |f_k - l_k| <= 1 - w;
-        m <= 1 + (R_g - 1)(1 - w). A one-layer run has l = f."""
+        """At the level of batch splits (all a portion's ends decide is resharding, which depends on ``d`` only):
+        sum_d f = sum_d l = pi;  f_d, l_d <= n_d;  f_d + l_d <= n_d + w;  |f_d - l_d| <= 1 - w;
+        m <= 1 + (R_g - 1)(1 - w)  (``n_d``: the portion's layers at level d). A one-layer run has l = f."""
         m = self.m
         self.f, self.l = {}, {}
         for g in range(self.G):
-            R, K = self.R[g], range(len(self.K[g]))
+            R, D = self.R[g], range(len(self.levels[g]))
             for i in self.stage_range(g):
-                n, pres = self.n[g, i], self.pi(g, i)
-                f = self.f[g, i] = {k: m.add_var(f"f[{g},{i},{k}]", var_type=mip.BINARY) for k in K}
+                pres = self.pi(g, i)
+                nd = {d: self._level_sum(g, d, self.n[g, i]) for d in D}
+                if len(D) == 1:  # one level: the ends are the portion's presence
+                    self.f[g, i] = self.l[g, i] = {0: pres}
+                    continue
+                f = self.f[g, i] = {d: m.add_var(f"f[{g},{i},{d}]", var_type=mip.BINARY) for d in D}
                 m += mip.xsum(f.values()) == pres, f"first_one[{g},{i}]"
-                for k in K:
-                    m += f[k] <= n[k], f"first_used[{g},{i},{k}]"
+                for d in D:
+                    m += f[d] <= nd[d], f"first_used[{g},{i},{d}]"
                 if R == 1:
                     self.l[g, i] = f
                     continue
-                l = self.l[g, i] = {k: m.add_var(f"l[{g},{i},{k}]", var_type=mip.BINARY) for k in K}
+                l = self.l[g, i] = {d: m.add_var(f"l[{g},{i},{d}]", var_type=mip.BINARY) for d in D}
                 w = m.add_var(f"w[{g},{i}]", var_type=mip.BINARY)
                 m += mip.xsum(l.values()) == pres, f"last_one[{g},{i}]"
-                m += mip.xsum(n.values()) <= 1 + (R - 1) * (1 - w), f"single[{g},{i}]"
-                for k in K:
-                    m += l[k] <= n[k], f"last_used[{g},{i},{k}]"
-                    m += f[k] + l[k] <= n[k] + w, f"ends_distinct[{g},{i},{k}]"
-                    m += f[k] - l[k] <= 1 - w, f"single_same_a[{g},{i},{k}]"
-                    m += l[k] - f[k] <= 1 - w, f"single_same_b[{g},{i},{k}]"
+                m += mip.xsum(self.n[g, i].values()) <= 1 + (R - 1) * (1 - w), f"single[{g},{i}]"
+                for d in D:
+                    m += l[d] <= nd[d], f"last_used[{g},{i},{d}]"
+                    m += f[d] + l[d] <= nd[d] + w, f"ends_distinct[{g},{i},{d}]"
+                    m += f[d] - l[d] <= 1 - w, f"single_same_a[{g},{i},{d}]"
+                    m += l[d] - f[d] <= 1 - w, f"single_same_b[{g},{i},{d}]"
 
     def _walks(self) -> None:
         """Level changes inside a portion form one walk from the first layer's level to the last's:
@@ -213,7 +218,7 @@ class GroupedMilp:
                 for d in D:
                     into = mip.xsum(tau[e, d] for e in D if e != d)
                     out = mip.xsum(tau[d, e] for e in D if e != d)
-                    fd, ld, nd = self._level_sum(g, d, f), self._level_sum(g, d, l), self._level_sum(g, d, n)
+                    fd, ld, nd = f[d], l[d], self._level_sum(g, d, n)
                     m += into + fd == out + ld, f"walk_balance[{g},{i},{d}]"
                     m += into + fd <= nd, f"walk_visits[{g},{i},{d}]"
                     m += nd <= R * y[d], f"level_used[{g},{i},{d}]"
@@ -221,20 +226,22 @@ class GroupedMilp:
                 for size in range(1, len(D)):
                     for S in itertools.combinations(D, size):
                         entering = mip.xsum(tau[e, d] for d in S for e in D if e not in S)
-                        start = mip.xsum(self._level_sum(g, d, f) for d in S)
+                        start = mip.xsum(f[d] for d in S)
                         for d in S:
                             m += entering + start >= y[d], f"connected[{g},{i},{S},{d}]"
 
     def _used(self) -> None:
-        """n[g,i,k] <= R_g v[g,i,k] for strategies with transient (gathered FSDP) bytes."""
+        """sum_{k: G_k = x} n[g,i,k] <= R_g v[g,i,x] for every distinct transient size x > 0 of run g (gathered
+        ZeRO-3 weights, recomputed activations): v says a layer of that size sits on the stage."""
         m = self.m
         self.v = {}
         for g in range(self.G):
+            sizes = sorted({c.transient_bytes for c in self.cost[g] if c.transient_bytes > 0})
             for i in self.stage_range(g):
-                for k, c in enumerate(self.cost[g]):
-                    if c.transient_bytes > 0:
-                        v = self.v[g, i, k] = m.add_var(f"v[{g},{i},{k}]", var_type=mip.BINARY)
-                        m += self.n[g, i][k] <= self.R[g] * v, f"used[{g},{i},{k}]"
+                for x, size in enumerate(sizes):
+                    v = self.v[g, i, x] = (m.add_var(f"v[{g},{i},{x}]", var_type=mip.BINARY), size)
+                    ks = [k for k, c in enumerate(self.cost[g]) if c.transient_bytes == size]
+                    m += mip.xsum(self.n[g, i][k] for k in ks) <= self.R[g] * v[0], f"used[{g},{i},{x}]"
 
     def _junctions(self) -> None:
         """zeta[g,i,d,e] >= l_d[g,i] + f_e[g+1,i] - 1: run g ends and run g+1 starts on stage i at levels d, e;
@@ -251,8 +258,7 @@ class GroupedMilp:
                         if cost <= 0:
                             continue
                         z = m.add_var(f"zeta[{g},{i},{d},{e}]", ub=1)
-                        m += z >= self._level_sum(g, d, self.l[g, i]) + self._level_sum(g + 1, e, self.f[g + 1, i]) - 1, \
-                            f"junction[{g},{i},{d},{e}]"
+                        m += z >= self.l[g, i][d] + self.f[g + 1, i][e] - 1, f"junction[{g},{i},{d},{e}]"
                         self.junction[i].append(cost * z)
 
     def _boundaries(self) -> None:
@@ -269,7 +275,7 @@ class GroupedMilp:
                 eta = self.Q(g + 1, j + 1) - self.Q(g, j + 1)
                 for d, dv in enumerate(self.levels[g]):
                     psi = m.add_var(f"psi[{g},{j},{d}]", ub=1)
-                    m += psi >= self._level_sum(g, d, self.l[g, j]) + eta - 1, f"stage_end[{g},{j},{d}]"
+                    m += psi >= self.l[g, j][d] + eta - 1, f"stage_end[{g},{j},{d}]"
                     terms.append(t.boundary_out_s(self.first[g], dv, j) * MS * psi)
                 for h, gate in ((g, self.E(g, j + 1) - self.Q(g, j + 1)), (g + 1, self.Q(g + 1, j + 1) - self.E(g, j + 1))):
                     if h >= self.G or j + 1 not in self.stage_range(h):
@@ -279,7 +285,7 @@ class GroupedMilp:
                         if cost <= 0:
                             continue
                         chi = m.add_var(f"chi[{g},{h},{j},{d}]", ub=1)
-                        m += chi >= self._level_sum(h, d, self.f[h, j + 1]) + gate - 1, f"stage_start[{g},{h},{j},{d}]"
+                        m += chi >= self.f[h, j + 1][d] + gate - 1, f"stage_start[{g},{h},{j},{d}]"
                         terms.append(cost * chi)
             m += self.o[j] >= mip.xsum(terms), f"boundary[{j}]"
 
@@ -315,7 +321,7 @@ class GroupedMilp:
             here = self._here(i)
             static = mip.xsum(c.static_bytes / GIB * self.n[g, i][k] for g in here for k, c in enumerate(self.cost[g]))
             act = mip.xsum(c.activation_bytes / GIB * self.n[g, i][k] for g in here for k, c in enumerate(self.cost[g]))
-            gathered = [self.cost[g][k].transient_bytes / GIB * v for (g, ii, k), v in self.v.items() if ii == i]
+            gathered = [size / GIB * v for (g, ii, _), (v, size) in self.v.items() if ii == i]
             gmax = 0.0
             if gathered:
                 gmax = m.add_var(f"gmax[{i}]")
@@ -338,6 +344,8 @@ class GroupedMilp:
         if cutoff_s is not None:
             add_cutoff(self.m, self.tpi, cutoff_s)
         name, objective_s, bound_s, solve_s = optimize(self.m, time_limit_s)
+        if beyond_cutoff(name, objective_s, cutoff_s):
+            name, objective_s, bound_s = "infeasible", None, max(bound_s or 0.0, cutoff_s)
         stages = strategies = None
         if objective_s is not None:
             stages, strategies = decode(self)

@@ -11,17 +11,18 @@ search, the plan carries the remaining MIP gap.
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
 
 from uniap_lightning.planner.cluster import GIB
 from uniap_lightning.planner.cost.evaluate import evaluate
 from uniap_lightning.planner.cost.layer import Strategy
-from uniap_lightning.planner.cost.tables import CostTables
+from uniap_lightning.planner.cost.tables import CostTables, TabulationStopped
 from uniap_lightning.errors import InfeasibleError, UniAPError
 from uniap_lightning.planner.plan import Plan, SolverInfo
 from uniap_lightning.planner.problem import Problem
 from uniap_lightning.planner.solver.bounds import least_memory_bytes, memory_lower_bound_bytes, time_lower_bound_s
-from uniap_lightning.planner.solver.milp import GroupedMilp
+from uniap_lightning.planner.solver.parallel import Pool, solve_candidate, worker_count
 from uniap_lightning.planner.solver.backend import Deadline, no_gc, now_s, solver_available
 from uniap_lightning.planner.solver.uniform import best_uniform
 
@@ -67,7 +68,14 @@ def _candidates(
             if not out:
                 raise UniAPError(_out_of_time(problem, f"after {n_done} of {len(shapes)} (pp, c) candidates"))
             return out, True
-        t = CostTables(problem, p, c, allowed=allowed)
+        try:
+            t = CostTables(problem, p, c, allowed=allowed, stop=lambda: deadline.remaining_s() <= 0)
+        except TabulationStopped:
+            trace += [{"pp": q, "microbatches": d, "outcome": "not considered (time limit)", "tpi_s": None,
+                       "bound_s": None} for q, d in shapes[n_done:]]
+            if not out:
+                raise UniAPError(_out_of_time(problem, f"after {n_done} of {len(shapes)} (pp, c) candidates")) from None
+            return out, True
         if not t.feasible_shape:
             continue
         mem = memory_lower_bound_bytes(t)
@@ -135,8 +143,12 @@ def search(
     incumbent: Plan | None = None,
     progress: Progress | None = None,
     deadline: Deadline | None = None,
+    workers: int | None = None,
 ) -> Plan:
     """Exact search over ``(pp, c)`` and the MILP; ``allowed`` restricts strategies (for baselines).
+
+    ``workers``: processes solving candidates at once (None: one per core when the problem is big enough to pay
+    for spawning them, :func:`~.parallel.worker_count`; 1: in this process).
 
     Everything (tables, bounds, warm starts, solves) ends by ``deadline``, or ``time_limit_s`` from now when no
     deadline is given; a solver is never given less than ``backend.MIN_SOLVE_S``.
@@ -157,39 +169,56 @@ def search(
     solved = pruned = 0
     all_optimal = not cut_short
     open_bounds: list[float] = [0.0] if cut_short else []  # candidates never tabulated: nothing is known of them
-    for cand in cands:
-        record = {"pp": cand.pp, "microbatches": cand.c, "outcome": "", "tpi_s": None, "bound_s": cand.bound_s}
-        trace.append(record)
-        if best is not None and cand.bound_s >= best.estimate.tpi_s * (1 - 1e-9):
-            pruned += 1
-            record["outcome"] = "pruned by bound"
-            continue
-        remaining = deadline.remaining_s()
-        if remaining <= 0:
-            all_optimal = False
-            open_bounds.append(cand.bound_s)
-            record["outcome"] = "not solved (time limit)"
-            continue
-        milp = GroupedMilp(cand.tables, solver=name)
-        res = milp.solve(time_limit_s=remaining, cutoff_s=best.estimate.tpi_s if best else None)
-        solved += 1
-        say(f"pp={cand.pp} c={cand.c}: {res.status} in {res.solve_s:.2f} s "
-            f"({res.num_vars} vars, {res.num_constrs} rows)"
-            + (f", {res.objective_s * 1e3:.3f} ms" if res.objective_s is not None else ""))
-        record.update(outcome=res.status if res.status != "infeasible" else "no better plan (infeasible)",
-                      tpi_s=res.objective_s, solve_s=res.solve_s)
-        if res.bound_s is not None:
-            record["bound_s"] = max(cand.bound_s, res.bound_s)
-        if res.status not in ("optimal", "infeasible"):
-            all_optimal = False
-            open_bounds.append(res.bound_s if res.bound_s is not None else cand.bound_s)
-        if res.stage_of_layer is None:
-            continue
-        plan = _from_milp(problem, cand, res.stage_of_layer, res.strategy_index)
-        plan.estimate = evaluate(problem, plan)
-        if plan.estimate.feasible and (best is None or plan.estimate.tpi_s < best.estimate.tpi_s):
-            plan.solver = SolverInfo(name, res.status, res.gap, 0.0, objective_s=res.objective_s)
-            best = plan
+    pool = Pool(worker_count(workers, problem.num_devices, problem.model.num_layers, len(cands)))
+    queue = list(cands)
+    pending: dict = {}  # future -> (candidate, trace record)
+    try:
+        while queue or pending:
+            while queue and len(pending) < pool.size:  # hand out candidates, best bound first
+                cand = queue.pop(0)
+                record = {"pp": cand.pp, "microbatches": cand.c, "outcome": "", "tpi_s": None, "bound_s": cand.bound_s}
+                trace.append(record)
+                if best is not None and cand.bound_s >= best.estimate.tpi_s * (1 - 1e-9):
+                    pruned += 1
+                    record["outcome"] = "pruned by bound"
+                    continue
+                remaining = deadline.remaining_s()
+                if remaining <= 0:
+                    all_optimal = False
+                    open_bounds.append(cand.bound_s)
+                    record["outcome"] = "not solved (time limit)"
+                    continue
+                cutoff = best.estimate.tpi_s if best else None
+                pending[pool.submit(cand.tables, name, remaining, cutoff)] = (cand, record, cutoff)
+            if not pending:
+                continue
+            done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
+            for fut in done:
+                cand, record, cutoff = pending.pop(fut)
+                try:
+                    res = fut.result()
+                except Exception:  # noqa: BLE001 - a worker that died (memory, signal): solve it here instead
+                    res = solve_candidate(cand.tables, name, max(deadline.remaining_s(), 0.0), cutoff)
+                solved += 1
+                say(f"pp={cand.pp} c={cand.c}: {res.status} in {res.solve_s:.2f} s "
+                    f"({res.num_vars} vars, {res.num_constrs} rows)"
+                    + (f", {res.objective_s * 1e3:.3f} ms" if res.objective_s is not None else ""))
+                record.update(outcome=res.status if res.status != "infeasible" else "no better plan (infeasible)",
+                              tpi_s=res.objective_s, solve_s=res.solve_s)
+                if res.bound_s is not None:
+                    record["bound_s"] = max(cand.bound_s, res.bound_s)
+                if res.status not in ("optimal", "infeasible"):
+                    all_optimal = False
+                    open_bounds.append(res.bound_s if res.bound_s is not None else cand.bound_s)
+                if res.stage_of_layer is None:
+                    continue
+                plan = _from_milp(problem, cand, res.stage_of_layer, res.strategy_index)
+                plan.estimate = evaluate(problem, plan)
+                if plan.estimate.feasible and (best is None or plan.estimate.tpi_s < best.estimate.tpi_s):
+                    plan.solver = SolverInfo(name, res.status, res.gap, 0.0, objective_s=res.objective_s)
+                    best = plan
+    finally:
+        pool.close()
     if best is None and not all_optimal:
         raise UniAPError(_out_of_time(problem, "before any candidate was solved"))
     if best is None:
