@@ -22,9 +22,11 @@ What goes on the wire per optimizer step, per rank (the agreed cost-model terms;
   ``8 * k`` bytes sent per rank; the result is the sum of everyone's entries / ``d``; error ``=`` what was not sent.
 
 Every collective goes through :class:`ByteCounter` (payload bytes this rank hands to the collective: the input
-tensor's bytes), so bytes per step are counted, not computed. Error-feedback state (fp32, the size of the
-compressed gradients, plus PowerSGD's ``P``/``Q``) lives with the bucket; it is not checkpointed (a resumed run
-starts with zero error and a fresh ``Q``, as after DDP's hook is registered again).
+tensor's bytes), so bytes per step are counted, not computed. What a compressor keeps between steps
+(:meth:`Compressor.state_bytes`, the memory the cost model charges): top-k and PowerSGD an fp32 error-feedback
+buffer of the bucket's size, PowerSGD also its warm-start ``Q`` (``4 k r`` bytes per matrix); bf16 nothing. The
+state is not checkpointed (a resumed run starts with zero error and a fresh ``Q``, as after DDP's hook is
+registered again).
 """
 
 from __future__ import annotations
