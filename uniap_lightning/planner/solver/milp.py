@@ -31,17 +31,19 @@ Variables
 Program (terms: ``A`` time, ``S`` sync, ``W`` static, ``Act`` activation, ``G`` transient bytes; ``X`` reshard,
 ``Out``/``In`` leaving/entering a boundary; ``F_i`` micro-batches in flight; ``H`` the slot overhead)
   order:       Q, E non-increasing in i;  Q[g,i] <= E[g,i] <= Q[g+1,i];  Q[g+1,i+1] <= E[g,i].
-  counts:      sum_i m[g,i] = R_g;  pi <= m <= R_g pi.
+  counts:      sum_i m[g,i] = R_g;  pi <= m <= U pi;  n_k <= U_k  (U, U_k: how many layers of the run, in all
+               and with strategy k, fit stage i's memory at all, at most R_g; ``_caps``).
   ends:        sum_k f = sum_k l = pi;  f_k, l_k <= n_k;  f_k + l_k <= n_k + w;  |f_k - l_k| <= 1 - w;
-               m <= 1 + (R_g - 1)(1 - w).
-  walk:        in_d + f_d = out_d + l_d;  in_d + f_d <= n_d;  n_d <= R_g y_d <= R_g (in_d + f_d);
+               m <= 1 + (U - 1)(1 - w).
+  walk:        in_d + f_d = out_d + l_d;  in_d + f_d <= n_d;  n_d <= U y_d <= U (in_d + f_d);
                sum_{e not in S, d in S} tau[e,d] + f(S) >= y_d for every proper level subset S, d in S.
   junctions:   zeta[g,i,d,e] >= l_d[g,i] + f_e[g+1,i] - 1.
   boundaries:  o_j >= sum Out_gdj psi[g,j,d] + sum In_gd chi[...];  psi >= l_d[g,j] + eta[g,j] - 1;
                chi >= f_d[g,j+1] + mu[g,j] - 1 (or f_d[g+1,j+1] + beta[g,j] - 1).
-  stage time:  p_i = sum A n + sum X tau + sum X zeta + H;  T >= p_i.
+  stage time:  p_i = sum A_i n + sum X tau + sum X zeta + H;  T >= p_i  (A_i: the layer's time at stage i's
+               speed, its slowest device's on a heterogeneous cluster).
   sync:        Y >= sum S n  (per stage).
-  memory:      sum W n + F_i sum Act n + gmax_i <= M;  gmax_i >= G_k v_k;  n_k <= R_g v_k.
+  memory:      sum W n + F_i sum Act n + gmax_i <= M_i  (stage i's smallest device);  gmax_i >= G v_G;  sum_{k: G_k = G} n_k <= U v_G.
   bottleneck:  T >= o_j;  T >= run_bottleneck_s(g)  (a valid inequality from :mod:`.bounds`).
 Objective: ``TPI = sum_i p_i + sum_j o_j + (c - 1) T + Y``.
 
@@ -156,17 +158,30 @@ class GroupedMilp:
                 for i in range(P - 1):
                     m += self.Q(g + 1, i + 1) <= self.E(g, i), f"no_skip[{g},{i}]"
 
+    def _caps(self, g: int, i: int) -> tuple[int, list[int]]:
+        """How many layers of run g stage i can hold at most (``U[g,i]``), in all and per strategy: each takes at
+        least its own static and in-flight bytes, and the stage has ``M``. Valid for every feasible plan, and
+        much tighter than ``R_g`` in the LP relaxation when memory binds (the big-M rows below use it)."""
+        limit = self.t.memory_limit_bytes(i) * (1 + 1e-9)
+        per_k = []
+        for c in self.cost[g]:
+            need = self.t.layer_memory_bytes(i, c)
+            per_k.append(self.R[g] if need <= 0 else min(self.R[g], int(limit // need)))
+        return max(per_k, default=0), per_k
+
     def _counts(self) -> None:
-        """sum_i m[g,i] = R_g;  pi[g,i] <= m[g,i] <= R_g pi[g,i]  (m = sum_k n[g,i,k])."""
+        """sum_i m[g,i] = R_g;  pi[g,i] <= m[g,i] <= U[g,i] pi[g,i]  (m = sum_k n[g,i,k], n[g,i,k] <= U[g,i,k])."""
         m = self.m
-        self.n = {}
+        self.n, self.U = {}, {}
         for g in range(self.G):
             R = self.R[g]
             for i in self.stage_range(g):
-                n = self.n[g, i] = {k: m.add_var(f"n[{g},{i},{k}]", ub=R, var_type=mip.INTEGER)
+                U, per_k = self._caps(g, i)
+                self.U[g, i] = U
+                n = self.n[g, i] = {k: m.add_var(f"n[{g},{i},{k}]", ub=per_k[k], var_type=mip.INTEGER)
                                     for k in range(len(self.K[g]))}
                 m += mip.xsum(n.values()) >= self.pi(g, i), f"present_min[{g},{i}]"
-                m += mip.xsum(n.values()) <= R * self.pi(g, i), f"present_max[{g},{i}]"
+                m += mip.xsum(n.values()) <= U * self.pi(g, i), f"present_max[{g},{i}]"
             m += mip.xsum(v for i in self.stage_range(g) for v in self.n[g, i].values()) == R, f"run_size[{g}]"
 
     def _ends(self) -> None:
@@ -193,7 +208,7 @@ class GroupedMilp:
                 l = self.l[g, i] = {d: m.add_var(f"l[{g},{i},{d}]", var_type=mip.BINARY) for d in D}
                 w = m.add_var(f"w[{g},{i}]", var_type=mip.BINARY)
                 m += mip.xsum(l.values()) == pres, f"last_one[{g},{i}]"
-                m += mip.xsum(self.n[g, i].values()) <= 1 + (R - 1) * (1 - w), f"single[{g},{i}]"
+                m += mip.xsum(self.n[g, i].values()) <= 1 + max(self.U[g, i] - 1, 0) * (1 - w), f"single[{g},{i}]"
                 for d in D:
                     m += l[d] <= nd[d], f"last_used[{g},{i},{d}]"
                     m += f[d] + l[d] <= nd[d] + w, f"ends_distinct[{g},{i},{d}]"
@@ -202,7 +217,7 @@ class GroupedMilp:
 
     def _walks(self) -> None:
         """Level changes inside a portion form one walk from the first layer's level to the last's:
-        in_d + f_d = out_d + l_d;  in_d + f_d <= n_d;  n_d <= R_g y_d <= R_g (in_d + f_d);
+        in_d + f_d = out_d + l_d;  in_d + f_d <= n_d;  n_d <= U y_d <= U (in_d + f_d);
         sum_{e not in S, d in S} tau[e,d] + f(S) >= y_d for every proper subset S of levels (no detached loops)."""
         m = self.m
         self.tau = {}
@@ -212,7 +227,8 @@ class GroupedMilp:
                 continue
             for i in self.stage_range(g):
                 f, l, n = self.f[g, i], self.l[g, i], self.n[g, i]
-                tau = self.tau[g, i] = {(d, e): m.add_var(f"tau[{g},{i},{d},{e}]", ub=R, var_type=mip.INTEGER)
+                U = self.U[g, i]
+                tau = self.tau[g, i] = {(d, e): m.add_var(f"tau[{g},{i},{d},{e}]", ub=U, var_type=mip.INTEGER)
                                         for d in D for e in D if d != e}
                 y = {d: m.add_var(f"y[{g},{i},{d}]", var_type=mip.BINARY) for d in D}
                 for d in D:
@@ -221,7 +237,7 @@ class GroupedMilp:
                     fd, ld, nd = f[d], l[d], self._level_sum(g, d, n)
                     m += into + fd == out + ld, f"walk_balance[{g},{i},{d}]"
                     m += into + fd <= nd, f"walk_visits[{g},{i},{d}]"
-                    m += nd <= R * y[d], f"level_used[{g},{i},{d}]"
+                    m += nd <= U * y[d], f"level_used[{g},{i},{d}]"
                     m += into + fd >= y[d], f"level_visited[{g},{i},{d}]"
                 for size in range(1, len(D)):
                     for S in itertools.combinations(D, size):
@@ -241,7 +257,7 @@ class GroupedMilp:
                 for x, size in enumerate(sizes):
                     v = self.v[g, i, x] = (m.add_var(f"v[{g},{i},{x}]", var_type=mip.BINARY), size)
                     ks = [k for k, c in enumerate(self.cost[g]) if c.transient_bytes == size]
-                    m += mip.xsum(self.n[g, i][k] for k in ks) <= self.R[g] * v[0], f"used[{g},{i},{x}]"
+                    m += mip.xsum(self.n[g, i][k] for k in ks) <= self.U[g, i] * v[0], f"used[{g},{i},{x}]"
 
     def _junctions(self) -> None:
         """zeta[g,i,d,e] >= l_d[g,i] + f_e[g+1,i] - 1: run g ends and run g+1 starts on stage i at levels d, e;
@@ -298,7 +314,7 @@ class GroupedMilp:
         for i in range(self.P):
             layers, reshard = [], list(self.junction.get(i, []))
             for g in self._here(i):
-                layers += [c.time_s * MS * self.n[g, i][k] for k, c in enumerate(self.cost[g])]
+                layers += [self.t.layer_time_s(i, c) * MS * self.n[g, i][k] for k, c in enumerate(self.cost[g])]
                 for (d, e), tv in self.tau.get((g, i), {}).items():
                     reshard.append(self.reshard_ms(g, self.levels[g][d], self.levels[g][e]) * tv)
             p = self.t.stage_time_s(mip.xsum(layers), mip.xsum(reshard), per_s=MS)
@@ -316,8 +332,8 @@ class GroupedMilp:
     def _memory(self) -> None:
         """stage_memory_bytes(i, sum W n, sum Act n, gmax_i) <= M (GiB);  gmax_i >= G_k v[g,i,k]."""
         m, t = self.m, self.t
-        limit = t.problem.cluster.memory_bytes / GIB
         for i in range(self.P):
+            limit = t.memory_limit_bytes(i) / GIB
             here = self._here(i)
             static = mip.xsum(c.static_bytes / GIB * self.n[g, i][k] for g in here for k, c in enumerate(self.cost[g]))
             act = mip.xsum(c.activation_bytes / GIB * self.n[g, i][k] for g in here for k, c in enumerate(self.cost[g]))
