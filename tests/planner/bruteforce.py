@@ -52,7 +52,7 @@ def _stage_options(costs: CandidateCosts, options, terms, stage: int, first: int
     transient = np.zeros([1] * ndim)
     for j, u in enumerate(members):
         cs = terms[u]
-        time = time + _axis([c.time_s for c in cs], j, ndim)
+        time = time + _axis([costs.layer_time_s(stage, c) for c in cs], j, ndim)
         sync = sync + _axis([c.sync_s for c in cs], j, ndim)
         static = static + _axis([c.static_bytes for c in cs], j, ndim)
         act = act + _axis([c.activation_bytes for c in cs], j, ndim)
@@ -68,7 +68,7 @@ def _stage_options(costs: CandidateCosts, options, terms, stage: int, first: int
     memory = np.broadcast_to(costs.stage_memory_bytes(stage, static, act, transient), shape).ravel()
     d_first = np.broadcast_to(_axis([s.d for s in options[first]], 0, ndim), shape).ravel()
     d_last = np.broadcast_to(_axis([s.d for s in options[last]], ndim - 1, ndim), shape).ravel()
-    ok = memory <= costs.problem.cluster.memory_bytes
+    ok = memory <= costs.memory_limit_bytes(stage)
     out = {}
     for df in np.unique(d_first[ok]):
         for dl in np.unique(d_last[ok]):

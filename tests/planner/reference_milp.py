@@ -166,7 +166,7 @@ class StageMilp:
         self.p = []
         for i in range(self.P):
             expr = mip.xsum(
-                t.cost[u][k].time_s * MS * self.w[u, i, k]
+                t.layer_time_s(i, t.cost[u][k]) * MS * self.w[u, i, k]
                 for u in range(self.L)
                 if i in self.stages_of(u)
                 for k in range(len(t.strategies[u]))
@@ -176,7 +176,8 @@ class StageMilp:
         for j, o in enumerate(self.o):
             m += self.T >= o, f"bottleneck_boundary[{j}]"
         for u in range(self.L):  # valid inequality: strengthens the LP bound on T
-            m += self.T >= mip.xsum(c.time_s * MS * self.x[u, k] for k, c in enumerate(t.cost[u])), f"layer_floor[{u}]"
+            m += self.T >= mip.xsum(t.fastest_layer_time_s(c) * MS * self.x[u, k] for k, c in enumerate(t.cost[u])), \
+                f"layer_floor[{u}]"
 
     def _sync(self) -> None:
         """Y >= the end-of-iteration gradient all-reduce of every stage."""
@@ -195,8 +196,8 @@ class StageMilp:
     def _memory(self) -> None:
         """Static + in-flight activations + largest gathered FSDP layer <= device memory (GiB)."""
         m, t = self.m, self.t
-        limit = t.problem.cluster.memory_bytes / GIB
         for i in range(self.P):
+            limit = t.memory_limit_bytes(i) / GIB
             F = t.in_flight(i)
             members = [u for u in range(self.L) if i in self.stages_of(u)]
             use = mip.xsum(

@@ -35,6 +35,15 @@ class Cluster:
     ``bandwidth_tables``. Where an op has no table for a scope, it is priced as before this table existed, with the
     all-reduce figures: ``collective_tables["all_reduce"]`` for that scope if present, else ``bandwidth_tables``
     and the flat latency, else the flat figures.
+
+    Heterogeneous clusters: ``rank_speed`` (relative compute speed per global rank, 1.0 = the speed the profile's
+    compute times were measured or derived at; 0.5 = twice as slow) and ``rank_memory_gib`` (per-rank memory) say
+    where devices differ; ``rank_device`` names each rank's device kind (for the plan printout). In YAML, either
+    list them per rank or give ``device_groups: [{name, count, memory_gib, speed}, ...]`` in rank order (counts
+    summing to ``nodes * devices_per_node``). A pipeline stage's compute time follows the slowest device among its
+    ranks and its memory limit the smallest (:meth:`stage_speed`, :meth:`stage_memory_bytes`); ``memory_gib`` and
+    ``peak_tflops`` stay the reference device's. A running job's measured speeds enter through
+    :meth:`with_rank_speed`.
     """
 
     name: str
@@ -61,6 +70,9 @@ class Cluster:
     #: (:data:`COMPRESSION_FLOP_EQUIVALENTS`); measured at setup (``profiling.collectives.measure_compression``)
     compression_ns_per_param: dict[str, float] = field(default_factory=dict)
     device: str = ""
+    rank_speed: tuple[float, ...] | None = None
+    rank_memory_gib: tuple[float, ...] | None = None
+    rank_device: tuple[str, ...] | None = None
     bandwidth_tables: dict[str, dict[int, float]] = field(default_factory=dict)
     collective_tables: dict[str, dict[str, dict[int, dict[str, float]]]] = field(default_factory=dict)
 
@@ -95,9 +107,72 @@ class Cluster:
                     raise UniAPError(
                         f"cluster '{self.name}': bandwidth_tables.{scope}[{p}]={bw}: group sizes >= 2, GB/s > 0"
                     )
+        self._check_ranks()
         object.__setattr__(self, "compression_ns_per_param", self._checked_compression(self.compression_ns_per_param))
         # frozen: the validated, normalized copy (int group sizes, float figures) replaces the given one
         object.__setattr__(self, "collective_tables", self._checked_collective_tables(self.collective_tables))
+
+    def _check_ranks(self) -> None:
+        n = self.nodes * self.devices_per_node
+        for key in ("rank_speed", "rank_memory_gib", "rank_device"):
+            v = getattr(self, key)
+            if v is None:
+                continue
+            if isinstance(v, (str, bytes, Mapping)) or not hasattr(v, "__len__"):
+                raise UniAPError(f"cluster '{self.name}': {key} must be a list with one entry per rank, got {v!r}")
+            v = tuple(v)
+            if len(v) != n:
+                raise UniAPError(f"cluster '{self.name}': {key} lists {len(v)} ranks but the cluster has "
+                                 f"nodes * devices_per_node = {n}")
+            if key == "rank_device":
+                object.__setattr__(self, key, tuple(str(x) for x in v))
+                continue
+            for r, x in enumerate(v):
+                if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0:
+                    raise UniAPError(f"cluster '{self.name}': {key}[{r}] must be a number > 0, got {x!r}")
+                if key == "rank_memory_gib" and x <= self.memory_reserved_gib:
+                    raise UniAPError(f"cluster '{self.name}': rank_memory_gib[{r}]={x} leaves no memory after "
+                                     f"memory_reserved_gib={self.memory_reserved_gib}")
+            object.__setattr__(self, key, tuple(float(x) for x in v))
+
+    @property
+    def heterogeneous(self) -> bool:
+        """Some rank's speed or memory differs from the reference device's."""
+        return any(x != 1.0 for x in self.rank_speed or ()) or any(
+            x != self.memory_gib for x in self.rank_memory_gib or ())
+
+    def stage_speed(self, ranks: range | tuple[int, ...]) -> float:
+        """Relative compute speed of a stage on ``ranks``: its slowest device's."""
+        return min(self.rank_speed[r] for r in ranks) if self.rank_speed else 1.0
+
+    def stage_memory_bytes(self, ranks: range | tuple[int, ...]) -> float:
+        """Usable memory per device of a stage on ``ranks``: its smallest device's."""
+        if not self.rank_memory_gib:
+            return self.memory_bytes
+        return (min(self.rank_memory_gib[r] for r in ranks) - self.memory_reserved_gib) * GIB
+
+    @property
+    def fastest_speed(self) -> float:
+        return max(self.rank_speed) if self.rank_speed else 1.0
+
+    @property
+    def largest_memory_bytes(self) -> float:
+        """The most memory any one device has (lower bounds on memory compare against it)."""
+        if not self.rank_memory_gib:
+            return self.memory_bytes
+        return (max(self.rank_memory_gib) - self.memory_reserved_gib) * GIB
+
+    def stage_device(self, ranks: range | tuple[int, ...]) -> str:
+        """The device kind(s) of ``ranks`` ("A100-80GB", or "A100-80GB+V100-32GB" for a mixed stage)."""
+        if not self.rank_device:
+            return self.device
+        return "+".join(dict.fromkeys(self.rank_device[r] for r in ranks))
+
+    def with_rank_speed(self, speeds: Any) -> Cluster:
+        """A copy with these per-rank relative speeds (e.g. measured in a running job)."""
+        from dataclasses import replace
+
+        return replace(self, rank_speed=tuple(float(x) for x in speeds))
 
     def _checked_compression(self, figures: Any) -> dict[str, float]:
         where = f"cluster '{self.name}': compression_ns_per_param"
@@ -224,19 +299,47 @@ class Cluster:
 
     @classmethod
     def _from_mapping(cls, d: Mapping[str, Any]) -> Cluster:
-        known = set(cls.__dataclass_fields__)
+        known = set(cls.__dataclass_fields__) | {"device_groups"}
         unknown = sorted(set(d) - known)
         if unknown:
             raise UniAPError(f"cluster config has unknown field(s) {unknown}; known fields: {sorted(known)}")
+        d = dict(d)
+        if "device_groups" in d:
+            d.update(_expand_device_groups(d.pop("device_groups"), d))
         missing = [k for k in ("name", "nodes", "devices_per_node", "memory_gib", "peak_tflops") if k not in d]
         if missing:
             raise UniAPError(f"cluster config is missing field(s) {missing}")
-        d = dict(d)
         tables = d.pop("bandwidth_tables", None) or {}
         d["bandwidth_tables"] = {str(s): {int(p): float(b) for p, b in t.items()} for s, t in tables.items()}
         d["collective_tables"] = d.pop("collective_tables", None) or {}  # keys and figures normalized on construction
         d["compression_ns_per_param"] = d.pop("compression_ns_per_param", None) or {}
         return cls(**d)
+
+
+def _expand_device_groups(groups: Any, d: Mapping[str, Any]) -> dict[str, Any]:
+    """``device_groups`` (in rank order) -> per-rank ``rank_speed``, ``rank_memory_gib``, ``rank_device``; the
+    reference ``memory_gib`` defaults to the first group's, ``device`` to its name."""
+    where = f"cluster '{d.get('name', '?')}': device_groups"
+    if not isinstance(groups, (list, tuple)) or not groups:
+        raise UniAPError(f"{where} must be a non-empty list of {{name, count, memory_gib, speed}}")
+    speed: list[float] = []
+    memory: list[float] = []
+    kind: list[str] = []
+    for j, g in enumerate(groups):
+        if not isinstance(g, Mapping) or not {"count", "memory_gib"} <= set(g) or set(g) - {"name", "count",
+                                                                                                "memory_gib", "speed"}:
+            raise UniAPError(f"{where}[{j}] must be {{name, count, memory_gib, speed (default 1.0)}}, got {g!r}")
+        count = g["count"]
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise UniAPError(f"{where}[{j}].count must be a positive integer, got {count!r}")
+        speed += [g.get("speed", 1.0)] * count
+        memory += [g["memory_gib"]] * count
+        kind += [str(g.get("name", f"group{j}"))] * count
+    out: dict[str, Any] = {"rank_speed": speed, "rank_memory_gib": memory, "rank_device": kind,
+                           "memory_gib": d.get("memory_gib", memory[0])}
+    if not d.get("device"):
+        out["device"] = "+".join(dict.fromkeys(kind))
+    return out
 
 
 def _interpolate(table: dict[int, float], group_size: int) -> float:

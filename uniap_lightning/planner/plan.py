@@ -94,8 +94,12 @@ class Estimate:
     stage_memory_bytes: list[float]
     stage_sync_s: list[float]
     boundary_s: list[float]
-    memory_limit_bytes: float
+    memory_limit_bytes: float  # the smallest stage limit
     feasible: bool
+    #: per stage, where devices differ (heterogeneous clusters); None: every stage has ``memory_limit_bytes``
+    stage_memory_limit_bytes: list[float] | None = None
+    #: per stage, the device kind(s) of its ranks, where the cluster names them per rank
+    stage_device: list[str] | None = None
 
 
 @dataclass

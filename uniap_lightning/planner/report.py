@@ -67,11 +67,14 @@ def plan_renderables(plan: Plan, *, title: str | None = None) -> Group:
         mem = ""
         t = sync = ""
         if est is not None:
-            used, limit = est.stage_memory_bytes[st.index], est.memory_limit_bytes
+            used = est.stage_memory_bytes[st.index]
+            limit = (est.stage_memory_limit_bytes or [est.memory_limit_bytes] * plan.pp)[st.index]
             style = "red" if used > limit else ("yellow" if used > 0.9 * limit else "green")
             mem = f"[{style}]{used / GIB:,.2f} / {limit / GIB:,.1f} ({used / limit:.0%})[/{style}]"
             t, sync = _ms(est.stage_time_s[st.index]), _ms(est.stage_sync_s[st.index])
         ranks = f"{st.ranks[0]}-{st.ranks[-1]}" if len(st.ranks) > 1 else str(st.ranks[0])
+        if est is not None and est.stage_device:
+            ranks += f" ({est.stage_device[st.index]})"
         stages.add_row(str(st.index), _range(names, first, last), ranks, strat, t, sync, mem)
 
     layers = Table(title="Per-layer strategy (consecutive equal layers folded)", title_justify="left")

@@ -77,7 +77,7 @@ def evaluate(problem: Problem, plan: Plan, *, check_strategies: bool = True) -> 
     for u, s in enumerate(strat):
         i = stage_of[u]
         terms = costs.terms(u, s)
-        layer_time[i] += terms.time_s
+        layer_time[i] += costs.layer_time_s(i, terms)
         sync[i] += terms.sync_s
         static[i] += terms.static_bytes
         activation[i] += terms.activation_bytes
@@ -90,7 +90,8 @@ def evaluate(problem: Problem, plan: Plan, *, check_strategies: bool = True) -> 
     stage_time = [costs.stage_time_s(layer_time[i], reshard[i]) for i in range(pp)]
     memory = [costs.stage_memory_bytes(i, static[i], activation[i], transient[i]) for i in range(pp)]
     tpi = costs.tpi_s(sum(stage_time), sum(boundary), max(stage_time + boundary), max(sync))
-    limit = cl.memory_bytes
+    limits = [costs.memory_limit_bytes(i) for i in range(pp)]
+    limit = min(limits)
     return Estimate(
         tpi_s=tpi,
         samples_per_s=plan.global_batch_size / tpi if tpi > 0 else float("inf"),
@@ -99,5 +100,7 @@ def evaluate(problem: Problem, plan: Plan, *, check_strategies: bool = True) -> 
         stage_sync_s=sync,
         boundary_s=boundary,
         memory_limit_bytes=limit,
-        feasible=all(m <= limit for m in memory),
+        feasible=all(m <= lim for m, lim in zip(memory, limits)),
+        stage_memory_limit_bytes=limits if cl.rank_memory_gib else None,
+        stage_device=[cl.stage_device(costs.stage_ranks(i)) for i in range(pp)] if cl.rank_device else None,
     )

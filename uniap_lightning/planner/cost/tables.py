@@ -20,7 +20,9 @@ Terms, in seconds and bytes (``u`` a layer, ``k`` its strategy; :class:`~.layer.
   (:meth:`CandidateCosts.reshard_s`);
 * a stage boundary after layer ``u``: leaving (reshard to the boundary layout, send forward and backward,
   :meth:`CandidateCosts.boundary_out_s`) plus entering (reshard from it, :meth:`CandidateCosts.boundary_in_s`);
-* per stage: the pipeline slot overhead per micro-batch (``pp > 1``) and the micro-batches in flight.
+* per stage: the pipeline slot overhead per micro-batch (``pp > 1``) and the micro-batches in flight;
+* heterogeneous clusters: a stage's compute runs at its slowest device's speed (:meth:`CandidateCosts.layer_time_s`)
+  and its memory limit is its smallest device's (:meth:`CandidateCosts.memory_limit_bytes`).
 
 Combined, here only (the combinators take numbers or python-mip expressions alike, so the MILP builds its rows
 from the same formulas ``evaluate`` computes):
@@ -103,6 +105,29 @@ class CandidateCosts:
         """Micro-batches whose activations ``stage`` holds at its peak (the schedule's)."""
         return in_flight(self.problem.training.schedule, self.c, self.pp, stage)
 
+    # ------------------------------------------------------------------ heterogeneous devices
+    def stage_ranks(self, stage: int) -> range:
+        return range(stage * self.n, (stage + 1) * self.n)
+
+    def stage_speed(self, stage: int) -> float:
+        """Relative compute speed of ``stage``'s slowest device (1.0 on a homogeneous cluster)."""
+        return self.problem.cluster.stage_speed(self.stage_ranks(stage))
+
+    def memory_limit_bytes(self, stage: int) -> float:
+        """Usable memory of ``stage``'s smallest device."""
+        return self.problem.cluster.stage_memory_bytes(self.stage_ranks(stage))
+
+    def layer_time_s(self, stage: int, cost: LayerCost) -> float:
+        """A layer's time per micro-batch on ``stage``: its compute at the stage's (slowest device's) speed, plus
+        its communication (links do not slow down with the device)."""
+        speed = self.stage_speed(stage)
+        return cost.time_s if speed == 1.0 else cost.compute_s / speed + (cost.time_s - cost.compute_s)
+
+    def fastest_layer_time_s(self, cost: LayerCost) -> float:
+        """:meth:`layer_time_s` on the fastest device anywhere (what lower bounds may assume)."""
+        speed = self.problem.cluster.fastest_speed
+        return cost.time_s if speed == 1.0 else cost.compute_s / speed + (cost.time_s - cost.compute_s)
+
     @property
     def slot_overhead_s(self) -> float:
         """Fixed cost a stage pays per micro-batch under pipelining (0 without pipeline stages)."""
@@ -150,7 +175,7 @@ class CostTables(CandidateCosts):
                 ks = [k for k in ks if allowed(k)]
             cs = [self.terms(u, k) for k in ks]
             if prune:
-                keep = undominated(ks, cs)
+                keep = undominated(ks, cs, split_time=problem.cluster.rank_speed is not None)
                 ks, cs = [ks[j] for j in keep], [cs[j] for j in keep]
             self.strategies.append(ks)
             self.cost.append(cs)
@@ -175,13 +200,16 @@ class CostTables(CandidateCosts):
         return out
 
 
-def _vector(c: LayerCost) -> tuple[float, ...]:
-    return (c.time_s, c.sync_s, c.static_bytes, c.activation_bytes, c.transient_bytes)
+def _vector(c: LayerCost, split_time: bool = False) -> tuple[float, ...]:
+    time = (c.compute_s, c.time_s - c.compute_s) if split_time else (c.time_s,)
+    return (*time, c.sync_s, c.static_bytes, c.activation_bytes, c.transient_bytes)
 
 
-def undominated(strategies: list[Strategy], costs: list[LayerCost]) -> list[int]:
-    """Indices of the strategies no other strategy with the same ``d`` dominates (ties: the first one stays)."""
-    vec = [_vector(c) for c in costs]
+def undominated(strategies: list[Strategy], costs: list[LayerCost], *, split_time: bool = False) -> list[int]:
+    """Indices of the strategies no other strategy with the same ``d`` dominates (ties: the first one stays).
+    ``split_time``: compare compute and communication separately (stages of different speeds scale only the
+    compute, so a smaller total alone does not dominate)."""
+    vec = [_vector(c, split_time) for c in costs]
     keep = []
     for j, (s, v) in enumerate(zip(strategies, vec)):
         dominated = False

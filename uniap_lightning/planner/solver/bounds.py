@@ -17,8 +17,10 @@ def time_lower_bound_s(t: CostTables) -> float:
     transfer over each of the ``P - 1`` boundaries come on top.
     """
     P = t.pp
-    spread = sum(min(t.tpi_s(k.time_s, 0.0, k.time_s / P, k.sync_s / P) for k in costs) for costs in t.cost)
-    cheapest = [min(k.time_s for k in costs) for costs in t.cost]
+    # on a heterogeneous cluster every layer is taken at the fastest device's speed (a lower bound anywhere)
+    fast = t.fastest_layer_time_s
+    spread = sum(min(t.tpi_s(fast(k), 0.0, fast(k) / P, k.sync_s / P) for k in costs) for costs in t.cost)
+    cheapest = [min(fast(k) for k in costs) for costs in t.cost]
     floor = max(run_bottleneck_s(t, a, e) for a, e in t.runs())
     peak = t.tpi_s(sum(cheapest), 0.0, max(max(cheapest), floor), 0.0)
     boundaries = 0.0
@@ -29,10 +31,42 @@ def time_lower_bound_s(t: CostTables) -> float:
     return max(spread, peak) + t.tpi_s(P * empty, boundaries, empty, 0.0)
 
 
+def chain_bottleneck_s(t: CostTables) -> float:
+    """A lower bound on the largest stage's layer time: the least, over splits of the chain into ``P`` contiguous
+    stages, of the largest stage sum of each layer's cheapest time (the linear partition problem, by bisection
+    with a greedy test; the returned value is one the test refuted, so it never exceeds the true minimum).
+
+    Unlike the LP relaxation, which can put a fraction of a block next to the embedding or the head, this sees
+    that whole layers share stages."""
+    cheapest = [min(k.time_s for k in costs) for costs in t.cost]
+    P = t.pp
+
+    def parts(limit: float) -> int:
+        count, acc = 1, 0.0
+        for a in cheapest:
+            if acc + a > limit:
+                count, acc = count + 1, a
+            else:
+                acc += a
+        return count
+
+    lo, hi = max(cheapest), sum(cheapest)
+    if parts(lo) <= P:
+        return lo
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if parts(mid) <= P:
+            hi = mid
+        else:
+            lo = mid
+    return lo
+
+
 def run_bottleneck_s(t: CostTables, first: int, last: int) -> float:
     """A lower bound on the bottleneck stage time forced by a run of ``R`` identical layers ``first..last``.
 
-    For stage ``i`` let ``h_i(T)`` be the most of these layers that fit on it within time ``T`` and memory ``M``
+    For stage ``i`` let ``h_i(T)`` be the most of these layers that fit on it within time ``T`` and memory ``M_i``
+    (at the stage's own speed and memory limit)
     (strategy mixes relaxed to fractions: the cheapest time for ``x`` layers is a two-strategy LP, solved in
     closed form). Every layer must go somewhere, so the bottleneck is at least the least ``T`` with
     ``sum_i h_i(T) >= R``. Ignores every other layer, which can only raise the true value; ``inf`` if the run
@@ -40,16 +74,15 @@ def run_bottleneck_s(t: CostTables, first: int, last: int) -> float:
     """
     R = last - first + 1
     costs = t.cost[first]
-    limit = t.problem.cluster.memory_bytes
     lo, hi = max(0, t.pp - len(t.layers) + first), min(last, t.pp - 1)
-    per_f: dict[int, list[float]] = {}
+    per_f: dict[tuple[int, float, float], list[float]] = {}
     tables = []
     for i in range(lo, hi + 1):
-        F = t.in_flight(i)
-        if F not in per_f:
-            opts = [(k.time_s, t.layer_memory_bytes(i, k)) for k in costs]
-            per_f[F] = [_least_time(opts, x, limit) for x in range(1, R + 1)]
-        tables.append(per_f[F])
+        key = (t.in_flight(i), t.stage_speed(i), t.memory_limit_bytes(i))
+        if key not in per_f:
+            opts = [(t.layer_time_s(i, k), t.layer_memory_bytes(i, k)) for k in costs]
+            per_f[key] = [_least_time(opts, x, key[2]) for x in range(1, R + 1)]
+        tables.append(per_f[key])
     values = sorted({v for tab in tables for v in tab if v < float("inf")})
     if not values:
         return float("inf")

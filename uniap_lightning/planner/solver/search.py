@@ -79,7 +79,7 @@ def _candidates(
         if not t.feasible_shape:
             continue
         mem = memory_lower_bound_bytes(t)
-        if mem > problem.cluster.memory_bytes:
+        if mem > problem.cluster.largest_memory_bytes:
             skipped.append(t)  # cannot fit: no solve needed
             trace.append({"pp": p, "microbatches": c, "outcome": "does not fit", "tpi_s": None,
                           "bound_s": None, "memory_bound_bytes": mem})
@@ -110,7 +110,7 @@ def _no_fit(problem: Problem, tables: list[CostTables], deadline: Deadline) -> s
     )
     return (
         f"no plan fits in memory: the least memory per device any plan needs is {least_bytes / GIB:.2f} GiB "
-        f"(lower bound), but '{problem.cluster.name}' devices have {problem.cluster.memory_bytes / GIB:.2f} GiB "
+        f"(lower bound), but '{problem.cluster.name}' devices have {problem.cluster.largest_memory_bytes / GIB:.2f} GiB "
         "usable (memory_gib - memory_reserved_gib); use more devices, devices with more memory, a smaller batch "
         "size or a smaller model"
     )
