@@ -161,12 +161,24 @@ def test_unsupported_family_names_what_to_implement() -> None:
         extract_chain(Module())
 
 
-def test_dict_batch_without_labels_is_refused() -> None:
+def test_batches_without_labels_predict_but_do_not_train() -> None:
+    """A batch without labels gives the chain's input (prediction: the logits); its loss is refused clearly."""
     from uniap_lightning.runtime import extract_chain
+    from uniap_lightning.runtime.payload import call_layer
 
-    chain = extract_chain(hf_module("bert"))
-    with pytest.raises(UniAPError, match="dict batches with 'labels'"):
-        chain.split_batch({"input_ids": torch.zeros(2, 4, dtype=torch.long)})
+    module = hf_module("bert")
+    chain = extract_chain(module)
+    batch = next(iter(hf_batches(4, "bert")))
+    x = chain.prediction_input({k: v for k, v in batch.items() if k != "labels"})
+    for layer in chain.layers:
+        x = call_layer(layer, x)
+    torch.testing.assert_close(x, module.model(**batch).logits)
+    with pytest.raises(UniAPError, match="dict batches with 'labels'.*this batch has none"):
+        chain.loss_fn(x, chain.split_batch({"input_ids": batch["input_ids"]})[1])
+    with pytest.raises(UniAPError, match="dict batches with 'labels'.*got a Tensor"):
+        chain.split_batch(batch["input_ids"])
+    with pytest.raises(UniAPError, match="a T5 batch needs 'labels'"):
+        extract_chain(hf_module("t5")).split_batch({"input_ids": batch["input_ids"]})
 
 
 def test_padded_micro_batches_give_the_whole_batch_loss() -> None:

@@ -109,13 +109,15 @@ class HFTarget:
         return self.global_scale[0] / self.labels.shape[0]
 
 
-def _split_for(family: Family, model: Any) -> Callable[[Any], tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
-    def split(batch: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        if not isinstance(batch, dict) or "labels" not in batch:
-            got = sorted(batch) if isinstance(batch, dict) else type(batch).__name__
+def _split_for(family: Family, model: Any) -> Callable[[Any], tuple[dict[str, torch.Tensor], Any]]:
+    """The batch layout: the inputs the chain takes, and the target (labels and their whole-batch scale; ``None``
+    for a batch without labels, e.g. for ``trainer.predict``)."""
+
+    def split(batch: Any) -> tuple[dict[str, torch.Tensor], Any]:
+        if not isinstance(batch, dict):
             raise UniAPError(
-                f"a Hugging Face model trains on dict batches with 'labels' (its own loss), got {got}; the model "
-                f"takes {list(family.inputs)} (and 'labels')"
+                f"a Hugging Face model trains on dict batches with 'labels' (its own loss), got a "
+                f"{type(batch).__name__}; the model takes {list(family.inputs)} (and 'labels')"
             )
         missing = [k for k in family.inputs[:1] if k not in batch]
         if missing:
@@ -123,6 +125,8 @@ def _split_for(family: Family, model: Any) -> Callable[[Any], tuple[dict[str, to
         inputs = {k: batch[k] for k in family.inputs if k in batch}
         if family.prepare is not None:
             inputs.update(family.prepare(model, batch))
+        if "labels" not in batch:
+            return inputs, None
         labels = batch["labels"]
         items = family.count(labels).to(torch.float64).clamp(min=1)
         scale = (labels.shape[0] / items).to(torch.float32)
@@ -158,7 +162,12 @@ def pretrained_chain(module: nn.Module, attribute: str, model: Any) -> Any:
     ties = [_tie(layers, model, src, dst) for src, dst in tied]
     target_loss = family.loss
 
-    def loss_fn(output: Any, target: dict[str, torch.Tensor]) -> torch.Tensor:
+    def loss_fn(output: Any, target: dict[str, torch.Tensor] | None) -> torch.Tensor:
+        if target is None:
+            raise UniAPError(
+                f"a Hugging Face model trains on dict batches with 'labels' (its own loss); this batch has none "
+                f"(the model takes {list(family.inputs)} and 'labels')"
+            )
         return target_loss(model, output, HFTarget(target["labels"], target["global_scale"]))
 
     return Chain(module=module, layers=layers, names=names, loss_fn=loss_fn, split_batch=_split_for(family, model),

@@ -152,6 +152,11 @@ def t5_prepare(model: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Te
     """The decoder's inputs: given, or the labels shifted right (as T5 does when only labels are given)."""
     if "decoder_input_ids" in batch:
         return {}
+    if "labels" not in batch:
+        from uniap_lightning.errors import UniAPError
+
+        raise UniAPError("a T5 batch needs 'labels' (training) or 'decoder_input_ids' (prediction); it has "
+                         f"{sorted(batch)}")
     return {"decoder_input_ids": model._shift_right(batch["labels"])}
 
 
