@@ -15,7 +15,7 @@ from pathlib import Path
 
 from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.errors import UniAPError
-from uniap_lightning.planner.plan import PLAN_FORMAT_VERSION, Plan
+from uniap_lightning.planner.plan import COMPRESSION_DEFAULTS, PLAN_FORMAT_VERSION, Plan
 from uniap_lightning.planner.problem import TrainingConfig
 from uniap_lightning.planner.profile import ModelProfile
 
@@ -55,7 +55,8 @@ def local_cluster(*, nodes: int, devices_per_node: int, device_type: str) -> Clu
 
 
 def cache_key(*, profile: ModelProfile, cluster: Cluster, world_size: int, training: TrainingConfig,
-              solver: str) -> str:
+              solver: str, compression: tuple[str, ...] = ("none",),
+              compression_options: dict[str, float] | None = None) -> str:
     payload = {
         "fingerprint": profile.fingerprint(),
         # measured strategy overheads change the cost model's terms, so a plan solved without them is not reused
@@ -65,6 +66,8 @@ def cache_key(*, profile: ModelProfile, cluster: Cluster, world_size: int, train
         "training": asdict(training),
         "solver": solver,
         "plan_format": PLAN_FORMAT_VERSION,
+        "compression": list(compression),  # the methods the solver could choose from, and their parameters
+        "compression_options": sorted((compression_options or {}).items()),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
@@ -93,10 +96,14 @@ def solve_plan(
     solver: str,
     time_limit_s: float,
     cache_dir: Path,
+    compression: tuple[str, ...] = ("none",),
+    compression_options: dict[str, float] | None = None,
 ) -> tuple[Plan, str]:
-    """Solve (or reuse from the cache) a plan; returns it and where it came from ("cache <path>" or "solver")."""
+    """Solve (or reuse from the cache) a plan; returns it and where it came from ("cache <path>" or "solver").
+    ``compression``: the gradient compression methods the solver may choose per layer (always with "none"),
+    ``compression_options`` their parameters (default: the plan defaults)."""
     key = cache_key(profile=profile, cluster=cluster, world_size=cluster.num_devices, training=training,
-                    solver=solver)
+                    solver=solver, compression=compression, compression_options=compression_options)
     path = cache_dir / f"plan-{key}.json"
     cached = _cached_plan(path, profile=profile, world_size=cluster.num_devices,
                           global_batch_size=training.global_batch_size)
@@ -109,7 +116,8 @@ def solve_plan(
         raise UniAPError(
             f"no plan was given and the planner is not available ({err}); pass plan=<file or Plan> to UniAPStrategy"
         ) from err
-    problem = Problem(model=profile, cluster=cluster, training=training)
+    problem = Problem(model=profile, cluster=cluster, training=training, compression=compression,
+                      compression_options=dict(compression_options or COMPRESSION_DEFAULTS))
     plan = solve(problem, solver=solver, time_limit_s=time_limit_s)  # no cyclic GC while solving (see no_gc)
     if not plan.model_fingerprint:
         plan = replace(plan, model_fingerprint=profile.fingerprint())
