@@ -25,11 +25,24 @@ Why FSDP2 for zero1 rather than an own shard-parameter scheme: the optimizer and
 parameter names through the module), so the module must own shard-sized parameters while its forward runs with
 full ones - exactly what FSDP2 does, including 2-D (dp x tp) DTensor shards. Only the gradient path is replaced.
 
-Memory per rank, per layer (``P`` local parameters after tp, ``b``/``g``/``o`` bytes per parameter, ``d`` = dp):
-besides the agreed formulas (``docs``: issue 12 interfaces), FSDP2 keeps the sharded parameter (``P*b/d``, the
-copy the optimizer updates) next to the gathered one while a zero1/zero2 layer is gathered, and zero1 holds
-the sharded gradient (``P*g/d``) next to the unsharded one and its all-reduce bucket (``P*g``) at the end of the
-step. :func:`held_bytes` measures these from the live tensors.
+Memory per rank, per layer (``P`` local parameters after tp, ``b``/``g``/``o`` bytes per parameter of weights,
+gradients and optimizer state, ``d`` = dp, ``m`` micro-batches), as :func:`held_bytes` measures it from the live
+tensors (``tests/runtime/test_zero_recompute.py`` checks it term by term):
+
+- replicate: ``P (b + g + o)`` + the all-reduce bucket ``P g``;
+- zero1: ``P b`` gathered + ``P b / d`` shard, ``P g`` unsharded gradient + ``P g`` bucket + ``P g / d`` sharded
+  gradient, ``P o / d``;
+- zero2: ``P b`` gathered + ``P b / d`` shard, ``P g / d`` (+ ``P g`` unsharded while ``m > 1``), ``P o / d``;
+- zero3: ``P (b + g + o) / d``, plus the gathered ``P b`` while the layer runs.
+
+The agreed formulas (issue 12 interfaces) leave out the shard FSDP2 keeps beside the gathered parameters (zero1,
+zero2) and zero1's bucket and sharded gradient. The sharded gradient could live in the bucket, but the bucket is
+refilled (and all-reduced asynchronously) during the next step's backward, before Lightning drops the old
+gradients, so a ``zero_grad(set_to_none=False)`` would zero a buffer in flight: it is a copy.
+
+Recomputation is not here: :meth:`~.stage.StageModule.forward` calls a layer whose plan says ``recompute`` through
+``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``; FSDP2 gathers a zero3 layer's parameters again
+for the recomputation in its pre-backward hook, and a zero1/zero2 layer's are still gathered.
 """
 
 from __future__ import annotations
