@@ -186,7 +186,7 @@ def _run(rank: int, world: int, case: dict[str, Any], out: Path) -> dict[str, An
     rec = h.LossRecorder.make()
     monitor = UniAPMonitor(warmup_steps=1, window=3, metrics_file=out / f"measured-{rank}.json")
     strategy = UniAPStrategy(cluster="local_cpu", cache_dir=str(out / "cache"), monitor=monitor,
-                             **case.get("strategy", {}))
+                             plan=case.get("plan"), **case.get("strategy", {}))
     trainer = pl.Trainer(devices=world, strategy=strategy, callbacks=[rec], accelerator="cpu",
                          max_epochs=case["epochs"])  # every other Trainer argument at its default
     trainer.fit(module, h.make_data(16), ckpt_path=str(out / case["resume"]) if "resume" in case else None)
@@ -224,6 +224,10 @@ CASES = {
     "switch": {"epochs": 3, "strategy": REBALANCE, "module": {"slow_rank": SLOW}, "save": "after_switch.ckpt"},
     # the checkpoint saved under the switched plan, resumed under the plan setup solves, one epoch more
     "resume": {"epochs": 4, "resume": "after_switch.ckpt", "module": {"slow_rank": -1}},
+    # a pinned plan (two equal stages) is only the starting point
+    "pinned": {"epochs": 2, "strategy": REBALANCE, "module": {"slow_rank": SLOW},
+               "plan": h.make_plan([(2, 1, False)] * (DEPTH + 2), [0] * 5 + [1] * 5, pp=2, microbatches=2, world=4,
+                                   names=[f"net.{i}" for i in range(DEPTH + 2)])},
 }
 
 
@@ -282,3 +286,12 @@ def test_a_checkpoint_taken_after_a_switch_resumes(rebalanced: Any) -> None:
     ref = _reference(4)
     ref = {**ref, "losses": ref["losses"][12:]}
     h.assert_close_to_reference(rebalanced, "resume", ref)
+
+
+@pytest.mark.slow
+def test_a_pinned_plan_is_only_the_starting_point(rebalanced: Any) -> None:
+    res = [r["pinned"] for r in rebalanced]
+    assert res[0]["first_plan"] == CASES["pinned"]["plan"]
+    assert res[0]["rebalances"] and res[0]["rebalances"][0]["step"] == 4
+    assert _slow_rank_work(res[0]["switched_to"][0], SLOW) < _slow_rank_work(res[0]["first_plan"], SLOW)
+    h.assert_close_to_reference(rebalanced, "pinned", _reference(2))
