@@ -82,6 +82,15 @@ TWO_RANKS_SLOW = {
     "pp2_recompute_gpipe_accumulate": {"plan": P2([S(1, 1, REP, True)] * 4, TWO_STAGES, pp=2, microbatches=2,
                                                   schedule="gpipe"), "accumulate": 2},
 }
+LM_NAMES = ["chain.0", "chain.1", "chain.2", "chain.3"]  # embedding, block, block, norm + head
+TWO_RANKS_SLOW.update({
+    # transformer blocks through the adapters (Llama: several tensors between layers), every mode, recomputed
+    "llama_modes_recompute": {"module": {"lm": "llama"}, "plan": P2(
+        [S(2, 1, Z1, True), S(1, 2, REP, True), S(2, 1, Z2, True), S(2, 1, Z3, True)], ONE_STAGE, pp=1,
+        microbatches=2, names=LM_NAMES)},
+    "gpt2_pp2_recompute": {"module": {"lm": "gpt2"}, "plan": P2([S(1, 1, REP, True)] * 4, TWO_STAGES, pp=2,
+                                                                 microbatches=2, names=LM_NAMES)},
+})
 FOUR_RANKS_SLOW = {
     "dp4_zero1_zero2": {
         "plan": P4([S(4, 1, Z1), S(4, 1, Z2, True), S(1, 4, REP, True), S(4, 1, Z1)], ONE_STAGE, pp=1,
