@@ -143,9 +143,11 @@ def _probe_case(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
             self.trainer = trainer
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
+            if idx == 0:  # with accumulate_grad_batches=2: inside the window, before its optimizer step
+                self.result["window"] = self._measure(trainer)
             if idx == 1:
-                self.result = {"in_step": self.current, "after": self._measure(trainer),
-                               "bucket": strategy.runtime.replicated.buffer_bytes()}
+                self.result.update(in_step=self.current, after=self._measure(trainer),
+                                   bucket=strategy.runtime.replicated.buffer_bytes())
 
     probe = Probe()
     trainer = pl.Trainer(devices=world, strategy=strategy, callbacks=[probe], **h.trainer_kwargs(case))
@@ -299,6 +301,7 @@ COUNT_PLAN = P2([S(1, 1), S(1, 1, REP, True), S(1, 1), S(1, 1, REP, True)], TWO_
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], Path]:
     out = tmp_path_factory.mktemp("zero_two")
     cases = {**TWO_RANKS, **COMPRESSED, **RESUME_TWO, "memory": {"plan": MEMORY_2, **MEMORY_CASE},
+             "memory_window": {"plan": MEMORY_2, **MEMORY_CASE, "accumulate": 2},
              "count": {"plan": COUNT_PLAN, "count": True, "steps": 2}}
     return h.spawn(2, cases, out, fn=worker), out
 
@@ -394,3 +397,16 @@ def test_recomputed_layers_run_forward_again(two_ranks: Any) -> None:
         assert "error" not in r["count"], r["count"].get("traceback")
         calls.update(r["count"]["calls"])
     assert calls == {"net.0": 2, "net.1": 4, "net.2": 2, "net.3": 4}, calls
+
+
+def test_accumulation_window_keeps_one_gather_and_no_reduction(two_ranks: Any) -> None:
+    """Between the batches of an accumulation window (accumulate_grad_batches=2) zero1 / zero2 layers stay gathered
+    and keep the unsharded gradient (nothing reduced, nothing gathered again); zero3 has reduce-scattered."""
+    results, _ = two_ranks
+    for rank, res in enumerate(results):
+        r = res["memory_window"]
+        assert "error" not in r, r.get("traceback")
+        for lp in r["plan"]["layers"]:
+            P, d, got = r["numel"][lp["name"]], lp["dp"], r["window"][lp["name"]]
+            want = {REP: (0, 0, P * G), Z1: (P * B, P * G, 0), Z2: (P * B, P * G, 0), Z3: (0, 0, P * G // d)}
+            assert (got["gathered"], got["unsharded_grads"], got["grads"]) == want[lp["dp_mode"]], (rank, lp, got)
