@@ -110,6 +110,13 @@ class Pricing:
 def strategies_for(
     layer: LayerProfile, n: int, cluster: Cluster, micro_batch: int, *, compression: tuple[str, ...] = ("none",)
 ) -> list[Strategy]:
+    """Strategies with ``d * t = n`` that the layer allows on a stage of ``n`` devices (see :func:`_strategies`)."""
+    return list(_strategies(layer, n, cluster, micro_batch, tuple(compression)))
+
+
+@lru_cache(maxsize=100_000)
+def _strategies(layer: LayerProfile, n: int, cluster: Cluster, micro_batch: int, compression: tuple[str, ...]
+                ) -> tuple[Strategy, ...]:
     """Strategies with ``d * t = n`` that the layer allows on a stage of ``n`` devices.
 
     ``t`` must be a degree the layer supports and stay inside a node (aligned), and ``d`` must divide the
@@ -129,7 +136,7 @@ def strategies_for(
             for comp in ("none", *comps):
                 for rec in (False, True):
                     out.append(Strategy(d, t, mode, rec, comp))
-    return out
+    return tuple(out)
 
 
 def dp_group_inter_node(cluster: Cluster, n: int) -> bool:

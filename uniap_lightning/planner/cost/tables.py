@@ -36,6 +36,7 @@ from the same formulas ``evaluate`` computes):
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from uniap_lightning.planner.cost.comm import p2p_s
 from uniap_lightning.planner.cost.layer import (
@@ -49,6 +50,22 @@ from uniap_lightning.planner.cost.layer import (
     strategies_for,
 )
 from uniap_lightning.planner.problem import Problem
+
+
+def costing_layers(model) -> list:
+    """The model's layers without their names (one shared object per distinct layer), so that identical blocks
+    share ``layer_cost``'s cache entries; cached on the model profile object."""
+    ids = [id(lp) for lp in model.layers]
+    cached = getattr(model, "_costing_layers", None)
+    if cached is not None and cached[0] == ids:
+        return cached[1]
+    shared: dict = {}
+    out = [shared.setdefault(replace(lp, name=""), replace(lp, name="")) for lp in model.layers]
+    try:
+        object.__setattr__(model, "_costing_layers", (ids, out))
+    except AttributeError:  # a frozen or slotted stand-in: recompute next time
+        pass
+    return out
 
 
 class TabulationStopped(Exception):
@@ -70,13 +87,14 @@ class CandidateCosts:
         opts = compression_options if compression_options is not None else problem.compression_options
         self.pricing = Pricing(self.b, self.n, accumulate=c > 1, powersgd_rank=int(opts.get("powersgd_rank", 1)),
                                topk_ratio=float(opts.get("topk_ratio", 0.01)))
+        self._costed = costing_layers(problem.model)
 
     # ------------------------------------------------------------------ per-layer and pair terms
     def terms(self, u: int, s: Strategy) -> LayerCost:
         """Layer ``u``'s terms under strategy ``s`` (cached across candidates by ``layer_cost``); its input is
         layer ``u - 1``'s output (the first layer's input, token ids, is taken as free)."""
         inp = self.layers[u - 1].output_bytes if u > 0 else 0.0
-        return layer_cost(self.layers[u], s, self.pricing, cluster=self.problem.cluster,
+        return layer_cost(self._costed[u], s, self.pricing, cluster=self.problem.cluster,
                           training=self.problem.training, input_bytes=inp)
 
     def reshard_s(self, u: int, d_from: int, d_to: int) -> float:
@@ -167,16 +185,22 @@ class CostTables(CandidateCosts):
         super().__init__(problem, pp, c)
         self.strategies: list[list[Strategy]] = []
         self.cost: list[list[LayerCost]] = []
+        seen: dict[tuple, tuple[list[Strategy], list[LayerCost]]] = {}  # identical layers (a model's blocks) once
         for u, lp in enumerate(self.layers):
             if stop is not None and u % 512 == 511 and stop():
                 raise TabulationStopped(f"stopped after {u} of {len(self.layers)} layers")
-            ks = strategies_for(lp, self.n, problem.cluster, self.b, compression=problem.compression)
-            if allowed is not None:
-                ks = [k for k in ks if allowed(k)]
-            cs = [self.terms(u, k) for k in ks]
-            if prune:
-                keep = undominated(ks, cs, split_time=problem.cluster.rank_speed is not None)
-                ks, cs = [ks[j] for j in keep], [cs[j] for j in keep]
+            # what terms(u, .) depends on: the layer but its name, and its input
+            key = (self._costed[u], self.layers[u - 1].output_bytes if u > 0 else 0.0)
+            if key not in seen:
+                ks = strategies_for(lp, self.n, problem.cluster, self.b, compression=problem.compression)
+                if allowed is not None:
+                    ks = [k for k in ks if allowed(k)]
+                cs = [self.terms(u, k) for k in ks]
+                if prune:
+                    keep = undominated(ks, cs, split_time=problem.cluster.rank_speed is not None)
+                    ks, cs = [ks[j] for j in keep], [cs[j] for j in keep]
+                seen[key] = (ks, cs)
+            ks, cs = seen[key]
             self.strategies.append(ks)
             self.cost.append(cs)
 

@@ -104,6 +104,7 @@ def run_bottleneck_s(t: CostTables, first: int, last: int) -> float:
 
 def _least_time(opts: list[tuple[float, float]], x: int, limit: float) -> float:
     """min sum a_k n_k  s.t.  sum n_k = x, sum m_k n_k <= limit, n >= 0 (fractional): at most two strategies."""
+    opts = _frontier(opts)
     best = float("inf")
     for a1, m1 in opts:
         if x * m1 <= limit:
@@ -114,6 +115,15 @@ def _least_time(opts: list[tuple[float, float]], x: int, limit: float) -> float:
                 n2 = min(x, (limit - x * m1) / (m2 - m1))
                 best = min(best, a1 * (x - n2) + a2 * n2)
     return best
+
+
+def _frontier(opts: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The (time, memory) pairs no other pair beats in both: the only ones an optimal mix uses."""
+    out: list[tuple[float, float]] = []
+    for a, m in sorted(set(opts)):
+        if not out or m < out[-1][1]:
+            out.append((a, m))
+    return out
 
 
 def memory_lower_bound_bytes(t: CostTables) -> float:
