@@ -145,7 +145,13 @@ def explain_renderables(plan: Plan, problem, measured: dict | None = None) -> Gr
             f"{est.stage_memory_bytes[i] / GIB:,.2f}",
             f"{m_mem[i] / GIB:,.2f}" if i < len(m_mem) and m_mem[i] is not None else "-",
         )
-    parts = [layers, stages]
+    legend = Text(
+        "a stage holds: state (weights, gradients, optimizer state as its dp mode shards them, buckets, error "
+        "feedback) + micro-batches in flight x activations (a recomputed layer keeps only its input) + the largest "
+        "transient (a ZeRO-3 layer's gathered weights, a recomputed layer's activations while it recomputes); "
+        "sync / iter: gradient all-reduce (or its compressed form), ZeRO-1/2 reduce-scatter and parameter "
+        "all-gather, the optimizer step", style="dim")
+    parts = [layers, legend, stages]
     if measured and measured.get("tpi_s") and est.tpi_s > 0:
         err = (measured["tpi_s"] - est.tpi_s) / est.tpi_s
         parts.append(Text(f"time per iteration: predicted {_ms(est.tpi_s)} ms, measured {_ms(measured['tpi_s'])} ms "
