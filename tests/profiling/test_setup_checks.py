@@ -80,8 +80,9 @@ def test_a_layer_returning_a_tuple_is_refused_at_setup_naming_it(tmp_path: Path)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # no "structural profile" detour: an error, at once
         warnings.filterwarnings("ignore", message=".*(does not have many workers|num_workers|`srun` command).*")
-        with pytest.raises(UniAPError, match=r"layer 1 'net.1' \(TupleBlock\) returned a tuple.*one tensor per "
-                                             r"layer with the batch on dim 0"):
+        with pytest.raises(UniAPError, match=r"layer 1 'net.1' \(TupleBlock\) returned a tuple holding NoneType, "
+                                             r"Tensor; the chain contract is one tensor, a tuple or a flat dict of "
+                                             r"tensors per layer, each with the batch on dim 0"):
             _fit(tmp_path, _module(TupleBlock))
 
 
