@@ -10,6 +10,7 @@ solved, and profiled, with all devices equal). Each run, in the same ``--devices
 1. ``rebalance=True, rebalance_check_every=--check-every``: the step time before the switch (median of the
    window's steps after the first), after it (median of the steps after the one following the switch), the
    one-off switch cost (checkpoint, rebuild, optimizers, in seconds) and the re-solve time;
+   (steps right after a check, which carry its all-gather and any re-solve, are left out of "after");
 2. the ideal: a plan solved from the start on the cluster with the speeds the rebalance measured
    (``Cluster.with_rank_speed``), ``rebalance=False``: its median step time (steps after the first).
 
@@ -123,8 +124,11 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
         row: dict[str, Any] = {"first_plan": describe(strategy.setup_result.plan), "events": events}
         if events:
             e = events[0]
-            s = e["step"]  # before: steps 2..s (times[0 : s-1]); after: steps s+2.. (the one after the switch warms up)
-            row.update(before_s=statistics.median(times[:s - 1]), after_s=statistics.median(times[s + 1:]),
+            s = e["step"]  # before: steps 2..s (times[0 : s-1]); after: from step s+2 (s+1 warms up the new plan)
+            # a check runs after this clock's hook, so its gather (and any re-solve) lands in the next step: skipped
+            after = [t for i, t in enumerate(times) if i + 2 > s + 1 and (i + 2) % args.check_every != 1]
+            row.update(before_s=statistics.median(times[:s - 1]), after_s=statistics.median(after),
+                       checks=len(strategy._rebalancer.checks),
                        switch_s=e["switch_s"], solve_s=e["solve_s"], predicted_gain=e["predicted_gain"],
                        speeds=e["speeds"], new_plan=e["new_plan"])
             ideal_times, ideal = _fit(args, cache, cluster=cluster_from("local_cpu").with_rank_speed(tuple(e["speeds"])))
