@@ -206,7 +206,9 @@ class Rebalancer(Callback):
         cluster = self.base_cluster.with_rank_speed(speeds)
         t0 = time.perf_counter()
         new, _ = solve_plan(profile=self.profile, cluster=cluster, training=self.training, solver=self.setup.solver,
-                            time_limit_s=self.setup.time_limit_s, cache_dir=self.setup.plan_cache_dir())
+                            time_limit_s=self.setup.time_limit_s, cache_dir=self.setup.plan_cache_dir(),
+                            compression=self.setup.compression,
+                            compression_options=self.setup.compression_options_dict)
         solve_s = time.perf_counter() - t0
         problem = Problem(model=self.profile, cluster=cluster, training=self.training)
         old_tpi, new_tpi = evaluate(problem, plan).tpi_s, evaluate(problem, new).tpi_s
