@@ -41,6 +41,10 @@ def build(family: str) -> Any:
             vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
             max_position_embeddings=SEQ, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
             pad_token_id=PAD))
+    if family == "bert_mlm":  # BERT's pretraining head: the decoder tied to the word embeddings (the default)
+        return tr.BertForMaskedLM(tr.BertConfig(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+            max_position_embeddings=SEQ, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=PAD))
     if family in ("gpt2", "gpt2_tied"):  # GPT-2's default ties the LM head to the token embedding
         return tr.GPT2LMHeadModel(tr.GPT2Config(
             vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
@@ -89,6 +93,10 @@ def hf_batches(batch_size: int, family: str, n: int = 32, seed: int = 1) -> Any:
         ids = ids * mask  # PAD = 0 after the end
         if family == "bert":
             rows.append({"input_ids": ids, "attention_mask": mask, "labels": torch.randint(0, 3, (), generator=g)})
+        elif family == "bert_mlm":  # about a third of the real tokens are predicted (the rest -100)
+            chosen = (torch.rand(SEQ, generator=g) < 0.35) & (mask == 1)
+            chosen[0] = True
+            rows.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(~chosen, -100)})
         elif family == "t5":
             tl = int(torch.randint(1, SEQ + 1, (), generator=g))
             target = torch.randint(1, VOCAB, (SEQ,), generator=g)

@@ -32,6 +32,7 @@ def names(family: str) -> list[str]:
     (written out here, so collecting the tests builds no model; the runs check them against the real chain)."""
     blocks = {
         "bert": ["bert.embeddings", "bert.encoder.layer.0", "bert.encoder.layer.1", "bert.pooler"],
+        "bert_mlm": ["bert.embeddings", "bert.encoder.layer.0", "bert.encoder.layer.1", "cls"],
         "gpt2": ["transformer.wte", "transformer.h.0", "transformer.h.1", "transformer.ln_f"],
         "gpt2_tied": ["transformer.wte", "transformer.h.0", "transformer.h.1", "transformer.ln_f"],
         "llama": ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm"],
@@ -60,6 +61,8 @@ TWO_RANKS = {
     # the boundary carries the encoder's output with the decoder's hidden states; the tied embedding / LM head
     # sit on different stages
     "t5_pp2_encoder_decoder": case("t5", [ONE] * 7, [0, 0, 0, 0, 1, 1, 1], lr=0.01, export=str(EXPORTS / "t5.pt")),
+    # BERT pretraining (masked LM): the decoder tied to the word embeddings, the two copies on different stages
+    "bert_mlm_pp2_tied": case("bert_mlm", [ONE] * 4, [0, 0, 1, 1], export=str(EXPORTS / "bert_mlm.pt")),
     # head-parallel self- and cross-attention slicing the shared position bias; the tied copies on one stage
     "t5_tp2_one_stage": case("t5", [REPL, TP, TP, FSDP, TP, TP, REPL], [0] * 7, lr=0.01),
     "swin_fsdp_tp_mixed": case("swin", [FSDP, REPL, TP, FSDP, TP, FSDP, REPL], [0] * 7, export=str(EXPORTS / "swin.pt")),
@@ -186,7 +189,7 @@ def test_padded_micro_batches_give_the_whole_batch_loss() -> None:
     from uniap_lightning.runtime import extract_chain
     from uniap_lightning.runtime.payload import call_layer, chunk
 
-    for family in ("llama", "t5"):
+    for family in ("llama", "t5", "bert_mlm"):
         module = hf_module(family)
         batch = next(iter(hf_batches(8, family)))
         expected = module.model(**batch).loss

@@ -175,8 +175,12 @@ def pretrained_chain(module: nn.Module, attribute: str, model: Any) -> Any:
 
 
 def _untie(model: Any, src: str, dst: str) -> bool:
-    """``dst`` gets its own parameter, equal to ``src``'s, when they are the same parameter (then ``True``)."""
-    a, b = model.get_submodule(src), model.get_submodule(dst)
+    """``dst`` gets its own parameter, equal to ``src``'s, when they are the same parameter (then ``True``; a model
+    of the family without one of the two modules, e.g. another head, has no such tie)."""
+    try:
+        a, b = model.get_submodule(src), model.get_submodule(dst)
+    except AttributeError:
+        return False
     if a.weight is not b.weight:
         return False
     b.weight = nn.Parameter(a.weight.detach().clone(), requires_grad=a.weight.requires_grad)

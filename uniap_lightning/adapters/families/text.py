@@ -1,4 +1,5 @@
-"""BERT (sequence classification, with padding masks), GPT-2 and Llama (causal LMs, with padding masks) as chains.
+"""BERT (sequence classification or masked LM, with padding masks), GPT-2 and Llama (causal LMs, with padding
+masks) as chains.
 
 Layers pass a dict: ``hidden`` (the hidden states) and the batch's integer ``attention_mask`` (when it has one),
 which every block turns into its 4-D attention mask itself (a constant of the block, rebuilt per stage, not sent).
@@ -11,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from uniap_lightning.adapters.auto import Family, count_next_tokens, count_rows, register
+from uniap_lightning.adapters.auto import Family, HFTarget, count_next_tokens, count_tokens, register
 from uniap_lightning.adapters.families.common import (
     View,
     causal_lm_loss,
@@ -20,6 +21,7 @@ from uniap_lightning.adapters.families.common import (
     divisors_of_all,
     replicate,
     rowwise,
+    token_loss,
 )
 
 Payload = dict[str, torch.Tensor]
@@ -82,16 +84,35 @@ class BertClassifierHead(View):
         return self.classifier(self.dropout(self.pooler(d["hidden"])))
 
 
+class BertMLMHead(View):
+    """The masked-LM head (dense, activation, norm, decoder to the vocabulary) -> logits per token. Its decoder is
+    tied to the word embeddings by default: an equal copy here (see ``runtime/ties.py``)."""
+
+    def forward(self, d: Payload) -> torch.Tensor:
+        return self.predictions(d["hidden"])
+
+
 def bert_layers(model: Any) -> list[tuple[nn.Module, list[str]]]:
     bert = model.bert
-    if bert.pooler is None or not hasattr(model, "classifier"):
-        raise _unsupported_head(model, "BertForSequenceClassification")
+    if hasattr(model, "cls") and hasattr(model.cls, "predictions") and not hasattr(model.cls, "seq_relationship"):
+        head: tuple[nn.Module, list[str]] = (BertMLMHead(predictions=model.cls.predictions), ["cls"])
+    elif bert.pooler is not None and hasattr(model, "classifier"):
+        head = (BertClassifierHead(pooler=bert.pooler, dropout=model.dropout, classifier=model.classifier),
+                ["bert.pooler", "classifier"])
+    else:
+        raise _unsupported_head(model, "BertForSequenceClassification and BertForMaskedLM")
     return [
         (BertEmbed(embeddings=bert.embeddings), ["bert.embeddings"]),
         *[(BertBlock(layer, bert.config), [f"bert.encoder.layer.{i}"]) for i, layer in enumerate(bert.encoder.layer)],
-        (BertClassifierHead(pooler=bert.pooler, dropout=model.dropout, classifier=model.classifier),
-         ["bert.pooler", "classifier"]),
+        head,
     ]
+
+
+def bert_loss(model: Any, logits: torch.Tensor, target: HFTarget) -> torch.Tensor:
+    """The model's own: masked-LM cross-entropy over the labelled tokens, or the classification loss."""
+    if hasattr(model, "cls"):
+        return token_loss(logits, target.labels, target)
+    return classification_loss(model, logits, target)
 
 
 def _unsupported_head(model: Any, supported: str) -> Exception:
@@ -212,8 +233,9 @@ def llama_layers(model: Any) -> list[tuple[nn.Module, list[str]]]:
     ]
 
 
-register("bert", Family(layers=bert_layers, loss=classification_loss,
-                        inputs=("input_ids", "attention_mask", "token_type_ids"), count=count_rows))
+# count_tokens: masked-LM labels are -100 where unmasked; a classifier's labels (one per row) all count
+register("bert", Family(layers=bert_layers, loss=bert_loss, inputs=("input_ids", "attention_mask", "token_type_ids"),
+                        count=count_tokens, ties=(("bert.embeddings.word_embeddings", "cls.predictions.decoder"),)))
 # tie_word_embeddings=True (GPT-2's default): the LM head gets an equal copy of the token embedding, with summed
 # gradients (runtime/ties.py)
 register("gpt2", Family(layers=gpt2_layers, loss=causal_lm_loss, inputs=("input_ids", "attention_mask"),
