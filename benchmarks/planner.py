@@ -71,7 +71,7 @@ def quality_json(path: str, time_limit: float) -> None:
                        "recomputed": sum(lp.recompute for lp in plan.layers),
                        "modes": sorted({lp.dp_mode for lp in plan.layers if lp.dp > 1})}
             except InfeasibleError as err:
-                m = re.search(r"needs ([0-9.]+) GiB", str(err))
+                m = re.search(r"needs is ([0-9.]+) GiB", str(err))
                 rec = {"infeasible": True, "least_gib": float(m.group(1)) if m else None}
             except UniAPError as err:
                 rec = {"error": str(err)[:200]}
