@@ -106,6 +106,7 @@ B, G, O = 4, 4, 8
 MEMORY_2 = P2([S(2, 1, REP), S(2, 1, Z1), S(2, 1, Z2), S(2, 1, Z3)], ONE_STAGE, pp=1, microbatches=2)
 MEMORY_4 = P4([S(4, 1, REP), S(4, 1, Z1), S(4, 1, Z2), S(4, 1, Z3)], ONE_STAGE, pp=1, microbatches=2)
 MEMORY_CASE = {"probe": True, "steps": 2, **ADAM}
+MEMORY_PP2 = P4([S(2, 1, Z2), S(2, 1, Z1), S(2, 1, Z1), S(2, 1, Z2)], TWO_STAGES, pp=2, microbatches=2)
 
 
 def _probe_case(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
@@ -145,6 +146,7 @@ def _probe_case(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
             if idx == 0:  # with accumulate_grad_batches=2: inside the window, before its optimizer step
                 self.result["window"] = self._measure(trainer)
+                self.result["first_in_step"] = self.current  # as in_step, in the first step
             if idx == 1:
                 self.result.update(in_step=self.current, after=self._measure(trainer),
                                    bucket=strategy.runtime.replicated.buffer_bytes())
@@ -314,6 +316,7 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory, two_ranks: Any) -> list
         **FOUR_RANKS,
         "resume_zero1_pp2": {"plan": RESUME_PLAN, "epochs": 2, "resume": str(two_out / "z2rc.ckpt"), **ADAM},
         "memory": {"plan": MEMORY_4, **MEMORY_CASE},
+        "memory_pp2": {"plan": MEMORY_PP2, **MEMORY_CASE},
     }
     return h.spawn(4, cases, out, fn=worker)
 
@@ -410,3 +413,22 @@ def test_accumulation_window_keeps_one_gather_and_no_reduction(two_ranks: Any) -
             P, d, got = r["numel"][lp["name"]], lp["dp"], r["window"][lp["name"]]
             want = {REP: (0, 0, P * G), Z1: (P * B, P * G, 0), Z2: (P * B, P * G, 0), Z3: (0, 0, P * G // d)}
             assert (got["gathered"], got["unsharded_grads"], got["grads"]) == want[lp["dp_mode"]], (rank, lp, got)
+
+
+def test_memory_pipeline_first_step_like_the_others(four_ranks: Any) -> None:
+    """Under pp the first step also runs the stages' shape inference (a forward and, on the last stage, an
+    ``autograd.grad``): it must not count as a micro-batch, or zero1/zero2 would reduce and reshard a micro-batch
+    early. At the last forward of the first step every layer holds what it holds in later steps; on the last stage
+    (1F1B: forward 0, backward 0, forward 1) that is the gathered parameters and the first micro-batch's unsharded
+    gradient, nothing reduced yet."""
+    for rank, res in enumerate(four_ranks):
+        r = res["memory_pp2"]
+        assert "error" not in r, r.get("traceback")
+        for name, now in r["first_in_step"].items():
+            later = r["in_step"][name]
+            # (the optimizer state exists only from the first optimizer step on)
+            assert {k: v for k, v in now.items() if k != "optimizer"} == {
+                k: v for k, v in later.items() if k != "optimizer"}, (rank, name, now, later)
+            if rank >= 2:
+                P = r["numel"][name]
+                assert (now["gathered"], now["unsharded_grads"], now["grads"]) == (P * B, P * G, 0), (rank, name, now)

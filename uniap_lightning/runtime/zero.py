@@ -82,6 +82,7 @@ class _Layer:
     module: nn.Module
     mode: str
     backwards: int = 0  # backward passes of this layer seen in the current batch
+    hits: dict[int, int] = field(default_factory=dict)  # per parameter: gradients accumulated in the batch
 
 
 @dataclass
@@ -110,13 +111,15 @@ class ZeroLayers:
         fully_shard(layer, mesh=dp_mesh, reshard_after_forward=False)
         entry = _Layer(layer, mode)
         self.layers.append(entry)
-        layer.register_forward_hook(lambda m, args, out, e=entry: self._after_forward(e, out))
+        layer.register_forward_hook(lambda m, args, out, e=entry: self._after_forward(e))
+        # FSDP2 creates the unsharded parameters at the first all-gather: gather once now (collective over the
+        # layer's dp group, same order on every rank) so hooks can be put on them
+        layer.unshard()  # type: ignore[operator]
+        layer.reshard()  # type: ignore[operator]
+        unsharded = [fp.unsharded_param for fp in fsdp_params(layer) if fp.sharded_param.requires_grad]
+        for p in unsharded:
+            p.register_post_accumulate_grad_hook(lambda p, e=entry: self._on_accumulate(e, p))
         if mode == "zero1":
-            # FSDP2 creates the unsharded parameters at the first all-gather: gather once now (collective over the
-            # layer's dp group, same order on every rank) so their gradients can be registered for averaging
-            layer.unshard()  # type: ignore[operator]
-            layer.reshard()  # type: ignore[operator]
-            unsharded = [fp.unsharded_param for fp in fsdp_params(layer) if fp.sharded_param.requires_grad]
             replicated.add(_Params(unsharded), group, dp, compression)  # type: ignore[arg-type]
         self._switch(entry, last=True)
 
@@ -125,7 +128,7 @@ class ZeroLayers:
         self._closing, self._expected, self._armed = closing, backward_passes, True
         self._to_finish = closing
         for e in self.layers:
-            e.backwards = 0
+            e.backwards, e.hits = 0, {}
             self._switch(e, last=closing and backward_passes == 1)
 
     def end(self) -> None:
@@ -138,29 +141,23 @@ class ZeroLayers:
         e.module.set_requires_gradient_sync(last and e.mode == "zero2", recurse=False)  # type: ignore[operator]
         e.module.set_reshard_after_backward(last, recurse=False)  # type: ignore[operator]
 
-    def _after_forward(self, e: _Layer, out: Any) -> None:
+    def _after_forward(self, e: _Layer) -> None:
         if not torch.is_grad_enabled():
             # evaluation: nothing follows that would use the gathered parameters; keep idle layers sharded (the
             # module's parameters are then the shards the optimizer and checkpoints know)
             e.module.reshard()  # type: ignore[operator]
-            return
+
+    def _on_accumulate(self, e: _Layer, p: torch.Tensor) -> None:
+        """A gradient accumulated into one of the layer's unsharded parameters: the first one of a backward pass
+        counts the pass and sets the switches FSDP2 reads in its post-backward, which runs after the layer's
+        accumulations. Counting accumulations, not backward calls, leaves out a pipeline stage's shape inference
+        (``torch.autograd.grad`` on its inputs accumulates nothing)."""
         if not self._armed:
             return
-        fired = [False]
-
-        def on_grad(grad: torch.Tensor) -> torch.Tensor:
-            # the start of this layer's backward for one micro-batch (once, whatever the number of outputs); FSDP2
-            # reads the switches in its post-backward, at the end of the same backward
-            if not fired[0]:
-                fired[0] = True
-                e.backwards += 1
-                self._switch(e, last=self._closing and e.backwards >= self._expected)
-            return grad
-
-        # a recomputation (checkpointed layer) runs forward again; its outputs get no gradient, so no count
-        for t in _tensors(out):
-            if t.requires_grad:
-                t.register_hook(on_grad)
+        n = e.hits[id(p)] = e.hits.get(id(p), 0) + 1
+        if n > e.backwards:
+            e.backwards = n
+            self._switch(e, last=self._closing and n >= self._expected)
 
     # ------------------------------------------------------------------ zero1
     @torch.no_grad()
@@ -186,16 +183,6 @@ class ZeroLayers:
                 shard = fp.to_sharded_dtensor(chunk.contiguous().clone().view(fp.sharded_size))
                 p = fp.sharded_param
                 p.grad = shard if p.grad is None else p.grad + shard
-
-
-def _tensors(out: Any) -> list[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, (tuple, list)):
-        return [t for o in out for t in _tensors(o)]
-    if isinstance(out, dict):
-        return [t for o in out.values() for t in _tensors(o)]
-    return []
 
 
 # ---------------------------------------------------------------------- measurement
