@@ -89,6 +89,7 @@ def _P4(family: str, strategies: list[tuple[int, int, bool]], stages: list[int],
 D2T2 = (2, 2, True)
 FOUR_RANKS = {
     "bert_pp2_x_fsdp2": _P4("bert", [FSDP] * 4, [0, 0, 1, 1]),
+    "bert_mlm_pp2_x_fsdp2_tied": _P4("bert_mlm", [FSDP, REPL, FSDP, FSDP], [0, 0, 1, 1]),
     "bert_dp2_x_tp2": _P4("bert", [D2T2, D2T2, (1, 4, False), (4, 1, False)], [0] * 4),
     "t5_pp2_x_tp2": _P4("t5", [REPL, TP, TP, REPL, TP, TP, FSDP], [0, 0, 0, 0, 1, 1, 1], lr=0.01),
     "t5_pp4": _P4("t5", [ONE] * 7, [0, 0, 1, 1, 2, 2, 3], lr=0.01, microbatches=4),
