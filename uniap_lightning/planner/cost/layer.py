@@ -220,6 +220,11 @@ def _gradient_sync(layer: LayerProfile, s: Strategy, P: float, d: int, inter: bo
     (error feedback): all-reduce of ``P g`` bytes, or its compressed form."""
     method = s.compression
     if method == "none":
+        # measured inside a node without TP (profile overhead "dp": the runtime's own bucketed all-reduce beside
+        # the step's last backward, waited for; on CPU ranks sharing cores it also slows that backward)
+        measured = layer.overhead_s("dp", d, pr.micro_batch / d) if s.t == 1 and not inter else None
+        if measured is not None:
+            return max(measured, 0.0), 0.0
         return all_reduce_s(cluster, P * training.grad_bytes, d, inter), 0.0
     work = cluster.compression_s_per_param(method) * P
     if method == "bf16":
