@@ -106,7 +106,7 @@ class Measurements:
         if not self.options.profile_cache:
             return None
         data = load_cached_json(path.parent, path.name)
-        if data is None or not data.get("compression_ns_per_param"):
+        if data is None or (isinstance(data, dict) and not data.get("compression_ns_per_param")):
             return None  # none, or measured before compression was timed: measured again
         try:  # a valid entry makes a valid cluster; anything else is measured again
             return apply_to_cluster(base, _int_group_sizes(data))
