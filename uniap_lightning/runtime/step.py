@@ -78,6 +78,7 @@ class TrainStep:
         finally:
             rt.replicated.disarm()
             zero.end()
+        zero.check_reduced()
         self._window_open = not closing
         self._fresh = take_grads(params)
         put_grads(previous)

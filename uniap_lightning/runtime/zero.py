@@ -132,10 +132,28 @@ class ZeroLayers:
             self._switch(e, last=closing and backward_passes == 1)
 
     def end(self) -> None:
-        """After the batch (or its failure): the switches back to a plain step's (sync and reshard on)."""
+        """After the batch (or its failure): the switches back to a plain step's (sync and reshard on). When the
+        batch closes its window, every layer is sharded again (FSDP2's post-backward did it for a layer its last
+        backward reached; a layer that backward skipped must not keep parameters the optimizer step makes stale)."""
         self._armed = False
         for e in self.layers:
             self._switch(e, last=True)
+            if self._closing:
+                e.module.reshard()  # type: ignore[operator]  # local: frees the gathered copy
+
+    def check_reduced(self) -> None:
+        """After a batch that closes its window ran through: no zero2 layer may keep an unreduced gradient (one its
+        last micro-batch's backward skipped: FSDP2 reduce-scatters in the post-backward of that backward only)."""
+        if not self._closing:
+            return
+        for e in self.layers:
+            if e.mode == "zero2" and any(_pending_grad(fp) for fp in fsdp_params(e.module)):
+                from uniap_lightning.errors import UniAPError
+
+                raise UniAPError(
+                    f"a zero2 layer ({type(e.module).__name__}) got no gradient in the last micro-batch of an "
+                    "optimizer step, so its accumulated gradient was never reduce-scattered; plan layers that some "
+                    "micro-batches skip as zero1, zero3 or replicate")
 
     def _switch(self, e: _Layer, *, last: bool) -> None:
         e.module.set_requires_gradient_sync(last and e.mode == "zero2", recurse=False)  # type: ignore[operator]
@@ -183,6 +201,11 @@ class ZeroLayers:
                 shard = fp.to_sharded_dtensor(chunk.contiguous().clone().view(fp.sharded_size))
                 p = fp.sharded_param
                 p.grad = shard if p.grad is None else p.grad + shard
+
+
+def _pending_grad(fp: Any) -> bool:
+    unsharded = getattr(fp, "_unsharded_param", None)
+    return (unsharded is not None and unsharded.grad is not None) or fp.unsharded_accumulated_grad is not None
 
 
 # ---------------------------------------------------------------------- measurement
