@@ -189,6 +189,28 @@ def _count_case(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
     return {"calls": calls}
 
 
+def _skip_case(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
+    """net.1 is skipped (its input passed through, detached) by every second micro-batch."""
+    import lightning.pytorch as pl
+
+    from uniap_lightning.strategy import UniAPStrategy
+
+    class EverySecond(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.inner, self.calls = inner, 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += torch.is_grad_enabled()
+            return self.inner(x) if self.calls % 2 else x.detach().clone()
+
+    module = h.make_module()
+    module.net[1] = EverySecond(module.net[1])
+    trainer = pl.Trainer(devices=world, strategy=UniAPStrategy(plan=case["plan"]), **h.trainer_kwargs(case))
+    trainer.fit(module, h.make_data(16))
+    return {}
+
+
 def worker(rank: int, world: int, port: int, cases: dict[str, dict[str, Any]], out_dir: str) -> None:
     """:func:`uniap_rt_helpers.worker`, plus memory-probe cases."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
@@ -200,7 +222,7 @@ def worker(rank: int, world: int, port: int, cases: dict[str, dict[str, Any]], o
         start = time.monotonic()
         try:
             run = (_probe_case if case.get("probe") else _count_case if case.get("count") else
-                   (lambda r, w, c: h._run_case(r, w, c, Path(out_dir))))
+                   _skip_case if case.get("skip") else (lambda r, w, c: h._run_case(r, w, c, Path(out_dir))))
             results[name] = run(rank, world, case)
         except Exception as err:  # recorded, so one broken case does not hide the others
             results[name] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc(),
@@ -304,7 +326,10 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, 
     out = tmp_path_factory.mktemp("zero_two")
     cases = {**TWO_RANKS, **COMPRESSED, **RESUME_TWO, "memory": {"plan": MEMORY_2, **MEMORY_CASE},
              "memory_window": {"plan": MEMORY_2, **MEMORY_CASE, "accumulate": 2},
-             "count": {"plan": COUNT_PLAN, "count": True, "steps": 2}}
+             "count": {"plan": COUNT_PLAN, "count": True, "steps": 2},
+             # last: it fails on purpose (a worker stops at a failed case)
+             "zero2_skipped_layer": {"plan": P2([S(2, 1, Z2)] * 4, ONE_STAGE, pp=1, microbatches=2), "skip": True,
+                                     "steps": 1}}
     return h.spawn(2, cases, out, fn=worker), out
 
 
@@ -432,3 +457,12 @@ def test_memory_pipeline_first_step_like_the_others(four_ranks: Any) -> None:
             if rank >= 2:
                 P = r["numel"][name]
                 assert (now["gathered"], now["unsharded_grads"], now["grads"]) == (P * B, P * G, 0), (rank, name, now)
+
+
+def test_zero2_layer_skipped_by_the_last_micro_batch_is_an_error(two_ranks: Any) -> None:
+    """FSDP2 reduce-scatters in the post-backward of the backward that syncs; a layer that backward skips would
+    keep its gradient unreduced (and the optimizer would step without it): refused, naming the way out."""
+    results, _ = two_ranks
+    for r in results:
+        err = r["zero2_skipped_layer"].get("error", "")
+        assert "UniAPError" in err and "got no gradient in the last micro-batch" in err, r["zero2_skipped_layer"]
