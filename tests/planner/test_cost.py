@@ -57,7 +57,7 @@ def test_sharded_layer():
     assert c.comm_s == pytest.approx(fsdp + tp)
     assert c.sync_s == 0
     assert c.static_bytes == pytest.approx(5e5 * 16 / 2)
-    assert c.transient_bytes == pytest.approx(5e5 * 2 / 2)
+    assert c.transient_bytes == pytest.approx(5e5 * 2)  # the gathered copy, beside the kept shard
 
 
 def test_replicated_layers_count_their_gradient_buckets():
@@ -152,17 +152,19 @@ def test_zero_modes_memory_and_collectives_by_hand():
     """1e6 parameters, d = 4, 2 B weights, 2 B gradients, 12 B optimizer state."""
     ar, ag, rs = all_reduce_s(CL, 2e6, 4, False), all_gather_s(CL, 2e6, 4, False), reduce_scatter_s(CL, 2e6, 4, False)
     z1 = layer_cost(LAYER, Strategy(4, 1, "zero1"), P4, cluster=CL, training=TR)
-    assert z1.static_bytes == pytest.approx(1e6 * (2 + 2) + 1e6 * 12 / 4)
+    # the formula P (w + g) + P o / d, plus what the runtime holds beside it (measured, runtime.zero): FSDP2's
+    # parameter shard, the sharded gradient the optimizer reads, the all-reduce bucket
+    assert z1.static_bytes == pytest.approx(1e6 * (2 + 2) + 1e6 * 12 / 4 + 1e6 * (2 + 2) / 4 + 1e6 * 2)
     assert z1.sync_s == pytest.approx(ar + ag) and z1.comm_s == 0
     z2 = layer_cost(LAYER, Strategy(4, 1, "zero2"), P4, cluster=CL, training=TR)
-    assert z2.static_bytes == pytest.approx(1e6 * 2 + 1e6 * (2 + 12) / 4)
+    assert z2.static_bytes == pytest.approx(1e6 * 2 + 1e6 * (2 + 12) / 4 + 1e6 * 2 / 4)  # + the parameter shard
     assert z2.sync_s == pytest.approx(rs + ag) and z2.comm_s == 0
     # accumulating over micro-batches, FSDP2 holds the unsharded gradient until the last one
     z2acc = layer_cost(LAYER, Strategy(4, 1, "zero2"), P4_ACC, cluster=CL, training=TR)
-    assert z2acc.static_bytes == pytest.approx(1e6 * 2 + 1e6 * (2 + 12) / 4 + 1e6 * 2)
+    assert z2acc.static_bytes == pytest.approx(1e6 * 2 + 1e6 * (2 + 12) / 4 + 1e6 * 2 / 4 + 1e6 * 2)
     z3 = layer_cost(LAYER, Strategy(4, 1, "zero3"), P4, cluster=CL, training=TR)
     assert z3.static_bytes == pytest.approx(1e6 * 16 / 4) and z3.sync_s == 0
-    assert z3.comm_s == pytest.approx(2 * ag + rs) and z3.transient_bytes == pytest.approx(2e6 * 3 / 4)
+    assert z3.comm_s == pytest.approx(2 * ag + rs) and z3.transient_bytes == pytest.approx(2e6)
     assert Strategy(4, 1, True) == Strategy(4, 1, "zero3") and Strategy(4, 1, True).shard
 
 
@@ -198,7 +200,8 @@ def test_compressed_gradient_sync_by_hand():
     low_rank = 4 * 2 * 2000
     assert psgd.sync_s == pytest.approx(2 * all_reduce_s(CL, low_rank / 2, 4, False) + all_gather_s(CL, 2e6, 4, False)
                                         + 2 * 2000 / flops * 1e6)
-    assert psgd.static_bytes == pytest.approx(1e6 * 4 + 1e6 * 12 / 4 + 4e6 + low_rank)  # + error feedback, P, Q
+    # zero1 (with shard, sharded gradient and bucket, as above) + error feedback and the P, Q factors
+    assert psgd.static_bytes == pytest.approx(1e6 * 4 + 1e6 * 12 / 4 + 1e6 * 4 / 4 + 1e6 * 2 + 4e6 + low_rank)
     measured = replace(LAYER, matrix_dims=3000.0, vector_params=1000)
     cl = replace(CL, compression_ns_per_param={"powersgd": 0.5, "topk": 4.0})
     psgd = layer_cost(measured, Strategy(4, 1, "replicate", False, "powersgd"), P4, cluster=cl, training=TR)

@@ -191,11 +191,14 @@ def _layer_cost(
     elif mode == "zero2":
         sync = reduce_scatter_s(cluster, P * g, d, inter) + all_gather_s(cluster, P * w, d, inter)
         # with accumulation FSDP2 keeps the unsharded gradient until the last micro-batch's reduce-scatter
-        static = P * w + P * (o + g) / d + (P * g if pr.accumulate else 0.0)
+        # FSDP2 keeps the parameter shard (what the optimizer updates) beside the gathered copy
+        static = P * w + P * (w + o + g) / d + (P * g if pr.accumulate else 0.0)
     elif mode == "zero1":
         sync, extra = _gradient_sync(layer, s, P, d, inter, cluster, training, pr)
         sync += all_gather_s(cluster, P * w, d, inter)  # the updated parameters
-        static = P * (w + g) + P * o / d + extra
+        # measured (runtime.zero): beside the formula's P (w + g) + P o / d, FSDP2's parameter shard, the sharded
+        # gradient the optimizer reads, and the all-reduce bucket the whole gradient travels through
+        static = P * (w + g) + P * (w + g + o) / d + P * g + extra
     else:
         sync, extra = _gradient_sync(layer, s, P, d, inter, cluster, training, pr) if d > 1 else (0.0, 0.0)
         # the runtime's persistent all-reduce buckets hold one more copy of a replicated layer's gradients
@@ -204,7 +207,8 @@ def _layer_cost(
     # the optimizer updates the parameters this rank holds, once per iteration, after the gradient sync
     sync += cluster.optimizer_s_per_param * P / (1 if mode == "replicate" else d)
     sync += cluster.optimizer_s_per_tensor * layer.param_tensors
-    transient = P * w * (1 - 1 / d) if mode == "zero3" else 0.0
+    # a ZeRO-3 layer's gathered parameters: a full copy beside the shard it keeps (counted in static)
+    transient = P * w if mode == "zero3" else 0.0
     f = layer.activation_tp_fraction
     act = layer.activation_bytes * samples * ((1 - f) + f / t)
     if s.recompute:
