@@ -87,11 +87,13 @@ def repeated_problem(seed: int, *, pattern: str, nodes: int, per_node: int, batc
 
 
 def forced_problem(seed: int, *, memory_gib: float, activation_scale: float, param_scale: float,
-                   num_layers: int = 4, nodes: int = 1, per_node: int = 2) -> Problem:
+                   num_layers: int = 4, nodes: int = 1, per_node: int = 2,
+                   compression: tuple[str, ...] = ("none",)) -> Problem:
     """:func:`random_problem` with activations scaled up and parameters down: with little memory the optimum
     must recompute activations, shard, or accumulate (ZeRO-1 / ZeRO-2 then differ)."""
     base = random_problem(seed, num_layers=num_layers, nodes=nodes, per_node=per_node, schedule="gpipe",
-                          memory_gib=memory_gib)
+                          memory_gib=memory_gib, compression=compression)
     layers = [replace(lp, params=int(lp.params * param_scale), activation_bytes=lp.activation_bytes * activation_scale)
               for lp in base.model.layers]
-    return Problem(ModelProfile("forced", layers), base.cluster, base.training)
+    return Problem(ModelProfile("forced", layers), base.cluster, base.training, compression=base.compression,
+                   compression_options=base.compression_options)
