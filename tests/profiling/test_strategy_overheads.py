@@ -85,6 +85,19 @@ def test_measured_replication_replaces_the_allreduce_formula_once_per_step():
     assert c8.sync_s == pytest.approx(all_reduce_s(CL, 1e6 * 2, 8, True) + optimizer + CL.optimizer_s_per_tensor * 2)
 
 
+def test_measured_zero_modes_replace_their_step_collectives():
+    from uniap_lightning.planner.cost.layer import Pricing
+
+    z = replace(PLAIN, overheads=(Overhead("zero2", 2, 4, 0.009), Overhead("zero1", 2, 4, 0.011)))
+    pr = Pricing(8, 2)
+    optimizer = CL.optimizer_s_per_param * 1e6 / 2
+    assert layer_cost(z, Strategy(2, 1, "zero2"), pr, cluster=CL, training=TR).sync_s == pytest.approx(0.009 + optimizer)
+    assert layer_cost(z, Strategy(2, 1, "zero1"), pr, cluster=CL, training=TR).sync_s == pytest.approx(0.011 + optimizer)
+    formula = reduce_scatter_s(CL, 1e6 * 2, 2, False) + all_gather_s(CL, 1e6 * 2, 2, False)
+    assert layer_cost(PLAIN, Strategy(2, 1, "zero2"), pr, cluster=CL, training=TR).sync_s == pytest.approx(
+        formula + optimizer)
+
+
 def test_overheads_round_trip_and_bad_records_are_refused():
     prof = ModelProfile(model="m", layers=[MEASURED], source="measured")
     back = ModelProfile.from_dict(prof.to_dict())
@@ -118,8 +131,9 @@ def test_a_plan_solved_without_overheads_is_not_reused_with_them():
 
 
 def test_strategy_kinds_stay_inside_a_node():
-    assert strategy_kinds(4, 4, [1, 2, 4]) == [("tp", 2), ("fsdp", 2), ("dp", 2), ("tp", 4), ("fsdp", 4), ("dp", 4)]
-    assert strategy_kinds(8, 2, [1, 4]) == [("fsdp", 2), ("dp", 2)]
+    modes = lambda k: [("fsdp", k), ("dp", k), ("zero2", k), ("zero1", k)]  # noqa: E731
+    assert strategy_kinds(4, 4, [1, 2, 4]) == [("tp", 2), *modes(2), ("tp", 4), *modes(4)]
+    assert strategy_kinds(8, 2, [1, 4]) == modes(2)
     assert strategy_kinds(1, 1, [1, 2]) == []
 
 
@@ -165,9 +179,10 @@ def test_measure_overheads_on_two_gloo_ranks(tmp_path):
     assert r0["untouched"] and r0["no_grads"] and r1["untouched"] and r1["no_grads"]
     res = r0["res"]
     kinds = lambda i: sorted({(o.kind, o.degree) for o in res[i]})  # noqa: E731
-    assert kinds(0) == [("dp", 2), ("fsdp", 2), ("tp", 2)]  # nn.Linear: column-parallel
-    assert kinds(1) == [("dp", 2), ("fsdp", 2), ("tp", 2)]  # Linear-GELU-Linear: Megatron MLP
+    modes = [("dp", 2), ("fsdp", 2), ("zero1", 2), ("zero2", 2)]
+    assert kinds(0) == sorted([*modes, ("tp", 2)])  # nn.Linear: column-parallel
+    assert kinds(1) == sorted([*modes, ("tp", 2)])  # Linear-GELU-Linear: Megatron MLP
     assert res[2] == res[1]  # same structure: timed once
-    assert kinds(3) == [("dp", 2), ("fsdp", 2)]  # no TP plan for a LayerNorm
+    assert kinds(3) == modes  # no TP plan for a LayerNorm
     assert sorted({o.micro_batch for o in res[1]}) == [2, 8]  # 99 > the sample's 8 rows: skipped
     assert all(o.seconds == o.seconds and abs(o.seconds) < 5 for i in res for o in res[i])

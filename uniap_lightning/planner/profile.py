@@ -37,8 +37,11 @@ the activation all-reduces, the compute tensor parallelism does not split, and t
 all-gathers, gradient reduce-scatter, FSDP's own per-call work); for ``kind="dp"`` (replicated over ``degree``
 devices, no TP) the time of a forward + backward whose gradient average is started during the backward and waited
 for, minus the single-device time (the all-reduce as it runs beside the backward in training: on CPU ranks that
-share cores it also slows the backward; on a GPU it may overlap). Where present, the cost model uses them instead
-of its formulas for those terms (``dp``: once per optimizer step, in place of the all-reduce formula; the others
+share cores it also slows the backward; on a GPU it may overlap); for ``kind="zero2"`` / ``"zero1"`` (those
+modes over ``degree`` devices, no TP) one whole step's forward + backward with the mode's gathers, gradient
+reduction and resharding, minus the single-device time. Where present, the cost model uses them instead
+of its formulas for those terms (``dp``, ``zero2``, ``zero1``: once per optimizer step, in place of the gradient and parameter collectives'
+formulas; the others
 per micro-batch), interpolated linearly in the micro-batch size; elsewhere the formulas apply.
 """
 
@@ -67,13 +70,13 @@ class Timing:
 
 @dataclass(frozen=True)
 class Overhead:
-    kind: str  # "tp" | "fsdp" | "dp"
+    kind: str  # "tp" | "fsdp" | "dp" | "zero2" | "zero1"
     degree: int
     micro_batch: int  # samples per device
     seconds: float  # forward + backward, beyond the divided single-device compute (may be < 0: measured)
 
 
-OVERHEAD_KINDS = ("tp", "fsdp", "dp")
+OVERHEAD_KINDS = ("tp", "fsdp", "dp", "zero2", "zero1")
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,11 @@ strategy it may get:
   not overlap the backward: gloo's reduction runs on the cores the backward needs, and the hooks' copies add to it
   (measured on the README demo, 2 ranks on 2 cores: +3.5-4 ms inside a 13 ms backward, beside the all-reduce's
   own time). On a GPU the same measurement sees the overlap instead, so the figure may be below the all-reduce
-  formula.
+  formula;
+- ``("zero2", d)`` and ``("zero1", d)``: the layer as the runtime runs those modes (:mod:`uniap_lightning.runtime.zero`:
+  FSDP2 gathered once per step, gradients reduce-scattered, or averaged whole and moved into the shards), one
+  whole step timed: on small layers FSDP2's per-call work dominates what the collective formulas see (the README
+  demo: a ZeRO-2 plan predicted at 21 ms from the formulas ran at 52 ms).
 
 Each is timed forward + backward at a few micro-batch sizes (samples per device), median of ``repeats`` after
 ``warmup``, right after the plain layer at the same size (also on every rank at once); the slowest rank's medians
@@ -46,22 +50,30 @@ from uniap_lightning.runtime.payload import backward_ones, call_layer, flatten, 
 
 
 def _fwd_bwd_s(layer: nn.Module, x: Any, repeats: int, warmup: int, context: Context,
-               replicated: Any = None) -> float:
+               replicated: Any = None, zero: Any = None) -> float:
     """Median seconds of forward (inside ``context``) + backward (gradient of ones) of ``layer`` on ``x``; with
     ``replicated`` (a ReplicatedGrads holding the layer), its gradient average is armed, started during the
     backward and waited for, as :class:`~uniap_lightning.runtime.step.TrainStep` does for a step's last batch.
+    With ``zero`` (a ZeroLayers holding the layer as zero1 / zero2), the step is a whole optimizer step's worth:
+    parameters gathered, gradients reduce-scattered (zero2) or averaged into the shards (zero1), resharded.
     ``x`` may be a payload (a tuple or dict of tensors, :mod:`uniap_lightning.runtime.payload`)."""
 
     def step() -> None:
         inp = float_leaves(x)
         if replicated is not None:
             replicated.arm(backward_passes=1, previous={})
+        if zero is not None:
+            zero.begin(closing=True, backward_passes=1)
         with context():
             out = call_layer(layer, inp)
         backward_ones(out)
+        if zero is not None:
+            zero.end()
         if replicated is not None:
             replicated.flush()
             replicated.finish()
+        if zero is not None:
+            zero.finish()
 
     seconds = median_s(step, Timer(flatten(x)[0].device), repeats=repeats, warmup=warmup)
     for p in layer.parameters():
@@ -88,6 +100,8 @@ def strategy_kinds(world: int, devices_per_node: int, tp_degrees: Sequence[int])
                 kinds.append(("tp", k))
             kinds.append(("fsdp", k))
             kinds.append(("dp", k))
+            kinds.append(("zero2", k))
+            kinds.append(("zero1", k))
         k *= 2
     return kinds
 
@@ -112,6 +126,7 @@ def measure_overheads(
     from torch.distributed.fsdp import fully_shard
 
     from uniap_lightning.runtime.data_parallel import ReplicatedGrads
+    from uniap_lightning.runtime.zero import ZeroLayers
     from uniap_lightning.runtime.tensor_parallel import apply_tp, tp_degrees
 
     world = dist.get_world_size()
@@ -144,11 +159,16 @@ def measure_overheads(
             records: list[Overhead] = []
             for kind, k in strategy_kinds(world, dpn, tp_degrees(layer)):
                 shard = copy.deepcopy(layer)
-                replicated = None
+                replicated = zero = None
                 if kind == "tp":
                     apply_tp(shard, name, meshes[k])
                 elif kind == "fsdp":
                     fully_shard(shard, mesh=meshes[k], reshard_after_forward=True)
+                elif kind in ("zero1", "zero2"):
+                    if not any(p.requires_grad for p in shard.parameters()):
+                        continue
+                    replicated, zero = ReplicatedGrads(), ZeroLayers()
+                    zero.add(shard, kind, meshes[k], replicated, meshes[k].get_group(), k)
                 else:
                     replicated = ReplicatedGrads()
                     replicated.add(shard, meshes[k].get_group(), k)
@@ -158,7 +178,7 @@ def measure_overheads(
                     xm = head(inputs[i], m)
                     plain = _slowest(_fwd_bwd_s(layer, xm, repeats, warmup, context), device)
                     dist.barrier()
-                    timed = _slowest(_fwd_bwd_s(shard, xm, repeats, warmup, context, replicated), device)
+                    timed = _slowest(_fwd_bwd_s(shard, xm, repeats, warmup, context, replicated, zero), device)
                     records.append(Overhead(kind, k, m, timed - (plain / k if kind == "tp" else plain)))
                 del shard
             out[i] = records

@@ -189,13 +189,24 @@ def _layer_cost(
             comm += reduce_scatter_s(cluster, P * g, d, inter)
         static = P * (w + g + o) / d
     elif mode == "zero2":
-        sync = reduce_scatter_s(cluster, P * g, d, inter) + all_gather_s(cluster, P * w, d, inter)
+        # measured inside a node without TP (profile overhead "zero2": FSDP2's gather, reduce-scatter and per-call
+        # work of one whole step); else the formulas
+        measured = layer.overhead_s("zero2", d, pr.micro_batch / d) if t == 1 and not inter else None
+        if measured is not None:
+            sync = max(measured, 0.0)
+        else:
+            sync = reduce_scatter_s(cluster, P * g, d, inter) + all_gather_s(cluster, P * w, d, inter)
         # with accumulation FSDP2 keeps the unsharded gradient until the last micro-batch's reduce-scatter
         # FSDP2 keeps the parameter shard (what the optimizer updates) beside the gathered copy
         static = P * w + P * (w + o + g) / d + (P * g if pr.accumulate else 0.0)
     elif mode == "zero1":
         sync, extra = _gradient_sync(layer, s, P, d, inter, cluster, training, pr)
-        sync += all_gather_s(cluster, P * w, d, inter)  # the updated parameters
+        measured = layer.overhead_s("zero1", d, pr.micro_batch / d) if t == 1 and not inter else None
+        if measured is not None and s.compression == "none":
+            # measured (profile overhead "zero1"): the whole step's all-reduce, shard update and gather
+            sync = max(measured, 0.0)
+        else:
+            sync += all_gather_s(cluster, P * w, d, inter)  # the updated parameters
         # measured (runtime.zero): beside the formula's P (w + g) + P o / d, FSDP2's parameter shard, the sharded
         # gradient the optimizer reads, and the all-reduce bucket the whole gradient travels through
         static = P * (w + g) + P * (w + g + o) / d + P * g + extra
