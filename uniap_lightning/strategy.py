@@ -1,4 +1,4 @@
-"""``UniAPStrategy``: the Lightning lifecycle and checkpoint IO. What happens at setup is :mod:`uniap_lightning.setup`,
+"""``UniAPStrategy``: the Lightning lifecycle (checkpoint IO: :mod:`uniap_lightning.strategy_checkpoints`). What happens at setup is :mod:`uniap_lightning.setup`,
 executing a plan :mod:`uniap_lightning.runtime`, planning :mod:`uniap_lightning.planner`."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing_extensions import override
 from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.setup import SetupOptions, SetupResult
+from uniap_lightning.strategy_checkpoints import CheckpointIO
 from uniap_lightning.planner.plan import Plan
 from uniap_lightning.precision import global_norm_clipper, with_global_norm_clipping
 from uniap_lightning.rebalance.decision import RebalanceOptions
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
     from uniap_lightning.runtime import Runtime
 
 
-class UniAPStrategy(ModelParallelStrategy):
+class UniAPStrategy(CheckpointIO, ModelParallelStrategy):
     """Automatic hybrid parallelism (pipeline x data x tensor, per layer) planned by UniAP's MILP.
 
     ``Trainer(strategy="uniap", devices=..., num_nodes=...)``, or an instance for options. At setup every rank
@@ -363,51 +364,6 @@ class UniAPStrategy(ModelParallelStrategy):
     def precision_plugin(self, precision_plugin: Precision | None) -> None:
         # clipping by the norm of the whole model, whatever the precision (see uniap_lightning.precision)
         self._precision_plugin = None if precision_plugin is None else with_global_norm_clipping(precision_plugin)
-
-    # ------------------------------------------------------------------ checkpoints
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        from uniap_lightning.runtime.checkpoint import model_state
-
-        return model_state(self.lightning_module)
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        from lightning.pytorch.core.optimizer import LightningOptimizer
-
-        from uniap_lightning.runtime.checkpoint import optimizer_state
-
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
-        return optimizer_state(self.lightning_module, optimizer)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Write the distributed checkpoint into a hidden ``.<name>.partial`` folder, then rename it: a checkpoint
-        under its real name is always complete (every shard, ``.metadata`` and ``meta.pt``), even if a rank is
-        killed mid-write. A rank whose peer dies meanwhile fails with a :class:`UniAPError`."""
-        from uniap_lightning.runtime.checkpoint import save_published
-
-        checkpoint["uniap_plan"] = self.plan.to_dict()
-        save_published(Path(self.broadcast(str(filepath))), lambda to: super(UniAPStrategy, self).save_checkpoint(
-            checkpoint, to, storage_options), lead=self.global_rank == 0, barrier=self.barrier, guard=self.guard)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load a checkpoint saved under any plan (or a single-file one from another strategy) into this plan,
-        resharded by parameter name (:func:`~uniap_lightning.runtime.checkpoint.load_any`). Nothing is unpickled
-        beyond plain data, whatever ``weights_only`` says: a crafted file is refused with a :class:`UniAPError`."""
-        from uniap_lightning.runtime.checkpoint import load_any
-
-        path = Path(self.broadcast(str(checkpoint_path)))
-        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
-        return load_any(path, self.lightning_module, optimizers, guard=self.guard)
-
-    def save_consolidated(self, path: str | Path) -> None:
-        """Write all weights, unsharded, into one ``torch.save`` file (on rank 0). Call on every rank."""
-        from uniap_lightning.runtime.checkpoint import save_consolidated
-
-        save_consolidated(self.lightning_module, path, rank=self.global_rank)
 
     @override
     def on_train_end(self) -> None:

@@ -1,0 +1,64 @@
+"""Checkpoint IO of :class:`~uniap_lightning.strategy.UniAPStrategy`: distributed checkpoints that reshard on load
+(across plans), published atomically, loaded without running code from the file; and the consolidated export.
+The strategy's Lightning lifecycle is in :mod:`uniap_lightning.strategy`; the mechanics in
+:mod:`uniap_lightning.runtime.checkpoint`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from typing_extensions import override
+
+if TYPE_CHECKING:
+    from torch.optim import Optimizer
+
+
+class CheckpointIO:
+    """Mixed into ``UniAPStrategy`` ahead of Lightning's ``ModelParallelStrategy``, whose methods these override
+    (it relies on the strategy's ``plan``, ``lightning_module``, ``optimizers``, ``broadcast``, ``barrier``,
+    ``guard`` and ``global_rank``)."""
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        from uniap_lightning.runtime.checkpoint import model_state
+
+        return model_state(self.lightning_module)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        from lightning.pytorch.core.optimizer import LightningOptimizer
+
+        from uniap_lightning.runtime.checkpoint import optimizer_state
+
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return optimizer_state(self.lightning_module, optimizer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Write the distributed checkpoint into a hidden ``.<name>.partial`` folder, then rename it: a checkpoint
+        under its real name is always complete (every shard, ``.metadata`` and ``meta.pt``), even if a rank is
+        killed mid-write. A rank whose peer dies meanwhile fails with a :class:`UniAPError`."""
+        from uniap_lightning.runtime.checkpoint import save_published
+
+        checkpoint["uniap_plan"] = self.plan.to_dict()
+        save_published(Path(self.broadcast(str(filepath))), lambda to: super(CheckpointIO, self).save_checkpoint(
+            checkpoint, to, storage_options), lead=self.global_rank == 0, barrier=self.barrier, guard=self.guard)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a checkpoint saved under any plan (or a single-file one from another strategy) into this plan,
+        resharded by parameter name (:func:`~uniap_lightning.runtime.checkpoint.load_any`). Nothing is unpickled
+        beyond plain data, whatever ``weights_only`` says: a crafted file is refused with a :class:`UniAPError`."""
+        from uniap_lightning.runtime.checkpoint import load_any
+
+        path = Path(self.broadcast(str(checkpoint_path)))
+        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        return load_any(path, self.lightning_module, optimizers, guard=self.guard)
+
+    def save_consolidated(self, path: str | Path) -> None:
+        """Write all weights, unsharded, into one ``torch.save`` file (on rank 0). Call on every rank."""
+        from uniap_lightning.runtime.checkpoint import save_consolidated
+
+        save_consolidated(self.lightning_module, path, rank=self.global_rank)
