@@ -86,7 +86,8 @@ def _stage_options(costs: CandidateCosts, options, terms, stage: int, first: int
     return out
 
 
-def brute_force(problem: Problem) -> Plan | None:
+def brute_force(problem: Problem, *, candidate: tuple[int, int] | None = None) -> Plan | None:
+    """The best plan over every ``(pp, c)``, or over ``candidate`` alone; None when nothing fits."""
     best: Plan | None = None
     best_tpi = float("inf")
     layers = problem.model.layers
@@ -95,6 +96,8 @@ def brute_force(problem: Problem) -> Plan | None:
         n = problem.num_devices // pp
         for c in problem.training.microbatch_candidates():
             b = problem.training.global_batch_size // c
+            if candidate is not None and (pp, c) != candidate:
+                continue
             if pp > 1 and b % n:
                 continue
             options = [strategies_for(lp, n, problem.cluster, b, compression=problem.compression) for lp in layers]

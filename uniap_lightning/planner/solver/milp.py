@@ -44,7 +44,8 @@ Program (terms: ``A`` time, ``S`` sync, ``W`` static, ``Act`` activation, ``G`` 
                speed, its slowest device's on a heterogeneous cluster).
   sync:        Y >= sum S n  (per stage).
   memory:      sum W n + F_i sum Act n + gmax_i <= M_i  (stage i's smallest device);  gmax_i >= G v_G;  sum_{k: G_k = G} n_k <= U v_G.
-  bottleneck:  T >= o_j;  T >= run_bottleneck_s(g), T >= chain_bottleneck_s  (valid inequalities, :mod:`.bounds`).
+  bottleneck:  T >= o_j;  T >= run_bottleneck_s(g), T >= chain_bottleneck_s;  (c - 1) T + Y >= chain_sync_floor_s
+               (valid inequalities, :mod:`.bounds`: some stage holds whole layers' time and sync at once).
 Objective: ``TPI = sum_i p_i + sum_j o_j + (c - 1) T + Y``.
 
 Any feasible assignment maps to one plan (an Euler walk over levels fixes the order inside each portion,
@@ -62,7 +63,7 @@ import mip
 from uniap_lightning.planner.cluster import GIB
 from uniap_lightning.planner.cost.tables import CostTables
 from uniap_lightning.planner.solver.backend import MS, MilpResult, add_cutoff, beyond_cutoff, new_model, optimize
-from uniap_lightning.planner.solver.bounds import chain_bottleneck_s, run_bottleneck_s
+from uniap_lightning.planner.solver.bounds import chain_bottleneck_s, chain_sync_floor_s, run_bottleneck_s
 from uniap_lightning.planner.solver.decode import decode
 
 
@@ -346,8 +347,8 @@ class GroupedMilp:
             m += t.stage_memory_bytes(i, static, act, gmax) <= limit, f"memory[{i}]"
 
     def _bottleneck(self) -> None:
-        """T >= o_j;  T >= run_bottleneck_s(g) for every run of two or more layers;  T >= chain_bottleneck_s (valid:
-        see :mod:`.bounds`)."""
+        """T >= o_j;  T >= run_bottleneck_s(g) for every run of two or more layers;  T >= chain_bottleneck_s;
+        (c - 1) T + Y >= chain_sync_floor_s (valid: see :mod:`.bounds`)."""
         for j, o in enumerate(self.o):
             self.m += self.T >= o, f"bottleneck_boundary[{j}]"
         for g, (a, e) in enumerate(self.runs):
@@ -356,6 +357,7 @@ class GroupedMilp:
                 self.m += self.T >= floor * MS, f"run_floor[{g}]"
         if self.P > 1:
             self.m += self.T >= chain_bottleneck_s(self.t) * MS, "chain_floor"
+        self.m += self.t.tpi_s(0.0, 0.0, self.T, self.Y) >= chain_sync_floor_s(self.t) * MS, "chain_sync_floor"
 
     # ----------------------------------------------------------------- solve
     def solve(self, *, time_limit_s: float, cutoff_s: float | None = None) -> MilpResult:

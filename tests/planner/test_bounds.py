@@ -1,0 +1,154 @@
+"""The solver's valid inequalities and candidate bounds (:mod:`uniap_lightning.planner.solver.bounds`) never cut
+off a plan: checked on random plans of every candidate, and against each candidate's brute-force optimum, on
+homogeneous and heterogeneous clusters (devices faster than the profiled one included)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+from bruteforce import brute_force
+from planner_factories import random_problem, repeated_problem
+
+from uniap_lightning.planner.cost import evaluate
+from uniap_lightning.planner.cost.layer import strategies_for
+from uniap_lightning.planner.cost.tables import CostTables
+from uniap_lightning.planner.solver import resolve_solver
+from uniap_lightning.planner.solver.bounds import (
+    chain_bottleneck_s,
+    chain_sync_floor_s,
+    partition_floor,
+    time_lower_bound_s,
+)
+from uniap_lightning.planner.solver.milp import GroupedMilp
+
+REL = 1e-9
+SOLVER = resolve_solver("auto")
+
+
+def _hetero(problem, seed: int):
+    """Per-rank speeds (some faster than the profile, 1.5) and memories; every third seed all ranks are fast."""
+    rng = random.Random(2000 + seed)
+    n = problem.cluster.num_devices
+    speed = [1.5] * n if seed % 3 == 0 else [rng.choice([0.25, 0.5, 1.0, 1.5]) for _ in range(n)]
+    memory = [problem.cluster.memory_gib * rng.choice([0.5, 1.0, 2.0]) for _ in range(n)]
+    return replace(problem, cluster=replace(problem.cluster, rank_speed=tuple(speed), rank_memory_gib=tuple(memory)))
+
+
+def _problem(seed: int):
+    """Alternately random chains and runs of identical blocks (more layers than stages: the floors bind)."""
+    shape = [(1, 2), (2, 2), (1, 4)][seed % 3]
+    if seed % 2:
+        p = repeated_problem(seed, pattern="ABBBBBBC", nodes=shape[0], per_node=shape[1],
+                             memory_gib=(8.0, 40.0, 16.0)[seed % 3], schedule=("1f1b", "gpipe")[seed % 2])
+    else:
+        p = random_problem(seed, num_layers=4, nodes=shape[0], per_node=shape[1], memory_gib=(2.0, 8.0, 40.0)[seed % 3],
+                           compression=("none", "bf16") if seed % 4 == 0 else ("none",))
+    return _hetero(p, seed) if seed % 5 in (1, 3) else p
+
+
+def _candidates(problem):
+    for pp in problem.pp_candidates():
+        for c in problem.training.microbatch_candidates():
+            t = CostTables(problem, pp, c)
+            if t.feasible_shape:
+                yield t
+
+
+def _small(problem, t) -> bool:
+    """The brute force over this candidate stays small: its largest stage has few assignments."""
+    import math
+
+    sizes = sorted((len(strategies_for(lp, t.n, problem.cluster, t.b, compression=problem.compression))
+                    for lp in problem.model.layers), reverse=True)
+    return math.prod(sizes[: len(sizes) - t.pp + 1]) <= 200_000
+
+
+def _bottleneck_and_sync(plan) -> tuple[float, float]:
+    est = plan.estimate
+    return max(est.stage_time_s), max(est.stage_sync_s)
+
+
+def test_partition_floor_is_the_linear_partition_optimum_from_below():
+    rng = random.Random(0)
+    import itertools
+
+    for _ in range(200):
+        w = [rng.choice([0.0, rng.uniform(0, 10)]) for _ in range(rng.randint(1, 7))]
+        P = rng.randint(1, len(w))
+        exact = min(
+            max(sum(w[a:b]) for a, b in zip((0, *cuts), (*cuts, len(w))))
+            for cuts in itertools.combinations(range(1, len(w)), P - 1)
+        )
+        got = partition_floor(w, P)
+        assert got <= exact * (1 + 1e-12) + 1e-15
+        assert got >= exact * (1 - 1e-9) - 1e-12
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_floors_hold_for_random_plans_of_every_candidate(seed):
+    """(c - 1) max_i p_i + max_i sync_i >= chain_sync_floor_s and max_i p_i >= chain_bottleneck_s (pp > 1), and
+    TPI >= time_lower_bound_s when the plan fits, for random splits and strategies (dominated ones too)."""
+    problem = _problem(seed)
+    rng = random.Random(seed)
+    L = problem.model.num_layers
+    checked = 0
+    for t in _candidates(problem):
+        floor, chain, bound = chain_sync_floor_s(t), chain_bottleneck_s(t), time_lower_bound_s(t)
+        options = [strategies_for(lp, t.n, problem.cluster, t.b, compression=problem.compression)
+                   for lp in problem.model.layers]
+        for _ in range(40):
+            cuts = sorted(rng.sample(range(1, L), t.pp - 1))
+            stage_of = [sum(u >= x for x in cuts) for u in range(L)]
+            plan = problem.plan_for(stage_of_layer=stage_of, strategies=[rng.choice(o) for o in options],
+                                    pp=t.pp, microbatches=t.c)
+            plan.estimate = evaluate(problem, plan)
+            T, Y = _bottleneck_and_sync(plan)
+            assert t.tpi_s(0.0, 0.0, T, Y) >= floor * (1 - REL), (t.pp, t.c, stage_of)
+            if t.pp > 1:
+                assert T >= chain * (1 - REL)
+            if plan.estimate.feasible:  # the run floors count memory: they bound the plans that fit
+                assert plan.estimate.tpi_s >= bound * (1 - REL)
+            checked += 1
+    assert checked > 0
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_floors_never_cut_off_a_candidates_brute_force_optimum(seed):
+    """Per candidate, the brute-force optimum satisfies the MILP's cut and the candidate's bound, and the MILP
+    (which holds the cut) finds that optimum: the global oracle tests alone could miss a candidate whose optimum
+    a wrong cut removed but another candidate's plan beat anyway."""
+    problem = _problem(seed)
+    checked = 0
+    for t in _candidates(problem):
+        if not _small(problem, t):
+            continue
+        best = brute_force(problem, candidate=(t.pp, t.c))
+        if best is None:
+            continue
+        checked += 1
+        T, Y = _bottleneck_and_sync(best)
+        floor = chain_sync_floor_s(t)
+        assert t.tpi_s(0.0, 0.0, T, Y) >= floor * (1 - REL), (t.pp, t.c)
+        assert best.estimate.tpi_s >= time_lower_bound_s(t) * (1 - REL), (t.pp, t.c)
+        res = GroupedMilp(t, solver=SOLVER).solve(time_limit_s=60)
+        assert res.status == "optimal" and res.objective_s == pytest.approx(best.estimate.tpi_s, rel=1e-6), (t.pp, t.c)
+    assert checked > 0
+
+
+def test_the_sync_floor_is_tight_on_repeated_blocks():
+    """Blocks whose cheapest combination of time and sync is one strategy: the optimum's (c - 1) T + Y equals
+    the floor on some candidate, where the LP's average (R / P blocks per stage) is lower."""
+    found = 0
+    for seed in (1, 3, 5, 7):
+        problem = _problem(seed)
+        for t in _candidates(problem):
+            if t.pp == 1 or not _small(problem, t):
+                continue
+            best = brute_force(problem, candidate=(t.pp, t.c))
+            if best is None:
+                continue
+            T, Y = _bottleneck_and_sync(best)
+            found += abs(t.tpi_s(0.0, 0.0, T, Y) - chain_sync_floor_s(t)) <= 1e-6 * chain_sync_floor_s(t)
+    assert found > 0
