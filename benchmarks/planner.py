@@ -4,6 +4,7 @@
     python benchmarks/planner.py --skip wall,quality,solvers --big 60         # every model on h100_32x8
     python benchmarks/planner.py --skip wall,quality,solvers --huge 300       # LLaMA-70B / 7B on h100_128x8
     python benchmarks/planner.py --skip wall,quality,solvers --quality-json after.json [--time-limit 60]
+        [--models bert_huge,llama_13b --clusters h100_128x8]                  # a subset, with wall and CPU s
     python benchmarks/planner.py --compare before.json after.json
 
 Prints tables (medians of --repeats runs). Batch size: max(32, 2 x devices) unless stated. ``--quality-json``
@@ -51,23 +52,34 @@ def wall_time(model: str, cluster: str, batch: int, repeats: int, solver: str = 
     return statistics.median(times), status
 
 
-def quality_json(path: str, time_limit: float) -> None:
-    """samples/s, status and peak memory of the plan for every shipped model x cluster, or the least memory
-    per device any plan needs where nothing fits; written to ``path`` as it goes."""
+def cpu_s() -> float:
+    """CPU seconds of this process and its finished children (the solver's worker processes)."""
+    import resource
+
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def quality_json(path: str, time_limit: float, models: list[str] | None = None,
+                 clusters: list[str] | None = None) -> None:
+    """samples/s, status and peak memory of the plan for every shipped model x cluster (or those named), or the
+    least memory per device any plan needs where nothing fits; wall and CPU seconds; written to ``path`` as it
+    goes."""
     import json
     import re
 
     from uniap_lightning.errors import InfeasibleError
 
     out: dict[str, dict] = {}
-    for model in available("model"):
-        for cluster in available("cluster"):
+    for model in models or available("model"):
+        for cluster in clusters or available("cluster"):
             prob = build_problem(model=model, cluster=cluster, global_batch_size=batch_for(cluster))
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), cpu_s()
             try:
                 plan = solve(prob, time_limit_s=time_limit)
                 rec = {"samples_per_s": plan.estimate.samples_per_s, "status": plan.solver.status,
-                       "gap": plan.solver.gap, "peak_gib": max(plan.estimate.stage_memory_bytes) / 2**30,
+                       "gap": plan.solver.gap, "tpi_ms": plan.estimate.tpi_s * 1e3,
+                       "plan": f"pp{plan.pp} c{plan.microbatches}", "peak_gib": max(plan.estimate.stage_memory_bytes) / 2**30,
                        "recomputed": sum(lp.recompute for lp in plan.layers),
                        "modes": sorted({lp.dp_mode for lp in plan.layers if lp.dp > 1})}
             except InfeasibleError as err:
@@ -76,6 +88,7 @@ def quality_json(path: str, time_limit: float) -> None:
             except UniAPError as err:
                 rec = {"error": str(err)[:200]}
             rec["wall_s"] = time.perf_counter() - t0
+            rec["cpu_s"] = cpu_s() - c0
             out[f"{model}@{cluster}"] = rec
             print(model, cluster, rec, flush=True)
             with open(path, "w") as f:
@@ -141,6 +154,8 @@ def main() -> None:
     ap.add_argument("--big", type=float, default=None, help="every shipped model on h100_32x8 at this time limit")
     ap.add_argument("--huge", type=float, default=None, help="LLaMA-70B and LLaMA-7B on h100_128x8 at this limit")
     ap.add_argument("--quality-json", default=None, help="write samples/s of every model x cluster to this file")
+    ap.add_argument("--models", default=None, help="comma list: only these models in --quality-json")
+    ap.add_argument("--clusters", default=None, help="comma list: only these clusters in --quality-json")
     ap.add_argument("--compare", nargs=2, default=None, metavar=("BEFORE", "AFTER"))
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -149,7 +164,8 @@ def main() -> None:
         compare(*args.compare, console)
         return
     if args.quality_json:
-        quality_json(args.quality_json, args.time_limit)
+        quality_json(args.quality_json, args.time_limit, args.models and args.models.split(","),
+                     args.clusters and args.clusters.split(","))
     if args.big is not None:
         scale(["h100_32x8"], available("model"), args.big, console)
     if args.huge is not None:
