@@ -35,6 +35,10 @@ import torch.multiprocessing as mp
 
 #: method label -> (plan compression, compression_options)
 METHODS: dict[str, tuple[str, dict[str, float]]] = {
+    "powersgd-r4-nowarm": ("powersgd", {"powersgd_rank": 4, "start_fraction": 0.0}),
+    "topk-10%-nowarm": ("topk", {"topk_ratio": 0.1, "start_fraction": 0.0}),
+    "powersgd-r4-warm20": ("powersgd", {"powersgd_rank": 4, "start_fraction": 0.2}),
+    "topk-10%-warm20": ("topk", {"topk_ratio": 0.1, "start_fraction": 0.2}),
     "none": ("none", {}),
     "bf16": ("bf16", {}),
     "powersgd-r1": ("powersgd", {"powersgd_rank": 1}),
@@ -45,6 +49,11 @@ METHODS: dict[str, tuple[str, dict[str, float]]] = {
     "topk-1%": ("topk", {"topk_ratio": 0.01}),
     "topk-10%": ("topk", {"topk_ratio": 0.1}),
     "topk-25%": ("topk", {"topk_ratio": 0.25}),
+    "topk-5%": ("topk", {"topk_ratio": 0.05}),
+    # Deep Gradient Compression's momentum correction: with --optimizer sgd only (the optimizer runs momentum 0)
+    "topk-1%-dgc": ("topk", {"topk_ratio": 0.01, "dgc_momentum": 0.9}),
+    "topk-5%-dgc": ("topk", {"topk_ratio": 0.05, "dgc_momentum": 0.9}),
+    "topk-10%-dgc": ("topk", {"topk_ratio": 0.1, "dgc_momentum": 0.9}),
 }
 
 
@@ -100,8 +109,10 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
             pl.seed_everything(seed, verbose=False)
             module, data, _ = build_module(cfg)
             if args.optimizer == "sgd":  # the PowerSGD paper's setting: SGD with momentum (and its error feedback)
-                module.configure_optimizers = lambda m=module: torch.optim.SGD(m.parameters(), lr=args.lr,
-                                                                                momentum=0.9)
+                # DGC applies the momentum itself, before top-k: the optimizer then runs without
+                momentum = 0.0 if options.get("dgc_momentum") else 0.9
+                module.configure_optimizers = lambda m=module, mo=momentum: torch.optim.SGD(
+                    m.parameters(), lr=args.lr, momentum=mo)
             chain = extract_chain(module)
             plan = Plan.from_assignment(
                 stage_of_layer=[0] * len(chain.names), layer_names=chain.names, pp=1, microbatches=1,
@@ -114,7 +125,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
             class Record(pl.Callback):
                 def on_before_optimizer_step(self, trainer: Any, *a: Any) -> None:
                     rg = strategy.runtime.replicated
-                    steps.append((rg.counter.step_bytes, rg.wire_bytes_per_step()))
+                    steps.append((rg.counter.step_bytes, rg.wire_bytes_per_step(),
+                                  rg.wire_bytes_per_step(steady=True)))
 
                 def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, *a: Any) -> None:
                     losses.append(float(outputs["loss"]))  # the global mean (TrainLossLogger runs first)
@@ -126,11 +138,15 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
             t0 = time.perf_counter()
             trainer.fit(module, data)
             seconds = time.perf_counter() - t0
-            counted = [c for c, _ in steps]
+            counted = [c for c, _, _ in steps]
+            start = strategy.runtime.replicated.start_step() if method in ("powersgd", "topk") else 0
+            steady = counted[start:]
             runs.append({
-                "method": label, "seed": seed, "steps": len(steps), "seconds": seconds,
-                "bytes_counted": statistics.median(counted), "bytes_counted_all_equal": len(set(counted)) == 1,
-                "bytes_formula": steps[0][1],
+                "method": label, "seed": seed, "steps": len(steps), "seconds": seconds, "start_step": start,
+                "bytes_counted": statistics.median(steady), "bytes_counted_all_equal": len(set(steady)) == 1,
+                "bytes_counted_run": sum(counted) / len(counted),
+                "bytes_counted_equal_formula_every_step": all(c == f for c, f, _ in steps),
+                "bytes_formula": steps[-1][2],
                 "bytes_cost_model": _cost_model_bytes(chain.layers, method, options),
                 "final_loss": sum(losses[-args.tail:]) / len(losses[-args.tail:]), "losses": losses,
             })
@@ -150,12 +166,14 @@ def table(runs: list[dict[str, Any]], world: int, steps: int) -> str:
     base_loss = statistics.median(r["final_loss"] for r in by["none"]) if "none" in by else None
     base_bytes = statistics.median(r["bytes_counted"] for r in by["none"]) if "none" in by else None
     lines = [f"{world} processes, {steps} steps, seeds {sorted({r['seed'] for r in runs})} (medians over seeds)",
-             "| method | bytes/step counted | = formula | cost model | bytes ratio (none / method) | final loss "
-             "| vs none | worst seed vs none |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| method | compressed from step | bytes/step steady, counted | = formula (every step) | cost model "
+             "| ratio steady | bytes/step whole run | ratio whole run | final loss | vs none | worst seed vs none |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, rs in by.items():
         counted = statistics.median(r["bytes_counted"] for r in rs)
-        same = all(r["bytes_counted"] == r["bytes_formula"] and r["bytes_counted_all_equal"] for r in rs)
+        run_bytes = statistics.median(r["bytes_counted_run"] for r in rs)
+        same = all(r["bytes_counted"] == r["bytes_formula"] and r["bytes_counted_all_equal"]
+                   and r["bytes_counted_equal_formula_every_step"] for r in rs)
         loss = statistics.median(r["final_loss"] for r in rs)
         rel = f"{100 * (loss / base_loss - 1):+.2f}%" if base_loss else "-"
         worst = "-"
@@ -163,8 +181,10 @@ def table(runs: list[dict[str, Any]], world: int, steps: int) -> str:
             pairs = {r["seed"]: r["final_loss"] for r in by["none"]}
             worst = f"{100 * max(r['final_loss'] / pairs[r['seed']] - 1 for r in rs if r['seed'] in pairs):+.2f}%"
         ratio = f"{base_bytes / counted:.1f}x" if base_bytes else "-"
-        lines.append(f"| {label} | {counted:,.0f} | {'yes' if same else 'NO'} | {rs[0]['bytes_cost_model']:,} | "
-                     f"{ratio} | {loss:.4f} | {rel} | {worst} |")
+        ratio_run = f"{base_bytes / run_bytes:.1f}x" if base_bytes else "-"
+        lines.append(f"| {label} | {rs[0]['start_step']} | {counted:,.0f} | {'yes' if same else 'NO'} | "
+                     f"{rs[0]['bytes_cost_model']:,} | {ratio} | {run_bytes:,.0f} | {ratio_run} | {loss:.4f} | {rel} | "
+                     f"{worst} |")
     return "\n".join(lines)
 
 

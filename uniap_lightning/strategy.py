@@ -259,6 +259,7 @@ class UniAPStrategy(CheckpointIO, ModelParallelStrategy):
         """Run ``runtime`` from now on (a plan switch, :mod:`uniap_lightning.rebalance.switch`)."""
         self._runtime, self._step = runtime, None
         self._device_mesh = self.lightning_module._device_mesh = runtime.meshes.world
+        runtime.replicated.bind(self.lightning_module._trainer)  # compression warm-up: the run's step and length
 
     @property
     def rebalances(self) -> list[dict[str, Any]]:

@@ -39,23 +39,40 @@ class CheckpointIO:
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Write the distributed checkpoint into a hidden ``.<name>.partial`` folder, then rename it: a checkpoint
         under its real name is always complete (every shard, ``.metadata`` and ``meta.pt``), even if a rank is
-        killed mid-write. A rank whose peer dies meanwhile fails with a :class:`UniAPError`."""
+        killed mid-write. A rank whose peer dies meanwhile fails with a :class:`UniAPError`. Each rank also writes
+        its gradient compressors' state there (:mod:`uniap_lightning.runtime.compression_state`)."""
+        from uniap_lightning.runtime import compression_state
         from uniap_lightning.runtime.checkpoint import save_published
 
         checkpoint["uniap_plan"] = self.plan.to_dict()
-        save_published(Path(self.broadcast(str(filepath))), lambda to: super(CheckpointIO, self).save_checkpoint(
-            checkpoint, to, storage_options), lead=self.global_rank == 0, barrier=self.barrier, guard=self.guard)
+
+        def write(to: Path) -> None:
+            super(CheckpointIO, self).save_checkpoint(checkpoint, to, storage_options)
+            if self._runtime is not None:
+                compression_state.save(self._runtime.replicated, to, rank=self.global_rank, world=self.world_size)
+
+        save_published(Path(self.broadcast(str(filepath))), write, lead=self.global_rank == 0, barrier=self.barrier,
+                       guard=self.guard)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a checkpoint saved under any plan (or a single-file one from another strategy) into this plan,
         resharded by parameter name (:func:`~uniap_lightning.runtime.checkpoint.load_any`). Nothing is unpickled
-        beyond plain data, whatever ``weights_only`` says: a crafted file is refused with a :class:`UniAPError`."""
+        beyond plain data, whatever ``weights_only`` says: a crafted file is refused with a :class:`UniAPError`.
+        The gradient compressors' state is restored under the same layout, else starts from zero (a warning)."""
+        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+        from uniap_lightning.runtime import compression_state
         from uniap_lightning.runtime.checkpoint import load_any
 
         path = Path(self.broadcast(str(checkpoint_path)))
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
-        return load_any(path, self.lightning_module, optimizers, guard=self.guard)
+        loaded = load_any(path, self.lightning_module, optimizers, guard=self.guard)
+        if self._runtime is not None:
+            why = compression_state.load(self._runtime.replicated, path, rank=self.global_rank, world=self.world_size)
+            if why is not None:
+                rank_zero_warn(f"gradient compression starts with zero error feedback: {why}")
+        return loaded
 
     def save_consolidated(self, path: str | Path) -> None:
         """Write all weights, unsharded, into one ``torch.save`` file (on rank 0). Call on every rank."""

@@ -25,6 +25,17 @@ CASES = {
     "topk_q": ("topk", {"topk_ratio": 0.2}),
     "topk_all": ("topk", {"topk_ratio": 1.0}),
 }
+#: name -> (method, options, first compressed step, state reloaded into a new compressor after step 0)
+MORE = {
+    "powersgd_warm": ("powersgd", {"powersgd_rank": 1}, 1, False),
+    "topk_warm": ("topk", {"topk_ratio": 0.2}, 1, False),
+    "topk_dgc": ("topk", {"topk_ratio": 0.2, "dgc_momentum": 0.9}, 0, False),
+    "topk_dgc_warm": ("topk", {"topk_ratio": 0.2, "dgc_momentum": 0.9}, 1, False),
+    "bf16_no_warm": ("bf16", {"start_iter": 1}, None, False),
+    "powersgd_r2_reloaded": ("powersgd", {"powersgd_rank": 2}, 0, True),
+    "topk_q_reloaded": ("topk", {"topk_ratio": 0.2}, 0, True),
+    "topk_dgc_reloaded": ("topk", {"topk_ratio": 0.2, "dgc_momentum": 0.9}, 0, True),
+}
 
 
 def grads(rank: int, step: int) -> list[torch.Tensor]:
@@ -42,8 +53,11 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     results: dict[str, Any] = {}
-    for name, (method, options) in CASES.items():
+    specs = {**{n: (m, o, None, False) for n, (m, o) in CASES.items()}, **MORE}
+    for name, (method, options, first, reload) in specs.items():
         comp = make_compressor(method, {**COMPRESSION_DEFAULTS, **options})
+        if first is not None:
+            comp.start_step = first
         numel = sum(math.prod(s) for s in SHAPES)
         buffer = torch.empty(numel)
         slots = [p.view(s) for p, s in zip(buffer.split([math.prod(s) for s in SHAPES]), SHAPES)]
@@ -53,7 +67,11 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             counter.begin_step()
             for slot, g in zip(slots, grads(rank, step)):
                 slot.copy_(g)
-            comp.start(buffer, slots, dist.group.WORLD, world, counter).wait()
+            if reload and step == 1:  # a resumed run: a new compressor continues from the saved state
+                state = comp.state_dict()
+                comp = make_compressor(method, {**COMPRESSION_DEFAULTS, **options})
+                comp.load_state_dict(state)
+            comp.start(buffer, slots, dist.group.WORLD, world, counter, None if first is None else step).wait()
             error = getattr(comp, "error", None)
             steps.append({"out": buffer.clone(), "error": None if error is None else error.clone(),
                           "bytes": counter.step_bytes, "by_op": dict(counter.step_by_op),
@@ -83,7 +101,7 @@ def _split(flat: torch.Tensor) -> list[torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------------------------- references
-def ref_powersgd(rank_r: int) -> list[dict[str, Any]]:
+def ref_powersgd(rank_r: int, grad_steps: tuple[int, ...] = (0, 1)) -> list[dict[str, Any]]:
     """PowerSGD (Vogels et al., Algorithm 1 with torch's hook's choices), d ranks simulated in one process:
     P = sum_i M_i Q, orthogonalize P, Q = mean_i M_i^T P, approx = P Q^T, error_i = M_i - approx; vectors
     averaged exactly. Orthogonalization by QR (sign conventions cancel in P Q^T)."""
@@ -91,7 +109,7 @@ def ref_powersgd(rank_r: int) -> list[dict[str, Any]]:
     qs: list[torch.Tensor | None] = [None, None]
     gen = torch.Generator().manual_seed(0)
     out = []
-    for step in range(2):
+    for step in grad_steps:
         ms = [_flat(grads(r, step)) + errors[r] for r in range(WORLD)]
         pieces = [_split(m) for m in ms]
         approx = []
@@ -123,15 +141,28 @@ def ref_powersgd(rank_r: int) -> list[dict[str, Any]]:
     return out
 
 
-def ref_topk(ratio: float) -> list[dict[str, Any]]:
-    """Top-k with error feedback (Lin et al. 2018, without momentum correction): each rank sends the k largest
-    |g + e| per piece and keeps the rest as its error; the result is the sum of what was sent / d."""
+def ref_topk(ratio: float, momentum: float = 0.0, dense_first: bool = False) -> list[dict[str, Any]]:
+    """Top-k with error feedback (Lin et al. 2018): each rank sends the k largest |g + e| per piece and keeps the
+    rest as its error; the result is the sum of what was sent / d. With ``momentum`` m, DGC's momentum correction
+    and momentum factor masking: u = m u + g, v = v + u, send top-k of v, zero v and u where sent. With
+    ``dense_first`` the first step is a warm-up: everyone's (momentum-corrected) gradient averaged, u kept."""
     errors = [torch.zeros(sum(math.prod(s) for s in SHAPES)) for _ in range(WORLD)]
+    velocities = [torch.zeros_like(errors[0]) for _ in range(WORLD)]
     out = []
     for step in range(2):
         total = torch.zeros_like(errors[0])
+        if dense_first and step == 0:
+            for r in range(WORLD):
+                velocities[r] = momentum * velocities[r] + _flat(grads(r, step))
+                total += velocities[r] if momentum else _flat(grads(r, step))
+            out.append({"out": total / WORLD, "errors": [e.clone() for e in errors]})
+            continue
         for r in range(WORLD):
-            acc = _flat(grads(r, step)) + errors[r]
+            g = _flat(grads(r, step))
+            if momentum:
+                velocities[r] = momentum * velocities[r] + g
+                g = velocities[r]
+            acc = g + errors[r]
             sent = torch.zeros_like(acc)
             offset = 0
             for s in SHAPES:
@@ -140,6 +171,8 @@ def ref_topk(ratio: float) -> list[dict[str, Any]]:
                 piece = acc[offset:offset + n]
                 keep = piece.abs().argsort(descending=True)[:k] + offset
                 sent[keep] = acc[keep]
+                if momentum:
+                    velocities[r][keep] = 0.0
                 offset += n
             total += sent
             errors[r] = acc - sent
@@ -230,6 +263,52 @@ def test_topk_with_ratio_one_is_the_plain_all_reduce(ranks: list[dict[str, Any]]
             exact = (_flat(grads(0, step)) + _flat(grads(1, step))) / 2
             assert torch.equal(res["topk_all"][step]["out"], exact)
             assert torch.equal(res["topk_all"][step]["error"], torch.zeros_like(exact))
+
+
+def test_warm_up_steps_are_the_plain_all_reduce_then_compression_starts_from_zero_error(
+    ranks: list[dict[str, Any]],
+) -> None:
+    """As torch's ``start_powerSGD_iter``: the warm-up step is the exact fp32 mean, counted as ``4 * numel`` bytes
+    (the dense formula), and keeps no error; the first compressed step is the compressor's first step on its
+    gradients (zero error, PowerSGD's first ``Q``)."""
+    from uniap_lightning.runtime.compression import wire_bytes
+
+    numel = sum(math.prod(s) for s in SHAPES)
+    exact0 = (_flat(grads(0, 0)) + _flat(grads(1, 0))) / 2
+    refs = {"powersgd_warm": ref_powersgd(1, grad_steps=(1,))[0], "topk_warm": ref_topk(0.2, dense_first=True)[1]}
+    for name, ref in refs.items():
+        method, options, _, _ = MORE[name]
+        for r, res in enumerate(ranks):
+            warm, first = res[name]
+            assert torch.equal(warm["out"], exact0) and warm["error"] is None and warm["state_bytes"] == 0
+            assert warm["bytes"] == 4 * numel == wire_bytes(method, SHAPES, grad_bytes=4, options=options, dense=True)
+            assert warm["by_op"] == {"all_reduce": 4 * numel}
+            assert first["bytes"] == _wire_formula(method, {**options, "powersgd_rank": 1})
+            torch.testing.assert_close(first["out"], ref["out"], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(first["error"], ref["errors"][r], rtol=1e-4, atol=1e-5)
+    for res in ranks:  # bf16 has nothing to protect: no warm-up, whatever start_iter says
+        assert res["bf16_no_warm"][0]["bytes"] == 2 * numel
+
+
+def test_dgc_momentum_correction_and_masking_match_the_reference(ranks: list[dict[str, Any]]) -> None:
+    for name, dense_first in (("topk_dgc", False), ("topk_dgc_warm", True)):
+        ref = ref_topk(0.2, momentum=0.9, dense_first=dense_first)
+        for r, res in enumerate(ranks):
+            for step in range(2):
+                torch.testing.assert_close(res[name][step]["out"], ref[step]["out"], rtol=1e-6, atol=1e-6)
+        # the kept state: v (error) and u (momentum), fp32, the bucket's size each
+        assert ranks[0][name][1]["state_bytes"] == 8 * sum(math.prod(s) for s in SHAPES)
+    # momentum correction changes the result: not plain error feedback
+    assert not torch.allclose(ranks[0]["topk_dgc"][1]["out"], ranks[0]["topk_q"][1]["out"])
+    # a dense DGC step is SGD with momentum: the warm-up's step 0 is the plain mean of the gradients
+    assert torch.equal(ranks[0]["topk_dgc_warm"][0]["out"], (_flat(grads(0, 0)) + _flat(grads(1, 0))) / 2)
+
+
+@pytest.mark.parametrize("name", ["powersgd_r2", "topk_q", "topk_dgc"])
+def test_a_compressor_continues_exactly_from_its_saved_state(ranks: list[dict[str, Any]], name: str) -> None:
+    for res in ranks:
+        for step in range(2):
+            assert torch.equal(res[f"{name}_reloaded"][step]["out"], res[name][step]["out"])
 
 
 def test_wire_bytes_formula_and_unknown_method() -> None:
@@ -389,7 +468,9 @@ def test_strategy_option_is_the_planners_allowed_set(value: str | None, allowed:
 @pytest.mark.parametrize("options, message", [
     ({"rank": 4}, r"unknown key\(s\) \['rank'\]"), ({"powersgd_rank": 0}, "powersgd_rank must be an integer >= 1"),
     ({"powersgd_rank": 2.5}, "powersgd_rank must be an integer"), ({"topk_ratio": 0}, r"topk_ratio must be .* \(0, 1\]"),
-    ([4], "compression_options must be a dict"),
+    ([4], "compression_options must be a dict"), ({"start_iter": -1}, "start_iter must be an integer >= 0"),
+    ({"start_iter": 2.5}, "start_iter must be an integer"), ({"start_fraction": 1.0}, r"start_fraction .* \[0, 1\)"),
+    ({"dgc_momentum": -0.1}, r"dgc_momentum .* \[0, 1\)"),
 ])
 def test_bad_compression_options_are_refused_when_the_strategy_is_built(options: Any, message: str) -> None:
     from uniap_lightning.errors import UniAPError
@@ -423,8 +504,16 @@ def test_uniap_train_override_reaches_the_strategy() -> None:
     options = build_strategy(cfg).setup_options
     assert options.compression == ("none", "bf16")
     assert options.compression_options_dict == {"powersgd_rank": 4, "topk_ratio": 0.01}
+    runtime = UniAPStrategy_options({"start_iter": 50, "dgc_momentum": 0.9})
+    assert runtime == {"powersgd_rank": 1, "topk_ratio": 0.01, "start_iter": 50, "dgc_momentum": 0.9}
     with pytest.raises(UniAPError, match="compression='zip'"):
         build_strategy(bad)
+
+
+def UniAPStrategy_options(options: dict[str, float]) -> dict[str, float]:
+    from uniap_lightning.strategy import UniAPStrategy
+
+    return UniAPStrategy(compression="auto", compression_options=options).setup_options.compression_options_dict
 
 
 @pytest.mark.slow

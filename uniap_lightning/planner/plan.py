@@ -36,6 +36,9 @@ COMPRESSIONS = ("none", "bf16", "powersgd", "topk")
 COMPRESSIBLE_DP_MODES = ("replicate", "zero1")
 # parameters of the compressors, plan-wide (the plan JSON carries them so a plan runs as it was priced)
 COMPRESSION_DEFAULTS: dict[str, float] = {"powersgd_rank": 1, "topk_ratio": 0.01}
+# the compressors' run-time options (not priced: the cost model prices steady-state compression); absent from a
+# plan's compression_options means these values (see uniap_lightning.runtime.compression)
+COMPRESSION_RUNTIME_DEFAULTS: dict[str, float] = {"start_iter": 0, "start_fraction": 0.1, "dgc_momentum": 0.0}
 
 
 @dataclass(frozen=True)
@@ -312,12 +315,21 @@ class Plan:
 
 
 def check_compression_options(options: Any, where: str) -> None:
-    """``{"powersgd_rank": int >= 1, "topk_ratio": (0, 1]}`` (either may be absent); UniAPError naming the key."""
+    """``{"powersgd_rank": int >= 1, "topk_ratio": (0, 1]}`` and the run-time ``start_iter`` (int >= 0),
+    ``start_fraction`` and ``dgc_momentum`` (in [0, 1)); any may be absent; UniAPError naming the key."""
     if not isinstance(options, dict):
         raise UniAPError(f"{where} must be an object {{powersgd_rank, topk_ratio}}, got {options!r}")
-    unknown = set(options) - set(COMPRESSION_DEFAULTS)
+    known = {**COMPRESSION_DEFAULTS, **COMPRESSION_RUNTIME_DEFAULTS}
+    unknown = set(options) - set(known)
     if unknown:
-        raise UniAPError(f"{where} has unknown keys {sorted(map(str, unknown))} (known: {sorted(COMPRESSION_DEFAULTS)})")
+        raise UniAPError(f"{where} has unknown keys {sorted(map(str, unknown))} (known: {sorted(known)})")
+    start, fraction, dgc = (options.get(k, COMPRESSION_RUNTIME_DEFAULTS[k]) for k in COMPRESSION_RUNTIME_DEFAULTS)
+    if (isinstance(start, bool) or not isinstance(start, (int, float)) or not math.isfinite(start)
+            or int(start) != start or start < 0):
+        raise UniAPError(f"{where}.start_iter must be an integer >= 0, got {start!r}")
+    for key, value in (("start_fraction", fraction), ("dgc_momentum", dgc)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+            raise UniAPError(f"{where}.{key} must be a number in [0, 1), got {value!r}")
     rank = options.get("powersgd_rank", 1)
     ratio = options.get("topk_ratio", 0.01)
     if isinstance(rank, bool) or not isinstance(rank, (int, float)) or not math.isfinite(rank) or int(rank) != rank or rank < 1:

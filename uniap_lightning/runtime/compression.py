@@ -21,12 +21,23 @@ What goes on the wire per optimizer step, per rank (the agreed cost-model terms;
   numel))`` largest-magnitude entries of ``grad + error``; all-gather of their values (fp32) and indices (int32):
   ``8 * k`` bytes sent per rank; the result is the sum of everyone's entries / ``d``; error ``=`` what was not sent.
 
+Warm-up (PowerSGD and top-k; ``compression_options``): the first optimizer steps average uncompressed, as torch's
+``PowerSGDState(start_powerSGD_iter=...)`` and the PowerSGD / DGC papers do (the start of training is the most
+sensitive to inexact gradients). Compression starts at optimizer step ``max(start_iter, ceil(start_fraction *
+S))``, ``S`` the run's optimizer steps (``Trainer.estimated_stepping_batches``; unknown or infinite: ``start_iter``
+alone); defaults ``start_iter=0``, ``start_fraction=0.1`` (torch's docs recommend about 10% of training). A
+warm-up step is the plain fp32 all-reduce (``grad_bytes * numel``), counted as such; the cost model prices the
+steady state (compressed steps), so over a whole run the bytes per step are somewhat higher than priced. bf16 has
+no warm-up (no error feedback to protect). Top-k with ``dgc_momentum > 0`` is Deep Gradient Compression with
+momentum correction (:mod:`.compression_topk`).
+
 Every collective goes through :class:`ByteCounter` (payload bytes this rank hands to the collective: the input
 tensor's bytes), so bytes per step are counted, not computed. What a compressor keeps between steps
 (:meth:`Compressor.state_bytes`, the memory the cost model charges): top-k and PowerSGD an fp32 error-feedback
-buffer of the bucket's size, PowerSGD also its warm-start ``Q`` (``4 k r`` bytes per matrix); bf16 nothing. The
-state is not checkpointed (a resumed run starts with zero error and a fresh ``Q``, as after DDP's hook is
-registered again).
+buffer of the bucket's size, PowerSGD also its warm-start ``Q`` (``4 k r`` bytes per matrix), DGC also its local
+momentum (the bucket's size again); bf16 nothing. The state is per rank and saved with the strategy's checkpoints
+(:mod:`.compression_state`): resuming under the same plan continues it exactly; under another layout it starts
+from zero (with a warning).
 """
 
 from __future__ import annotations
@@ -39,6 +50,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from uniap_lightning.planner.plan import COMPRESSION_RUNTIME_DEFAULTS
+
 try:  # torch's own (Gram-Schmidt for rank <= 2, QR above), as its powerSGD_hook uses
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _orthogonalize
 except ImportError:  # a torch without it: QR, what the hook does for rank > 2
@@ -46,6 +59,8 @@ except ImportError:  # a torch without it: QR, what the hook does for rank > 2
         matrices.copy_(torch.linalg.qr(matrices).Q)
 
 METHODS = ("bf16", "powersgd", "topk")
+#: methods that average uncompressed during the warm-up (those with error feedback)
+WARMED_UP = ("powersgd", "topk")
 #: seed of PowerSGD's first ``Q`` (the same on every rank of a group: the ``P`` all-reduce needs a shared basis)
 POWERSGD_SEED = 0
 #: added to the column norms when orthogonalizing (an all-zero gradient column would otherwise divide by 0)
@@ -99,11 +114,23 @@ def powersgd_rank(shape: Sequence[int], rank: int) -> int:
     return min(n, math.prod(shape) // max(n, 1), rank)
 
 
-def wire_bytes(method: str, shapes: Sequence[Sequence[int]], *, grad_bytes: int, options: Mapping[str, float]) -> int:
+def start_step(options: Mapping[str, float], run_steps: float | None) -> int:
+    """The first optimizer step (0-based) that compresses (see the module doc): ``max(start_iter,
+    ceil(start_fraction * run_steps))``; ``run_steps`` ``None`` or infinite: ``start_iter``."""
+    opts = {**COMPRESSION_RUNTIME_DEFAULTS, **options}
+    start = int(opts["start_iter"])
+    if run_steps is not None and math.isfinite(run_steps) and run_steps > 0:
+        start = max(start, math.ceil(float(opts["start_fraction"]) * run_steps))
+    return start
+
+
+def wire_bytes(method: str, shapes: Sequence[Sequence[int]], *, grad_bytes: int, options: Mapping[str, float],
+               dense: bool = False) -> int:
     """Bytes one rank puts on the wire per optimizer step for gradient pieces of ``shapes`` (the formula the
-    counted bytes must match). ``method`` ``"none"``: the plain all-reduce of ``grad_bytes`` per element."""
+    counted bytes must match). ``method`` ``"none"``, or ``dense`` (a warm-up step): the plain all-reduce of
+    ``grad_bytes`` per element."""
     numels = [math.prod(s) for s in shapes]
-    if method == "none":
+    if method == "none" or (dense and method in WARMED_UP):
         return grad_bytes * sum(numels)
     if method == "bf16":
         return 2 * sum(numels)
@@ -136,29 +163,67 @@ class Pending:
 
 class Compressor:
     """One bucket's compressor (and its error-feedback state). ``buffer``: the bucket's flat gradient;
-    ``slots``: each parameter's piece of it, shaped as its local gradient."""
+    ``slots``: each parameter's piece of it, shaped as its local gradient. :attr:`start_step`: the first optimizer
+    step that compresses (earlier ones: the warm-up, a plain all-reduce); set from the run's length by
+    :class:`~.data_parallel.ReplicatedGrads`."""
 
     method = "none"
+    warms_up = True
 
     def __init__(self, options: Mapping[str, float]) -> None:
-        self.options = dict(options)
+        self.options = {**COMPRESSION_RUNTIME_DEFAULTS, **options}
+        self.start_step = start_step(self.options, None) if self.warms_up else 0
+
+    def dense_at(self, step: int | None) -> bool:
+        """Whether optimizer step ``step`` (0-based; ``None``: steady state) is a warm-up step."""
+        return step is not None and step < self.start_step
 
     def start(self, buffer: torch.Tensor, slots: Sequence[torch.Tensor], group: dist.ProcessGroup, size: int,
-              counter: ByteCounter | None) -> Pending:
+              counter: ByteCounter | None, step: int | None = None) -> Pending:
+        """Start averaging ``buffer`` for optimizer step ``step`` (a warm-up step: uncompressed)."""
+        if self.dense_at(step):
+            return self.start_dense(buffer, group, size, counter)
+        return self.start_compressed(buffer, slots, group, size, counter)
+
+    def start_dense(self, buffer: torch.Tensor, group: dist.ProcessGroup, size: int,
+                    counter: ByteCounter | None) -> Pending:
+        """The plain all-reduce (a warm-up step). Error owed from compressed steps, if any, goes out with it."""
+        error = getattr(self, "error", None)
+        if error is not None:
+            buffer.add_(error.to(buffer.dtype))
+            error.zero_()
+        work = all_reduce(buffer, group, counter)
+
+        def finish() -> None:
+            work.wait()
+            buffer.div_(size)
+
+        return Pending(finish)
+
+    def start_compressed(self, buffer: torch.Tensor, slots: Sequence[torch.Tensor], group: dist.ProcessGroup,
+                         size: int, counter: ByteCounter | None) -> Pending:
         raise NotImplementedError
 
     def state_bytes(self) -> int:
         """Bytes of the error-feedback state this compressor holds."""
-        return 0
+        return sum(t.numel() * t.element_size() for t in _tensors(self.state_dict()))
+
+    def state_dict(self) -> dict[str, Any]:
+        """What this compressor carries between steps (tensors; empty before its first compressed step)."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict` (same bucket layout; checked by :mod:`.compression_state`)."""
 
 
 class BF16Compressor(Compressor):
     """All-reduce in bf16, cast back (no error feedback: round-to-nearest has no systematic drift to correct)."""
 
     method = "bf16"
+    warms_up = False
 
-    def start(self, buffer: torch.Tensor, slots: Sequence[torch.Tensor], group: dist.ProcessGroup, size: int,
-              counter: ByteCounter | None) -> Pending:
+    def start_compressed(self, buffer: torch.Tensor, slots: Sequence[torch.Tensor], group: dist.ProcessGroup,
+                         size: int, counter: ByteCounter | None) -> Pending:
         half = buffer.to(torch.bfloat16)
         work = all_reduce(half, group, counter)
 
@@ -184,12 +249,20 @@ class PowerSGDCompressor(Compressor):
         self.error: torch.Tensor | None = None  # fp32, the bucket's size
         self.qs: list[torch.Tensor] | None = None  # per matrix (1, k, r), kept across steps (warm start)
 
-    def state_bytes(self) -> int:
-        n = 0 if self.error is None else self.error.numel() * 4
-        return n + sum(q.numel() * 4 for q in self.qs or [])
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {}
+        if self.error is not None:
+            state["error"] = self.error
+        if self.qs is not None:
+            state["qs"] = list(self.qs)
+        return state
 
-    def start(self, buffer: torch.Tensor, slots: Sequence[torch.Tensor], group: dist.ProcessGroup, size: int,
-              counter: ByteCounter | None) -> Pending:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.error = state["error"].clone() if "error" in state else None
+        self.qs = [q.clone() for q in state["qs"]] if "qs" in state else None
+
+    def start_compressed(self, buffer: torch.Tensor, slots: Sequence[torch.Tensor], group: dist.ProcessGroup,
+                         size: int, counter: ByteCounter | None) -> Pending:
         if self.error is None:
             self.error = torch.zeros(buffer.shape, dtype=torch.float32, device=buffer.device)
         m_flat = self.error.add_(buffer)  # M = grad + error, in the error buffer
@@ -241,65 +314,17 @@ class PowerSGDCompressor(Compressor):
         return Pending(finish)
 
 
-class TopKCompressor(Compressor):
-    """Top-k sparsification per gradient piece with error feedback; values and int32 indices all-gathered.
-
-    Memory: the fp32 error-feedback buffer (the bucket's size: ``grad + error`` is formed in it and what is sent
-    is zeroed there), kept; the gathered values and indices (``d * k`` each), transient."""
-
-    method = "topk"
-
-    def __init__(self, options: Mapping[str, float]) -> None:
-        super().__init__(options)
-        self.ratio = float(self.options.get("topk_ratio", 0.01))
-        self.error: torch.Tensor | None = None
-
-    def state_bytes(self) -> int:
-        return 0 if self.error is None else self.error.numel() * 4
-
-    def start(self, buffer: torch.Tensor, slots: Sequence[torch.Tensor], group: dist.ProcessGroup, size: int,
-              counter: ByteCounter | None) -> Pending:
-        if buffer.numel() >= 2**31:
-            raise ValueError(f"top-k compression indexes a bucket with int32: {buffer.numel()} elements is too many")
-        if self.error is None:
-            self.error = torch.zeros(buffer.shape, dtype=torch.float32, device=buffer.device)
-        acc = self.error.add_(buffer)  # grad + error, in the error buffer
-        chosen, offset = [], 0
-        for piece in slots:
-            n = piece.numel()
-            if n:
-                idx = torch.topk(acc[offset:offset + n].abs(), topk_count(n, self.ratio), sorted=False).indices
-                chosen.append(idx + offset)
-            offset += n
-        index = torch.cat(chosen) if chosen else torch.zeros(0, dtype=torch.long, device=acc.device)
-        values = acc[index]
-        acc[index] = 0.0  # error feedback: everything not sent this step is carried to the next
-        sent_idx = index.to(torch.int32)
-        all_values = values.new_empty(size * values.numel())
-        all_idx = sent_idx.new_empty(size * sent_idx.numel())
-        works = [all_gather(all_values, values, group, counter), all_gather(all_idx, sent_idx, group, counter)]
-
-        def finish() -> None:
-            for w in works:
-                w.wait()
-            buffer.zero_()
-            buffer.index_add_(0, all_idx.long(), all_values.to(buffer.dtype))
-            buffer.div_(size)
-
-        return Pending(finish)
-
-
-_COMPRESSORS: dict[str, type[Compressor]] = {
-    "bf16": BF16Compressor, "powersgd": PowerSGDCompressor, "topk": TopKCompressor}
-
-
 def make_compressor(method: str, options: Mapping[str, float]) -> Compressor | None:
     """The compressor for ``method`` (``None`` for ``"none"``: the plain all-reduce)."""
+    from uniap_lightning.runtime.compression_topk import TopKCompressor
+
+    compressors: dict[str, type[Compressor]] = {
+        "bf16": BF16Compressor, "powersgd": PowerSGDCompressor, "topk": TopKCompressor}
     if method == "none":
         return None
-    if method not in _COMPRESSORS:
+    if method not in compressors:
         raise ValueError(f"unknown compression {method!r}; known: {('none', *METHODS)}")
-    return _COMPRESSORS[method](options)
+    return compressors[method](options)
 
 
 def _pieces(flat: torch.Tensor, slots: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -311,3 +336,13 @@ def _pieces(flat: torch.Tensor, slots: Sequence[torch.Tensor]) -> list[torch.Ten
 def _views(flat: torch.Tensor, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
     sizes = [math.prod(s) for s in shapes]
     return [piece.view(s) for piece, s in zip(flat.split(sizes), shapes)]
+
+
+def _tensors(state: Any) -> list[torch.Tensor]:
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, Mapping):
+        state = list(state.values())
+    if isinstance(state, (list, tuple)):
+        return [t for v in state for t in _tensors(v)]
+    return []

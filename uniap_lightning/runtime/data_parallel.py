@@ -7,7 +7,8 @@ their parameters and group, and :class:`ReplicatedGrads` averages their gradient
 buckets all-reduced asynchronously while the backward of the step's last micro-batch is still running (as DDP
 overlaps its buckets with backward); see :class:`uniap_lightning.runtime.step.TrainStep`. A layer whose plan says
 ``compression`` gets buckets of its own whose averaging a compressor does instead (:mod:`.compression`); every
-collective's payload is counted (:attr:`ReplicatedGrads.counter`).
+collective's payload is counted (:attr:`ReplicatedGrads.counter`). The compressors' state (error feedback) is per
+rank and travels with the strategy's checkpoints (:mod:`.compression_state`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import torch.distributed as dist
 from torch import nn
 
 from uniap_lightning.planner.plan import COMPRESSION_DEFAULTS
-from uniap_lightning.runtime.compression import ByteCounter, Compressor, all_reduce, make_compressor, wire_bytes
+from uniap_lightning.runtime.compression import (ByteCounter, Compressor, all_reduce, make_compressor, start_step,
+                                                 wire_bytes)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -88,12 +90,13 @@ class Bucket:
         self.missing -= 1
 
     @torch.no_grad()
-    def launch(self, counter: ByteCounter | None) -> None:
-        """Start averaging the complete buffer: the plain all-reduce, or the compressor's first collectives."""
+    def launch(self, counter: ByteCounter | None, step: int | None = None) -> None:
+        """Start averaging the complete buffer for optimizer step ``step``: the plain all-reduce, or the
+        compressor's first collectives (a plain all-reduce too in its warm-up)."""
         if self.compressor is None:
             self.work = all_reduce(self.buffer, self.group, counter)
         else:
-            self.work = self.compressor.start(self.buffer, self.slots, self.group, self.size, counter)
+            self.work = self.compressor.start(self.buffer, self.slots, self.group, self.size, counter, step)
 
     @torch.no_grad()
     def write_back(self) -> None:
@@ -187,8 +190,12 @@ class ReplicatedGrads:
     groups: list[tuple[Any, ...]] = field(default_factory=list)
     bucket_cap_bytes: int = BUCKET_CAP_BYTES
     first_bucket_cap_bytes: int = FIRST_BUCKET_CAP_BYTES
-    #: the plan's ``compression_options`` (PowerSGD rank, top-k ratio)
+    #: the plan's ``compression_options`` (PowerSGD rank, top-k ratio, warm-up, DGC momentum)
     compression_options: dict[str, float] = field(default_factory=lambda: dict(COMPRESSION_DEFAULTS))
+    #: the Trainer (:meth:`bind`): optimizer step index, run length (warm-up) and optimizers (DGC's check)
+    trainer: Any = field(default=None, repr=False)
+    #: the optimizer step being averaged (0-based; the Trainer's ``global_step``, else counted here)
+    step: int = field(default=-1, init=False)
     #: payload bytes of this rank's gradient collectives: the last optimizer step's and the total
     counter: ByteCounter = field(default_factory=ByteCounter, init=False)
     buckets: list[Bucket] = field(default_factory=list, init=False)
@@ -224,19 +231,41 @@ class ReplicatedGrads:
             return sum(t.numel() * t.element_size() for t in locals_)
         return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
 
-    def wire_bytes_per_step(self) -> int:
-        """Bytes this rank's gradient collectives should carry per optimizer step, by the agreed formulas
+    def wire_bytes_per_step(self, *, steady: bool = False) -> int:
+        """Bytes this rank's gradient collectives should carry in the last averaged optimizer step (a warm-up step:
+        uncompressed), or with ``steady`` in a compressed step (what the cost model prices), by the agreed formulas
         (:func:`.compression.wire_bytes`); :attr:`counter` counts what they carried."""
+        dense = not steady and 0 <= self.step < self.start_step()
         total = 0
         for _, _, plist, *method in self.groups:
             for t in map(local_tensor, plist):
                 total += wire_bytes(method[0] if method else "none", [tuple(t.shape)], grad_bytes=t.element_size(),
-                                    options=self.compression_options)
+                                    options=self.compression_options, dense=dense)
         return total
+
+    def bind(self, trainer: Any) -> None:
+        """Take the optimizer step from ``trainer.global_step`` and the warm-up's length from its run length (a
+        runtime installed mid-run, e.g. after a plan switch, does not warm up again)."""
+        self.trainer = trainer
+
+    def start_step(self) -> int:
+        """The first optimizer step that compresses (:func:`.compression.start_step`)."""
+        run = None
+        if self.trainer is not None:
+            try:
+                run = float(self.trainer.estimated_stepping_batches)
+            except Exception:  # no dataloader length known: the fixed start_iter alone
+                run = None
+        return start_step(self.compression_options, run)
 
     def _build(self) -> None:
         self.buckets = make_buckets(self.groups, self.bucket_cap_bytes, first_cap_bytes=self.first_bucket_cap_bytes,
                                     compression_options=self.compression_options)
+        first = self.start_step()
+        for b in self.buckets:
+            if b.compressor is not None and b.compressor.warms_up:
+                b.compressor.start_step = first
+        self._check_optimizers()
         for k, b in enumerate(self.buckets):
             for i, p in enumerate(b.params):
                 self._slot_of[p] = (k, i)
@@ -253,6 +282,7 @@ class ReplicatedGrads:
         self._drain()
         self._expected, self._next = backward_passes, 0
         self.counter.begin_step()
+        self.step = int(self.trainer.global_step) if self.trainer is not None else self.step + 1
         self._hits = {}
         self._previous = {p: previous.get(p) for p in self._slot_of}
         for b in self.buckets:
@@ -271,7 +301,7 @@ class ReplicatedGrads:
     def _launch_complete(self) -> None:
         while self._next < len(self.buckets) and not self.buckets[self._next].missing:
             b = self.buckets[self._next]
-            b.launch(self.counter)
+            b.launch(self.counter, self.step)
             self._next += 1
             self.launches += 1
 
@@ -299,6 +329,20 @@ class ReplicatedGrads:
         for b in self.buckets:
             if b.work is not None:
                 b.write_back()
+
+    def build(self) -> None:
+        """Build the buckets now (else at the first armed step), e.g. to restore the compressors' state."""
+        if self.groups and not self.buckets:
+            self._build()
+
+    def _check_optimizers(self) -> None:
+        momentum = float(self.compression_options.get("dgc_momentum", 0.0))
+        if momentum and self.trainer is not None:
+            from uniap_lightning.runtime.compression_topk import check_dgc_optimizers
+
+            params = [p for b in self.buckets if b.compressor is not None and b.compressor.method == "topk"
+                      for p in b.params]
+            check_dgc_optimizers(self.trainer.optimizers, params, momentum)
 
     def _drain(self) -> None:
         for b in self.buckets:

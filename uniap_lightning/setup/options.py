@@ -9,7 +9,8 @@ from typing import Any
 
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.cluster import Cluster
-from uniap_lightning.planner.plan import COMPRESSION_DEFAULTS, COMPRESSIONS, Plan
+from uniap_lightning.planner.plan import (COMPRESSION_DEFAULTS, COMPRESSION_RUNTIME_DEFAULTS, COMPRESSIONS, Plan,
+                                         check_compression_options)
 
 #: what ``UniAPStrategy(compression=...)`` accepts, and the methods the planner may then choose from per layer
 COMPRESSION_CHOICES: dict[str | None, tuple[str, ...]] = {
@@ -99,13 +100,16 @@ def _compression_options(value: Any) -> dict[str, float]:
     if not isinstance(value, Mapping):
         raise UniAPError(f"compression_options must be a dict like {{'powersgd_rank': 4, 'topk_ratio': 0.1}}, got "
                          f"{value!r}")
-    unknown = sorted(set(value) - set(COMPRESSION_DEFAULTS))
+    known = {**COMPRESSION_DEFAULTS, **COMPRESSION_RUNTIME_DEFAULTS}
+    unknown = sorted(set(value) - set(known))
     if unknown:
-        raise UniAPError(f"compression_options has unknown key(s) {unknown}; known: {sorted(COMPRESSION_DEFAULTS)}")
+        raise UniAPError(f"compression_options has unknown key(s) {unknown}; known: {sorted(known)}")
     out = {**COMPRESSION_DEFAULTS, **dict(value)}
     rank, ratio = out["powersgd_rank"], out["topk_ratio"]
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise UniAPError(f"compression_options.powersgd_rank must be an integer >= 1, got {rank!r}")
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
         raise UniAPError(f"compression_options.topk_ratio must be a number in (0, 1], got {ratio!r}")
-    return {"powersgd_rank": int(rank), "topk_ratio": float(ratio)}
+    check_compression_options(dict(value), "compression_options")  # the run-time keys (start_iter, ...)
+    runtime = {k: type(COMPRESSION_RUNTIME_DEFAULTS[k])(v) for k, v in value.items() if k in COMPRESSION_RUNTIME_DEFAULTS}
+    return {"powersgd_rank": int(rank), "topk_ratio": float(ratio), **runtime}
