@@ -311,6 +311,24 @@ def test_a_compressor_continues_exactly_from_its_saved_state(ranks: list[dict[st
             assert torch.equal(res[f"{name}_reloaded"][step]["out"], res[name][step]["out"])
 
 
+def test_the_cost_model_charges_what_dgc_keeps() -> None:
+    """The planner's memory for a top-k layer: the fp32 error feedback (``4 P``), with DGC also the fp32 momentum
+    (``4 P`` more), as ``state_bytes`` counts above; the bytes on the wire do not change."""
+    from uniap_lightning.planner.cluster import Cluster
+    from uniap_lightning.planner.cost.layer import Pricing, Strategy, layer_cost
+    from uniap_lightning.planner.problem import TrainingConfig
+    from uniap_lightning.planner.profile import LayerProfile
+
+    cl = Cluster(name="c", nodes=1, devices_per_node=2, memory_gib=16, peak_tflops=1, intra_bw_gbps=10)
+    tr = TrainingConfig(global_batch_size=8, weight_bytes=4, grad_bytes=4, optimizer_bytes=8)
+    layer = LayerProfile(name="l", forward_s=1e-3, backward_s=2e-3, params=10_000, activation_bytes=1e3,
+                         output_bytes=1e2)
+    topk = Strategy(2, 1, "replicate", False, "topk")
+    plain = layer_cost(layer, topk, Pricing(4, 2, topk_ratio=0.1), cluster=cl, training=tr)
+    dgc = layer_cost(layer, topk, Pricing(4, 2, topk_ratio=0.1, dgc=True), cluster=cl, training=tr)
+    assert dgc.static_bytes - plain.static_bytes == 4 * 10_000 and dgc.sync_s == plain.sync_s
+
+
 def test_wire_bytes_formula_and_unknown_method() -> None:
     from uniap_lightning.runtime.compression import make_compressor, topk_count, wire_bytes
 

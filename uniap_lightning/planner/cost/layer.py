@@ -105,6 +105,7 @@ class Pricing:
     accumulate: bool = False
     powersgd_rank: int = 1
     topk_ratio: float = 0.01
+    dgc: bool = False  # top-k with DGC's momentum correction (compression_options.dgc_momentum > 0)
 
 
 def strategies_for(
@@ -232,7 +233,10 @@ def _layer_cost(
 def _gradient_sync(layer: LayerProfile, s: Strategy, P: float, d: int, inter: bool, cluster: Cluster,
                    training: TrainingConfig, pr: Pricing) -> tuple[float, float]:
     """Seconds of a replicate / zero1 layer's per-step gradient reduction and the bytes its compressor keeps
-    (error feedback): all-reduce of ``P g`` bytes, or its compressed form."""
+    (error feedback): all-reduce of ``P g`` bytes, or its compressed form. Top-k with DGC's momentum correction
+    (``dgc_momentum > 0``) also keeps its fp32 momentum (``4 P`` more). Steady state: the run-time warm-up
+    (``start_iter`` / ``start_fraction``: uncompressed steps first, :mod:`uniap_lightning.runtime.compression`)
+    is not priced."""
     method = s.compression
     if method == "none":
         # measured inside a node without TP (profile overhead "dp": the runtime's own bucketed all-reduce beside
@@ -254,7 +258,8 @@ def _gradient_sync(layer: LayerProfile, s: Strategy, P: float, d: int, inter: bo
         return sync + work * r, P * 4 + low_rank  # error feedback (fp32) and the P, Q factors
     # topk: every rank sends k values (fp32) and indices (int32) per tensor, all-gathered
     k = max(math.ceil(pr.topk_ratio * P), max(layer.param_tensors, 1))
-    return all_gather_s(cluster, 8 * k * d, d, inter) + work, P * 4  # error feedback (fp32)
+    # error feedback (fp32), and with DGC its local momentum (fp32)
+    return all_gather_s(cluster, 8 * k * d, d, inter) + work, P * 4 * (2 if pr.dgc else 1)
 
 
 def reshard_s(cluster: Cluster, out_bytes: float, micro_batch: int, d_from: int, d_to: int) -> float:

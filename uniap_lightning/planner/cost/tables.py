@@ -86,7 +86,8 @@ class CandidateCosts:
         self.layers = problem.model.layers
         opts = compression_options if compression_options is not None else problem.compression_options
         self.pricing = Pricing(self.b, self.n, accumulate=c > 1, powersgd_rank=int(opts.get("powersgd_rank", 1)),
-                               topk_ratio=float(opts.get("topk_ratio", 0.01)))
+                               topk_ratio=float(opts.get("topk_ratio", 0.01)),
+                               dgc=float(opts.get("dgc_momentum", 0.0)) > 0)
         self._costed = costing_layers(problem.model)
 
     # ------------------------------------------------------------------ per-layer and pair terms
