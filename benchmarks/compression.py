@@ -37,7 +37,11 @@ import torch.multiprocessing as mp
 METHODS: dict[str, tuple[str, dict[str, float]]] = {
     "powersgd-r4-nowarm": ("powersgd", {"powersgd_rank": 4, "start_fraction": 0.0}),
     "topk-10%-nowarm": ("topk", {"topk_ratio": 0.1, "start_fraction": 0.0}),
+    "powersgd-r4-warm2": ("powersgd", {"powersgd_rank": 4, "start_fraction": 0.02}),
+    "powersgd-r4-warm5": ("powersgd", {"powersgd_rank": 4, "start_fraction": 0.05}),
     "powersgd-r4-warm20": ("powersgd", {"powersgd_rank": 4, "start_fraction": 0.2}),
+    "topk-10%-warm2": ("topk", {"topk_ratio": 0.1, "start_fraction": 0.02}),
+    "topk-10%-warm5": ("topk", {"topk_ratio": 0.1, "start_fraction": 0.05}),
     "topk-10%-warm20": ("topk", {"topk_ratio": 0.1, "start_fraction": 0.2}),
     "none": ("none", {}),
     "bf16": ("bf16", {}),

@@ -38,7 +38,7 @@ COMPRESSIBLE_DP_MODES = ("replicate", "zero1")
 COMPRESSION_DEFAULTS: dict[str, float] = {"powersgd_rank": 1, "topk_ratio": 0.01}
 # the compressors' run-time options (not priced: the cost model prices steady-state compression); absent from a
 # plan's compression_options means these values (see uniap_lightning.runtime.compression)
-COMPRESSION_RUNTIME_DEFAULTS: dict[str, float] = {"start_iter": 0, "start_fraction": 0.1, "dgc_momentum": 0.0}
+COMPRESSION_RUNTIME_DEFAULTS: dict[str, float] = {"start_iter": 0, "start_fraction": 0.02, "dgc_momentum": 0.0}
 
 
 @dataclass(frozen=True)

@@ -25,11 +25,14 @@ Warm-up (PowerSGD and top-k; ``compression_options``): the first optimizer steps
 ``PowerSGDState(start_powerSGD_iter=...)`` and the PowerSGD / DGC papers do (the start of training is the most
 sensitive to inexact gradients). Compression starts at optimizer step ``max(start_iter, ceil(start_fraction *
 S))``, ``S`` the run's optimizer steps (``Trainer.estimated_stepping_batches``; unknown or infinite: ``start_iter``
-alone); defaults ``start_iter=0``, ``start_fraction=0.1`` (torch's docs recommend about 10% of training). A
-warm-up step is the plain fp32 all-reduce (``grad_bytes * numel``), counted as such; the cost model prices the
-steady state (compressed steps), so over a whole run the bytes per step are somewhat higher than priced. bf16 has
-no warm-up (no error feedback to protect). Top-k with ``dgc_momentum > 0`` is Deep Gradient Compression with
-momentum correction (:mod:`.compression_topk`).
+alone; the step is the Trainer's ``global_step``, so a resumed run or a plan switch does not warm up again).
+Defaults ``start_iter=0``, ``start_fraction=0.02``: torch's docs suggest about 10% of training for accuracy, but
+a warm-up of a fraction ``f`` caps the whole run's byte saving at ``1 / f`` (10% -> at most 10x, 5.1x for PowerSGD
+rank 4 on the shipped GPT), and on the shipped GPT 2% already gives most of its gain (benchmarks/compression.py).
+A warm-up step is the plain all-reduce (``grad_bytes * numel``), counted as such: ``wire_bytes_per_step()`` is
+the formula of the step just averaged, ``wire_bytes_per_step(steady=True)`` the compressed one, which is what
+the cost model prices (the warm-up is not priced). bf16 has no warm-up (no error feedback to protect). Top-k with
+``dgc_momentum > 0`` is Deep Gradient Compression with momentum correction (:mod:`.compression_topk`).
 
 Every collective goes through :class:`ByteCounter` (payload bytes this rank hands to the collective: the input
 tensor's bytes), so bytes per step are counted, not computed. What a compressor keeps between steps
