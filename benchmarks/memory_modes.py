@@ -16,9 +16,9 @@
    checkpoint, as ``StageModule.forward`` does). Measured: bytes of the storages ops create that are alive after
    the forward (what the forward keeps for backward) and their peak during the backward, both without the chain's
    output (the loss's input, which no layer's figure includes). Predicted from the
-   project's own profile of these layers (``profiling.profile_layers``, saved-tensor bytes): kept = sum of the
-   layers' activations, or with recomputation sum of their inputs; peak = kept + the largest recomputed layer's
-   activations (the planner's transient term).
+   project's own profile of these layers (``profiling.profile_layers``: saved storages, backward peaks): kept =
+   sum of the layers' activations, or with recomputation sum of their inputs; peak = kept + the largest
+   transient (the planner's term: a layer's backward peak, plus its activations when it recomputes).
 """
 
 from __future__ import annotations
@@ -30,13 +30,10 @@ import socket
 import sys
 import tempfile
 import warnings
-import weakref
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 MODES = ("replicate", "zero1", "zero2", "zero3")
 B, G, O = 4, 4, 8  # fp32 weights and gradients, AdamW's two fp32 moments
@@ -165,48 +162,18 @@ def part1(args: Any) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------- part 2: recomputation
-class LiveBytes(TorchDispatchMode):
-    """Bytes of the storages that ops create while active (views and in-place results of inputs excluded) and
-    that are still alive; ``peak`` since :meth:`reset_peak`."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = self.peak = 0
-        self._alive: dict[int, Any] = {}
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor):
-                continue
-            storage = t.untyped_storage()
-            key, size = storage.data_ptr(), storage.nbytes()
-            if size == 0 or key in inputs or key in self._alive:
-                continue
-            self.live += size
-            self.peak = max(self.peak, self.live)
-            self._alive[key] = weakref.ref(storage, lambda _r, key=key, size=size: self._free(key, size))
-        return out
-
-    def _free(self, key: int, size: int) -> None:
-        if self._alive.pop(key, None) is not None:
-            self.live -= size
-
-    def reset_peak(self) -> None:
-        self.peak = self.live
-
-
 def part2(args: Any) -> list[dict[str, Any]]:
     from torch.utils.checkpoint import checkpoint
 
     from uniap_lightning.profiling.measure import profile_layers
+    from uniap_lightning.profiling.memory import LiveBytes
 
     layers = gpt_layers(args)
     names = [f"layers.{i}" for i in range(len(layers))]
     ids = torch.randint(0, 256, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
     profile = profile_layers(layers, names, ids, micro_batches=[args.batch], repeats=1)
     act = [lp.activation_bytes * args.batch for lp in profile.layers]
+    bwd = [lp.backward_peak_bytes * args.batch for lp in profile.layers]
     inputs = [ids.numel() * ids.element_size()] + [lp.output_bytes * args.batch for lp in profile.layers[:-1]]
 
     def run(recompute: bool) -> tuple[int, int]:
@@ -234,7 +201,7 @@ def part2(args: Any) -> list[dict[str, Any]]:
     for recompute in (False, True):
         kept, peak = run(recompute)
         pred_kept = sum(inputs) if recompute else sum(act)
-        pred_peak = pred_kept + (max(act) if recompute else 0)
+        pred_peak = pred_kept + max(a * recompute + p for a, p in zip(act, bwd))
         rows.append({"recompute": recompute, "batch": args.batch, "kept": kept, "kept_predicted": pred_kept,
                      "peak": peak, "peak_predicted": pred_peak})
     return rows

@@ -190,6 +190,19 @@ def test_recomputation_keeps_the_input_and_adds_a_forward():
     assert tp.comm_s == pytest.approx(tp_plain.comm_s * 1.5)
 
 
+def test_the_backward_peak_is_transient_and_split_like_activations():
+    """The profile's backward peak (bytes per sample) joins a layer's transient, once per micro-batch on a device:
+    with recomputation on top of the recomputed activations, with tensor parallelism split like activations."""
+    peaky = replace(LAYER, backward_peak_bytes=4e5, activation_tp_fraction=0.75)
+    for s in (Strategy(4, 1), Strategy(4, 1, "replicate", True), Strategy(2, 2), Strategy(4, 1, "zero3")):
+        c = layer_cost(peaky, s, P4, cluster=CL, training=TR, input_bytes=3e5)
+        plain = layer_cost(replace(peaky, backward_peak_bytes=0.0), s, P4, cluster=CL, training=TR, input_bytes=3e5)
+        samples = P4.micro_batch / s.d
+        assert c.transient_bytes - plain.transient_bytes == pytest.approx(4e5 * samples * (0.25 + 0.75 / s.t)), s
+        assert (c.activation_bytes, c.static_bytes, c.time_s) == (plain.activation_bytes, plain.static_bytes,
+                                                                  plain.time_s)
+
+
 def test_compressed_gradient_sync_by_hand():
     flops = CL.flops_per_s  # 5e11: analytic compression compute in FLOP-times per element
     bf16 = layer_cost(LAYER, Strategy(4, 1, "replicate", False, "bf16"), P4, cluster=CL, training=TR)

@@ -40,7 +40,7 @@ def test_profile_times_two_micro_batch_sizes_and_round_trips(tmp_path: Path) -> 
         assert lp.forward_s == pytest.approx(lp.timings[-1].forward_s / 16)
     assert prof.layers[0].output_bytes == HID * 4 and prof.layers[3].output_bytes == OUT * 4
     assert prof.layers[1].activation_bytes > 0
-    assert prof.meta["peak_memory_bytes"] == [None] * 4  # CPU: no allocator statistics
+    assert all(lp.backward_peak_bytes > 0 for lp in prof.layers)
     torch.testing.assert_close(layers[2].running_mean, bn_before)  # profiling leaves buffers alone
     assert all(p.grad is None for layer in layers for p in layer.parameters())
     save_profile(prof, tmp_path / "p.json")
@@ -49,6 +49,25 @@ def test_profile_times_two_micro_batch_sizes_and_round_trips(tmp_path: Path) -> 
     # the cost model interpolates between the measured sizes
     lp = back.layers[1]
     assert lp.compute_s(16) == pytest.approx(lp.timings[-1].forward_s + lp.timings[-1].backward_s)
+
+
+class _Square(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * x  # autograd saves x twice: one storage
+
+
+def test_activation_bytes_count_each_saved_storage_once_and_the_backward_peak_is_measured() -> None:
+    """Closed forms at 16 samples (fp32): what autograd keeps, and what the backward allocates at its peak with the
+    parameter gradients already allocated (the incoming gradient, the gradient handed back, the weight gradient
+    before it is accumulated)."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(16, 32, bias=False), _Square(), nn.Linear(32, 8)]
+    prof = profile_layers(layers, ["a", "b", "c"], torch.randn(16, 16), repeats=1, micro_batches=[16])
+    per_batch = [(lp.activation_bytes * 16, lp.backward_peak_bytes * 16) for lp in prof.layers]
+    f = 4
+    assert per_batch[0] == (16 * 16 * f, (16 * 32 + 16 * 16 + 32 * 16) * f)  # input | grad out, grad in, grad W
+    assert per_batch[1] == (16 * 32 * f, 4 * 16 * 32 * f)  # x once, not twice | grad out, two products, their sum
+    assert per_batch[2] == (16 * 32 * f, (16 * 8 + 16 * 32 + 8 * 32 + 8) * f)
 
 
 def test_meta_layers_fall_back_to_structural_profile() -> None:

@@ -22,9 +22,15 @@ One record per layer of the chain, in order::
          "overheads": [{"kind": "tp", "degree": 2, "micro_batch": 8, "seconds": 0.004}, ...],
          "param_tensors": 4,            # trainable parameter tensors (optimizer step cost per tensor)
          "matrix_dims": 4096,           # sum over parameters with ndim >= 2 of shape[0] + numel / shape[0]
-         "vector_params": 2048          # elements in parameters with ndim < 2 (biases, norms)
+         "vector_params": 2048,         # elements in parameters with ndim < 2 (biases, norms)
+         "backward_peak_bytes": 3.1e6   # bytes per sample the backward adds at its peak (default 0)
         }, ...]
     }
+
+``activation_bytes`` counts each storage autograd keeps for backward once (parameters excluded).
+``backward_peak_bytes`` (optional, measured) is what the layer's backward holds at its peak beyond those: the
+gradient it receives, the one it hands back, and its temporaries; the cost model adds the largest of a stage's
+layers to the stage's memory (only one layer runs its backward at a time).
 
 When ``timings`` lists two or more micro-batch sizes, compute time for ``m`` samples is interpolated (and
 extrapolated) linearly between them instead of assuming ``m * forward_s``.
@@ -100,6 +106,8 @@ class LayerProfile:
     #: elements of parameters with ndim < 2; None: estimated (:meth:`powersgd_dims`)
     matrix_dims: float | None = None
     vector_params: int | None = None
+    #: bytes per sample the layer's backward adds at its peak beyond its saved activations (0: not measured)
+    backward_peak_bytes: float = 0.0
 
     def powersgd_dims(self) -> tuple[float, float]:
         """``(matrix_dims, vector_params)``: the profiled values, else every tensor taken as a square matrix."""
@@ -188,6 +196,8 @@ class ModelProfile:
             for key in ("matrix_dims", "vector_params"):
                 if d[key] is None:
                     del d[key]
+            if not d["backward_peak_bytes"]:
+                del d["backward_peak_bytes"]
             layers.append(d)
         return {
             "format_version": PROFILE_FORMAT_VERSION,
@@ -302,6 +312,8 @@ def _layer_from_dict(item: Any, where: str) -> LayerProfile:
         matrix_dims=_number(item, "matrix_dims", where) if item.get("matrix_dims") is not None else None,
         vector_params=(_number(item, "vector_params", where, integer=True)
                        if item.get("vector_params") is not None else None),
+        backward_peak_bytes=(_number(item, "backward_peak_bytes", where)
+                             if item.get("backward_peak_bytes") is not None else 0.0),
     )
 
 

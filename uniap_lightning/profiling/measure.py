@@ -2,7 +2,8 @@
 
 Per layer and micro-batch size: forward and backward seconds (median of ``repeats`` timed runs after ``warmup``
 untimed ones, with :class:`~uniap_lightning.profiling.timing.Timer`), and at the largest size the output bytes, the
-bytes of the tensors autograd saves for backward (parameters excluded) and, on CUDA, the allocator's peak. The
+bytes of the storages autograd saves for backward (parameters excluded) and the bytes the backward adds at its
+peak (:mod:`~uniap_lightning.profiling.memory`). The
 forward runs inside ``context`` - the precision plugin's forward context (autocast for ``bf16-mixed``) - exactly as
 training runs it, so times and byte counts follow the precision. Raw readings go to
 :mod:`~uniap_lightning.profiling.aggregate` before they become a profile.
@@ -29,7 +30,8 @@ from torch import nn
 
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.profile import LayerProfile, ModelProfile, Timing
-from uniap_lightning.profiling.aggregate import Readings, never_faster_when_larger, pool_identical_layers
+from uniap_lightning.profiling.aggregate import Readings, never_faster_when_larger, pool_identical_layers, structure_key
+from uniap_lightning.profiling.memory import SavedBytes, backward_peak_bytes
 from uniap_lightning.profiling.timing import Timer
 from uniap_lightning.runtime.payload import backward_ones, call_layer, flatten, float_leaves, head, nbytes, rows
 
@@ -74,46 +76,36 @@ def is_meta(layer: nn.Module, x: Any) -> bool:
 
 
 def _measure_layer(layer: nn.Module, x: Any, repeats: int, warmup: int, context: Context,
-                   check: Callable[[Any], None]) -> tuple[Any, float, float, float, float | None]:
-    """Run the layer on payload ``x``: (detached output, forward s, backward s, saved activation bytes, peak bytes
-    or None)."""
+                   check: Callable[[Any], None]) -> tuple[Any, float, float, float, float]:
+    """Run the layer on payload ``x``: (detached output, forward s, backward s, saved activation bytes, bytes the
+    backward adds at its peak) (:mod:`.memory`)."""
     if is_meta(layer, x):
         raise ProfilingUnavailable("the layer or its input is on the meta device (not materialized)")
-    param_ptrs = {p.data_ptr() for p in layer.parameters()}
-    saved = [0]
     device = flatten(x)[0].device
     timer = Timer(device)
+    saved = SavedBytes(layer.parameters())
+    peak = [0.0]
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if isinstance(t, torch.Tensor) and t.data_ptr() not in param_ptrs:
-            saved[0] += tensor_bytes(t)
-        return t
-
-    def run(count_saved: bool) -> tuple[Any, float, float]:
+    def run(count: bool) -> tuple[Any, float, float]:
         inp = float_leaves(x)
         timer.synchronize()
         t0 = timer.mark()
-        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if count_saved else nullcontext()
-        with hooks, context():
+        with saved.hooks() if count else nullcontext(), context():
             out = call_layer(layer, inp)
         check(out)
         t1 = timer.mark()
-        backward_ones(out)
+        if count:
+            peak[0] = backward_peak_bytes(lambda: backward_ones(out), layer.parameters(), device)
+        else:
+            backward_ones(out)
         t2 = timer.mark()
         return _detached(out), timer.elapsed_s(t0, t1), timer.elapsed_s(t1, t2)
 
-    peak: float | None = None
-    if timer.cuda:
-        timer.synchronize()
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-    out, _, _ = run(count_saved=True)  # warm-up, the saved-tensor count and (CUDA) the peak
-    if timer.cuda:
-        peak = float(torch.cuda.max_memory_allocated(device) - before)
+    out, _, _ = run(count=True)  # warm-up, and the byte figures
     for _ in range(max(warmup, 1) - 1):
-        run(count_saved=False)
-    fwd, bwd = zip(*(run(count_saved=False)[1:] for _ in range(max(repeats, 1))))
-    return out, statistics.median(fwd), statistics.median(bwd), float(saved[0]), peak
+        run(count=False)
+    fwd, bwd = zip(*(run(count=False)[1:] for _ in range(max(repeats, 1))))
+    return out, statistics.median(fwd), statistics.median(bwd), float(saved.total), peak[0]
 
 
 def _detached(out: Any) -> Any:
@@ -123,9 +115,9 @@ def _detached(out: Any) -> Any:
 
 
 def _time_chain(layers: Sequence[nn.Module], names: Sequence[str], x: Any, repeats: int, warmup: int,
-                context: Context) -> tuple[list[tuple[float, float]], list[tuple[int, float, float | None]]]:
+                context: Context) -> tuple[list[tuple[float, float]], list[tuple[int, float, float]]]:
     """Every layer in order at one micro-batch size: times, and (out bytes summed over the output's tensors,
-    activation bytes, peak) per layer."""
+    activation bytes, backward peak bytes) per layer."""
     from uniap_lightning.runtime.chain import check_layer_output
 
     times, stats = [], []
@@ -187,7 +179,7 @@ def profile_layers(
         sizes.append(n_rows)
     t_start = time.perf_counter()
     readings: Readings = {}
-    stats: list[tuple[int, float, float | None]] = []  # at the largest size: out bytes, act bytes, peak
+    stats: list[tuple[int, float, float]] = []  # at the largest size: out bytes, act bytes, backward peak
     skipped: dict[int, str] = {}
     failure: Exception | None = None
     with training_state_kept(layers):
@@ -214,19 +206,29 @@ def profile_layers(
     if failure is not None:
         raise failure
     pool_identical_layers(layers, [s[:2] for s in stats], readings)
+    stats = _pooled_peaks(layers, stats)
     never_faster_when_larger(readings)
     out = _layer_profiles(layers, names, readings, stats, tp_degrees=tp_degrees, tp_allreduces=tp_allreduces)
     meta = {
         "micro_batch": n_rows, "micro_batches": sorted(readings), "repeats": repeats,
-        "timer": Timer(flatten(sample_input)[0].device).name, "peak_memory_bytes": [s[2] for s in stats],
+        "timer": Timer(flatten(sample_input)[0].device).name,
         "skipped_micro_batches": {str(m): why for m, why in skipped.items()},
         "profile_seconds": time.perf_counter() - t_start,
     }
     return ModelProfile(model=model, layers=out, source="measured", device=device, meta=meta)
 
 
+def _pooled_peaks(layers: Sequence[nn.Module], stats: list[tuple[int, float, float]]) -> list[tuple[int, float, float]]:
+    """Identical layers get the largest backward peak of their group (the rule of :mod:`.aggregate`)."""
+    peak: dict[Any, float] = {}
+    keys = [(structure_key(layer), *s[:2]) for layer, s in zip(layers, stats)]
+    for key, s in zip(keys, stats):
+        peak[key] = max(peak.get(key, 0.0), s[2])
+    return [(s[0], s[1], peak[key]) for key, s in zip(keys, stats)]
+
+
 def _layer_profiles(layers: Sequence[nn.Module], names: Sequence[str], readings: Readings,
-                    stats: Sequence[tuple[int, float, float | None]], *, tp_degrees: Sequence[Sequence[int]] | None,
+                    stats: Sequence[tuple[int, float, float]], *, tp_degrees: Sequence[Sequence[int]] | None,
                     tp_allreduces: Sequence[int] | None) -> list[LayerProfile]:
     """Per-sample figures at the largest size (the sample's rows), with the timings at every size."""
     from uniap_lightning.profiling.structural import powersgd_dims  # structural imports this module
@@ -236,7 +238,7 @@ def _layer_profiles(layers: Sequence[nn.Module], names: Sequence[str], readings:
     out = []
     for i, (layer, name) in enumerate(zip(layers, names)):
         fwd_s, bwd_s = readings[rows][i]
-        out_bytes, act_bytes, _ = stats[i]
+        out_bytes, act_bytes, peak_bytes = stats[i]
         out.append(LayerProfile(
             name=name, forward_s=fwd_s / rows, backward_s=bwd_s / rows,
             params=sum(p.numel() for p in layer.parameters()), activation_bytes=act_bytes / rows,
@@ -244,6 +246,7 @@ def _layer_profiles(layers: Sequence[nn.Module], names: Sequence[str], readings:
             tp_allreduces=int(tp_allreduces[i]) if tp_allreduces else 0,
             timings=tuple(Timing(m, *readings[m][i]) for m in sizes) if len(sizes) > 1 else (),
             param_tensors=sum(1 for p in layer.parameters() if p.requires_grad),
+            backward_peak_bytes=peak_bytes / rows,
             **powersgd_dims(layer),  # PowerSGD pricing (profiling.structural)
         ))
     return out

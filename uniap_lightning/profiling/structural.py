@@ -67,6 +67,7 @@ def structural_profile(
                 output_bytes=out_bytes, tp_degrees=tuple(tp_degrees[i]) if tp_degrees else (1,),
                 tp_allreduces=int(tp_allreduces[i]) if tp_allreduces else 0,
                 param_tensors=sum(1 for p in layer.parameters() if p.requires_grad),
+                backward_peak_bytes=2 * out_bytes,  # at least the gradient received and the one handed back
                 **powersgd_dims(layer),
             )
         )

@@ -19,7 +19,9 @@ zero3      ``P (w + g + o) / d``, + ``P w (1 - 1/d)``   two all-gathers of ``P w
 
 Recomputation: the layer keeps its input (``input_bytes`` per sample, whole on every TP rank) instead of its
 activations, its activations live again while it recomputes (``transient_bytes``: a stage holds the largest
-transient), and ``time_s`` gains one forward (compute and forward TP all-reduces). Compression (replicate / zero1)
+transient), and ``time_s`` gains one forward (compute and forward TP all-reduces). Every layer's transient also
+holds what its backward adds at its peak (the profile's ``backward_peak_bytes``: gradients in and out, temporaries),
+split by tensor parallelism like its activations. Compression (replicate / zero1)
 replaces the gradient all-reduce: bf16 halves its bytes; PowerSGD rank ``r`` all-reduces ``4 r (n + k)`` bytes per
 ``n x k`` matrix in two rounds and the vectors uncompressed; top-k all-gathers ``8 k`` bytes per rank (``k =
 ratio * P``, at least one per tensor). Each adds the cluster's compression compute per element and, for PowerSGD
@@ -223,6 +225,8 @@ def _layer_cost(
     transient = P * w if mode == "zero3" else 0.0
     f = layer.activation_tp_fraction
     act = layer.activation_bytes * samples * ((1 - f) + f / t)
+    # what the layer's backward adds at its peak (the gradients in and out, temporaries), split like activations
+    transient += layer.backward_peak_bytes * samples * ((1 - f) + f / t)
     if s.recompute:
         # keeps only its input (whole on every TP rank); its own activations live again while it recomputes
         transient += act
