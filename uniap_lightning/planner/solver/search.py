@@ -209,7 +209,7 @@ def search(
                     record["bound_s"] = max(cand.bound_s, res.bound_s)
                 if res.status not in ("optimal", "infeasible"):
                     all_optimal = False
-                    open_bounds.append(res.bound_s if res.bound_s is not None else cand.bound_s)
+                    open_bounds.append(max(cand.bound_s, res.bound_s if res.bound_s is not None else 0.0))
                 if res.stage_of_layer is None:
                     continue
                 plan = _from_milp(problem, cand, res.stage_of_layer, res.strategy_index)
