@@ -15,7 +15,12 @@ data-parallel over all devices (``replicate``) with one compression method. Per 
 
 Each method runs with every seed (model init and data order); the table gives medians over seeds, the loss
 relative to uncompressed training, and the byte ratio (uncompressed / method): the figure the seed's
-"communication down to a tenth" claim is checked against. ``--json`` writes every run's numbers and loss curve.
+"communication down to a tenth" claim is checked against. PowerSGD and top-k start with the uncompressed warm-up
+(``compression_options`` ``start_iter`` / ``start_fraction``, default 2% of the steps; ``-nowarm`` / ``-warmN``
+labels: none / N%), so bytes per step are given in steady state (what the cost model prices; counted == formula
+on every step, warm-up included) and over the whole run. ``-dgc`` labels: top-k with Deep Gradient Compression's
+momentum correction (``dgc_momentum`` 0.9; with ``--optimizer sgd`` only, the optimizer then runs momentum 0).
+``--json`` writes every run's numbers and loss curve.
 """
 
 from __future__ import annotations
