@@ -207,6 +207,7 @@ class ReplicatedGrads:
     _expected: int = field(default=0, init=False, repr=False)  # gradient accumulations per parameter when armed
     _next: int = field(default=0, init=False, repr=False)  # index of the next bucket to launch
     _armed: bool = field(default=False, init=False, repr=False)
+    _start: int | None = field(default=None, init=False, repr=False)  # the first compressed step, once known
 
     def add(self, layer: nn.Module, group: dist.ProcessGroup, dp: int, compression: str = "none") -> None:
         """Average ``layer``'s gradients over ``group`` (``dp`` ranks) each optimizer step, compressed as
@@ -249,22 +250,22 @@ class ReplicatedGrads:
         self.trainer = trainer
 
     def start_step(self) -> int:
-        """The first optimizer step that compresses (:func:`.compression.start_step`)."""
-        run = None
-        if self.trainer is not None:
-            try:
-                run = float(self.trainer.estimated_stepping_batches)
-            except Exception:  # no dataloader length known: the fixed start_iter alone
-                run = None
-        return start_step(self.compression_options, run)
+        """The first optimizer step that compresses (:func:`.compression.start_step`; fixed once the run's length
+        is known)."""
+        if self._start is not None:
+            return self._start
+        if self.trainer is None:
+            return start_step(self.compression_options, None)
+        try:
+            run: float | None = float(self.trainer.estimated_stepping_batches)
+        except Exception:  # no dataloader length known: the fixed start_iter alone
+            run = None
+        self._start = start_step(self.compression_options, run)
+        return self._start
 
     def _build(self) -> None:
         self.buckets = make_buckets(self.groups, self.bucket_cap_bytes, first_cap_bytes=self.first_bucket_cap_bytes,
                                     compression_options=self.compression_options)
-        first = self.start_step()
-        for b in self.buckets:
-            if b.compressor is not None and b.compressor.warms_up:
-                b.compressor.start_step = first
         self._check_optimizers()
         for k, b in enumerate(self.buckets):
             for i, p in enumerate(b.params):
@@ -283,6 +284,10 @@ class ReplicatedGrads:
         self._expected, self._next = backward_passes, 0
         self.counter.begin_step()
         self.step = int(self.trainer.global_step) if self.trainer is not None else self.step + 1
+        first = self.start_step()  # resolved at the first armed step, when the run's length is known
+        for b in self.buckets:
+            if b.compressor is not None and b.compressor.warms_up:
+                b.compressor.start_step = first
         self._hits = {}
         self._previous = {p: previous.get(p) for p in self._slot_of}
         for b in self.buckets:
