@@ -4,6 +4,8 @@ homogeneous and heterogeneous clusters (devices faster than the profiled one inc
 
 from __future__ import annotations
 
+import itertools
+import math
 import random
 from dataclasses import replace
 
@@ -58,8 +60,6 @@ def _candidates(problem):
 
 def _small(problem, t) -> bool:
     """The brute force over this candidate stays small: its largest stage has few assignments."""
-    import math
-
     sizes = sorted((len(strategies_for(lp, t.n, problem.cluster, t.b, compression=problem.compression))
                     for lp in problem.model.layers), reverse=True)
     return math.prod(sizes[: len(sizes) - t.pp + 1]) <= 200_000
@@ -72,8 +72,6 @@ def _bottleneck_and_sync(plan) -> tuple[float, float]:
 
 def test_partition_floor_is_the_linear_partition_optimum_from_below():
     rng = random.Random(0)
-    import itertools
-
     for _ in range(200):
         w = [rng.choice([0.0, rng.uniform(0, 10)]) for _ in range(rng.randint(1, 7))]
         P = rng.randint(1, len(w))
@@ -138,8 +136,8 @@ def test_floors_never_cut_off_a_candidates_brute_force_optimum(seed):
 
 
 def test_the_sync_floor_is_tight_on_repeated_blocks():
-    """Blocks whose cheapest combination of time and sync is one strategy: the optimum's (c - 1) T + Y equals
-    the floor on some candidate, where the LP's average (R / P blocks per stage) is lower."""
+    """The floor is not vacuous: on runs of identical blocks the optimum's (c - 1) T + Y equals it on some
+    pipelined candidate (the busiest stage holds whole blocks at their best mix of time and sync)."""
     found = 0
     for seed in (1, 3, 5, 7):
         problem = _problem(seed)
