@@ -311,6 +311,19 @@ def test_a_compressor_continues_exactly_from_its_saved_state(ranks: list[dict[st
             assert torch.equal(res[f"{name}_reloaded"][step]["out"], res[name][step]["out"])
 
 
+def test_dgc_needs_sgd_without_momentum_for_the_top_k_layers() -> None:
+    """DGC moves the momentum before top-k: an optimizer that applies momentum (or Adam's moments) to the top-k
+    layers would apply it twice; refused, naming the option. Other layers may use any optimizer."""
+    from uniap_lightning.errors import UniAPError
+    from uniap_lightning.runtime.compression_topk import check_dgc_optimizers
+
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    check_dgc_optimizers([torch.optim.SGD([a], lr=0.1), torch.optim.AdamW([b])], [a], 0.9)
+    for bad in (torch.optim.AdamW([a]), torch.optim.SGD([a], lr=0.1, momentum=0.9)):
+        with pytest.raises(UniAPError, match=r"dgc_momentum=0.9 .* torch.optim.SGD with momentum=0"):
+            check_dgc_optimizers([bad], [a], 0.9)
+
+
 def test_the_cost_model_charges_what_dgc_keeps() -> None:
     """The planner's memory for a top-k layer: the fp32 error feedback (``4 P``), with DGC also the fp32 momentum
     (``4 P`` more), as ``state_bytes`` counts above; the bytes on the wire do not change."""
