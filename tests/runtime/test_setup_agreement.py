@@ -36,6 +36,11 @@ def _worker(rank: int, world: int, port: int, case: dict[str, Any], out_dir: str
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       NODE_RANK="0", GLOO_SOCKET_IFNAME="lo")
     torch.set_num_threads(1)
+    if case.get("other_code_rank") == rank:  # as a node with another install of the package would be
+        import uniap_lightning.setup.agree as agree
+
+        version, _, torch_version = agree.code_identity()
+        agree.code_identity = lambda: (version, "0123456789ab", torch_version)
     start = time.monotonic()
     result: dict[str, Any] = {}
     with warnings.catch_warnings(record=True) as caught:
@@ -91,6 +96,15 @@ def test_a_corrupt_file_read_on_rank_0_ends_every_rank_with_its_message(tmp_path
     for res in results:
         assert "UniAP setup failed on rank 0 while choosing a plan" in res["error"], res
         assert str(bad) in res["error"] or "Unicode" in res["error"], res
+
+
+def test_ranks_running_other_code_are_refused_before_any_other_collective(tmp_path: Path) -> None:
+    """Two installs that differ (or sources edited while a job starts) would call other collectives and hang."""
+    results = _run({"other_code_rank": 1, "strategy": {"cache_dir": str(tmp_path / "cache")}}, tmp_path)
+    for res in results:
+        assert "the ranks run different code" in res.get("error", ""), res
+        assert "ranks [1]: uniap-lightning" in res["error"] and "sources 0123456789ab" in res["error"]
+        assert res["seconds"] < SECONDS
 
 
 def test_corrupt_cache_entries_are_discarded_with_a_warning_and_rebuilt(tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.planner.plan import Plan
-from uniap_lightning.setup.agree import Ranks, everyone, from_lead, gather
+from uniap_lightning.setup.agree import Ranks, everyone, from_lead, gather, same_code_everywhere
 from uniap_lightning.setup.measure import Measurements, info
 from uniap_lightning.setup.options import SetupOptions
 from uniap_lightning.setup.sample import Sample, take_sample
@@ -79,6 +79,7 @@ def run_setup(chain: Chain, trainer: pl.Trainer, *, ranks: Ranks, options: Setup
     """The plan every rank will run, agreed on by all ranks (collective: every rank calls it)."""
     m = Measurements(ranks=ranks, options=options, precision=precision, forward_context=forward_context,
                      report={"precision": precision})
+    same_code_everywhere(ranks)
     sample = everyone(ranks, "drawing a sample batch and checking the model's chain",
                       lambda: take_sample(chain, trainer, ranks.device, forward_context))
     _same_sample_everywhere(ranks, sample)

@@ -13,8 +13,11 @@ rank, so they fail on all ranks alike or not at all; the step after them agrees 
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -104,3 +107,29 @@ def gather(ranks: Ranks, value: T) -> list[T]:
     out: list[Any] = [None] * ranks.world_size
     dist.all_gather_object(out, value)
     return out
+
+
+@functools.cache
+def code_identity() -> tuple[str, str, str]:
+    """``(uniap_lightning version, digest of its Python sources, torch version)`` of this process."""
+    import uniap_lightning
+
+    root = Path(uniap_lightning.__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return uniap_lightning.__version__, digest.hexdigest()[:12], torch.__version__
+
+
+def same_code_everywhere(ranks: Ranks) -> None:
+    """Ranks running other code (a node with another install, sources edited while the job started) would call
+    other collectives and wait for each other forever: refuse at once, naming the ranks and what differs."""
+    seen = gather(ranks, code_identity())
+    if any(s != seen[0] for s in seen):
+        groups: dict[tuple[str, str, str], list[int]] = {}
+        for r, s in enumerate(seen):
+            groups.setdefault(s, []).append(r)
+        described = "; ".join(f"ranks {rs}: uniap-lightning {v} (sources {d}), torch {t}"
+                              for (v, d, t), rs in groups.items())
+        raise UniAPError(f"the ranks run different code ({described}): install the same uniap-lightning and torch "
+                         "on every node, and do not edit the sources while a job starts")
