@@ -280,10 +280,11 @@ class UniAPStrategy(CheckpointIO, ModelParallelStrategy):
         Returns this rank's local loss; the global mean replaces it in ``on_train_batch_end`` (``TrainLossLogger``),
         where it is also logged, after the gradient averaging and optimizer step had time to overlap its all-reduce.
         """
-        args, kwargs = self.precision_plugin.convert_input((args, kwargs))
-        x, y = self.runtime.chain.split_batch(args[0])
-        return self.train_step_state.run(x, y, accumulate=self.lightning_module.trainer.accumulate_grad_batches,
-                                         context=self.precision_plugin.train_step_context)
+        with self.train_step_state.timed():
+            args, kwargs = self.precision_plugin.convert_input((args, kwargs))
+            x, y = self.runtime.chain.split_batch(args[0])
+            return self.train_step_state.run(x, y, accumulate=self.lightning_module.trainer.accumulate_grad_batches,
+                                             context=self.precision_plugin.train_step_context)
 
     @override
     def backward(
@@ -292,12 +293,13 @@ class UniAPStrategy(CheckpointIO, ModelParallelStrategy):
         """Hand the gradients computed in ``training_step`` back (Lightning zeroed ``.grad`` in between), then put
         the replicated layers' averages in, so ``on_after_backward``, clipping and the optimizer see averaged
         gradients (as with DDP)."""
-        self.pre_backward(closure_loss)
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        self.train_step_state.hand_back()
-        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
-        self.post_backward(closure_loss)
-        return closure_loss
+        with self.train_step_state.timed():
+            self.pre_backward(closure_loss)
+            closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+            self.train_step_state.hand_back()
+            closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+            self.post_backward(closure_loss)
+            return closure_loss
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -308,7 +310,8 @@ class UniAPStrategy(CheckpointIO, ModelParallelStrategy):
             with self.train_step_state.closing():
                 return closure()
 
-        return super().optimizer_step(optimizer, closing_closure, model, **kwargs)
+        with self.train_step_state.timed():
+            return super().optimizer_step(optimizer, closing_closure, model, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:

@@ -163,6 +163,34 @@ def fitted(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return tmp, first, second, mon, [str(w.message) for w in caught]
 
 
+def test_the_monitor_tells_the_plans_work_from_the_loops(tmp_path: Path) -> None:
+    """A callback that takes 40 ms per batch lengthens every step but is no part of the plan: the step time shows
+    it, the plan's work (what the prediction is compared with on a CPU) does not."""
+    import time
+
+    import lightning.pytorch as pl
+
+    from uniap_lightning import UniAPStrategy
+    from uniap_lightning.monitor import UniAPMonitor
+
+    class Slow(pl.Callback):
+        def on_train_batch_end(self, *args: Any) -> None:
+            time.sleep(0.04)  # a slow logger, not synchronization
+
+    reports = []
+    for callbacks in ([], [Slow()]):
+        mon = UniAPMonitor(warmup_steps=1, window=3, metrics_file=tmp_path / "measured.json")
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=5, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+                             strategy=UniAPStrategy(cache_dir=str(tmp_path / "cache"), monitor=mon))
+        trainer.fit(_module()(), _loader())  # the second run plans from the cache: the same plan
+        reports.append(mon.last)
+    plain, slow = reports
+    assert slow["tpi_s"] - slow["plan_work_s"] >= 0.035
+    assert slow["plan_work_s"] < plain["plan_work_s"] + 0.02  # the plan's work did not take the callback's time
+    assert slow["step_time_error"] == pytest.approx(slow["plan_work_s"] / slow["predicted_tpi_s"] - 1)
+
+
 def test_setup_profiles_caches_and_reuses(fitted: Any) -> None:
     tmp, first, second, _, _ = fitted
     rep1, rep2 = first.strategy.setup_report, second.strategy.setup_report
@@ -183,8 +211,11 @@ def test_monitor_logs_measured_vs_predicted(fitted: Any) -> None:
     assert len(data["stage_time_s"]) == first.strategy.plan.pp and data["stage_peak_memory_bytes"][0] > 0
     metrics_csv = next(Path(first.logger.log_dir).glob("metrics.csv")).read_text()
     for key in ("uniap/step_time_s", "uniap/predicted_tpi_s", "uniap/step_time_error", "uniap/peak_memory_bytes",
-                "uniap/predicted_memory_bytes"):
+                "uniap/predicted_memory_bytes", "uniap/plan_work_s"):
         assert key in metrics_csv
+    # on a CPU the prediction is compared with the plan's own work, a part of each step
+    assert 0 < data["plan_work_s"] <= data["tpi_s"]
+    assert data["step_time_error"] == pytest.approx(data["plan_work_s"] / data["predicted_tpi_s"] - 1)
     # threshold 0: the error always exceeds it, and the warning comes once although two windows were reported
     assert sum("differs from the plan's prediction" in m for m in messages) == 1
     # what `uniap explain measured=FILE` reads renders with this file

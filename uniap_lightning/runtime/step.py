@@ -12,10 +12,15 @@ window's earlier gradients go into the buckets with the fresh ones, unless that 
 
 The loss is summed over the world in the background (:class:`~.pipeline.PendingLoss`); :meth:`finish_loss` waits
 for it once, in ``on_train_batch_end``.
+
+:attr:`TrainStep.work_s` adds up the seconds this rank spends in the plan's own work - the schedule, handing
+gradients back, the optimizer step, the loss's wait - (:meth:`timed`, around the strategy's hooks), apart from
+Lightning's loop, logging and callbacks: what the plan's prediction covers, and what the monitor compares it with.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any
@@ -41,6 +46,21 @@ class TrainStep:
         self._closing = False  # this batch is the last of its accumulation window
         self._window_open = False  # `.grad` holds earlier gradients of the current window
         self._batch_checked = False
+        self.work_s = 0.0  # seconds spent in the plan's work so far (:meth:`timed`)
+        self._depth = 0
+
+    @contextmanager
+    def timed(self) -> Iterator[None]:
+        """Count the time inside into :attr:`work_s` (nested uses count once: ``optimizer_step`` runs
+        ``training_step`` and ``backward`` in its closure)."""
+        self._depth += 1
+        start = time.perf_counter() if self._depth == 1 else None
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if start is not None:
+                self.work_s += time.perf_counter() - start
 
     @contextmanager
     def closing(self) -> Iterator[None]:
@@ -98,7 +118,10 @@ class TrainStep:
     def finish_loss(self) -> torch.Tensor | None:
         """The global mean loss of the last training batch (waits for its background all-reduce), once."""
         pending, self._pending = self._pending, None
-        return None if pending is None else self.guard(pending.wait)
+        if pending is None:
+            return None
+        with self.timed():
+            return self.guard(pending.wait)
 
     def reset(self) -> None:
         """At each setup (fit, validate, ...): check the next batch again, forget gradients in flight."""
