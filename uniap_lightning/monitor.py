@@ -7,9 +7,11 @@ time and peak memory, and logs through Lightning's loggers (CSV, TensorBoard, ..
 
 - ``uniap/step_time_s``: measured seconds per iteration (the slowest rank's median),
 - ``uniap/predicted_tpi_s``: the plan's predicted time per iteration,
-- ``uniap/plan_work_s`` (under UniAPStrategy): of each step, the seconds spent in the plan's own work - the
-  schedule's forward and backward, gradient sync, optimizer step, the loss's wait - apart from Lightning's loop,
-  logging and callbacks (the slowest rank's median of ``TrainStep.work_s`` per step),
+- ``uniap/plan_work_s`` (under UniAPStrategy): the plan's part of a step - the schedule's forward and backward,
+  gradient sync, optimizer step, the loss's wait (``TrainStep.work_s``) - apart from Lightning's loop, logging
+  and callbacks: the step time less the most any rank spends outside the plan's work per step (medians). In a
+  pipeline the first stage's loop time reaches the later stages as waiting inside their work, so the largest
+  per-rank loop time is what the step holds beyond the plan,
 - ``uniap/step_time_error``: (measured - predicted) / predicted, where "measured" is ``plan_work_s`` on a CPU (the
   loop's own work adds to each step there and is the same for every plan: on the README demo's 24 ms step it was
   2-4 ms, mostly logging and ``on_train_batch_end`` callbacks, which the plan does not predict) and the whole step
@@ -287,8 +289,12 @@ class UniAPMonitor(pl.Callback):
         metrics = {"uniap/step_time_s": report["tpi_s"], "uniap/peak_memory_bytes": max(rank_peak)}
         compared = report["tpi_s"]
         if rank_work is not None:
+            # the plan's part of a step: the step less the most any rank spends outside the plan's work (a
+            # pipeline's later stages wait, inside their work, for the first stage's loop and callbacks)
+            loop = max(max(t - w, 0.0) for t, w in zip(rank_time, rank_work))
             report["rank_plan_work_s"] = rank_work
-            report["plan_work_s"] = max(rank_work)
+            report["plan_work_s"] = max(report["tpi_s"] - loop, 0.0)
+            report["loop_s"] = loop
             metrics["uniap/plan_work_s"] = report["plan_work_s"]
             if self._cuda(trainer) is None:  # on a CPU the loop's own work adds to the step; on a GPU it overlaps
                 compared = report["plan_work_s"]
