@@ -31,7 +31,7 @@ def final_loss(out: str) -> float:
 @pytest.mark.parametrize(
     ("script", "chance", "steps"),
     [("gpt_text.py", math.log(128), 8), ("vit_shapes.py", math.log(4), 30),
-     pytest.param("hf_llama.py", math.log(128), 8, marks=NEEDS_HF),
+     pytest.param("hf_llama.py", math.log(128), 8, marks=[NEEDS_HF, pytest.mark.slow]),  # families: test_hf_families
      # Hugging Face models with no adapter code: the strategy recognizes the family (slow: setup profiles them)
      pytest.param("hf_bert_classify.py", math.log(3), 30, marks=[NEEDS_HF, pytest.mark.slow]),
      pytest.param("hf_t5_corpus.py", math.log(128), 40, marks=[NEEDS_HF, pytest.mark.slow])],
