@@ -219,7 +219,7 @@ def test_fuzzed_new_plan_fields_load_or_fail_clearly(data: Any) -> None:
 @SETTINGS
 @given(st.data())
 def test_fuzzed_new_profile_fields_load_or_fail_clearly(data: Any) -> None:
-    doc = data.draw(_new_field_edits(PROFILE, _a_layer, ["matrix_dims", "vector_params", "param_tensors"]))
+    doc = data.draw(_new_field_edits(PROFILE, _a_layer, ["matrix_dims", "vector_params", "param_tensors", "backward_peak_bytes"]))
     _only_clear_errors(lambda d: [lp.powersgd_dims() for lp in ModelProfile.from_dict(d).layers], doc)
 
 

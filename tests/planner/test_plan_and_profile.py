@@ -76,6 +76,8 @@ LAYER = {"name": "l0", "forward_s": 1e-3, "backward_s": 2e-3, "params": 10, "act
         ({"output_bytes": float("nan")}, r"output_bytes must be a finite number"),
         ({"activation_tp_fraction": 2.0}, r"activation_tp_fraction must be in \[0, 1\]"),
         ({"timings": [{"micro_batch": 0, "forward_s": 1, "backward_s": 1}]}, r"micro_batch must be > 0"),
+        ({"backward_peak_bytes": -1.0}, r"layers\[0\]\.backward_peak_bytes must be >= 0"),
+        ({"backward_peak_bytes": "big"}, r"backward_peak_bytes must be a finite number"),
     ],
 )
 def test_profile_bad_values(tmp_path, change, match):
