@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_flatten
 
 from uniap_lightning.planner.plan import COMPRESSION_RUNTIME_DEFAULTS
 
@@ -209,7 +210,8 @@ class Compressor:
 
     def state_bytes(self) -> int:
         """Bytes of the error-feedback state this compressor holds."""
-        return sum(t.numel() * t.element_size() for t in _tensors(self.state_dict()))
+        tensors = [t for t in tree_flatten(self.state_dict())[0] if isinstance(t, torch.Tensor)]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def state_dict(self) -> dict[str, Any]:
         """What this compressor carries between steps (tensors; empty before its first compressed step)."""
@@ -339,13 +341,3 @@ def _pieces(flat: torch.Tensor, slots: Sequence[torch.Tensor]) -> list[torch.Ten
 def _views(flat: torch.Tensor, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
     sizes = [math.prod(s) for s in shapes]
     return [piece.view(s) for piece, s in zip(flat.split(sizes), shapes)]
-
-
-def _tensors(state: Any) -> list[torch.Tensor]:
-    if isinstance(state, torch.Tensor):
-        return [state]
-    if isinstance(state, Mapping):
-        state = list(state.values())
-    if isinstance(state, (list, tuple)):
-        return [t for v in state for t in _tensors(v)]
-    return []

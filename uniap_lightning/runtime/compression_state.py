@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils._pytree import tree_map_only
 
 if TYPE_CHECKING:
     from uniap_lightning.runtime.data_parallel import ReplicatedGrads
@@ -52,16 +53,16 @@ def save(replicated: ReplicatedGrads, folder: str | Path, *, rank: int, world: i
 
     if not has_state(replicated):
         return
-    state = {"layout": layout(replicated, rank, world),
-             "buckets": [b.compressor.state_dict() if b.compressor is not None else {} for b in replicated.buckets]}
+    buckets = [b.compressor.state_dict() if b.compressor is not None else {} for b in replicated.buckets]
     path = Path(folder) / FOLDER / f"rank{rank}.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_atomic({"layout": state["layout"], "buckets": [_to_cpu(s) for s in state["buckets"]]}, path)
+    save_atomic({"layout": layout(replicated, rank, world), "buckets": _to(buckets, torch.device("cpu"))}, path)
 
 
 def load(replicated: ReplicatedGrads, folder: str | Path, *, rank: int, world: int) -> str | None:
     """Restore this rank's compressor state from the checkpoint ``folder``; returns why it did not (the
     compressors then start from zero), or ``None`` when restored or there is nothing to restore."""
+    from uniap_lightning.errors import UniAPError
     from uniap_lightning.runtime.checkpoint import load_plain
 
     if not has_state(replicated):
@@ -69,7 +70,10 @@ def load(replicated: ReplicatedGrads, folder: str | Path, *, rank: int, world: i
     path = Path(folder) / FOLDER / f"rank{rank}.pt"
     if not path.is_file():
         return f"the checkpoint has no compression state for rank {rank} ({FOLDER}/{path.name})"
-    saved = load_plain(path)
+    try:
+        saved = load_plain(path)
+    except UniAPError as err:  # optional state: an unreadable file is a reason to start from zero, never a failure
+        return str(err)
     mine = layout(replicated, rank, world)
     if not isinstance(saved, dict) or saved.get("layout") != mine:
         return "the checkpoint's compression state was saved under another plan, world size or options"
@@ -86,15 +90,5 @@ def _runtime_defaults() -> dict[str, float]:
     return {**COMPRESSION_DEFAULTS, **COMPRESSION_RUNTIME_DEFAULTS}
 
 
-def _to_cpu(state: Any) -> Any:
-    return _to(state, torch.device("cpu"))
-
-
 def _to(state: Any, device: torch.device) -> Any:
-    if isinstance(state, torch.Tensor):
-        return state.detach().to(device)
-    if isinstance(state, dict):
-        return {k: _to(v, device) for k, v in state.items()}
-    if isinstance(state, (list, tuple)):
-        return [_to(v, device) for v in state]
-    return state
+    return tree_map_only(torch.Tensor, lambda t: t.detach().to(device), state)
