@@ -1,7 +1,8 @@
 """Measure a chain of ``nn.Module`` layers on a real sample micro-batch: times, output and saved-activation bytes.
 
 Per layer and micro-batch size: forward and backward seconds (median of ``repeats`` timed runs after ``warmup``
-untimed ones, with :class:`~uniap_lightning.profiling.timing.Timer`), and at the largest size the output bytes, the
+untimed ones, with :class:`~uniap_lightning.profiling.timing.Timer`; each run starts from cold caches, as a layer
+does in a training step, :class:`~uniap_lightning.profiling.timing.CacheFlush`), and at the largest size the output bytes, the
 bytes of the storages autograd saves for backward (parameters excluded) and the bytes the backward adds at its
 peak (:mod:`~uniap_lightning.profiling.memory`). The
 forward runs inside ``context`` - the precision plugin's forward context (autocast for ``bf16-mixed``) - exactly as
@@ -32,7 +33,7 @@ from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.profile import LayerProfile, ModelProfile, Timing
 from uniap_lightning.profiling.aggregate import Readings, never_faster_when_larger, pool_identical_layers, structure_key
 from uniap_lightning.profiling.memory import SavedBytes, backward_peak_bytes
-from uniap_lightning.profiling.timing import Timer
+from uniap_lightning.profiling.timing import CacheFlush, Timer
 from uniap_lightning.runtime.payload import backward_ones, call_layer, flatten, float_leaves, head, nbytes, rows
 
 Context = Callable[[], AbstractContextManager[Any]]
@@ -76,9 +77,9 @@ def is_meta(layer: nn.Module, x: Any) -> bool:
 
 
 def _measure_layer(layer: nn.Module, x: Any, repeats: int, warmup: int, context: Context,
-                   check: Callable[[Any], None]) -> tuple[Any, float, float, float, float]:
+                   check: Callable[[Any], None], flush: Callable[[], None]) -> tuple[Any, float, float, float, float]:
     """Run the layer on payload ``x``: (detached output, forward s, backward s, saved activation bytes, bytes the
-    backward adds at its peak) (:mod:`.memory`)."""
+    backward adds at its peak) (:mod:`.memory`). ``flush`` runs, untimed, before each forward."""
     if is_meta(layer, x):
         raise ProfilingUnavailable("the layer or its input is on the meta device (not materialized)")
     device = flatten(x)[0].device
@@ -88,6 +89,7 @@ def _measure_layer(layer: nn.Module, x: Any, repeats: int, warmup: int, context:
 
     def run(count: bool) -> tuple[Any, float, float]:
         inp = float_leaves(x)
+        flush()
         timer.synchronize()
         t0 = timer.mark()
         with saved.hooks() if count else nullcontext(), context():
@@ -115,7 +117,7 @@ def _detached(out: Any) -> Any:
 
 
 def _time_chain(layers: Sequence[nn.Module], names: Sequence[str], x: Any, repeats: int, warmup: int,
-                context: Context) -> tuple[list[tuple[float, float]], list[tuple[int, float, float]]]:
+                context: Context, flush: Callable[[], None]) -> tuple[list[tuple[float, float]], list[tuple[int, float, float]]]:
     """Every layer in order at one micro-batch size: times, and (out bytes summed over the output's tensors,
     activation bytes, backward peak bytes) per layer."""
     from uniap_lightning.runtime.chain import check_layer_output
@@ -124,7 +126,7 @@ def _time_chain(layers: Sequence[nn.Module], names: Sequence[str], x: Any, repea
     for i, (layer, name) in enumerate(zip(layers, names, strict=True)):
         check = partial(check_layer_output, i, name, layer, rows=rows(x))
         try:
-            y, fwd_s, bwd_s, act, peak = _measure_layer(layer, x, repeats, warmup, context, check)
+            y, fwd_s, bwd_s, act, peak = _measure_layer(layer, x, repeats, warmup, context, check, flush)
         except UniAPError:
             raise  # the chain contract is broken: an error, not a reason to guess a structural profile
         except ProfilingUnavailable as err:
@@ -162,9 +164,11 @@ def profile_layers(
     progress: Callable[[str], None] | None = None,
     sync: Callable[[], Any] | None = None,
     context: Context = nullcontext,
+    flush_bytes: int | None = None,
 ) -> ModelProfile:
     """Profile ``layers`` applied in order to ``sample_input`` (a payload, batch on dim 0) at each of
-    ``micro_batches`` sizes, the forward inside ``context`` (the precision's forward context).
+    ``micro_batches`` sizes, the forward inside ``context`` (the precision's forward context), each timed run
+    after ``flush_bytes`` written to evict the caches (None: the device's default; 0: hot caches).
 
     ``sync``, when given, is called once before each size, *also after an error* (e.g. a barrier, so that ranks
     profiling together time the same size at the same time; a rank that failed keeps answering the barriers, so
@@ -178,6 +182,7 @@ def profile_layers(
     if sizes[-1] != n_rows:
         sizes.append(n_rows)
     t_start = time.perf_counter()
+    flush = CacheFlush(flatten(sample_input)[0].device, flush_bytes)
     readings: Readings = {}
     stats: list[tuple[int, float, float]] = []  # at the largest size: out bytes, act bytes, backward peak
     skipped: dict[int, str] = {}
@@ -189,7 +194,8 @@ def profile_layers(
             if failure is not None:
                 continue
             try:
-                readings[m], size_stats = _time_chain(layers, names, head(sample_input, m), repeats, warmup, context)
+                readings[m], size_stats = _time_chain(layers, names, head(sample_input, m), repeats, warmup,
+                                                            context, flush)
             except ProfilingUnavailable as err:
                 if m == n_rows or "meta device" in str(err):
                     failure = err
@@ -211,7 +217,7 @@ def profile_layers(
     out = _layer_profiles(layers, names, readings, stats, tp_degrees=tp_degrees, tp_allreduces=tp_allreduces)
     meta = {
         "micro_batch": n_rows, "micro_batches": sorted(readings), "repeats": repeats,
-        "timer": Timer(flatten(sample_input)[0].device).name,
+        "timer": Timer(flatten(sample_input)[0].device).name, "cache_flush_bytes": flush.nbytes,
         "skipped_micro_batches": {str(m): why for m, why in skipped.items()},
         "profile_seconds": time.perf_counter() - t_start,
     }
