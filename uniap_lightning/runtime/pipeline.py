@@ -142,7 +142,8 @@ class PipelineRunner:
         self._loss_scale = scale / c  # the schedule does not divide by c (scale_grads=False, see the module doc)
         args = flatten(xs) if self.is_first else ()
         try:
-            self._schedule("train", xs).step(*args, target=self._indices() if self.is_last else None, losses=losses)
+            self._schedule("train", xs).step(*args, target=self._indices() if self.is_last else None, losses=losses,
+                                               return_outputs=False)
         finally:
             self._targets = []
         return self._pending_mean([loss.detach() / self._loss_scale for loss in losses])
