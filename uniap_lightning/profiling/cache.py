@@ -77,6 +77,24 @@ def model_code(layers: Sequence[Any]) -> dict[str, str]:
             for c in classes}
 
 
+def loss_code(fn: Any) -> str:
+    """Hash of the loss's source (the last layer's profile includes the loss): a bound ``uniap_loss`` by its
+    module's class, a loss module by its class, a function by its own source."""
+    owner = getattr(fn, "__self__", None)  # a bound method's module
+    if owner is None and not hasattr(fn, "__code__"):
+        owner = fn  # a loss module or another callable object
+    if owner is not None:
+        cls = type(owner)
+        name, src = f"{cls.__module__}.{cls.__qualname__}", _class_source(cls)
+    else:
+        name = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}"
+        try:
+            src = inspect.getsource(fn)
+        except (OSError, TypeError):
+            src = name
+    return f"{name}:{hashlib.sha256(src.encode()).hexdigest()[:16]}"
+
+
 def profile_key(*, layers: Sequence[Any], names: Sequence[str], input_shape: Sequence[int], input_dtype: str,
                 device: str, nodes: int, devices_per_node: int, settings: dict[str, Any], precision: str,
                 tp_degrees: Sequence[Sequence[int]], tp_allreduces: Sequence[int]) -> str:
@@ -94,7 +112,7 @@ def profile_key(*, layers: Sequence[Any], names: Sequence[str], input_shape: Seq
         "versions": versions(),
         "settings": settings,
         "kind": "model-profile", "fields": 7,  # 2: param_tensors; 3: "dp" overheads; 4: matrix_dims; 5: zero1/zero2;
-        # 6: memory by storage + backward peak; 7: layers timed from cold caches
+        # 6: memory by storage + backward peak; 7: layers timed from cold caches, the loss with the last layer
     })
 
 

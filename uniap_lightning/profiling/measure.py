@@ -77,9 +77,12 @@ def is_meta(layer: nn.Module, x: Any) -> bool:
 
 
 def _measure_layer(layer: nn.Module, x: Any, repeats: int, warmup: int, context: Context,
-                   check: Callable[[Any], None], flush: Callable[[], None]) -> tuple[Any, float, float, float, float]:
+                   check: Callable[[Any], None], flush: Callable[[], None],
+                   loss: Callable[[Any], torch.Tensor] | None = None) -> tuple[Any, float, float, float, float]:
     """Run the layer on payload ``x``: (detached output, forward s, backward s, saved activation bytes, bytes the
-    backward adds at its peak) (:mod:`.memory`). ``flush`` runs, untimed, before each forward."""
+    backward adds at its peak) (:mod:`.memory`). ``flush`` runs, untimed, before each forward. ``loss`` (the last
+    layer's): the loss of the output, computed inside the timed forward and back-propagated from, as training does;
+    without it the backward starts from a gradient of ones."""
     if is_meta(layer, x):
         raise ProfilingUnavailable("the layer or its input is on the meta device (not materialized)")
     device = flatten(x)[0].device
@@ -94,12 +97,14 @@ def _measure_layer(layer: nn.Module, x: Any, repeats: int, warmup: int, context:
         t0 = timer.mark()
         with saved.hooks() if count else nullcontext(), context():
             out = call_layer(layer, inp)
-        check(out)
+            check(out)
+            value = loss(out) if loss is not None else None
         t1 = timer.mark()
+        back = (lambda: backward_ones(out)) if value is None else value.backward
         if count:
-            peak[0] = backward_peak_bytes(lambda: backward_ones(out), layer.parameters(), device)
+            peak[0] = backward_peak_bytes(back, layer.parameters(), device)
         else:
-            backward_ones(out)
+            back()
         t2 = timer.mark()
         return _detached(out), timer.elapsed_s(t0, t1), timer.elapsed_s(t1, t2)
 
@@ -110,6 +115,35 @@ def _measure_layer(layer: nn.Module, x: Any, repeats: int, warmup: int, context:
     return out, statistics.median(fwd), statistics.median(bwd), float(saved.total), peak[0]
 
 
+class _Loss:
+    """The loss the last layer's figures include, checked once on the chain's output at ``x`` (no grad): a loss
+    that fails there (or a missing target) is left out of every size alike, ``why`` says why."""
+
+    def __init__(self, fn: Callable[[Any, Any], torch.Tensor] | None, target: Any, layers: Sequence[nn.Module],
+                 x: Any, context: Context) -> None:
+        self.fn, self.target = fn, target
+        self.why = "no loss given" if fn is None else "no target in the sample batch" if target is None else ""
+        if self.why or is_meta(layers[-1], x):
+            return
+        try:
+            with torch.no_grad(), training_state_kept(layers), context():
+                out = x
+                for layer in layers:
+                    out = call_layer(layer, out)
+                value = fn(out, head(target, rows(x)))
+            if not isinstance(value, torch.Tensor) or value.numel() != 1:
+                raise TypeError(f"the loss returned {type(value).__name__}, not a one-element tensor")
+        except Exception as err:  # noqa: BLE001 - the loss is left out of the profile, not fatal
+            self.why = f"left out: it failed on the sample ({type(err).__name__}: {str(err)[:160]})"
+
+    def at(self, m: int) -> Callable[[Any], torch.Tensor] | None:
+        if self.why:
+            return None
+        assert self.fn is not None
+        fn, target = self.fn, head(self.target, m)
+        return lambda out: fn(out, target).reshape(())
+
+
 def _detached(out: Any) -> Any:
     from uniap_lightning.runtime.payload import map_tensors
 
@@ -117,16 +151,18 @@ def _detached(out: Any) -> Any:
 
 
 def _time_chain(layers: Sequence[nn.Module], names: Sequence[str], x: Any, repeats: int, warmup: int,
-                context: Context, flush: Callable[[], None]) -> tuple[list[tuple[float, float]], list[tuple[int, float, float]]]:
+                context: Context, flush: Callable[[], None], loss: Callable[[Any], torch.Tensor] | None = None,
+                ) -> tuple[list[tuple[float, float]], list[tuple[int, float, float]]]:
     """Every layer in order at one micro-batch size: times, and (out bytes summed over the output's tensors,
-    activation bytes, backward peak bytes) per layer."""
+    activation bytes, backward peak bytes) per layer; ``loss`` goes with the last layer."""
     from uniap_lightning.runtime.chain import check_layer_output
 
     times, stats = [], []
     for i, (layer, name) in enumerate(zip(layers, names, strict=True)):
         check = partial(check_layer_output, i, name, layer, rows=rows(x))
         try:
-            y, fwd_s, bwd_s, act, peak = _measure_layer(layer, x, repeats, warmup, context, check, flush)
+            y, fwd_s, bwd_s, act, peak = _measure_layer(layer, x, repeats, warmup, context, check, flush,
+                                                        loss if i == len(layers) - 1 else None)
         except UniAPError:
             raise  # the chain contract is broken: an error, not a reason to guess a structural profile
         except ProfilingUnavailable as err:
@@ -165,10 +201,15 @@ def profile_layers(
     sync: Callable[[], Any] | None = None,
     context: Context = nullcontext,
     flush_bytes: int | None = None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    target: Any = None,
 ) -> ModelProfile:
     """Profile ``layers`` applied in order to ``sample_input`` (a payload, batch on dim 0) at each of
     ``micro_batches`` sizes, the forward inside ``context`` (the precision's forward context), each timed run
-    after ``flush_bytes`` written to evict the caches (None: the device's default; 0: hot caches).
+    after ``flush_bytes`` written to evict the caches (None: the device's default; 0: hot caches). With ``loss_fn``
+    and ``target`` (a payload with the batch on dim 0, or None) the last layer's figures include the loss - its
+    forward, its backward and what it saves - as a training step computes it right after that layer; a loss that
+    fails on the sample is left out (``meta["loss"]`` says why).
 
     ``sync``, when given, is called once before each size, *also after an error* (e.g. a barrier, so that ranks
     profiling together time the same size at the same time; a rank that failed keeps answering the barriers, so
@@ -183,6 +224,7 @@ def profile_layers(
         sizes.append(n_rows)
     t_start = time.perf_counter()
     flush = CacheFlush(flatten(sample_input)[0].device, flush_bytes)
+    with_loss = _Loss(loss_fn, target, layers, head(sample_input, sizes[0]), context)
     readings: Readings = {}
     stats: list[tuple[int, float, float]] = []  # at the largest size: out bytes, act bytes, backward peak
     skipped: dict[int, str] = {}
@@ -195,7 +237,7 @@ def profile_layers(
                 continue
             try:
                 readings[m], size_stats = _time_chain(layers, names, head(sample_input, m), repeats, warmup,
-                                                            context, flush)
+                                                      context, flush, with_loss.at(m))
             except ProfilingUnavailable as err:
                 if m == n_rows or "meta device" in str(err):
                     failure = err
@@ -218,6 +260,7 @@ def profile_layers(
     meta = {
         "micro_batch": n_rows, "micro_batches": sorted(readings), "repeats": repeats,
         "timer": Timer(flatten(sample_input)[0].device).name, "cache_flush_bytes": flush.nbytes,
+        "loss": with_loss.why or "with the last layer",
         "skipped_micro_batches": {str(m): why for m, why in skipped.items()},
         "profile_seconds": time.perf_counter() - t_start,
     }

@@ -131,14 +131,15 @@ class Measurements:
 
     # ------------------------------------------------------------------ profile
     def _profile_key(self, chain: Chain, x: torch.Tensor, everywhere: bool) -> str:
-        from uniap_lightning.profiling.cache import profile_key
+        from uniap_lightning.profiling.cache import loss_code, profile_key
         from uniap_lightning.runtime.tensor_parallel import tp_allreduces, tp_degrees
 
         o, r = self.options, self.ranks
         return profile_key(
             layers=chain.layers, names=chain.names, input_shape=input_shape(x), input_dtype=input_dtype(x),
             device=device_name(r.device), nodes=r.num_nodes, devices_per_node=r.devices_per_node,
-            settings={"repeats": o.profile_repeats, "micro_batches": o.profile_micro_batches, "overheads": everywhere},
+            settings={"repeats": o.profile_repeats, "micro_batches": o.profile_micro_batches, "overheads": everywhere,
+                      "loss": loss_code(chain.loss_fn)},
             precision=self.precision, tp_degrees=[tp_degrees(m) for m in chain.layers],
             tp_allreduces=[tp_allreduces(m) for m in chain.layers],
         )
@@ -172,7 +173,7 @@ class Measurements:
             progress=lambda msg: info(f"UniAP: profiling: {msg}"), why_no_input=sample.why_none, sync=sync,
             context=self.forward_context, tp_degrees=[tp_degrees(m) for m in chain.layers],
             tp_allreduces=[tp_allreduces(m) for m in chain.layers], model=type(chain.module).__name__,
-            device=device_name(self.ranks.device),
+            device=device_name(self.ranks.device), loss_fn=chain.loss_fn, target=sample.y,
         )
 
     def _save(self, key: str | None, profile: ModelProfile) -> None:

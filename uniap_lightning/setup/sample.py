@@ -28,6 +28,8 @@ class Sample:
     x: Any
     why_none: str
     global_batch_size: int | None
+    #: the batch's target, as many samples as ``x`` (profiling times the loss with the last layer); None: none
+    y: Any = None
 
     def shape(self) -> Any:
         """The input's shape (a tensor) or the shapes and dtypes of its tensors with its structure (a payload):
@@ -95,7 +97,7 @@ def take_sample(chain: Chain, trainer: pl.Trainer, device: torch.device,
     if batch is None:
         return Sample(None, why, loader_batch)
     try:
-        x, _ = chain.split_batch(batch)
+        x, y = chain.split_batch(batch)
     except UniAPError:
         raise
     except Exception as err:  # noqa: BLE001 - a batch we cannot split is profiled structurally
@@ -113,10 +115,26 @@ def take_sample(chain: Chain, trainer: pl.Trainer, device: torch.device,
                          f"({sorted(counts)}); every tensor of a batch must have the batch on dim 0")
     rows = payload_rows(x)
     x = to_device(head(x, min(rows, PROFILE_ROWS)), device)
+    y = _target_like(y, rows, min(rows, PROFILE_ROWS), device)
     if not any(is_meta(layer, t) for layer in chain.layers for t in _tensors(x)):
         with training_state_kept(chain.layers):
             check_chain_contract(chain, head(x, 2), context=context)
-    return Sample(x, "", rows)
+    return Sample(x, "", rows, y)
+
+
+def _target_like(y: Any, rows: int, keep: int, device: torch.device) -> Any:
+    """The target's first ``keep`` samples on ``device`` when it is a payload holding the batch on dim 0, else None
+    (the profile then leaves the loss out)."""
+    from uniap_lightning.runtime.payload import head, is_payload, rows as payload_rows, to_device
+
+    if isinstance(y, list):
+        y = tuple(y)
+    try:
+        if y is None or not is_payload(y) or payload_rows(y) != rows:
+            return None
+        return to_device(head(y, keep), device)
+    except Exception:  # noqa: BLE001 - a target we cannot slice: the loss is not profiled
+        return None
 
 
 def _tensors(x: Any) -> tuple[torch.Tensor, ...]:
