@@ -32,25 +32,19 @@ separately), ``stage_peak_memory_bytes`` (the largest peak of each stage's ranks
 ``rebalances``: the plan switches of a ``rebalance=True`` run so far (:mod:`uniap_lightning.rebalance`). A switch
 starts a new window after ``warmup_steps`` (figures of one window never mix two plans).
 
-What "peak memory" measures:
+What "peak memory" measures: tensor bytes, the quantity the plan predicts.
 
 - CUDA: ``torch.cuda.max_memory_allocated`` over the window (the caching allocator's peak of live tensors).
-- CPU: the bytes of this rank's local parameters and optimizer state (counted from the tensors), plus the largest
-  growth of the process's resident set during one step (``VmHWM`` after the step minus ``VmRSS`` before it, from
-  ``/proc/self/status``; ``VmHWM`` is reset before each step through ``/proc/self/clear_refs``, or, where that is
-  not allowed, the lifetime ``ru_maxrss`` is used). The growth covers gradients, activations and temporaries;
-  the Python / torch runtime itself is excluded on purpose (the plan does not predict it). glibc keeps the memory
-  of freed activations for reuse (its mmap threshold rises as large blocks are freed), so a later step would show
-  no growth: before the first step of each window the monitor hands that memory back (``malloc_trim(0)``), and
-  the window's peak is that step's. Only that step pays for touching its memory anew; the step time reported is
-  the window's median, which it does not move. (Starting the processes with ``MALLOC_MMAP_THRESHOLD_=65536``
-  instead makes every step slower: +40-80% on the demo's compute, measured.)
+- CPU: this rank's parameters, optimizer state and gradients at the start of the window's first step, plus the
+  most bytes of storages that step's ops hold at once (:class:`~uniap_lightning.monitor_memory.CpuStepMemory`).
+  Next to it the report gives the process's growth over that step (``rank_process_growth_bytes``: resident-set
+  high-water mark less the resident set before, after ``malloc_trim``), which adds what glibc keeps beyond live
+  tensors. That growth was the figure before; on the demo's two-stage plan it read 13.0-13.4 MiB against
+  9.5 MiB of tensors and a 10.9 MiB prediction.
 """
 
 from __future__ import annotations
 
-import functools
-import resource
 import statistics
 import time
 from pathlib import Path
@@ -60,36 +54,7 @@ import lightning.pytorch as pl
 import torch
 
 from uniap_lightning.files import write_json_atomic
-
-
-def _proc_status_kib(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
-@functools.cache
-def _libc() -> Any:
-    import ctypes
-    import ctypes.util
-
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")  # find_library runs ldconfig: once
-    except OSError:
-        return None
-
-
-def _trim_heap() -> None:
-    """Hand the memory glibc keeps for reuse back to the system (no-op where there is no glibc)."""
-    try:
-        _libc().malloc_trim(0)
-    except AttributeError:
-        pass
+from uniap_lightning.monitor_memory import CpuStepMemory
 
 
 def _plan_work_s(trainer: pl.Trainer) -> tuple[int, float] | None:
@@ -100,39 +65,6 @@ def _plan_work_s(trainer: pl.Trainer) -> tuple[int, float] | None:
         return None
     state = strategy.train_step_state
     return id(state), state.work_s
-
-
-def _reset_hwm() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _tensor_bytes(t: torch.Tensor) -> int:
-    from uniap_lightning.runtime.data_parallel import local_tensor
-
-    t = local_tensor(t)
-    return t.numel() * t.element_size()
-
-
-def static_bytes(module: torch.nn.Module, optimizers: list[Any]) -> int:
-    """Bytes of this rank's local parameters and optimizer state tensors."""
-    seen: set[int] = set()
-    total = 0
-    for p in module.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            total += _tensor_bytes(p.data)
-    for opt in optimizers:
-        opt = getattr(opt, "_optimizer", opt)
-        for state in opt.state.values():
-            for v in state.values():
-                if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    total += _tensor_bytes(v)
-    return total
 
 
 def _grad_sync_bytes(trainer: pl.Trainer) -> tuple[int, int]:
@@ -161,9 +93,8 @@ class UniAPMonitor(pl.Callback):
         self._work0: tuple[int, float] | None = None
         self._peaks: list[float] = []
         self._t0 = 0.0
-        self._rss0 = 0
-        self._hwm_reset = False
-        self._static = 0
+        self._cpu_memory = CpuStepMemory()
+        self._process_peaks: list[float] = []  # CPU: the process's growth over the measured step
         self._warned = False
         self._done = False
         self._pending: tuple[Any, list[torch.Tensor], int] | None = None  # (work, gathered, steps) of a window
@@ -192,12 +123,8 @@ class UniAPMonitor(pl.Callback):
         if dev is not None:
             torch.cuda.synchronize(dev)
             torch.cuda.reset_peak_memory_stats(dev)
-        else:
-            if not self._times:  # the window's first step: its growth is the step's whole working memory
-                self._static = static_bytes(pl_module, trainer.optimizers)
-                _trim_heap()
-            self._hwm_reset = _reset_hwm()
-            self._rss0 = (_proc_status_kib("VmRSS") or 0) * 1024
+        elif not self._times:  # the window's first step (see monitor_memory)
+            self._cpu_memory.start(pl_module, trainer.optimizers)
         self._work0 = _plan_work_s(trainer)
         self._t0 = time.perf_counter()
 
@@ -216,16 +143,14 @@ class UniAPMonitor(pl.Callback):
             self._work.append(work[1] - self._work0[1])
         if dev is not None:
             self._peaks.append(float(torch.cuda.max_memory_allocated(dev)))
-        else:
-            if self._hwm_reset:
-                hwm = (_proc_status_kib("VmHWM") or 0) * 1024
-            else:
-                hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-            self._peaks.append(float(self._static + max(hwm - self._rss0, 0)))
+        elif self._cpu_memory.active:
+            tensors, process = self._cpu_memory.stop()
+            self._peaks.append(tensors)
+            self._process_peaks.append(process)
         if len(self._times) >= self.window:
             self._sync = _grad_sync_bytes(trainer)
             self._start_report(trainer.strategy.root_device)
-            self._times, self._peaks, self._work = [], [], []
+            self._times, self._peaks, self._work, self._process_peaks = [], [], [], []
             self._done = not self.repeat
             if not self._distributed():
                 self._finish_report(trainer, pl_module)
@@ -233,6 +158,11 @@ class UniAPMonitor(pl.Callback):
     def on_plan_switch(self, trainer: pl.Trainer, event: dict[str, Any]) -> None:
         """The strategy switched plans (``rebalance=True``): drop the window in progress, warm up again."""
         self._times, self._peaks, self._work, self._seen, self._measuring = [], [], [], 0, False
+        self._process_peaks = []
+        self._cpu_memory.abandon()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._cpu_memory.abandon()  # a step that failed while measured must not leave the dispatch mode on
         self._done = False
 
     # ---------------------------------------------------------------- reporting
@@ -248,8 +178,9 @@ class UniAPMonitor(pl.Callback):
         import torch.distributed as dist
 
         work = statistics.median(self._work) if len(self._work) == len(self._times) else -1.0
-        mine = torch.tensor([statistics.median(self._times), max(self._peaks), *getattr(self, "_sync", (0, 0)), work],
-                            dtype=torch.float64, device=device)
+        process = max(self._process_peaks) if self._process_peaks else -1.0
+        mine = torch.tensor([statistics.median(self._times), max(self._peaks), *getattr(self, "_sync", (0, 0)), work,
+                             process], dtype=torch.float64, device=device)
         if self._distributed():
             gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
             work = dist.all_gather(gathered, mine, async_op=True)
@@ -268,11 +199,13 @@ class UniAPMonitor(pl.Callback):
         work = [float(t[4]) for t in gathered]
         self._report(trainer, pl_module, [float(t[0]) for t in gathered], [float(t[1]) for t in gathered], steps,
                      log=log, sync=[(float(t[2]), float(t[3])) for t in gathered],
-                     rank_work=work if min(work) >= 0 else None)
+                     rank_work=work if min(work) >= 0 else None,
+                     rank_process=[float(t[5]) for t in gathered] if min(float(t[5]) for t in gathered) >= 0 else None)
 
     def _report(self, trainer: pl.Trainer, pl_module: pl.LightningModule, rank_time: list[float],
                 rank_peak: list[float], steps: int, log: bool = True,
-                sync: list[tuple[float, float]] | None = None, rank_work: list[float] | None = None) -> None:
+                sync: list[tuple[float, float]] | None = None, rank_work: list[float] | None = None,
+                rank_process: list[float] | None = None) -> None:
         report: dict[str, Any] = {
             "tpi_s": max(rank_time),
             "rank_step_time_s": rank_time,
@@ -281,9 +214,12 @@ class UniAPMonitor(pl.Callback):
             "warmup_steps": self.warmup_steps,
             "global_step": trainer.global_step,
             "memory_measure": "cuda max_memory_allocated" if self._cuda(trainer) is not None else
-            ("cpu: params+optimizer state + step RSS growth (VmHWM-VmRSS)" if self._hwm_reset else
-             "cpu: params+optimizer state + step RSS growth (ru_maxrss-VmRSS)"),
+            "cpu: params+optimizer state+grads + the step's live tensor peak (dispatch mode)",
         }
+        if rank_process is not None:
+            report["rank_process_growth_bytes"] = rank_process
+            report["process_growth_measure"] = ("params+optimizer state + step RSS growth ("
+                                                + ("VmHWM" if self._cpu_memory.hwm_reset else "ru_maxrss") + "-VmRSS)")
         strategy = trainer.strategy  # UniAPStrategy once set up: the plan running now; another strategy: none
         plan = strategy.plan if getattr(strategy, "setup_result", None) is not None else None
         metrics = {"uniap/step_time_s": report["tpi_s"], "uniap/peak_memory_bytes": max(rank_peak)}
@@ -340,6 +276,8 @@ class UniAPMonitor(pl.Callback):
             mem = f"peak memory {max(rank_peak) / 2**20:,.1f} MiB"
             if plan is not None and plan.estimate is not None:
                 mem += f" (predicted {max(plan.estimate.stage_memory_bytes) / 2**20:,.1f} MiB)"
+            if rank_process is not None:
+                mem += f", process growth {max(rank_process) / 2**20:,.1f} MiB"
             if "uniap/grad_sync_bytes" in metrics:
                 mem += (f", gradient sync {metrics['uniap/grad_sync_bytes'] / 2**20:,.3f} MiB/step (predicted "
                         f"{metrics['uniap/predicted_grad_sync_bytes'] / 2**20:,.3f} MiB)")

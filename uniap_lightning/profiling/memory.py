@@ -52,9 +52,14 @@ class SavedBytes:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (it has no storage of its own); any other tensor itself."""
+    return getattr(t, "_local_tensor", t)
+
+
 class LiveBytes(TorchDispatchMode):
     """Bytes of the storages that ops create while the mode is active (views and in-place results of their inputs
-    excluded) and that are still alive; ``peak``: the most at any time."""
+    excluded) and that are still alive; ``peak``: the most at any time. A DTensor counts as its local shard."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -64,10 +69,11 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         inputs = {k[0] for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
-                  for k in [_storage_key(t)] if k is not None}
+                  for k in [_storage_key(_local(t))] if k is not None}
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor):
                 continue
+            t = _local(t)
             key = _storage_key(t)
             if key is None or key[1] == 0 or key[0] in inputs or key[0] in self._alive:
                 continue
