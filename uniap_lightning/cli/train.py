@@ -178,9 +178,20 @@ def _train(cfg: DictConfig, overrides: list[str], resume: Path | None) -> dict[s
         write_json_atomic(out / f"rank{trainer.global_rank}.json", result)
     if trainer.global_rank == 0:
         print(f"final train loss {result['final_loss']:.4f}, perplexity {result['train_ppl'] or float('nan'):.2f}, "
-              f"{timer.samples_per_s or float('nan'):.1f} samples/s measured "
+              f"{timer.samples_per_s or float('nan'):.1f} samples/s measured{_plan_work_rate(trainer, timer.batch)} "
               f"({result['samples_per_s'] or float('nan'):.1f} predicted)")
     return result
+
+
+def _plan_work_rate(trainer: Any, batch: int) -> str:
+    """", N in the plan's work": the monitor's last figure for the part of a step the plan predicts (on a CPU the
+    prediction is compared with it, see uniap_lightning.monitor); empty without one."""
+    from uniap_lightning.monitor import UniAPMonitor
+
+    for cb in trainer.callbacks:
+        if isinstance(cb, UniAPMonitor) and cb.last and cb.last.get("plan_work_s"):
+            return f", {batch / cb.last['plan_work_s']:.1f} in the plan's work"
+    return ""
 
 
 #: seconds the ranks this process started get to end by themselves once it has failed, before they are killed
