@@ -1,6 +1,7 @@
 """Where the demo's training step goes, against the plan's prediction (the README's `uniap train` model and data).
 
     python benchmarks/step_breakdown.py [--devices 2] [--steps 40] [--pp 2 --microbatches 8]
+                                        [--profile-flush-bytes 0]
 
 Runs the shipped tiny GPT on the shipped corpus with ``Trainer(strategy=UniAPStrategy(...))`` on ``--devices`` CPU
 processes (the cores shared out, as `uniap train` does), with the plan the strategy solves (as the demo), and times, on rank 0, per step (medians after 5
@@ -44,6 +45,10 @@ def _fit(rank: int, world: int, port: int, args: argparse.Namespace, cache: str)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       NODE_RANK="0")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    if args.profile_flush_bytes is not None:
+        from uniap_lightning.profiling import timing
+
+        timing.CPU_FLUSH_BYTES = args.profile_flush_bytes
     import lightning.pytorch as pl
     from hydra import compose, initialize_config_dir
 
@@ -169,6 +174,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--pp", type=int, default=0, help="pin a plan with this many stages (0: solve, as the demo)")
     parser.add_argument("--microbatches", type=int, default=1, help="micro-batches of the pinned plan")
+    parser.add_argument("--profile-flush-bytes", type=int, default=None,
+                        help="bytes the profiler writes before each timed layer run on a CPU (default: the "
+                             "library's, 64 MiB; 0: hot caches, as profiles were timed before)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as cache:
         mp.start_processes(_worker, args=(args.devices, _port(), args, cache), nprocs=args.devices,
