@@ -40,7 +40,7 @@ What "peak memory" measures: tensor bytes, the quantity the plan predicts.
   Next to it the report gives the process's growth over that step (``rank_process_growth_bytes``: resident-set
   high-water mark less the resident set before, after ``malloc_trim``), which adds what glibc keeps beyond live
   tensors. That growth was the figure before; on the demo's two-stage plan it read 13.0-13.4 MiB against
-  9.5 MiB of tensors and a 10.9 MiB prediction.
+  10.6 MiB of tensors and a 10.9 MiB prediction.
 """
 
 from __future__ import annotations
@@ -160,10 +160,10 @@ class UniAPMonitor(pl.Callback):
         self._times, self._peaks, self._work, self._seen, self._measuring = [], [], [], 0, False
         self._process_peaks = []
         self._cpu_memory.abandon()
+        self._done = False
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._cpu_memory.abandon()  # a step that failed while measured must not leave the dispatch mode on
-        self._done = False
 
     # ---------------------------------------------------------------- reporting
     @staticmethod
