@@ -100,7 +100,7 @@ def _measure_layer(layer: nn.Module, x: Any, repeats: int, warmup: int, context:
             check(out)
             value = loss(out) if loss is not None else None
         t1 = timer.mark()
-        back = (lambda: backward_ones(out)) if value is None else value.backward
+        back = value.backward if value is not None and value.requires_grad else (lambda: backward_ones(out))
         if count:
             peak[0] = backward_peak_bytes(back, layer.parameters(), device)
         else:
