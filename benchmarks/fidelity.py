@@ -12,8 +12,9 @@ micro-batch sizes the plans use, and the TP / FSDP overheads of each distinct la
 (``uniap_lightning.profiling.strategies``). Predictions are ``evaluate(problem, plan)`` with that measured profile and cluster;
 measurements come from :class:`uniap_lightning.monitor.UniAPMonitor` (median step time of ``--steps`` steps after
 ``--warmup``, the slowest rank; peak memory per rank as the monitor defines it on CPU), each plan run ``--rounds``
-times in rotating order and the median run reported (with the spread of the runs). glibc's mmap threshold is
-pinned at 64 KiB in the workers so that freed tensors leave the resident set (the monitor measures its growth).
+times in rotating order and the median run reported (with the spread of the runs). On a CPU the monitor's peak
+memory counts tensor bytes (``uniap_lightning.monitor_memory``), so glibc's settings no longer matter (this script
+used to pin its mmap threshold at 64 KiB, which slowed every step).
 
 Prints one row per plan and the summary: median absolute relative error (time, memory), Spearman rank correlation
 of predicted vs measured time, and where the planner's choice ranks among the measured times.
@@ -131,13 +132,14 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: str) ->
             f"{ {p: round(r['latency_us']) for p, r in measured['ops']['all_reduce'].items()} }")
         module = _module()
         chain = extract_chain(module)
-        ids = next(iter(_data(1)))[0]
+        ids, target = chain.split_batch(next(iter(_data(1))))
         t0 = time.perf_counter()
         prof = profile_layers(
             chain.layers, chain.names, ids, repeats=args["profile_repeats"], warmup=2,
             micro_batches=[1, 2, 4, 8, 16], tp_degrees=[tp_degrees(m) for m in chain.layers],
             tp_allreduces=[tp_allreduces(m) for m in chain.layers], model="fidelity-gpt", device="cpu",
-            sync=dist.barrier,
+            sync=dist.barrier, flush_bytes=args["profile_flush_bytes"],
+            loss_fn=None if args["no_loss"] else chain.loss_fn, target=target,
         )
         everyone: list[Any] = [None] * world
         dist.all_gather_object(everyone, prof.to_dict())  # as the strategy does: the median over the ranks
@@ -310,6 +312,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--profile-repeats", type=int, default=5)
+    ap.add_argument("--profile-flush-bytes", type=int, default=None,
+                    help="bytes written before each timed layer run (default: the library's; 0: hot caches)")
+    ap.add_argument("--no-loss", action="store_true", help="profile without the loss (as profiles were before)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="runs per plan, in rotating order; the median run counts (default 3)")
     ap.add_argument("--no-overheads", action="store_true",
@@ -319,14 +324,14 @@ def main() -> None:
     a = ap.parse_args()
     import torch.multiprocessing as mp
 
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # inherited by the spawned ranks (see docstring)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as out:
         args = {"steps": a.steps, "warmup": a.warmup, "profile_repeats": a.profile_repeats,
-                "no_overheads": a.no_overheads, "rounds": max(a.rounds, 1)}
+                "no_overheads": a.no_overheads, "rounds": max(a.rounds, 1),
+                "profile_flush_bytes": a.profile_flush_bytes, "no_loss": a.no_loss}
         mp.start_processes(_worker, args=(a.world, port, args, out), nprocs=a.world, start_method="spawn")
         log = json.loads(Path(out, "result.json").read_text())
     if a.json:
