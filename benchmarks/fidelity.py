@@ -151,9 +151,10 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: str) ->
         formula_profile = profile
         if not args["no_overheads"]:
             t0 = time.perf_counter()
+            tp_split: dict[int, float] = {}
             over = measure_overheads(chain.layers, chain.names, ids, micro_batches=[1, 4, 16],
-                                     devices_per_node=world, repeats=args["profile_repeats"])
-            profile = attach_overheads(profile, over)
+                                     devices_per_node=world, repeats=args["profile_repeats"], tp_split=tp_split)
+            profile = attach_overheads(profile, over, tp_split)
             log["setup"]["overheads_s"] = time.perf_counter() - t0
             say(f"timed TP / FSDP overheads in {log['setup']['overheads_s']:.1f} s")
         log["profile"] = profile.to_dict()

@@ -162,10 +162,13 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         layers = _chain()
         before = [p.detach().clone() for m in layers for p in m.parameters()]
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
-        res = measure_overheads(layers, [f"l{i}" for i in range(4)], x, micro_batches=[2, 8, 99], repeats=2)
+        split: dict[int, float] = {}
+        res = measure_overheads(layers, [f"l{i}" for i in range(4)], x, micro_batches=[2, 8, 99], repeats=2,
+                                tp_split=split)
         untouched = all(torch.equal(a, p) for a, p in zip(before, (p for m in layers for p in m.parameters())))
         no_grads = all(p.grad is None for m in layers for p in m.parameters())
-        torch.save({"res": res, "untouched": untouched, "no_grads": no_grads}, f"{out_dir}/rank{rank}.pt")
+        torch.save({"res": res, "untouched": untouched, "no_grads": no_grads, "split": split},
+                   f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -186,3 +189,20 @@ def test_measure_overheads_on_two_gloo_ranks(tmp_path):
     assert kinds(3) == modes  # no TP plan for a LayerNorm
     assert sorted({o.micro_batch for o in res[1]}) == [2, 8]  # 99 > the sample's 8 rows: skipped
     assert all(o.seconds == o.seconds and abs(o.seconds) < 5 for i in res for o in res[i])
+    # saved for backward per sample under TP 2: the column-parallel Linear keeps its whole input (16 floats), none
+    # split; the MLP keeps its input whole (32 floats) and splits GELU's input and fc2's input (64 + 64 floats)
+    assert r0["split"] == r1["split"] == {0: 0.0, 1: 128 * 4.0, 2: 128 * 4.0}
+
+
+def test_attach_overheads_turns_split_bytes_into_the_fraction() -> None:
+    from uniap_lightning.profiling.strategies import tp_split_bytes
+
+    assert tp_split_bytes(640.0, 384.0, 2) == 512.0  # 128 of 640 whole, 512 halved: 128 + 256 = 384 kept
+    assert tp_split_bytes(640.0, 700.0, 2) == 0.0 and tp_split_bytes(640.0, 0.0, 2) == 640.0  # clamped
+    assert tp_split_bytes(0.0, 0.0, 4) == 0.0
+    base = LayerProfile(name="l", forward_s=1e-3, backward_s=2e-3, params=10, activation_bytes=1000.0,
+                        output_bytes=4.0, tp_degrees=(1, 2))
+    prof = ModelProfile(model="m", layers=[base, replace(base, name="k")], source="measured")
+    out = attach_overheads(prof, {}, {0: 500.0})
+    assert out.layers[0].activation_tp_fraction == 0.5  # e.g. the loss's bytes, counted with the layer: not split
+    assert out.layers[1].activation_tp_fraction == 1.0  # not measured: unchanged

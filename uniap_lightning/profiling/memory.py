@@ -22,6 +22,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (it has no storage of its own); any other tensor itself."""
+    return getattr(t, "_local_tensor", t)
+
+
 def _storage_key(t: torch.Tensor) -> tuple[int, int] | None:
     try:
         storage = t.untyped_storage()
@@ -34,15 +39,16 @@ class SavedBytes:
     """``pack`` hook counting the bytes of every storage saved for backward once (``excluded``: parameters)."""
 
     def __init__(self, excluded: Iterable[torch.Tensor] = ()) -> None:
-        self._excluded = {k[0] for k in map(_storage_key, excluded) if k is not None}
+        self._excluded = {k[0] for t in excluded for k in [_storage_key(_local(t))] if k is not None}
         self._seen: set[int] = set()
         self.total = 0
 
     def pack(self, t: Any) -> Any:
         if isinstance(t, torch.Tensor):
-            key = _storage_key(t)
+            local = _local(t)  # a DTensor holds its local shard
+            key = _storage_key(local)
             if key is None:
-                self.total += t.numel() * t.element_size()
+                self.total += local.numel() * local.element_size()
             elif key[0] not in self._excluded and key[0] not in self._seen:
                 self._seen.add(key[0])
                 self.total += key[1]
@@ -50,11 +56,6 @@ class SavedBytes:
 
     def hooks(self) -> Any:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (it has no storage of its own); any other tensor itself."""
-    return getattr(t, "_local_tensor", t)
 
 
 class LiveBytes(TorchDispatchMode):

@@ -23,6 +23,12 @@ strategy it may get:
   whole step timed: on small layers FSDP2's per-call work dominates what the collective formulas see (the README
   demo: a ZeRO-2 plan predicted at 21 ms from the formulas ran at 52 ms).
 
+Under TP the bytes a layer saves for backward are counted too (on the local shards, at the largest size): the
+share of its activations that TP splits (``activation_tp_fraction``, from ``saved(t) = saved(1) ((1 - f) + f / t)``;
+norms, residual adds and the inputs of column-parallel projections stay whole on every rank) goes into the profile
+with the overheads, where the cost model used to assume every activation split (tensor-parallel plans measured
+13-23% more memory than predicted on the fidelity benchmark's GPT).
+
 Each is timed forward + backward at a few micro-batch sizes (samples per device), median of ``repeats`` after
 ``warmup``, right after the plain layer at the same size (also on every rank at once); the slowest rank's medians
 count. The result, per layer, is :class:`~uniap_lightning.planner.profile.Overhead` records (``seconds`` = measured
@@ -45,6 +51,7 @@ from torch import nn
 from uniap_lightning.planner.profile import ModelProfile, Overhead
 from uniap_lightning.profiling.aggregate import structure_key
 from uniap_lightning.profiling.measure import Context, training_state_kept
+from uniap_lightning.profiling.memory import SavedBytes
 from uniap_lightning.profiling.timing import Timer, median_s
 from uniap_lightning.runtime.payload import backward_ones, call_layer, flatten, float_leaves, head, rows, signature
 
@@ -79,6 +86,22 @@ def _fwd_bwd_s(layer: nn.Module, x: Any, repeats: int, warmup: int, context: Con
     for p in layer.parameters():
         p.grad = None
     return seconds
+
+
+def _saved_bytes(layer: nn.Module, x: Any, context: Context) -> float:
+    """Bytes ``layer`` saves for backward on ``x`` (local shards, each storage once, parameters excluded)."""
+    saved = SavedBytes(layer.parameters())
+    with saved.hooks(), context():
+        out = call_layer(layer, float_leaves(x))
+    del out
+    return float(saved.total)
+
+
+def tp_split_bytes(full_bytes: float, local_bytes: float, t: int) -> float:
+    """The bytes tensor parallelism divides: ``s`` in ``local = (full - s) + s / t``, within [0, full]."""
+    if full_bytes <= 0 or t <= 1:
+        return 0.0
+    return min(max((full_bytes - local_bytes) / (1.0 - 1.0 / t), 0.0), full_bytes)
 
 
 def _slowest(seconds: float, device: torch.device) -> float:
@@ -117,10 +140,13 @@ def measure_overheads(
     warmup: int = 1,
     progress: Callable[[str], None] | None = None,
     context: Context = nullcontext,
+    tp_split: dict[int, float] | None = None,
 ) -> dict[int, list[Overhead]]:
     """Collective (every rank calls it with the same chain): ``{layer index: [Overhead, ...]}``, the same on every
     rank. ``micro_batches`` are samples per device; sizes larger than ``sample_input`` are skipped. Forwards run
-    inside ``context`` (the precision's forward context), as in training."""
+    inside ``context`` (the precision's forward context), as in training. ``tp_split``, when given, receives for
+    each TP-capable layer the saved bytes per sample that TP divides (:func:`tp_split_bytes`; the least over the
+    degrees timed and the ranks; the same on every rank), for :func:`attach_overheads`."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -154,6 +180,8 @@ def measure_overheads(
             key = structure_key(layer) + (repr(signature(head(inputs[i], 1))),)
             if key in seen:
                 out[i] = out[seen[key]]
+                if tp_split is not None and seen[key] in tp_split:
+                    tp_split[i] = tp_split[seen[key]]
                 continue
             seen[key] = i
             records: list[Overhead] = []
@@ -162,6 +190,11 @@ def measure_overheads(
                 replicated = zero = None
                 if kind == "tp":
                     apply_tp(shard, name, meshes[k])
+                    if tp_split is not None and sizes:
+                        xm = head(inputs[i], sizes[-1])
+                        local = _slowest(_saved_bytes(shard, xm, context), device)  # the rank keeping the most
+                        split = tp_split_bytes(_saved_bytes(layer, xm, context), local, k) / sizes[-1]
+                        tp_split[i] = min(tp_split.get(i, split), split)
                 elif kind == "fsdp":
                     fully_shard(shard, mesh=meshes[k], reshard_after_forward=True)
                 elif kind in ("zero1", "zero2"):
@@ -188,9 +221,20 @@ def measure_overheads(
     return out
 
 
-def attach_overheads(profile: ModelProfile, overheads: dict[int, list[Overhead]]) -> ModelProfile:
-    """The profile with each layer's measured overheads (replacing any it had)."""
-    layers = [replace(lp, overheads=tuple(overheads.get(i, lp.overheads))) for i, lp in enumerate(profile.layers)]
+def attach_overheads(profile: ModelProfile, overheads: dict[int, list[Overhead]],
+                     tp_split: dict[int, float] | None = None) -> ModelProfile:
+    """The profile with each layer's measured overheads (replacing any it had) and, from ``tp_split`` (bytes per
+    sample TP divides, :func:`measure_overheads`), its ``activation_tp_fraction``: that share of the layer's
+    activation bytes (which may hold more than the layer saves, e.g. the loss's with the last layer: not split)."""
+    split = tp_split or {}
+
+    def fraction(i: int, lp: Any) -> float:
+        if i not in split or lp.activation_bytes <= 0:
+            return lp.activation_tp_fraction
+        return min(split[i] / lp.activation_bytes, 1.0)
+
+    layers = [replace(lp, overheads=tuple(overheads.get(i, lp.overheads)), activation_tp_fraction=fraction(i, lp))
+              for i, lp in enumerate(profile.layers)]
     meta = dict(profile.meta)
     meta["overheads_measured"] = True
     return ModelProfile(model=profile.model, layers=layers, source=profile.source, device=profile.device, meta=meta)

@@ -259,14 +259,15 @@ class Measurements:
         t0 = time.perf_counter()
         info(f"UniAP: timing the layers under tensor parallelism and FSDP on {self.ranks.world_size} ranks "
              f"(micro-batches {sizes}) ...")
+        tp_split: dict[int, float] = {}
         overheads = measure_overheads(
             chain.layers, chain.names, x, micro_batches=sizes, devices_per_node=self.ranks.devices_per_node,
             repeats=self.options.profile_repeats, progress=lambda msg: info(f"UniAP: profiling strategies: {msg}"),
-            context=self.forward_context,
+            context=self.forward_context, tp_split=tp_split,
         )
         self.report["strategies_s"] = time.perf_counter() - t0
         info(f"UniAP: timed TP / FSDP overheads in {self.report['strategies_s']:.1f} s")
-        return attach_overheads(profile, overheads)
+        return attach_overheads(profile, overheads, tp_split)
 
 
 def _params(chain: Chain) -> list[int]:
