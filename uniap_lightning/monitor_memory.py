@@ -74,14 +74,13 @@ def _tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _unique_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return list({id(p): p for p in module.parameters()}.values())
+
+
 def static_bytes(module: torch.nn.Module, optimizers: list[Any]) -> int:
     """Bytes of this rank's local parameters and optimizer state tensors."""
-    seen: set[int] = set()
-    total = 0
-    for p in module.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            total += _tensor_bytes(p.data)
+    total = sum(_tensor_bytes(p.data) for p in _unique_params(module))
     for opt in optimizers:
         opt = getattr(opt, "_optimizer", opt)
         for state in opt.state.values():
@@ -93,13 +92,7 @@ def static_bytes(module: torch.nn.Module, optimizers: list[Any]) -> int:
 
 def grad_bytes(module: torch.nn.Module) -> int:
     """Bytes of the gradients this rank's parameters hold now (none after ``zero_grad(set_to_none=True)``)."""
-    seen: set[int] = set()
-    total = 0
-    for p in module.parameters():
-        if id(p) not in seen and p.grad is not None:
-            seen.add(id(p))
-            total += _tensor_bytes(p.grad)
-    return total
+    return sum(_tensor_bytes(p.grad) for p in _unique_params(module) if p.grad is not None)
 
 
 class CpuStepMemory:
