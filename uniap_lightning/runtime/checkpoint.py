@@ -35,86 +35,187 @@ def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict
     return get_optimizer_state_dict(module, optimizer, options=_options())
 
 
-#: What a DCP ``.metadata`` file may name: DCP's own records, tensor sizes, dtypes and layouts, paths.
-_DCP_METADATA_GLOBALS = {
-    "torch": {"Size"},
-    "torch.serialization": {"_get_layout"},
-    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
-    "collections": {"OrderedDict"},
-}
-_DCP_METADATA_MODULES = ("torch.distributed.checkpoint.",)
-
-
 def check_dcp_metadata(folder: Path) -> None:
-    """Refuse a DCP folder whose ``.metadata`` names anything but DCP's own records.
+    """Refuse a DCP folder whose ``.metadata`` names anything but DCP's own records, or whose records are not
+    well formed (see :func:`~uniap_lightning.runtime.checkpoint_safety.read_metadata`): nothing in it runs."""
+    from uniap_lightning.runtime.checkpoint_safety import read_metadata
 
-    torch's ``FileSystemReader`` reads ``.metadata`` with a plain ``pickle.load``, which runs any code a crafted
-    file names; this reads it first with an unpickler that resolves only the globals DCP writes.
-    """
-    import io
-    import pickle
+    read_metadata(Path(folder))
+
+
+def _refuse_non_file(path: Path) -> None:
+    """A FIFO would block ``torch.load``'s open; a device (``/dev/zero``) would be read forever."""
+    import os
+    import stat
 
     from uniap_lightning.errors import UniAPError
 
-    class _Restricted(pickle.Unpickler):
-        def find_class(self, module: str, name: str) -> Any:
-            allowed = name in _DCP_METADATA_GLOBALS.get(module, ()) or module.startswith(_DCP_METADATA_MODULES)
-            if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-                allowed = True
-            if not allowed:
-                raise pickle.UnpicklingError(f"{module}.{name} is not part of a distributed checkpoint's metadata")
-            return super().find_class(module, name)
-
-    path = Path(folder) / ".metadata"
     try:
-        _Restricted(io.BytesIO(path.read_bytes())).load()
-    except Exception as err:  # noqa: BLE001 - any failure means: not a checkpoint we will read
-        raise UniAPError(f"{path}: refused to load this distributed checkpoint ({type(err).__name__}: {err}); "
-                         "UniAP never runs code from a checkpoint file") from err
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError as err:
+        raise UniAPError(f"{path}: the checkpoint file is missing") from err
+    except OSError as err:
+        raise UniAPError(f"{path}: not a readable checkpoint file ({err.strerror or err})") from err
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UniAPError(f"{path}: not a regular file, so not a checkpoint file")
+    finally:
+        os.close(fd)
 
 
 def load_plain(path: Path) -> Any:
     """``torch.load`` with ``weights_only=True`` (tensors and plain data only), on the CPU; a file that needs more
-    (pickled classes or functions, which could run code) is refused with a :class:`UniAPError`."""
+    (pickled classes or functions, which could run code) is refused with a :class:`UniAPError`, and so is a file
+    that is damaged or not a regular file."""
     import pickle
 
     from uniap_lightning.errors import UniAPError
 
+    path = Path(path)
+    _refuse_non_file(path)
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UniAPError(f"{path}: refused to load: it holds pickled Python objects beyond tensors and plain data "
                          f"({first}). UniAP never runs code from a checkpoint file; re-save it with plain data.") from err
-    except (OSError, RuntimeError, EOFError) as err:
-        raise UniAPError(f"{path}: not a readable checkpoint file ({type(err).__name__}: {err})") from err
+    except (OSError, RuntimeError, EOFError, ValueError, MemoryError, OverflowError) as err:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise UniAPError(f"{path}: not a readable checkpoint file ({type(err).__name__}: {first})") from err
+
+
+def _first_failure(err: BaseException) -> BaseException:
+    """The first rank's exception inside DCP's ``CheckpointException`` (else ``err``)."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = failures[min(failures)]
+        return first[0] if isinstance(first, tuple) else first
+    return err
+
+
+def dcp_read(state: dict[str, Any], path: Path, *, planner: Any, no_dist: bool = False, whole: bool = False) -> None:
+    """``dcp.load`` through the safe reader and ``planner``; whatever fails while reading (a shard with bad bytes,
+    an entry that names code) is one :class:`UniAPError` that names the checkpoint, on every rank. ``whole``: fill
+    an empty ``state`` with everything in the checkpoint (``dcp.load`` would fill a copy; torch's own
+    ``dcp_to_torch_save`` calls the loader underneath for this, and so does this)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from uniap_lightning.errors import UniAPError
+    from uniap_lightning.runtime.checkpoint_safety import safe_reader
+
+    try:
+        if whole:
+            from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+            _load_state_dict(state, storage_reader=safe_reader(path), planner=planner, no_dist=no_dist)
+        else:
+            dcp.load(state, storage_reader=safe_reader(path), planner=planner, no_dist=no_dist)
+    except (CheckpointException, Exception) as err:  # noqa: BLE001 - CheckpointException is a BaseException
+        cause = _first_failure(err)
+        if isinstance(cause, UniAPError):
+            raise UniAPError(f"checkpoint {path}: {cause}") from cause
+        first = (str(cause).strip().splitlines() or [type(cause).__name__])[0][:200]
+        raise UniAPError(f"checkpoint {path} is damaged ({type(cause).__name__}: {first}); use an older "
+                         "checkpoint") from cause
 
 
 def load(path: Path, module: nn.Module, optimizers: list[torch.optim.Optimizer], *, strict: bool = True) -> None:
-    """Load weights (and optimizer states when ``optimizers`` is non-empty) in place from a DCP folder."""
-    import torch.distributed.checkpoint as dcp
+    """Load weights (and optimizer states when ``optimizers`` is non-empty) in place from a DCP folder: the
+    checkpoint is checked against this model first (:func:`check_fits`), then read without running code."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    check_dcp_metadata(path)
+    from uniap_lightning.runtime.checkpoint_safety import safe_load_planner
+
+    metadata = checked_metadata(path)
     state: dict[str, Any] = {"state_dict": model_state(module)}
     for i, opt in enumerate(optimizers):
         state[f"optimizer_{i}"] = optimizer_state(module, opt)
-    dcp.load(state, checkpoint_id=path)
+    check_fits(path, metadata, state, strict=strict)
+    dcp_read(state, path, planner=safe_load_planner())
     set_model_state_dict(module, state["state_dict"], options=_options(strict=strict))
     for i, opt in enumerate(optimizers):
         set_optimizer_state_dict(module, opt, state[f"optimizer_{i}"], options=_options())
 
 
-def load_full_weights(state_dict: dict[str, Any], module: nn.Module, *, strict: bool = True) -> None:
-    """Load full (unsharded) weights, e.g. from a single-device checkpoint; each rank keeps its layers' part."""
+def checked_metadata(path: Path) -> Any:
+    """The checkpoint's DCP metadata, refused if it names code and reported as damaged if a shard is missing or
+    shorter than the metadata says."""
+    from uniap_lightning.errors import UniAPError
+    from uniap_lightning.runtime.checkpoint_safety import read_metadata, shard_problem
+
+    metadata = read_metadata(Path(path))
+    problem = shard_problem(Path(path), metadata)
+    if problem is not None:
+        raise UniAPError(f"checkpoint {path} is damaged: {problem}; use an older checkpoint")
+    return metadata
+
+
+def _flat_shapes(state: dict[str, Any]) -> dict[str, tuple[int, ...] | None]:
+    """DCP's flattened key of every entry of ``state`` -> its global shape (None for non-tensors)."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, _ = flatten_state_dict(state)
+    return {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in flat.items()}
+
+
+def check_fits(path: Path, metadata: Any, state: dict[str, Any], *, strict: bool) -> None:
+    """Refuse, on every rank alike and before any weight is read, a checkpoint of another model: weights this
+    model has and the checkpoint lacks (``strict``), weights of other shapes, weights the checkpoint has that no
+    rank's part of this model has (another layer count), optimizer states of another optimizer. Collective when
+    a process group is up (each rank knows only its stages' names)."""
+    import torch.distributed as dist
+
+    from uniap_lightning.errors import UniAPError
+
+    saved = metadata.state_dict_metadata
+    mine = _flat_shapes(state)
+    parts: list[Any] = [mine]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine)
+    wanted: dict[str, tuple[int, ...] | None] = {}
+    for part in parts:
+        wanted.update(part)
+    problems = []
+    missing = sorted(k for k in wanted if k not in saved and (strict or not k.startswith("state_dict.")))
+    if missing:
+        problems.append(f"{len(missing)} entries of this model are not in it (e.g. {', '.join(missing[:3])})")
+    extra = sorted(k for k in saved if k.startswith("state_dict.") and k not in wanted)
+    if extra and strict:
+        problems.append(f"{len(extra)} weights in it are not in this model (e.g. {', '.join(extra[:3])})")
+    shapes = []
+    for key, shape in sorted(wanted.items()):
+        entry = saved.get(key)
+        size = getattr(entry, "size", None)
+        if shape is not None and size is not None and tuple(size) != shape:
+            shapes.append(f"{key}: saved {list(size)}, this model {list(shape)}")
+    if shapes:
+        problems.append(f"{len(shapes)} shapes differ (e.g. {'; '.join(shapes[:2])})")
+    if problems:
+        raise UniAPError(f"checkpoint {path} does not fit this model: {'; '.join(problems)}. Was it saved from "
+                         "another model or configuration (layer count, sizes, sequence length, optimizer)?")
+
+
+def load_full_weights(state_dict: dict[str, Any], module: nn.Module, *, strict: bool = True,
+                      path: Path | None = None) -> None:
+    """Load full (unsharded) weights, e.g. from a single-device checkpoint; each rank keeps its layers' part.
+    Missing weights (``strict``) and weights of another shape are one :class:`UniAPError` before any is copied."""
     from uniap_lightning.errors import UniAPError
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
+    where = f"checkpoint {path}" if path is not None else "the checkpoint"
     local = model_state(module)
     missing = sorted(set(local) - set(state_dict))
     if strict and missing:
-        raise UniAPError(f"the checkpoint lacks {len(missing)} weights of this model, e.g. {missing[:3]}")
+        raise UniAPError(f"{where} lacks {len(missing)} weights of this model, e.g. {missing[:3]}")
     mine = {k: v for k, v in state_dict.items() if k in local}
+    shapes = [f"{k}: saved {list(v.shape)}, this model {list(local[k].shape)}" for k, v in sorted(mine.items())
+              if isinstance(v, torch.Tensor) and tuple(v.shape) != tuple(local[k].shape)]
+    bad = sorted(k for k, v in mine.items() if not isinstance(v, torch.Tensor))
+    if shapes or bad:
+        what = f"{len(shapes)} shapes differ (e.g. {'; '.join(shapes[:2])})" if shapes else f"{bad[:3]} are not tensors"
+        raise UniAPError(f"{where} does not fit this model: {what}")
     set_model_state_dict(module, mine, options=_options(full_state_dict=True, strict=False))
 
 
@@ -149,25 +250,20 @@ def save_consolidated(module: nn.Module, path: str | Path, *, rank: int) -> None
 def consolidate_checkpoint(checkpoint_dir: str | Path, output_file: str | Path) -> None:
     """Offline (one process, no process group): turn a DCP checkpoint folder into one file of full weights.
 
-    torch's own ``dcp_to_torch_save`` reads the whole checkpoint (weights, optimizer states, loop state) into
-    one ``torch.save`` file next to the output; the weights are then taken from it (loaded with
-    ``weights_only=True``) and written to ``output_file`` through a temporary file and a rename.
+    The whole checkpoint is read into memory through the same safe reader as a resume (no pickle that names code
+    is loaded, from ``.metadata`` or from any entry of a shard), then its weights are written to ``output_file``
+    through a temporary file and a rename.
     """
-    import os
-    import tempfile
+    from uniap_lightning.files import check_output_file
+    from uniap_lightning.runtime.checkpoint_safety import safe_full_load_planner
 
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    check_dcp_metadata(Path(checkpoint_dir))
-    out = Path(output_file)
-    fd, everything = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".all", dir=out.parent)
-    os.close(fd)
-    try:
-        dcp_to_torch_save(str(checkpoint_dir), everything)
-        weights = load_plain(Path(everything)).get("state_dict", {})
-        save_atomic({k: v for k, v in weights.items() if isinstance(v, torch.Tensor)}, out)
-    finally:
-        Path(everything).unlink(missing_ok=True)
+    folder = Path(checkpoint_dir)
+    checked_metadata(folder)
+    out = check_output_file(output_file, "output file")
+    everything: dict[str, Any] = {}
+    dcp_read(everything, folder, planner=safe_full_load_planner(), no_dist=True, whole=True)
+    weights = everything.get("state_dict", {})
+    save_atomic({k: v for k, v in weights.items() if isinstance(v, torch.Tensor)}, out)
 
 
 def save_atomic(obj: Any, path: str | Path) -> None:
@@ -238,17 +334,23 @@ def load_any(path: Path, module: nn.Module, optimizers: list[torch.optim.Optimiz
 
     from uniap_lightning.errors import UniAPError
 
+    from uniap_lightning.runtime.checkpoint_safety import check_meta
+
     strict = getattr(module, "strict_loading", True)  # the LightningModule's choice
     if path.is_file():
         checkpoint = load_plain(path)
-        load_full_weights(checkpoint["state_dict"], module, strict=strict)
+        if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
+            raise UniAPError(f"{path}: not a Lightning checkpoint (no state_dict of weights)")
+        check_meta(checkpoint, path, require_loops=False)
+        load_full_weights(checkpoint["state_dict"], module, strict=strict, path=path)
         if checkpoint.pop("optimizer_states", None) and optimizers:
             rank_zero_warn(f"{path.name} is a single-file checkpoint: optimizer states start fresh under UniAP")
         return checkpoint
     if not (path / _METADATA_FILENAME).is_file():
         raise UniAPError(f"{path} is neither a checkpoint file nor a distributed checkpoint folder with "
                          f"{_METADATA_FILENAME}")
-    check_dcp_metadata(path)
+    checked_metadata(path)
     metadata = load_plain(path / _METADATA_FILENAME)
+    check_meta(metadata, path / _METADATA_FILENAME)
     guard(lambda: load(path, module, optimizers, strict=strict))
     return metadata
