@@ -124,17 +124,34 @@ class CheckpointOnSigterm(Callback):
         self.saved = path
 
 
-def newest_checkpoint(dirpath: str | Path) -> Path | None:
-    """The complete checkpoint with the highest step in ``dirpath`` (written by :class:`CheckpointOnSigterm` or
-    any ``step-*.ckpt``), or ``None``. Half-written ones (a run killed mid-save) are never complete."""
-    from uniap_lightning.runtime.checkpoint import is_complete_checkpoint
+def newest_checkpoint(dirpath: str | Path, *, skipped: list[tuple[Path, str]] | None = None) -> Path | None:
+    """The usable checkpoint with the highest step in ``dirpath`` (written by :class:`CheckpointOnSigterm` or any
+    ``step-*.ckpt``), or ``None``. Half-written ones (a run killed mid-save) never carry a real name; damaged ones
+    (a shard missing or truncated, metadata or loop state refused, see
+    :func:`~uniap_lightning.runtime.checkpoint_safety.checkpoint_problem`) are passed over, newest first, and
+    listed in ``skipped`` as (path, why) when given."""
+    from uniap_lightning.runtime.checkpoint_safety import checkpoint_problem
 
+    for _, path in sorted(step_checkpoints(dirpath), reverse=True):
+        why = checkpoint_problem(path)
+        if why is None:
+            return path
+        if skipped is not None:
+            skipped.append((path, why))
+    return None
+
+
+def step_checkpoints(dirpath: str | Path) -> list[tuple[int, Path]]:
+    """Every ``step-<N>.ckpt`` entry in ``dirpath`` with its step, whatever its state."""
+    folder = Path(dirpath)
+    if not folder.is_dir():
+        return []
     found = []
-    for path in Path(dirpath).glob("step-*.ckpt"):
+    for path in folder.glob("step-*.ckpt"):
         step = path.name[len("step-"):-len(".ckpt")]
-        if step.isdigit() and is_complete_checkpoint(path):
+        if step.isdigit() and len(step) < 18:
             found.append((int(step), path))
-    return max(found)[1] if found else None
+    return found
 
 
 class TrainLossLogger(Callback):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -57,9 +59,26 @@ def test_sigterm_then_resume_matches_an_uninterrupted_run(tmp_path: Path) -> Non
     assert (run / "checkpoints" / f"step-{step:08d}.ckpt" / ".metadata").is_file()
     assert not list((run / "checkpoints").glob(".*partial"))
 
+    # what a resume must refuse, each with one line before any rank starts: another model, nothing left to train
+    for extra, why in (("model.layers=3", "saved from another model.*3 shapes differ|weights of another model"),
+                       ("data.seq_len=32", "saved from another model.*shapes differ"),
+                       (f"trainer.max_steps={step}", f"is at step {step} and trainer.max_steps={step}: nothing")):
+        refused = _train(run, cache, "resume=auto", extra)
+        errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+        assert refused.returncode == 2 and len(errors) == 1 and re.search(why, errors[0]), refused.stderr[-3000:]
+        assert "Traceback" not in refused.stderr
+
+    # a newer checkpoint that is damaged (a shard cut short) is skipped, with a warning naming it
+    good = run / "checkpoints" / f"step-{step:08d}.ckpt"
+    damaged = good.with_name(f"step-{step + 1:08d}.ckpt")
+    shutil.copytree(good, damaged)
+    shard = sorted(damaged.glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[:10])
     resumed = _train(run, cache, "resume=auto", f"out={tmp_path / 'resumed_out'}")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert "resuming from" in resumed.stdout
+    assert f"resuming from {Path('checkpoints') / good.name}" in resumed.stdout, resumed.stdout[-3000:]
+    assert f"skipping the damaged checkpoint {Path('checkpoints') / damaged.name}: the shard {shard.name} is truncated" \
+        in resumed.stderr
     a, b = _final(tmp_path / "whole_out"), _final(tmp_path / "resumed_out")
     assert b["steps"] == a["steps"] == 24
     assert b["final_loss"] == pytest.approx(a["final_loss"], rel=1e-5)

@@ -214,24 +214,83 @@ PREEMPTED_EXIT_CODE = 143
 
 
 def resume_from(cfg: DictConfig) -> Path | None:
-    """The checkpoint to resume: ``resume=auto`` (the newest complete one in ``checkpoint_dir``, none: a fresh
-    start) or ``resume=PATH`` (must be a checkpoint)."""
+    """The checkpoint to resume: ``resume=auto`` (the newest usable one in ``checkpoint_dir``: damaged ones are
+    skipped with a warning, and a fresh start says what was lost; none at all: a fresh start) or ``resume=PATH``
+    (must be a usable checkpoint). Either is then checked against this run (:func:`check_resume`) before any rank
+    starts: one error line for a checkpoint of another model or one already past ``trainer.max_steps``."""
     from uniap_lightning.callbacks import newest_checkpoint
-    from uniap_lightning.runtime.checkpoint import is_complete_checkpoint
+    from uniap_lightning.runtime.checkpoint import is_complete_checkpoint, partial_path
+    from uniap_lightning.runtime.checkpoint_safety import checkpoint_problem
 
     if not cfg.resume:
         return None
+    lead = os.environ.get("LOCAL_RANK", "0") == "0"
     if str(cfg.resume) == "auto":
-        found = newest_checkpoint(cfg.checkpoint_dir)
-        if os.environ.get("LOCAL_RANK", "0") == "0":
-            what = f"resuming from {found}" if found else f"no checkpoint in {cfg.checkpoint_dir}/, starting fresh"
-            print(f"resume=auto: {what}", flush=True)
-        return found
-    path = Path(str(cfg.resume))
-    if not (path.is_file() or is_complete_checkpoint(path)):
-        raise UniAPError(f"resume={str(path)!r} is not a checkpoint (a checkpoint file, or a folder with .metadata and "
-                         "meta.pt); use resume=auto for the newest one in checkpoint_dir")
+        folder = Path(str(cfg.checkpoint_dir))
+        skipped: list[tuple[Path, str]] = []
+        found = newest_checkpoint(folder, skipped=skipped)
+        if lead:
+            for path, why in skipped:
+                print(f"warning: resume=auto: skipping the damaged checkpoint {path}: {why}", file=sys.stderr, flush=True)
+            half = sorted(folder.glob(partial_path(Path("step-*.ckpt")).name)) if folder.is_dir() else []
+            if found is not None:
+                later = f" (the steps after it, in {len(skipped)} damaged checkpoint(s), are trained again)" if skipped else ""
+                print(f"resume=auto: resuming from {found}{later}", flush=True)
+            elif skipped or half:
+                print(f"resume=auto: no usable checkpoint in {folder}/ ({len(skipped)} damaged, {len(half)} "
+                      "half-written): starting fresh; the steps they held are lost", flush=True)
+            else:
+                print(f"resume=auto: no checkpoint in {folder}/, starting fresh", flush=True)
+        path = found
+    else:
+        path = Path(str(cfg.resume))
+        if not (path.is_file() or is_complete_checkpoint(path)):
+            raise UniAPError(f"resume={str(path)!r} is not a checkpoint (a checkpoint file, or a folder with .metadata "
+                             "and meta.pt); use resume=auto for the newest one in checkpoint_dir")
+        why = checkpoint_problem(path) if path.is_dir() else None
+        if why is not None:
+            raise UniAPError(f"resume={str(path)!r}: the checkpoint is damaged: {why}; use an older one, or resume=auto "
+                             "(which skips damaged checkpoints)")
+    if path is not None:
+        check_resume(cfg, path)
     return path
+
+
+def check_resume(cfg: DictConfig, path: Path) -> None:
+    """Refuse a checkpoint this run cannot continue: one at or past ``trainer.max_steps`` (nothing would train), or
+    one of another model (weights missing, extra or of other shapes: layer count, sizes, sequence length). The
+    model is built on the meta device, so this costs no memory."""
+    import torch
+
+    from uniap_lightning.runtime.checkpoint import load_plain
+    from uniap_lightning.runtime.checkpoint_safety import check_meta, read_metadata
+
+    meta = load_plain(path / "meta.pt" if path.is_dir() else path)
+    check_meta(meta, path / "meta.pt" if path.is_dir() else path, require_loops=path.is_dir())
+    step, max_steps = meta["global_step"], cfg.trainer.get("max_steps")
+    if max_steps is not None and int(max_steps) >= 0 and step >= int(max_steps):
+        raise UniAPError(f"resume: {path} is at step {step} and trainer.max_steps={int(max_steps)}: nothing would "
+                         f"train; give trainer.max_steps above {step}")
+    with torch.device("meta"):
+        module, _, _ = build_module(cfg)
+    mine = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    if path.is_dir():
+        saved = {k[len("state_dict."):]: tuple(getattr(v, "size", ()))
+                 for k, v in read_metadata(path).state_dict_metadata.items() if k.startswith("state_dict.")}
+    else:
+        weights = meta.get("state_dict") if isinstance(meta.get("state_dict"), dict) else {}
+        saved = {k: tuple(v.shape) for k, v in weights.items() if isinstance(v, torch.Tensor)}
+    missing = sorted(set(mine) - set(saved))
+    extra = sorted(set(saved) - set(mine))
+    shapes = [f"{k}: saved {list(saved[k])}, model {list(mine[k])}" for k in sorted(set(mine) & set(saved))
+              if saved[k] != mine[k]]
+    problems = ([f"{len(missing)} weights missing (e.g. {', '.join(missing[:2])})"] if missing else []) + (
+        [f"{len(extra)} weights of another model (e.g. {', '.join(extra[:2])})"] if extra else []) + (
+        [f"{len(shapes)} shapes differ (e.g. {shapes[0]})"] if shapes else [])
+    if problems:
+        raise UniAPError(f"resume: {path} was saved from another model than model={cfg.model.name} "
+                         f"(layers={cfg.model.layers}, hidden={cfg.model.hidden}, seq_len={cfg.data.seq_len or cfg.model.seq_len}): "
+                         f"{'; '.join(problems)}")
 
 
 def build_strategy(cfg: DictConfig) -> Any:
