@@ -2,83 +2,264 @@
 
 Every file uniap-lightning writes (plans, profiles, caches, reports, exports) goes through a temporary file in the
 same folder and a rename, so a concurrent reader or a crash mid-write never leaves half a file under the real
-name. Every file it reads by name is checked the same way (missing, a folder, binary, not JSON) and refused with
-a :class:`~uniap_lightning.errors.UniAPError` that names the file. Torch-free: the planner uses it too.
+name. The rename only ever replaces a regular file: a device (``out=/dev/full``), a FIFO, a socket or a folder
+under the output name is refused, and a symbolic link is written through to the regular file it points at (the
+link stays a link).
+
+Every file it reads by name is opened without blocking (a FIFO with no writer would wait forever), checked to be
+a regular file of bounded size (``/dev/zero`` never ends), and its document parsed with bounded nesting and
+number sizes (a deeply nested or huge-integer JSON, or a YAML alias bomb, must not hang or crash the reader);
+anything else is refused with a :class:`~uniap_lightning.errors.UniAPError` that names the file. Torch-free: the
+planner uses it too.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from uniap_lightning.errors import UniAPError
 
-
-def write_bytes_atomic(path: str | Path, write: Any) -> Path:
-    """``write(file)`` into a temporary file in the same folder (a binary file object), flushed to disk, then
-    ``os.replace`` onto ``path``."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+#: the largest JSON or YAML document read (plans, profiles, configs, caches are kilobytes to a few megabytes)
+MAX_DOCUMENT_BYTES = 256 * 1024**2
+#: the deepest nesting of lists / objects accepted in a document (the formats nest 4 or 5 levels)
+MAX_NESTING_DEPTH = 64
+#: the most digits of an integer in a JSON document (Python refuses to parse more than 4300 anyway)
+MAX_INTEGER_DIGITS = 64
+#: the most nodes a YAML document may expand to once its aliases are followed (a "billion laughs" bomb has 1e9)
+MAX_YAML_NODES = 100_000
+#: the most characters the ``${...}`` interpolations of a YAML document may add once resolved
+MAX_YAML_INTERPOLATED_CHARS = 16 * 1024**2
 
 
-def write_text_atomic(path: str | Path, text: str) -> Path:
-    """Write ``text`` (UTF-8) to ``path`` atomically."""
-    return write_bytes_atomic(path, lambda f: f.write(text.encode("utf-8")))
-
-
-def write_json_atomic(path: str | Path, data: Any) -> Path:
-    return write_text_atomic(path, json.dumps(data, indent=2, default=str) + "\n")
+# ---------------------------------------------------------------------------------------------- file kinds
+def _kind(mode: int) -> str:
+    """What a non-regular file is, in words (for the error message)."""
+    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISLNK, "a symbolic link")):
+        if test(mode):
+            return name
+    return "not a regular file"
 
 
 def _named(what: str, path: Path) -> str:
     return f"{what}{str(path)!r}" if what.endswith("=") else f"{what} {str(path)!r}"
 
 
-def read_text(path: str | Path, what: str) -> str:
-    """The text of a file given by the user; a missing, unreadable or binary file is a clear error."""
-    path = Path(path)
-    if not path.exists():
-        raise UniAPError(f"{_named(what, path)} does not exist")
-    if path.is_dir():
-        raise UniAPError(f"{_named(what, path)} is a folder, not a file")
+# ---------------------------------------------------------------------------------------------- writing
+def _output_target(path: Path, what: str) -> Path:
+    """The regular file an atomic write replaces: ``path`` itself (existing or not), or the file a symbolic link
+    at ``path`` points to. Anything else under the name (device, FIFO, socket, folder, a dangling link or a link
+    to something other than a regular file) is refused: replacing it would destroy it (``/dev/null`` as root)."""
     try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise UniAPError(f"{_named(what, path)} is not a text file (byte {err.start} is not UTF-8)") from err
+        link = os.lstat(path)
+    except FileNotFoundError:
+        return path
     except OSError as err:
-        raise UniAPError(f"{_named(what, path)} cannot be read ({err.strerror or err})") from err
-
-
-def read_json(path: str | Path, what: str) -> Any:
-    """The JSON document in a file given by the user; anything else is a clear error naming the file."""
-    text = read_text(path, what)
+        raise UniAPError(f"{_named(what, path)} cannot be checked ({err.strerror or err})") from err
+    if stat.S_ISREG(link.st_mode):
+        return path
+    if not stat.S_ISLNK(link.st_mode):
+        if stat.S_ISDIR(link.st_mode):
+            raise UniAPError(f"{_named(what, path)} is a folder; give a file name")
+        raise UniAPError(f"{_named(what, path)} is not a regular file ({_kind(link.st_mode)}); give a file name")
+    target = Path(os.path.realpath(path))
     try:
-        return json.loads(text)
-    except json.JSONDecodeError as err:
-        raise UniAPError(f"{_named(what, path)} is not valid JSON: {err}") from err
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise UniAPError(f"{_named(what, path)} is a symbolic link to {str(target)!r}, which does not exist; give "
+                         "a file name") from None
+    except OSError as err:
+        raise UniAPError(f"{_named(what, path)} is a symbolic link that cannot be followed "
+                         f"({err.strerror or err}); give a file name") from err
+    if not stat.S_ISREG(mode):
+        raise UniAPError(f"{_named(what, path)} is a symbolic link to {str(target)!r}, which is not a regular file "
+                         f"({_kind(mode)}); give a file name")
+    return target
+
+
+def write_bytes_atomic(path: str | Path, write: Any, *, what: str = "output file") -> Path:
+    """``write(file)`` into a temporary file in the same folder (a binary file object), flushed to disk, then
+    ``os.replace`` onto ``path`` (or onto the regular file a symbolic link at ``path`` points to). Returns
+    ``path``. A target that is not a regular file is refused with a :class:`UniAPError` and left untouched."""
+    path = Path(path)
+    target = _output_target(path, what)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_text_atomic(path: str | Path, text: str, *, what: str = "output file") -> Path:
+    """Write ``text`` (UTF-8) to ``path`` atomically."""
+    return write_bytes_atomic(path, lambda f: f.write(text.encode("utf-8")), what=what)
+
+
+def write_json_atomic(path: str | Path, data: Any, *, what: str = "output file") -> Path:
+    return write_text_atomic(path, json.dumps(data, indent=2, default=str) + "\n", what=what)
 
 
 def check_output_file(path: str | Path, what: str) -> Path:
-    """Refuse, before any work, an output path that cannot be written: a folder, or in a missing folder."""
+    """Refuse, before any work, an output path that cannot be written: a folder, a device, a FIFO, a socket, a
+    dangling symbolic link or one to a non-regular file, or a file in a missing or read-only folder."""
     path = Path(path)
-    if path.is_dir():
-        raise UniAPError(f"{_named(what, path)} is a folder; give a file name")
-    parent = path.parent
+    target = _output_target(path, what)
+    parent = target.parent
     if not parent.is_dir():
         raise UniAPError(f"{_named(what, path)}: the folder {str(parent)!r} does not exist")
     if not os.access(parent, os.W_OK):
         raise UniAPError(f"{_named(what, path)}: the folder {str(parent)!r} is not writable")
     return path
+
+
+def check_output_folder(path: str | Path, what: str) -> Path:
+    """Refuse, before any work, an output folder that cannot be made: a name that exists and is not a folder
+    (a file, a device, a FIFO), or one below a file."""
+    path = Path(path)
+    probe = path
+    while True:
+        try:
+            mode = os.stat(probe).st_mode
+        except FileNotFoundError:
+            if probe.parent == probe:
+                return path
+            probe = probe.parent
+            continue
+        except OSError as err:
+            raise UniAPError(f"{_named(what, path)} cannot be checked ({err.strerror or err})") from err
+        if stat.S_ISDIR(mode):
+            return path
+        if probe == path:
+            raise UniAPError(f"{_named(what, path)} exists and is not a folder ({_kind(mode)}); give a folder name")
+        raise UniAPError(f"{_named(what, path)}: {str(probe)!r} is not a folder ({_kind(mode)})")
+
+
+# ---------------------------------------------------------------------------------------------- reading
+def read_bytes(path: str | Path, what: str, *, limit_bytes: int = MAX_DOCUMENT_BYTES) -> bytes:
+    """The bytes of a file given by the user or found in a cache. Opened without blocking and checked with
+    ``fstat`` on the open descriptor (no race with a swap of the name): a FIFO, a device, a socket, a folder or a
+    file over ``limit_bytes`` is refused at once instead of hanging or filling memory."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise UniAPError(f"{_named(what, path)} does not exist") from None
+    except IsADirectoryError:
+        raise UniAPError(f"{_named(what, path)} is a folder, not a file") from None
+    except OSError as err:
+        raise UniAPError(f"{_named(what, path)} cannot be read ({err.strerror or err})") from err
+    try:
+        return _read_regular(fd, path, what, limit_bytes)
+    finally:
+        os.close(fd)
+
+
+def _read_regular(fd: int, path: Path, what: str, limit_bytes: int) -> bytes:
+    mode, size = (st := os.fstat(fd)).st_mode, st.st_size
+    if not stat.S_ISREG(mode):
+        raise UniAPError(f"{_named(what, path)} is {_kind(mode)}, not a file")
+    if size > limit_bytes:
+        raise UniAPError(f"{_named(what, path)} is {size / 2**20:,.1f} MiB; files over "
+                         f"{limit_bytes / 2**20:,.0f} MiB are not read")
+    chunks, total = [], 0
+    try:
+        while total <= limit_bytes:  # st_size can lie (procfs says 0, a file may grow): read to the limit
+            chunk = os.read(fd, min(1 << 20, limit_bytes + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+    except OSError as err:
+        raise UniAPError(f"{_named(what, path)} cannot be read ({err.strerror or err})") from err
+    if total > limit_bytes:
+        raise UniAPError(f"{_named(what, path)} is over {limit_bytes / 2**20:,.0f} MiB; larger files are not read")
+    return b"".join(chunks)
+
+
+def read_text(path: str | Path, what: str, *, limit_bytes: int = MAX_DOCUMENT_BYTES) -> str:
+    """The text of a file given by the user; a missing, unreadable, non-regular, oversized or binary file is a
+    clear error."""
+    path = Path(path)
+    data = read_bytes(path, what, limit_bytes=limit_bytes)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise UniAPError(f"{_named(what, path)} is not a text file (byte {err.start} is not UTF-8)") from err
+
+
+def read_json(path: str | Path, what: str) -> Any:
+    """The JSON document in a file given by the user; anything else is a clear error naming the file."""
+    path = Path(path)
+    return parse_json(read_text(path, what), _named(what, path))
+
+
+# ---------------------------------------------------------------------------------------------- JSON
+class _DocumentLimit(Exception):
+    """A document over one of the limits above (raised inside the parser, turned into a UniAPError)."""
+
+
+def _bounded_int(digits: str) -> int:
+    """The parser's integers, refused past :data:`MAX_INTEGER_DIGITS` digits (no format needs more, and a
+    5000-digit number would make ``int`` raise a ValueError of its own)."""
+    count = len(digits.lstrip("-"))
+    if count > MAX_INTEGER_DIGITS:
+        raise _DocumentLimit(f"has an integer of {count} digits; at most {MAX_INTEGER_DIGITS} are read")
+    return int(digits)
+
+
+def parse_json(text: str, named: str) -> Any:
+    """``json.loads`` with limits: nesting at most :data:`MAX_NESTING_DEPTH`, integers at most
+    :data:`MAX_INTEGER_DIGITS` digits. ``named`` starts the error message (e.g. ``"plan file 'x.json'"``)."""
+    try:
+        data = json.loads(text, parse_int=_bounded_int)
+    except _DocumentLimit as err:
+        raise UniAPError(f"{named} {err}") from None
+    except RecursionError:
+        raise UniAPError(f"{named} nests lists / objects deeper than {MAX_NESTING_DEPTH} levels") from None
+    except json.JSONDecodeError as err:
+        raise UniAPError(f"{named} is not valid JSON: {err}") from err
+    except ValueError as err:  # a number the parser cannot convert
+        raise UniAPError(f"{named} is not valid JSON: {err}") from err
+    depth = nesting_depth(data)
+    if depth > MAX_NESTING_DEPTH:
+        raise UniAPError(f"{named} nests lists / objects {depth} levels deep; at most {MAX_NESTING_DEPTH} are read")
+    return data
+
+
+def nesting_depth(data: Any, *, stop_at: int = MAX_NESTING_DEPTH) -> int:
+    """How deep ``data`` nests lists / dicts (a scalar: 0), counted without recursion; counting stops once past
+    ``stop_at`` (the caller only needs to know it is too deep)."""
+    deepest, stack = 0, [(data, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if not isinstance(node, (list, dict)):
+            continue
+        deepest = max(deepest, depth)
+        if depth > stop_at:
+            return deepest
+        stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return deepest
+
+
+# ---------------------------------------------------------------------------------------------- YAML
+def check_yaml_limits(text: str, named: str) -> None:
+    """Refuse a YAML document that would take unbounded time or memory to load, before a loader sees it: nesting
+    over :data:`MAX_NESTING_DEPTH`, more than :data:`MAX_YAML_NODES` nodes once aliases are expanded (aliases make
+    a 1 kB "billion laughs" document expand to 1e9 nodes), a self-referencing alias, or ``${...}`` interpolations
+    that resolve to more than :data:`MAX_YAML_INTERPOLATED_CHARS` characters. Syntax errors are left to the
+    loader (its messages give the line)."""
+    from uniap_lightning import yaml_limits
+
+    yaml_limits.check(text, named)

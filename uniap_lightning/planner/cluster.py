@@ -8,8 +8,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from uniap_lightning.errors import UniAPError
+from uniap_lightning.planner.fields import short
 
 GIB = 1024**3
+#: the most devices a cluster may have (planning enumerates the divisors of the device count)
+MAX_DEVICES = 1 << 24
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 SCOPES = ("intra", "inter")
 #: Analytic cost of compressing and decompressing one gradient element where the cluster has no measured figure,
@@ -80,9 +83,14 @@ class Cluster:
         for key in ("nodes", "devices_per_node"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise UniAPError(f"cluster '{self.name}': {key} must be a positive integer, got {v!r}")
+                raise UniAPError(f"cluster '{self.name}': {key} must be a positive integer, got {short(v)}")
+        if self.nodes * self.devices_per_node > MAX_DEVICES:
+            raise UniAPError(f"cluster '{self.name}': nodes * devices_per_node = {short(self.nodes * self.devices_per_node)}"
+                             f" devices; at most {MAX_DEVICES:,} are planned for")
         if not isinstance(self.name, str):
-            raise UniAPError(f"cluster name must be a string, got {self.name!r}")
+            raise UniAPError(f"cluster name must be a string, got {short(self.name)}")
+        if not isinstance(self.device, str):
+            raise UniAPError(f"cluster '{self.name}': device must be a string (the device's name), got {short(self.device)}")
         for key in ("memory_gib", "peak_tflops", "efficiency", "intra_bw_gbps", "inter_bw_gbps"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
@@ -125,7 +133,10 @@ class Cluster:
                 raise UniAPError(f"cluster '{self.name}': {key} lists {len(v)} ranks but the cluster has "
                                  f"nodes * devices_per_node = {n}")
             if key == "rank_device":
-                object.__setattr__(self, key, tuple(str(x) for x in v))
+                bad = next((x for x in v if not isinstance(x, str)), None)
+                if bad is not None:
+                    raise UniAPError(f"cluster '{self.name}': rank_device entries must be strings, got {short(bad)}")
+                object.__setattr__(self, key, v)
                 continue
             for r, x in enumerate(v):
                 if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0:
@@ -215,12 +226,9 @@ class Cluster:
                                      f"got {table!r}")
                 rows: dict[int, dict[str, float]] = {}
                 for p, rec in table.items():
-                    try:
-                        size = int(p)
-                    except (TypeError, ValueError):
-                        size = 0
-                    if isinstance(p, bool) or size < 2 or (isinstance(p, float) and p != size):
-                        raise UniAPError(f"{where}.{op}.{scope}: group sizes must be integers >= 2, got {p!r}")
+                    size = _group_size(p)
+                    if size is None:
+                        raise UniAPError(f"{where}.{op}.{scope}: group sizes must be integers >= 2, got {short(p)}")
                     if not isinstance(rec, Mapping) or set(rec) != {"bw_gbps", "latency_us"}:
                         raise UniAPError(
                             f"{where}.{op}.{scope}[{size}] must be {{bw_gbps: GB/s, latency_us: us}}, got {rec!r}"
@@ -309,11 +317,43 @@ class Cluster:
         missing = [k for k in ("name", "nodes", "devices_per_node", "memory_gib", "peak_tflops") if k not in d]
         if missing:
             raise UniAPError(f"cluster config is missing field(s) {missing}")
-        tables = d.pop("bandwidth_tables", None) or {}
-        d["bandwidth_tables"] = {str(s): {int(p): float(b) for p, b in t.items()} for s, t in tables.items()}
+        d["bandwidth_tables"] = _bandwidth_tables(d.pop("bandwidth_tables", None) or {}, d["name"])
         d["collective_tables"] = d.pop("collective_tables", None) or {}  # keys and figures normalized on construction
         d["compression_ns_per_param"] = d.pop("compression_ns_per_param", None) or {}
         return cls(**d)
+
+
+def _bandwidth_tables(tables: Any, name: Any) -> dict[str, dict[int, float]]:
+    """``{"intra"|"inter": {group_size: GB/s}}`` with real numbers (group sizes may be strings of digits: JSON
+    object keys are strings); a string or boolean where a figure belongs is refused, not converted."""
+    where = f"cluster '{name}': bandwidth_tables"
+    if not isinstance(tables, Mapping):
+        raise UniAPError(f"{where} must be a mapping {{intra|inter: {{group_size: GB/s}}}}, got {short(tables)}")
+    out: dict[str, dict[int, float]] = {}
+    for scope, table in tables.items():
+        if not isinstance(table, Mapping):
+            raise UniAPError(f"{where}.{scope} must be a mapping {{group_size: GB/s}}, got {short(table)}")
+        rows: dict[int, float] = {}
+        for p, bw in table.items():
+            size = _group_size(p)
+            if size is None:
+                raise UniAPError(f"{where}.{scope}: group sizes must be integers >= 2, got {short(p)}")
+            if isinstance(bw, bool) or not isinstance(bw, (int, float)):
+                raise UniAPError(f"{where}.{scope}[{size}] must be a number (GB/s), got {short(bw)}")
+            rows[size] = float(bw)
+        out[str(scope)] = rows
+    return out
+
+
+def _group_size(p: Any) -> int | None:
+    """A group size given as an int, an integral float or a string of digits (a JSON key); None otherwise."""
+    if isinstance(p, bool):
+        return None
+    if isinstance(p, str) and p.strip().isdigit() and len(p.strip()) <= 10:
+        p = int(p.strip())
+    if isinstance(p, float) and p.is_integer():
+        p = int(p)
+    return p if isinstance(p, int) and 2 <= p <= MAX_DEVICES else None
 
 
 def _expand_device_groups(groups: Any, d: Mapping[str, Any]) -> dict[str, Any]:
@@ -330,11 +370,14 @@ def _expand_device_groups(groups: Any, d: Mapping[str, Any]) -> dict[str, Any]:
                                                                                                 "memory_gib", "speed"}:
             raise UniAPError(f"{where}[{j}] must be {{name, count, memory_gib, speed (default 1.0)}}, got {g!r}")
         count = g["count"]
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_DEVICES:
             raise UniAPError(f"{where}[{j}].count must be a positive integer, got {count!r}")
         speed += [g.get("speed", 1.0)] * count
         memory += [g["memory_gib"]] * count
-        kind += [str(g.get("name", f"group{j}"))] * count
+        name = g.get("name", f"group{j}")
+        if not isinstance(name, str):
+            raise UniAPError(f"{where}[{j}].name must be a string, got {short(name)}")
+        kind += [name] * count
     out: dict[str, Any] = {"rank_speed": speed, "rank_memory_gib": memory, "rank_device": kind,
                            "memory_gib": d.get("memory_gib", memory[0])}
     if not d.get("device"):

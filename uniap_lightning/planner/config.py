@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.errors import UniAPError
-from uniap_lightning.files import read_text
+from uniap_lightning.files import check_yaml_limits, read_text
 from uniap_lightning.planner.problem import Problem, TrainingConfig, compression_methods
 from uniap_lightning.planner.analytic import ModelSpec, analytic_profile
 from uniap_lightning.planner.profile import ModelProfile, load_profile
@@ -42,6 +42,7 @@ def load_group(group: str, name: str) -> dict[str, Any]:
         raise UniAPError(f"{group} {name!r} is neither a shipped {group} name ({', '.join(available(group))}) nor "
                          "a path to a .yaml file")
     text = read_text(path, f"{group} file")
+    check_yaml_limits(text, f"{group} file {str(path)!r}")  # an alias bomb would otherwise load until killed
     try:
         data = OmegaConf.to_container(OmegaConf.create(text), resolve=True)
     except Exception as err:  # noqa: BLE001 - yaml / omegaconf raise many types for a bad document

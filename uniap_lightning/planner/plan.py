@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from uniap_lightning.errors import UniAPError
-from uniap_lightning.files import read_text, write_text_atomic
+from uniap_lightning.files import parse_json, read_text, write_text_atomic
+from uniap_lightning.planner import fields as F
 
 PLAN_FORMAT_VERSION = 2
 READABLE_FORMAT_VERSIONS = (1, 2)
@@ -214,7 +215,8 @@ class Plan:
             first, last = st.layers
             if st.index != i or first != expected_first or last < first:
                 raise UniAPError(f"plan stage {i} has layers {list(st.layers)}; stages must tile the chain in order")
-            if tuple(st.ranks) != tuple(range(i * n, (i + 1) * n)):
+            # the length first: a huge num_devices must not build a huge range to compare with
+            if len(st.ranks) != n or tuple(st.ranks) != tuple(range(i * n, (i + 1) * n)):
                 raise UniAPError(f"plan stage {i} ranks must be {i * n}..{(i + 1) * n - 1}")
             expected_first = last + 1
         if expected_first != len(self.layers):
@@ -252,56 +254,30 @@ class Plan:
         return text
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Plan:
+    def from_dict(cls, d: dict[str, Any], *, origin: str = "plan") -> Plan:
+        """A plan from its JSON document, every field checked for its JSON type (``"shard": "false"`` is not
+        false) and range, then :meth:`validate`; a :class:`UniAPError` names ``origin``, the layer and the field."""
         if not isinstance(d, dict):
-            raise UniAPError(f"a plan must be a JSON object, got {type(d).__name__}")
+            raise UniAPError(f"{origin}: a plan must be a JSON object, got {type(d).__name__}")
         try:
-            stages = [StagePlan(int(s["index"]), _int_pair(s["layers"], f"stages[{i}].layers"),
-                                tuple(int(r) for r in s["ranks"])) for i, s in enumerate(d["stages"])]
-            version = int(d.get("format_version", PLAN_FORMAT_VERSION))
-            if version not in READABLE_FORMAT_VERSIONS:
-                raise UniAPError(
-                    f"plan format_version={version} is not supported (this version reads {READABLE_FORMAT_VERSIONS})"
-                )
-            layers = [_layer_from_dict(x, version) for x in d["layers"]]
-            est = Estimate(**d["estimate"]) if d.get("estimate") else None
-            sol = SolverInfo(**d["solver"]) if d.get("solver") else None
-            plan = cls(
-                pp=int(d["pp"]),
-                microbatches=int(d["microbatches"]),
-                schedule=str(d["schedule"]),
-                global_batch_size=int(d["global_batch_size"]),
-                num_devices=int(d["num_devices"]),
-                stages=stages,
-                layers=layers,
-                model=d.get("model", ""),
-                cluster=d.get("cluster", ""),
-                model_fingerprint=d.get("model_fingerprint", ""),
-                estimate=est,
-                solver=sol,
-                baselines=dict(d.get("baselines", {})),
-                search=list(d.get("search", [])),
-                compression_options={**COMPRESSION_DEFAULTS, **dict(d.get("compression_options", {}))},
-            )
+            plan = _plan_from_dict(cls, d)
             plan.validate()
+            if d.get("estimate"):  # after validate: its lists are checked against the (valid) stages
+                plan.estimate = _estimate_from_dict(d["estimate"], plan.pp)
+        except UniAPError as err:
+            raise UniAPError(str(err) if origin == "plan" else f"{origin}: {err}") from None
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as err:
-            if isinstance(err, UniAPError):
-                raise
-            raise UniAPError(f"plan JSON is missing or has a malformed field: {err!r}") from err
+            raise UniAPError(f"{origin}: plan JSON is missing or has a malformed field: {err!r}") from err
         return plan
 
     @classmethod
     def from_json(cls, text_or_path: str | Path) -> Plan:
         p = Path(text_or_path)
         if isinstance(text_or_path, Path) or (len(str(text_or_path)) < 4096 and p.suffix == ".json"):
-            text = read_text(p, "plan file")
+            text, origin = read_text(p, "plan file"), f"plan file {str(p)!r}"
         else:
-            text = str(text_or_path)
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise UniAPError(f"plan file is not valid JSON: {err}") from err
-        return cls.from_dict(data)
+            text, origin = str(text_or_path), "plan"
+        return cls.from_dict(parse_json(text, "plan file" if origin == "plan" else origin), origin=origin)
 
     def strategy_runs(self) -> list[tuple[int, int, LayerPlan]]:
         """Fold consecutive layers with the same stage and strategy into ``(first, last, layer)`` runs."""
@@ -356,18 +332,137 @@ def _layer_plan(name: str, stage: int, strategy: Any) -> LayerPlan:
     return LayerPlan(name, stage, int(d), int(t), str(mode), bool(rec), str(comp))
 
 
-def _layer_from_dict(x: dict[str, Any], version: int) -> LayerPlan:
-    d, t = int(x["dp"]), int(x["tp"])
+def _plan_from_dict(cls: type[Plan], d: dict[str, Any]) -> Plan:
+    """The plan's fields, each read with its JSON type (see :mod:`uniap_lightning.planner.fields`)."""
+    version = F.integer(d.get("format_version", PLAN_FORMAT_VERSION), "plan field 'format_version'")
+    if version not in READABLE_FORMAT_VERSIONS:
+        raise UniAPError(f"plan format_version={version} is not supported (this version reads {READABLE_FORMAT_VERSIONS})")
+    counts = {key: F.integer(F.required(d, key, "plan"), f"plan field '{key}'", low=1, high=F.MAX_COUNT)
+              for key in ("pp", "microbatches", "global_batch_size", "num_devices")}
+    stages = [_stage_from_dict(s, i) for i, s in enumerate(F.array(F.required(d, "stages", "plan"), "plan field 'stages'"))]
+    layers = [_layer_from_dict(x, u, version)
+              for u, x in enumerate(F.array(F.required(d, "layers", "plan"), "plan field 'layers'"))]
+    options = F.obj(d.get("compression_options", {}), "plan field 'compression_options'")
+    return cls(
+        **counts,
+        schedule=F.string(F.required(d, "schedule", "plan"), "plan field 'schedule'"),
+        stages=stages,
+        layers=layers,
+        model=F.string(d.get("model", ""), "plan field 'model'"),
+        cluster=F.string(d.get("cluster", ""), "plan field 'cluster'"),
+        model_fingerprint=F.string(d.get("model_fingerprint", ""), "plan field 'model_fingerprint'"),
+        solver=_solver_from_dict(d["solver"]) if d.get("solver") else None,
+        baselines=_baselines_from_dict(d.get("baselines", {})),
+        search=_search_from_dict(d.get("search", [])),
+        compression_options={**COMPRESSION_DEFAULTS, **options},
+    )
+
+
+def _stage_from_dict(s: Any, i: int) -> StagePlan:
+    where = f"plan stages[{i}]"
+    s = F.obj(s, where)
+    ranks = F.array(F.required(s, "ranks", where), f"{where}.ranks")
+    return StagePlan(F.integer(F.required(s, "index", where), f"{where}.index", low=0, high=F.MAX_COUNT),
+                     _int_pair(F.required(s, "layers", where), f"stages[{i}].layers"),
+                     tuple(F.integer(r, f"{where}.ranks[{j}]", low=0, high=F.MAX_COUNT) for j, r in enumerate(ranks)))
+
+
+def _layer_from_dict(x: Any, u: int, version: int) -> LayerPlan:
+    """One layer; version 1's ``shard`` must be a real boolean (``"false"`` would be truthy: ZeRO-3)."""
+    x = F.obj(x, f"plan layer {u}")
+    name = F.string(F.required(x, "name", f"plan layer {u}"), f"plan layer {u}.name")
+    where = f"plan layer {u} ({name})"
+    stage = F.integer(F.required(x, "stage", where), f"{where}: stage", low=0, high=F.MAX_COUNT)
+    d = F.integer(F.required(x, "dp", where), f"{where}: dp", low=1, high=F.MAX_COUNT)
+    t = F.integer(F.required(x, "tp", where), f"{where}: tp", low=1, high=F.MAX_COUNT)
     if version == 1:
-        mode = "zero3" if bool(x["shard"]) and d > 1 else "replicate"
-        return LayerPlan(str(x["name"]), int(x["stage"]), d, t, mode)
-    rec = x.get("recompute", False)
-    if not isinstance(rec, bool):
-        raise UniAPError(f"plan layer {x.get('name')!r}: recompute must be true or false, got {rec!r}")
-    return LayerPlan(str(x["name"]), int(x["stage"]), d, t, str(x["dp_mode"]), rec, str(x.get("compression", "none")))
+        shard = F.boolean(F.required(x, "shard", where), f"{where}: shard")
+        return LayerPlan(name, stage, d, t, "zero3" if shard and d > 1 else "replicate")
+    return LayerPlan(name, stage, d, t, F.string(F.required(x, "dp_mode", where), f"{where}: dp_mode"),
+                     F.boolean(x.get("recompute", False), f"{where}: recompute"),
+                     F.string(x.get("compression", "none"), f"{where}: compression"))
+
+
+def _numbers(value: Any, where: str, length: int, *, finite: bool = True) -> list[float]:
+    values = F.array(value, where)
+    if len(values) != length:
+        raise UniAPError(f"{where} must list {length} numbers (one per stage / boundary), got {len(values)}")
+    return [F.number(v, f"{where}[{i}]", low=0, finite=finite) for i, v in enumerate(values)]
+
+
+def _estimate_from_dict(e: Any, pp: int) -> Estimate:
+    """The cost model's prediction saved with the plan: printed as is, so its lists must match the stages."""
+    w = "plan estimate"
+    e = F.obj(e, w)
+    unknown = set(e) - set(Estimate.__dataclass_fields__)
+    if unknown:
+        raise UniAPError(f"{w} has unknown field(s) {sorted(map(str, unknown))}")
+    limits, devices = e.get("stage_memory_limit_bytes"), e.get("stage_device")
+    return Estimate(
+        tpi_s=F.number(F.required(e, "tpi_s", w), f"{w}.tpi_s", low=0),
+        samples_per_s=F.number(F.required(e, "samples_per_s", w), f"{w}.samples_per_s", low=0, finite=False),
+        stage_time_s=_numbers(F.required(e, "stage_time_s", w), f"{w}.stage_time_s", pp),
+        stage_memory_bytes=_numbers(F.required(e, "stage_memory_bytes", w), f"{w}.stage_memory_bytes", pp),
+        stage_sync_s=_numbers(F.required(e, "stage_sync_s", w), f"{w}.stage_sync_s", pp),
+        boundary_s=_numbers(F.required(e, "boundary_s", w), f"{w}.boundary_s", pp - 1),
+        memory_limit_bytes=F.number(F.required(e, "memory_limit_bytes", w), f"{w}.memory_limit_bytes", low=0),
+        feasible=F.boolean(F.required(e, "feasible", w), f"{w}.feasible"),
+        stage_memory_limit_bytes=(None if limits is None else
+                                  _numbers(limits, f"{w}.stage_memory_limit_bytes", pp)),
+        stage_device=(None if devices is None else
+                      [F.string(v, f"{w}.stage_device[{i}]") for i, v in enumerate(_sized(devices, f"{w}.stage_device", pp))]),
+    )
+
+
+def _sized(value: Any, where: str, length: int) -> list[Any]:
+    values = F.array(value, where)
+    if len(values) != length:
+        raise UniAPError(f"{where} must list {length} entries (one per stage), got {len(values)}")
+    return values
+
+
+def _solver_from_dict(s: Any) -> SolverInfo:
+    w = "plan solver"
+    s = F.obj(s, w)
+    unknown = set(s) - set(SolverInfo.__dataclass_fields__)
+    if unknown:
+        raise UniAPError(f"{w} has unknown field(s) {sorted(map(str, unknown))}")
+    return SolverInfo(
+        name=F.string(F.required(s, "name", w), f"{w}.name"),
+        status=F.string(F.required(s, "status", w), f"{w}.status"),
+        gap=F.optional_number(F.required(s, "gap", w), f"{w}.gap", low=0),
+        solve_s=F.number(F.required(s, "solve_s", w), f"{w}.solve_s", low=0),
+        candidates=F.integer(s.get("candidates", 0), f"{w}.candidates", low=0),
+        solved=F.integer(s.get("solved", 0), f"{w}.solved", low=0),
+        pruned=F.integer(s.get("pruned", 0), f"{w}.pruned", low=0),
+        objective_s=F.optional_number(s.get("objective_s"), f"{w}.objective_s"),
+    )
+
+
+def _baselines_from_dict(b: Any) -> dict[str, float | None]:
+    """Baseline name -> seconds per iteration, or null where it does not fit."""
+    b = F.obj(b, "plan field 'baselines'")
+    return {k: F.optional_number(v, f"plan baselines.{k}", low=0) for k, v in b.items()}
+
+
+def _search_from_dict(records: Any) -> list[dict[str, Any]]:
+    """The solver's trace, one record per (pp, micro-batches) candidate; bounds may be infinite."""
+    out = []
+    for i, r in enumerate(F.array(records, "plan field 'search'")):
+        w = f"plan search[{i}]"
+        r = dict(F.obj(r, w))
+        for key in ("pp", "microbatches"):
+            r[key] = F.integer(F.required(r, key, w), f"{w}.{key}", low=1, high=F.MAX_COUNT)
+        r["outcome"] = F.string(F.required(r, "outcome", w), f"{w}.outcome")
+        for key in ("tpi_s", "bound_s", "memory_bound_bytes", "solve_s"):
+            if key in r:
+                r[key] = F.optional_number(r[key], f"{w}.{key}", finite=False)
+        out.append(r)
+    return out
 
 
 def _int_pair(value: Any, where: str) -> tuple[int, int]:
     if not isinstance(value, (list, tuple)) or len(value) != 2:
-        raise UniAPError(f"plan field '{where}' must be [first, last] layer indices, got {value!r}")
-    return int(value[0]), int(value[1])
+        raise UniAPError(f"plan field '{where}' must be [first, last] layer indices, got {F.short(value)}")
+    return (F.integer(value[0], f"plan field '{where}[0]'", low=0, high=F.MAX_COUNT),
+            F.integer(value[1], f"plan field '{where}[1]'", low=0, high=F.MAX_COUNT))

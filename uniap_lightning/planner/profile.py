@@ -62,8 +62,12 @@ from typing import Any
 
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.files import read_json, write_json_atomic
+from uniap_lightning.planner.fields import MAX_COUNT, short
 
 PROFILE_FORMAT_VERSION = 1
+#: the largest magnitude of any number in a profile (seconds, bytes, counts): far beyond any real figure, and
+#: small enough that the cost model's sums and products stay finite floats
+MAX_PROFILE_NUMBER = 1e30
 _REQUIRED = ("name", "forward_s", "backward_s", "params", "activation_bytes", "output_bytes", "tp_degrees", "tp_allreduces")
 
 
@@ -233,10 +237,20 @@ class ModelProfile:
         )
 
 
+def _finite(value: Any) -> bool:
+    """A real JSON number (not a boolean or string) that is finite as a float (a 400-digit integer is not)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def _number(item: dict[str, Any], key: str, where: str, *, integer: bool = False, positive: bool = False) -> Any:
     value = item[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise UniAPError(f"{where}.{key} must be a finite number, got {value!r}")
+    if not _finite(value) or abs(value) > MAX_PROFILE_NUMBER:
+        raise UniAPError(f"{where}.{key} must be a finite number, got {short(value)}")
     if value < 0 or (positive and value == 0):
         raise UniAPError(f"{where}.{key} must be {'> 0' if positive else '>= 0'}, got {value!r}")
     if integer:
@@ -254,9 +268,9 @@ def _layer_from_dict(item: Any, where: str) -> LayerProfile:
         raise UniAPError(f"{where} is missing field(s) {', '.join(repr(m) for m in missing)}")
     degrees = item["tp_degrees"]
     if not isinstance(degrees, list) or not degrees or any(
-        isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in degrees
+        isinstance(t, bool) or not isinstance(t, int) or not 1 <= t <= MAX_COUNT for t in degrees
     ):
-        raise UniAPError(f"{where}.tp_degrees must be a non-empty list of positive integers, got {degrees!r}")
+        raise UniAPError(f"{where}.tp_degrees must be a non-empty list of positive integers, got {short(degrees)}")
     if 1 not in degrees:
         raise UniAPError(f"{where}.tp_degrees must include 1, got {degrees!r}")
     frac = _number(item, "activation_tp_fraction", where) if "activation_tp_fraction" in item else 1.0
@@ -284,8 +298,8 @@ def _layer_from_dict(item: Any, where: str) -> LayerProfile:
         if o["kind"] not in OVERHEAD_KINDS:
             raise UniAPError(f"{ow}.kind must be one of {list(OVERHEAD_KINDS)}, got {o['kind']!r}")
         sec = o["seconds"]
-        if isinstance(sec, bool) or not isinstance(sec, (int, float)) or not math.isfinite(sec):
-            raise UniAPError(f"{ow}.seconds must be a finite number, got {sec!r}")
+        if not _finite(sec) or abs(sec) > MAX_PROFILE_NUMBER:
+            raise UniAPError(f"{ow}.seconds must be a finite number, got {short(sec)}")
         degree = _number(o, "degree", ow, integer=True, positive=True)
         if degree < 2:
             raise UniAPError(f"{ow}.degree must be >= 2, got {degree}")
