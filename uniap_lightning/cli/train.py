@@ -107,8 +107,20 @@ def _quiet_library_warnings() -> None:
 
 
 def run_train(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
-    """Train as this rank (starting the other ranks first when this process is the launcher)."""
+    """Train as this rank (starting the other ranks first when this process is the launcher), holding the lock on
+    ``checkpoint_dir`` (:mod:`uniap_lightning.cli.checkpoint_dir`) for the whole run."""
+    from uniap_lightning.cli.checkpoint_dir import lock_checkpoint_dir
+
     check_config(cfg)
+    lock = lock_checkpoint_dir(str(cfg.checkpoint_dir))
+    try:
+        return _run_train_locked(cfg, overrides)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run_train_locked(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
     resume = resume_from(cfg)
     _one_copy_of_each_log_line()
     _quiet_library_warnings()

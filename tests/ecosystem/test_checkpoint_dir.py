@@ -1,0 +1,42 @@
+"""One run at a time per checkpoint folder: a second `uniap train` on the same `checkpoint_dir` is refused with
+the first one's pid, before any rank starts; a checkpoint_dir that cannot hold checkpoints is refused too."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from uniap_lightning.cli.checkpoint_dir import CheckpointDirLock
+from uniap_lightning.errors import UniAPError
+
+
+def test_the_lock_refuses_a_second_holder_and_is_free_after_release(tmp_path: Path) -> None:
+    first = CheckpointDirLock(tmp_path / "ckpts")
+    with pytest.raises(UniAPError, match=rf"in use by another run \(pid {os.getpid()}\).*own checkpoint_dir"):
+        CheckpointDirLock(tmp_path / "ckpts")
+    first.release()
+    CheckpointDirLock(tmp_path / "ckpts").release()
+
+
+def test_a_file_is_not_a_checkpoint_dir(tmp_path: Path) -> None:
+    (tmp_path / "taken").write_text("x")
+    with pytest.raises(UniAPError, match="is a file, not a folder"):
+        CheckpointDirLock(tmp_path / "taken")
+
+
+def test_uniap_train_refuses_a_checkpoint_dir_in_use(tmp_path: Path) -> None:
+    held = CheckpointDirLock(tmp_path / "ckpts")  # as a running `uniap train` holds it
+    try:
+        res = subprocess.run([sys.executable, "-m", "uniap_lightning.cli.main", "train", "trainer.devices=2",
+                              f"checkpoint_dir={tmp_path / 'ckpts'}"], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=300, env={**os.environ, "UNIAP_CACHE_DIR": str(tmp_path / "cache")})
+    finally:
+        held.release()
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert res.returncode == 2 and len(errors) == 1, res.stderr[-2000:]
+    assert f"is in use by another run (pid {os.getpid()})" in errors[0]
+    assert "Traceback" not in res.stderr and not (tmp_path / "cache").exists()  # refused before any profiling
