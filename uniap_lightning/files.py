@@ -146,6 +146,26 @@ def check_output_folder(path: str | Path, what: str) -> Path:
         raise UniAPError(f"{_named(what, path)}: {str(probe)!r} is not a folder ({_kind(mode)})")
 
 
+def remove_if_not_regular(path: str | Path) -> bool:
+    """Remove ``path`` if it is a FIFO, socket, device node, or a symbolic link to one or to nothing: an entry of
+    a cache folder that the atomic write rebuilding it would refuse to replace. A folder, a regular file and a
+    link to a regular file are left alone (a link's target is never touched). Returns whether it removed."""
+    try:
+        mode = os.lstat(path).st_mode
+        if stat.S_ISDIR(mode) or stat.S_ISREG(mode):
+            return False
+        if stat.S_ISLNK(mode):
+            try:
+                if stat.S_ISREG(os.stat(path).st_mode):
+                    return False
+            except OSError:
+                pass  # dangling or looping: removed below
+        os.unlink(path)
+        return True
+    except OSError:
+        return False
+
+
 # ---------------------------------------------------------------------------------------------- reading
 def read_bytes(path: str | Path, what: str, *, limit_bytes: int = MAX_DOCUMENT_BYTES) -> bytes:
     """The bytes of a file given by the user or found in a cache. Opened without blocking and checked with

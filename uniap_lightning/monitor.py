@@ -53,6 +53,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from uniap_lightning.errors import UniAPError
 from uniap_lightning.files import write_json_atomic
 from uniap_lightning.monitor_memory import CpuStepMemory
 
@@ -311,5 +312,5 @@ class UniAPMonitor(pl.Callback):
             path.parent.mkdir(parents=True, exist_ok=True)
             write_json_atomic(path, report)
             report["file"] = str(path)
-        except OSError:
+        except (OSError, UniAPError):  # UniAPError: a device, FIFO or folder under the name (never replaced)
             pass

@@ -80,7 +80,26 @@ def _measured(path: str) -> dict[str, Any]:
         if not isinstance(values, list) or not all(
                 isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0 for v in values):
             raise UniAPError(f"measured={path!r}: field {key!r} must be a list of numbers >= 0, got {_short(values)}")
+    if data.get("rebalances") is not None:
+        _check_rebalances(data["rebalances"], f"measured={path!r}: rebalances")
     return data
+
+
+def _check_rebalances(events: Any, where: str) -> None:
+    """The monitor's ``rebalances``: a list of switch records; the fields the table prints must have their
+    types (a wrong one is one error line, not a traceback while printing)."""
+    from uniap_lightning.planner import fields as F
+
+    for i, e in enumerate(F.array(events, where)):
+        w = f"{where}[{i}]"
+        F.obj(e, w)
+        if e.get("step") is not None:
+            F.integer(e["step"], f"{w}.step", low=0)
+        for key in ("old_plan", "new_plan", "reason"):
+            if e.get(key) is not None:
+                F.string(e[key], f"{w}.{key}")
+        for key in ("predicted_gain", "measured_gain", "switch_s"):
+            F.optional_number(e.get(key), f"{w}.{key}")
 
 
 def _pp(cfg: DictConfig) -> list[int] | None:
@@ -133,14 +152,18 @@ def run_plan(cfg: DictConfig) -> None:
         _fail(err, cfg)
         return
     print_plan(plan, console=console)
-    if cfg.out:
-        plan.to_json(cfg.out)
-        console.print(f"plan written to {cfg.out}")
-    if cfg.viz:
-        from uniap_lightning.planner.viz import draw_plan
+    try:  # checked before solving; refused here only if the name became a device / FIFO / folder meanwhile
+        if cfg.out:
+            plan.to_json(cfg.out)
+            console.print(f"plan written to {cfg.out}")
+        if cfg.viz:
+            from uniap_lightning.planner.viz import draw_plan
 
-        draw_plan(plan, problem, cfg.viz)
-        console.print(f"picture written to {cfg.viz}")
+            draw_plan(plan, problem, cfg.viz)
+            console.print(f"picture written to {cfg.viz}")
+    except UniAPError as err:
+        _fail(err, cfg)
+        return
     _record(
         {
             "model": problem.model.model,

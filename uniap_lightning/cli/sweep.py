@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +12,8 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
-from uniap_lightning.files import write_text_atomic
+from uniap_lightning.errors import UniAPError
+from uniap_lightning.files import read_json, write_text_atomic
 
 COLUMNS = ("model", "cluster", "devices", "batch_size", "pp", "microbatches", "strategies", "tpi_s",
            "samples_per_s", "measured_samples_per_s", "final_loss", "train_ppl", "solve_s", "error")
@@ -24,7 +24,12 @@ class SweepSummary(Callback):
         sweep_dir = Path(config.hydra.sweep.dir)
         rows = []
         for path in sorted(sweep_dir.glob("*/result.json"), key=lambda p: int(p.parent.name) if p.parent.name.isdigit() else 0):
-            data = json.loads(path.read_text())
+            try:  # each job's own result.json; one damaged file is one row saying so, not a lost summary
+                data = read_json(path, "sweep result")
+            except UniAPError as err:
+                data = {"error": str(err)}
+            if not isinstance(data, dict):
+                data = {"error": f"{path}: not a JSON object"}
             rows.append({k: data.get(k) for k in COLUMNS})
         if not rows:
             return

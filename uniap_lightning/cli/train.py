@@ -17,7 +17,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from uniap_lightning.errors import UniAPError
-from uniap_lightning.files import write_json_atomic
+from uniap_lightning.files import check_output_folder, write_json_atomic
 
 
 def _free_port() -> int:
@@ -66,6 +66,8 @@ def check_config(cfg: DictConfig) -> None:
         raise UniAPError(f"model '{spec.name}': `uniap train` trains GPT-style language models (see examples/ for more)")
     if int(cfg.data.batch_size) < 1 or int(cfg.trainer.devices) < 1:
         raise UniAPError("data.batch_size and trainer.devices must be >= 1")
+    if cfg.get("out"):  # a folder of rank<N>.json: refused now if it cannot be one, not after training
+        check_output_folder(str(cfg.out), "out=")
 
 
 def build_module(cfg: DictConfig) -> tuple[Any, Any, int]:

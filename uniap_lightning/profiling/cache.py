@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from uniap_lightning.errors import UniAPError
-from uniap_lightning.files import write_json_atomic
+from uniap_lightning.files import read_json, remove_if_not_regular, write_json_atomic
+from uniap_lightning.planner import fields as F
 from uniap_lightning.planner.profile import ModelProfile, load_profile, save_profile
 
 
@@ -121,19 +122,33 @@ def cluster_key(*, device: str, backend: str, nodes: int, devices_per_node: int)
                   "versions": versions(), "kind": "cluster", "ops": 5})  # 5: FSDP2's calls; pipeline slot; optimizer
 
 
+#: what reading a damaged entry may raise besides UniAPError (the readers turn most into UniAPError; an entry is
+#: never worth a failed run, so anything a parser or validator can raise on bad data discards it)
+CORRUPT_ENTRY_ERRORS = (UniAPError, OSError, ValueError, TypeError, KeyError, IndexError, AttributeError,
+                        OverflowError, RecursionError)
+
+
 def _discard(path: Path, why: str) -> None:
     warnings.warn(f"UniAP: ignoring the cache entry {path} ({why}); it is rebuilt", stacklevel=3)
+    remove_if_not_regular(path)
+
+
+def why(err: BaseException) -> str:
+    """The first line of an error, for a one-line warning."""
+    text = str(err).strip()
+    return text.splitlines()[0][:300] if text else type(err).__name__
 
 
 def load_cached_profile(cache_dir: Path, key: str) -> ModelProfile | None:
-    """The cached profile, or ``None`` when absent; an unreadable or invalid entry is discarded with a warning."""
+    """The cached profile, or ``None`` when absent; an unreadable or invalid entry (of any shape: a FIFO,
+    binary junk, truncated or deeply nested JSON, a wrong type in a field) is discarded with a warning."""
     path = cache_dir / f"profile-{key}.json"
-    if not path.exists():
+    if not os.path.lexists(path):
         return None
     try:
         return load_profile(path)
-    except (UniAPError, OSError, UnicodeDecodeError) as err:
-        _discard(path, str(err).splitlines()[0] if str(err) else type(err).__name__)
+    except CORRUPT_ENTRY_ERRORS as err:
+        _discard(path, why(err))
         return None
 
 
@@ -147,12 +162,12 @@ def save_cached_profile(cache_dir: Path, key: str, profile: ModelProfile) -> Pat
 def load_cached_json(cache_dir: Path, name: str) -> dict[str, Any] | None:
     """A cached JSON object, or ``None`` when absent; an unreadable entry is discarded with a warning."""
     path = cache_dir / name
-    if not path.exists():
+    if not os.path.lexists(path):
         return None
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as err:  # ValueError: bad JSON or bytes that are not UTF-8
-        _discard(path, str(err).splitlines()[0] if str(err) else type(err).__name__)
+        data = read_json(path, "cache entry")
+    except CORRUPT_ENTRY_ERRORS as err:
+        _discard(path, why(err))
         return None
     if not isinstance(data, dict):
         _discard(path, f"a JSON {type(data).__name__}, not an object")
@@ -163,6 +178,25 @@ def load_cached_json(cache_dir: Path, name: str) -> dict[str, Any] | None:
 def save_cached_json(cache_dir: Path, name: str, data: dict[str, Any]) -> Path:
     cache_dir.mkdir(parents=True, exist_ok=True)
     return write_json_atomic(cache_dir / name, data)
+
+
+def check_cluster_entry(data: dict[str, Any]) -> dict[str, Any]:
+    """A cached cluster measurement (``cluster-<key>.json``, as ``measure_collectives`` returns it) with every
+    figure of its JSON type: a string or boolean where a number belongs is a damaged entry, not a figure."""
+    where = "cluster entry"
+    ops = F.obj(F.required(data, "ops", where), f"{where}.ops")
+    for op, recs in ops.items():
+        for p, rec in F.obj(recs, f"{where}.ops.{op}").items():
+            w = f"{where}.ops.{op}[{p}]"
+            rec = F.obj(rec, w)
+            F.number(F.required(rec, "bw_gbps", w), f"{w}.bw_gbps", low=0)
+            F.number(F.required(rec, "latency_us", w), f"{w}.latency_us", low=0)
+            F.boolean(F.required(rec, "inter_node", w), f"{w}.inter_node")
+    for key in ("pipeline_slot_us", "optimizer_ns_per_param", "optimizer_us_per_tensor"):
+        F.optional_number(data.get(key), f"{where}.{key}", low=0)
+    for method, v in F.obj(data.get("compression_ns_per_param") or {}, f"{where}.compression_ns_per_param").items():
+        F.number(v, f"{where}.compression_ns_per_param.{method}", low=0)
+    return data
 
 
 def check_profile_matches(profile: ModelProfile, names: Sequence[str], params: Sequence[int], *,

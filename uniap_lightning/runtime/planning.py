@@ -15,9 +15,11 @@ from pathlib import Path
 
 from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.errors import UniAPError
+from uniap_lightning.files import remove_if_not_regular
 from uniap_lightning.planner.plan import COMPRESSION_DEFAULTS, PLAN_FORMAT_VERSION, Plan
 from uniap_lightning.planner.problem import TrainingConfig
 from uniap_lightning.planner.profile import ModelProfile
+from uniap_lightning.profiling.cache import CORRUPT_ENTRY_ERRORS, why
 
 
 def default_cache_dir() -> Path:
@@ -75,16 +77,16 @@ def cache_key(*, profile: ModelProfile, cluster: Cluster, world_size: int, train
 def _cached_plan(path: Path, *, profile: ModelProfile, world_size: int, global_batch_size: int) -> Plan | None:
     """The plan cached at ``path`` if it is readable and for this job; otherwise ``None``, with a warning naming
     the file when there was an entry (it is then solved again and replaced)."""
-    if not path.exists():
+    if not os.path.lexists(path):
         return None
     try:
         plan = Plan.from_json(path)
         check_plan_matches(plan, [lp.name for lp in profile.layers], world_size=world_size, profile=profile,
                            global_batch_size=global_batch_size)
         return plan
-    except (UniAPError, OSError, ValueError) as err:  # ValueError: bytes that are not UTF-8 JSON
-        warnings.warn(f"UniAP: ignoring the cached plan {path} ({str(err).splitlines()[0] if str(err) else err!r}); "
-                      "solving again", stacklevel=3)
+    except CORRUPT_ENTRY_ERRORS as err:  # a damaged entry of any shape is solved again, never a failed setup
+        warnings.warn(f"UniAP: ignoring the cached plan {path} ({why(err)}); solving again", stacklevel=3)
+        remove_if_not_regular(path)  # a FIFO or a dangling link there would refuse the rebuilt plan
         return None
 
 
@@ -124,7 +126,7 @@ def solve_plan(
     try:  # a cache that cannot be written (read-only directory) means "don't cache", not a failed setup
         cache_dir.mkdir(parents=True, exist_ok=True)
         plan.to_json(path)  # atomic
-    except OSError as err:
+    except (OSError, UniAPError) as err:  # UniAPError: a folder or another non-file under the entry's name
         warnings.warn(f"UniAP: could not cache the plan in {cache_dir} ({err}); continuing without", stacklevel=2)
     return plan, "solver"
 

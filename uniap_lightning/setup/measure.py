@@ -100,7 +100,8 @@ class Measurements:
     def _cached_cluster(self, base: Cluster, path: Path) -> Cluster | None:
         import warnings
 
-        from uniap_lightning.profiling.cache import load_cached_json
+        from uniap_lightning.files import remove_if_not_regular
+        from uniap_lightning.profiling.cache import CORRUPT_ENTRY_ERRORS, check_cluster_entry, load_cached_json, why
         from uniap_lightning.profiling.collectives import apply_to_cluster
 
         if not self.options.profile_cache:
@@ -109,10 +110,11 @@ class Measurements:
         if data is None or (isinstance(data, dict) and not data.get("compression_ns_per_param")):
             return None  # none, or measured before compression was timed: measured again
         try:  # a valid entry makes a valid cluster; anything else is measured again
-            return apply_to_cluster(base, _int_group_sizes(data))
-        except (UniAPError, KeyError, TypeError, ValueError, AttributeError) as err:
-            warnings.warn(f"UniAP: ignoring the cache entry {path} ({type(err).__name__}: {err}); it is rebuilt",
+            return apply_to_cluster(base, _int_group_sizes(check_cluster_entry(data)))
+        except CORRUPT_ENTRY_ERRORS as err:
+            warnings.warn(f"UniAP: ignoring the cache entry {path} ({type(err).__name__}: {why(err)}); it is rebuilt",
                           stacklevel=2)
+            remove_if_not_regular(path)
             return None
 
     def _measure_cluster(self, base: Cluster, path: Path) -> Cluster:
@@ -125,8 +127,8 @@ class Measurements:
         if self.ranks.lead and self.options.profile_cache:
             try:
                 save_cached_json(path.parent, path.name, measured)
-            except OSError:
-                pass  # a read-only cache directory means "don't cache"
+            except (OSError, UniAPError):
+                pass  # a read-only cache directory (or a folder under the entry's name) means "don't cache"
         return cluster
 
     # ------------------------------------------------------------------ profile
@@ -183,8 +185,8 @@ class Measurements:
             return
         try:
             self.report["profile_path"] = str(save_cached_profile(self.options.profile_cache_dir(), key, profile))
-        except OSError:
-            pass  # a read-only cache directory means "don't cache"
+        except (OSError, UniAPError):
+            pass  # a read-only cache directory (or a folder under the entry's name) means "don't cache"
 
     def profile_on_lead(self, chain: Chain, sample: Sample) -> ModelProfile:
         """Rank 0 alone: the profile file, the cache or a measurement."""
