@@ -103,3 +103,54 @@ class AgreedSigterm:
             raise SIGTERMException()
         self._buf = torch.tensor([1 if self._got else 0], dtype=torch.int32)
         self._work = dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+
+
+class StoppedBySigterm(SystemExit):
+    """SIGTERM before the first training batch: nothing to save, so the rank stops at once with status 143 (128 +
+    SIGTERM, as a shell reports a process ended by it). The other ranks got the same signal (a scheduler signals the
+    whole job) or see this one leave at their next collective, which the strategy's guard reports within seconds."""
+
+    def __init__(self) -> None:
+        super().__init__(143)
+
+
+class SetupSigterm:
+    """SIGTERM handler for the time before Lightning installs its own (``Trainer._run`` registers them after the
+    strategy's setup: profiling, solving and wrapping can take minutes). Without it SIGTERM kills a rank with the
+    default action (status -15, no message) and leaves the others waiting in a collective until the timeout.
+
+    Raises :class:`StoppedBySigterm` in the main thread, after calling ``forward(signum)`` (e.g. to pass the
+    signal to processes this one started). Once Lightning's handler is registered it keeps calling this one as
+    "the handler that was there before"; this one then does nothing, so the agreed stop of
+    :class:`AgreedSigterm` (every rank at the same batch, with a checkpoint) is untouched."""
+
+    def __init__(self, forward: Callable[[int], None] | None = None) -> None:
+        self.forward = forward
+
+    @staticmethod
+    def install_once(forward: Callable[[int], None] | None = None) -> SetupSigterm | None:
+        """Install a handler unless one of these is already installed (the CLI's, which also forwards to the ranks
+        it started) or this is not the main thread (where handlers cannot be set)."""
+        import signal
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return None
+        current = signal.getsignal(signal.SIGTERM)
+        if isinstance(current, SetupSigterm):
+            return current
+        if current not in (signal.SIG_DFL, None):
+            return None  # the user's own handler: theirs to keep
+        handler = SetupSigterm(forward)
+        signal.signal(signal.SIGTERM, handler)
+        return handler
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        import signal
+
+        if signal.getsignal(signal.SIGTERM) is not self:
+            return  # called by Lightning's handler: training is on, AgreedSigterm decides
+        if self.forward is not None:
+            with contextlib.suppress(Exception):
+                self.forward(signum)
+        raise StoppedBySigterm()

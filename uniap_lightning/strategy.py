@@ -24,7 +24,7 @@ from uniap_lightning.planner.plan import Plan
 from uniap_lightning.precision import global_norm_clipper, with_global_norm_clipping
 from uniap_lightning.rebalance.decision import RebalanceOptions
 from uniap_lightning.runtime.step import TrainStep
-from uniap_lightning.sigterm import AgreedSigterm
+from uniap_lightning.sigterm import AgreedSigterm, SetupSigterm
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -186,8 +186,14 @@ class UniAPStrategy(CheckpointIO, ModelParallelStrategy):
 
         check_slurm(self.cluster_environment, num_nodes=self.num_nodes, devices=self.num_processes)
         check_pinned_world(self._setup_options.pinned_plan, num_nodes=self.num_nodes, devices=self.num_processes)
+        SetupSigterm.install_once(forward=self._forward_sigterm)  # until Lightning registers its handlers
         self._setup_distributed()  # process group only; meshes depend on the plan, built in `setup`
         self._keep_users_sampler()
+
+    def _forward_sigterm(self, signum: int) -> None:
+        """A SIGTERM during setup reaches the processes Lightning's launcher started, as Lightning's handler does."""
+        if self.launcher is not None:
+            self.launcher.kill(signum)
 
     def _keep_users_sampler(self) -> None:
         """Every rank loads the whole global batch and takes its share, so the data order must be the one a single

@@ -220,3 +220,29 @@ def test_sigterm_on_one_rank_stops_every_rank_at_the_same_batch(tmp_path: Path) 
         # signal after batch 2 -> sent with batch 3's exchange -> read at the start of batch 4: 4 steps done
         assert res["global_step"] == 4, (r, res)
         assert len(res["losses"]) == 4, (r, res)
+
+
+def test_sigterm_in_the_first_step_stops_every_rank_with_a_checkpoint_step(tmp_path: Path) -> None:
+    """The first batch is the earliest a SIGTERM can be agreed on (Lightning's handler is registered just before
+    it): signal at the end of batch 0 -> sent with batch 1's exchange -> read at the start of batch 2."""
+    plan = h.make_plan([(1, 1, False)] * 4, [0, 0, 1, 1], pp=2, microbatches=2)
+    cases = {"term": {"plan": plan, "steps": 8, "sigterm_at": 0, "strategy": {"timeout_s": 30}}}
+    codes = h.spawn_and_watch(2, cases, tmp_path, timeout_s=120)
+    assert codes == {0: 0, 1: 0}, codes
+    for r in range(2):
+        res = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)["term"]
+        assert res.get("stopped") == "SIGTERMException" and res["global_step"] == 2, (r, res)
+
+
+def test_sigterm_during_setup_ends_every_rank_within_the_guard(tmp_path: Path) -> None:
+    """Before Lightning registers its handlers (profiling, solving, wrapping) a SIGTERM used to kill the rank with
+    the default action (-15, no message) and leave the others in a collective until the timeout. Now the signalled
+    rank stops with status 143 and the other fails at its next collective with the guard's error."""
+    cases = {"term": {"steps": 4, "sigterm_in_setup": True, "strategy": {"timeout_s": 60}}}
+    codes = h.spawn_and_watch(2, cases, tmp_path, timeout_s=200)
+    assert codes == {0: 0, 1: 0}, codes  # both ended by themselves (the watcher kills the ones still running)
+    stopped = torch.load(tmp_path / "rank1.pt", weights_only=False)["term"]
+    assert stopped.get("stopped") == "StoppedBySigterm" and stopped["global_step"] == 0, stopped
+    survivor = torch.load(tmp_path / "rank0.pt", weights_only=False)["term"]
+    assert "Another rank probably died" in survivor.get("error", ""), survivor
+    assert "Timed out" not in survivor["error"], survivor  # the peer's exit was seen at once, not at timeout_s

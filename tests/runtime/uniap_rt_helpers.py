@@ -12,7 +12,7 @@ arguments), ``module`` (``make_module`` arguments, e.g. ``{"lm": "llama"}`` or `
 ``save`` / ``resume`` / ``export`` (checkpoint paths relative to the output folder), ``validate_only``,
 ``die_at`` / ``hang_s`` (rank 1 dies or hangs at that batch), ``die_while_saving`` (rank ``die_rank``, default 1,
 dies as the ``save`` checkpoint starts), ``sigterm_at`` (rank ``sigterm_rank``, default 1,
-sends itself SIGTERM at the end of that batch), ``skew_data`` (ranks load different data).
+sends itself SIGTERM at the end of that batch), ``sigterm_in_setup`` (the same, in the ``setup`` hook), ``skew_data`` (ranks load different data).
 """
 
 from __future__ import annotations
@@ -217,6 +217,19 @@ class SigtermAt:
 
         return _Term()
 
+    @staticmethod
+    def make_in_setup() -> Any:
+        """Sends SIGTERM from the ``setup`` hook: after the process group is up, before the strategy's setup."""
+        import signal
+
+        import lightning.pytorch as pl
+
+        class _TermInSetup(pl.Callback):
+            def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        return _TermInSetup()
+
 
 def trainer_kwargs(case: dict[str, Any]) -> dict[str, Any]:
     """Trainer arguments of a case. Lightning's defaults (the distributed sampler among them) are kept, as users
@@ -314,6 +327,8 @@ def _run_case(rank: int, world: int, case: dict[str, Any], out_dir: Path) -> dic
         callbacks.append(DieWhileSaving.make())
     if "sigterm_at" in case and rank == case.get("sigterm_rank", 1):
         callbacks.append(SigtermAt.make(case["sigterm_at"]))
+    if case.get("sigterm_in_setup") and rank == case.get("sigterm_rank", 1):
+        callbacks.append(SigtermAt.make_in_setup())
     trainer = pl.Trainer(devices=world, strategy=strategy, callbacks=callbacks, **trainer_kwargs(case))
     ckpt = str(out_dir / case["resume"]) if "resume" in case else None
     if case.get("validate_only"):

@@ -123,12 +123,23 @@ def run_train(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
 
 
 def _run_train_locked(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
+    from uniap_lightning.sigterm import SetupSigterm, StoppedBySigterm
+
+    children: list[subprocess.Popen] = []
+    # SIGTERM before training: this rank and the ranks it started stop at once (see SetupSigterm)
+    SetupSigterm.install_once(forward=lambda signum: [c.send_signal(signum) for c in children if c.poll() is None])
     resume = resume_from(cfg)
     _one_copy_of_each_log_line()
     _quiet_library_warnings()
-    children = _launch_other_ranks(cfg, overrides)
     try:
+        children.extend(_launch_other_ranks(cfg, overrides))
         result = _train(cfg, overrides, resume)
+    except StoppedBySigterm:
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print("stopped by SIGTERM before the first training step: no step ran, nothing to save; run the same "
+                  "command again to start", file=sys.stderr, flush=True)
+        _end_children(children, grace_s=CHILD_GRACE_S)
+        raise
     except SystemExit as stop:
         # preempted: every rank writes its part of the checkpoint, then stops by itself
         _end_children(children, grace_s=None if stop.code == PREEMPTED_EXIT_CODE else CHILD_GRACE_S)
