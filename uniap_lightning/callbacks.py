@@ -110,18 +110,35 @@ class CheckpointOnSigterm(Callback):
     def __init__(self, dirpath: str | Path) -> None:
         self.dirpath = Path(dirpath)
         self.saved: Path | None = None
+        #: why the checkpoint could not be written (disk full, read-only, file size limit), or None
+        self.failed: str | None = None
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         from lightning.pytorch.trainer.states import TrainerFn
         from lightning.pytorch.utilities.exceptions import SIGTERMException
+        from torch.distributed.checkpoint.api import CheckpointException
 
         if not isinstance(exception, SIGTERMException) or trainer.state.fn != TrainerFn.FITTING:
             return
-        if trainer.global_rank == 0:
-            self.dirpath.mkdir(parents=True, exist_ok=True)
         path = self.dirpath / f"step-{trainer.global_step:08d}.ckpt"
-        trainer.save_checkpoint(path)
+        try:
+            if trainer.global_rank == 0:
+                self.dirpath.mkdir(parents=True, exist_ok=True)
+            trainer.save_checkpoint(path)
+        except (Exception, CheckpointException) as err:  # noqa: BLE001 - CheckpointException is a BaseException
+            # the run is stopping anyway: say what is lost and why, instead of a traceback that hides it
+            failures = getattr(err, "failures", None)
+            cause = next(iter(failures.values()))[0] if isinstance(failures, dict) and failures else err
+            self.failed = f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0][:200]}"
+            return
         self.saved = path
+
+    def lost_work(self, global_step: int) -> str:
+        """One line for a failed save: which steps are lost, and from where a resume would start."""
+        older = newest_checkpoint(self.dirpath)
+        since = f"the newest intact checkpoint is {older}" if older else "there is no older checkpoint"
+        return (f"the preemption checkpoint could not be written to {self.dirpath}/ ({self.failed}); the steps up to "
+                f"{global_step} since the last checkpoint are lost ({since})")
 
 
 def newest_checkpoint(dirpath: str | Path, *, skipped: list[tuple[Path, str]] | None = None) -> Path | None:

@@ -40,3 +40,27 @@ def test_uniap_train_refuses_a_checkpoint_dir_in_use(tmp_path: Path) -> None:
     assert res.returncode == 2 and len(errors) == 1, res.stderr[-2000:]
     assert f"is in use by another run (pid {os.getpid()})" in errors[0]
     assert "Traceback" not in res.stderr and not (tmp_path / "cache").exists()  # refused before any profiling
+
+
+def test_a_preemption_save_that_fails_says_what_is_lost(tmp_path: Path) -> None:
+    """Disk full, a read-only mount or `ulimit -f` at SIGTERM: the run is stopping anyway, so the failure is
+    recorded and reported as lost steps (with the checkpoint a resume would use), not raised as a traceback."""
+    import errno
+    from types import SimpleNamespace
+
+    from lightning.pytorch.trainer.states import TrainerFn
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from uniap_lightning.callbacks import CheckpointOnSigterm
+
+    def full(path: Path) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    trainer = SimpleNamespace(state=SimpleNamespace(fn=TrainerFn.FITTING), global_rank=0, global_step=7,
+                              save_checkpoint=full)
+    saver = CheckpointOnSigterm(tmp_path / "ckpts")
+    saver.on_exception(trainer, None, SIGTERMException())
+    assert saver.saved is None and "No space left on device" in (saver.failed or "")
+    line = saver.lost_work(7)
+    assert "could not be written" in line and "up to 7" in line and "there is no older checkpoint" in line
+    saver.on_exception(trainer, None, RuntimeError("not a preemption"))  # other errors: not this callback's

@@ -180,8 +180,12 @@ def _train(cfg: DictConfig, overrides: list[str], resume: Path | None) -> dict[s
     except SIGTERMException:
         if trainer.global_rank == 0:
             again = " ".join([a for a in overrides if not a.startswith("resume=")] + ["resume=auto"])
-            print(f"stopped by SIGTERM at step {trainer.global_step}; checkpoint {saver.saved}\n"
-                  f"resume with: uniap train {again}", flush=True)
+            if saver.failed is not None:
+                print(f"error: stopped by SIGTERM at step {trainer.global_step}: {saver.lost_work(trainer.global_step)}",
+                      file=sys.stderr, flush=True)
+            else:
+                print(f"stopped by SIGTERM at step {trainer.global_step}; checkpoint {saver.saved}", flush=True)
+            print(f"resume with: uniap train {again}", flush=True)
         raise SystemExit(PREEMPTED_EXIT_CODE) from None
     loss = trainer.callback_metrics.get("train_loss")
     result = {
