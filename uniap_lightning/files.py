@@ -39,7 +39,7 @@ MAX_YAML_INTERPOLATED_CHARS = 16 * 1024**2
 # ---------------------------------------------------------------------------------------------- file kinds
 def _kind(mode: int) -> str:
     """What a non-regular file is, in words (for the error message)."""
-    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"),
+    for test, name in ((stat.S_ISREG, "a file"), (stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"),
                        (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
                        (stat.S_ISLNK, "a symbolic link")):
         if test(mode):
@@ -132,7 +132,7 @@ def check_output_folder(path: str | Path, what: str) -> Path:
     while True:
         try:
             mode = os.stat(probe).st_mode
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # the latter: a file above it, found further up
             if probe.parent == probe:
                 return path
             probe = probe.parent

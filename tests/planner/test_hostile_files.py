@@ -1,0 +1,540 @@
+"""Hostile files as inputs, outputs and cache entries: devices, FIFOs, symbolic links, oversized files, deeply
+nested or huge-integer JSON, YAML alias bombs, and values of the wrong JSON type. Each is one clear UniAPError
+(one ``error:`` line from the CLI), a warning and a rebuild (cache entries), or written through (links) - never a
+hang, a traceback or a replaced device."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+import re
+import stat
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from uniap_lightning.errors import UniAPError
+from uniap_lightning.files import (
+    MAX_DOCUMENT_BYTES,
+    check_output_file,
+    check_output_folder,
+    read_json,
+    read_text,
+    write_text_atomic,
+)
+from uniap_lightning.planner.cluster import Cluster
+from uniap_lightning.planner.config import build_problem, cluster_from
+from uniap_lightning.planner.plan import Plan
+from uniap_lightning.planner.profile import ModelProfile, load_profile
+
+DEV_FULL = Path("/dev/full")
+needs_dev_full = pytest.mark.skipif(not DEV_FULL.exists(), reason="no /dev/full here")
+#: a safety net only: every case below must answer at once; a regression that blocks fails instead of hanging
+quick = pytest.mark.timeout(60)
+
+ALIAS_BOMB = "name: bomb\na: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
+    f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 9)}]\n" for i in range(8))
+DEEP_JSON = "[" * 100_000 + "]" * 100_000
+
+
+def _is_char_device(path: Path) -> bool:
+    return stat.S_ISCHR(os.stat(path).st_mode)
+
+
+def _fifo(tmp_path: Path, name: str = "fifo.json") -> Path:
+    path = tmp_path / name
+    os.mkfifo(path)
+    return path
+
+
+# ================================================================================ outputs
+@needs_dev_full
+def test_dev_full_as_output_is_refused_and_not_replaced() -> None:
+    for call in (lambda: write_text_atomic(DEV_FULL, "x"), lambda: check_output_file(DEV_FULL, "out=")):
+        with pytest.raises(UniAPError, match=r"'/dev/full' is not a regular file \(a character device\); give a "
+                                             "file name"):
+            call()
+        assert _is_char_device(DEV_FULL)
+
+
+@quick
+def test_fifo_socket_and_folder_outputs_are_refused_and_kept(tmp_path: Path) -> None:
+    import socket
+
+    fifo = _fifo(tmp_path)
+    sock_path = tmp_path / "s.sock"
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(sock_path))
+        for path, kind in ((fifo, "a FIFO"), (sock_path, "a socket")):
+            for call in (lambda: write_text_atomic(path, "x"), lambda: check_output_file(path, "out=")):
+                with pytest.raises(UniAPError, match=f"is not a regular file \\({kind}\\)"):
+                    call()
+        assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and stat.S_ISSOCK(os.lstat(sock_path).st_mode)
+    with pytest.raises(UniAPError, match="is a folder; give a file name"):
+        write_text_atomic(tmp_path, "x")
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]  # no temporary file left behind
+
+
+def test_a_symlink_to_a_file_is_written_through(tmp_path: Path) -> None:
+    target = tmp_path / "real" / "plan.json"
+    target.parent.mkdir()
+    target.write_text("old")
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    assert check_output_file(link, "out=") == link
+    write_text_atomic(link, "new")
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert target.read_text() == "new"
+
+
+@needs_dev_full
+def test_dangling_links_and_links_to_non_files_are_refused(tmp_path: Path) -> None:
+    dangling, to_fifo, to_dev = tmp_path / "dangling.json", tmp_path / "to_fifo.json", tmp_path / "to_dev.json"
+    dangling.symlink_to(tmp_path / "nowhere" / "x.json")
+    to_fifo.symlink_to(_fifo(tmp_path))
+    to_dev.symlink_to(DEV_FULL)
+    for link, match in ((dangling, "which does not exist"), (to_fifo, r"not a regular file \(a FIFO\)"),
+                        (to_dev, r"not a regular file \(a character device\)")):
+        for call in (lambda: write_text_atomic(link, "x"), lambda: check_output_file(link, "out=")):
+            with pytest.raises(UniAPError, match=match):
+                call()
+        assert link.is_symlink()
+    assert _is_char_device(DEV_FULL) and stat.S_ISFIFO(os.stat(to_fifo).st_mode)
+
+
+def test_an_output_folder_must_be_a_folder_or_makeable(tmp_path: Path) -> None:
+    afile = tmp_path / "file"
+    afile.write_text("")
+    assert check_output_folder(tmp_path / "new" / "deeper", "out=")
+    assert check_output_folder(tmp_path, "out=")
+    with pytest.raises(UniAPError, match=r"out='.*file' exists and is not a folder \(a file\); give a folder name"):
+        check_output_folder(afile, "out=")
+    with pytest.raises(UniAPError, match=r"out='.*file/sub': '.*file' is not a folder \(a file\)"):
+        check_output_folder(afile / "sub", "out=")
+    with pytest.raises(UniAPError, match=r"exists and is not a folder \(a FIFO\)"):
+        check_output_folder(_fifo(tmp_path), "out=")
+
+
+# ================================================================================ inputs
+@quick
+def test_a_fifo_input_is_refused_without_blocking(tmp_path: Path) -> None:
+    fifo = _fifo(tmp_path)  # no writer: a blocking open would wait forever
+    with pytest.raises(UniAPError, match=r"profile file '.*fifo.json' is a FIFO, not a file"):
+        load_profile(fifo)
+    with pytest.raises(UniAPError, match=r"plan file '.*fifo.json'.* is a FIFO, not a file"):
+        Plan.from_json(fifo)
+    yaml_fifo = _fifo(tmp_path, "cluster.yaml")
+    with pytest.raises(UniAPError, match=r"cluster file '.*cluster.yaml' is a FIFO, not a file"):
+        cluster_from(str(yaml_fifo))
+
+
+@quick
+def test_endless_devices_are_refused() -> None:
+    for dev in ("/dev/zero", "/dev/urandom"):
+        if Path(dev).exists():
+            with pytest.raises(UniAPError, match="is a character device, not a file"):
+                read_text(dev, "profile file")
+
+
+@quick
+def test_an_oversized_file_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    big = tmp_path / "big.json"
+    with open(big, "wb") as f:
+        f.truncate(MAX_DOCUMENT_BYTES + 1)  # sparse: no disk used
+    with pytest.raises(UniAPError, match=r"big.json' is 256.0 MiB; files over 256 MiB are not read"):
+        read_json(big, "profile file")
+    small = tmp_path / "small.json"
+    small.write_text('{"a": 1}')
+    assert read_json(small, "x") == {"a": 1}
+    with pytest.raises(UniAPError, match="over 0 MiB|files over"):
+        read_text(small, "x", limit_bytes=4)
+
+
+# ================================================================================ JSON documents
+@quick
+@pytest.mark.parametrize(("text", "match"), [
+    (DEEP_JSON, "nests lists / objects deeper than 64 levels"),
+    ("[" * 65 + "]" * 65, "nests lists / objects 65 levels deep; at most 64 are read"),
+    ('{"a": ' + "1" * 5000 + "}", "has an integer of 5000 digits; at most 64 are read"),
+    ('{"a": -' + "7" * 400 + "}", "has an integer of 400 digits"),
+], ids=["deep", "65-levels", "5000-digits", "400-digits"])
+def test_hostile_json_is_one_clear_error(tmp_path: Path, text: str, match: str) -> None:
+    path = tmp_path / "doc.json"
+    path.write_text(text)
+    for load in (lambda: read_json(path, "profile file"), lambda: load_profile(path), lambda: Plan.from_json(path),
+                 lambda: Plan.from_json(text if len(text) >= 4096 else text + " " * 4096)):
+        with pytest.raises(UniAPError, match=match):
+            load()
+
+
+def test_64_levels_still_load(tmp_path: Path) -> None:
+    path = tmp_path / "doc.json"
+    path.write_text("[" * 64 + "]" * 64)
+    assert read_json(path, "x") == json.loads("[" * 64 + "]" * 64)
+
+
+# ================================================================================ YAML documents
+@quick
+@pytest.mark.parametrize(("text", "match"), [
+    (ALIAS_BOMB, "expands to more than 100,000 nodes once its aliases are followed"),
+    ("name: x\n" + "a: " + "[" * 100_000 + "]" * 100_000 + "\n", "nests lists / mappings deeper than 64 levels"),
+    ("name: x\na0: &a0 [1]\n" + "".join(f"a{i}: &a{i} [*a{i - 1}]\n" for i in range(1, 100)),
+     "deeper than 64 levels once its aliases are followed"),
+    ("name: x\nloop: &r [*r]\n", "has an alias that refers to itself"),
+    ("name: x\na: aaaaaaaaaa\n" + "".join(f"b{i}: '{('${b%d}' % (i - 1)) * 10}'\n" for i in range(1, 12))
+     .replace("${b0}", "${a}"), "interpolations resolve to more than 16 MiB"),
+    ("name: x\na: ${a}\n", "the interpolation at a refers to itself"),
+], ids=["alias-bomb", "deep", "alias-chain", "self-alias", "interpolation-bomb", "self-interpolation"])
+def test_hostile_yaml_is_refused_before_loading(tmp_path: Path, text: str, match: str) -> None:
+    path = tmp_path / "cluster.yaml"
+    path.write_text(text)
+    with pytest.raises(UniAPError, match=f"cluster file '.*cluster.yaml'.*{match}"):
+        cluster_from(str(path))
+
+
+def test_yaml_with_ordinary_aliases_and_interpolations_still_loads(tmp_path: Path) -> None:
+    path = tmp_path / "cluster.yaml"
+    path.write_text("base: &base {memory_gib: 16, speed: 1.0}\n"
+                    "name: mixed\nnodes: 1\ndevices_per_node: 2\npeak_tflops: 10\n"
+                    "device: ${name}-gpu\n"
+                    "device_groups: [{<<: *base, name: a, count: 1}, {<<: *base, name: b, count: 1, speed: 0.5}]\n")
+    from uniap_lightning.planner.config import load_group
+
+    data = load_group("cluster", str(path))
+    data.pop("base")
+    cluster = Cluster.from_dict(data)
+    assert cluster.device == "mixed-gpu" and cluster.rank_speed == (1.0, 0.5)
+
+
+# ================================================================================ strict types
+def _plan_doc() -> dict[str, Any]:
+    from uniap_lightning.planner.solver import solve
+
+    return solve(build_problem(model="tiny_gpt", cluster="local_cpu", global_batch_size=8), time_limit_s=30,
+                 baselines=False).to_dict()
+
+
+@pytest.fixture(scope="module")
+def plan_doc() -> dict[str, Any]:
+    return _plan_doc()
+
+
+def _v1(doc: dict[str, Any]) -> dict[str, Any]:
+    doc = copy.deepcopy(doc)
+    doc["format_version"] = 1
+    doc.pop("compression_options", None)
+    for layer in doc["layers"]:
+        for key in ("dp_mode", "recompute", "compression"):
+            layer.pop(key, None)
+        layer["shard"] = False
+    return doc
+
+
+@pytest.mark.parametrize("shard", ["false", "true", 0, 1, None, []])
+def test_a_v1_shard_must_be_a_json_boolean(plan_doc: dict[str, Any], tmp_path: Path, shard: Any) -> None:
+    doc = _v1(plan_doc)
+    doc["layers"][0]["shard"] = shard
+    path = tmp_path / "v1.json"
+    path.write_text(json.dumps(doc))
+    name = doc["layers"][0]["name"]
+    with pytest.raises(UniAPError, match=rf"plan file '.*v1.json': plan layer 0 \({re.escape(name)}\): shard must be "
+                                         r"true or false \(a JSON boolean\)"):
+        Plan.from_json(path)
+    doc["layers"][0]["shard"] = False
+    assert Plan.from_dict(doc).layers[0].dp_mode == "replicate"
+
+
+@pytest.mark.parametrize(("edit", "match"), [
+    (lambda d: d["layers"][0].update(dp=True), r"plan layer 0 \(.*\): dp must be an integer, got True"),
+    (lambda d: d["layers"][0].update(dp="1"), r"dp must be an integer, got '1'"),
+    (lambda d: d["layers"][0].update(dp=1.5), r"dp must be an integer, got 1.5"),
+    (lambda d: d["layers"][0].update(dp=-1), r"dp must be >= 1, got -1"),
+    (lambda d: d["layers"][0].update(dp=0), r"dp must be >= 1, got 0"),
+    (lambda d: d["layers"][0].update(tp=10**400), r"tp is out of range \(got an integer of 401 digits\)"),
+    (lambda d: d["layers"][0].update(stage="0"), r"stage must be an integer"),
+    (lambda d: d["layers"][0].update(recompute="false"), r"recompute must be true or false"),
+    (lambda d: d["layers"][0].update(recompute=0), r"recompute must be true or false"),
+    (lambda d: d["layers"][0].update(dp_mode=["zero3"]), r"dp_mode must be a string"),
+    (lambda d: d["layers"][0].update(name=7), r"plan layer 0.name must be a string"),
+    (lambda d: d.update(pp="1"), r"plan field 'pp' must be an integer"),
+    (lambda d: d.update(num_devices=10**12), r"plan field 'num_devices' must be <= 2147483647"),
+    (lambda d: d.update(global_batch_size=8.5), r"plan field 'global_batch_size' must be an integer"),
+    (lambda d: d.update(schedule=1), r"plan field 'schedule' must be a string"),
+    (lambda d: d.update(model=None), r"plan field 'model' must be a string"),
+    (lambda d: d["stages"][0].update(ranks=["0"]), r"plan stages\[0\].ranks\[0\] must be an integer"),
+    (lambda d: d["estimate"].update(feasible="true"), r"plan estimate.feasible must be true or false"),
+    (lambda d: d["estimate"].update(tpi_s=float("nan")), r"plan estimate.tpi_s must be a finite number"),
+    (lambda d: d["estimate"].update(stage_time_s=[]), r"plan estimate.stage_time_s must list \d+ numbers \(one per stage"),
+    (lambda d: d["solver"].update(solved="3"), r"plan solver.solved must be an integer"),
+    (lambda d: d.update(baselines={"ddp": "fast"}), r"plan baselines.ddp must be a number"),
+    (lambda d: d.update(search=[{"pp": 1}]), r"plan search\[0\] is missing the field 'microbatches'"),
+    (lambda d: d.update(compression_options={"powersgd_rank": True}), r"powersgd_rank must be an integer >= 1"),
+])
+def test_plan_fields_must_have_their_json_types(plan_doc: dict[str, Any], edit: Callable, match: str) -> None:
+    doc = copy.deepcopy(plan_doc)
+    edit(doc)
+    with pytest.raises(UniAPError, match=match):
+        Plan.from_dict(doc)
+
+
+def test_integral_floats_and_every_current_field_still_load(plan_doc: dict[str, Any]) -> None:
+    doc = copy.deepcopy(plan_doc)
+    doc["layers"][0]["dp"] = float(doc["layers"][0]["dp"])
+    doc["pp"] = float(doc["pp"])
+    plan = Plan.from_dict(doc)
+    assert isinstance(plan.layers[0].dp, int) and isinstance(plan.pp, int)
+    assert Plan.from_json(Plan.from_dict(plan_doc).to_json()).to_dict() == Plan.from_dict(plan_doc).to_dict()
+
+
+@pytest.mark.parametrize(("field", "value", "match"), [
+    ("params", True, "params must be a finite number"),
+    ("params", "10", "params must be a finite number"),
+    ("forward_s", 10**400, "forward_s must be a finite number, got an integer of 401 digits"),
+    ("activation_bytes", 1e300, "activation_bytes must be a finite number"),
+    ("tp_degrees", [1, True], "tp_degrees must be a non-empty list of positive integers"),
+])
+def test_profile_fields_must_have_their_json_types(field: str, value: Any, match: str) -> None:
+    doc = build_problem(model="tiny_gpt", cluster="local_cpu", global_batch_size=8).model.to_dict()
+    doc["layers"][1][field] = value
+    with pytest.raises(UniAPError, match=rf"profile: layers\[1\]\.{match}"):
+        ModelProfile.from_dict(doc)
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    ({"bandwidth_tables": {"intra": {"2": "100"}}}, r"bandwidth_tables.intra\[2\] must be a number"),
+    ({"bandwidth_tables": {"intra": {"two": 100}}}, r"group sizes must be integers >= 2"),
+    ({"bandwidth_tables": {"intra": {True: 100}}}, r"group sizes must be integers >= 2"),
+    ({"rank_device": [1, 2]}, r"rank_device entries must be strings"),
+    ({"device": ["gpu"]}, r"device must be a string"),
+    ({"nodes": 10**9, "devices_per_node": 10**9}, r"at most 16,777,216 are planned for"),
+    ({"nodes": "2"}, r"nodes must be a positive integer"),
+])
+def test_cluster_fields_must_have_their_types(change: dict[str, Any], match: str) -> None:
+    doc = {"name": "c", "nodes": 1, "devices_per_node": 2, "memory_gib": 16, "peak_tflops": 10, **change}
+    with pytest.raises(UniAPError, match=match):
+        Cluster.from_dict(doc)
+
+
+def test_json_keys_still_name_group_sizes() -> None:
+    cluster = Cluster.from_dict({"name": "c", "nodes": 1, "devices_per_node": 4, "memory_gib": 16,
+                                 "peak_tflops": 10, "bandwidth_tables": {"intra": {"2": 100, "4": 80.5}}})
+    assert cluster.bandwidth_tables == {"intra": {2: 100.0, 4: 80.5}}
+
+
+# ================================================================================ cache entries
+def _junk(path: Path, good: str) -> None:
+    path.write_bytes(random.Random(7).randbytes(256) + b"\xff\xfe")
+
+
+def _set(text: str, key: str, raw: str) -> str:
+    """``text`` (a JSON document) with the first value of ``key`` replaced by the JSON text ``raw``."""
+    out, n = re.subn(rf'("{key}": )(-?[0-9.eE+-]+|true|false|null|"[^"]*")', lambda m: m.group(1) + raw, text,
+                     count=1)
+    assert n == 1, key
+    return out
+
+
+#: every damaged shape a cache entry can take: (name, how to make it from the good entry's text)
+CORRUPT: list[tuple[str, Callable[[Path, str], Any]]] = [
+    ("fifo", lambda p, g: os.mkfifo(p)),
+    ("dangling-symlink", lambda p, g: p.symlink_to(p.parent / "gone" / "x.json")),
+    ("alias-bomb", lambda p, g: p.write_text(ALIAS_BOMB)),
+    ("deep-json", lambda p, g: p.write_text(DEEP_JSON)),
+    ("truncated", lambda p, g: p.write_text(g[: len(g) // 2])),
+    ("binary-junk", _junk),
+    ("empty", lambda p, g: p.write_text("")),
+    ("json-list", lambda p, g: p.write_text("[1, 2]")),
+]
+
+
+def _plan_shapes() -> list[tuple[str, Callable[[Path, str], Any]]]:
+    def edit(fn: Callable[[dict[str, Any]], Any]) -> Callable[[Path, str], Any]:
+        def make(p: Path, g: str) -> None:
+            doc = json.loads(g)
+            fn(doc)
+            p.write_text(json.dumps(doc))
+        return make
+
+    return CORRUPT + [
+        ("400-digit-int", lambda p, g: p.write_text(_set(g, "dp", "9" * 400))),
+        ("dp-minus-1", edit(lambda d: d["layers"][0].update(dp=-1))),
+        ("string-number", edit(lambda d: d["layers"][0].update(dp="1"))),
+        ("v1-string-shard", edit(lambda d: d.update(_v1(d)) or d["layers"][0].update(shard="false"))),
+        ("nan-estimate", lambda p, g: p.write_text(_set(g, "tpi_s", "NaN"))),
+    ]
+
+
+@pytest.fixture(scope="module")
+def small_problem() -> Any:
+    return build_problem(model="tiny_gpt", cluster="local_cpu", global_batch_size=8)
+
+
+def _solve(problem: Any, cache_dir: Path) -> tuple[Plan, str]:
+    from uniap_lightning.runtime.planning import solve_plan
+
+    return solve_plan(profile=problem.model, cluster=problem.cluster, training=problem.training, solver="auto",
+                      time_limit_s=30, cache_dir=cache_dir)
+
+
+@quick
+@pytest.mark.parametrize(("shape", "make"), _plan_shapes(), ids=[s for s, _ in _plan_shapes()])
+def test_a_damaged_cached_plan_is_discarded_and_solved_again(small_problem: Any, tmp_path: Path, shape: str,
+                                                              make: Callable) -> None:
+    good_dir = tmp_path / "good"
+    plan, origin = _solve(small_problem, good_dir)
+    assert origin == "solver"
+    (good,) = good_dir.iterdir()
+    path = tmp_path / "cache" / good.name
+    path.parent.mkdir()
+    make(path, good.read_text())
+    with pytest.warns(UserWarning, match=f"ignoring the cached plan {path}") as caught:
+        again, origin = _solve(small_problem, path.parent)
+    assert origin == "solver" and again.to_dict()["layers"] == plan.to_dict()["layers"]
+    assert sum("ignoring the cached plan" in str(w.message) for w in caught) == 1
+    assert stat.S_ISREG(os.stat(path).st_mode) and Plan.from_json(path).layers == plan.layers  # rebuilt
+    assert _solve(small_problem, path.parent)[1] == f"cache {path}"
+
+
+def test_a_folder_under_the_plan_entry_name_means_no_caching(small_problem: Any, tmp_path: Path) -> None:
+    good_dir = tmp_path / "good"
+    _solve(small_problem, good_dir)
+    (good,) = good_dir.iterdir()
+    (tmp_path / "cache" / good.name).mkdir(parents=True)
+    with pytest.warns(UserWarning) as caught:
+        plan, origin = _solve(small_problem, tmp_path / "cache")
+    assert origin == "solver" and plan.layers
+    messages = " | ".join(str(w.message) for w in caught)
+    assert "ignoring the cached plan" in messages and "is a folder, not a file" in messages
+    assert "could not cache the plan" in messages
+
+
+def _profile_shapes() -> list[tuple[str, Callable[[Path, str], Any]]]:
+    return CORRUPT + [
+        ("400-digit-int", lambda p, g: p.write_text(_set(g, "params", "9" * 400))),
+        ("negative", lambda p, g: p.write_text(_set(g, "forward_s", "-1"))),
+        ("string-number", lambda p, g: p.write_text(_set(g, "tp_allreduces", '"2"'))),
+        ("string-bool-degree", lambda p, g: p.write_text(g.replace('"tp_degrees": [', '"tp_degrees": ["1", ', 1))),
+    ]
+
+
+@quick
+@pytest.mark.parametrize(("shape", "make"), _profile_shapes(), ids=[s for s, _ in _profile_shapes()])
+def test_a_damaged_cached_profile_is_discarded_and_rebuilt(small_problem: Any, tmp_path: Path, shape: str,
+                                                           make: Callable) -> None:
+    from uniap_lightning.profiling.cache import load_cached_profile, save_cached_profile
+
+    profile = small_problem.model
+    good = save_cached_profile(tmp_path / "good", "k", profile)
+    path = tmp_path / "cache" / good.name
+    path.parent.mkdir()
+    make(path, good.read_text())
+    with pytest.warns(UserWarning, match=f"ignoring the cache entry {path}") as caught:
+        assert load_cached_profile(path.parent, "k") is None
+    assert len([w for w in caught if "ignoring the cache entry" in str(w.message)]) == 1
+    save_cached_profile(path.parent, "k", profile)  # what setup does after measuring again
+    assert load_cached_profile(path.parent, "k").fingerprint() == profile.fingerprint()
+
+
+CLUSTER_ENTRY = {"ops": {"all_reduce": {"2": {"bw_gbps": 1.0, "latency_us": 50.0, "inter_node": False}}},
+                 "compression_ns_per_param": {"bf16": 1.0, "powersgd": 2.0, "topk": 30.0}}
+
+
+def _cluster_shapes() -> list[tuple[str, Callable[[Path, str], Any]]]:
+    return CORRUPT + [
+        ("400-digit-int", lambda p, g: p.write_text(_set(g, "bw_gbps", "9" * 400))),
+        ("string-number", lambda p, g: p.write_text(_set(g, "bw_gbps", '"1.0"'))),
+        ("string-bool", lambda p, g: p.write_text(_set(g, "inter_node", '"false"'))),
+        ("negative", lambda p, g: p.write_text(_set(g, "latency_us", "-1"))),
+        ("huge-float", lambda p, g: p.write_text(_set(g, "bf16", "1e999"))),
+    ]
+
+
+@quick
+@pytest.mark.parametrize(("shape", "make"), _cluster_shapes(), ids=[s for s, _ in _cluster_shapes()])
+def test_a_damaged_cached_cluster_is_discarded(tmp_path: Path, shape: str, make: Callable) -> None:
+    torch = pytest.importorskip("torch")
+    from uniap_lightning.runtime.planning import local_cluster
+    from uniap_lightning.setup import Ranks, SetupOptions
+    from uniap_lightning.setup.measure import Measurements
+
+    m = Measurements(ranks=Ranks(rank=0, world_size=2, num_nodes=1, devices_per_node=2, device=torch.device("cpu")),
+                     options=SetupOptions(cache_dir=tmp_path), precision="32-true", forward_context=lambda: None)
+    base = local_cluster(nodes=1, devices_per_node=2, device_type="cpu")
+    path = tmp_path / "cluster-x.json"
+    path.write_text(json.dumps(CLUSTER_ENTRY))
+    assert m._cached_cluster(base, path) is not None
+    path.unlink()
+    make(path, json.dumps(CLUSTER_ENTRY))
+    with pytest.warns(UserWarning, match=f"ignoring the cache entry {path}"):
+        assert m._cached_cluster(base, path) is None
+    assert not stat.S_ISFIFO(os.lstat(path).st_mode) if os.path.lexists(path) else True
+
+
+# ================================================================================ the CLI
+def uniap(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "uniap_lightning.cli.main", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=300, check=False)
+
+
+def _one_error_line(res: subprocess.CompletedProcess, message: str) -> None:
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.returncode == 2, (res.stdout[-2000:], res.stderr[-2000:])
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], res.stderr[-2000:]
+
+
+SMALL = ("model=tiny_gpt", "cluster=local_cpu", "batch_size=8")
+
+
+@needs_dev_full
+@pytest.mark.parametrize("key", ["out", "viz"])
+def test_cli_refuses_dev_full_as_output(key: str) -> None:
+    _one_error_line(uniap("plan", *SMALL, f"{key}=/dev/full"),
+                    f"{key}='/dev/full' is not a regular file (a character device); give a file name")
+    assert _is_char_device(DEV_FULL)
+
+
+@needs_dev_full
+def test_cli_train_refuses_a_device_as_its_out_folder(tmp_path: Path) -> None:
+    _one_error_line(uniap("train", "model=tiny_gpt", "out=/dev/full", "trainer.max_steps=1", cwd=tmp_path),
+                    "out='/dev/full' exists and is not a folder (a character device); give a folder name")
+    assert _is_char_device(DEV_FULL)
+
+
+@quick
+def test_cli_refuses_fifos_and_bombs_as_inputs_and_outputs(tmp_path: Path) -> None:
+    fifo = _fifo(tmp_path)
+    _one_error_line(uniap("plan", *SMALL, f"viz={fifo}"), "is not a regular file (a FIFO); give a file name")
+    _one_error_line(uniap("plan", *SMALL, f"profile={fifo}"), "is a FIFO, not a file")
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(ALIAS_BOMB)
+    _one_error_line(uniap("plan", "model=tiny_gpt", f"cluster={bomb}"), "expands to more than 100,000 nodes")
+
+
+def test_cli_writes_a_plan_through_a_symlink(tmp_path: Path) -> None:
+    target = tmp_path / "plans" / "plan.json"
+    target.parent.mkdir()
+    target.write_text("{}")
+    link = tmp_path / "plan.json"
+    link.symlink_to(target)
+    res = uniap("plan", *SMALL, f"out={link}")
+    assert res.returncode == 0, res.stderr
+    assert link.is_symlink() and Plan.from_json(target).num_devices == 4
+
+
+@pytest.mark.parametrize(("rebalances", "message"), [
+    ("[" * 100_000 + "]" * 100_000, "nests lists / objects deeper than 64 levels"),
+    ('[{"step": "three"}]', "rebalances[0].step must be an integer, got 'three'"),
+    ('[{"step": 3, "switch_s": "slow"}]', "rebalances[0].switch_s must be a number, got 'slow'"),
+    ('{"step": 3}', "rebalances must be a list, got dict"),
+    ("[[1]]", "rebalances[0] must be an object, got list"),
+], ids=["deep", "step", "switch_s", "not-a-list", "not-objects"])
+def test_cli_explain_refuses_malformed_rebalances(tmp_path: Path, rebalances: str, message: str) -> None:
+    measured = tmp_path / "measured.json"
+    measured.write_text('{"tpi_s": 0.5, "rebalances": ' + rebalances + "}")
+    _one_error_line(uniap("explain", *SMALL, f"measured={measured}"), message)
