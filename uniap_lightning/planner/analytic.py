@@ -20,12 +20,14 @@ Sources of the formulas (per sample, sequence length ``s``, hidden ``h``, heads 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.profile import LayerProfile, ModelProfile
+from uniap_lightning.values import as_int, choice, flag, integer, text
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 POW2 = (1, 2, 4, 8, 16, 32, 64)
@@ -74,18 +76,18 @@ class ModelSpec:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelSpec:
-        d = dict(d)
+        """A spec from a ``model`` config (YAML, overrides or a dict), every field checked (:meth:`validate`)."""
+        if not isinstance(d, Mapping):
+            raise UniAPError(f"a model config must be a mapping of fields, got {type(d).__name__}")
+        d = {k: as_int(v) for k, v in d.items()}
         known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(d) - known)
+        unknown = sorted(set(d) - known, key=str)
         if unknown:
-            raise UniAPError(f"model config '{d.get('name', '?')}' has unknown field(s) {unknown}")
-        segs = []
-        for j, s in enumerate(d.pop("segments", None) or []):
-            try:
-                segs.append(Segment(**dict(s)))
-            except TypeError as err:
-                raise UniAPError(f"model config segments[{j}]: {err}") from err
-        spec = cls(**d, segments=tuple(segs))
+            raise UniAPError(f"model config '{d.get('name', '?')}' has unknown field(s) {unknown}; known: {sorted(known)}")
+        if "name" not in d:
+            raise UniAPError("model config needs a 'name'")
+        segs = _segments(d.pop("segments", None), d["name"])
+        spec = cls(**d, segments=segs)
         spec.validate()
         return spec
 
@@ -95,18 +97,75 @@ class ModelSpec:
         return (Segment(self.layers, self.hidden, self.heads, self.ffn, self.seq_len, self.kv_heads),)
 
     def validate(self) -> None:
-        if self.dtype not in DTYPE_BYTES:
-            raise UniAPError(f"model '{self.name}': dtype={self.dtype!r} must be one of {sorted(DTYPE_BYTES)}")
-        if self.embedding not in ("token", "patch") or self.head not in ("lm", "classifier"):
-            raise UniAPError(f"model '{self.name}': embedding must be token|patch and head lm|classifier")
-        for seg in self.blocks():
+        """Refuse what no transformer has: wrong types, NaN, fractions, sizes out of range (:data:`LIMITS`), heads
+        that do not divide hidden, kv_heads that do not divide heads. The one check `uniap plan`, `uniap train` and
+        the Python API share."""
+        text(self.name, "name", where="model config: ", empty=False)
+        where = f"model '{self.name}': "
+        choice(self.dtype, "dtype", DTYPE_BYTES, where=where)
+        choice(self.embedding, "embedding", ("token", "patch"), where=where)
+        choice(self.head, "head", ("lm", "classifier"), where=where)
+        for key in ("gated_mlp", "bias", "flash_attention"):
+            flag(getattr(self, key), key, where=where)
+        for key in ("family", "source"):
+            text(getattr(self, key), key, where=where)
+        if self.segments:  # the top-level shape is unused then; 0 means unset
             for key in ("layers", "hidden", "heads", "ffn", "seq_len"):
-                if getattr(seg, key) is None or getattr(seg, key) < 1:
-                    raise UniAPError(f"model '{self.name}': {key} must be >= 1, got {getattr(seg, key)}")
-            if seg.hidden % seg.heads:
-                raise UniAPError(f"model '{self.name}': hidden={seg.hidden} is not divisible by heads={seg.heads}")
-        if self.embedding == "token" and self.vocab < 1:
-            raise UniAPError(f"model '{self.name}': vocab must be >= 1 for a token embedding")
+                integer(getattr(self, key), key, low=0, high=LIMITS[key], where=where)
+        for j, seg in enumerate(self.blocks()):
+            _check_block(seg, f"{where}segments[{j}]." if self.segments else where)
+        total = sum(seg.layers for seg in self.blocks())
+        if total > LIMITS["layers"]:
+            raise UniAPError(f"{where}{total:,} layers in all: at most {LIMITS['layers']:,}")
+        integer(self.vocab, "vocab", low=1 if self.embedding == "token" else 0, high=LIMITS["vocab"], where=where)
+        integer(self.num_classes, "num_classes", low=1, high=LIMITS["num_classes"], where=where)
+        integer(self.image_size, "image_size", low=1, high=LIMITS["image_size"], where=where)
+        integer(self.patch_size, "patch_size", low=1, high=self.image_size, where=where, unit="at most image_size")
+        integer(self.channels, "channels", low=1, high=LIMITS["channels"], where=where)
+
+
+#: the largest value each size may take: far above any published model (LLaMA-70B: 80 layers, hidden 8192), low
+#: enough that a typo (layers=100000000) is refused at once instead of building a profile no solver finishes
+LIMITS = {"layers": 100_000, "hidden": 2**20, "heads": 2**20, "ffn": 2**24, "seq_len": 2**24, "window": 2**24,
+          "vocab": 2**24, "num_classes": 2**24, "image_size": 2**16, "channels": 2**12}
+
+
+def _segments(raw: Any, name: Any) -> tuple[Segment, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, (list, tuple)):
+        raise UniAPError(f"model '{name}': segments must be a list of mappings, got {type(raw).__name__}")
+    known = set(Segment.__dataclass_fields__)
+    segs = []
+    for j, s in enumerate(raw):
+        if not isinstance(s, Mapping):
+            raise UniAPError(f"model '{name}': segments[{j}] must be a mapping of fields, got {type(s).__name__}")
+        unknown = sorted(set(s) - known, key=str)
+        if unknown:
+            raise UniAPError(f"model '{name}': segments[{j}] has unknown field(s) {unknown}; known: {sorted(known)}")
+        missing = [k for k in ("layers", "hidden", "heads", "ffn", "seq_len") if k not in s]
+        if missing:
+            raise UniAPError(f"model '{name}': segments[{j}] lacks the field(s) {missing}")
+        segs.append(Segment(**{k: as_int(v) for k, v in s.items()}))
+    return tuple(segs)
+
+
+def _check_block(seg: Segment, where: str) -> None:
+    """One run of identical blocks: sizes in range, heads dividing hidden, kv_heads dividing heads."""
+    for key in ("layers", "hidden", "ffn", "seq_len"):
+        integer(getattr(seg, key), key, low=1, high=LIMITS[key], where=where)
+    integer(seg.heads, "heads", low=1, high=seg.hidden, where=where, unit="at most hidden")
+    if seg.hidden % seg.heads:
+        raise UniAPError(f"{where}hidden={seg.hidden} is not divisible by heads={seg.heads}")
+    if seg.kv_heads is not None:
+        integer(seg.kv_heads, "kv_heads", low=1, high=seg.heads, where=where, unit="at most heads, or null")
+        if seg.heads % seg.kv_heads:
+            raise UniAPError(f"{where}heads={seg.heads} is not divisible by kv_heads={seg.kv_heads} (grouped-query "
+                             f"attention shares each key/value head among heads/kv_heads query heads)")
+    if seg.window is not None:
+        integer(seg.window, "window", low=1, high=LIMITS["window"], where=where, unit="tokens, or null")
+    flag(seg.cross_attention, "cross_attention", where=where)
+    text(seg.name, "name", where=where)
 
 
 def _tp_degrees(*counts: int) -> tuple[int, ...]:

@@ -9,15 +9,27 @@ from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.plan import COMPRESSION_DEFAULTS, COMPRESSIONS, SCHEDULES, Plan, check_compression_options
 from uniap_lightning.planner.profile import ModelProfile
+from uniap_lightning.values import as_int, choice, integer, number, short
+
+
+#: the largest global batch (samples per optimizer step) the planner takes: far above any real run (a 4M-token batch
+#: of 128-token samples is 32,768), and small enough that enumerating its divisors stays instant
+MAX_GLOBAL_BATCH_SIZE = 10**9
+#: the most micro-batches one step may be split into
+MAX_MICROBATCHES = 10**6
+#: the most bytes per parameter for each of weights, gradients and optimizer state
+MAX_BYTES_PER_PARAM = 1024
 
 
 @dataclass(frozen=True)
 class TrainingConfig:
     """Training settings the plan depends on.
 
+    ``global_batch_size``: samples per optimizer step, 1 to :data:`MAX_GLOBAL_BATCH_SIZE`.
     ``microbatches``: candidate micro-batch counts ``c`` (``None``: every divisor of the global batch up to
     ``max_microbatches``). Memory per parameter is ``weight_bytes + grad_bytes + optimizer_bytes`` (e.g. fp32 Adam:
-    4 + 4 + 8; bf16 mixed precision with fp32 master weights and Adam: 2 + 2 + 12).
+    4 + 4 + 8; bf16 mixed precision with fp32 master weights and Adam: 2 + 2 + 12), each at most
+    :data:`MAX_BYTES_PER_PARAM`. Integral floats (``32.0``) are taken as integers.
     """
 
     global_batch_size: int
@@ -29,21 +41,31 @@ class TrainingConfig:
     optimizer_bytes: float = 8.0
 
     def __post_init__(self) -> None:
-        b = self.global_batch_size
-        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
-            raise UniAPError(f"batch_size (global_batch_size) must be a positive integer, got {b!r}")
-        if self.schedule not in SCHEDULES:
-            raise UniAPError(f"schedule={self.schedule!r} must be one of {list(SCHEDULES)}")
+        b = as_int(self.global_batch_size)
+        if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= MAX_GLOBAL_BATCH_SIZE:
+            raise UniAPError(f"batch_size (global_batch_size) must be a positive integer up to "
+                             f"{MAX_GLOBAL_BATCH_SIZE:,}, got {short(self.global_batch_size)}")
+        object.__setattr__(self, "global_batch_size", b)  # frozen: the checked, normalized value
+        object.__setattr__(self, "max_microbatches", integer(self.max_microbatches, "max_microbatches", low=1,
+                                                             high=MAX_MICROBATCHES))
+        choice(self.schedule, "schedule", SCHEDULES)
         for key in ("weight_bytes", "grad_bytes", "optimizer_bytes"):
-            if getattr(self, key) < 0:
-                raise UniAPError(f"{key} must be >= 0, got {getattr(self, key)}")
+            number(getattr(self, key), key, low=0, high=MAX_BYTES_PER_PARAM, unit="bytes per parameter")
         if self.microbatches is not None:
-            bad = [c for c in self.microbatches if not isinstance(c, int) or c < 1 or b % c]
-            if bad or not self.microbatches:
-                raise UniAPError(
-                    f"microbatches={list(self.microbatches)}: each candidate must be a positive integer dividing "
-                    f"batch_size={b} (bad: {bad}); divisors of {b}: {divisors(b)}"
-                )
+            object.__setattr__(self, "microbatches", self._checked_microbatches(b))
+
+    def _checked_microbatches(self, b: int) -> tuple[int, ...]:
+        given = self.microbatches if isinstance(self.microbatches, (list, tuple)) else (self.microbatches,)
+        counts = tuple(as_int(c) for c in given)
+        bad = [c for c in counts if isinstance(c, bool) or not isinstance(c, int) or c < 1 or b % c]
+        if bad or not counts:
+            usable = [d for d in divisors(b) if d <= self.max_microbatches]
+            listed = lambda values: "[" + ", ".join(map(short, values)) + "]"  # noqa: E731
+            raise UniAPError(
+                f"microbatches={listed(given)}: each candidate must be a positive integer dividing batch_size={b} "
+                f"(bad: {listed(bad)}); divisors of {b} up to max_microbatches={self.max_microbatches}: {usable}"
+            )
+        return counts
 
     @property
     def bytes_per_param(self) -> float:
@@ -56,16 +78,35 @@ class TrainingConfig:
 
 
 def divisors(n: int) -> list[int]:
-    """Divisors of ``n`` in increasing order, in O(sqrt n): a batch size of 10**12 must not mean 10**12 trials."""
-    small, large = [], []
-    d = 1
-    while d * d <= n:
-        if n % d == 0:
-            small.append(d)
-            if d * d != n:
-                large.append(n // d)
-        d += 1
-    return small + large[::-1]
+    """Divisors of ``n`` in increasing order, built from its prime factors.
+
+    Trial division stops at the square root of what is left once a factor is divided out, so a smooth number is
+    instant (10**18 = 2**18 * 5**18: a few steps, 361 divisors); only a large prime factor costs its square root.
+    Callers keep ``n`` bounded (batch sizes by :data:`MAX_GLOBAL_BATCH_SIZE`: at most ~16,000 steps; device counts
+    by the cluster's shape)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"divisors of a positive integer, got {n!r}")
+    found = [1]
+    for prime, power in _prime_factors(n):
+        found = [d * prime**e for d in found for e in range(power + 1)]
+    return sorted(found)
+
+
+def _prime_factors(n: int) -> list[tuple[int, int]]:
+    """``[(prime, power), ...]`` of ``n`` by trial division up to the square root of the part not yet factored."""
+    out = []
+    p = 2
+    while p * p <= n:
+        if n % p == 0:
+            power = 0
+            while n % p == 0:
+                n //= p
+                power += 1
+            out.append((p, power))
+        p += 1 if p == 2 else 2
+    if n > 1:
+        out.append((n, 1))
+    return out
 
 
 @dataclass
