@@ -337,15 +337,15 @@ def _plan_from_dict(cls: type[Plan], d: dict[str, Any]) -> Plan:
     version = F.integer(d.get("format_version", PLAN_FORMAT_VERSION), "plan field 'format_version'")
     if version not in READABLE_FORMAT_VERSIONS:
         raise UniAPError(f"plan format_version={version} is not supported (this version reads {READABLE_FORMAT_VERSIONS})")
-    counts = {key: F.integer(F.required(d, key, "plan"), f"plan field '{key}'", low=1, high=F.MAX_COUNT)
+    counts = {key: F.integer(_top(d, key), f"plan field '{key}'", low=1, high=F.MAX_COUNT)
               for key in ("pp", "microbatches", "global_batch_size", "num_devices")}
-    stages = [_stage_from_dict(s, i) for i, s in enumerate(F.array(F.required(d, "stages", "plan"), "plan field 'stages'"))]
+    stages = [_stage_from_dict(s, i) for i, s in enumerate(F.array(_top(d, "stages"), "plan field 'stages'"))]
     layers = [_layer_from_dict(x, u, version)
-              for u, x in enumerate(F.array(F.required(d, "layers", "plan"), "plan field 'layers'"))]
+              for u, x in enumerate(F.array(_top(d, "layers"), "plan field 'layers'"))]
     options = F.obj(d.get("compression_options", {}), "plan field 'compression_options'")
     return cls(
         **counts,
-        schedule=F.string(F.required(d, "schedule", "plan"), "plan field 'schedule'"),
+        schedule=F.string(_top(d, "schedule"), "plan field 'schedule'"),
         stages=stages,
         layers=layers,
         model=F.string(d.get("model", ""), "plan field 'model'"),
@@ -356,6 +356,13 @@ def _plan_from_dict(cls: type[Plan], d: dict[str, Any]) -> Plan:
         search=_search_from_dict(d.get("search", [])),
         compression_options={**COMPRESSION_DEFAULTS, **options},
     )
+
+
+def _top(d: dict[str, Any], key: str) -> Any:
+    """A required top-level field (the message keeps the wording earlier versions gave)."""
+    if key not in d:
+        raise UniAPError(f"plan JSON is missing or has a malformed field: '{key}' is missing")
+    return d[key]
 
 
 def _stage_from_dict(s: Any, i: int) -> StagePlan:

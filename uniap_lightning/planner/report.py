@@ -174,7 +174,7 @@ def explain_renderables(plan: Plan, problem, measured: dict | None = None) -> Gr
             else:
                 value, vs = "-", "-"
             outcome = "CHOSEN" if chosen else r["outcome"]
-            if r["outcome"] == "does not fit":
+            if r["outcome"] == "does not fit" and r.get("memory_bound_bytes") is not None:  # absent in a hand-made file
                 outcome += f" (needs >= {r['memory_bound_bytes'] / GIB:,.1f} GiB)"
             runners.add_row(str(r["pp"]), str(r["microbatches"]), outcome, value, "" if chosen else vs)
         parts.append(runners)
