@@ -244,3 +244,27 @@ def test_fuzzed_compression_option_is_refused_clearly(value: Any) -> None:
     from uniap_lightning.planner.problem import compression_methods
 
     _only_clear_errors(compression_methods, value)
+
+
+# ---------------------------------------------------------------- strict JSON types: no coercion of look-alikes
+def _look_alikes(value: Any) -> list[Any]:
+    """Values a coercing reader would take for ``value`` (``bool("false")`` is True, ``int("2")`` is 2)."""
+    if isinstance(value, bool):
+        return [str(value).lower(), int(value), "yes" if value else "", None]
+    return [str(value), True, value + 0.5, -value - 1, None]
+
+
+@SETTINGS
+@given(st.data())
+def test_look_alike_values_in_plan_layers_are_refused(data: Any) -> None:
+    version = data.draw(st.sampled_from([1, 2]))
+    doc = copy.deepcopy(PLAN_V2)
+    if version == 1:
+        doc["format_version"] = 1
+        for layer in doc["layers"]:
+            layer["shard"] = layer["dp_mode"] == "zero3"
+    layer = data.draw(st.sampled_from(doc["layers"]))
+    key = data.draw(st.sampled_from(["dp", "tp", "stage", "shard" if version == 1 else "recompute"]))
+    layer[key] = data.draw(st.sampled_from(_look_alikes(layer[key])))
+    with pytest.raises(UniAPError, match=rf"plan layer \d+ \(.*\): {key} must be"):
+        Plan.from_dict(doc)

@@ -12,20 +12,13 @@ import math
 from typing import Any
 
 from uniap_lightning.errors import UniAPError
+from uniap_lightning.values import short  # noqa: F401 - re-exported: one way to print a value in a message
 
 #: integers beyond this are refused (no count in the formats comes near it, and arithmetic on them would not be
 #: exact in floats or would build huge ranges)
 MAX_INTEGER = 2**53
 #: the largest count of devices, stages, layers, micro-batches or samples a plan may name
 MAX_COUNT = 2**31 - 1
-
-
-def short(value: Any) -> str:
-    """A value for an error message, at most ~60 characters (a 400-digit integer is not printed whole)."""
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**12:
-        return f"an integer of {len(str(abs(value)))} digits"
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def boolean(value: Any, where: str) -> bool:
