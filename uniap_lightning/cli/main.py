@@ -20,30 +20,72 @@ Models: conf/model/*.yaml, clusters: conf/cluster/*.yaml, training settings: con
 """
 
 
+COMMANDS = ("plan", "evaluate", "explain", "train")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
     if not args or args[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0
     command, rest = args[0], args[1:]
+    if command not in COMMANDS:
+        print(f"uniap: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    from uniap_lightning.cli import interrupts
+
+    interrupts.install()
+    _quiet_solver_banner()
+    try:
+        return _run(command, rest)
+    except KeyboardInterrupt:
+        _stop_interrupted()
+    except SystemExit as stop:
+        if stop.code not in (0, None) and interrupts.interrupted():  # Lightning ends a Ctrl-C'd fit with exit(1)
+            _stop_interrupted()
+        raise
+    return 0  # not reached: _stop_interrupted ends the process
+
+
+def _run(command: str, rest: list[str]) -> int:
+    from uniap_lightning.cli.overrides import check_command_line
+    from uniap_lightning.errors import UniAPError
+
+    try:
+        check_command_line(command, rest, before_compose=_config_groups_load)
+    except UniAPError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     from uniap_lightning.cli import apps
 
     table = {"plan": apps.plan_main, "evaluate": apps.evaluate_main, "explain": apps.explain_main,
              "train": apps.train_main}
-    if command not in table:
-        print(f"uniap: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
-        return 2
-    if not _config_groups_load(rest):
-        return 2
     sys.argv = [f"uniap-{command}", *rest]
     table[command]()
     return 0
 
 
-def _config_groups_load(overrides: list[str]) -> bool:
+def _quiet_solver_banner() -> None:
+    """python-mip logs "Using Python-MIP package version X" at INFO when first imported; with Hydra's logging on
+    stdout that line came before every error and once per training rank. Its warnings still show."""
+    import logging
+
+    logging.getLogger("mip").setLevel(logging.WARNING)
+
+
+def _stop_interrupted() -> None:
+    """Ctrl-C reached the top: one line (unless the first Ctrl-C printed its own), exit status 130 at once (the
+    interpreter's teardown would wait for solver threads and process groups)."""
+    from uniap_lightning.cli import interrupts
+
+    if not interrupts.hinted() and interrupts.is_launching_rank():
+        print("interrupted", file=sys.stderr)
+    interrupts.stop_now(interrupts.INTERRUPTED_EXIT_CODE)
+
+
+def _config_groups_load(overrides: list[str]) -> None:
     """Read each ``model=`` / ``cluster=`` / ``train=`` choice once before Hydra composes the config: a missing or
     broken YAML is then one ``error:`` line (Hydra would print its own traceback)."""
-    from uniap_lightning.errors import UniAPError
     from uniap_lightning.planner.config import load_group
 
     for arg in overrides:
@@ -51,12 +93,7 @@ def _config_groups_load(overrides: list[str]) -> bool:
         if not sep or key not in ("model", "cluster", "train") or not value:
             continue
         for name in value.split(","):  # a multirun sweep lists several
-            try:
-                load_group(key, name.strip())
-            except UniAPError as err:
-                print(f"error: {err}", file=sys.stderr)
-                return False
-    return True
+            load_group(key, name.strip())
 
 
 if __name__ == "__main__":
