@@ -16,6 +16,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from uniap_lightning.cli.ranks import RankWatch, close_process_group
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.files import check_output_folder, write_json_atomic
 
@@ -58,14 +59,11 @@ def _threads_per_rank(devices: int) -> str:
 
 
 def check_config(cfg: DictConfig) -> None:
-    """Refuse what `uniap train` cannot run, before any other rank is started."""
-    if cfg.data.name != "corpus":
-        raise UniAPError(f"data.name={cfg.data.name!r}: the shipped dataset is 'corpus'")
-    spec = cfg.model
-    if spec.get("segments") or spec.get("embedding", "token") != "token" or spec.get("head", "lm") != "lm":
-        raise UniAPError(f"model '{spec.name}': `uniap train` trains GPT-style language models (see examples/ for more)")
-    if int(cfg.data.batch_size) < 1 or int(cfg.trainer.devices) < 1:
-        raise UniAPError("data.batch_size and trainer.devices must be >= 1")
+    """Refuse what `uniap train` cannot run, before any other rank is started: every value of the config
+    (:mod:`uniap_lightning.cli.train_checks`; the model through ``ModelSpec``, as `uniap plan` checks it)."""
+    from uniap_lightning.cli.train_checks import check_train_config
+
+    check_train_config(cfg)
     if cfg.get("out"):  # a folder of rank<N>.json: refused now if it cannot be one, not after training
         check_output_folder(str(cfg.out), "out=")
 
@@ -114,6 +112,7 @@ def run_train(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
     from uniap_lightning.cli.checkpoint_dir import lock_checkpoint_dir
 
     check_config(cfg)
+    check_before_launch(cfg)
     lock = lock_checkpoint_dir(str(cfg.checkpoint_dir))
     try:
         return _run_train_locked(cfg, overrides)
@@ -133,7 +132,9 @@ def _run_train_locked(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
     _quiet_library_warnings()
     try:
         children.extend(_launch_other_ranks(cfg, overrides))
-        result = _train(cfg, overrides, resume)
+        with RankWatch(children):  # a started rank that fails ends the run (rank 0 may wait in C for it)
+            result = _train(cfg, overrides, resume)
+            close_process_group()
     except StoppedBySigterm:
         if os.environ.get("LOCAL_RANK", "0") == "0":
             print("stopped by SIGTERM before the first training step: no step ran, nothing to save; run the same "
@@ -205,11 +206,31 @@ def _train(cfg: DictConfig, overrides: list[str], resume: Path | None) -> dict[s
         out = Path(cfg.out)
         out.mkdir(parents=True, exist_ok=True)
         write_json_atomic(out / f"rank{trainer.global_rank}.json", result)
-    if trainer.global_rank == 0:
+    if trainer.global_rank == 0 and result["final_loss"] is None:
+        print(_no_training_line(trainer), flush=True)
+    elif trainer.global_rank == 0:
         print(f"final train loss {result['final_loss']:.4f}, perplexity {result['train_ppl'] or float('nan'):.2f}, "
               f"{timer.samples_per_s or float('nan'):.1f} samples/s measured{_plan_work_rate(trainer, timer.batch)} "
               f"({result['samples_per_s'] or float('nan'):.1f} predicted)")
     return result
+
+
+def _no_training_line(trainer: Any) -> str:
+    """The last line of a fit that ran no training step (a resumed checkpoint already at ``max_steps``)."""
+    step, limit = trainer.global_step, trainer.max_steps
+    if limit is not None and limit >= 0 and step >= limit:
+        return f"no training steps ran: the checkpoint is at step {step} >= max_steps {limit}"
+    return f"no training steps ran (at step {step})"
+
+
+def check_before_launch(cfg: DictConfig) -> None:
+    """What needs the environment or Lightning, checked before any other rank starts: the environment the ranks
+    inherit, the Trainer's argument names, the strategy's arguments (built once and dropped)."""
+    from uniap_lightning.cli.train_checks import check_environment, check_trainer_arguments
+
+    check_environment(cfg)
+    check_trainer_arguments(OmegaConf.to_container(cfg.trainer, resolve=True))  # type: ignore[arg-type]
+    build_strategy(cfg)
 
 
 def _plan_work_rate(trainer: Any, batch: int) -> str:
