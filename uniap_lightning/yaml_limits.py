@@ -30,7 +30,7 @@ def check(text: str, named: str) -> None:
     try:
         _check_events(yaml.parse(text, Loader=loader), named)  # iterative: safe at any depth
         root = yaml.compose(text, Loader=loader)  # recursive, but the depth is now known to be small
-    except yaml.YAMLError:
+    except yaml.YAMLError:  # malformed: the caller's loader reports it, with the line
         return
     if root is None:
         return
@@ -38,7 +38,7 @@ def check(text: str, named: str) -> None:
     if "${" in text:
         try:
             data = yaml.load(text, Loader=loader)  # noqa: S506 - a safe loader, on a document now known to be small
-        except yaml.YAMLError:
+        except Exception:  # noqa: BLE001 - e.g. a 5000-digit integer (ValueError): the caller's loader reports it
             return
         _Interpolations(data, named).check(len(text))
 

@@ -217,7 +217,7 @@ class ModelProfile:
         if not isinstance(data, dict):
             raise UniAPError(f"{origin}: expected a JSON object with a 'layers' list")
         version = data.get("format_version", PROFILE_FORMAT_VERSION)
-        if version != PROFILE_FORMAT_VERSION:
+        if isinstance(version, bool) or version != PROFILE_FORMAT_VERSION:  # true == 1 in Python, not in JSON
             raise UniAPError(f"{origin}: format_version={version} is not supported (expected {PROFILE_FORMAT_VERSION})")
         raw = data.get("layers")
         if not isinstance(raw, list) or not raw:
