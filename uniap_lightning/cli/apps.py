@@ -18,8 +18,12 @@ from uniap_lightning.planner.config import CONF_DIR, build_problem
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.files import check_output_file, read_json, write_json_atomic
 from uniap_lightning.planner.problem import Problem
+from uniap_lightning.values import flag, integer
+from uniap_lightning.values import short as _short
 
 CONF = str(CONF_DIR)
+#: the largest pipeline degree `pp=` takes (a stage per device of the largest cluster planned for)
+MAX_PIPELINE_DEGREE = 2**24
 
 
 def _problem(cfg: DictConfig) -> Problem:
@@ -44,24 +48,22 @@ def _problem(cfg: DictConfig) -> Problem:
     )
 
 
+#: the longest search `uniap plan` / `explain` accept, in seconds (about four months)
+MAX_TIME_LIMIT_S = 1e7
+
+
 def _check_options(cfg: DictConfig, *, outputs: tuple[str, ...] = ()) -> None:
     """Refuse bad command-line values before any profile is read or any solver runs."""
     limit = cfg.get("time_limit")
-    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not math.isfinite(limit) or limit <= 0:
-        raise UniAPError(f"time_limit={_short(limit)}: give the search's time limit in seconds, a number > 0")
+    if (isinstance(limit, bool) or not isinstance(limit, (int, float)) or not math.isfinite(limit) or limit <= 0
+            or limit > MAX_TIME_LIMIT_S):
+        raise UniAPError(f"time_limit={_short(limit)}: give the search's time limit in seconds, a number > 0 and <= "
+                         f"{MAX_TIME_LIMIT_S:g}")
+    _pp(cfg)
+    flag(cfg.get("baselines"), "baselines")
     for key in outputs:
         if cfg.get(key):
             check_output_file(cfg[key], f"{key}=")
-
-
-def _short(value: Any) -> str:
-    """A value for an error message: numbers in at most a few digits (1e308 is not 309 characters)."""
-    if isinstance(value, float):
-        return f"{value:.6g}"
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**12:
-        return f"{float(value):.6g}"
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _measured(path: str) -> dict[str, Any]:
@@ -103,9 +105,14 @@ def _check_rebalances(events: Any, where: str) -> None:
 
 
 def _pp(cfg: DictConfig) -> list[int] | None:
+    """The pipeline degrees to search (``pp=4`` or ``pp=[2,4]``), or None for all."""
     if cfg.pp is None:
         return None
-    return [int(x) for x in cfg.pp] if OmegaConf.is_list(cfg.pp) else [int(cfg.pp)]
+    values = list(cfg.pp) if OmegaConf.is_list(cfg.pp) else [cfg.pp]
+    if not values:
+        raise UniAPError("pp=[]: give a pipeline degree, a list of them, or null for all")
+    return [integer(v, "pp", low=1, high=MAX_PIPELINE_DEGREE, unit="a pipeline degree, a list of them, or null")
+            for v in values]
 
 
 def _multirun() -> bool:
