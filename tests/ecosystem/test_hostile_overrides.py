@@ -1,0 +1,346 @@
+"""Hostile command lines and environments: each is one ``error:`` line and exit status 2 before any work (no
+profiling, no rank started), or works. Most cases call the checks in-process (the CLI runs the same functions);
+a handful run the CLI as a user does, to check the whole path: one error line, no traceback, no solver banner.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from uniap_lightning.errors import UniAPError
+
+HUGE = "9" * 5000  # a 5,000-digit number
+
+
+def uniap(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
+          timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "uniap_lightning.cli.main", *args], capture_output=True, text=True,
+                          env=env, cwd=cwd, timeout=timeout, check=False)
+
+
+def assert_one_error_line(res: subprocess.CompletedProcess[str], message: str) -> None:
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert res.returncode == 2, (res.stdout[-2000:], res.stderr[-2000:])
+    assert len(errors) == 1 and message in errors[0], res.stderr[-2000:]
+    assert "Traceback" not in res.stderr
+    assert "Python-MIP" not in res.stdout + res.stderr  # python-mip's import banner
+    # before any work: no Lightning banner, no profiling, no rank started
+    assert "GPU available" not in res.stdout + res.stderr and "profil" not in res.stdout.lower()
+
+
+def _train_config(*overrides: str):
+    from uniap_lightning.cli.overrides import compose_checked
+
+    return compose_checked("fit", list(overrides))
+
+
+# ---------------------------------------------------------------------------------------------- uniap train config
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["model.layers=nan"], "layers=nan must be an integer from 1 to 100,000"),
+    (["model.layers=2.5"], "layers=2.5 must be an integer"),
+    (["model.layers=abc"], "layers='abc' must be an integer"),
+    (["model.layers=-3"], "layers=-3 must be an integer"),
+    (["model.layers=100000000"], "layers=100000000 must be an integer from 1 to 100,000"),
+    (["model.hidden=nan"], "hidden=nan must be an integer"),
+    (["model.heads=3"], "hidden=64 is not divisible by heads=3"),
+    (["+model.kv_heads=-1"], "kv_heads=-1 must be an integer from 1 to 4"),
+    (["+model.kv_heads=3"], "heads=4 is not divisible by kv_heads=3"),
+    (["lr=nan"], "lr=nan must be a finite number > 0"),
+    (["lr=-1"], "lr=-1 must be a finite number > 0"),
+    (["lr=1e400"], "lr=inf must be a finite number"),
+    (["seed=-1"], "seed=-1 must be an integer from 0 to 4,294,967,295"),
+    (["data.seq_len=-1"], "data.seq_len=-1 must be an integer from 1 to 94,406"),
+    (["data.seq_len=100000"], "data.seq_len=100000 must be an integer from 1 to 94,406"),
+    (["data.seq_len=400"], "the corpus's validation split (4,969 tokens) gives 12 samples, fewer than one batch"),
+    (["data.batch_size=0"], "data.batch_size=0 must be an integer"),
+    (["data.batch_size=2000", "trainer.limit_val_batches=0"], "the corpus's training split (94,406 tokens) gives 1,475"),
+    (["data.shuffle=maybe"], "data.shuffle='maybe' must be true or false"),
+    (["+data.rows=3"], "data.rows: not a data setting"),
+    (["trainer.devices=auto"], "trainer.devices='auto' must be an integer from 1 to 1,024"),
+    (["trainer.devices=0"], "trainer.devices=0 must be an integer"),
+    (["trainer.num_nodes=nan"], "trainer.num_nodes=nan must be an integer"),
+    (["trainer.max_steps=0"], "trainer.max_steps=0 must be an integer from 1 to 1,000,000,000 (or -1)"),
+    pytest.param([f"trainer.max_steps={HUGE[:4000]}"], "trainer.max_steps=an integer of about 4,000 digits must be an "
+                 "integer", id="max_steps-4000-digits"),
+    (["trainer.val_check_interval=0"], "trainer.val_check_interval=0 must be an integer from 1"),
+    (["trainer.val_check_interval=1000"], "trainer.val_check_interval=1000: an epoch has 92 training batches"),
+    (["trainer.val_check_interval=1.5"], "trainer.val_check_interval=1.5 must be a finite number > 0 and <= 1"),
+    (["trainer.limit_val_batches=nan"], "trainer.limit_val_batches=nan must be a finite number >= 0 and <= 1"),
+    (["trainer.precision=17"], "trainer.precision=17 must be one of"),
+    (["+trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches=0 must be an integer from 1"),
+    (["+trainer.gradient_clip_val=nan"], "trainer.gradient_clip_val=nan must be a finite number >= 0"),
+    (["+trainer.gradient_clip_algorithm=max"], "trainer.gradient_clip_algorithm='max' must be one of 'norm', 'value'"),
+    (["+trainer.max_epochs=0"], "trainer.max_epochs=0 must be an integer"),
+    (["+trainer.strategy=ddp"], "trainer.strategy: `uniap train` sets the Trainer's strategy itself"),
+    (["trainer=3"], "trainer=3 must be a mapping of trainer.* settings"),
+])
+def test_bad_train_values_are_refused_before_any_rank_starts(overrides: list[str], message: str) -> None:
+    from uniap_lightning.cli.train import check_config
+
+    with pytest.raises(UniAPError, match=None) as err:
+        check_config(_train_config(*overrides))
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("overrides", [
+    [], ["model=tiny_llama"], ["trainer.max_steps=-1"], ["trainer.val_check_interval=0.5"], ["model.layers=2.0"],
+    ["trainer.val_check_interval=null", "trainer.limit_val_batches=0", "data.batch_size=500"],
+    ["+trainer.gradient_clip_val=1.0", "+trainer.deterministic=warn", "+trainer.max_time=00:00:01:00"],
+    ["trainer.precision=bf16-mixed", "+trainer.fast_dev_run=true", "data.seq_len=32"],
+])
+def test_sane_train_values_pass(overrides: list[str]) -> None:
+    from uniap_lightning.cli.train import check_config
+
+    check_config(_train_config(*overrides))
+
+
+def test_unknown_trainer_argument_names_a_close_one() -> None:
+    from uniap_lightning.cli.train_checks import check_trainer_arguments
+
+    with pytest.raises(UniAPError, match=r"trainer.max_step: Lightning refuses .*did you mean trainer.max_steps"):
+        check_trainer_arguments({"max_step": 3})
+
+
+def test_corpus_sizes_match_the_data_module() -> None:
+    from uniap_lightning.cli.train_checks import corpus_tokens
+    from uniap_lightning.data import TextDataModule
+
+    train_tokens, val_tokens = corpus_tokens()
+    data = TextDataModule(seq_len=64, batch_size=16)
+    assert len(data.train_set) == train_tokens // 64 and len(data.val_set) == val_tokens // 64
+
+
+# ---------------------------------------------------------------------------------------------- uniap plan records
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("layers", float("nan"), "layers=nan must be an integer"),
+    pytest.param("layers", 10**5000 - 1, "layers=an integer of about 5,000 digits must be an integer from 1 to 100,000",
+                 id="layers-5000-digits"),
+    ("seq_len", float("inf"), "seq_len=inf must be an integer"),
+    ("kv_heads", 3, "heads=8 is not divisible by kv_heads=3"),
+    ("kv_heads", 16, "kv_heads=16 must be an integer from 1 to 8"),
+    ("dtype", [1], "dtype=[1] must be one of"),
+    ("gated_mlp", "false", "gated_mlp='false' must be true or false"),
+    ("vocab", -5, "vocab=-5 must be an integer"),
+    ("segments", [{"layers": 2}], "segments[0] lacks the field(s)"),
+])
+def test_model_spec_refuses_hostile_fields(field: str, value: object, message: str) -> None:
+    from uniap_lightning.planner.analytic import ModelSpec
+    from uniap_lightning.planner.config import load_group
+
+    with pytest.raises(UniAPError) as err:
+        ModelSpec.from_dict({**load_group("model", "tiny_llama"), field: value})
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"global_batch_size": 10**18}, "batch_size (global_batch_size) must be a positive integer up to 1,000,000,000"),
+    ({"global_batch_size": float("nan")}, "got nan"),
+    ({"global_batch_size": 8, "weight_bytes": float("nan")}, "weight_bytes=nan must be a finite number"),
+    ({"global_batch_size": 8, "max_microbatches": 0}, "max_microbatches=0 must be an integer"),
+    ({"global_batch_size": 8, "microbatches": (True,)}, "microbatches=[True]: each candidate"),
+    ({"global_batch_size": 8, "schedule": ["1f1b"]}, "schedule=['1f1b'] must be one of"),
+])
+def test_training_config_refuses_hostile_fields(fields: dict, message: str) -> None:
+    from uniap_lightning.planner.problem import TrainingConfig
+
+    with pytest.raises(UniAPError) as err:
+        TrainingConfig(**fields)
+    assert message in str(err.value)
+
+
+@pytest.mark.timeout(60)  # a safety net: trial division to the square root of 10**18 would run for hours
+def test_divisors_of_huge_numbers_return() -> None:
+    from uniap_lightning.planner.problem import MAX_GLOBAL_BATCH_SIZE, TrainingConfig, divisors
+
+    assert len(divisors(10**18)) == 19 * 19 and divisors(10**18)[-1] == 10**18
+    assert divisors(999_999_937) == [1, 999_999_937]  # the largest prime below the bound: ~16,000 trial divisions
+    big = TrainingConfig(global_batch_size=MAX_GLOBAL_BATCH_SIZE)
+    assert big.microbatch_candidates() == [1, 2, 4, 5, 8, 10, 16, 20, 25, 32, 40, 50, 64]
+
+
+# ---------------------------------------------------------------------------------------------- the command line
+@pytest.mark.parametrize(("command", "args", "message"), [
+    ("train", ["trainer.enable_progress_bar=false"], "use +trainer.enable_progress_bar=false to add a key"),
+    ("train", ["modèle=1"], "the character 'è' at position 3 is not in Hydra's override grammar"),
+    ("train", ["model.name=é"], "a value with other characters must be quoted"),
+    ("plan", ["a=[1,"], "a=[1, is not a valid override"),
+    ("train", ["lr=${nope}"], "lr: the interpolation ${nope} names no key of the config"),
+    pytest.param("plan", [f"model.layers={HUGE}"], "the value cannot be read", id="layers-5000-digits"),
+    ("plan", ["--frobnicate"], "unrecognized arguments: --frobnicate"),
+    ("plan", ["model=nope"], "unknown model 'nope'"),
+])
+def test_bad_command_lines_are_one_line(command: str, args: list[str], message: str) -> None:
+    from uniap_lightning.cli.main import _config_groups_load
+    from uniap_lightning.cli.overrides import check_command_line
+
+    with pytest.raises(UniAPError) as err:
+        check_command_line(command, args, before_compose=_config_groups_load)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_sweeps_and_hydra_flags_still_parse() -> None:
+    from uniap_lightning.cli.overrides import check_command_line
+
+    check_command_line("plan", ["-m", "model=gpt2_small,llama_7b", "batch_size=16,32"])
+    check_command_line("train", ["--cfg", "job", "+trainer.enable_progress_bar=false", "hydra.verbose=true"])
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["train", "model.layers=nan"], "model 'tiny_gpt': layers=nan must be an integer from 1 to 100,000"),
+    (["train", "trainer.enable_progress_bar=false"], "use +trainer.enable_progress_bar=false"),
+    (["train", "trainer.devices=2", "+model.kv_heads=3"], "heads=4 is not divisible by kv_heads=3"),
+    (["plan", "batch_size=1000000000000000000"], "must be a positive integer up to 1,000,000,000"),
+    (["plan", "model.heads=7"], "hidden=768 is not divisible by heads=7"),
+    (["plan", "pp=nan"], "pp=nan must be an integer"),
+])
+def test_cli_prints_one_error_line(args: list[str], message: str) -> None:
+    assert_one_error_line(uniap(*args), message)
+
+
+# ---------------------------------------------------------------------------------------------- the environment
+@pytest.mark.parametrize(("env", "message"), [
+    ({"OMP_NUM_THREADS": "0"}, "OMP_NUM_THREADS='0' must be an integer from 1"),
+    ({"OMP_NUM_THREADS": "abc"}, "OMP_NUM_THREADS='abc' must be an integer from 1"),
+    ({"LOCAL_RANK": "0"}, "LOCAL_RANK=0 is set but not WORLD_SIZE, MASTER_ADDR, MASTER_PORT"),
+    ({"LOCAL_RANK": "x"}, "LOCAL_RANK='x' must be an integer from 0 to 1"),
+    ({"LOCAL_RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}, "WORLD_SIZE='4' must be 2"),
+    ({"LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "99999"}, "MASTER_PORT='99999'"),
+])
+def test_bad_environments_are_refused(env: dict[str, str], message: str) -> None:
+    from uniap_lightning.cli.train_checks import check_environment
+
+    with pytest.raises(UniAPError) as err:
+        check_environment(_train_config("trainer.devices=2"), env)
+    assert message in str(err.value)
+
+
+def test_launcher_environments_pass() -> None:
+    from uniap_lightning.cli.train_checks import check_environment
+
+    cfg = _train_config("trainer.devices=2")
+    check_environment(cfg, {})
+    check_environment(cfg, {"OMP_NUM_THREADS": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                            "MASTER_PORT": "29500", "NODE_RANK": "0"})
+    check_environment(cfg, {"SLURM_NTASKS": "2", "LOCAL_RANK": "0"})  # srun wires the ranks
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({"OMP_NUM_THREADS": "0"}, "OMP_NUM_THREADS='0'"),
+    ({"OMP_NUM_THREADS": "abc"}, "OMP_NUM_THREADS='abc'"),
+    ({"LOCAL_RANK": "0"}, "LOCAL_RANK=0 is set but not WORLD_SIZE"),
+])
+def test_cli_refuses_a_bad_environment_before_starting_ranks(env: dict[str, str], message: str) -> None:
+    clean = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                                                                "OMP_NUM_THREADS", "SLURM_NTASKS")}
+    assert_one_error_line(uniap("train", "trainer.devices=2", env={**clean, **env}), message)
+
+
+# ---------------------------------------------------------------------------------------------- ranks and exits
+@pytest.mark.timeout(300)
+def test_a_rank_that_dies_at_start_ends_the_run(tmp_path: Path) -> None:
+    """Rank 1 dies as it starts (as if killed, or its interpreter broke); rank 0, waiting for it in the rendezvous,
+    ends with rank 1's status instead of waiting the collective timeout (30 minutes)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    # a sitecustomize seen only by the rank launched with LOCAL_RANK=1 (rank 0 is started without it)
+    (site / "sitecustomize.py").write_text("import os\nif os.environ.get('LOCAL_RANK') == '1':\n    os._exit(7)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "SLURM_NTASKS")}
+    env.update(PYTHONPATH=os.pathsep.join([str(site), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+               UNIAP_CACHE_DIR=str(tmp_path / "cache"))
+    res = uniap("train", "trainer.devices=2", "trainer.max_steps=2", "+trainer.enable_progress_bar=false",
+                "strategy.measure_cluster=false", env=env, cwd=tmp_path, timeout=240)
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert errors == ["error: training rank 1 exited with status 7 while rank 0 was still running; the other ranks "
+                      "were stopped; see its output above"], res.stderr[-3000:]
+    assert "Traceback" not in res.stderr
+
+
+def test_rank_exit_descriptions() -> None:
+    from uniap_lightning.cli.ranks import describe_exit
+
+    assert describe_exit(1, 3) == "training rank 1 exited with status 3"
+    assert describe_exit(2, -signal.SIGKILL).startswith("training rank 2 was killed by SIGKILL")
+    assert describe_exit(1, 130) == "training rank 1 was interrupted (exit status 130)"
+
+
+def test_the_final_line_without_training_steps() -> None:
+    from uniap_lightning.cli.train import _no_training_line
+
+    assert _no_training_line(SimpleNamespace(global_step=30, max_steps=20)) == (
+        "no training steps ran: the checkpoint is at step 30 >= max_steps 20")
+
+
+def test_close_process_group_destroys_every_group(tmp_path: Path) -> None:
+    import torch.distributed as dist
+
+    from uniap_lightning.cli.ranks import close_process_group
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    dist.new_group([0])
+    close_process_group()
+    assert not dist.is_initialized()
+    close_process_group()  # nothing to close: no error
+
+
+# ---------------------------------------------------------------------------------------------- Ctrl-C
+_BLOCKED_IN_C = """
+from datetime import timedelta
+from torch.distributed import TCPStore
+from uniap_lightning.cli import interrupts
+
+interrupts.install()
+store = TCPStore("127.0.0.1", 0, world_size=1, is_master=True, timeout=timedelta(seconds=600))
+print("ready", flush=True)
+while True:
+    try:
+        store.get("never set")  # waits in C (no Python handler runs), as rank 0 waits for a rank that died
+    except KeyboardInterrupt:
+        pass  # the first Ctrl-C came while in Python: wait in C again for the second
+"""
+
+_IN_PYTHON = """
+import sys
+from uniap_lightning.cli import apps, main
+
+def busy():
+    print("ready", flush=True)
+    while True:
+        pass
+
+apps.plan_main = busy
+sys.exit(main.main(["plan"]))
+"""
+
+
+def _started(code: str) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+    return proc
+
+
+@pytest.mark.timeout(120)
+def test_second_ctrl_c_stops_at_once_even_inside_a_c_call() -> None:
+    proc = _started(_BLOCKED_IN_C)
+    assert proc.stderr is not None
+    proc.send_signal(signal.SIGINT)
+    assert proc.stderr.readline() == "interrupted; press Ctrl-C again to stop at once\n"  # printed by the thread
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 130
+    assert proc.stderr.read() == ""
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_reaching_main_is_one_line_and_status_130() -> None:
+    proc = _started(_IN_PYTHON)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert err.splitlines() == ["interrupted; press Ctrl-C again to stop at once"], err
