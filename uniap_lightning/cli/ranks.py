@@ -101,5 +101,8 @@ def close_process_group() -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return
     if dist.get_world_size() > 1:
-        dist.barrier()
+        try:
+            dist.barrier()
+        except RuntimeError:  # a rank already gone after its fit: its exit status is what the launcher reports
+            pass
     dist.destroy_process_group()
