@@ -60,7 +60,8 @@ def _train_config(*overrides: str):
     (["data.seq_len=100000"], "data.seq_len=100000 must be an integer from 1 to 94,406"),
     (["data.seq_len=400"], "the corpus's validation split (4,969 tokens) gives 12 samples, fewer than one batch"),
     (["data.batch_size=0"], "data.batch_size=0 must be an integer"),
-    (["data.batch_size=2000", "trainer.limit_val_batches=0"], "the corpus's training split (94,406 tokens) gives 1,475"),
+    (["data.batch_size=2000", "trainer.limit_val_batches=0"],
+     "the corpus's training split (94,406 tokens) gives 1,475"),
     (["data.shuffle=maybe"], "data.shuffle='maybe' must be true or false"),
     (["+data.rows=3"], "data.rows: not a data setting"),
     (["trainer.devices=auto"], "trainer.devices='auto' must be an integer from 1 to 1,024"),
@@ -210,7 +211,8 @@ def test_cli_prints_one_error_line(args: list[str], message: str) -> None:
     ({"OMP_NUM_THREADS": "abc"}, "OMP_NUM_THREADS='abc' must be an integer from 1"),
     ({"LOCAL_RANK": "0"}, "LOCAL_RANK=0 is set but not WORLD_SIZE, MASTER_ADDR, MASTER_PORT"),
     ({"LOCAL_RANK": "x"}, "LOCAL_RANK='x' must be an integer from 0 to 1"),
-    ({"LOCAL_RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}, "WORLD_SIZE='4' must be 2"),
+    ({"LOCAL_RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
+     "WORLD_SIZE='4' must be 2"),
     ({"LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "99999"}, "MASTER_PORT='99999'"),
 ])
 def test_bad_environments_are_refused(env: dict[str, str], message: str) -> None:

@@ -106,8 +106,8 @@ def _composition_message(err: Exception, overrides: list[str]) -> str:
 def _why(err: Exception) -> str:
     """Hydra's message in one line: its first informative lines, without the pointers to the docs."""
     lines = [line.strip() for line in str(err).splitlines()]
-    keep = [line for line in lines if line and not line.startswith(("See ", "full_key:", "object_type=", "Config search",
-                                                                    "provider="))]
+    noise = ("See ", "full_key:", "object_type=", "Config search", "provider=")
+    keep = [line for line in lines if line and not line.startswith(noise)]
     return "; ".join(keep[1:3] if len(keep) > 1 and keep[0].startswith("Error parsing override") else keep[:3])[:300]
 
 

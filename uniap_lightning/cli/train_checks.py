@@ -256,8 +256,9 @@ def check_environment(cfg: DictConfig, env: Mapping[str, str] | None = None) -> 
     if missing:
         others = devices * nodes - 1
         raise UniAPError(f"LOCAL_RANK={env['LOCAL_RANK']} is set but not {', '.join(missing)}: this process would wait "
-                         f"for {others} other rank{'s' if others > 1 else ''} nobody starts. Unset LOCAL_RANK (`uniap train` starts its "
-                         "ranks itself), or start every rank with a launcher that sets them all (torchrun)")
+                         f"for {others} other rank{'s' if others > 1 else ''} nobody starts. Unset LOCAL_RANK "
+                         "(`uniap train` starts its ranks itself), or start every rank with a launcher that sets them "
+                         "all (torchrun)")
     _env_int(env["WORLD_SIZE"], "WORLD_SIZE", low=devices * nodes, high=devices * nodes,
              what=f"trainer.devices x trainer.num_nodes")
     _env_int(env["MASTER_PORT"], "MASTER_PORT", low=1, high=65535, what="a TCP port")

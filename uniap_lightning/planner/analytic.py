@@ -83,7 +83,8 @@ class ModelSpec:
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(d) - known, key=str)
         if unknown:
-            raise UniAPError(f"model config '{d.get('name', '?')}' has unknown field(s) {unknown}; known: {sorted(known)}")
+            raise UniAPError(f"model config '{d.get('name', '?')}' has unknown field(s) {unknown}; known: "
+                             f"{sorted(known)}")
         if "name" not in d:
             raise UniAPError("model config needs a 'name'")
         segs = _segments(d.pop("segments", None), d["name"])
