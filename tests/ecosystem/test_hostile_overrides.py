@@ -260,9 +260,27 @@ def test_a_rank_that_dies_at_start_ends_the_run(tmp_path: Path) -> None:
                 "strategy.measure_cluster=false", env=env, cwd=tmp_path, timeout=240)
     errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
     assert res.returncode == 2, res.stderr[-3000:]
-    assert errors == ["error: training rank 1 exited with status 7 while rank 0 was still running; the other ranks "
-                      "were stopped; see its output above"], res.stderr[-3000:]
+    assert errors == ["error: training rank 1 exited with status 7 while rank 0 was still running; see its output "
+                      "above (the other ranks were stopped)"], res.stderr[-3000:]
     assert "Traceback" not in res.stderr
+
+
+def test_a_started_ranks_own_error_is_the_one_line_rank_0_prints(tmp_path: Path) -> None:
+    """A started rank that fails with a clear error of its own (here: an environment only it sees) hands that line
+    to rank 0, which prints it once; the started rank prints nothing itself."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import os\nif os.environ.get('LOCAL_RANK') == '1':\n"
+                                           "    os.environ['OMP_NUM_THREADS'] = 'abc'\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "SLURM_NTASKS")}
+    env.update(PYTHONPATH=os.pathsep.join([str(site), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+               UNIAP_CACHE_DIR=str(tmp_path / "cache"))
+    res = uniap("train", "trainer.devices=2", "trainer.max_steps=2", "+trainer.enable_progress_bar=false",
+                "strategy.measure_cluster=false", env=env, cwd=tmp_path, timeout=240)
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert len(errors) == 1 and errors[0].startswith("error: training rank 1 exited with status 2"), res.stderr[-3000:]
+    assert "OMP_NUM_THREADS" in errors[0], errors
 
 
 def test_rank_exit_descriptions() -> None:

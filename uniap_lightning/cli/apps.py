@@ -131,7 +131,10 @@ def _record(result: dict[str, Any]) -> None:
 
 
 def _fail(err: UniAPError, cfg: DictConfig) -> None:
-    Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/bold red] {escape(str(err))}", highlight=False)
+    from uniap_lightning.cli.ranks import report_error_to_launcher
+
+    if not report_error_to_launcher(str(err)):  # a rank `uniap train` started: rank 0 prints the one line
+        Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/bold red] {escape(str(err))}", highlight=False)
     _record({"model": cfg.model.get("name"), "cluster": (cfg.get("cluster") or {}).get("name"), "error": str(err)})
     if not _multirun():
         sys.exit(2)

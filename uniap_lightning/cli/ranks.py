@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 from types import TracebackType
 
 from uniap_lightning.cli.interrupts import INTERRUPTED_EXIT_CODE, reinstall
@@ -65,11 +66,57 @@ class RankWatch:
         for child in self._children:
             child.wait()
         interrupted = code in (INTERRUPTED_EXIT_CODE, -signal.SIGINT)
-        print(f"error: {describe_exit(rank, code)} while rank 0 was still running; the other ranks were stopped"
-              f"{'' if interrupted else '; see its output above'}", file=sys.stderr)
+        said = rank_error(failed)
+        why = f": {said}" if said else ("" if interrupted else "; see its output above")
+        print(f"error: {describe_exit(rank, code)} while rank 0 was still running{why} (the other ranks were "
+              "stopped)", file=sys.stderr)
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         os._exit(INTERRUPTED_EXIT_CODE if interrupted else 2)
+
+
+#: set by `uniap train` for each rank it starts: where that rank writes its error line instead of printing it, so a
+#: run shows one error line (rank 0's own, or a started rank's, printed by rank 0)
+ERROR_FILE_VARIABLE = "UNIAP_RANK_ERROR_FILE"
+
+
+def error_file_for(rank: int) -> Path:
+    """A fresh file name for a started rank's error line (in a private temporary folder of this run)."""
+    global _ERROR_DIR
+    if _ERROR_DIR is None:
+        import atexit
+        import shutil
+        import tempfile
+
+        _ERROR_DIR = Path(tempfile.mkdtemp(prefix="uniap-ranks-"))
+        atexit.register(shutil.rmtree, _ERROR_DIR, True)
+    return _ERROR_DIR / f"rank{rank}.error"
+
+
+_ERROR_DIR: Path | None = None
+
+
+def report_error_to_launcher(message: str) -> bool:
+    """On a rank `uniap train` started: hand the error line to rank 0 (which prints it when this rank's failure is
+    what ended the run) instead of printing a second copy. False on any other process."""
+    target = os.environ.get(ERROR_FILE_VARIABLE)
+    if not target:
+        return False
+    try:
+        Path(target).write_text(message + "\n", encoding="utf-8")
+    except OSError:
+        return False
+    return True
+
+
+def rank_error(child: subprocess.Popen) -> str | None:
+    """The error line a started rank handed over, if any."""
+    path = getattr(child, "uniap_error_file", None)
+    try:
+        text = Path(path).read_text(encoding="utf-8").strip() if path is not None else ""
+    except OSError:
+        return None
+    return text.splitlines()[0][:2000] if text else None
 
 
 def describe_exit(rank: int, code: int) -> str:

@@ -38,11 +38,15 @@ def _launch_other_ranks(cfg: DictConfig, overrides: list[str]) -> list[subproces
         )
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(devices),
                NODE_RANK="0", OMP_NUM_THREADS=_threads_per_rank(devices))
-    children = [
-        subprocess.Popen([sys.executable, "-m", "uniap_lightning.cli.main", "train", *overrides],
-                         env=dict(env, LOCAL_RANK=str(rank)))
-        for rank in range(1, devices)
-    ]
+    from uniap_lightning.cli.ranks import error_file_for
+
+    children = []
+    for rank in range(1, devices):
+        report = error_file_for(rank)  # the rank writes its error line here; rank 0 prints it (one line in all)
+        child = subprocess.Popen([sys.executable, "-m", "uniap_lightning.cli.main", "train", *overrides],
+                                 env=dict(env, LOCAL_RANK=str(rank), UNIAP_RANK_ERROR_FILE=str(report)))
+        child.uniap_error_file = report  # type: ignore[attr-defined]
+        children.append(child)
     shared = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK", "OMP_NUM_THREADS")
     os.environ.update({k: env[k] for k in shared}, LOCAL_RANK="0")
     import torch
@@ -150,9 +154,15 @@ def _run_train_locked(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
         # because of it. One still waiting (e.g. in a rendezvous this rank never reached) is ended.
         _end_children(children, grace_s=CHILD_GRACE_S)
         raise
-    bad = [code for code in (c.wait() for c in children) if code]
+    from uniap_lightning.cli.ranks import rank_error
+
+    bad = [(rank, child.wait()) for rank, child in enumerate(children, start=1)]
+    bad = [(rank, code) for rank, code in bad if code]
     if bad:
-        raise UniAPError(f"a training rank exited with status {max(bad)}; see its output above")
+        rank, code = bad[0]
+        said = rank_error(children[rank - 1])
+        raise UniAPError(f"training rank {rank} exited with status {code}: {said}" if said else
+                         f"training rank {rank} exited with status {code}; see its output above")
     return result
 
 
@@ -187,6 +197,7 @@ def _train(cfg: DictConfig, overrides: list[str], resume: Path | None) -> dict[s
             else:
                 print(f"stopped by SIGTERM at step {trainer.global_step}; checkpoint {saver.saved}", flush=True)
             print(f"resume with: uniap train {again}", flush=True)
+        close_process_group()  # every rank stopped at the same batch and saved together: end as a finished run does
         raise SystemExit(PREEMPTED_EXIT_CODE) from None
     loss = trainer.callback_metrics.get("train_loss")
     result = {
