@@ -42,6 +42,12 @@ def versions() -> dict[str, str]:
         out["lightning"] = lightning.__version__
     except ImportError:  # pragma: no cover
         pass
+    try:  # a Hugging Face model's layers run the library's code: another version may time (or split) differently
+        from importlib.metadata import version as installed
+
+        out["transformers"] = installed("transformers")  # (without importing it: cheap for every model)
+    except Exception:  # noqa: BLE001 - not installed
+        pass
     try:
         from importlib.metadata import version
 
