@@ -11,7 +11,9 @@ A LightningModule that holds one ``transformers.PreTrainedModel`` attribute (and
 * the batch layout: a dict batch (``input_ids``, ``attention_mask``, ``labels``, ...) as Hugging Face users have it.
 
 Layers carry tensor-parallel plans for attention and MLP where the family's modules allow it. A family without a
-builder is refused with a :class:`~uniap_lightning.errors.UniAPError` naming what to implement.
+builder goes the generic way (:mod:`uniap_lightning.adapters.families.generic`: decoder-only causal LMs split from
+their own module tree and forward, checked against the model on a probe batch at setup); what that cannot split is
+refused with a :class:`~uniap_lightning.errors.UniAPError` naming why and what to implement.
 """
 
 from __future__ import annotations
@@ -143,14 +145,10 @@ def pretrained_chain(module: nn.Module, attribute: str, model: Any) -> Any:
     config = getattr(model, "config", None)
     kind = getattr(config, "model_type", None)
     family = FAMILIES.get(kind)
-    if family is None:
-        raise UniAPError(
-            f"{type(model).__name__} (model_type={kind!r}) is not a Hugging Face family the strategy can split; "
-            f"supported: {sorted(FAMILIES)}. Implement uniap_layers() on your LightningModule returning the model's "
-            "layers in order (each taking and returning a tensor, a tuple or a dict of tensors), with "
-            "uniap_loss(output, target) and, for dict batches, uniap_split_batch(batch); see "
-            "uniap_lightning.runtime.chain"
-        )
+    if family is None:  # no hand-written family: decoder-only causal LMs split from their own structure
+        from uniap_lightning.adapters.families.generic import generic_family
+
+        family = generic_family(model)
     if family.attention is not None and hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(family.attention)
     tied = [(src, dst) for src, dst in family.ties if _untie(model, src, dst)]

@@ -1,0 +1,493 @@
+"""Decoder-only causal LMs with no hand-written family (OPT, Mistral, Qwen2, GPT-NeoX, Phi, Gemma, Falcon, ...),
+split from the model's own structure and code.
+
+:func:`generic_family` is what :func:`~uniap_lightning.adapters.auto.pretrained_chain` falls back to when
+:data:`~uniap_lightning.adapters.auto.FAMILIES` has no builder for ``config.model_type`` (a hand-written family
+always wins). The chain is
+
+* the *prologue*: the base model's own forward on the batch (``input_ids``, ``attention_mask``), stopped where it
+  calls its first block. The blocks' ``forward`` are replaced by recorders for that call, so what the model passes
+  each block (hidden states, causal + padding masks, rotary ``(cos, sin)``, position ids, ALiBi, flags) is recorded
+  with the model's own code, whatever the family. The prologue returns the hidden states and the distinct tensors
+  the blocks take (``uniap_ctx<j>``) as a dict payload; the non-tensor arguments (``use_cache=False``, ``None``
+  caches) are constants of each block layer;
+* one layer per block (the ``nn.ModuleList`` of same-class modules holding most parameters): ``block(hidden,
+  **its recorded arguments)``, its first output the new hidden states;
+* the *epilogue*: the leaf modules the model runs after its last block, in the order it runs them (final norm,
+  projection, LM head) -> logits; the model's own causal LM loss, whole-batch normalized like the hand-written
+  families.
+
+Payload tensors carry the batch on dim 0: a tensor the model broadcasts over the batch (a ``[1, seq, dim]`` rotary
+table) is expanded and taken back as one row, one independent of the batch is sent per row and taken back once, one
+holding ``k`` rows per sample (ALiBi's ``[batch * heads, ...]``) is sent as ``[batch, k, ...]``; which is which is
+learned from two probes of different batch sizes at setup. Attention runs as SDPA with masks always materialized
+(``uniap_sdpa``: SDPA whose mask function never skips the causal mask), so every batch has the same payload
+structure.
+
+At setup the chain is checked on a probe batch against the model's own forward (logits and loss, the batch split
+into two micro-batches): a model this cannot reproduce is refused with a :class:`~uniap_lightning.errors.UniAPError`
+naming why, never trained wrong.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from uniap_lightning.adapters.auto import Family, HFTarget, count_next_tokens
+from uniap_lightning.adapters.families.common import causal_lm_loss, colwise, divisors_of_all, replicate
+from uniap_lightning.errors import UniAPError
+
+#: the attention implementation the generic layers run with (SDPA, masks always materialized)
+ATTENTION = "uniap_sdpa"
+_PREFIX = "uniap_ctx"
+_CONSTANTS = (type(None), bool, int, float, str)
+
+
+class _Stop(Exception):
+    """Raised by the last block's recorder: the prologue has what it needs."""
+
+
+@dataclass(frozen=True)
+class _Ref:
+    """Where a block takes payload tensor ``index``."""
+
+    index: int
+
+
+_HIDDEN = "<hidden>"
+
+
+def _register_attention() -> bool:
+    try:
+        from transformers import AttentionInterface
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    except ImportError:  # pragma: no cover - an older transformers
+        return False
+
+    def mask(*args: Any, **kwargs: Any) -> Any:
+        kwargs["allow_is_causal_skip"] = False  # a mask every time (None without padding would change the payload)
+        return sdpa_mask(*args, **kwargs)
+
+    AttentionInterface.register(ATTENTION, sdpa_attention_forward)
+    AttentionMaskInterface.register(ATTENTION, mask)
+    return True
+
+
+def _first(out: Any) -> torch.Tensor:
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _refuse(model: Any, why: str) -> UniAPError:
+    from uniap_lightning.adapters.auto import FAMILIES
+
+    return UniAPError(
+        f"{type(model).__name__} (model_type={getattr(model.config, 'model_type', None)!r}) is not a Hugging Face "
+        f"family the strategy can split: no hand-written family (those: {sorted(FAMILIES)}) and the generic split "
+        f"cannot handle it: {why}. Implement uniap_layers() on your LightningModule returning the model's layers in "
+        "order (each taking and returning a tensor, a tuple or a dict of tensors), with uniap_loss(output, target) "
+        "and, for dict batches, uniap_split_batch(batch); see uniap_lightning.runtime.chain"
+    )
+
+
+# ------------------------------------------------------------------------------------------------------ structure
+def _find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The ``nn.ModuleList`` of same-class modules holding the most parameters."""
+    best: tuple[int, str, nn.ModuleList] | None = None
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.ModuleList) or len(m) == 0 or len({type(c) for c in m}) != 1:
+            continue
+        size = sum(p.numel() for p in m.parameters())
+        if size and (best is None or size > best[0]):
+            best = (size, name, m)
+    if best is None:
+        raise _refuse(model, "it has no nn.ModuleList of repeated blocks")
+    return best[1], best[2]
+
+
+def _units(model: nn.Module, blocks_name: str) -> dict[str, nn.Module]:
+    """The modules outside the blocks a layer can hold: leaves and modules owning parameters directly."""
+    out = {}
+    for name, m in model.named_modules():
+        if name == blocks_name or name.startswith(blocks_name + "."):
+            continue
+        direct = any(True for _ in m.parameters(recurse=False))
+        if direct and any(True for _ in m.children()):
+            raise _refuse(model, f"'{name}' holds parameters and submodules")
+        if direct or not any(True for _ in m.children()):
+            out[name] = m
+    return out
+
+
+class _Calls:
+    """Hooks recording the order in which the units run, and which run before / after the blocks."""
+
+    def __init__(self, units: dict[str, nn.Module], blocks: nn.ModuleList) -> None:
+        self.order: list[tuple[str, str]] = []  # (phase, name) of each first call per phase
+        self.phase = "before"
+        names = {id(m): n for n, m in units.items()}
+        self.handles = [m.register_forward_pre_hook(self._pre(names[id(m)])) for m in units.values()]
+        self.handles.append(blocks[0].register_forward_pre_hook(lambda *_: self._set("between")))
+        self.handles.append(blocks[-1].register_forward_hook(lambda *_: self._set("after")))
+
+    def _set(self, phase: str) -> None:
+        self.phase = phase
+
+    def _pre(self, name: str) -> Any:
+        def hook(*_: Any) -> None:
+            if (self.phase, name) not in self.order:
+                self.order.append((self.phase, name))
+        return hook
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def names(self, phase: str) -> list[str]:
+        return [n for p, n in self.order if p == phase]
+
+
+def _capture(base: nn.Module, blocks: nn.ModuleList, inputs: dict[str, Any]) -> tuple[torch.Tensor, list[Any]]:
+    """The base model's forward up to its blocks: (hidden states block 0 takes, ``(args, kwargs)`` of each block)."""
+    calls: list[tuple[tuple, dict]] = []
+    saved = [b.__dict__.get("forward") for b in blocks]
+
+    def recorder(i: int) -> Any:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            calls.append((args, kwargs))
+            if i == len(blocks) - 1:
+                raise _Stop
+            return args[0] if args else kwargs.get("hidden_states")
+        return forward
+
+    for i, b in enumerate(blocks):
+        b.forward = recorder(i)
+    try:
+        base(**inputs)
+    except _Stop:
+        pass
+    finally:
+        for b, f in zip(blocks, saved):
+            del b.forward
+            if f is not None:
+                b.forward = f
+    if len(calls) != len(blocks):
+        raise UniAPError(f"the model's forward called {len(calls)} of its {len(blocks)} blocks")
+    args, kwargs = calls[0]
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    if not isinstance(hidden, torch.Tensor):
+        raise UniAPError("its first block does not take the hidden states first (or as hidden_states=)")
+    return hidden, calls
+
+
+def _templates(calls: list[Any]) -> tuple[list[Any], list[torch.Tensor]]:
+    """Each block's ``(args, kwargs)`` with the hidden states and the tensors replaced by markers, and the distinct
+    tensors (by identity, in order of first use)."""
+    tensors: list[torch.Tensor] = []
+    seen: dict[int, int] = {}
+
+    def mark(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            if id(v) not in seen:
+                seen[id(v)] = len(tensors)
+                tensors.append(v)
+            return _Ref(seen[id(v)])
+        if isinstance(v, (tuple, list)):
+            return tuple(mark(x) for x in v)
+        if not isinstance(v, _CONSTANTS):
+            raise UniAPError(f"it passes its blocks a {type(v).__name__}, which cannot travel between stages")
+        return v
+
+    out = []
+    for args, kwargs in calls:
+        if args:
+            a = (_HIDDEN, *[mark(x) for x in args[1:]])
+            k = {n: mark(v) for n, v in kwargs.items()}
+        else:
+            a = ()
+            k = {n: (_HIDDEN if n == "hidden_states" else mark(v)) for n, v in kwargs.items()}
+        out.append((a, k))
+    return out, tensors
+
+
+def _fill(t: Any, hidden: torch.Tensor, values: dict[int, torch.Tensor]) -> Any:
+    if isinstance(t, _Ref):
+        return values[t.index]
+    if isinstance(t, str) and t == _HIDDEN:
+        return hidden
+    if isinstance(t, tuple):
+        return tuple(_fill(x, hidden, values) for x in t)
+    return t
+
+
+def _refs(t: Any) -> set[int]:
+    if isinstance(t, _Ref):
+        return {t.index}
+    if isinstance(t, tuple):
+        return set().union(*[_refs(x) for x in t]) if t else set()
+    if isinstance(t, dict):
+        return _refs(tuple(t.values()))
+    return set()
+
+
+def _mode(model: Any, j: int, rows2: int, rows3: int) -> tuple[str, int]:
+    """How payload tensor ``j`` holds the batch, from its dim 0 with batches of 2 and 3 samples."""
+    if rows2 == 1 and rows3 == 1:
+        return "broadcast", 1
+    if rows2 % 2 == 0 and rows3 % 3 == 0 and rows2 // 2 == rows3 // 3:
+        return "rows", rows2 // 2
+    if rows2 == rows3:
+        return "constant", 1
+    raise _refuse(model, f"its blocks take a tensor with {rows2} rows for 2 samples and {rows3} for 3")
+
+
+@dataclass
+class _Plan:
+    """What the prologue sends and how each block takes it back."""
+
+    templates: list[Any]
+    modes: list[tuple[str, int]]
+
+    def encode(self, tensors: list[torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
+        out = {}
+        for j, (t, (mode, k)) in enumerate(zip(tensors, self.modes)):
+            if mode == "constant":
+                t = t.unsqueeze(0).expand(rows, *t.shape)
+            elif t.shape[0] == 1 and k == 1:
+                t = t.expand(rows, *t.shape[1:])
+            elif mode == "rows" and t.shape[0] == rows * k:
+                t = t.reshape(rows, k, *t.shape[1:]) if k > 1 else t
+            else:
+                raise UniAPError(f"the model passes its blocks a tensor of shape {tuple(t.shape)} for {rows} samples "
+                                 f"(at setup: {mode}, {k} rows per sample)")
+            out[f"{_PREFIX}{j}"] = t
+        return out
+
+    def decode(self, d: dict[str, torch.Tensor], indices: set[int], rows: int) -> dict[int, torch.Tensor]:
+        out = {}
+        for j in indices:
+            x, (mode, k) = d[f"{_PREFIX}{j}"], self.modes[j]
+            if mode == "constant":
+                x = x[0]
+            elif mode == "broadcast":
+                x = x[:1]
+            elif k > 1:
+                x = x.reshape(rows * k, *x.shape[2:])
+            out[j] = x
+        return out
+
+
+# ------------------------------------------------------------------------------------------------------ layers
+class _Layer(nn.Module):
+    """A view over modules of the user's model, registered under neutral names (their names in the LightningModule
+    stay the model's own)."""
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        super().__init__()
+        self.units = nn.ModuleList(modules)
+
+    def uniap_tp_degrees(self) -> list[int]:
+        return [1]
+
+
+class GenericPrologue(_Layer):
+    """The base model's forward up to its first block: hidden states + what the blocks take."""
+
+    def __init__(self, modules: list[nn.Module], base: nn.Module, blocks: nn.ModuleList, plan: _Plan,
+                 extra: dict[str, Any], inputs: tuple[str, ...]) -> None:
+        super().__init__(modules)
+        # not registered: the base model holds every layer's modules
+        self.__dict__["_base"], self.__dict__["_blocks"] = base, blocks
+        self.plan, self.extra, self.inputs = plan, extra, inputs
+
+    def forward(self, d: dict[str, torch.Tensor]) -> dict[str, Any]:
+        batch = {k: d[k] for k in self.inputs if k in d}
+        hidden, calls = _capture(self._base, self._blocks, {**batch, **self.extra})
+        templates, tensors = _templates(calls)
+        if templates != self.plan.templates:
+            raise UniAPError("the model passed its blocks other arguments than on the setup probe; the generic split "
+                             "needs the same structure for every batch")
+        rows = hidden.shape[0]
+        return {**{k: None for k in self.inputs}, "hidden": hidden, **self.plan.encode(tensors, rows)}
+
+
+class GenericBlock(_Layer):
+    """One block of the model, called as the model calls it."""
+
+    def __init__(self, block: nn.Module, plan: _Plan, index: int) -> None:
+        super().__init__([block])
+        self.plan, self.index = plan, index
+        self.uses = _refs(plan.templates[index][0]) | _refs(plan.templates[index][1])
+
+    def forward(self, d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        hidden = d["hidden"]
+        values = self.plan.decode(d, self.uses, hidden.shape[0])
+        args, kwargs = self.plan.templates[self.index]
+        out = self.units[0](*_fill(args, hidden, values), **{k: _fill(v, hidden, values) for k, v in kwargs.items()})
+        return {"hidden": _first(out)}
+
+
+class GenericEpilogue(_Layer):
+    """The modules the model runs after its last block, in its order (final norm, LM head) -> logits. Tensor
+    parallel over the vocabulary when the last is an ``nn.Linear`` (logits gathered)."""
+
+    def __init__(self, sequence: list[nn.Module], unused: list[nn.Module]) -> None:
+        super().__init__(sequence + unused)
+        self.steps = len(sequence)
+
+    def forward(self, d: dict[str, torch.Tensor]) -> torch.Tensor:
+        x = d["hidden"]
+        for m in list(self.units)[: self.steps]:
+            x = m(x)
+        return x
+
+    def uniap_tp_degrees(self) -> list[int]:
+        last = self.units[self.steps - 1]
+        return divisors_of_all(last.out_features) if isinstance(last, nn.Linear) else [1]
+
+    def uniap_tp_plan(self, tp: int) -> dict[str, Any]:
+        return {f"units.{self.steps - 1}": colwise(output_layouts=replicate())}
+
+    def uniap_tp_allreduces(self) -> int:
+        return 1
+
+
+# ------------------------------------------------------------------------------------------------------ building
+def _probe(model: Any, rows: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """A deterministic padded batch (no random numbers drawn): the last sample's last token is padding."""
+    vocab = int(getattr(model.config, "vocab_size", 0) or 2)
+    seq = 4
+    ids = (torch.arange(rows * seq, device=device).reshape(rows, seq) * 7 + 3) % max(vocab - 1, 1) + 1
+    mask = torch.ones(rows, seq, dtype=torch.long, device=device)
+    mask[-1, -1] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _base_inputs(base: nn.Module) -> tuple[tuple[str, ...], dict[str, Any]]:
+    params = inspect.signature(base.forward).parameters
+    if "input_ids" not in params:
+        raise UniAPError("its base model takes no input_ids")
+    inputs = tuple(k for k in ("input_ids", "attention_mask", "position_ids") if k in params)
+    extra = {k: False for k in ("use_cache", "output_attentions", "output_hidden_states") if k in params}
+    return inputs, extra
+
+
+def generic_layers(model: Any) -> list[tuple[nn.Module, list[str]]]:
+    base = model.base_model
+    blocks_name, blocks = _find_blocks(model)
+    base_prefix = next((n for n, m in model.named_modules() if m is base), None)
+    if base_prefix is None or not (base_prefix == "" or blocks_name.startswith(base_prefix + ".")):
+        raise _refuse(model, f"its blocks '{blocks_name}' are not inside its base model")
+    units = _units(model, blocks_name)
+    inputs, extra = _base_inputs(base)
+    device = next(model.parameters()).device
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    calls = _Calls(units, blocks)
+    try:
+        with torch.no_grad():
+            try:
+                small = _capture(base, blocks, {**_probe(model, 2, device), **extra})
+                large = _capture(base, blocks, {**_probe(model, 3, device), **extra})
+                batch = _probe(model, 3, device)
+                labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+                calls.order.clear()
+                calls.phase = "before"
+                reference = model(**batch, labels=labels, **extra)
+            except UniAPError as e:
+                raise _refuse(model, str(e)) from None
+            finally:
+                calls.close()
+            templates, tensors2 = _templates(small[1])
+            templates3, tensors3 = _templates(large[1])
+            if templates != templates3:
+                raise _refuse(model, "it passes its blocks other arguments for batches of 2 and 3 samples")
+            plan = _Plan(templates, [_mode(model, j, a.shape[0] if a.dim() else 1, b.shape[0] if b.dim() else 1)
+                                     for j, (a, b) in enumerate(zip(tensors2, tensors3))])
+            before, between, after = calls.names("before"), calls.names("between"), calls.names("after")
+            if between:
+                raise _refuse(model, f"it runs {between[0]} between its blocks")
+            twice = set(before) & set(after)
+            if twice:
+                raise _refuse(model, f"it runs {sorted(twice)[0]} before and after its blocks")
+            unused = [n for n in units if n not in before and n not in after
+                      and any(True for _ in units[n].parameters())]
+            prologue = GenericPrologue([units[n] for n in before], base, blocks, plan, extra, inputs)
+            layers = [GenericBlock(b, plan, i) for i, b in enumerate(blocks)]
+            if not after:
+                raise _refuse(model, "it runs nothing after its blocks (no LM head)")
+            epilogue = GenericEpilogue([units[n] for n in after], [units[n] for n in unused])
+            _verify(model, prologue, layers, epilogue, batch, labels, reference)
+    finally:
+        for m, training in modes.items():
+            m.train(training)
+
+    def owners_first(names: list[str]) -> list[str]:
+        return sorted(names, key=lambda n: not any(True for _ in units[n].parameters()))
+
+    return [
+        (prologue, owners_first(before)),
+        *[(layer, [f"{blocks_name}.{i}"]) for i, layer in enumerate(layers)],
+        (epilogue, owners_first(after) + unused),
+    ]
+
+
+def _verify(model: Any, prologue: nn.Module, blocks: list[nn.Module], epilogue: nn.Module,
+            batch: dict[str, torch.Tensor], labels: torch.Tensor, reference: Any) -> None:
+    """The chain on the probe batch (split into micro-batches of 1 and 2 samples) gives the model's own logits and
+    loss."""
+    from uniap_lightning.runtime.payload import call_layer
+
+    logits = []
+    for lo, hi in ((0, 1), (1, 3)):
+        x: Any = {k: v[lo:hi] for k, v in batch.items()}
+        for layer in (prologue, *blocks, epilogue):
+            x = call_layer(layer, x)
+        logits.append(x)
+    ours = torch.cat(logits)
+    theirs = getattr(reference, "logits", None)
+    if not isinstance(theirs, torch.Tensor) or theirs.shape != ours.shape:
+        raise _refuse(model, f"its output logits are {None if theirs is None else tuple(theirs.shape)}, the chain "
+                             f"gives {tuple(ours.shape)}")
+    tol = 1e-4 if ours.dtype == torch.float32 else 3e-2
+    scale = theirs.abs().max().clamp(min=1)
+    diff = float((ours.float() - theirs.float()).abs().max() / scale)
+    if diff > tol:
+        raise _refuse(model, f"the chain's logits differ from the model's by {diff:.2g} (relative) on a probe batch "
+                             "(the model does something to the logits beyond its modules, e.g. a soft cap)")
+    count = count_next_tokens(labels).to(torch.float64).clamp(min=1)
+    scale_rows = (labels.shape[0] / count).to(torch.float32).expand(labels.shape[0])
+    loss = causal_lm_loss(model, ours, HFTarget(labels, scale_rows))
+    if reference.loss is None or abs(float(loss) - float(reference.loss)) > tol * max(1.0, abs(float(loss))):
+        raise _refuse(model, f"its own loss ({None if reference.loss is None else float(reference.loss):.6g}) is not "
+                             f"the causal LM cross-entropy ({float(loss):.6g})")
+
+
+def _fqn(model: nn.Module, module: Any) -> str | None:
+    return next((n for n, m in model.named_modules() if m is module), None) if module is not None else None
+
+
+def generic_family(model: Any) -> Family:
+    """The family of a decoder-only causal LM with no builder in ``FAMILIES``; a clear error for anything else."""
+    name = type(model).__name__
+    if not name.endswith("ForCausalLM"):
+        raise _refuse(model, "the generic split handles decoder-only causal LMs (*ForCausalLM classes)")
+    if _register_attention() and hasattr(model, "set_attn_implementation"):
+        try:
+            model.set_attn_implementation(ATTENTION)
+        except Exception:  # noqa: BLE001 - a model without SDPA: its own (eager) attention, whose masks are tensors
+            pass
+    ties: tuple[tuple[str, str], ...] = ()
+    src, dst = model.get_input_embeddings(), model.get_output_embeddings()
+    if src is not None and dst is not None and getattr(src, "weight", None) is getattr(dst, "weight", 0):
+        a, b = _fqn(model, src), _fqn(model, dst)
+        if a and b:
+            ties = ((a, b),)
+    inputs, _ = _base_inputs(model.base_model)
+    return Family(layers=generic_layers, loss=causal_lm_loss, inputs=inputs, count=count_next_tokens, attention=None,
+                  ties=ties)
