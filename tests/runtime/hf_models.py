@@ -9,7 +9,18 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-VOCAB, SEQ, PAD = 64, 8, 0
+VOCAB, SEQ, PAD, CHOICES = 64, 8, 0, 3
+
+#: the other heads of the text families (issue 20): ``<family>_<head>`` -> the Hugging Face class
+HEADS = {
+    "bert_tc": "BertForTokenClassification", "bert_qa": "BertForQuestionAnswering", "bert_mc": "BertForMultipleChoice",
+    "bert_reg": "BertForSequenceClassification",  # num_labels=1: regression (float labels)
+    "gpt2_sc": "GPT2ForSequenceClassification", "gpt2_tc": "GPT2ForTokenClassification",
+    "gpt2_qa": "GPT2ForQuestionAnswering",
+    "llama_sc": "LlamaForSequenceClassification", "llama_tc": "LlamaForTokenClassification",
+    "llama_qa": "LlamaForQuestionAnswering",
+    "llama_multilabel": "LlamaForSequenceClassification",  # problem_type multi_label_classification
+}
 
 
 class HFModule(pl.LightningModule):
@@ -36,6 +47,18 @@ def build(family: str) -> Any:
     """A tiny randomly initialized model of ``family`` (seeded by the caller)."""
     import transformers as tr
 
+    if family in HEADS:
+        base = family.split("_")[0]
+        config = build(base).config
+        config.num_labels = {"bert_reg": 1, "bert_qa": 2}.get(family, 3)
+        config.pad_token_id = PAD
+        if family == "llama_multilabel":
+            config.problem_type = "multi_label_classification"
+        if base == "gpt2":
+            config.classifier_dropout = 0.0
+        if base == "llama":
+            config.classifier_dropout = 0.0
+        return getattr(tr, HEADS[family])(config)
     if family == "bert":
         return tr.BertForSequenceClassification(tr.BertConfig(
             vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
@@ -87,11 +110,30 @@ def hf_batches(batch_size: int, family: str, n: int = 32, seed: int = 1) -> Any:
             rows.append({"pixel_values": torch.randn(3, 8, 8, generator=g),
                          "labels": torch.randint(0, 3, (), generator=g)})
             continue
+        if family in ("bert_mc",):  # [choices, seq] per row, one label per row
+            lengths = torch.randint(2, SEQ + 1, (CHOICES, 1), generator=g)
+            mask = (torch.arange(SEQ) < lengths).long()
+            ids = torch.randint(1, VOCAB, (CHOICES, SEQ), generator=g) * mask
+            rows.append({"input_ids": ids, "attention_mask": mask, "token_type_ids": (torch.arange(SEQ) >= 3).long()
+                         .expand(CHOICES, SEQ) * mask, "labels": torch.randint(0, CHOICES, (), generator=g)})
+            continue
         length = int(torch.randint(2, SEQ + 1, (), generator=g))
         ids = torch.randint(1, VOCAB, (SEQ,), generator=g)
         mask = (torch.arange(SEQ) < length).long()
         ids = ids * mask  # PAD = 0 after the end
-        if family == "bert":
+        if family.endswith("_tc"):  # a label per real token, some real tokens unlabelled too
+            labels = torch.randint(0, 3, (SEQ,), generator=g)
+            unlabelled = (mask == 0) | (torch.rand(SEQ, generator=g) < 0.2)
+            rows.append({"input_ids": ids, "attention_mask": mask, "labels": labels.masked_fill(unlabelled, -100)})
+        elif family.endswith("_qa"):  # positions past the input (ignored) and negative ones (clamped to 0) too
+            start, end = torch.randint(-1, SEQ + 2, (2,), generator=g)
+            rows.append({"input_ids": ids, "attention_mask": mask, "start_positions": start, "end_positions": end})
+        elif family == "bert_reg":
+            rows.append({"input_ids": ids, "attention_mask": mask, "labels": torch.randn((), generator=g)})
+        elif family == "llama_multilabel":
+            rows.append({"input_ids": ids, "attention_mask": mask,
+                         "labels": (torch.rand(3, generator=g) < 0.5).float()})
+        elif family in ("bert", "gpt2_sc", "llama_sc"):
             rows.append({"input_ids": ids, "attention_mask": mask, "labels": torch.randint(0, 3, (), generator=g)})
         elif family == "bert_mlm":  # about a third of the real tokens are predicted (the rest -100)
             chosen = (torch.rand(SEQ, generator=g) < 0.35) & (mask == 1)

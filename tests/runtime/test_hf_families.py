@@ -17,7 +17,7 @@ import torch
 import uniap_rt_helpers as h
 
 pytest.importorskip("transformers")  # the [hf] extra
-from hf_models import build, hf_batches, hf_module  # noqa: E402
+from hf_models import HEADS, build, hf_batches, hf_module  # noqa: E402
 
 from uniap_lightning.errors import UniAPError  # noqa: E402
 
@@ -36,14 +36,19 @@ def names(family: str) -> list[str]:
         "gpt2": ["transformer.wte", "transformer.h.0", "transformer.h.1", "transformer.ln_f"],
         "gpt2_tied": ["transformer.wte", "transformer.h.0", "transformer.h.1", "transformer.ln_f"],
         "llama": ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm"],
+        "llama_qa": ["transformer.embed_tokens", "transformer.layers.0", "transformer.layers.1", "transformer.norm"],
+        "bert_tc": ["bert.embeddings", "bert.encoder.layer.0", "bert.encoder.layer.1", "classifier"],
+        "bert_qa": ["bert.embeddings", "bert.encoder.layer.0", "bert.encoder.layer.1", "qa_outputs"],
         "t5": ["shared", "encoder.block.0", "encoder.block.1", "encoder.final_layer_norm", "decoder.block.0",
                "decoder.block.1", "decoder.final_layer_norm"],
         "vit": ["vit.embeddings", "vit.layers.0", "vit.layers.1", "vit.layernorm"],
         "swin": ["swin.embeddings", "swin.encoder.layers.0.blocks.0", "swin.encoder.layers.0.blocks.1",
                  "swin.encoder.layers.0.downsample", "swin.encoder.layers.1.blocks.0", "swin.encoder.layers.1.blocks.1",
                  "swin.layernorm"],
-    }[family]
-    return [f"model.{b}" for b in blocks]
+    }
+    # the other heads of a family share its body and the first FQN of its head layer (the final norm, the pooler)
+    family = family if family in blocks else {"bert_mc": "bert", "bert_reg": "bert"}.get(family, family.split("_")[0])
+    return [f"model.{b}" for b in blocks[family]]
 
 
 def case(family: str, strategies: list[tuple[int, int, bool]], stages: list[int], *, world: int = 2,
@@ -79,6 +84,28 @@ TWO_RANKS = {
 TWO_RANKS_SLOW = {
     "vit_tp2": case("vit", [FSDP, TP, TP, REPL], [0] * 4),
     "gpt2_dp2_padded": case("gpt2", [REPL, FSDP, REPL, FSDP], [0] * 4, microbatches=1),
+}
+
+
+# the other heads (issue 20): the decoders' pooling index crossing a stage boundary, token classification sharded,
+# multiple choice ([batch, choices, seq]) across stages, question answering's two-column target split by data
+# parallelism
+HEADS_TWO_RANKS = {
+    "llama_sc_pp2": case("llama_sc", [ONE] * 4, [0, 0, 1, 1]),
+    "bert_tc_fsdp": case("bert_tc", [FSDP] * 4, [0] * 4),
+    "bert_mc_pp2": case("bert_mc", [ONE] * 4, [0, 0, 1, 1], export=str(EXPORTS / "bert_mc.pt")),
+    "gpt2_qa_dp2": case("gpt2_qa", [REPL] * 4, [0] * 4),
+}
+
+HEADS_TWO_RANKS_SLOW = {
+    "llama_tc_tp2": case("llama_tc", [FSDP, TP, TP, REPL], [0] * 4),
+    "llama_qa_pp2": case("llama_qa", [ONE] * 4, [0, 0, 1, 1], export=str(EXPORTS / "llama_qa.pt")),
+    "llama_multilabel_fsdp": case("llama_multilabel", [FSDP] * 4, [0] * 4),
+    "gpt2_sc_dp2": case("gpt2_sc", [REPL, FSDP, REPL, FSDP], [0] * 4),
+    "gpt2_tc_pp2": case("gpt2_tc", [ONE] * 4, [0, 0, 1, 1]),
+    "bert_qa_tp2": case("bert_qa", [REPL, TP, TP, REPL], [0] * 4, export=str(EXPORTS / "bert_qa.pt")),
+    "bert_reg_pp2": case("bert_reg", [ONE] * 4, [0, 0, 1, 1]),
+    "bert_mc_tp2_fsdp": case("bert_mc", [FSDP, TP, TP, FSDP], [0] * 4),
 }
 
 
@@ -138,6 +165,21 @@ def test_hf_families_two_ranks(name: str, spawn_cases: Any, tmp_path_factory: py
 def test_hf_families_two_ranks_more(name: str, spawn_cases: Any) -> None:
     results = spawn_cases(2, TWO_RANKS_SLOW, "hf_two_ranks_slow")
     h.assert_close_to_reference(results, name, h.reference_for(TWO_RANKS_SLOW[name]))
+
+
+@pytest.mark.parametrize("name", list(HEADS_TWO_RANKS))
+def test_hf_heads_two_ranks(name: str, spawn_cases: Any, tmp_path_factory: pytest.TempPathFactory) -> None:
+    results = spawn_cases(2, HEADS_TWO_RANKS, "hf_heads_two_ranks")
+    h.assert_close_to_reference(results, name, h.reference_for(HEADS_TWO_RANKS[name]))
+    _check_export(name, HEADS_TWO_RANKS, tmp_path_factory.mktemp(name))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(HEADS_TWO_RANKS_SLOW))
+def test_hf_heads_two_ranks_more(name: str, spawn_cases: Any, tmp_path_factory: pytest.TempPathFactory) -> None:
+    results = spawn_cases(2, HEADS_TWO_RANKS_SLOW, "hf_heads_two_ranks_slow")
+    h.assert_close_to_reference(results, name, h.reference_for(HEADS_TWO_RANKS_SLOW[name]))
+    _check_export(name, HEADS_TWO_RANKS_SLOW, tmp_path_factory.mktemp(name))
 
 
 @pytest.mark.slow
@@ -262,3 +304,58 @@ def test_only_tied_weights_become_tied_copies() -> None:
     assert model.lm_head.weight is not model.transformer.wte.weight
     torch.testing.assert_close(model.lm_head.weight, model.transformer.wte.weight, rtol=0, atol=0)
     assert extract_chain(hf_module("gpt2")).ties == [] and extract_chain(hf_module("llama")).ties == []
+
+
+@pytest.mark.parametrize("family", [*HEADS, "bert", "bert_mlm", "gpt2", "llama"])
+def test_every_head_gives_the_models_own_loss_and_gradients(family: str) -> None:
+    """Each head of BERT, GPT-2 and Llama (issue 20): the chain run on a padded batch cut into micro-batches of
+    unequal labelled counts averages to ``model(**batch).loss`` (question answering with positions past the input,
+    ignored, and negative ones, clamped; multiple choice on ``[batch, choices, seq]``; the decoders' sequence
+    classifiers pooled at the last non-padding token; regression and multi-label classification), with the same
+    gradients."""
+    from uniap_lightning.runtime import extract_chain
+    from uniap_lightning.runtime.payload import call_layer, chunk
+
+    module = hf_module(family)
+    model = module.model
+    batch = next(iter(hf_batches(8, family)))
+    expected = model(**batch).loss
+    expected.backward()
+    reference = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    chain = extract_chain(module)
+    assert chain.names == names(family)
+    x, y = chain.split_batch(batch)
+    losses = []
+    for xm, ym in zip(chunk(x, 4), chunk(y, 4)):
+        for layer in chain.layers:
+            xm = call_layer(layer, xm)
+        losses.append(chain.loss_fn(xm, ym))
+    loss = torch.stack(losses).mean()
+    loss.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-7)
+    copies = set()
+    for a, b, name_a, name_b in chain.ties:  # a tied weight's gradient: the sum over its two copies
+        original, copy = chain.layers[a].get_parameter(name_a), chain.layers[b].get_parameter(name_b)
+        original.grad += copy.grad
+        copies.add(id(copy))
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None and id(p) not in copies}
+    assert set(grads) == set(reference)
+    for n, g in reference.items():
+        torch.testing.assert_close(grads[n], g, rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_unknown_heads_name_the_supported_ones() -> None:
+    import transformers as tr
+
+    from uniap_lightning.runtime import extract_chain
+
+    bert, gpt2 = build("bert").config, build("gpt2").config
+    for model, family in ((tr.BertForPreTraining(bert), "BertForMaskedLM, BertForSequenceClassification, "
+                                                        "BertForTokenClassification, BertForQuestionAnswering and "
+                                                        "BertForMultipleChoice"),
+                          (tr.BertModel(bert), "BertForMaskedLM"),
+                          (tr.GPT2DoubleHeadsModel(gpt2), "GPT2LMHeadModel, GPT2ForSequenceClassification, "
+                                                          "GPT2ForTokenClassification and GPT2ForQuestionAnswering")):
+        with pytest.raises(UniAPError, match=f"{type(model).__name__}: the strategy splits {family}.*uniap_layers"):
+            extract_chain(h.make_module(factory="hf_models:HFModule", model=model))

@@ -47,6 +47,13 @@ class Family:
     #: weights the model ties (``(module holding the original, module given an equal copy)``, relative to the
     #: model, e.g. T5's ``("shared", "lm_head")``): kept as two copies with summed gradients (runtime/ties.py)
     ties: tuple[tuple[str, str], ...] = ()
+    #: ``batch -> the target`` (``None`` for a batch without one); default ``batch["labels"]``. Its first dimension
+    #: is the batch's; ``count`` may count per column (question answering: start and end positions), each column
+    #: then getting its own whole-batch scale
+    labels: Callable[[dict[str, torch.Tensor]], torch.Tensor | None] | None = None
+    #: a family whose models differ by head (masked LM, sequence classification, ...): ``model -> the Family of
+    #: this model``
+    head: Callable[[Any], Family] | None = None
 
 
 def count_rows(labels: torch.Tensor) -> torch.Tensor:
@@ -127,12 +134,12 @@ def _split_for(family: Family, model: Any) -> Callable[[Any], tuple[dict[str, to
         inputs = {k: batch[k] for k in family.inputs if k in batch}
         if family.prepare is not None:
             inputs.update(family.prepare(model, batch))
-        if "labels" not in batch:
+        labels = family.labels(batch) if family.labels is not None else batch.get("labels")
+        if labels is None:
             return inputs, None
-        labels = batch["labels"]
         items = family.count(labels).to(torch.float64).clamp(min=1)
         scale = (labels.shape[0] / items).to(torch.float32)
-        return inputs, {"labels": labels, "global_scale": scale.expand(labels.shape[0]).contiguous()}
+        return inputs, {"labels": labels, "global_scale": scale.expand(labels.shape[0], *scale.shape).contiguous()}
 
     return split
 
@@ -149,6 +156,8 @@ def pretrained_chain(module: nn.Module, attribute: str, model: Any) -> Any:
         from uniap_lightning.adapters.families.generic import generic_family
 
         family = generic_family(model)
+    if family.head is not None:
+        family = family.head(model)
     if family.attention is not None and hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(family.attention)
     tied = [(src, dst) for src, dst in family.ties if _untie(model, src, dst)]

@@ -10,8 +10,9 @@ from torch import nn
 from uniap_lightning.adapters.auto import HFTarget
 from uniap_lightning.adapters.hf import _colwise, _divisors_of_all, _replicate, _rowwise
 
-__all__ = ["View", "causal_lm_loss", "classification_loss", "colwise", "divisors_of_all", "local_heads", "rowwise",
-           "replicate", "tensor_parallel_heads", "token_loss"]
+__all__ = ["View", "causal_lm_loss", "classification_loss", "colwise", "count_labels", "count_per_column",
+           "divisors_of_all", "local_heads", "question_answering_labels", "question_answering_loss", "rowwise",
+           "replicate", "sequence_classification_loss", "tensor_parallel_heads", "token_loss"]
 
 colwise, rowwise, replicate, divisors_of_all = _colwise, _rowwise, _replicate, _divisors_of_all
 
@@ -44,6 +45,75 @@ def classification_loss(model: Any, logits: torch.Tensor, target: HFTarget) -> t
     """The model's own sequence / image classification loss (a mean over samples, so a micro-batch's mean is
     already the right share)."""
     return model.loss_function(target.labels, logits, model.config)
+
+
+def count_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Sequence classification: class ids count where not -100; float labels (regression, multi-label) count every
+    element (their losses, MSE and BCE, average over all of them)."""
+    if labels.is_floating_point():
+        return torch.tensor(labels.numel())
+    return (labels != -100).sum()
+
+
+def count_per_column(labels: torch.Tensor) -> torch.Tensor:
+    """Question answering: the start and end columns each average over their own labelled rows."""
+    return (labels != -100).sum(0)
+
+
+def sequence_classification_loss(model: Any, logits: torch.Tensor, target: HFTarget) -> torch.Tensor:
+    """Hugging Face's sequence classification loss (``ForSequenceClassificationLoss``: the problem type settled
+    on the model's config as it does, then MSE, cross-entropy ignoring -100, or BCE), summed and whole-batch
+    normalized (see :func:`count_labels`)."""
+    config, labels = model.config, target.labels
+    num_labels = config.num_labels
+    if config.problem_type is None:
+        if num_labels == 1:
+            config.problem_type = "regression"
+        elif num_labels > 1 and labels.dtype in (torch.long, torch.int):
+            config.problem_type = "single_label_classification"
+        else:
+            config.problem_type = "multi_label_classification"
+    f = nn.functional
+    if config.problem_type == "regression":
+        if num_labels == 1:
+            total = f.mse_loss(logits.reshape(-1), labels.reshape(-1).to(logits.dtype), reduction="sum")
+        else:
+            total = f.mse_loss(logits, labels.to(logits.dtype), reduction="sum")
+    elif config.problem_type == "single_label_classification":
+        total = f.cross_entropy(logits.reshape(-1, num_labels), labels.reshape(-1), ignore_index=-100,
+                                reduction="sum")
+    elif config.problem_type == "multi_label_classification":
+        total = f.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="sum")
+    else:
+        raise ValueError(f"Invalid problem type: {config.problem_type}")
+    return total * target.per_item_sum_scale()
+
+
+def question_answering_labels(batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """``start_positions`` and ``end_positions`` as one ``[batch, 2]`` target, clamped to ``[0, seq]`` as Hugging
+    Face does, the positions it ignores (those at ``seq``: outside the input) set to -100."""
+    if "start_positions" not in batch or "end_positions" not in batch:
+        return None
+    seq = batch["input_ids"].shape[-1]
+    columns = []
+    for key in ("start_positions", "end_positions"):
+        p = batch[key]
+        p = p.reshape(p.shape[0]) if p.dim() > 1 else p
+        p = p.clamp(0, seq)
+        columns.append(p.masked_fill(p == seq, -100))
+    return torch.stack(columns, -1)
+
+
+def question_answering_loss(model: Any, logits: torch.Tensor, target: HFTarget) -> torch.Tensor:
+    """Hugging Face's question answering loss: the mean of the start and end cross-entropies, each over its own
+    labelled rows of the whole batch. ``logits``: ``[batch, seq, 2]`` (start, end)."""
+    scale = target.per_item_sum_scale()
+    total = logits.new_zeros((), dtype=torch.float32)
+    for i in range(2):
+        ce = nn.functional.cross_entropy(logits[..., i].float(), target.labels[:, i], ignore_index=-100,
+                                         reduction="sum")
+        total = total + ce * scale[i]
+    return total / 2
 
 
 class _CopyToTensorParallel(torch.autograd.Function):

@@ -1,8 +1,14 @@
-"""BERT (sequence classification or masked LM, with padding masks), GPT-2 and Llama (causal LMs, with padding
-masks) as chains.
+"""BERT, GPT-2 and Llama (with padding masks) as chains, with every head of the family Hugging Face has for
+training on text: masked LM (BERT), causal LM (GPT-2, Llama), sequence classification, token classification, question
+answering, and multiple choice (BERT). The head is chosen by the model's class (``...ForTokenClassification``) and
+its modules; the loss is the model's own, whole-batch normalized (see :class:`~uniap_lightning.adapters.auto.HFTarget`).
 
 Layers pass a dict: ``hidden`` (the hidden states) and the batch's integer ``attention_mask`` (when it has one),
 which every block turns into its 4-D attention mask itself (a constant of the block, rebuilt per stage, not sent).
+Every tensor keeps the batch dimension first: multiple choice keeps ``[batch, choices, seq, ...]`` (each BERT block
+flattens the choices for its own call); the decoders' sequence classifiers get the index of each row's last
+non-padding token (``last``) from the first layer, which alone sees ``input_ids``. Question answering heads return
+``[batch, seq, 2]`` logits (start, end); their target is the batch's ``start_positions`` and ``end_positions``.
 """
 
 from __future__ import annotations
@@ -16,11 +22,15 @@ from uniap_lightning.adapters.auto import Family, HFTarget, count_next_tokens, c
 from uniap_lightning.adapters.families.common import (
     View,
     causal_lm_loss,
-    classification_loss,
     colwise,
+    count_labels,
+    count_per_column,
     divisors_of_all,
+    question_answering_labels,
+    question_answering_loss,
     replicate,
     rowwise,
+    sequence_classification_loss,
     token_loss,
 )
 
@@ -31,13 +41,105 @@ def _first(out: Any) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
+#: Hugging Face's class-name endings of the heads (the first match along the model's class hierarchy)
+_KINDS = (("ForCausalLM", "causal_lm"), ("LMHeadModel", "causal_lm"), ("ForMaskedLM", "masked_lm"),
+          ("ForSequenceClassification", "sequence_classification"),
+          ("ForTokenClassification", "token_classification"), ("ForQuestionAnswering", "question_answering"),
+          ("ForMultipleChoice", "multiple_choice"))
+
+
+def head_kind(model: Any) -> str | None:
+    """The head of ``model`` by its class (or a base class) name, e.g. ``"token_classification"``; ``None`` for
+    none the strategy knows (a bare ``BertModel``, ``BertForPreTraining``, ``GPT2DoubleHeadsModel``)."""
+    for cls in type(model).__mro__:
+        for ending, kind in _KINDS:
+            if cls.__name__.endswith(ending):
+                return kind
+    return None
+
+
+def _has(model: Any, *names: str) -> bool:
+    return all(isinstance(getattr(model, n, None), nn.Module) for n in names)
+
+
+def _unsupported_head(model: Any, supported: str) -> Exception:
+    from uniap_lightning.errors import UniAPError
+
+    return UniAPError(
+        f"{type(model).__name__}: the strategy splits {supported} of this family; for other heads define "
+        "uniap_layers() (and uniap_loss) on your LightningModule"
+    )
+
+
+def _last_non_padding(ids: torch.Tensor, pad_token_id: int | None) -> torch.Tensor:
+    """Each row's last token that is not padding, as Hugging Face's sequence classifiers find it (the rightmost
+    token not equal to ``pad_token_id``, so left and right padding both work; the last position without one)."""
+    if pad_token_id is None:
+        return torch.full(ids.shape[:1], ids.shape[-1] - 1, dtype=torch.long, device=ids.device)
+    non_pad = (ids != pad_token_id).to(torch.int32)
+    return (torch.arange(ids.shape[-1], device=ids.device, dtype=torch.int32) * non_pad).argmax(-1)
+
+
+def _pooled(embed: View, config: Any) -> View:
+    """``embed`` (the first layer of a decoder) also sends each row's last non-padding index on, as ``last``."""
+    embed.pool_last = True
+    embed.pad_token_id = config.pad_token_id
+    return embed
+
+
+def _pool_index(layer: nn.Module, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    if not getattr(layer, "pool_last", False):
+        return {}
+    return {"last": _last_non_padding(ids, layer.pad_token_id)}
+
+
+class LastTokenScore(View):
+    """A decoder's sequence classifier: the final norm and ``score`` at each row's last non-padding token (pooling
+    first: both act per token) -> ``[batch, labels]``. The index is clamped to the sequence: a no-op on real
+    batches, it keeps the pipeline's shape inference (a stage run on uninitialized inputs) in bounds."""
+
+    def forward(self, d: Payload) -> torch.Tensor:
+        hidden = d["hidden"]
+        last = d["last"].clamp(0, hidden.shape[1] - 1)
+        pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+        return self.score(self.norm(pooled))
+
+
+class TokenHead(View):
+    """Per-token logits: ``out(dropout(norm(hidden)))`` (token classification, question answering; the norm of a
+    decoder, the dropout of a token classifier, where the model has them)."""
+
+    def __init__(self, out: nn.Module, norm: nn.Module | None = None, dropout: nn.Module | None = None) -> None:
+        super().__init__(out=out, norm=norm or nn.Identity(), dropout=dropout or nn.Identity())
+
+    def forward(self, d: Payload) -> torch.Tensor:
+        return self.out(self.dropout(self.norm(d["hidden"])))
+
+
+def _family(kind: str, inputs: tuple[str, ...], layers: Any, **kw: Any) -> Family:
+    """The Family of one head: its loss and the count its loss averages over."""
+    count = {"causal_lm": count_next_tokens, "sequence_classification": count_labels,
+             "question_answering": count_per_column}.get(kind, count_tokens)
+    loss = {"causal_lm": causal_lm_loss, "sequence_classification": sequence_classification_loss,
+            "question_answering": question_answering_loss}.get(kind, _token_loss)
+    labels = question_answering_labels if kind == "question_answering" else None
+    return Family(layers=layers, loss=loss, inputs=inputs, count=count, labels=labels, **kw)
+
+
+def _token_loss(model: Any, logits: torch.Tensor, target: HFTarget) -> torch.Tensor:
+    """Cross-entropy over the labelled items (masked LM, token classification, multiple choice)."""
+    return token_loss(logits, target.labels, target)
+
+
 # ------------------------------------------------------------------------------------------------------ BERT
 class BertEmbed(View):
     """input_ids (+ token_type_ids) -> hidden; the attention mask travels on."""
 
     def forward(self, d: Payload) -> dict[str, Any]:
-        hidden = self.embeddings(input_ids=d["input_ids"], token_type_ids=d.get("token_type_ids"))
-        return {"hidden": hidden, "input_ids": None, "token_type_ids": None}
+        ids, types = d["input_ids"], d.get("token_type_ids")
+        flat = ids.reshape(-1, ids.shape[-1])  # multiple choice: [batch, choices, seq] -> one row per choice
+        hidden = self.embeddings(input_ids=flat, token_type_ids=None if types is None else types.reshape(flat.shape))
+        return {"hidden": hidden.reshape(*ids.shape, hidden.shape[-1]), "input_ids": None, "token_type_ids": None}
 
     def uniap_tp_degrees(self) -> list[int]:
         return divisors_of_all(self.embeddings.word_embeddings.num_embeddings)
@@ -61,9 +163,12 @@ class BertBlock(View):
     def forward(self, d: Payload) -> dict[str, torch.Tensor]:
         from transformers.masking_utils import create_bidirectional_mask
 
-        mask = create_bidirectional_mask(config=self.config, inputs_embeds=d["hidden"],
-                                         attention_mask=d.get("attention_mask"))
-        return {"hidden": _first(self.layer(d["hidden"], attention_mask=mask))}
+        shape = d["hidden"].shape  # [batch, (choices,) seq, hidden]
+        hidden = d["hidden"].reshape(-1, *shape[-2:])
+        mask = d.get("attention_mask")
+        mask = create_bidirectional_mask(config=self.config, inputs_embeds=hidden,
+                                         attention_mask=None if mask is None else mask.reshape(hidden.shape[:2]))
+        return {"hidden": _first(self.layer(hidden, attention_mask=mask)).reshape(shape)}
 
     def uniap_tp_degrees(self) -> list[int]:
         return divisors_of_all(self.config.num_attention_heads, self.config.intermediate_size)
@@ -78,10 +183,13 @@ class BertBlock(View):
 
 
 class BertClassifierHead(View):
-    """Pooler (first token, dense, tanh) + dropout + classifier -> logits."""
+    """Pooler (first token, dense, tanh) + dropout + classifier -> logits (multiple choice: one score per choice,
+    ``[batch, choices]``)."""
 
     def forward(self, d: Payload) -> torch.Tensor:
-        return self.classifier(self.dropout(self.pooler(d["hidden"])))
+        hidden = d["hidden"]
+        logits = self.classifier(self.dropout(self.pooler(hidden.reshape(-1, *hidden.shape[-2:]))))
+        return logits.reshape(hidden.shape[0], -1) if hidden.dim() == 4 else logits
 
 
 class BertMLMHead(View):
@@ -92,36 +200,43 @@ class BertMLMHead(View):
         return self.predictions(d["hidden"])
 
 
-def bert_layers(model: Any) -> list[tuple[nn.Module, list[str]]]:
-    bert = model.bert
-    if hasattr(model, "cls") and hasattr(model.cls, "predictions") and not hasattr(model.cls, "seq_relationship"):
+BERT_HEADS = ("BertForMaskedLM, BertForSequenceClassification, BertForTokenClassification, "
+              "BertForQuestionAnswering and BertForMultipleChoice")
+BERT_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+BERT_TIES = (("bert.embeddings.word_embeddings", "cls.predictions.decoder"),)
+
+
+def bert_head(model: Any) -> Family:
+    """The Family of this BERT model's head."""
+    kind, bert = head_kind(model), getattr(model, "bert", None)
+    if not isinstance(bert, nn.Module):
+        kind = None
+    if kind == "masked_lm" and _has(model, "cls") and _has(model.cls, "predictions"):
         head: tuple[nn.Module, list[str]] = (BertMLMHead(predictions=model.cls.predictions), ["cls"])
-    elif bert.pooler is not None and hasattr(model, "classifier"):
+    elif kind in ("sequence_classification", "multiple_choice") and bert.pooler is not None and _has(
+            model, "dropout", "classifier"):
         head = (BertClassifierHead(pooler=bert.pooler, dropout=model.dropout, classifier=model.classifier),
                 ["bert.pooler", "classifier"])
+    elif kind == "token_classification" and _has(model, "dropout", "classifier"):
+        head = (TokenHead(out=model.classifier, dropout=model.dropout), ["classifier"])
+    elif kind == "question_answering" and _has(model, "qa_outputs"):
+        head = (TokenHead(out=model.qa_outputs), ["qa_outputs"])
     else:
-        raise _unsupported_head(model, "BertForSequenceClassification and BertForMaskedLM")
-    return [
-        (BertEmbed(embeddings=bert.embeddings), ["bert.embeddings"]),
-        *[(BertBlock(layer, bert.config), [f"bert.encoder.layer.{i}"]) for i, layer in enumerate(bert.encoder.layer)],
-        head,
-    ]
+        raise _unsupported_head(model, BERT_HEADS)
+
+    def layers(model: Any) -> list[tuple[nn.Module, list[str]]]:
+        return [
+            (BertEmbed(embeddings=bert.embeddings), ["bert.embeddings"]),
+            *[(BertBlock(layer, bert.config), [f"bert.encoder.layer.{i}"])
+              for i, layer in enumerate(bert.encoder.layer)],
+            head,
+        ]
+
+    return _family(kind, BERT_INPUTS, layers, ties=BERT_TIES)
 
 
-def bert_loss(model: Any, logits: torch.Tensor, target: HFTarget) -> torch.Tensor:
-    """The model's own: masked-LM cross-entropy over the labelled tokens, or the classification loss."""
-    if hasattr(model, "cls"):
-        return token_loss(logits, target.labels, target)
-    return classification_loss(model, logits, target)
-
-
-def _unsupported_head(model: Any, supported: str) -> Exception:
-    from uniap_lightning.errors import UniAPError
-
-    return UniAPError(
-        f"{type(model).__name__}: the strategy splits {supported} of this family; for other heads define "
-        "uniap_layers() (and uniap_loss) on your LightningModule"
-    )
+def bert_layers(model: Any) -> list[tuple[nn.Module, list[str]]]:
+    return bert_head(model).layers(model)
 
 
 # ------------------------------------------------------------------------------------------------------ GPT-2
@@ -129,7 +244,7 @@ class GPT2Embed(View):
     def forward(self, d: Payload) -> dict[str, Any]:
         ids = d["input_ids"]
         pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
-        return {"hidden": self.drop(self.wte(ids) + self.wpe(pos)), "input_ids": None}
+        return {"hidden": self.drop(self.wte(ids) + self.wpe(pos)), "input_ids": None, **_pool_index(self, ids)}
 
 
 class GPT2Block(View):
@@ -169,19 +284,56 @@ class NormLMHead(View):
         return 1
 
 
+def _decoder_head(model: Any, kind: str | None, norm: nn.Module, prefix: str, norm_name: str, supported: str,
+                  classifier: str) -> tuple[nn.Module, list[str]]:
+    """The head layer of a decoder (GPT-2, Llama) whose body is ``model.<prefix>`` with final norm ``norm``."""
+    fqn = f"{prefix}.{norm_name}"
+    if kind == "causal_lm" and _has(model, "lm_head"):
+        return NormLMHead(norm=norm, lm_head=model.lm_head), [fqn, "lm_head"]
+    if kind == "sequence_classification" and _has(model, "score"):
+        return LastTokenScore(norm=norm, score=model.score), [fqn, "score"]
+    if kind == "token_classification" and _has(model, "dropout", classifier):
+        return TokenHead(out=getattr(model, classifier), norm=norm, dropout=model.dropout), [fqn, classifier]
+    if kind == "question_answering" and _has(model, "qa_outputs"):
+        return TokenHead(out=model.qa_outputs, norm=norm), [fqn, "qa_outputs"]
+    raise _unsupported_head(model, supported)
+
+
+GPT2_HEADS = ("GPT2LMHeadModel, GPT2ForSequenceClassification, GPT2ForTokenClassification and "
+              "GPT2ForQuestionAnswering")
+DECODER_INPUTS = ("input_ids", "attention_mask")
+GPT2_TIES = (("transformer.wte", "lm_head"),)
+
+
+def gpt2_head(model: Any) -> Family:
+    """The Family of this GPT-2 model's head."""
+    kind, t = head_kind(model), getattr(model, "transformer", None)
+    if not isinstance(t, nn.Module):
+        raise _unsupported_head(model, GPT2_HEADS)
+    head = _decoder_head(model, kind, t.ln_f, "transformer", "ln_f", GPT2_HEADS, "classifier")
+    embed = GPT2Embed(wte=t.wte, wpe=t.wpe, drop=t.drop)
+    if kind == "sequence_classification":
+        embed = _pooled(embed, model.config)
+
+    def layers(model: Any) -> list[tuple[nn.Module, list[str]]]:
+        return [
+            (embed, ["transformer.wte", "transformer.wpe"]),
+            *[(GPT2Block(b, t.config), [f"transformer.h.{i}"]) for i, b in enumerate(t.h)],
+            head,
+        ]
+
+    return _family(kind, DECODER_INPUTS, layers, ties=GPT2_TIES)
+
+
 def gpt2_layers(model: Any) -> list[tuple[nn.Module, list[str]]]:
-    t = model.transformer
-    return [
-        (GPT2Embed(wte=t.wte, wpe=t.wpe, drop=t.drop), ["transformer.wte", "transformer.wpe"]),
-        *[(GPT2Block(b, t.config), [f"transformer.h.{i}"]) for i, b in enumerate(t.h)],
-        (NormLMHead(norm=t.ln_f, lm_head=model.lm_head), ["transformer.ln_f", "lm_head"]),
-    ]
+    return gpt2_head(model).layers(model)
 
 
 # ------------------------------------------------------------------------------------------------------ Llama
 class LlamaEmbed(View):
     def forward(self, d: Payload) -> dict[str, Any]:
-        return {"hidden": self.embed_tokens(d["input_ids"]), "input_ids": None}
+        ids = d["input_ids"]
+        return {"hidden": self.embed_tokens(ids), "input_ids": None, **_pool_index(self, ids)}
 
     def uniap_tp_degrees(self) -> list[int]:
         return divisors_of_all(self.embed_tokens.num_embeddings)
@@ -224,21 +376,47 @@ class LlamaBlock(View):
         return 2
 
 
+LLAMA_HEADS = ("LlamaForCausalLM, LlamaForSequenceClassification, LlamaForTokenClassification and "
+               "LlamaForQuestionAnswering")
+
+
+def llama_head(model: Any) -> Family:
+    """The Family of this Llama model's head."""
+    kind = head_kind(model)
+    prefix = getattr(model, "base_model_prefix", "model")  # LlamaForQuestionAnswering: "transformer"
+    m = getattr(model, prefix, None)
+    if not isinstance(m, nn.Module) or not _has(m, "embed_tokens", "norm"):
+        raise _unsupported_head(model, LLAMA_HEADS)
+    head = _decoder_head(model, kind, m.norm, prefix, "norm", LLAMA_HEADS, "score")
+    embed = LlamaEmbed(embed_tokens=m.embed_tokens)
+    if kind == "sequence_classification":
+        embed = _pooled(embed, model.config)
+
+    def layers(model: Any) -> list[tuple[nn.Module, list[str]]]:
+        return [
+            (embed, [f"{prefix}.embed_tokens"]),
+            *[(LlamaBlock(layer, m.config), [f"{prefix}.layers.{i}"]) for i, layer in enumerate(m.layers)],
+            head,
+        ]
+
+    return _family(kind, DECODER_INPUTS, layers, ties=((f"{prefix}.embed_tokens", "lm_head"),))
+
+
 def llama_layers(model: Any) -> list[tuple[nn.Module, list[str]]]:
-    m = model.model
-    return [
-        (LlamaEmbed(embed_tokens=m.embed_tokens), ["model.embed_tokens"]),
-        *[(LlamaBlock(layer, m.config), [f"model.layers.{i}"]) for i, layer in enumerate(m.layers)],
-        (NormLMHead(norm=m.norm, lm_head=model.lm_head), ["model.norm", "lm_head"]),
-    ]
+    return llama_head(model).layers(model)
 
 
-# count_tokens: masked-LM labels are -100 where unmasked; a classifier's labels (one per row) all count
-register("bert", Family(layers=bert_layers, loss=bert_loss, inputs=("input_ids", "attention_mask", "token_type_ids"),
-                        count=count_tokens, ties=(("bert.embeddings.word_embeddings", "cls.predictions.decoder"),)))
-# tie_word_embeddings=True (GPT-2's default): the LM head gets an equal copy of the token embedding, with summed
-# gradients (runtime/ties.py)
-register("gpt2", Family(layers=gpt2_layers, loss=causal_lm_loss, inputs=("input_ids", "attention_mask"),
-                        count=count_next_tokens, ties=(("transformer.wte", "lm_head"),)))
-register("llama", Family(layers=llama_layers, loss=causal_lm_loss, inputs=("input_ids", "attention_mask"),
-                         count=count_next_tokens, ties=(("model.embed_tokens", "lm_head"),)))
+def _chooser(head: Any, inputs: tuple[str, ...]) -> Family:
+    """The registered Family of a model_type: it hands over to the Family of the model's head."""
+
+    def unused(*args: Any) -> Any:
+        raise AssertionError("the Family of the model's head is used")
+
+    return Family(layers=unused, loss=unused, inputs=inputs, count=unused, head=head)
+
+
+# masked LM labels are -100 where unmasked; BERT's MLM decoder is tied to the word embeddings by default: an equal
+# copy, with summed gradients (runtime/ties.py). Likewise GPT-2's LM head (tie_word_embeddings=True by default).
+register("bert", _chooser(bert_head, BERT_INPUTS))
+register("gpt2", _chooser(gpt2_head, DECODER_INPUTS))
+register("llama", _chooser(llama_head, DECODER_INPUTS))
