@@ -21,7 +21,7 @@ GENERIC = {
     "falcon": ("transformer.word_embeddings", "transformer.h", "transformer.ln_f"),
     "qwen3": ("model.embed_tokens", "model.layers", "model.norm"),
     "stablelm": ("model.embed_tokens", "model.layers", "model.norm"),
-    "olmo": ("model.embed_tokens", "model.layers", "model.norm"),
+    "olmo": ("model.embed_tokens", "model.layers", "lm_head"),  # (its final norm has no parameters)
 }
 
 

@@ -5,6 +5,9 @@ cannot split at setup."""
 
 from __future__ import annotations
 
+import atexit
+import shutil
+import tempfile
 from typing import Any
 
 import pytest
@@ -71,7 +74,9 @@ def test_generic_chain_more_families(family: str) -> None:
     _loss_and_grads(family)
 
 
-ONE, REPL, FSDP = (1, 1, False), (2, 1, False), (2, 1, True)
+PLANS = tempfile.mkdtemp(prefix="uniap_hf_generic_plans_")
+atexit.register(shutil.rmtree, PLANS, ignore_errors=True)
+ONE, REPL, FSDP, TP = (1, 1, False), (2, 1, False), (2, 1, True), (1, 2, False)
 
 
 def case(family: str, strategies: list[tuple[int, int, bool]], stages: list[int], **kw: Any) -> dict[str, Any]:
@@ -87,12 +92,21 @@ TWO_RANKS = {
     # rotary (cos, sin) broadcast over the batch, split with it across data-parallel ranks; the tied copies
     "qwen2_tied_dp_fsdp": case("qwen2_tied", [REPL, FSDP, REPL, FSDP], [0] * 4),
     "gpt_neox_pp2": case("gpt_neox", [ONE] * 4, [0, 1, 1, 1]),
+    # head-parallel attention with grouped key / value heads and a sliding window, MLP and LM head tensor parallel
+    "mistral_tp2_fsdp": case("mistral", [FSDP, TP, TP, TP], [0] * 4),
 }
 TWO_RANKS_SLOW = {
     "mistral_pp2": case("mistral", [ONE] * 4, [0, 0, 1, 1]),
     "phi_fsdp": case("phi", [FSDP] * 4, [0] * 4),
     "gemma_tied_pp2": case("gemma_tied", [ONE] * 4, [0, 0, 1, 1]),
-    "falcon_pp2_dp": case("falcon", [ONE] * 4, [0, 0, 1, 1]),
+    "falcon_pp2": case("falcon", [ONE] * 4, [0, 0, 1, 1]),
+    "phi_tp2": case("phi", [REPL, TP, TP, REPL], [0] * 4),
+    "gemma_tp2": case("gemma", [REPL, TP, TP, FSDP], [0] * 4),
+    "olmo_tp2": case("olmo", [REPL, TP, TP, TP], [0] * 4),
+    "qwen3_dp_fsdp": case("qwen3", [REPL, FSDP, REPL, FSDP], [0] * 4),
+    # no plan: the strategy profiles the generic chain, solves and applies the plan
+    "qwen2_solved": {**case("qwen2", [REPL] * 4, [0] * 4), "plan": None,
+                     "strategy": {"measure_cluster": False, "cache_dir": PLANS}},
 }
 
 
@@ -107,6 +121,20 @@ def test_generic_families_two_ranks(name: str, spawn_cases: Any) -> None:
 def test_generic_families_two_ranks_more(name: str, spawn_cases: Any) -> None:
     results = spawn_cases(2, TWO_RANKS_SLOW, "hf_generic_two_ranks_slow")
     h.assert_close_to_reference(results, name, h.reference_for(TWO_RANKS_SLOW[name]))
+    if TWO_RANKS_SLOW[name]["plan"] is None:
+        assert results[0][name]["origin"] == "solver"
+
+
+def test_tensor_parallel_only_where_the_blocks_are_recognized() -> None:
+    """Blocks with separate q/k/v projections, an attention reshaping to ``-1`` heads and an MLP of known names are
+    tensor parallel (degrees dividing every head count and the MLP width); fused QKV (GPT-NeoX, Falcon), OPT's
+    attention (reshaped with its full head count), StableLM's, and Qwen3's per-head norms (replicated weights
+    seeing one rank's heads) are not."""
+    from uniap_lightning.runtime import extract_chain
+
+    degrees = {f: extract_chain(generic_module(f)).layers[1].uniap_tp_degrees() for f in GENERIC}
+    assert degrees == {"opt": [1], "mistral": [1, 2], "qwen2": [1, 2], "gpt_neox": [1], "phi": [1, 2, 4],
+                       "gemma": [1, 2], "falcon": [1], "qwen3": [1], "stablelm": [1], "olmo": [1, 2]}
 
 
 def _module(model: Any) -> Any:

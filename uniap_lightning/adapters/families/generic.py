@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from uniap_lightning.adapters.auto import Family, HFTarget, count_next_tokens
-from uniap_lightning.adapters.families.common import causal_lm_loss, colwise, divisors_of_all, replicate
+from uniap_lightning.adapters.families.common import causal_lm_loss, colwise, divisors_of_all, replicate, rowwise
 from uniap_lightning.errors import UniAPError
 
 #: the attention implementation the generic layers run with (SDPA, masks always materialized)
@@ -316,13 +316,83 @@ class GenericPrologue(_Layer):
         return {**{k: None for k in self.inputs}, "hidden": hidden, **self.plan.encode(tensors, rows)}
 
 
-class GenericBlock(_Layer):
-    """One block of the model, called as the model calls it."""
+_ATTENTION_OUT = ("o_proj", "dense", "out_proj")
+_MLPS = ((("gate_proj", "up_proj"), "down_proj"), (("fc1",), "fc2"), (("up_proj",), "down_proj"))
 
-    def __init__(self, block: nn.Module, plan: _Plan, index: int) -> None:
+
+def _linear(m: nn.Module, name: str) -> bool:
+    return isinstance(getattr(m, name, None), nn.Linear)
+
+
+def _others(module: nn.Module, linears: tuple[str, ...]) -> bool:
+    """Whether ``module`` holds parameters outside its ``linears``."""
+    inside = {id(p) for n in linears for p in getattr(module, n).parameters()}
+    return any(id(p) not in inside for p in module.parameters())
+
+
+def _tensor_parallel(block: nn.Module, config: Any) -> tuple[dict[str, str], list[int]] | None:
+    """Megatron-style tensor parallelism of a block with separate query / key / value projections and an MLP of
+    known names: ``({path: "col" | "row"}, degrees)``; ``None`` when the block is not recognized (fused QKV, an
+    attention that reshapes with its full head count, ...)."""
+    attention = [(n, m) for n, m in block.named_modules()
+                 if all(_linear(m, p) for p in ("q_proj", "k_proj", "v_proj"))
+                 and any(_linear(m, o) for o in _ATTENTION_OUT)]
+    if len(attention) != 1:
+        return None
+    name, attn = attention[0]
+    try:
+        source = "".join(inspect.getsource(type(attn).forward).split())
+    except (OSError, TypeError):
+        return None
+    # the heads come from the projections' width (``-1`` heads), so each rank runs its own whole heads
+    if "(*input_shape,-1,self.head_dim)" not in source or "reshape(*input_shape,-1)" not in source:
+        return None
+    out = next(o for o in _ATTENTION_OUT if _linear(attn, o))
+    if _others(attn, ("q_proj", "k_proj", "v_proj", out)):
+        return None  # e.g. Qwen3's per-head query / key norms: replicated weights seeing only this rank's heads
+    prefix = f"{name}." if name else ""
+    plan = {**{f"{prefix}{p}": "col" for p in ("q_proj", "k_proj", "v_proj")}, f"{prefix}{out}": "row"}
+    mlps = []
+    for n, m in block.named_modules():
+        found = next(((c, r) for c, r in _MLPS if m is not attn and all(_linear(m, x) for x in c) and _linear(m, r)),
+                     None)
+        if found is not None:
+            mlps.append((n, m, *found))
+    if len(mlps) != 1:
+        return None
+    name, mlp, cols, row = mlps[0]
+    if _others(mlp, (*cols, row)):
+        return None
+    prefix = f"{name}." if name else ""
+    plan.update({f"{prefix}{c}": "col" for c in cols})
+    plan[f"{prefix}{row}"] = "row"
+    heads = int(getattr(config, "num_attention_heads", 0) or 0)
+    kv = int(getattr(config, "num_key_value_heads", None) or heads)
+    if not heads:
+        return None
+    return plan, divisors_of_all(heads, kv, getattr(mlp, cols[0]).out_features)
+
+
+class GenericBlock(_Layer):
+    """One block of the model, called as the model calls it. Tensor parallel where :func:`_tensor_parallel`
+    recognizes the block: query / key / value and the MLP's input projections column-parallel, the attention's
+    output and the MLP's output projection row-parallel."""
+
+    def __init__(self, block: nn.Module, plan: _Plan, index: int, config: Any = None) -> None:
         super().__init__([block])
         self.plan, self.index = plan, index
         self.uses = _refs(plan.templates[index][0]) | _refs(plan.templates[index][1])
+        self.tp = _tensor_parallel(block, config)
+
+    def uniap_tp_degrees(self) -> list[int]:
+        return self.tp[1] if self.tp is not None else [1]
+
+    def uniap_tp_plan(self, tp: int) -> dict[str, Any]:
+        assert self.tp is not None
+        return {f"units.0.{path}": (colwise() if kind == "col" else rowwise()) for path, kind in self.tp[0].items()}
+
+    def uniap_tp_allreduces(self) -> int:
+        return 2 if self.tp is not None else 0
 
     def forward(self, d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         hidden = d["hidden"]
@@ -418,7 +488,7 @@ def generic_layers(model: Any) -> list[tuple[nn.Module, list[str]]]:
             unused = [n for n in units if n not in before and n not in after
                       and any(True for _ in units[n].parameters())]
             prologue = GenericPrologue([units[n] for n in before], base, blocks, plan, extra, inputs)
-            layers = [GenericBlock(b, plan, i) for i, b in enumerate(blocks)]
+            layers = [GenericBlock(b, plan, i, model.config) for i, b in enumerate(blocks)]
             if not after:
                 raise _refuse(model, "it runs nothing after its blocks (no LM head)")
             epilogue = GenericEpilogue([units[n] for n in after], [units[n] for n in unused])
