@@ -343,6 +343,34 @@ def test_every_head_gives_the_models_own_loss_and_gradients(family: str) -> None
     assert set(grads) == set(reference)
     for n, g in reference.items():
         torch.testing.assert_close(grads[n], g, rtol=1e-5, atol=1e-6, msg=n)
+    # prediction (no labels): the chain's output is the model's logits (question answering: start and end stacked)
+    with torch.no_grad():
+        out = model(**batch)
+        targets = ("labels", "start_positions", "end_positions")
+        x = chain.prediction_input({k: v for k, v in batch.items() if k not in targets})
+        for layer in chain.layers:
+            x = call_layer(layer, x)
+    logits = torch.stack([out.start_logits, out.end_logits], -1) if family.endswith("_qa") else out.logits
+    torch.testing.assert_close(x, logits)
+
+
+@pytest.mark.parametrize("family", ["gpt2_sc", "llama_sc"])
+def test_decoder_classifiers_pool_the_last_real_token_with_left_padding_too(family: str) -> None:
+    """Left-padded rows (as decoder users batch them): the rightmost non-padding token, as Hugging Face takes it."""
+    from uniap_lightning.runtime import extract_chain
+    from uniap_lightning.runtime.payload import call_layer
+
+    module = hf_module(family)
+    batch = next(iter(hf_batches(8, family)))
+    lengths = batch["attention_mask"].sum(-1)
+    shifts = batch["input_ids"].shape[1] - lengths
+    batch["input_ids"] = torch.stack([r.roll(int(k)) for r, k in zip(batch["input_ids"], shifts)])
+    batch["attention_mask"] = torch.stack([r.roll(int(k)) for r, k in zip(batch["attention_mask"], shifts)])
+    chain = extract_chain(module)
+    x, y = chain.split_batch(batch)
+    for layer in chain.layers:
+        x = call_layer(layer, x)
+    torch.testing.assert_close(chain.loss_fn(x, y), module.model(**batch).loss)
 
 
 def test_unknown_heads_name_the_supported_ones() -> None:
