@@ -16,7 +16,7 @@ import torch
 import uniap_rt_helpers as h
 
 pytest.importorskip("transformers")  # the [hf] extra
-from hf_generic_models import GENERIC, generic_module, generic_names  # noqa: E402
+from hf_generic_models import GENERIC, build_generic, generic_module, generic_names  # noqa: E402
 from hf_models import hf_batches  # noqa: E402
 
 from uniap_lightning.errors import UniAPError  # noqa: E402
@@ -88,9 +88,9 @@ def case(family: str, strategies: list[tuple[int, int, bool]], stages: list[int]
 
 TWO_RANKS = {
     # the stage boundary carries the hidden states with the 4-D mask and the position ids
-    "opt_pp2": case("opt", [ONE] * 4, [0, 0, 1, 1]),
+    "opt_pp2": case("opt", [ONE] * 4, [0, 0, 1, 1], export=f"{PLANS}/opt.pt"),
     # rotary (cos, sin) broadcast over the batch, split with it across data-parallel ranks; the tied copies
-    "qwen2_tied_dp_fsdp": case("qwen2_tied", [REPL, FSDP, REPL, FSDP], [0] * 4),
+    "qwen2_tied_dp_fsdp": case("qwen2_tied", [REPL, FSDP, REPL, FSDP], [0] * 4, export=f"{PLANS}/qwen2_tied.pt"),
     "gpt_neox_pp2": case("gpt_neox", [ONE] * 4, [0, 1, 1, 1]),
     # head-parallel attention with grouped key / value heads and a sliding window, MLP and LM head tensor parallel
     "mistral_tp2_fsdp": case("mistral", [FSDP, TP, TP, TP], [0] * 4),
@@ -110,10 +110,29 @@ TWO_RANKS_SLOW = {
 }
 
 
+def _check_export(case: dict[str, Any], folder: Any) -> None:
+    """The consolidated file holds the model's own state-dict keys and loads with ``from_pretrained``."""
+    from safetensors.torch import save_file
+
+    state = torch.load(case["export"], weights_only=True)
+    hf = {k.removeprefix("model."): v for k, v in state.items()}
+    model = build_generic(case["module"]["family"])
+    assert set(hf) <= set(model.state_dict()) and set(model.state_dict()) - set(hf) <= {"lm_head.weight"}
+    model.config.save_pretrained(folder)
+    save_file({k: v.contiguous() for k, v in hf.items()}, folder / "model.safetensors")
+    loaded, info = type(model).from_pretrained(folder, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    for k, v in loaded.state_dict().items():
+        torch.testing.assert_close(v, hf.get(k, hf.get(k.replace("lm_head", "model.embed_tokens"))), rtol=0, atol=0,
+                                   msg=k)
+
+
 @pytest.mark.parametrize("name", list(TWO_RANKS))
-def test_generic_families_two_ranks(name: str, spawn_cases: Any) -> None:
+def test_generic_families_two_ranks(name: str, spawn_cases: Any, tmp_path: Any) -> None:
     results = spawn_cases(2, TWO_RANKS, "hf_generic_two_ranks")
     h.assert_close_to_reference(results, name, h.reference_for(TWO_RANKS[name]))
+    if "export" in TWO_RANKS[name]:
+        _check_export(TWO_RANKS[name], tmp_path)
 
 
 @pytest.mark.slow
