@@ -106,6 +106,11 @@ HEADS_TWO_RANKS_SLOW = {
     "bert_qa_tp2": case("bert_qa", [REPL, TP, TP, REPL], [0] * 4, export=str(EXPORTS / "bert_qa.pt")),
     "bert_reg_pp2": case("bert_reg", [ONE] * 4, [0, 0, 1, 1]),
     "bert_mc_tp2_fsdp": case("bert_mc", [FSDP, TP, TP, FSDP], [0] * 4),
+    # no plan: profiled (the [batch, choices, seq] payloads; the pooling index), solved and applied
+    "bert_mc_solved": {**case("bert_mc", [REPL] * 4, [0] * 4), "plan": None,
+                       "strategy": {"measure_cluster": False, "cache_dir": str(EXPORTS / "plans_heads")}},
+    "llama_sc_solved": {**case("llama_sc", [REPL] * 4, [0] * 4), "plan": None,
+                        "strategy": {"measure_cluster": False, "cache_dir": str(EXPORTS / "plans_heads")}},
 }
 
 
@@ -179,6 +184,8 @@ def test_hf_heads_two_ranks(name: str, spawn_cases: Any, tmp_path_factory: pytes
 def test_hf_heads_two_ranks_more(name: str, spawn_cases: Any, tmp_path_factory: pytest.TempPathFactory) -> None:
     results = spawn_cases(2, HEADS_TWO_RANKS_SLOW, "hf_heads_two_ranks_slow")
     h.assert_close_to_reference(results, name, h.reference_for(HEADS_TWO_RANKS_SLOW[name]))
+    if HEADS_TWO_RANKS_SLOW[name]["plan"] is None:
+        assert results[0][name]["origin"] == "solver"
     _check_export(name, HEADS_TWO_RANKS_SLOW, tmp_path_factory.mktemp(name))
 
 
