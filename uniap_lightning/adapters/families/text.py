@@ -110,7 +110,8 @@ class TokenHead(View):
     decoder, the dropout of a token classifier, where the model has them)."""
 
     def __init__(self, out: nn.Module, norm: nn.Module | None = None, dropout: nn.Module | None = None) -> None:
-        super().__init__(out=out, norm=norm or nn.Identity(), dropout=dropout or nn.Identity())
+        super().__init__(out=out, norm=nn.Identity() if norm is None else norm,
+                         dropout=nn.Identity() if dropout is None else dropout)
 
     def forward(self, d: Payload) -> torch.Tensor:
         return self.out(self.dropout(self.norm(d["hidden"])))
