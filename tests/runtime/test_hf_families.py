@@ -394,3 +394,8 @@ def test_unknown_heads_name_the_supported_ones() -> None:
                                                           "GPT2ForTokenClassification and GPT2ForQuestionAnswering")):
         with pytest.raises(UniAPError, match=f"{type(model).__name__}: the strategy splits {family}.*uniap_layers"):
             extract_chain(h.make_module(factory="hf_models:HFModule", model=model))
+    chain = extract_chain(hf_module("bert_qa"))
+    batch = next(iter(hf_batches(4, "bert_qa")))
+    assert chain.split_batch({"input_ids": batch["input_ids"]})[1] is None  # prediction
+    with pytest.raises(UniAPError, match="needs both 'start_positions' and 'end_positions'.*only 'start_positions'"):
+        chain.split_batch({"input_ids": batch["input_ids"], "start_positions": batch["start_positions"]})

@@ -92,7 +92,13 @@ def sequence_classification_loss(model: Any, logits: torch.Tensor, target: HFTar
 def question_answering_labels(batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
     """``start_positions`` and ``end_positions`` as one ``[batch, 2]`` target, clamped to ``[0, seq]`` as Hugging
     Face does, the positions it ignores (those at ``seq``: outside the input) set to -100."""
-    if "start_positions" not in batch or "end_positions" not in batch:
+    given = [k for k in ("start_positions", "end_positions") if k in batch]
+    if len(given) == 1:
+        from uniap_lightning.errors import UniAPError
+
+        raise UniAPError(f"a question answering batch needs both 'start_positions' and 'end_positions' (its loss); "
+                         f"this one has only {given[0]!r}")
+    if not given:
         return None
     seq = batch["input_ids"].shape[-1]
     columns = []
