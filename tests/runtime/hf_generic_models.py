@@ -41,6 +41,9 @@ def build_generic(family: str) -> Any:
                                                       attention_dropout=0.0, max_position_embeddings=2 * SEQ))
     if kind == "falcon":
         return tr.FalconForCausalLM(tr.FalconConfig(**common, hidden_dropout=0.0, attention_dropout=0.0))
+    if kind == "gemma2":  # soft-capped logits: no generic split, the one-layer fallback
+        return tr.Gemma2ForCausalLM(tr.Gemma2Config(**common, intermediate_size=64, num_key_value_heads=2, head_dim=8,
+                                                    final_logit_softcapping=0.5, query_pre_attn_scalar=8))
     if kind == "phi":
         return tr.PhiForCausalLM(tr.PhiConfig(**common, intermediate_size=64, resid_pdrop=0.0, embd_pdrop=0.0,
                                               max_position_embeddings=2 * SEQ))

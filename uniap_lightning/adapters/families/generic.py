@@ -83,16 +83,24 @@ def _first(out: Any) -> torch.Tensor:
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
+class Unsplittable(UniAPError):
+    """A model the generic split cannot handle; ``reason`` says why."""
+
+    reason = ""
+
+
 def _refuse(model: Any, why: str) -> UniAPError:
     from uniap_lightning.adapters.auto import FAMILIES
 
-    return UniAPError(
+    error = Unsplittable(
         f"{type(model).__name__} (model_type={getattr(model.config, 'model_type', None)!r}) is not a Hugging Face "
         f"family the strategy can split: no hand-written family (those: {sorted(FAMILIES)}) and the generic split "
         f"cannot handle it: {why}. Implement uniap_layers() on your LightningModule returning the model's layers in "
         "order (each taking and returning a tensor, a tuple or a dict of tensors), with uniap_loss(output, target) "
         "and, for dict batches, uniap_split_batch(batch); see uniap_lightning.runtime.chain"
     )
+    error.reason = why
+    return error
 
 
 # ------------------------------------------------------------------------------------------------------ structure
@@ -448,6 +456,17 @@ def _base_inputs(base: nn.Module) -> tuple[tuple[str, ...], dict[str, Any]]:
 
 
 def generic_layers(model: Any) -> list[tuple[nn.Module, list[str]]]:
+    """The chain's layers (with the FQNs each wraps); :class:`Unsplittable` naming why when the model cannot be split
+    this way (whatever failed, here at setup rather than later in training)."""
+    try:
+        return _split(model)
+    except Unsplittable:
+        raise
+    except Exception as e:  # noqa: BLE001 - the model's code on an unexpected path: reported with its reason
+        raise _refuse(model, f"{type(e).__name__}: {e}") from e
+
+
+def _split(model: Any) -> list[tuple[nn.Module, list[str]]]:
     base = model.base_model
     blocks_name, blocks = _find_blocks(model)
     base_prefix = next((n for n, m in model.named_modules() if m is base), None)
@@ -469,8 +488,6 @@ def generic_layers(model: Any) -> list[tuple[nn.Module, list[str]]]:
                 calls.order.clear()
                 calls.phase = "before"
                 reference = model(**batch, labels=labels, **extra)
-            except UniAPError as e:
-                raise _refuse(model, str(e)) from None
             finally:
                 calls.close()
             templates, tensors2 = _templates(small[1])
@@ -558,6 +575,59 @@ def generic_family(model: Any) -> Family:
         a, b = _fqn(model, src), _fqn(model, dst)
         if a and b:
             ties = ((a, b),)
-    inputs, _ = _base_inputs(model.base_model)
-    return Family(layers=generic_layers, loss=causal_lm_loss, inputs=inputs, count=count_next_tokens, attention=None,
-                  ties=ties)
+    try:
+        inputs, _ = _base_inputs(model.base_model)
+    except UniAPError as e:
+        raise _refuse(model, str(e)) from None
+    try:
+        pairs = generic_layers(model)  # (the weights still tied: the split refers to modules, not to weights)
+    except Unsplittable as e:
+        return _one_layer(model, inputs, e)
+    return Family(layers=lambda _: pairs, loss=causal_lm_loss, inputs=inputs, count=count_next_tokens,
+                  attention=None, ties=ties)
+
+
+class WholeModel(_Layer):
+    """The whole causal LM as one layer (input ids and mask -> logits): trains replicated or sharded (ZeRO), with
+    neither pipeline nor tensor parallelism."""
+
+    def __init__(self, model: nn.Module, inputs: tuple[str, ...]) -> None:
+        super().__init__([])
+        self.model = model
+        self.inputs = inputs
+
+    def forward(self, d: dict[str, torch.Tensor]) -> torch.Tensor:
+        kwargs = {k: d[k] for k in self.inputs if k in d}
+        if "use_cache" in inspect.signature(self.model.forward).parameters:
+            kwargs["use_cache"] = False
+        return self.model(**kwargs).logits
+
+
+def _one_layer(model: Any, inputs: tuple[str, ...], why: UniAPError) -> Family:
+    """The fallback for a causal LM the generic split cannot reproduce: the model as one layer, after checking that
+    its own loss is the causal LM cross-entropy of its logits (then the whole-batch normalization holds)."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+    layer = WholeModel(model, inputs)
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        with torch.no_grad():
+            batch = _probe(model, 3, next(model.parameters()).device)
+            labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+            reference = model(**batch, labels=labels, use_cache=False)
+            logits = layer(batch)
+    finally:
+        for m, training in modes.items():
+            m.train(training)
+    count = count_next_tokens(labels).to(torch.float64).clamp(min=1)
+    loss = causal_lm_loss(model, logits, HFTarget(labels, (3 / count).to(torch.float32).expand(3)))
+    if reference.loss is None or abs(float(loss) - float(reference.loss)) > 1e-4 * max(1.0, abs(float(loss))):
+        raise why
+    reason = getattr(why, "reason", "") or str(why)
+    rank_zero_warn(f"{type(model).__name__} trains as ONE layer (replicated or ZeRO-sharded, no pipeline or tensor "
+                   f"parallelism): the generic split cannot handle it ({reason}). Define uniap_layers() on your "
+                   "LightningModule to split it.")
+    owners = [n for n, m in model.named_children() if any(True for _ in m.parameters())]
+    return Family(layers=lambda _: [(layer, owners)], loss=causal_lm_loss, inputs=inputs, count=count_next_tokens,
+                  attention=None)
