@@ -198,19 +198,20 @@ def test_hf_families_four_ranks(name: str, spawn_cases: Any) -> None:
 
 def test_unsupported_family_names_what_to_implement() -> None:
     import lightning.pytorch as pl
-    from transformers import DistilBertConfig, DistilBertForSequenceClassification
+    from transformers import DistilBertConfig, DistilBertForQuestionAnswering
 
     from uniap_lightning.runtime import extract_chain
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.net = DistilBertForSequenceClassification(DistilBertConfig(
+            self.net = DistilBertForQuestionAnswering(DistilBertConfig(
                 vocab_size=32, dim=16, n_layers=1, n_heads=2, hidden_dim=32, max_position_embeddings=8))
 
-    with pytest.raises(UniAPError, match=r"DistilBertForSequenceClassification \(model_type='distilbert'\) is not a "
+    # (no hand-written family, and a head the generic split does not train)
+    with pytest.raises(UniAPError, match=r"DistilBertForQuestionAnswering \(model_type='distilbert'\) is not a "
                                          r"Hugging Face family.*\['bert', 'gpt2', 'llama', 'swin', 't5', 'vit'\].*"
-                                         r"decoder-only causal LMs.*Implement uniap_layers\(\)"):
+                                         r"causal LMs.*Implement uniap_layers\(\)"):
         extract_chain(Module())
 
 

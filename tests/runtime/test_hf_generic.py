@@ -16,12 +16,19 @@ import torch
 import uniap_rt_helpers as h
 
 pytest.importorskip("transformers")  # the [hf] extra
-from hf_generic_models import GENERIC, build_generic, generic_module, generic_names  # noqa: E402
+from hf_generic_models import (  # noqa: E402
+    GENERIC,
+    build_generic,
+    data_family,
+    generic_module,
+    generic_names,
+)
 from hf_models import hf_batches  # noqa: E402
 
 from uniap_lightning.errors import UniAPError  # noqa: E402
 
 FAST = ["opt", "mistral", "qwen2", "gpt_neox", "phi", "gemma", "falcon"]
+ENCODERS = ["roberta_mlm", "roberta_cls", "electra_mlm", "electra_cls", "distilbert_mlm"]
 
 
 def _loss_and_grads(family: str) -> None:
@@ -30,7 +37,7 @@ def _loss_and_grads(family: str) -> None:
 
     module = generic_module(family)
     model = module.model
-    batch = next(iter(hf_batches(8, family)))
+    batch = next(iter(hf_batches(8, data_family(family))))
     assert (batch["attention_mask"] == 0).any()
     expected = model(**batch).loss
     expected.backward()
@@ -48,7 +55,7 @@ def _loss_and_grads(family: str) -> None:
     loss.backward()
     torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    if family.endswith("_tied"):  # two equal copies: the runtime sums their gradients (runtime/ties.py)
+    if family.endswith(("_tied", "_mlm")):  # two equal copies: the runtime sums their gradients (runtime/ties.py)
         assert len(chain.ties) == 1
         src, dst = model.get_input_embeddings(), model.get_output_embeddings()
         assert src.weight is not dst.weight
@@ -62,7 +69,7 @@ def _loss_and_grads(family: str) -> None:
         torch.testing.assert_close(grads[n], g, rtol=1e-5, atol=1e-6, msg=n)
 
 
-@pytest.mark.parametrize("family", [*FAST, "opt_tied", "qwen2_tied", "gpt_neox_tied"])
+@pytest.mark.parametrize("family", [*FAST, "opt_tied", "qwen2_tied", "gpt_neox_tied", *ENCODERS])
 def test_generic_chain_gives_the_models_own_loss_and_gradients(family: str) -> None:
     _loss_and_grads(family)
 
@@ -84,7 +91,7 @@ def case(family: str, strategies: list[tuple[int, int, bool]], stages: list[int]
     plan = h.make_plan(strategies, stages, names=names, pp=max(stages) + 1, world=2,
                        microbatches=kw.pop("microbatches", 2), schedule="1f1b")
     return {"plan": plan, "module": {"factory": "hf_generic_models:generic_module", "family": family, "lr": 0.1},
-            "data": {"factory": "hf_models:hf_batches", "family": family}, "steps": 3, **kw}
+            "data": {"factory": "hf_models:hf_batches", "family": data_family(family)}, "steps": 3, **kw}
 
 
 TWO_RANKS = {
@@ -96,7 +103,10 @@ TWO_RANKS = {
     # head-parallel attention with grouped key / value heads and a sliding window, MLP and LM head tensor parallel
     "mistral_tp2_fsdp": case("mistral", [FSDP, TP, TP, TP], [0] * 4),
     # the one-layer fallback (Gemma 2's soft-capped logits), sharded
-    "gemma2_one_layer_fsdp": case("gemma2", [FSDP], [0], names=["model.model"]),
+    "gemma2_one_layer_fsdp": case("gemma2", [FSDP], [0], names=generic_names("gemma2")),
+    # an encoder's masked LM: the bidirectional padding mask crosses the stage boundary, the tied decoder copy on
+    # the other stage
+    "roberta_mlm_pp2": case("roberta_mlm", [ONE] * 4, [0, 0, 1, 1]),
 }
 TWO_RANKS_SLOW = {
     "mistral_pp2": case("mistral", [ONE] * 4, [0, 0, 1, 1]),
@@ -106,6 +116,9 @@ TWO_RANKS_SLOW = {
     "phi_tp2": case("phi", [REPL, TP, TP, REPL], [0] * 4),
     "gemma_tp2": case("gemma", [REPL, TP, TP, FSDP], [0] * 4),
     "olmo_tp2": case("olmo", [REPL, TP, TP, TP], [0] * 4),
+    "electra_cls_fsdp": case("electra_cls", [FSDP, REPL, FSDP, FSDP], [0] * 4),
+    "distilbert_mlm_pp2": case("distilbert_mlm", [ONE] * 4, [0, 1, 1, 1]),
+    "albert_mlm_one_layer": case("albert_mlm", [REPL], [0], names=generic_names("albert_mlm")),
     "qwen3_dp_fsdp": case("qwen3", [REPL, FSDP, REPL, FSDP], [0] * 4),
     # no plan: the strategy profiles the generic chain, solves and applies the plan
     "qwen2_solved": {**case("qwen2", [REPL] * 4, [0] * 4), "plan": None,
@@ -154,7 +167,8 @@ def test_tensor_parallel_only_where_the_blocks_are_recognized() -> None:
     seeing one rank's heads) are not."""
     from uniap_lightning.runtime import extract_chain
 
-    degrees = {f: extract_chain(generic_module(f)).layers[1].uniap_tp_degrees() for f in GENERIC}
+    degrees = {f: extract_chain(generic_module(f)).layers[1].uniap_tp_degrees() for f in GENERIC if "_" not in f
+               or f == "gpt_neox"}
     assert degrees == {"opt": [1], "mistral": [1, 2], "qwen2": [1, 2], "gpt_neox": [1], "phi": [1, 2, 4],
                        "gemma": [1, 2], "falcon": [1], "qwen3": [1], "stablelm": [1], "olmo": [1, 2]}
 
@@ -163,14 +177,15 @@ def _module(model: Any) -> Any:
     return h.make_module(factory="hf_models:HFModule", model=model)
 
 
-def test_a_model_that_is_not_a_causal_lm_is_refused_at_setup() -> None:
+def test_another_head_is_refused_at_setup() -> None:
     import transformers as tr
 
     from uniap_lightning.runtime import extract_chain
 
-    bert = tr.DistilBertForSequenceClassification(tr.DistilBertConfig(
+    bert = tr.DistilBertForQuestionAnswering(tr.DistilBertConfig(
         vocab_size=32, dim=16, n_layers=1, n_heads=2, hidden_dim=32, max_position_embeddings=8))
-    with pytest.raises(UniAPError, match=r"\(model_type='distilbert'\) is not a Hugging Face family.*decoder-only"):
+    with pytest.raises(UniAPError, match=r"\(model_type='distilbert'\) is not a Hugging Face family.*causal LMs "
+                                         r"\(\*ForCausalLM\), masked LMs.*uniap_layers"):
         extract_chain(_module(bert))
 
 
@@ -183,20 +198,26 @@ def test_no_list_of_blocks_is_refused() -> None:
         generic_layers(model)
 
 
-def test_a_causal_lm_the_split_cannot_reproduce_trains_as_one_layer() -> None:
-    """Gemma 2 soft-caps its logits in its top-level forward, beyond its modules: the check against the model's own
-    forward on a probe batch catches it at setup; the model then trains as one layer (one warning), with its own
-    loss on padded micro-batches."""
+@pytest.mark.parametrize("family, why", [
+    ("gemma2", "Gemma2ForCausalLM trains as ONE layer.*logits differ from the model's"),  # soft cap in forward
+    # pools the first token in its top-level forward
+    ("distilbert_cls", r"DistilBertForSequenceClassification trains as ONE layer.*logits are \(3, 3\), the chain"),
+    ("albert_mlm", "AlbertForMaskedLM trains as ONE layer"),  # one shared block, run once per layer
+    ("qwen2_cls", "Qwen2ForSequenceClassification trains as ONE layer"),  # pools at the last real token
+])
+def test_a_model_the_split_cannot_reproduce_trains_as_one_layer(family: str, why: str) -> None:
+    """The check against the model's own forward on a probe batch catches what the split cannot reproduce at setup;
+    the model then trains as one layer (one warning naming why), with its own loss on padded micro-batches."""
     from uniap_lightning.runtime import extract_chain
     from uniap_lightning.runtime.payload import call_layer, chunk
 
-    module = generic_module("gemma2")
+    module = generic_module(family)
     model = module.model
-    batch = next(iter(hf_batches(8, "gemma2")))
+    batch = next(iter(hf_batches(8, data_family(family))))
     expected = model(**batch).loss
-    with pytest.warns(UserWarning, match=r"Gemma2ForCausalLM trains as ONE layer.*logits differ from the model's"):
+    with pytest.warns(UserWarning, match=why):
         chain = extract_chain(module)
-    assert chain.names == ["model.model"] and chain.layers[0].uniap_tp_degrees() == [1]
+    assert chain.names == generic_names(family) and chain.layers[0].uniap_tp_degrees() == [1]
     x, y = chain.split_batch(batch)
     losses = [chain.loss_fn(call_layer(chain.layers[0], xm), ym) for xm, ym in zip(chunk(x, 4), chunk(y, 4))]
     torch.testing.assert_close(torch.stack(losses).mean(), expected, rtol=1e-6, atol=1e-6)

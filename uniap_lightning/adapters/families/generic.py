@@ -38,8 +38,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from uniap_lightning.adapters.auto import Family, HFTarget, count_next_tokens
-from uniap_lightning.adapters.families.common import causal_lm_loss, colwise, divisors_of_all, replicate, rowwise
+from uniap_lightning.adapters.auto import Family, HFTarget, count_next_tokens, count_rows, count_tokens
+from uniap_lightning.adapters.families.common import (
+    causal_lm_loss,
+    classification_loss,
+    colwise,
+    divisors_of_all,
+    replicate,
+    rowwise,
+    token_loss,
+)
 from uniap_lightning.errors import UniAPError
 
 #: the attention implementation the generic layers run with (SDPA, masks always materialized)
@@ -72,6 +80,7 @@ def _register_attention() -> bool:
 
     def mask(*args: Any, **kwargs: Any) -> Any:
         kwargs["allow_is_causal_skip"] = False  # a mask every time (None without padding would change the payload)
+        kwargs["allow_is_bidirectional_skip"] = False
         return sdpa_mask(*args, **kwargs)
 
     AttentionInterface.register(ATTENTION, sdpa_attention_forward)
@@ -124,16 +133,13 @@ def _units(model: nn.Module, blocks_name: str) -> dict[str, nn.Module]:
     for name, m in model.named_modules():
         if name == blocks_name or name.startswith(blocks_name + "."):
             continue
-        direct = any(True for _ in m.parameters(recurse=False))
-        if direct and any(True for _ in m.children()):
-            raise _refuse(model, f"'{name}' holds parameters and submodules")
-        if direct or not any(True for _ in m.children()):
+        if any(True for _ in m.parameters(recurse=False)) or not any(True for _ in m.children()):
             out[name] = m
     return out
 
 
 class _Calls:
-    """Hooks recording the order in which the units run, and which run before / after the blocks."""
+    """Hooks recording the order in which modules run, and which run before / after the blocks."""
 
     def __init__(self, units: dict[str, nn.Module], blocks: nn.ModuleList) -> None:
         self.order: list[tuple[str, str]] = []  # (phase, name) of each first call per phase
@@ -450,7 +456,7 @@ def _base_inputs(base: nn.Module) -> tuple[tuple[str, ...], dict[str, Any]]:
     params = inspect.signature(base.forward).parameters
     if "input_ids" not in params:
         raise UniAPError("its base model takes no input_ids")
-    inputs = tuple(k for k in ("input_ids", "attention_mask", "position_ids") if k in params)
+    inputs = tuple(k for k in ("input_ids", "attention_mask", "token_type_ids", "position_ids") if k in params)
     extra = {k: False for k in ("use_cache", "output_attentions", "output_hidden_states") if k in params}
     return inputs, extra
 
@@ -477,14 +483,19 @@ def _split(model: Any) -> list[tuple[nn.Module, list[str]]]:
     device = next(model.parameters()).device
     modes = {m: m.training for m in model.modules()}
     model.eval()
-    calls = _Calls(units, blocks)
+    ancestors = {blocks_name.rsplit(".", i)[0] for i in range(1, blocks_name.count(".") + 1)}
+    hooked = {n: m for n, m in model.named_modules()
+              if n and n not in ancestors and n != blocks_name and not n.startswith(blocks_name + ".")
+              and not isinstance(m, nn.modules.loss._Loss)}  # (DistilBERT's loss module: the loss is ours)
+    task = _task(model)
+    calls = _Calls(hooked, blocks)
     try:
         with torch.no_grad():
             try:
                 small = _capture(base, blocks, {**_probe(model, 2, device), **extra})
                 large = _capture(base, blocks, {**_probe(model, 3, device), **extra})
                 batch = _probe(model, 3, device)
-                labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+                labels = task.labels(model, batch)
                 calls.order.clear()
                 calls.phase = "before"
                 reference = model(**batch, labels=labels, **extra)
@@ -497,25 +508,33 @@ def _split(model: Any) -> list[tuple[nn.Module, list[str]]]:
             plan = _Plan(templates, [_mode(model, j, a.shape[0] if a.dim() else 1, b.shape[0] if b.dim() else 1)
                                      for j, (a, b) in enumerate(zip(tensors2, tensors3))])
             before, between, after = calls.names("before"), calls.names("between"), calls.names("after")
+            between = [n for n in between if n in units]
             if between:
                 raise _refuse(model, f"it runs {between[0]} between its blocks")
-            twice = set(before) & set(after)
+            before = [n for n in before if n in units]
+            if not after:
+                raise _refuse(model, "it runs nothing after its blocks (no head)")
+            # the outermost modules run after the blocks (a head module as a whole, with what its forward does)
+            after = [n for n in after if not any(a != n and n.startswith(a + ".") for a in after)]
+            covered = [n for n in units if any(n == a or n.startswith(a + ".") for a in after)]
+            twice = set(before) & set(covered)
             if twice:
                 raise _refuse(model, f"it runs {sorted(twice)[0]} before and after its blocks")
-            unused = [n for n in units if n not in before and n not in after
+            unused = [n for n in units if n not in before and n not in covered
                       and any(True for _ in units[n].parameters())]
             prologue = GenericPrologue([units[n] for n in before], base, blocks, plan, extra, inputs)
             layers = [GenericBlock(b, plan, i, model.config) for i, b in enumerate(blocks)]
-            if not after:
-                raise _refuse(model, "it runs nothing after its blocks (no LM head)")
-            epilogue = GenericEpilogue([units[n] for n in after], [units[n] for n in unused])
-            _verify(model, prologue, layers, epilogue, batch, labels, reference)
+            heads = dict(model.named_modules())
+            epilogue = GenericEpilogue([heads[n] for n in after], [units[n] for n in unused])
+            _verify(model, task, prologue, layers, epilogue, batch, labels, reference)
     finally:
         for m, training in modes.items():
             m.train(training)
 
+    every = dict(model.named_modules())
+
     def owners_first(names: list[str]) -> list[str]:
-        return sorted(names, key=lambda n: not any(True for _ in units[n].parameters()))
+        return sorted(names, key=lambda n: not any(True for _ in every[n].parameters()))
 
     return [
         (prologue, owners_first(before)),
@@ -524,7 +543,7 @@ def _split(model: Any) -> list[tuple[nn.Module, list[str]]]:
     ]
 
 
-def _verify(model: Any, prologue: nn.Module, blocks: list[nn.Module], epilogue: nn.Module,
+def _verify(model: Any, task: _Task, prologue: nn.Module, blocks: list[nn.Module], epilogue: nn.Module,
             batch: dict[str, torch.Tensor], labels: torch.Tensor, reference: Any) -> None:
     """The chain on the probe batch (split into micro-batches of 1 and 2 samples) gives the model's own logits and
     loss."""
@@ -546,13 +565,63 @@ def _verify(model: Any, prologue: nn.Module, blocks: list[nn.Module], epilogue: 
     diff = float((ours.float() - theirs.float()).abs().max() / scale)
     if diff > tol:
         raise _refuse(model, f"the chain's logits differ from the model's by {diff:.2g} (relative) on a probe batch "
-                             "(the model does something to the logits beyond its modules, e.g. a soft cap)")
-    count = count_next_tokens(labels).to(torch.float64).clamp(min=1)
+                             "(its forward does something the split does not reproduce, e.g. a soft cap on the "
+                             "logits or a block run more than once)")
+    _check_loss(model, task, ours, labels, reference, tol)
+
+
+def _check_loss(model: Any, task: _Task, logits: torch.Tensor, labels: torch.Tensor, reference: Any,
+                tol: float) -> None:
+    count = task.count(labels).to(torch.float64).clamp(min=1)
     scale_rows = (labels.shape[0] / count).to(torch.float32).expand(labels.shape[0])
-    loss = causal_lm_loss(model, ours, HFTarget(labels, scale_rows))
+    loss = task.loss(model, logits, HFTarget(labels, scale_rows))
     if reference.loss is None or abs(float(loss) - float(reference.loss)) > tol * max(1.0, abs(float(loss))):
         raise _refuse(model, f"its own loss ({None if reference.loss is None else float(reference.loss):.6g}) is not "
-                             f"the causal LM cross-entropy ({float(loss):.6g})")
+                             f"the {task.what} ({float(loss):.6g})")
+
+
+def _masked_lm_loss(model: Any, logits: torch.Tensor, target: HFTarget) -> torch.Tensor:
+    return token_loss(logits, target.labels, target)
+
+
+def _token_labels(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+
+
+def _class_labels(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    rows = batch["input_ids"].shape[0]
+    return torch.arange(rows, device=batch["input_ids"].device) % int(model.config.num_labels)
+
+
+@dataclass(frozen=True)
+class _Task:
+    """What a head of the generic split trains on: its loss, what it counts, probe labels."""
+
+    what: str
+    loss: Any
+    count: Any
+    labels: Any
+
+
+_TASKS = {
+    "ForCausalLM": _Task("causal LM cross-entropy", causal_lm_loss, count_next_tokens, _token_labels),
+    "ForMaskedLM": _Task("masked LM cross-entropy", _masked_lm_loss, count_tokens, _token_labels),
+    "ForSequenceClassification": _Task("classification cross-entropy", classification_loss, count_rows,
+                                       _class_labels),
+}
+
+
+def _task(model: Any) -> _Task:
+    name = type(model).__name__
+    for suffix, task in _TASKS.items():
+        if name.endswith(suffix):
+            if suffix == "ForSequenceClassification" and (
+                    int(getattr(model.config, "num_labels", 0)) < 2
+                    or getattr(model.config, "problem_type", None) not in (None, "single_label_classification")):
+                break
+            return task
+    raise _refuse(model, "the generic split handles causal LMs (*ForCausalLM), masked LMs (*ForMaskedLM) and "
+                         "single-label sequence classifiers (*ForSequenceClassification)")
 
 
 def _fqn(model: nn.Module, module: Any) -> str | None:
@@ -561,9 +630,7 @@ def _fqn(model: nn.Module, module: Any) -> str | None:
 
 def generic_family(model: Any) -> Family:
     """The family of a decoder-only causal LM with no builder in ``FAMILIES``; a clear error for anything else."""
-    name = type(model).__name__
-    if not name.endswith("ForCausalLM"):
-        raise _refuse(model, "the generic split handles decoder-only causal LMs (*ForCausalLM classes)")
+    task = _task(model)
     if _register_attention() and hasattr(model, "set_attn_implementation"):
         try:
             model.set_attn_implementation(ATTENTION)
@@ -582,9 +649,8 @@ def generic_family(model: Any) -> Family:
     try:
         pairs = generic_layers(model)  # (the weights still tied: the split refers to modules, not to weights)
     except Unsplittable as e:
-        return _one_layer(model, inputs, e)
-    return Family(layers=lambda _: pairs, loss=causal_lm_loss, inputs=inputs, count=count_next_tokens,
-                  attention=None, ties=ties)
+        return _one_layer(model, task, inputs, e)
+    return Family(layers=lambda _: pairs, loss=task.loss, inputs=inputs, count=task.count, attention=None, ties=ties)
 
 
 class WholeModel(_Layer):
@@ -603,7 +669,7 @@ class WholeModel(_Layer):
         return self.model(**kwargs).logits
 
 
-def _one_layer(model: Any, inputs: tuple[str, ...], why: UniAPError) -> Family:
+def _one_layer(model: Any, task: _Task, inputs: tuple[str, ...], why: UniAPError) -> Family:
     """The fallback for a causal LM the generic split cannot reproduce: the model as one layer, after checking that
     its own loss is the causal LM cross-entropy of its logits (then the whole-batch normalization holds)."""
     from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -614,20 +680,20 @@ def _one_layer(model: Any, inputs: tuple[str, ...], why: UniAPError) -> Family:
     try:
         with torch.no_grad():
             batch = _probe(model, 3, next(model.parameters()).device)
-            labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-            reference = model(**batch, labels=labels, use_cache=False)
+            labels = task.labels(model, batch)
+            kwargs = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
+            reference = model(**batch, labels=labels, **kwargs)
             logits = layer(batch)
     finally:
         for m, training in modes.items():
             m.train(training)
-    count = count_next_tokens(labels).to(torch.float64).clamp(min=1)
-    loss = causal_lm_loss(model, logits, HFTarget(labels, (3 / count).to(torch.float32).expand(3)))
-    if reference.loss is None or abs(float(loss) - float(reference.loss)) > 1e-4 * max(1.0, abs(float(loss))):
-        raise why
+    try:
+        _check_loss(model, task, logits, labels, reference, 1e-4)
+    except UniAPError:
+        raise why from None
     reason = getattr(why, "reason", "") or str(why)
     rank_zero_warn(f"{type(model).__name__} trains as ONE layer (replicated or ZeRO-sharded, no pipeline or tensor "
                    f"parallelism): the generic split cannot handle it ({reason}). Define uniap_layers() on your "
                    "LightningModule to split it.")
     owners = [n for n, m in model.named_children() if any(True for _ in m.parameters())]
-    return Family(layers=lambda _: [(layer, owners)], loss=causal_lm_loss, inputs=inputs, count=count_next_tokens,
-                  attention=None)
+    return Family(layers=lambda _: [(layer, owners)], loss=task.loss, inputs=inputs, count=task.count, attention=None)
