@@ -22,7 +22,7 @@ def short(value: Any) -> str:
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**12:
         if abs(value) < 10**300:
             return f"{float(value):.6g}"
-        digits = int((abs(value).bit_length() - 1) * math.log10(2)) + 1  # str() refuses more than 4,300 digits
+        digits = int(math.log10(abs(value))) + 1  # math.log10 takes big ints; str() refuses over 4,300 digits
         return f"an integer of about {digits:,} digits"
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
