@@ -23,6 +23,13 @@ GENERIC = {
     "qwen3": ("model.embed_tokens", "model.layers", "model.norm"),
     "stablelm": ("model.embed_tokens", "model.layers", "model.norm"),
     "olmo": ("model.embed_tokens", "model.layers", "lm_head"),  # (its final norm has no parameters)
+    "bloom": ("transformer.word_embeddings", "transformer.h", "transformer.ln_f"),  # ALiBi: [batch * heads, ...]
+    "gemma3": ("model.embed_tokens", "model.layers", "model.norm"),  # sliding and full attention layers
+    "gptj": ("transformer.wte", "transformer.h", "transformer.ln_f"),
+    "gpt_bigcode": ("transformer.wte", "transformer.h", "transformer.ln_f"),
+    "codegen": ("transformer.wte", "transformer.h", "transformer.ln_f"),
+    "mpt": ("transformer.wte", "transformer.blocks", "transformer.norm_f"),
+    "falcon_alibi": ("transformer.word_embeddings", "transformer.h", "transformer.ln_f"),
     # encoders: masked LMs (decoder tied to the word embeddings) and sequence classifiers (3 labels)
     "roberta_mlm": ("roberta.embeddings.word_embeddings", "roberta.encoder.layer", "lm_head"),
     "roberta_cls": ("roberta.embeddings.word_embeddings", "roberta.encoder.layer", "classifier"),
@@ -77,6 +84,25 @@ def build_generic(family: str) -> Any:
     if kind == "qwen2_cls":  # pools at the last real token in its top-level forward: one layer
         return tr.Qwen2ForSequenceClassification(tr.Qwen2Config(**common, intermediate_size=64, num_key_value_heads=2,
                                                                 num_labels=3))
+    gpt = dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=4 * SEQ, resid_pdrop=0.0, embd_pdrop=0.0,
+               attn_pdrop=0.0, tie_word_embeddings=tie, bos_token_id=0, eos_token_id=0)
+    if kind == "bloom":
+        return tr.BloomForCausalLM(tr.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4,
+                                                  hidden_dropout=0.0, attention_dropout=0.0, tie_word_embeddings=tie))
+    if kind == "gemma3":
+        return tr.Gemma3ForCausalLM(tr.Gemma3TextConfig(**common, intermediate_size=64, num_key_value_heads=2,
+                                                        head_dim=8, sliding_window=4, final_logit_softcapping=None))
+    if kind == "gptj":
+        return tr.GPTJForCausalLM(tr.GPTJConfig(**gpt, rotary_dim=4))
+    if kind == "gpt_bigcode":
+        return tr.GPTBigCodeForCausalLM(tr.GPTBigCodeConfig(**gpt))
+    if kind == "codegen":
+        return tr.CodeGenForCausalLM(tr.CodeGenConfig(**gpt, rotary_dim=4))
+    if kind == "mpt":
+        return tr.MptForCausalLM(tr.MptConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, max_seq_len=4 * SEQ,
+                                              tie_word_embeddings=tie))
+    if kind == "falcon_alibi":
+        return tr.FalconForCausalLM(tr.FalconConfig(**common, alibi=True, hidden_dropout=0.0, attention_dropout=0.0))
     if kind == "gemma2":  # soft-capped logits: no generic split, the one-layer fallback
         return tr.Gemma2ForCausalLM(tr.Gemma2Config(**common, intermediate_size=64, num_key_value_heads=2, head_dim=8,
                                                     final_logit_softcapping=0.5, query_pre_attn_scalar=8))

@@ -27,7 +27,7 @@ from hf_models import hf_batches  # noqa: E402
 
 from uniap_lightning.errors import UniAPError  # noqa: E402
 
-FAST = ["opt", "mistral", "qwen2", "gpt_neox", "phi", "gemma", "falcon"]
+FAST = ["opt", "mistral", "qwen2", "gpt_neox", "phi", "gemma", "falcon", "bloom", "gemma3"]
 ENCODERS = ["roberta_mlm", "roberta_cls", "electra_mlm", "electra_cls", "distilbert_mlm"]
 
 
@@ -107,6 +107,8 @@ TWO_RANKS = {
     # an encoder's masked LM: the bidirectional padding mask crosses the stage boundary, the tied decoder copy on
     # the other stage
     "roberta_mlm_pp2": case("roberta_mlm", [ONE] * 4, [0, 0, 1, 1]),
+    # ALiBi ([batch * heads, 1, seq]) sent as [batch, heads, 1, seq] across the stage boundary
+    "bloom_pp2": case("bloom", [ONE] * 4, [0, 0, 1, 1]),
 }
 TWO_RANKS_SLOW = {
     "mistral_pp2": case("mistral", [ONE] * 4, [0, 0, 1, 1]),
@@ -167,10 +169,12 @@ def test_tensor_parallel_only_where_the_blocks_are_recognized() -> None:
     seeing one rank's heads) are not."""
     from uniap_lightning.runtime import extract_chain
 
-    degrees = {f: extract_chain(generic_module(f)).layers[1].uniap_tp_degrees() for f in GENERIC if "_" not in f
-               or f == "gpt_neox"}
+    families = ["opt", "mistral", "qwen2", "gpt_neox", "phi", "gemma", "falcon", "qwen3", "stablelm", "olmo", "bloom",
+                "gemma3", "gptj"]
+    degrees = {f: extract_chain(generic_module(f)).layers[1].uniap_tp_degrees() for f in families}
     assert degrees == {"opt": [1], "mistral": [1, 2], "qwen2": [1, 2], "gpt_neox": [1], "phi": [1, 2, 4],
-                       "gemma": [1, 2], "falcon": [1], "qwen3": [1], "stablelm": [1], "olmo": [1, 2]}
+                       "gemma": [1, 2], "falcon": [1], "qwen3": [1], "stablelm": [1], "olmo": [1, 2], "bloom": [1],
+                       "gemma3": [1], "gptj": [1]}
 
 
 def _module(model: Any) -> Any:
