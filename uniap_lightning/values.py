@@ -23,6 +23,8 @@ def short(value: Any) -> str:
         if abs(value) < 10**300:
             return f"{float(value):.6g}"
         digits = int(math.log10(abs(value))) + 1  # math.log10 takes big ints; str() refuses over 4,300 digits
+        if 10 ** (digits - 1) > abs(value):  # log10 of 99...9 rounds up to the next power
+            digits -= 1
         return f"an integer of about {digits:,} digits"
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
