@@ -1,34 +1,36 @@
-"""Decoder-only causal LMs with no hand-written family (OPT, Mistral, Qwen2, GPT-NeoX, Phi, Gemma, Falcon, ...),
-split from the model's own structure and code.
+"""Hugging Face models with no hand-written family, split from the model's own structure and code: decoder-only
+causal LMs (OPT, Mistral, Qwen2/3, GPT-NeoX, Phi, Gemma 1/3, Falcon, BLOOM, GPT-J, MPT, OLMo, StableLM, ...),
+masked LMs (RoBERTa, ELECTRA, DistilBERT) and single-label sequence classifiers (RoBERTa, ELECTRA).
 
 :func:`generic_family` is what :func:`~uniap_lightning.adapters.auto.pretrained_chain` falls back to when
 :data:`~uniap_lightning.adapters.auto.FAMILIES` has no builder for ``config.model_type`` (a hand-written family
 always wins). The chain is
 
-* the *prologue*: the base model's own forward on the batch (``input_ids``, ``attention_mask``), stopped where it
-  calls its first block. The blocks' ``forward`` are replaced by recorders for that call, so what the model passes
-  each block (hidden states, causal + padding masks, rotary ``(cos, sin)``, position ids, ALiBi, flags) is recorded
-  with the model's own code, whatever the family. The prologue returns the hidden states and the distinct tensors
-  the blocks take (``uniap_ctx<j>``) as a dict payload; the non-tensor arguments (``use_cache=False``, ``None``
-  caches) are constants of each block layer;
+* the *prologue*: the base model's own forward on the batch (``input_ids``, ``attention_mask``, ...), stopped where
+  it calls its first block. The blocks' ``forward`` are replaced by recorders for that call, so what the model
+  passes each block (hidden states, causal or bidirectional + padding masks, rotary ``(cos, sin)``, position ids,
+  ALiBi, flags) is recorded with the model's own code, whatever the family. The prologue returns the hidden states
+  and the distinct tensors the blocks take (``uniap_ctx<j>``) as a dict payload; the non-tensor arguments
+  (``use_cache=False``, ``None`` caches) are constants of each block layer;
 * one layer per block (the ``nn.ModuleList`` of same-class modules holding most parameters): ``block(hidden,
   **its recorded arguments)``, its first output the new hidden states;
-* the *epilogue*: the leaf modules the model runs after its last block, in the order it runs them (final norm,
-  projection, LM head) -> logits; the model's own causal LM loss, whole-batch normalized like the hand-written
-  families.
+* the *epilogue*: the outermost modules the model runs after its last block, in the order it runs them (final norm,
+  projection, LM head; an encoder's head module) -> logits; the model's own loss (causal LM, masked LM or
+  classification), whole-batch normalized like the hand-written families.
 
 Payload tensors carry the batch on dim 0: a tensor the model broadcasts over the batch (a ``[1, seq, dim]`` rotary
 table) is expanded and taken back as one row, one independent of the batch is sent per row and taken back once, one
 holding ``k`` rows per sample (ALiBi's ``[batch * heads, ...]``) is sent as ``[batch, k, ...]``; which is which is
 learned from two probes of different batch sizes at setup. Attention runs as SDPA with masks always materialized
-(``uniap_sdpa``: SDPA whose mask function never skips the causal mask), so every batch has the same payload
-structure.
+(``uniap_sdpa``: SDPA whose mask function never skips the mask), so every batch has the same payload structure; the
+4-D boolean mask (``batch x seq x seq`` bytes) crosses each stage boundary.
 
 At setup the chain is checked on a probe batch against the model's own forward (logits and loss, the batch split
-into two micro-batches): a model this cannot reproduce is refused with a :class:`~uniap_lightning.errors.UniAPError`
-naming why, never trained wrong.
+into two micro-batches). A model this cannot reproduce (logits changed in the top-level forward, a shared block run
+several times, pooling outside a module) trains as one layer (:class:`WholeModel`: replicated or ZeRO, one
+warning naming why) when its own loss is the one the chain computes; anything else is refused with a
+:class:`~uniap_lightning.errors.UniAPError` naming why, never trained wrong.
 """
-
 from __future__ import annotations
 
 import inspect
@@ -629,7 +631,8 @@ def _fqn(model: nn.Module, module: Any) -> str | None:
 
 
 def generic_family(model: Any) -> Family:
-    """The family of a decoder-only causal LM with no builder in ``FAMILIES``; a clear error for anything else."""
+    """The family of a causal LM, masked LM or sequence classifier with no builder in ``FAMILIES`` (the generic
+    split, or the whole model as one layer); a clear error for anything else."""
     task = _task(model)
     if _register_attention() and hasattr(model, "set_attn_implementation"):
         try:
@@ -654,7 +657,7 @@ def generic_family(model: Any) -> Family:
 
 
 class WholeModel(_Layer):
-    """The whole causal LM as one layer (input ids and mask -> logits): trains replicated or sharded (ZeRO), with
+    """The whole model as one layer (input ids and mask -> logits): trains replicated or sharded (ZeRO), with
     neither pipeline nor tensor parallelism."""
 
     def __init__(self, model: nn.Module, inputs: tuple[str, ...]) -> None:
@@ -670,8 +673,8 @@ class WholeModel(_Layer):
 
 
 def _one_layer(model: Any, task: _Task, inputs: tuple[str, ...], why: UniAPError) -> Family:
-    """The fallback for a causal LM the generic split cannot reproduce: the model as one layer, after checking that
-    its own loss is the causal LM cross-entropy of its logits (then the whole-batch normalization holds)."""
+    """The fallback for a model the generic split cannot reproduce: the model as one layer, after checking that its
+    own loss is the task's loss of its logits (then the whole-batch normalization holds)."""
     from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
     layer = WholeModel(model, inputs)
