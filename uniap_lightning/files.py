@@ -171,7 +171,24 @@ def read_bytes(path: str | Path, what: str, *, limit_bytes: int = MAX_DOCUMENT_B
     """The bytes of a file given by the user or found in a cache. Opened without blocking and checked with
     ``fstat`` on the open descriptor (no race with a swap of the name): a FIFO, a device, a socket, a folder or a
     file over ``limit_bytes`` is refused at once instead of hanging or filling memory."""
-    path = Path(path)
+    return _with_open(Path(path), what, lambda fd, p: _read_regular(fd, p, what, limit_bytes))
+
+
+def check_regular_file(path: str | Path, what: str) -> Path:
+    """Refuse, without blocking, a name that is not a regular file (for readers that open it themselves later, such
+    as ``torch.load`` of a large checkpoint that should not be read into memory twice)."""
+
+    def check(fd: int, p: Path) -> Path:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise UniAPError(f"{_named(what, p)} is {_kind(mode)}, not a file")
+        return p
+
+    return _with_open(Path(path), what, check)
+
+
+def _with_open(path: Path, what: str, use: Any) -> Any:
+    """``use(fd, path)`` on a non-blocking read-only descriptor of ``path``, closed afterwards."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
@@ -181,7 +198,7 @@ def read_bytes(path: str | Path, what: str, *, limit_bytes: int = MAX_DOCUMENT_B
     except OSError as err:
         raise UniAPError(f"{_named(what, path)} cannot be read ({err.strerror or err})") from err
     try:
-        return _read_regular(fd, path, what, limit_bytes)
+        return use(fd, path)
     finally:
         os.close(fd)
 

@@ -257,14 +257,14 @@ def test_special_files_are_refused_without_blocking(tmp_path: Path) -> None:
 
     fifo = tmp_path / "fifo.ckpt"
     os.mkfifo(fifo)
-    with pytest.raises(UniAPError, match="not a regular file"):
+    with pytest.raises(UniAPError, match="is a FIFO, not a file"):
         load_plain(fifo)
-    with pytest.raises(UniAPError, match="not a regular file"):
+    with pytest.raises(UniAPError, match="is a character device, not a file"):
         load_plain(Path("/dev/zero"))
     folder = _real_dcp_folder(tmp_path)
     (folder / ".metadata").unlink()
     os.mkfifo(folder / ".metadata")
-    assert "not a regular file" in (checkpoint_problem(folder) or "")
+    assert "is a FIFO, not a file" in (checkpoint_problem(folder) or "")
 
 
 # ------------------------------------------------------------------------------------ another model's checkpoint

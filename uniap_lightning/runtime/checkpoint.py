@@ -43,26 +43,6 @@ def check_dcp_metadata(folder: Path) -> None:
     read_metadata(Path(folder))
 
 
-def _refuse_non_file(path: Path) -> None:
-    """A FIFO would block ``torch.load``'s open; a device (``/dev/zero``) would be read forever."""
-    import os
-    import stat
-
-    from uniap_lightning.errors import UniAPError
-
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except FileNotFoundError as err:
-        raise UniAPError(f"{path}: the checkpoint file is missing") from err
-    except OSError as err:
-        raise UniAPError(f"{path}: not a readable checkpoint file ({err.strerror or err})") from err
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise UniAPError(f"{path}: not a regular file, so not a checkpoint file")
-    finally:
-        os.close(fd)
-
-
 def load_plain(path: Path) -> Any:
     """``torch.load`` with ``weights_only=True`` (tensors and plain data only), on the CPU; a file that needs more
     (pickled classes or functions, which could run code) is refused with a :class:`UniAPError`, and so is a file
@@ -71,8 +51,9 @@ def load_plain(path: Path) -> Any:
 
     from uniap_lightning.errors import UniAPError
 
-    path = Path(path)
-    _refuse_non_file(path)
+    from uniap_lightning.files import check_regular_file
+
+    path = check_regular_file(Path(path), "the checkpoint file")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:

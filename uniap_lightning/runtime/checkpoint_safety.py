@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from uniap_lightning.errors import UniAPError
+from uniap_lightning.files import read_bytes
 
 #: Every global a DCP ``.metadata`` (torch 2.6-2.13) names, as exact (module, qualified name) pairs.
 METADATA_GLOBALS: frozenset[tuple[str, str]] = frozenset({
@@ -80,33 +81,11 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError("persistent ids are never written in a distributed checkpoint's metadata")
 
 
-def _regular_file_bytes(path: Path, *, limit: int, what: str) -> bytes:
-    """The bytes of a regular file, opened without blocking (a FIFO would block a plain open) and refused above
-    ``limit`` bytes."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except FileNotFoundError as err:
-        raise UniAPError(f"{path}: {what} is missing") from err
-    except OSError as err:
-        raise UniAPError(f"{path}: {what} cannot be read ({err.strerror or err})") from err
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise UniAPError(f"{path}: {what} is not a regular file")
-        if info.st_size > limit:
-            raise UniAPError(f"{path}: {what} is {info.st_size} bytes, more than the {limit} a checkpoint's "
-                             f"{what} can be")
-        with os.fdopen(os.dup(fd), "rb") as f:
-            return f.read(limit + 1)
-    finally:
-        os.close(fd)
-
-
 def read_metadata(folder: Path, *, rank: int | None = None) -> Any:
     """The checked ``Metadata`` of a DCP folder; a :class:`UniAPError` naming the file for anything else."""
     name = ".metadata" if rank is None else f"__{rank}.metadata"
     path = Path(folder) / name
-    data = _regular_file_bytes(path, limit=MAX_METADATA_BYTES, what="the metadata file")
+    data = read_bytes(path, "the checkpoint metadata", limit_bytes=MAX_METADATA_BYTES)
     try:
         metadata = _MetadataUnpickler(io.BytesIO(data)).load()
         check_metadata(metadata)
