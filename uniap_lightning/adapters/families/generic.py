@@ -168,6 +168,11 @@ class _Calls:
         return [n for p, n in self.order if p == phase]
 
 
+#: a module's hook tables (emptied on the blocks while the prologue records)
+_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
+          "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks")
+
+
 def _capture(base: nn.Module, blocks: nn.ModuleList, inputs: dict[str, Any]) -> tuple[torch.Tensor, list[Any]]:
     """The base model's forward up to its blocks: (hidden states block 0 takes, ``(args, kwargs)`` of each block)."""
     calls: list[tuple[tuple, dict]] = []
@@ -181,17 +186,23 @@ def _capture(base: nn.Module, blocks: nn.ModuleList, inputs: dict[str, Any]) -> 
             return args[0] if args else kwargs.get("hidden_states")
         return forward
 
+    # the blocks' own hooks stay out of it (FSDP would gather a block's weights for a call that never runs it)
+    hooks = [{k: v for k, v in b.__dict__.items() if k in _HOOKS} for b in blocks]
     for i, b in enumerate(blocks):
         b.forward = recorder(i)
+        for k, v in hooks[i].items():
+            setattr(b, k, type(v)())
     try:
         base(**inputs)
     except _Stop:
         pass
     finally:
-        for b, f in zip(blocks, saved):
+        for b, f, h in zip(blocks, saved, hooks):
             del b.forward
             if f is not None:
                 b.forward = f
+            for k, v in h.items():
+                setattr(b, k, v)
     if len(calls) != len(blocks):
         raise UniAPError(f"the model's forward called {len(calls)} of its {len(blocks)} blocks")
     args, kwargs = calls[0]
