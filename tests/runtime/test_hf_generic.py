@@ -31,7 +31,7 @@ FAST = ["opt", "mistral", "qwen2", "gpt_neox", "phi", "gemma", "falcon", "bloom"
 ENCODERS = ["roberta_mlm", "roberta_cls", "electra_mlm", "electra_cls", "distilbert_mlm"]
 
 
-def _loss_and_grads(family: str) -> None:
+def _loss_and_grads(family: str, left: bool = False) -> None:
     from uniap_lightning.runtime import extract_chain
     from uniap_lightning.runtime.payload import call_layer, chunk
 
@@ -39,6 +39,8 @@ def _loss_and_grads(family: str) -> None:
     model = module.model
     batch = next(iter(hf_batches(8, data_family(family))))
     assert (batch["attention_mask"] == 0).any()
+    if left:  # left padding (the sequences reversed: only where the padding sits matters here)
+        batch = {k: v.flip(-1) if v.dim() == 2 else v for k, v in batch.items()}
     expected = model(**batch).loss
     expected.backward()
     reference = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -72,6 +74,11 @@ def _loss_and_grads(family: str) -> None:
 @pytest.mark.parametrize("family", [*FAST, "opt_tied", "qwen2_tied", "gpt_neox_tied", *ENCODERS])
 def test_generic_chain_gives_the_models_own_loss_and_gradients(family: str) -> None:
     _loss_and_grads(family)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "roberta_cls"])
+def test_generic_chain_with_left_padding(family: str) -> None:
+    _loss_and_grads(family, left=True)
 
 
 @pytest.mark.slow
