@@ -93,9 +93,10 @@ atexit.register(shutil.rmtree, PLANS, ignore_errors=True)
 ONE, REPL, FSDP, TP = (1, 1, False), (2, 1, False), (2, 1, True), (1, 2, False)
 
 
-def case(family: str, strategies: list[tuple[int, int, bool]], stages: list[int], **kw: Any) -> dict[str, Any]:
+def case(family: str, strategies: list[tuple[int, int, bool]], stages: list[int], *, world: int = 2,
+         **kw: Any) -> dict[str, Any]:
     names = kw.pop("names", None) or generic_names(family)
-    plan = h.make_plan(strategies, stages, names=names, pp=max(stages) + 1, world=2,
+    plan = h.make_plan(strategies, stages, names=names, pp=max(stages) + 1, world=world,
                        microbatches=kw.pop("microbatches", 2), schedule="1f1b")
     return {"plan": plan, "module": {"factory": "hf_generic_models:generic_module", "family": family, "lr": 0.1},
             "data": {"factory": "hf_models:hf_batches", "family": data_family(family)}, "steps": 3, **kw}
@@ -128,6 +129,9 @@ TWO_RANKS_SLOW = {
     "electra_cls_fsdp": case("electra_cls", [FSDP, REPL, FSDP, FSDP], [0] * 4),
     "distilbert_mlm_pp2": case("distilbert_mlm", [ONE] * 4, [0, 1, 1, 1]),
     "albert_mlm_one_layer": case("albert_mlm", [REPL], [0], names=generic_names("albert_mlm")),
+    # the token embedding sharded over the vocabulary too; with the tied LM head copy
+    "qwen2_tied_tp2": case("qwen2_tied", [TP] * 4, [0] * 4),
+    "roberta_cls_embedding_tp2": case("roberta_cls", [TP, REPL, FSDP, REPL], [0] * 4),
     "qwen3_dp_fsdp": case("qwen3", [REPL, FSDP, REPL, FSDP], [0] * 4),
     # no plan: the strategy profiles the generic chain, solves and applies the plan
     "qwen2_solved": {**case("qwen2", [REPL] * 4, [0] * 4), "plan": None,
@@ -150,6 +154,21 @@ def _check_export(case: dict[str, Any], folder: Any) -> None:
     for k, v in loaded.state_dict().items():
         torch.testing.assert_close(v, hf.get(k, hf.get(k.replace("lm_head", "model.embed_tokens"))), rtol=0, atol=0,
                                    msg=k)
+
+
+D2T2 = (2, 2, True)
+FOUR_RANKS = {
+    "mistral_pp2_x_tp2": case("mistral", [TP] * 4, [0, 0, 1, 1], world=4),
+    "roberta_mlm_pp2_x_fsdp2": case("roberta_mlm", [FSDP] * 4, [0, 0, 1, 1], world=4),
+    "qwen2_dp2_x_tp2": case("qwen2", [D2T2, D2T2, D2T2, (4, 1, False)], [0] * 4, world=4),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(FOUR_RANKS))
+def test_generic_families_four_ranks(name: str, spawn_cases: Any) -> None:
+    results = spawn_cases(4, FOUR_RANKS, "hf_generic_four_ranks")
+    h.assert_close_to_reference(results, name, h.reference_for(FOUR_RANKS[name]))
 
 
 @pytest.mark.parametrize("name", list(TWO_RANKS))
@@ -178,10 +197,15 @@ def test_tensor_parallel_only_where_the_blocks_are_recognized() -> None:
 
     families = ["opt", "mistral", "qwen2", "gpt_neox", "phi", "gemma", "falcon", "qwen3", "stablelm", "olmo", "bloom",
                 "gemma3", "gptj"]
-    degrees = {f: extract_chain(generic_module(f)).layers[1].uniap_tp_degrees() for f in families}
+    chains = {f: extract_chain(generic_module(f)) for f in families}
+    degrees = {f: chain.layers[1].uniap_tp_degrees() for f, chain in chains.items()}
     assert degrees == {"opt": [1], "mistral": [1, 2], "qwen2": [1, 2], "gpt_neox": [1], "phi": [1, 2, 4],
                        "gemma": [1, 2], "falcon": [1], "qwen3": [1], "stablelm": [1], "olmo": [1, 2], "bloom": [1],
                        "gemma3": [1], "gptj": [1]}
+    # the token embedding over the vocabulary (64) where it is a plain nn.Embedding (Gemma scales it in a subclass)
+    sharded = {f for f, chain in chains.items() if chain.layers[0].uniap_tp_degrees() != [1]}
+    assert sharded == set(families) - {"gemma", "gemma3"}
+    assert all(chain.layers[-1].uniap_tp_degrees()[-1] == 64 for chain in chains.values())  # the LM head
 
 
 def _module(model: Any) -> Any:

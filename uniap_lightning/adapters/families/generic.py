@@ -323,14 +323,28 @@ class _Layer(nn.Module):
 
 
 class GenericPrologue(_Layer):
-    """The base model's forward up to its first block: hidden states + what the blocks take."""
+    """The base model's forward up to its first block: hidden states + what the blocks take. Tensor parallel over
+    the vocabulary when the token embedding is a plain ``nn.Embedding`` (output all-reduced)."""
 
     def __init__(self, modules: list[nn.Module], base: nn.Module, blocks: nn.ModuleList, plan: _Plan,
-                 extra: dict[str, Any], inputs: tuple[str, ...]) -> None:
+                 extra: dict[str, Any], inputs: tuple[str, ...], embedding: nn.Module | None = None) -> None:
         super().__init__(modules)
         # not registered: the base model holds every layer's modules
         self.__dict__["_base"], self.__dict__["_blocks"] = base, blocks
         self.plan, self.extra, self.inputs = plan, extra, inputs
+        self.embedding = next((i for i, m in enumerate(modules) if m is embedding and type(m) is nn.Embedding), None)
+
+    def uniap_tp_degrees(self) -> list[int]:
+        if self.embedding is None:
+            return [1]
+        return divisors_of_all(self.units[self.embedding].num_embeddings)
+
+    def uniap_tp_plan(self, tp: int) -> dict[str, Any]:
+        assert self.embedding is not None
+        return {f"units.{self.embedding}": rowwise(input_layouts=replicate(), output_layouts=replicate())}
+
+    def uniap_tp_allreduces(self) -> int:
+        return 1 if self.embedding is not None else 0
 
     def forward(self, d: dict[str, torch.Tensor]) -> dict[str, Any]:
         batch = {k: d[k] for k in self.inputs if k in d}
@@ -535,7 +549,8 @@ def _split(model: Any) -> list[tuple[nn.Module, list[str]]]:
                 raise _refuse(model, f"it runs {sorted(twice)[0]} before and after its blocks")
             unused = [n for n in units if n not in before and n not in covered
                       and any(True for _ in units[n].parameters())]
-            prologue = GenericPrologue([units[n] for n in before], base, blocks, plan, extra, inputs)
+            prologue = GenericPrologue([units[n] for n in before], base, blocks, plan, extra, inputs,
+                                       model.get_input_embeddings())
             layers = [GenericBlock(b, plan, i, model.config) for i, b in enumerate(blocks)]
             heads = dict(model.named_modules())
             epilogue = GenericEpilogue([heads[n] for n in after], [units[n] for n in unused])
