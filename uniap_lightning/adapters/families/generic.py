@@ -262,8 +262,11 @@ def _refs(t: Any) -> set[int]:
     return set()
 
 
-def _mode(model: Any, j: int, rows2: int, rows3: int) -> tuple[str, int]:
+def _mode(model: Any, j: int, small: torch.Tensor, large: torch.Tensor) -> tuple[str, int]:
     """How payload tensor ``j`` holds the batch, from its dim 0 with batches of 2 and 3 samples."""
+    if small.dim() == 0 or large.dim() == 0:
+        return "constant", 1
+    rows2, rows3 = small.shape[0], large.shape[0]
     if rows2 == 1 and rows3 == 1:
         return "broadcast", 1
     if rows2 % 2 == 0 and rows3 % 3 == 0 and rows2 // 2 == rows3 // 3:
@@ -532,8 +535,7 @@ def _split(model: Any) -> list[tuple[nn.Module, list[str]]]:
             templates3, tensors3 = _templates(large[1])
             if templates != templates3:
                 raise _refuse(model, "it passes its blocks other arguments for batches of 2 and 3 samples")
-            plan = _Plan(templates, [_mode(model, j, a.shape[0] if a.dim() else 1, b.shape[0] if b.dim() else 1)
-                                     for j, (a, b) in enumerate(zip(tensors2, tensors3))])
+            plan = _Plan(templates, [_mode(model, j, a, b) for j, (a, b) in enumerate(zip(tensors2, tensors3))])
             before, between, after = calls.names("before"), calls.names("between"), calls.names("after")
             between = [n for n in between if n in units]
             if between:
