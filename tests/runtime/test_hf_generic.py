@@ -256,3 +256,18 @@ def test_a_model_the_split_cannot_reproduce_trains_as_one_layer(family: str, why
     x, y = chain.split_batch(batch)
     losses = [chain.loss_fn(call_layer(chain.layers[0], xm), ym) for xm, ym in zip(chunk(x, 4), chunk(y, 4))]
     torch.testing.assert_close(torch.stack(losses).mean(), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_blocks_taking_other_arguments_without_padding_are_caught_at_setup(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plain SDPA skips the mask of a batch without padding (``None`` instead of a tensor): the payload would change
+    from batch to batch, so setup probes with and without padding; here (the ``uniap_sdpa`` attention withheld) the
+    model trains as one layer instead of failing on its first unpadded batch."""
+    from uniap_lightning.adapters.families import generic
+    from uniap_lightning.runtime import extract_chain
+
+    monkeypatch.setattr(generic, "_register_attention", lambda: False)
+    module = generic_module("qwen2")
+    module.model.set_attn_implementation("sdpa")
+    with pytest.warns(UserWarning, match="Qwen2ForCausalLM trains as ONE layer.*batches with and without padding"):
+        chain = extract_chain(module)
+    assert chain.names == ["model.model"]

@@ -472,13 +472,14 @@ class GenericEpilogue(_Layer):
 
 
 # ------------------------------------------------------------------------------------------------------ building
-def _probe(model: Any, rows: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """A deterministic padded batch (no random numbers drawn): the last sample's last token is padding."""
+def _probe(model: Any, rows: int, device: torch.device, padded: bool = True) -> dict[str, torch.Tensor]:
+    """A deterministic batch (no random numbers drawn): the last sample's last token is padding (``padded``)."""
     vocab = int(getattr(model.config, "vocab_size", 0) or 2)
     seq = 4
     ids = (torch.arange(rows * seq, device=device).reshape(rows, seq) * 7 + 3) % max(vocab - 1, 1) + 1
     mask = torch.ones(rows, seq, dtype=torch.long, device=device)
-    mask[-1, -1] = 0
+    if padded:
+        mask[-1, -1] = 0
     return {"input_ids": ids, "attention_mask": mask}
 
 
@@ -524,6 +525,7 @@ def _split(model: Any) -> list[tuple[nn.Module, list[str]]]:
             try:
                 small = _capture(base, blocks, {**_probe(model, 2, device), **extra})
                 large = _capture(base, blocks, {**_probe(model, 3, device), **extra})
+                unpadded = _capture(base, blocks, {**_probe(model, 2, device, padded=False), **extra})
                 batch = _probe(model, 3, device)
                 labels = task.labels(model, batch)
                 calls.order.clear()
@@ -535,6 +537,8 @@ def _split(model: Any) -> list[tuple[nn.Module, list[str]]]:
             templates3, tensors3 = _templates(large[1])
             if templates != templates3:
                 raise _refuse(model, "it passes its blocks other arguments for batches of 2 and 3 samples")
+            if templates != _templates(unpadded[1])[0]:  # e.g. no mask at all without padding
+                raise _refuse(model, "it passes its blocks other arguments for batches with and without padding")
             plan = _Plan(templates, [_mode(model, j, a, b) for j, (a, b) in enumerate(zip(tensors2, tensors3))])
             before, between, after = calls.names("before"), calls.names("between"), calls.names("after")
             between = [n for n in between if n in units]
