@@ -357,7 +357,15 @@ class GenericPrologue(_Layer):
             raise UniAPError("the model passed its blocks other arguments than on the setup probe; the generic split "
                              "needs the same structure for every batch")
         rows = hidden.shape[0]
-        return {**{k: None for k in self.inputs}, "hidden": hidden, **self.plan.encode(tensors, rows)}
+        return {**{k: None for k in self.inputs}, "hidden": _settled(hidden), **self.plan.encode(tensors, rows)}
+
+
+def _settled(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a plain tensor: the output of a tensor-parallel embedding (its all-reduce still in flight, a
+    storage-less ``AsyncCollectiveTensor``) waited for, as layers after it and the data-parallel hooks expect."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return t.clone() if isinstance(t, AsyncCollectiveTensor) else t
 
 
 _ATTENTION_OUT = ("o_proj", "dense", "out_proj")
