@@ -22,6 +22,8 @@ from hf_models import HEADS, build, hf_batches, hf_module  # noqa: E402
 from uniap_lightning.errors import UniAPError  # noqa: E402
 
 ONE, REPL, FSDP, TP = (1, 1, False), (2, 1, False), (2, 1, True), (1, 2, False)
+# (dp, tp, dp_mode, recompute, compression)
+Z2, Z3R = (2, 1, "zero2", False, "none"), (2, 1, "zero3", True, "none")
 # consolidated exports are written here by rank 0 of the spawned group (an absolute path in the case)
 EXPORTS = Path(tempfile.mkdtemp(prefix="uniap_hf_exports_"))
 atexit.register(shutil.rmtree, EXPORTS, ignore_errors=True)
@@ -75,6 +77,12 @@ TWO_RANKS = {
     # GPT-2 as configured by default (LM head tied to the token embedding): the two copies on one stage, one
     # replicated and one sharded, get the tied gradient
     "gpt2_tied_dp2": case("gpt2_tied", [REPL, FSDP, REPL, FSDP], [0] * 4, export=str(EXPORTS / "gpt2_tied.pt")),
+    # ZeRO-3 on the first and last blocks of both stacks (issue 20 item 5): the first block's relative-position
+    # table, handed to the later blocks as an expand() view of the gathered parameter, must outlive the reshard;
+    # the zero2 / zero1 first blocks with validation reshard after an evaluation forward, with recomputation too
+    "t5_zero3_first_last_blocks": case("t5", [REPL, FSDP, FSDP, REPL, FSDP, FSDP, REPL], [0] * 7, lr=0.01),
+    "t5_zero2_zero1_first_blocks": case("t5", [REPL, Z2, REPL, REPL, (2, 1, "zero1", True, "none"), Z3R, REPL],
+                                        [0] * 7, lr=0.01, limit_val_batches=2),
     # no plan: the strategy profiles the Swin chain (dict payloads, unequal layers), solves and applies the plan
     "swin_solved": {**case("swin", [REPL] * 7, [0] * 7), "plan": None,
                     "strategy": {"measure_cluster": False, "cache_dir": str(EXPORTS / "plans")}},
@@ -82,6 +90,11 @@ TWO_RANKS = {
 
 
 TWO_RANKS_SLOW = {
+    # ZeRO-3 on every block (the first and last ones with the Swin relative-position tables, Llama's rotary cache)
+    "swin_zero3_blocks": case("swin", [REPL, FSDP, FSDP, REPL, FSDP, FSDP, REPL], [0] * 7),
+    "vit_zero3_blocks": case("vit", [REPL, FSDP, FSDP, REPL], [0] * 4),
+    "llama_zero3_blocks": case("llama", [REPL, FSDP, FSDP, FSDP], [0] * 4),
+    "gpt2_tied_zero3_blocks": case("gpt2_tied", [FSDP, FSDP, FSDP, REPL], [0] * 4),
     "vit_tp2": case("vit", [FSDP, TP, TP, REPL], [0] * 4),
     "gpt2_dp2_padded": case("gpt2", [REPL, FSDP, REPL, FSDP], [0] * 4, microbatches=1),
 }
@@ -98,6 +111,11 @@ HEADS_TWO_RANKS = {
 }
 
 HEADS_TWO_RANKS_SLOW = {
+    # ZeRO-3 on every block (the first and last ones with the Swin relative-position tables, Llama's rotary cache)
+    "swin_zero3_blocks": case("swin", [REPL, FSDP, FSDP, REPL, FSDP, FSDP, REPL], [0] * 7),
+    "vit_zero3_blocks": case("vit", [REPL, FSDP, FSDP, REPL], [0] * 4),
+    "llama_zero3_blocks": case("llama", [REPL, FSDP, FSDP, FSDP], [0] * 4),
+    "gpt2_tied_zero3_blocks": case("gpt2_tied", [FSDP, FSDP, FSDP, REPL], [0] * 4),
     "llama_tc_tp2": case("llama_tc", [FSDP, TP, TP, REPL], [0] * 4),
     "llama_qa_pp2": case("llama_qa", [ONE] * 4, [0, 0, 1, 1], export=str(EXPORTS / "llama_qa.pt")),
     "llama_multilabel_fsdp": case("llama_multilabel", [FSDP] * 4, [0] * 4),
@@ -124,6 +142,8 @@ FOUR_RANKS = {
     "bert_mlm_pp2_x_fsdp2_tied": _P4("bert_mlm", [FSDP, REPL, FSDP, FSDP], [0, 0, 1, 1]),
     "bert_dp2_x_tp2": _P4("bert", [D2T2, D2T2, (1, 4, False), (4, 1, False)], [0] * 4),
     "t5_pp2_x_tp2": _P4("t5", [REPL, TP, TP, REPL, TP, TP, FSDP], [0, 0, 0, 0, 1, 1, 1], lr=0.01),
+    "t5_pp2_x_zero3_first_last_blocks": _P4("t5", [REPL, FSDP, FSDP, REPL, FSDP, FSDP, FSDP], [0, 0, 0, 0, 1, 1, 1],
+                                            lr=0.01),
     "t5_pp4": _P4("t5", [ONE] * 7, [0, 0, 1, 1, 2, 2, 3], lr=0.01, microbatches=4),
     "vit_pp2_x_tp2": _P4("vit", [REPL, TP, TP, FSDP], [0, 0, 1, 1]),
     "swin_pp2_x_mixed": _P4("swin", [FSDP, TP, REPL, FSDP, TP, REPL, FSDP], [0, 0, 0, 0, 1, 1, 1]),

@@ -149,9 +149,7 @@ def measure_overheads(
     degrees timed and the ranks; the same on every rank), for :func:`attach_overheads`."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from uniap_lightning.runtime.data_parallel import ReplicatedGrads
+    from uniap_lightning.runtime.data_parallel import ReplicatedGrads, apply_fsdp
     from uniap_lightning.runtime.zero import ZeroLayers
     from uniap_lightning.runtime.tensor_parallel import apply_tp, tp_degrees
 
@@ -196,7 +194,7 @@ def measure_overheads(
                         split = tp_split_bytes(_saved_bytes(layer, xm, context), local, k) / sizes[-1]
                         tp_split[i] = min(tp_split.get(i, split), split)
                 elif kind == "fsdp":
-                    fully_shard(shard, mesh=meshes[k], reshard_after_forward=True)
+                    apply_fsdp(shard, meshes[k])  # as the runtime shards it (views of parameters copied)
                 elif kind in ("zero1", "zero2"):
                     if not any(p.requires_grad for p in shard.parameters()):
                         continue

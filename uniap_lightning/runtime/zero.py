@@ -106,9 +106,7 @@ class ZeroLayers:
         if mode == "zero3":
             apply_fsdp(layer, dp_mesh)
             return
-        from torch.distributed.fsdp import fully_shard
-
-        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=False)
+        apply_fsdp(layer, dp_mesh, reshard_after_forward=False)
         entry = _Layer(layer, mode)
         self.layers.append(entry)
         layer.register_forward_hook(lambda m, args, out, e=entry: self._after_forward(e))
