@@ -79,9 +79,11 @@ TWO_RANKS = {
     "gpt2_tied_dp2": case("gpt2_tied", [REPL, FSDP, REPL, FSDP], [0] * 4, export=str(EXPORTS / "gpt2_tied.pt")),
     # ZeRO-3 on the first and last blocks of both stacks (issue 20 item 5): the first block's relative-position
     # table, handed to the later blocks as an expand() view of the gathered parameter, must outlive the reshard;
-    # the zero2 / zero1 first blocks with validation reshard after an evaluation forward, with recomputation too
-    "t5_zero3_first_last_blocks": case("t5", [REPL, FSDP, FSDP, REPL, FSDP, FSDP, REPL], [0] * 7, lr=0.01),
-    "t5_zero2_zero1_first_blocks": case("t5", [REPL, Z2, REPL, REPL, (2, 1, "zero1", True, "none"), Z3R, REPL],
+    # the zero2 / zero1 first blocks with validation reshard after an evaluation forward, with recomputation too;
+    # the sharded embedding is also the encoder's and decoder's embed_tokens (state dict and export follow it)
+    "t5_zero3_first_last_blocks": case("t5", [FSDP, FSDP, FSDP, REPL, FSDP, FSDP, REPL], [0] * 7, lr=0.01,
+                                       export=str(EXPORTS / "t5_zero3.pt")),
+    "t5_zero2_zero1_first_blocks": case("t5", [Z2, Z2, REPL, REPL, (2, 1, "zero1", True, "none"), Z3R, REPL],
                                         [0] * 7, lr=0.01, limit_val_batches=2),
     # no plan: the strategy profiles the Swin chain (dict payloads, unequal layers), solves and applies the plan
     "swin_solved": {**case("swin", [REPL] * 7, [0] * 7), "plan": None,

@@ -92,6 +92,7 @@ def build_stage(chain: Chain, plan: Plan, meshes: PlanMeshes) -> tuple[StageModu
     broadcast_from_stage_leader(layers, meshes)
     replicated = ReplicatedGrads(compression_options=dict(plan.compression_options))
     zero = ZeroLayers()
+    originals = [dict(layer.named_parameters()) for layer in layers]
     for u, layer in zip(indices, layers):
         lp = plan.layers[u]
         if lp.tp > 1:
@@ -103,7 +104,28 @@ def build_stage(chain: Chain, plan: Plan, meshes: PlanMeshes) -> tuple[StageModu
             zero.add(layer, lp.dp_mode, mesh, replicated, mesh.get_group(), lp.dp, lp.compression)
         else:
             replicated.add(layer, mesh.get_group(), lp.dp, lp.compression)
+    repoint_aliases(chain.module, originals, layers)
     specs = {"in_spec": chain.spec_before(indices[0]), "out_spec": chain.spec_after(indices[-1])} if indices else {}
     module = StageModule(layers, [plan.layers[u].dp for u in indices], meshes, **specs,
                          recompute=[plan.layers[u].recompute for u in indices], zero=zero)
     return module, replicated
+
+
+def repoint_aliases(root: nn.Module, originals: list[dict[str, nn.Parameter]], layers: list[nn.Module]) -> None:
+    """Give modules of ``root`` outside the layers that held a layer's parameter (a tie inside one layer: T5's
+    ``encoder.embed_tokens`` and ``decoder.embed_tokens`` are its ``shared`` embedding, which the embedding layer
+    holds) the parameter that tensor parallelism or FSDP2 registered in its place (a DTensor). Otherwise they keep
+    the original parameter, which no longer trains: the state dict, the checkpoints and the consolidated export
+    would carry its initial values under those names."""
+    moved: dict[int, nn.Parameter] = {}
+    for before, layer in zip(originals, layers, strict=True):
+        after = dict(layer.named_parameters())
+        for name, p in before.items():
+            if name in after and after[name] is not p:
+                moved[id(p)] = after[name]
+    if not moved:
+        return
+    for module in root.modules():
+        for name, p in module._parameters.items():
+            if p is not None and id(p) in moved:
+                module._parameters[name] = moved[id(p)]
