@@ -97,6 +97,10 @@ TWO_RANKS_SLOW = {
     "vit_zero3_blocks": case("vit", [REPL, FSDP, FSDP, REPL], [0] * 4),
     "llama_zero3_blocks": case("llama", [REPL, FSDP, FSDP, FSDP], [0] * 4),
     "gpt2_tied_zero3_blocks": case("gpt2_tied", [FSDP, FSDP, FSDP, REPL], [0] * 4),
+    # no plan: T5 profiled, solved and applied (on 2 CPU processes the solver has put ZeRO on the first blocks and
+    # on the shared embedding)
+    "t5_solved": {**case("t5", [REPL] * 7, [0] * 7, lr=0.01), "plan": None,
+                  "strategy": {"measure_cluster": False, "cache_dir": str(EXPORTS / "plans_t5")}},
     "vit_tp2": case("vit", [FSDP, TP, TP, REPL], [0] * 4),
     "gpt2_dp2_padded": case("gpt2", [REPL, FSDP, REPL, FSDP], [0] * 4, microbatches=1),
 }
@@ -118,6 +122,10 @@ HEADS_TWO_RANKS_SLOW = {
     "vit_zero3_blocks": case("vit", [REPL, FSDP, FSDP, REPL], [0] * 4),
     "llama_zero3_blocks": case("llama", [REPL, FSDP, FSDP, FSDP], [0] * 4),
     "gpt2_tied_zero3_blocks": case("gpt2_tied", [FSDP, FSDP, FSDP, REPL], [0] * 4),
+    # no plan: T5 profiled, solved and applied (on 2 CPU processes the solver has put ZeRO on the first blocks and
+    # on the shared embedding)
+    "t5_solved": {**case("t5", [REPL] * 7, [0] * 7, lr=0.01), "plan": None,
+                  "strategy": {"measure_cluster": False, "cache_dir": str(EXPORTS / "plans_t5")}},
     "llama_tc_tp2": case("llama_tc", [FSDP, TP, TP, REPL], [0] * 4),
     "llama_qa_pp2": case("llama_qa", [ONE] * 4, [0, 0, 1, 1], export=str(EXPORTS / "llama_qa.pt")),
     "llama_multilabel_fsdp": case("llama_multilabel", [FSDP] * 4, [0] * 4),
@@ -192,6 +200,8 @@ def test_hf_families_two_ranks(name: str, spawn_cases: Any, tmp_path_factory: py
 def test_hf_families_two_ranks_more(name: str, spawn_cases: Any) -> None:
     results = spawn_cases(2, TWO_RANKS_SLOW, "hf_two_ranks_slow")
     h.assert_close_to_reference(results, name, h.reference_for(TWO_RANKS_SLOW[name]))
+    if TWO_RANKS_SLOW[name]["plan"] is None:
+        assert results[0][name]["origin"] == "solver"
 
 
 @pytest.mark.parametrize("name", list(HEADS_TWO_RANKS))
