@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -171,11 +170,9 @@ def test_devices_disagreeing_with_slurm(env: dict[str, str], message: str, monke
 def test_rank_dying_mid_step_gives_clear_error_on_survivors(tmp_path: Path) -> None:
     plan = h.make_plan([(1, 1, False)] * 4, [0, 0, 1, 1], pp=2, microbatches=2)
     cases = {"die": {"plan": plan, "die_at": 2, "strategy": {"timeout_s": 30}}}
-    start = time.monotonic()
     codes = h.spawn_and_watch(2, cases, tmp_path, timeout_s=120)
     assert codes[1] == 17, codes  # the rank that died
-    assert codes[0] == 0, codes  # the survivor finished (with an error recorded), it did not hang
-    assert time.monotonic() - start < 120
+    assert codes[0] == 0, codes  # the survivor finished by itself (with an error recorded): it did not hang
     survivor = torch.load(tmp_path / "rank0.pt", weights_only=False)["die"]
     assert survivor["error"].startswith("UniAPError: rank 0: a collective or pipeline transfer failed")
     assert "Another rank probably died" in survivor["error"]
