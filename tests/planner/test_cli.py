@@ -162,3 +162,21 @@ def test_plan_refuses_an_unknown_compression():
     res = uniap("plan", "model=gpt2_small", "compression=zip")
     assert res.returncode == 2
     assert "compression: unknown method(s) ['zip']" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_sweep_summary_prints_error_text_that_looks_like_markup(tmp_path, capsys):
+    """A job's error may hold `[/...]` (gloo's source paths): the summary table prints it as text (rich used to
+    parse it as markup and fail with MarkupError, losing the whole summary)."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    from uniap_lightning.cli.sweep import SweepSummary
+
+    (tmp_path / "0").mkdir()
+    (tmp_path / "0" / "result.json").write_text(json.dumps(
+        {"model": "tiny_gpt", "error": "Connection closed by peer [/__w/pytorch/pytorch/third_party/gloo/pair.cc:553]"}))
+    SweepSummary().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}}))
+    out = capsys.readouterr().out
+    assert "Connection" in out and "tiny_gpt" in out
+    assert "pair.cc:553" in (tmp_path / "summary.csv").read_text()

@@ -11,6 +11,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.files import read_json, write_text_atomic
@@ -43,7 +44,7 @@ class SweepSummary(Callback):
         for c in cols:
             table.add_column(c)
         for r in rows:
-            table.add_row(*[_fmt(r.get(c)) for c in cols])
+            table.add_row(*[Text(_fmt(r.get(c))) for c in cols])  # Text: error text is never read as rich markup
         Console().print(table)
 
 
