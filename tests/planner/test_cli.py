@@ -180,3 +180,29 @@ def test_sweep_summary_prints_error_text_that_looks_like_markup(tmp_path, capsys
     out = capsys.readouterr().out
     assert "Connection" in out and "tiny_gpt" in out
     assert "pair.cc:553" in (tmp_path / "summary.csv").read_text()
+
+
+def test_tables_written_to_a_log_are_not_cut_to_80_columns(monkeypatch):
+    """Without a terminal (logs, CI, SLURM output files, sweeps) rich would print 80 columns and cut the plan
+    table's headers ("time/µbat…"); the CLI's consoles are wide there, unless COLUMNS says otherwise."""
+    import io
+
+    from uniap_lightning.planner.report import LOG_WIDTH, make_console
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    assert make_console(file=io.StringIO()).width == LOG_WIDTH
+    monkeypatch.setenv("COLUMNS", "100")
+    assert make_console(file=io.StringIO()).width == 100
+
+
+def test_uniap_plan_output_in_a_pipe_has_whole_headers(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    res = subprocess.run([sys.executable, "-m", "uniap_lightning.cli.main", "plan", "model=llama_7b",
+                          "cluster=h100_4x8", "batch_size=64", "baselines=false"], capture_output=True, text=True,
+                         cwd=tmp_path, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "…" not in res.stdout, res.stdout

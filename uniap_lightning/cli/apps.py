@@ -11,7 +11,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
-from rich.console import Console
+from uniap_lightning.planner.report import make_console
 from rich.markup import escape
 
 from uniap_lightning.planner.config import CONF_DIR, build_problem
@@ -134,7 +134,7 @@ def _fail(err: UniAPError, cfg: DictConfig) -> None:
     from uniap_lightning.cli.ranks import report_error_to_launcher
 
     if not report_error_to_launcher(str(err)):  # a rank `uniap train` started: rank 0 prints the one line
-        Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/bold red] {escape(str(err))}", highlight=False)
+        make_console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/bold red] {escape(str(err))}", highlight=False)
     _record({"model": cfg.model.get("name"), "cluster": (cfg.get("cluster") or {}).get("name"), "error": str(err)})
     if not _multirun():
         sys.exit(2)
@@ -145,7 +145,7 @@ def run_plan(cfg: DictConfig) -> None:
     from uniap_lightning.planner.report import print_plan
     from uniap_lightning.planner.solver import solve
 
-    console = Console()
+    console = make_console()
     try:
         _check_options(cfg, outputs=("out", "viz"))
         problem = _problem(cfg)
@@ -196,7 +196,7 @@ def run_evaluate(cfg: DictConfig) -> None:
     from uniap_lightning.planner.plan import Plan
     from uniap_lightning.planner.report import print_plan
 
-    console = Console()
+    console = make_console()
     try:
         if not cfg.plan:
             raise UniAPError("give the plan to score: uniap evaluate plan=plan.json model=... cluster=...")
@@ -221,7 +221,7 @@ def run_explain(cfg: DictConfig) -> None:
     from uniap_lightning.planner.report import explain_renderables, print_plan
     from uniap_lightning.planner.solver import solve
 
-    console = Console()
+    console = make_console()
     try:
         _check_options(cfg)
         measured = _measured(cfg.measured) if cfg.get("measured") else None

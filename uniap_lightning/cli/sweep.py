@@ -9,12 +9,12 @@ from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
-from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.files import read_json, write_text_atomic
+from uniap_lightning.planner.report import make_console
 
 COLUMNS = ("model", "cluster", "devices", "batch_size", "pp", "microbatches", "strategies", "tpi_s",
            "samples_per_s", "measured_samples_per_s", "final_loss", "train_ppl", "solve_s", "error")
@@ -45,7 +45,7 @@ class SweepSummary(Callback):
             table.add_column(c)
         for r in rows:
             table.add_row(*[Text(_fmt(r.get(c))) for c in cols])  # Text: error text is never read as rich markup
-        Console().print(table)
+        make_console().print(table)
 
 
 def _fmt(v: Any) -> str:

@@ -111,8 +111,24 @@ def plan_renderables(plan: Plan, *, title: str | None = None) -> Group:
     return Group(*parts)
 
 
+#: columns for output that is not a terminal (logs, CI, SLURM files, sweeps): rich would use 80 and cut the plan's
+#: columns to "time/µbat…"; a log has room for every column
+LOG_WIDTH = 220
+
+
+def make_console(*, stderr: bool = False, **kw) -> Console:
+    """A rich console: the terminal's width on a terminal; elsewhere :data:`LOG_WIDTH` columns (unless ``COLUMNS``
+    says otherwise), so tables written to a file or pipe are whole."""
+    import os
+
+    console = Console(stderr=stderr, **kw)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(stderr=stderr, width=LOG_WIDTH, **kw)
+    return console
+
+
 def print_plan(plan: Plan, *, console: Console | None = None, title: str | None = None) -> None:
-    (console or Console()).print(plan_renderables(plan, title=title))
+    (console or make_console()).print(plan_renderables(plan, title=title))
 
 
 def explain_renderables(plan: Plan, problem, measured: dict | None = None) -> Group:
