@@ -66,10 +66,13 @@ def test_uniap_train_bad_input(tmp_path):
 
 
 def test_uniap_train_sweep_summary(tmp_path):
-    res = run(["-m", "uniap_lightning.cli.main", "train", "-m", "model=tiny_gpt,tiny_llama", "trainer.devices=1",
+    # two ranks per job, as the README's line: each job starts its own ranks (the second one used to find the first
+    # one's LOCAL_RANK in the environment, wait alone and fail, with exit code 0)
+    res = run(["-m", "uniap_lightning.cli.main", "train", "-m", "model=tiny_gpt,tiny_llama", "trainer.devices=2",
                "trainer.max_steps=4", "trainer.val_check_interval=null", "trainer.limit_val_batches=0",
                f"hydra.sweep.dir={tmp_path / 'sweep'}"], tmp_path)
     assert res.returncode == 0, res.stderr[-4000:]
     rows = (tmp_path / "sweep" / "summary.csv").read_text().strip().splitlines()
     assert len(rows) == 3 and "measured_samples_per_s" in rows[0] and "final_loss" in rows[0]
     assert rows[1].startswith("tiny_gpt") and rows[2].startswith("tiny_llama")
+    assert ",error" not in rows[0], rows

@@ -206,3 +206,20 @@ def test_uniap_plan_output_in_a_pipe_has_whole_headers(tmp_path):
                          cwd=tmp_path, env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "…" not in res.stdout, res.stdout
+
+
+def test_a_training_sweep_with_a_failed_run_exits_2(tmp_path, capsys):
+    import json
+
+    from omegaconf import OmegaConf
+
+    from uniap_lightning.cli.sweep import SweepSummary
+
+    for i, row in enumerate(({"model": "tiny_gpt", "final_loss": 2.5}, {"model": "tiny_llama", "error": "boom"})):
+        (tmp_path / str(i)).mkdir()
+        (tmp_path / str(i) / "result.json").write_text(json.dumps(row))
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}, "trainer": {"devices": 2}})
+    with pytest.raises(SystemExit) as stop:
+        SweepSummary().on_multirun_end(config)
+    assert stop.value.code == 2
+    assert "error: 1 of 2 training runs failed" in capsys.readouterr().err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import io
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,11 @@ class SweepSummary(Callback):
         for r in rows:
             table.add_row(*[Text(_fmt(r.get(c))) for c in cols])  # Text: error text is never read as rich markup
         make_console().print(table)
+        failed = sum(1 for r in rows if r.get("error"))
+        if failed and "trainer" in config:  # a training job that failed is a failed sweep (a plan that does not
+            # fit is an answer of a planning sweep, shown in its row)
+            print(f"error: {failed} of {len(rows)} training runs failed (see the error column)", file=sys.stderr)
+            sys.exit(2)
 
 
 def _fmt(v: Any) -> str:

@@ -118,11 +118,26 @@ def run_train(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
     check_config(cfg)
     check_before_launch(cfg)
     lock = lock_checkpoint_dir(str(cfg.checkpoint_dir))
+    saved_env, saved_threads = dict(os.environ), _torch_threads()
     try:
         return _run_train_locked(cfg, overrides)
     finally:
         if lock is not None:
             lock.release()
+        # a sweep (-m) runs its jobs in this process: the next job must start its ranks anew, not find this job's
+        # LOCAL_RANK / MASTER_PORT / WORLD_SIZE (it then took itself for a launched rank and waited alone)
+        os.environ.clear()
+        os.environ.update(saved_env)
+        if saved_threads is not None:
+            import torch
+
+            torch.set_num_threads(saved_threads)
+
+
+def _torch_threads() -> int | None:
+    """This process's torch thread count when torch is imported already (the launcher changes it), else None."""
+    torch = sys.modules.get("torch")
+    return torch.get_num_threads() if torch is not None else None
 
 
 def _run_train_locked(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
