@@ -16,7 +16,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from uniap_lightning.cli.ranks import RankWatch, close_process_group
+from uniap_lightning.cli.ranks import RankWatch, close_process_group, error_file_for, rank_error
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.files import check_output_folder, write_json_atomic
 
@@ -38,8 +38,6 @@ def _launch_other_ranks(cfg: DictConfig, overrides: list[str]) -> list[subproces
         )
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(devices),
                NODE_RANK="0", OMP_NUM_THREADS=_threads_per_rank(devices))
-    from uniap_lightning.cli.ranks import error_file_for
-
     children = []
     for rank in range(1, devices):
         report = error_file_for(rank)  # the rank writes its error line here; rank 0 prints it (one line in all)
@@ -73,19 +71,31 @@ def check_config(cfg: DictConfig) -> None:
 
 
 def build_module(cfg: DictConfig) -> tuple[Any, Any, int]:
+    """The LightningModule, the data module and the sequence length of a checked config."""
+    check_config(cfg)
+    return _module_and_data(cfg)
+
+
+def _module_and_data(cfg: DictConfig) -> tuple[Any, Any, int]:
+    from uniap_lightning.data import TextDataModule
+
+    module, seq_len = _module(cfg)
+    data = TextDataModule(seq_len=seq_len, batch_size=int(cfg.data.batch_size), shuffle=bool(cfg.data.shuffle),
+                          seed=int(cfg.seed))
+    return module, data, seq_len
+
+
+def _module(cfg: DictConfig) -> tuple[Any, int]:
+    """The model alone (no data, no checks: the caller has checked the config)."""
     from uniap_lightning.adapters import CausalLMModule
     from uniap_lightning.adapters.gpt import GPT, GPTConfig
-    from uniap_lightning.data import VOCAB_SIZE, TextDataModule
+    from uniap_lightning.data import VOCAB_SIZE
 
-    check_config(cfg)
     spec = cfg.model
     seq_len = int(cfg.data.seq_len or spec.seq_len)
     gpt = GPT(GPTConfig(vocab_size=VOCAB_SIZE, block_size=seq_len, n_layer=int(spec.layers), n_head=int(spec.heads),
                         n_embd=int(spec.hidden)))
-    module = CausalLMModule(gpt.layers(), lr=float(cfg.lr))
-    data = TextDataModule(seq_len=seq_len, batch_size=int(cfg.data.batch_size), shuffle=bool(cfg.data.shuffle),
-                          seed=int(cfg.seed))
-    return module, data, seq_len
+    return CausalLMModule(gpt.layers(), lr=float(cfg.lr)), seq_len
 
 
 def _one_copy_of_each_log_line() -> None:
@@ -169,13 +179,10 @@ def _run_train_locked(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
         # because of it. One still waiting (e.g. in a rendezvous this rank never reached) is ended.
         _end_children(children, grace_s=CHILD_GRACE_S)
         raise
-    from uniap_lightning.cli.ranks import rank_error
-
-    bad = [(rank, child.wait()) for rank, child in enumerate(children, start=1)]
-    bad = [(rank, code) for rank, code in bad if code]
+    bad = [(rank, child, code) for rank, child in enumerate(children, start=1) if (code := child.wait())]
     if bad:
-        rank, code = bad[0]
-        said = rank_error(children[rank - 1])
+        rank, child, code = bad[0]
+        said = rank_error(child)
         raise UniAPError(f"training rank {rank} exited with status {code}: {said}" if said else
                          f"training rank {rank} exited with status {code}; see its output above")
     return result
@@ -188,7 +195,7 @@ def _train(cfg: DictConfig, overrides: list[str], resume: Path | None) -> dict[s
     from uniap_lightning.callbacks import CheckpointOnSigterm, PerplexityLogger, StepProgressBar, ThroughputTimer
 
     pl.seed_everything(int(cfg.seed), verbose=False)
-    module, data, _ = build_module(cfg)
+    module, data, _ = _module_and_data(cfg)  # checked by run_train before any rank started
     strategy = build_strategy(cfg)
     ppl, timer = PerplexityLogger(window=5), ThroughputTimer(int(cfg.data.batch_size))
     trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
@@ -348,7 +355,7 @@ def check_resume(cfg: DictConfig, path: Path) -> None:
         raise UniAPError(f"resume: {path} is at step {step} and trainer.max_steps={int(max_steps)}: nothing would "
                          f"train; give trainer.max_steps above {step}")
     with torch.device("meta"):
-        module, _, _ = build_module(cfg)
+        module, _ = _module(cfg)
     mine = {k: tuple(v.shape) for k, v in module.state_dict().items()}
     if path.is_dir():
         saved = {k[len("state_dict."):]: tuple(getattr(v, "size", ()))
