@@ -26,8 +26,10 @@ class PerplexityLogger(Callback):
         from torchmetrics.aggregation import MeanMetric
 
         self.window = window
-        self.train = MeanMetric()
-        self.val = MeanMetric()
+        # the losses are global (equal on every rank): nothing to sync, and the metrics' CPU state could not go
+        # over a CUDA job's NCCL group ("No backend type associated with device type cpu" on every GPU run)
+        self.train = MeanMetric(sync_on_compute=False)
+        self.val = MeanMetric(sync_on_compute=False)
         self.last_train_ppl: float | None = None
         self.last_val_ppl: float | None = None
 
