@@ -178,11 +178,10 @@ def test_divisors_of_huge_numbers_return() -> None:
     ("plan", ["model=nope"], "unknown model 'nope'"),
 ])
 def test_bad_command_lines_are_one_line(command: str, args: list[str], message: str) -> None:
-    from uniap_lightning.cli.main import _config_groups_load
     from uniap_lightning.cli.overrides import check_command_line
 
     with pytest.raises(UniAPError) as err:
-        check_command_line(command, args, before_compose=_config_groups_load)
+        check_command_line(command, args)
     assert message in str(err.value) and "\n" not in str(err.value)
 
 

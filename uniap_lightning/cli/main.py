@@ -13,14 +13,18 @@ commands:
              uniap train model=tiny_gpt trainer.devices=2 trainer.max_steps=30
   explain    per-layer / per-stage predictions (and measurements), and why the other candidates lost
              uniap explain model=... cluster=... [plan=plan.json] [measured=metrics.json]
+  export     a checkpoint folder as full weights: safetensors, torch, or a Hugging Face folder
+             uniap export checkpoints/step-30.ckpt model.safetensors [--format hf --hf-config FOLDER]
 
 Every option is a Hydra override; `uniap plan --help` lists them, `-m` sweeps (multirun):
   uniap plan -m model=gpt2_small,llama_7b cluster=a100_1x8,h100_4x8
 Models: conf/model/*.yaml, clusters: conf/cluster/*.yaml, training settings: conf/train/*.yaml.
+Your own: a folder laid out the same way (`uniap plan --config-dir my_conf model=mine`, or
+hydra.searchpath=[file://my_conf]), or a file given as a path (model=my/model.yaml cluster=c.yaml).
 """
 
 
-COMMANDS = ("plan", "evaluate", "explain", "train")
+COMMANDS = ("plan", "evaluate", "explain", "train", "export")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,11 +52,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(command: str, rest: list[str]) -> int:
+    if command == "export":  # plain arguments, no Hydra config
+        from uniap_lightning.cli import export
+
+        return export.main(rest)
     from uniap_lightning.cli.overrides import check_command_line
     from uniap_lightning.errors import UniAPError
 
     try:
-        check_command_line(command, rest, before_compose=_config_groups_load)
+        rest = check_command_line(command, rest)
     except UniAPError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -81,19 +89,6 @@ def _stop_interrupted() -> None:
     if not interrupts.hinted() and interrupts.is_launching_rank():
         print("interrupted", file=sys.stderr)
     interrupts.stop_now(interrupts.INTERRUPTED_EXIT_CODE)
-
-
-def _config_groups_load(overrides: list[str]) -> None:
-    """Read each ``model=`` / ``cluster=`` / ``train=`` choice once before Hydra composes the config: a missing or
-    broken YAML is then one ``error:`` line (Hydra would print its own traceback)."""
-    from uniap_lightning.planner.config import load_group
-
-    for arg in overrides:
-        key, sep, value = arg.lstrip("+~").partition("=")
-        if not sep or key not in ("model", "cluster", "train") or not value:
-            continue
-        for name in value.split(","):  # a multirun sweep lists several
-            load_group(key, name.strip())
 
 
 if __name__ == "__main__":

@@ -14,16 +14,23 @@ CONFIG_NAME = {"plan": "plan", "evaluate": "plan", "explain": "plan", "train": "
 GRAMMAR_URL = "https://hydra.cc/docs/1.2/advanced/override_grammar/basic"
 
 
-def check_command_line(command: str, args: list[str], *, before_compose: Any = None) -> None:
-    """Refuse a command line Hydra would refuse. ``before_compose(overrides)`` runs between parsing and composing
-    (the checks of the YAML files the overrides name, before Hydra reads them)."""
+def check_command_line(command: str, args: list[str]) -> list[str]:
+    """Refuse a command line Hydra would refuse, and return it as Hydra is to read it: each ``model=`` /
+    ``cluster=`` / ``train=`` choice is read and checked first (a name, shipped or in the user's ``--config-dir`` /
+    ``hydra.searchpath`` folders, or a path to a YAML file: see :mod:`uniap_lightning.cli.own_configs`), and a
+    path is replaced by the name its file is registered under."""
+    from uniap_lightning.cli import own_configs
+
     flags = _parse_flags(command, args)
     overrides = list(flags.overrides or [])
     _parse_overrides(overrides)
-    if before_compose is not None:
-        before_compose(overrides)
+    dirs = own_configs.search_dirs(flags.config_dir, overrides)
+    own_configs.check_groups(overrides, dirs)
+    registered = own_configs.register_paths(overrides)
     if _composes_one_config(flags):
-        compose_checked(CONFIG_NAME[command], overrides)
+        compose_checked(CONFIG_NAME[command], own_configs.searchpath_override(dirs, registered))
+    renamed = dict(zip(overrides, registered))
+    return [renamed.get(arg, arg) for arg in args]
 
 
 def _parse_flags(command: str, args: list[str]) -> Any:
@@ -66,9 +73,10 @@ def _grammar_message(override: str, err: Exception) -> str:
 
 
 def _composes_one_config(flags: Any) -> bool:
-    """A plain run: not a sweep (its values are lists), not --help / --cfg / --info, not another config."""
+    """A plain run: not a sweep (its values are lists), not --help / --cfg / --info, not another primary config
+    (``--config-dir`` only adds folders to the search path: composed here too)."""
     return not (flags.multirun or flags.help or flags.hydra_help or flags.cfg or flags.info or flags.shell_completion
-                or flags.config_name or flags.config_path or flags.config_dir or flags.experimental_rerun)
+                or flags.config_name or flags.config_path or flags.experimental_rerun)
 
 
 def compose_checked(config_name: str, overrides: list[str]) -> Any:

@@ -381,10 +381,12 @@ def build_strategy(cfg: DictConfig) -> Any:
     from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
+    from uniap_lightning.cli.own_configs import hydra_search_dirs, strategy_cluster
     from uniap_lightning.strategy import UniAPStrategy
 
+    own = {"cluster": strategy_cluster(cfg.strategy.get("cluster"), hydra_search_dirs())}  # --config-dir's clusters
     try:
-        strategy = instantiate(cfg.strategy, _convert_="all")
+        strategy = instantiate(cfg.strategy, _convert_="all", **{k: v for k, v in own.items() if v is not None})
     except InstantiationException as err:
         cause = err.__cause__ if isinstance(err.__cause__, UniAPError) else None
         raise cause or UniAPError(f"strategy.*: {err}") from err

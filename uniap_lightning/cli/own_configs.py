@@ -1,0 +1,199 @@
+"""A user's own configs, kept outside the package, through every ``uniap`` command.
+
+Two ways, as Hydra users expect them:
+
+* a folder laid out like ``conf/`` (``DIR/model/*.yaml``, ``DIR/cluster/*.yaml``, ``DIR/train/*.yaml``), named
+  with ``--config-dir DIR`` or ``hydra.searchpath=[file://DIR]``: its files are chosen by name (``model=mine``),
+  after the shipped ones (Hydra's order: shipped, ``--config-dir``, ``hydra.searchpath``);
+* a YAML file given as a path, ``model=path/m.yaml cluster=/abs/c.yaml train=t.yaml``, relative to the current
+  folder. Hydra chooses group options by name only, so each such file is read once, checked, and registered in
+  Hydra's ConfigStore under a name of its own (:func:`register_paths`); ranks that ``uniap train`` starts get the
+  original paths again (:func:`original_overrides`).
+
+A missing folder or file is one error line naming it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+from uniap_lightning.errors import UniAPError
+
+#: the config groups a user may bring their own entries for
+GROUPS = ("model", "cluster", "train")
+#: the prefix of the names under which files given as paths are registered in the ConfigStore
+REGISTERED_PREFIX = "file_"
+
+# the name registered for each file given as a path -> that path (absolute), to hand the same command line to the
+# ranks `uniap train` starts; it lives as long as the ConfigStore entries it names (this process)
+_REGISTERED: dict[str, str] = {}
+
+
+def search_dirs(config_dir: str | None, overrides: list[str]) -> list[Path]:
+    """The folders of the user's own configs, in Hydra's order: ``--config-dir``, then ``hydra.searchpath``'s
+    ``file://`` entries (``pkg://`` entries are Hydra's to read). Each must be a folder."""
+    dirs: list[Path] = []
+    if config_dir is not None:
+        dirs.append(_folder(config_dir, "--config-dir"))
+    for entry in _searchpath_entries(overrides):
+        if entry.startswith("pkg://"):
+            continue
+        dirs.append(_folder(entry[len("file://"):] if entry.startswith("file://") else entry, "hydra.searchpath"))
+    return dirs
+
+
+def _searchpath_entries(overrides: list[str]) -> list[str]:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    for override in OverridesParser.create().parse_overrides(overrides):
+        if override.get_key_element().lstrip("+~") == "hydra.searchpath":
+            value = override.value()
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise UniAPError(f"hydra.searchpath={override.get_value_element_as_str()}: give a list of folders, "
+                                 "e.g. hydra.searchpath=[file:///path/to/my_conf]")
+            return list(value)
+    return []
+
+
+def _folder(path: str, what: str) -> Path:
+    folder = Path(path).expanduser().absolute()
+    if not folder.is_dir():
+        raise UniAPError(f"{what} {path!r}: no such folder ({folder}); give a folder laid out like conf/ "
+                         f"(model/, cluster/, train/ of .yaml files)")
+    return folder
+
+
+def hydra_search_dirs() -> list[Path]:
+    """Inside a Hydra app: the user's folders of this run (``--config-dir``, ``hydra.searchpath``); [] outside one."""
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        sources = HydraConfig.get().runtime.config_sources
+    except ValueError:  # not inside a Hydra app (Python code composing the config itself)
+        return []
+    return [Path(s.path) for s in sources if s.schema == "file" and s.provider not in ("main", "hydra")]
+
+
+def strategy_cluster(cluster: Any, dirs: list[Path]) -> Any:
+    """``strategy.cluster``: a name found in the user's folders becomes the path of its file (the strategy itself
+    knows the shipped names and paths only); anything else is the strategy's to check."""
+    from uniap_lightning.planner.config import CONF_DIR
+
+    if not isinstance(cluster, str) or is_path(cluster) or (CONF_DIR / "cluster" / f"{cluster}.yaml").is_file():
+        return cluster
+    found = find("cluster", cluster, dirs) if "/" not in cluster else None
+    return str(found) if found is not None else cluster
+
+
+def is_path(value: str) -> bool:
+    """A group value that names a YAML file rather than a config by name."""
+    return value.endswith((".yaml", ".yml"))
+
+
+def find(group: str, name: str, dirs: list[Path]) -> Path | None:
+    """The file Hydra will compose for ``group=name``: the shipped one, else the first of ``dirs`` that has it.
+    None when no folder has it (the shipped names are then the ones to list)."""
+    from uniap_lightning.planner.config import CONF_DIR
+
+    for folder in (CONF_DIR, *dirs):
+        path = folder / group / f"{name}.yaml"
+        if path.is_file():
+            return path
+    return None
+
+
+def available(group: str, dirs: list[Path]) -> list[str]:
+    """Every name ``group=`` takes: shipped and in the user's folders."""
+    from uniap_lightning.planner.config import CONF_DIR
+
+    return sorted({p.stem for folder in (CONF_DIR, *dirs) for p in (folder / group).glob("*.yaml")})
+
+
+def load(group: str, value: str, dirs: list[Path]) -> dict[str, Any]:
+    """Read and check one ``group=value`` choice (a name, or a path to a YAML file) as Hydra will compose it."""
+    from uniap_lightning.planner.config import load_group
+
+    if is_path(value):
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise UniAPError(f"{group}={value}: no such file ({path.absolute()}); a path is read relative to the "
+                             "current folder")
+        return load_group(group, str(path))
+    found = find(group, value, dirs) if "/" not in value and ".." not in value else None
+    if found is None and dirs:
+        where = ", ".join(str(d / group) for d in dirs)
+        raise UniAPError(f"unknown {group} {value!r}; available: {', '.join(available(group, dirs))} (shipped, and in "
+                         f"{where}), or give a path to a .yaml file")
+    return load_group(group, str(found) if found is not None else value)
+
+
+def group_values(overrides: list[str]) -> list[tuple[int, str, list[str]]]:
+    """``(index, group, values)`` of each ``model=`` / ``cluster=`` / ``train=`` override (a sweep lists several)."""
+    found = []
+    for i, arg in enumerate(overrides):
+        key, sep, value = arg.lstrip("+~").partition("=")
+        if sep and key in GROUPS and value:
+            found.append((i, key, [v.strip() for v in value.split(",")]))
+    return found
+
+
+def check_groups(overrides: list[str], dirs: list[Path]) -> None:
+    """Read each group choice once before Hydra composes the config: a missing or broken YAML is then one line."""
+    for _, group, values in group_values(overrides):
+        for value in values:
+            load(group, value, dirs)
+
+
+def register_paths(overrides: list[str]) -> list[str]:
+    """The overrides with each YAML path replaced by the name it is registered under in Hydra's ConfigStore (the
+    file read and checked now, relative to the current folder)."""
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    out = list(overrides)
+    for i, group, values in group_values(overrides):
+        if not any(is_path(v) for v in values):
+            continue
+        names = []
+        for value in values:
+            if not is_path(value):
+                names.append(value)
+                continue
+            path = Path(value).expanduser().absolute()
+            data = load(group, value, [])
+            name = f"{REGISTERED_PREFIX}{_safe(path.stem)}_{hashlib.sha256(str(path).encode()).hexdigest()[:8]}"
+            ConfigStore.instance().store(group=group, name=name, node=OmegaConf.create(data),
+                                         provider="uniap (a file given as a path)")
+            _REGISTERED[name] = str(path)
+            names.append(name)
+        prefix = overrides[i][: len(overrides[i]) - len(overrides[i].lstrip("+~"))]
+        out[i] = f"{prefix}{group}={','.join(names)}"
+    return out
+
+
+def _safe(stem: str) -> str:
+    return "".join(c if c.isascii() and (c.isalnum() or c in "_-") else "_" for c in stem)[:40] or "config"
+
+
+def original_overrides(overrides: list[str]) -> list[str]:
+    """The command line as the user gave it: each registered name back to the path it stands for (for the ranks
+    `uniap train` starts, and for the command printed to resume)."""
+    out = []
+    for arg in overrides:
+        key, sep, value = arg.partition("=")
+        if sep and key.lstrip("+~") in GROUPS and any(v in _REGISTERED for v in value.split(",")):
+            arg = f"{key}={','.join(_REGISTERED.get(v, v) for v in value.split(','))}"
+        out.append(arg)
+    return out
+
+
+def searchpath_override(dirs: list[Path], overrides: list[str]) -> list[str]:
+    """``overrides`` with one ``hydra.searchpath`` naming ``dirs`` (for composing outside a Hydra app, where
+    ``--config-dir`` is not a flag)."""
+    if not dirs:
+        return list(overrides)
+    kept = [o for o in overrides if o.partition("=")[0].lstrip("+~") != "hydra.searchpath"]
+    entries = ",".join("'file://" + str(d).replace("\\", "\\\\").replace("'", "\\'") + "'" for d in dirs)
+    return [*kept, f"hydra.searchpath=[{entries}]"]
