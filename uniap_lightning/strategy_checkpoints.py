@@ -74,8 +74,10 @@ class CheckpointIO:
                 rank_zero_warn(f"gradient compression starts with zero error feedback: {why}")
         return loaded
 
-    def save_consolidated(self, path: str | Path) -> None:
-        """Write all weights, unsharded, into one ``torch.save`` file (on rank 0). Call on every rank."""
+    def save_consolidated(self, path: str | Path, format: str | None = None) -> None:
+        """Write all weights, unsharded (on rank 0; call on every rank): one safetensors file (default), one
+        ``torch.save`` file (``format="torch"``, or a ``.pt`` / ``.pth`` / ``.bin`` / ``.ckpt`` path), or a Hugging
+        Face folder (``format="hf"``) that the model's class loads with ``from_pretrained(path)``."""
         from uniap_lightning.runtime.checkpoint import save_consolidated
 
-        save_consolidated(self.lightning_module, path, rank=self.global_rank)
+        save_consolidated(self.lightning_module, path, rank=self.global_rank, format=format)

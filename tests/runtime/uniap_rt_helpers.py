@@ -9,7 +9,8 @@ A *case* is a dict: ``plan`` (a pinned Plan; absent: the strategy solves), ``str
 arguments), ``module`` (``make_module`` arguments, e.g. ``{"lm": "llama"}`` or ``{"factory": "mod:fn", ...}``),
 ``data`` (``{"factory": "mod:fn", ...}``: a loader of ``batch`` samples instead of the tiny regression data), ``steps`` or ``epochs``,
 ``accumulate``, ``clip``, ``limit_val_batches`` and ``predict`` (collect validation loss / predictions),
-``save`` / ``resume`` / ``export`` (checkpoint paths relative to the output folder), ``validate_only``,
+``save`` / ``resume`` / ``export`` (checkpoint paths relative to the output folder; ``export_format``: the
+``save_consolidated`` format), ``validate_only``,
 ``die_at`` / ``hang_s`` (rank 1 dies or hangs at that batch), ``die_while_saving`` (rank ``die_rank``, default 1,
 dies as the ``save`` checkpoint starts), ``sigterm_at`` (rank ``sigterm_rank``, default 1,
 sends itself SIGTERM at the end of that batch), ``sigterm_in_setup`` (the same, in the ``setup`` hook), ``skew_data`` (ranks load different data).
@@ -342,7 +343,7 @@ def _run_case(rank: int, world: int, case: dict[str, Any], out_dir: Path) -> dic
     if "save" in case:
         trainer.save_checkpoint(out_dir / case["save"])
     if "export" in case:
-        strategy.save_consolidated(out_dir / case["export"])
+        strategy.save_consolidated(out_dir / case["export"], format=case.get("export_format"))
     from uniap_lightning.monitor import UniAPMonitor
 
     monitor = next((cb for cb in trainer.callbacks if isinstance(cb, UniAPMonitor)), None)

@@ -212,10 +212,17 @@ def full_local_state(module: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_consolidated(module: nn.Module, path: str | Path, *, rank: int) -> None:
-    """Write every weight of the model, unsharded, into one ``torch.save`` file on rank 0 (collective)."""
+def save_consolidated(module: nn.Module, path: str | Path, *, rank: int, format: str | None = None) -> None:
+    """Write every weight of the model, unsharded, on rank 0 (collective): one safetensors file (default), one
+    ``torch.save`` file (``format="torch"``, or a ``.pt`` / ``.pth`` / ``.bin`` / ``.ckpt`` path with no format), or
+    a Hugging Face folder (``format="hf"``: ``config.json`` + ``model.safetensors`` that the model's class loads with
+    ``from_pretrained``). See :mod:`uniap_lightning.runtime.export`."""
     import torch.distributed as dist
 
+    from uniap_lightning.runtime import export
+
+    fmt = export.resolve_format(path, format)
+    found = export.find_hf_model(module) if fmt == "hf" else None  # before any collective: every rank alike
     mine = full_local_state(module)
     parts: list[Any] = [None] * dist.get_world_size() if dist.is_initialized() else [mine]
     if dist.is_initialized():
@@ -225,26 +232,50 @@ def save_consolidated(module: nn.Module, path: str | Path, *, rank: int) -> None
         for part in parts:
             for k, v in part.items():
                 merged.setdefault(k, v)
-        save_atomic(merged, path)
+        if found is not None:
+            prefix, model = found
+            export.write_hf_folder(path, type(model), model.config, merged, prefix=prefix,
+                                   generation_config=getattr(model, "generation_config", None))
+        else:
+            export.write_weights(merged, path, fmt)
 
 
-def consolidate_checkpoint(checkpoint_dir: str | Path, output_file: str | Path) -> None:
-    """Offline (one process, no process group): turn a DCP checkpoint folder into one file of full weights.
+def consolidate_checkpoint(checkpoint_dir: str | Path, output_file: str | Path, *, format: str | None = None,
+                           hf_config: str | Path | None = None) -> None:
+    """Offline (one process, no process group): turn a DCP checkpoint folder into full weights: one safetensors
+    file (default), one ``torch.save`` file (``format="torch"`` or a ``.pt`` / ``.pth`` / ``.bin`` / ``.ckpt``
+    name), or a Hugging Face folder (``format="hf"``, with ``hf_config``: the folder of the model the run started
+    from, whose ``config.json`` is copied).
 
     The whole checkpoint is read into memory through the same safe reader as a resume (no pickle that names code
-    is loaded, from ``.metadata`` or from any entry of a shard), then its weights are written to ``output_file``
-    through a temporary file and a rename.
+    is loaded, from ``.metadata`` or from any entry of a shard), then its weights are written through a temporary
+    file (or folder) and a rename.
     """
+    from uniap_lightning.errors import UniAPError
     from uniap_lightning.files import check_output_file
+    from uniap_lightning.runtime import export
     from uniap_lightning.runtime.checkpoint_safety import safe_full_load_planner
 
+    fmt = export.resolve_format(output_file, format)
+    config = None
+    if fmt == "hf":
+        if hf_config is None:
+            raise UniAPError("format='hf' needs hf_config: the folder of the Hugging Face model the run started from "
+                             "(its config.json is copied next to the weights)")
+        config = export.load_hf_config(hf_config)
+        model_class = export.model_class_of(config)
+    elif hf_config is not None:
+        raise UniAPError(f"hf_config is for format='hf' only (the format here is {fmt!r})")
     folder = Path(checkpoint_dir)
     checked_metadata(folder)
-    out = check_output_file(output_file, "output file")
+    out = Path(output_file) if fmt == "hf" else check_output_file(output_file, "output file")
     everything: dict[str, Any] = {}
     dcp_read(everything, folder, planner=safe_full_load_planner(), no_dist=True, whole=True)
-    weights = everything.get("state_dict", {})
-    save_atomic({k: v for k, v in weights.items() if isinstance(v, torch.Tensor)}, out)
+    weights = {k: v for k, v in everything.get("state_dict", {}).items() if isinstance(v, torch.Tensor)}
+    if config is not None:
+        export.write_hf_folder(out, model_class, config, weights)
+    else:
+        export.write_weights(weights, out, fmt)
 
 
 def save_atomic(obj: Any, path: str | Path) -> None:

@@ -1,0 +1,31 @@
+"""``uniap export CHECKPOINT OUT [--format safetensors|torch|hf] [--hf-config FOLDER]``: a checkpoint folder (what
+``Trainer(strategy="uniap")`` saves, resharded from any plan) as full weights for other programs: one safetensors
+file (default), one ``torch.save`` file, or a Hugging Face folder that ``from_pretrained`` loads. One process, no
+GPU, nothing in the checkpoint runs code (the resume's safe reader)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str]) -> int:
+    from uniap_lightning.errors import UniAPError
+    from uniap_lightning.runtime.checkpoint import consolidate_checkpoint
+    from uniap_lightning.runtime.export import FORMATS
+
+    p = argparse.ArgumentParser(prog="uniap export", description=__doc__.split("\n\n")[0].split(": ", 1)[1])
+    p.add_argument("checkpoint", help="a checkpoint folder (e.g. checkpoints/step-30.ckpt)")
+    p.add_argument("out", help="the weights file, or the folder for --format hf")
+    p.add_argument("--format", choices=FORMATS, default=None,
+                   help="default: torch for a .pt/.pth/.bin/.ckpt name, else safetensors")
+    p.add_argument("--hf-config", default=None, metavar="FOLDER",
+                   help="--format hf: the Hugging Face folder the run started from (its config.json is copied)")
+    args = p.parse_args(argv)
+    try:
+        consolidate_checkpoint(args.checkpoint, args.out, format=args.format, hf_config=args.hf_config)
+    except UniAPError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}")
+    return 0
