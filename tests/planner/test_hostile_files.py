@@ -542,3 +542,14 @@ def test_cli_explain_refuses_malformed_rebalances(tmp_path: Path, rebalances: st
     measured = tmp_path / "measured.json"
     measured.write_text('{"tpi_s": 0.5, "rebalances": ' + rebalances + "}")
     _one_error_line(uniap("explain", *SMALL, f"measured={measured}"), message)
+
+
+def test_solving_is_announced_only_when_the_cache_has_no_plan(small_problem: Any, tmp_path: Path) -> None:
+    """A cached plan used to print "UniAP: solving for ..." before "UniAP plan (cache ...)"."""
+    from uniap_lightning.runtime.planning import solve_plan
+
+    said: list[str] = []
+    kw = dict(profile=small_problem.model, cluster=small_problem.cluster, training=small_problem.training,
+              solver="auto", time_limit_s=30, cache_dir=tmp_path, on_solve=lambda: said.append("solving"))
+    assert solve_plan(**kw)[1] == "solver" and said == ["solving"]
+    assert solve_plan(**kw)[1].startswith("cache ") and said == ["solving"]

@@ -11,6 +11,7 @@ import json
 import os
 import warnings
 from dataclasses import asdict, replace
+from typing import Any
 from pathlib import Path
 
 from uniap_lightning.planner.cluster import Cluster
@@ -100,10 +101,12 @@ def solve_plan(
     cache_dir: Path,
     compression: tuple[str, ...] = ("none",),
     compression_options: dict[str, float] | None = None,
+    on_solve: Any = None,
 ) -> tuple[Plan, str]:
     """Solve (or reuse from the cache) a plan; returns it and where it came from ("cache <path>" or "solver").
     ``compression``: the gradient compression methods the solver may choose per layer (always with "none"),
-    ``compression_options`` their parameters (default: the plan defaults)."""
+    ``compression_options`` their parameters (default: the plan defaults); ``on_solve()`` is called when the cache
+    has no plan, before solving (e.g. to say so)."""
     key = cache_key(profile=profile, cluster=cluster, world_size=cluster.num_devices, training=training,
                     solver=solver, compression=compression, compression_options=compression_options)
     path = cache_dir / f"plan-{key}.json"
@@ -120,6 +123,8 @@ def solve_plan(
         ) from err
     problem = Problem(model=profile, cluster=cluster, training=training, compression=compression,
                       compression_options=dict(compression_options or COMPRESSION_DEFAULTS))
+    if on_solve is not None:
+        on_solve()
     plan = solve(problem, solver=solver, time_limit_s=time_limit_s)  # no cyclic GC while solving (see no_gc)
     if not plan.model_fingerprint:
         plan = replace(plan, model_fingerprint=profile.fingerprint())

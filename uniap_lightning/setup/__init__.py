@@ -154,12 +154,16 @@ def _solve(m: Measurements, chain: Chain, sample: Sample, cluster: Cluster | Non
             "processes; describe the cluster you run on"
         )
     o = m.options
-    info(f"UniAP: solving for {m.ranks.world_size} devices, global batch {batch} "
-         f"(solver={o.solver}, time limit {o.time_limit_s:g} s) ...")
+
+    def say() -> None:  # only when no cached plan fits (a cached one is announced with the plan)
+        info(f"UniAP: solving for {m.ranks.world_size} devices, global batch {batch} "
+             f"(solver={o.solver}, time limit {o.time_limit_s:g} s) ...")
+
     t0 = time.perf_counter()
     plan, origin = solve_plan(profile=profile, cluster=cluster, training=_training(chain, batch, o.schedule),
                               solver=o.solver, time_limit_s=o.time_limit_s, cache_dir=o.plan_cache_dir(),
-                              compression=o.compression, compression_options=o.compression_options_dict)
+                              compression=o.compression, compression_options=o.compression_options_dict,
+                              on_solve=say)
     m.report["solve_s"] = time.perf_counter() - t0
     return plan, origin, profile, m.report
 
