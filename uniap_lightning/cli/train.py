@@ -60,14 +60,16 @@ def _threads_per_rank(devices: int) -> str:
     return os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // devices))
 
 
-def check_config(cfg: DictConfig) -> None:
+def check_config(cfg: DictConfig) -> list[str]:
     """Refuse what `uniap train` cannot run, before any other rank is started: every value of the config
-    (:mod:`uniap_lightning.cli.train_checks`; the model through ``ModelSpec``, as `uniap plan` checks it)."""
+    (:mod:`uniap_lightning.cli.train_checks`; the model through ``ModelSpec``, as `uniap plan` checks it). The
+    ``auto`` Trainer values are resolved in ``cfg``; the returned lines say how, where that matters."""
     from uniap_lightning.cli.train_checks import check_train_config
 
-    check_train_config(cfg)
+    notes = check_train_config(cfg)
     if cfg.get("out"):  # a folder of rank<N>.json: refused now if it cannot be one, not after training
         check_output_folder(str(cfg.out), "out=")
+    return notes
 
 
 def build_module(cfg: DictConfig) -> tuple[Any, Any, int]:
@@ -125,7 +127,10 @@ def run_train(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
     ``checkpoint_dir`` (:mod:`uniap_lightning.cli.checkpoint_dir`) for the whole run."""
     from uniap_lightning.cli.checkpoint_dir import lock_checkpoint_dir
 
-    check_config(cfg)
+    notes = check_config(cfg)
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        for note in notes:
+            print(f"note: {note}", flush=True)
     check_before_launch(cfg)
     lock = lock_checkpoint_dir(str(cfg.checkpoint_dir))
     saved_env, saved_threads = dict(os.environ), _torch_threads()
