@@ -673,6 +673,10 @@ def _fqn(model: nn.Module, module: Any) -> str | None:
 def generic_family(model: Any) -> Family:
     """The family of a causal LM, masked LM or sequence classifier with no builder in ``FAMILIES`` (the generic
     split, or the whole model as one layer); a clear error for anything else."""
+    if getattr(model.config, "is_encoder_decoder", False):  # encoder-decoder LMs: their own split
+        from uniap_lightning.adapters.families.seq2seq import seq2seq_family
+
+        return seq2seq_family(model)
     task = _task(model)
     if _register_attention() and hasattr(model, "set_attn_implementation"):
         try:

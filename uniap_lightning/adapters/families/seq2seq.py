@@ -1,0 +1,491 @@
+"""Hugging Face encoder-decoder LMs with no hand-written family (BART, mBART, Marian, Pegasus, Whisper, ...), split
+from the model's own structure and code with the generic split's machinery
+(:mod:`uniap_lightning.adapters.families.generic`).
+
+:func:`seq2seq_family` is what :func:`~uniap_lightning.adapters.families.generic.generic_family` hands a model with
+``config.is_encoder_decoder`` (a hand-written family, e.g. T5's, always wins in dispatch). The chain is
+
+* the *encoder prologue* (:class:`EncoderPrologue`): the encoder's own forward on the batch (``input_ids`` and
+  ``attention_mask``, or Whisper's ``input_features``), stopped where it calls its first block, recorded as the
+  generic prologue records a decoder-only model's; it also embeds the decoder's inputs with the decoder's own token
+  embedding, so a token embedding shared by encoder and decoder lives on one stage (the LM head holds a tied copy);
+* one layer per encoder block (:class:`Seq2SeqBlock`);
+* the *bridge* (:class:`DecoderPrologue`): the modules the encoder runs after its last block (a final norm) give
+  the encoder's output, then the decoder's own forward (embedded inputs, the encoder's output and padding mask)
+  stopped at its first block; the encoder's output travels from here on as one of the tensors the decoder blocks
+  take (so its gradient flows back through every decoder stage);
+* one layer per decoder block;
+* the *epilogue*: the modules the model runs after the decoder's last block (final norm, LM head), plus BART's
+  ``final_logits_bias`` -> logits; the model's own seq2seq LM loss (cross-entropy over the labelled tokens, labels
+  as given), whole-batch normalized.
+
+The decoder's inputs are the labels shifted right as the model does (``prepare_decoder_input_ids_from_labels`` or
+its module's ``shift_tokens_right``) unless the batch has ``decoder_input_ids``. At setup the chain is checked on
+a probe batch (built from the config: token ids, or Whisper's mel features of the length its encoder requires)
+against the model's own forward given only the labels: logits and loss. What this cannot reproduce (LayerDrop, a
+top-level forward that changes the logits or the encoder output) trains as one layer with one warning naming why.
+
+Tensor parallelism (:func:`_tensor_parallel`): blocks whose attentions (self and cross) have ``q_proj`` /
+``k_proj`` / ``v_proj`` / ``out_proj`` and reshape by ``-1`` heads (BART's), with ``fc1`` / ``fc2`` on the block:
+q/k/v and ``fc1`` column-parallel, ``out_proj`` and ``fc2`` row-parallel. Whisper's attention reshapes its keys
+with the full head count, so its blocks stay whole.
+"""
+from __future__ import annotations
+
+import inspect
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+
+from uniap_lightning.adapters.auto import Family, HFTarget, count_tokens
+from uniap_lightning.adapters.families.common import colwise, divisors_of_all, rowwise, token_loss
+from uniap_lightning.adapters.families.generic import (
+    _PREFIX,
+    ATTENTION,
+    GenericBlock,
+    GenericEpilogue,
+    Unsplittable,
+    WholeModel,
+    _Calls,
+    _capture,
+    _check_loss,
+    _find_blocks,
+    _fqn,
+    _Layer,
+    _mode,
+    _Plan,
+    _refuse,
+    _register_attention,
+    _settled,
+    _Task,
+    _templates,
+    _verify,
+)
+from uniap_lightning.errors import UniAPError
+
+_FLAGS = ("use_cache", "output_attentions", "output_hidden_states")
+
+
+def seq2seq_loss(model: Any, logits: torch.Tensor, target: HFTarget) -> torch.Tensor:
+    """The seq2seq LM loss (cross-entropy over the tokens whose label is not -100, labels not shifted), whole-batch
+    normalized."""
+    return token_loss(logits, target.labels, target)
+
+
+def _probe_labels(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return batch["labels"]
+
+
+_TASK = _Task("seq2seq LM cross-entropy", seq2seq_loss, count_tokens, _probe_labels)
+
+
+# ------------------------------------------------------------------------------------------------------ inputs
+def _shift(model: Any, labels: torch.Tensor) -> torch.Tensor:
+    """The decoder's inputs from the labels, shifted right as the model does when given only labels."""
+    if hasattr(model, "prepare_decoder_input_ids_from_labels"):
+        return model.prepare_decoder_input_ids_from_labels(labels=labels)
+    shift = getattr(sys.modules.get(type(model).__module__), "shift_tokens_right", None)
+    if shift is None:
+        raise UniAPError(f"{type(model).__name__} has no prepare_decoder_input_ids_from_labels and its module no "
+                         "shift_tokens_right: give the batch 'decoder_input_ids'")
+    config = model.config
+    kwargs = {k: getattr(config, k) for k in ("pad_token_id", "decoder_start_token_id")
+              if k in inspect.signature(shift).parameters}
+    return shift(labels, **kwargs)
+
+
+def seq2seq_prepare(model: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The decoder's inputs: given, or the labels shifted right (what the model does with labels alone)."""
+    if "decoder_input_ids" in batch:
+        return {}
+    if "labels" not in batch:
+        raise UniAPError("an encoder-decoder batch needs 'labels' (training) or 'decoder_input_ids' (prediction); "
+                         f"it has {sorted(batch)}")
+    return {"decoder_input_ids": _shift(model, batch["labels"])}
+
+
+def _stacks(model: Any) -> tuple[nn.Module, nn.Module]:
+    encoder, decoder = model.get_encoder(), model.get_decoder()
+    if not isinstance(encoder, nn.Module) or not isinstance(decoder, nn.Module) or encoder is decoder:
+        raise _refuse(model, "it has no separate encoder and decoder modules")
+    return encoder, decoder
+
+
+def _encoder_inputs(model: Any, encoder: nn.Module) -> tuple[str, ...]:
+    params = inspect.signature(encoder.forward).parameters
+    main = next((k for k in ("input_ids", "input_features") if k in params), None)
+    if main is None:
+        raise _refuse(model, "its encoder takes neither input_ids nor input_features")
+    return (main, *(("attention_mask",) if "attention_mask" in params else ()))
+
+
+def _model_inputs(model: Any, encoder: nn.Module) -> tuple[str, ...]:
+    params = inspect.signature(model.forward).parameters
+    return (*_encoder_inputs(model, encoder),
+            *(k for k in ("decoder_input_ids", "decoder_attention_mask") if k in params))
+
+
+def _flags(module: nn.Module) -> dict[str, bool]:
+    params = inspect.signature(module.forward).parameters
+    return {k: False for k in _FLAGS if k in params}
+
+
+def _probe(model: Any, encoder: nn.Module, main: str, rows: int, device: torch.device,
+           padded: bool = True) -> dict[str, torch.Tensor]:
+    """A deterministic batch from the config (no random numbers drawn): 4 input tokens (or the mel features the
+    encoder requires) and 3 labels; the last sample's last input token and last label are padding (``padded``)."""
+    config = model.config
+    vocab = max(int(getattr(config, "vocab_size", 0) or 2) - 1, 1)
+    labels = (torch.arange(rows * 3, device=device).reshape(rows, 3) * 5 + 2) % vocab + 1
+    if padded:
+        labels[-1, -1] = -100
+    if main == "input_features":
+        length = int(getattr(config, "max_source_positions", 0) or 0)
+        for m in encoder.modules():
+            if isinstance(m, nn.Conv1d):
+                length *= m.stride[0]
+        mels = int(getattr(config, "num_mel_bins", 0) or 0)
+        if not length or not mels:
+            raise _refuse(model, "its encoder takes input_features, but its config has no max_source_positions and "
+                                 "num_mel_bins to build a probe from")
+        steps = torch.arange(rows * mels * length, device=device, dtype=torch.float32).reshape(rows, mels, length)
+        return {"input_features": (steps * 0.37).sin(), "labels": labels}
+    ids = (torch.arange(rows * 4, device=device).reshape(rows, 4) * 7 + 3) % vocab + 1
+    mask = torch.ones(rows, 4, dtype=torch.long, device=device)
+    if padded:
+        mask[-1, -1] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+# ------------------------------------------------------------------------------------------------------ layers
+class EncoderPrologue(_Layer):
+    """The encoder's forward up to its first block (hidden states + what the blocks take), and the decoder's inputs
+    embedded with the decoder's token embedding."""
+
+    def __init__(self, modules: list[nn.Module], encoder: nn.Module, blocks: nn.ModuleList, plan: _Plan,
+                 inputs: tuple[str, ...], embedding: nn.Module) -> None:
+        super().__init__(modules)
+        self.__dict__["_encoder"], self.__dict__["_blocks"] = encoder, blocks  # (owned by the model, not here)
+        self.plan, self.inputs, self.extra = plan, inputs, _flags(encoder)
+        self.embedding = next(i for i, m in enumerate(modules) if m is embedding)
+
+    def forward(self, d: dict[str, torch.Tensor]) -> dict[str, Any]:
+        batch = {k: d[k] for k in self.inputs if k in d}
+        hidden, calls = _capture(self._encoder, self._blocks, {**batch, **self.extra})
+        templates, tensors = _templates(calls)
+        if templates != self.plan.templates:
+            raise UniAPError("the encoder passed its blocks other arguments than on the setup probe; the generic "
+                             "split needs the same structure for every batch")
+        keep = {"attention_mask"}  # the decoder's cross-attention mask
+        return {**{k: None for k in self.inputs if k not in keep}, "decoder_input_ids": None,
+                "decoder_embeds": self.units[self.embedding](d["decoder_input_ids"]), "hidden": _settled(hidden),
+                **self.plan.encode(tensors, hidden.shape[0])}
+
+
+class DecoderPrologue(_Layer):
+    """The encoder's last modules (its output), then the decoder's forward up to its first block."""
+
+    def __init__(self, ends: list[nn.Module], modules: list[nn.Module], decoder: nn.Module,
+                 blocks: nn.ModuleList, plan: _Plan, encoder_plan: _Plan) -> None:
+        super().__init__(ends + modules)
+        self.__dict__["_decoder"], self.__dict__["_blocks"] = decoder, blocks
+        self.steps, self.plan, self.extra = len(ends), plan, _flags(decoder)
+        self.drop = [f"{_PREFIX}{j}" for j in range(len(encoder_plan.modes))]
+        self.cross_mask = "encoder_attention_mask" in inspect.signature(decoder.forward).parameters
+
+    def encoder_output(self, hidden: torch.Tensor) -> torch.Tensor:
+        for m in list(self.units)[: self.steps]:
+            hidden = m(hidden)
+        return hidden
+
+    def decoder_kwargs(self, d: dict[str, torch.Tensor], encoder_output: torch.Tensor) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"inputs_embeds": d["decoder_embeds"], "encoder_hidden_states": encoder_output,
+                                  **self.extra}
+        if "decoder_attention_mask" in d:
+            kwargs["attention_mask"] = d["decoder_attention_mask"]
+        if self.cross_mask and "attention_mask" in d:
+            kwargs["encoder_attention_mask"] = d["attention_mask"]
+        return kwargs
+
+    def forward(self, d: dict[str, torch.Tensor]) -> dict[str, Any]:
+        kwargs = self.decoder_kwargs(d, self.encoder_output(d["hidden"]))
+        hidden, calls = _capture(self._decoder, self._blocks, kwargs)
+        templates, tensors = _templates(calls)
+        if templates != self.plan.templates:
+            raise UniAPError("the decoder passed its blocks other arguments than on the setup probe; the generic "
+                             "split needs the same structure for every batch")
+        return {**dict.fromkeys(self.drop), "decoder_embeds": None, "attention_mask": None,
+                "decoder_attention_mask": None, "hidden": _settled(hidden), **self.plan.encode(tensors,
+                                                                                               hidden.shape[0])}
+
+
+def _tensor_parallel(block: nn.Module, config: Any) -> tuple[dict[str, str], list[int]] | None:
+    """Megatron-style tensor parallelism of an encoder or decoder block: every attention (self, cross) with
+    ``q_proj`` / ``k_proj`` / ``v_proj`` / ``out_proj`` whose forward reshapes by ``-1`` heads and never by its full
+    head count, and ``fc1`` / ``fc2`` on the block itself; ``None`` when the block is not of that shape."""
+    attentions = [(n, m) for n, m in block.named_modules()
+                  if all(isinstance(getattr(m, p, None), nn.Linear) for p in ("q_proj", "k_proj", "v_proj", "out_proj"))]
+    if not attentions or not all(isinstance(getattr(block, p, None), nn.Linear) for p in ("fc1", "fc2")):
+        return None
+    plan, heads = {}, []
+    for name, attn in attentions:
+        try:
+            source = "".join(inspect.getsource(type(attn).forward).split())
+        except (OSError, TypeError):
+            return None
+        if ",-1,self.head_dim)" not in source or "reshape(*input_shape,-1)" not in source or "self.num_heads" in source:
+            return None  # e.g. Whisper's keys reshaped with the full head count
+        if {id(p) for p in attn.parameters()} != {id(p) for p in ("q_proj", "k_proj", "v_proj", "out_proj")
+                                                  for p in getattr(attn, p).parameters()}:
+            return None  # parameters besides the projections would see only this rank's heads
+        n_heads = int(getattr(attn, "num_heads", 0) or 0)
+        if not n_heads:
+            return None
+        heads.append(n_heads)
+        plan.update({f"{name}.{p}": "col" for p in ("q_proj", "k_proj", "v_proj")})
+        plan[f"{name}.out_proj"] = "row"
+    plan.update({"fc1": "col", "fc2": "row"})
+    return plan, divisors_of_all(*heads, block.fc1.out_features)
+
+
+class Seq2SeqBlock(GenericBlock):
+    """One encoder or decoder block, called as its stack calls it; tensor parallel where :func:`_tensor_parallel`
+    recognizes it."""
+
+    def __init__(self, block: nn.Module, plan: _Plan, index: int, config: Any = None) -> None:
+        super().__init__(block, plan, index, config)
+        self.tp = _tensor_parallel(block, config)
+
+    def uniap_tp_plan(self, tp: int) -> dict[str, Any]:
+        assert self.tp is not None
+        return {f"units.0.{path}": (colwise() if kind == "col" else rowwise()) for path, kind in self.tp[0].items()}
+
+    def uniap_tp_allreduces(self) -> int:
+        return sum(kind == "row" for kind in self.tp[0].values()) if self.tp is not None else 0
+
+
+class Seq2SeqEpilogue(GenericEpilogue):
+    """The decoder's last modules and the LM head, plus the model's ``final_logits_bias`` (BART's buffer) if any."""
+
+    def __init__(self, sequence: list[nn.Module], unused: list[nn.Module], bias: torch.Tensor | None) -> None:
+        super().__init__(sequence, unused)
+        self.__dict__["_bias"] = bias  # the model's buffer (not registered here: it stays the model's)
+
+    def forward(self, d: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = super().forward(d)
+        return logits if self._bias is None else logits + self._bias.to(logits.device)
+
+
+# ------------------------------------------------------------------------------------------------------ building
+def _outermost(names: list[str]) -> list[str]:
+    return [n for n in names if not any(a != n and n.startswith(a + ".") for a in names)]
+
+
+def _inside(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def seq2seq_layers(model: Any) -> list[tuple[nn.Module, list[str]]]:
+    """The chain's layers (with the FQNs each wraps); :class:`~uniap_lightning.adapters.families.generic.
+    Unsplittable` naming why when the model cannot be split this way."""
+    try:
+        return _split(model)
+    except Unsplittable:
+        raise
+    except Exception as e:  # noqa: BLE001 - the model's code on an unexpected path: reported with its reason
+        raise _refuse(model, f"{type(e).__name__}: {e}") from e
+
+
+def _split(model: Any) -> list[tuple[nn.Module, list[str]]]:
+    drops = {k: v for k, v in vars(model.config).items() if k.endswith("layerdrop") and v}
+    if drops:
+        raise _refuse(model, f"it skips blocks at random in training (LayerDrop: {drops})")
+    encoder, decoder = _stacks(model)
+    fqn = {id(m): n for n, m in model.named_modules()}
+    enc_name, dec_name = fqn[id(encoder)], fqn[id(decoder)]
+    enc_rel, enc_blocks = _find_blocks(encoder)
+    dec_rel, dec_blocks = _find_blocks(decoder)
+    enc_blocks_name, dec_blocks_name = f"{enc_name}.{enc_rel}", f"{dec_name}.{dec_rel}"
+    embedding = decoder.get_input_embeddings()
+    if not isinstance(embedding, nn.Module) or id(embedding) not in fqn:
+        raise _refuse(model, "its decoder has no token embedding module")
+    inputs = _encoder_inputs(model, encoder)
+    device = next(model.parameters()).device
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    blocked = (enc_blocks_name, dec_blocks_name)
+    ancestors = {b.rsplit(".", i)[0] for b in blocked for i in range(1, b.count(".") + 1)}
+    hooked = {n: m for n, m in model.named_modules()
+              if n and n not in ancestors and not any(_inside(n, b) for b in blocked)
+              and not isinstance(m, nn.modules.loss._Loss)}
+    units = {n: m for n, m in hooked.items()
+             if any(True for _ in m.parameters(recurse=False)) or not any(True for _ in m.children())}
+    enc_calls, dec_calls = _Calls(hooked, enc_blocks), _Calls(hooked, dec_blocks)
+    try:
+        with torch.no_grad():
+            try:
+                batch = _probe(model, encoder, inputs[0], 3, device)
+                flags = _flags(model)
+                reference = model(**batch, **flags)  # (the model shifts the labels itself)
+            finally:
+                enc_calls.close()
+                dec_calls.close()
+            enc_plan = _plan(model, encoder, enc_blocks, inputs, device,
+                             lambda p: {k: p[k] for k in inputs if k in p})
+            before = [n for n in enc_calls.names("before") if n in units]
+            for stack, calls in (("encoder", enc_calls), ("decoder", dec_calls)):
+                between = [n for n in calls.names("between") if n in units]
+                if between:
+                    raise _refuse(model, f"it runs {between[0]} between its {stack} blocks")
+            middle = [n for n in enc_calls.names("after") if n in set(dec_calls.names("before"))]
+            stray = [n for n in middle if not _inside(n, enc_name) and not _inside(n, dec_name)]
+            if stray:
+                raise _refuse(model, f"it runs {stray[0]} between its encoder and its decoder")
+            ends = _outermost([n for n in middle if _inside(n, enc_name)])
+            emb_name = fqn[id(embedding)]
+            dec_before = [n for n in middle if _inside(n, dec_name) and n in units and n != emb_name]
+            after = _outermost(dec_calls.names("after"))
+            if not after:
+                raise _refuse(model, "it runs nothing after its decoder blocks (no head)")
+            owned = set(before) | {emb_name} | set(dec_before)
+            covered = [n for n in units if any(_inside(n, a) for a in (*ends, *after))]
+            twice = owned & set(covered)
+            if twice:
+                raise _refuse(model, f"it runs {sorted(twice)[0]} before and after its blocks")
+            first = [*before, *([emb_name] if emb_name not in before else [])]
+            first_params = {id(p) for n in first for p in units[n].parameters()}
+            unused = [n for n in units if n not in owned and n not in covered
+                      and any(True for _ in units[n].parameters())]
+            # a module the forward reads without calling it (Whisper's encoder positions), or one sharing the token
+            # embedding's weight (BART's ``shared``), stays with the stack that uses it
+            to_first = [n for n in unused if _inside(n, enc_name)
+                        or {id(p) for p in units[n].parameters()} <= first_params]
+            to_bridge = [n for n in unused if n not in to_first and _inside(n, dec_name)]
+            rest = [n for n in unused if n not in to_first and n not in to_bridge]
+            prologue = EncoderPrologue([units[n] for n in first + to_first], encoder, enc_blocks, enc_plan, inputs,
+                                       embedding)
+            modules = dict(model.named_modules())
+            bridge_plan = _decoder_plan(model, encoder, decoder, enc_blocks, dec_blocks, embedding, inputs,
+                                        [modules[n] for n in ends], device)
+            bridge = DecoderPrologue([modules[n] for n in ends], [units[n] for n in dec_before + to_bridge],
+                                     decoder, dec_blocks, bridge_plan, enc_plan)
+            enc_layers = [Seq2SeqBlock(b, enc_plan, i, model.config) for i, b in enumerate(enc_blocks)]
+            dec_layers = [Seq2SeqBlock(b, bridge_plan, i, model.config) for i, b in enumerate(dec_blocks)]
+            bias = getattr(model, "final_logits_bias", None)
+            epilogue = Seq2SeqEpilogue([modules[n] for n in after], [units[n] for n in rest],
+                                       bias if isinstance(bias, torch.Tensor) else None)
+            chain_batch = {k: v for k, v in batch.items() if k != "labels"}
+            chain_batch.update(seq2seq_prepare(model, batch))
+            _verify(model, _TASK, prologue, [*enc_layers, bridge, *dec_layers], epilogue, chain_batch,
+                    batch["labels"], reference)
+    finally:
+        for m, training in modes.items():
+            m.train(training)
+
+    def owners_first(names: list[str]) -> list[str]:
+        return sorted(names, key=lambda n: not any(True for _ in modules[n].parameters()))
+
+    return [
+        (prologue, owners_first(first + to_first)),
+        *[(layer, [f"{enc_blocks_name}.{i}"]) for i, layer in enumerate(enc_layers)],
+        (bridge, owners_first(ends + dec_before + to_bridge)),
+        *[(layer, [f"{dec_blocks_name}.{i}"]) for i, layer in enumerate(dec_layers)],
+        (epilogue, owners_first(after) + rest),
+    ]
+
+
+def _structure(model: Any, calls_by_rows: list[list[Any]]) -> _Plan:
+    """The plan of what a stack's prologue sends its blocks, from captures of 2 and 3 samples and of 2 unpadded."""
+    (templates, tensors2), (templates3, tensors3), (unpadded, _) = (_templates(c) for c in calls_by_rows)
+    if templates != templates3:
+        raise _refuse(model, "it passes its blocks other arguments for batches of 2 and 3 samples")
+    if templates != unpadded:
+        raise _refuse(model, "it passes its blocks other arguments for batches with and without padding")
+    return _Plan(templates, [_mode(model, j, a, b) for j, (a, b) in enumerate(zip(tensors2, tensors3))])
+
+
+_PROBES = ((2, True), (3, True), (2, False))
+
+
+def _plan(model: Any, encoder: nn.Module, blocks: nn.ModuleList, inputs: tuple[str, ...], device: torch.device,
+          pick: Any) -> _Plan:
+    flags = _flags(encoder)
+    calls = [_capture(encoder, blocks, {**pick(_probe(model, encoder, inputs[0], rows, device, padded)), **flags})[1]
+             for rows, padded in _PROBES]
+    return _structure(model, calls)
+
+
+def _decoder_plan(model: Any, encoder: nn.Module, decoder: nn.Module, enc_blocks: nn.ModuleList,
+                  dec_blocks: nn.ModuleList, embedding: nn.Module, inputs: tuple[str, ...], ends: list[nn.Module],
+                  device: torch.device) -> _Plan:
+    """The decoder's plan, its forward given the encoder's own output on each probe."""
+    cross = "encoder_attention_mask" in inspect.signature(decoder.forward).parameters
+    calls = []
+    for rows, padded in _PROBES:
+        probe = _probe(model, encoder, inputs[0], rows, device, padded)
+        enc_in = {k: probe[k] for k in inputs if k in probe}
+        out = encoder(**enc_in, **_flags(encoder))
+        kwargs: dict[str, Any] = {"inputs_embeds": embedding(_shift(model, probe["labels"])),
+                                  "encoder_hidden_states": out[0], **_flags(decoder)}
+        if cross and "attention_mask" in probe:
+            kwargs["encoder_attention_mask"] = probe["attention_mask"]
+        calls.append(_capture(decoder, dec_blocks, kwargs)[1])
+    return _structure(model, calls)
+
+
+# ------------------------------------------------------------------------------------------------------ family
+def seq2seq_family(model: Any) -> Family:
+    """The family of an encoder-decoder LM with no builder in ``FAMILIES``: the split above, or the whole model as
+    one layer (one warning naming why); a clear error for other heads."""
+    if model.get_output_embeddings() is None:
+        raise _refuse(model, "the generic split handles encoder-decoder LMs (*ForConditionalGeneration, "
+                             "MarianMTModel, ...: a decoder with an LM head and the seq2seq loss) only")
+    encoder, _ = _stacks(model)
+    if _register_attention() and hasattr(model, "set_attn_implementation"):
+        try:
+            model.set_attn_implementation(ATTENTION)
+        except Exception:  # noqa: BLE001 - a model without SDPA: its own (eager) attention, whose masks are tensors
+            pass
+    inputs = _model_inputs(model, encoder)
+    ties: tuple[tuple[str, str], ...] = ()
+    src, dst = model.get_input_embeddings(), model.get_output_embeddings()
+    if src is not None and getattr(src, "weight", None) is getattr(dst, "weight", 0):
+        a, b = _fqn(model, src), _fqn(model, dst)
+        if a and b:
+            ties = ((a, b),)
+    try:
+        pairs = seq2seq_layers(model)
+    except Unsplittable as e:
+        return _one_layer(model, encoder, inputs, e)
+    return Family(layers=lambda _: pairs, loss=seq2seq_loss, inputs=inputs, count=count_tokens,
+                  prepare=seq2seq_prepare, attention=None, ties=ties)
+
+
+def _one_layer(model: Any, encoder: nn.Module, inputs: tuple[str, ...], why: UniAPError) -> Family:
+    """The model as one layer, after checking that its own loss is the seq2seq LM loss of its logits on a probe."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+    layer = WholeModel(model, inputs)
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        with torch.no_grad():
+            batch = _probe(model, encoder, inputs[0], 3, next(model.parameters()).device)
+            reference = model(**batch, **_flags(model))
+            logits = layer({**batch, **seq2seq_prepare(model, batch)})
+    finally:
+        for m, training in modes.items():
+            m.train(training)
+    try:
+        _check_loss(model, _TASK, logits, batch["labels"], reference, 1e-4)
+    except UniAPError:
+        raise why from None
+    reason = getattr(why, "reason", "") or str(why)
+    rank_zero_warn(f"{type(model).__name__} trains as ONE layer (replicated or ZeRO-sharded, no pipeline or tensor "
+                   f"parallelism): the generic split cannot handle it ({reason}). Define uniap_layers() on your "
+                   "LightningModule to split it.")
+    owners = [n for n, m in model.named_children() if any(True for _ in m.parameters())]
+    return Family(layers=lambda _: [(layer, owners)], loss=seq2seq_loss, inputs=inputs, count=count_tokens,
+                  prepare=seq2seq_prepare, attention=None)
