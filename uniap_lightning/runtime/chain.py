@@ -147,9 +147,13 @@ def _find_loss(module: nn.Module) -> Callable[[torch.Tensor, Any], torch.Tensor]
     loss = getattr(module, "loss_fn", None)
     if callable(loss):
         return loss
+    step = getattr(type(module), "training_step", None)
+    own_step = step is not None and getattr(step, "__module__", "").split(".")[0] not in ("lightning", "pytorch_lightning")
     raise UniAPError(
         f"{type(module).__name__} has no loss the strategy can call: define uniap_loss(output, target) or a "
-        "loss_fn attribute (e.g. self.loss_fn = nn.CrossEntropyLoss())."
+        "loss_fn attribute (e.g. self.loss_fn = nn.CrossEntropyLoss())"
+        + (f"; {type(module).__name__}.training_step is not called: the strategy runs the layers and the loss itself, "
+           "stage by stage" if own_step else "") + "."
     )
 
 
