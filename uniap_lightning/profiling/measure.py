@@ -150,11 +150,55 @@ def _detached(out: Any) -> Any:
     return map_tensors(lambda t: t.detach(), out)
 
 
+#: a profile predicted to take longer than this many seconds is announced once, with what would shorten it
+SLOW_PROFILE_S = 60.0
+
+
+def predicted_profile_s(elapsed_s: float, layers_done: int, layers: int, sizes: Sequence[int]) -> float:
+    """The whole profile's seconds, from the first ``layers_done`` layers at the smallest size ``sizes[0]`` having
+    taken ``elapsed_s``: every layer as long as those on average, and a layer's time growing with the micro-batch
+    (linearly: right on a CPU, pessimistic on a GPU, whose small batches do not fill it)."""
+    return elapsed_s / max(layers_done, 1) * layers * sum(m / sizes[0] for m in sizes)
+
+
+class _DurationEstimate:
+    """Predicts the profile's duration from its first timings (the layers at the smallest size) and says once,
+    through ``progress`` (rank 0's log), when it is above :data:`SLOW_PROFILE_S`, with what to do about it."""
+
+    def __init__(self, layers: int, sizes: Sequence[int], repeats: int, progress: Callable[[str], None] | None) -> None:
+        self.layers, self.sizes, self.repeats, self.progress = layers, list(sizes), repeats, progress
+        self.t0 = time.perf_counter()
+        self.done = progress is None
+
+    def after_layer(self, layers_done: int) -> None:
+        if self.done:
+            return
+        elapsed = time.perf_counter() - self.t0
+        total = predicted_profile_s(elapsed, layers_done, self.layers, self.sizes)
+        if total <= SLOW_PROFILE_S:
+            return
+        self.done = True
+        assert self.progress is not None
+        fewer = f"profile_repeats=1 (now {self.repeats}), " if self.repeats > 1 else ""
+        self.progress(f"this will take about {_duration(total)} ({self.layers} layers at micro-batches "
+                      f"{', '.join(map(str, self.sizes))}; {layers_done} layer(s) at {self.sizes[0]} took "
+                      f"{elapsed:.1f} s). To shorten it: {fewer}fewer or smaller profile_micro_batches, a shorter "
+                      "sequence (uniap train: data.seq_len), or plan with a profile measured on a GPU (profile=FILE; "
+                      "profiles are cached, a second run reuses this one)")
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min" if seconds < 7200 else \
+        f"{seconds / 3600:.1f} h"
+
+
 def _time_chain(layers: Sequence[nn.Module], names: Sequence[str], x: Any, repeats: int, warmup: int,
                 context: Context, flush: Callable[[], None], loss: Callable[[Any], torch.Tensor] | None = None,
+                after_layer: Callable[[int], None] | None = None,
                 ) -> tuple[list[tuple[float, float]], list[tuple[int, float, float]]]:
     """Every layer in order at one micro-batch size: times, and (out bytes summed over the output's tensors,
-    activation bytes, backward peak bytes) per layer; ``loss`` goes with the last layer."""
+    activation bytes, backward peak bytes) per layer; ``loss`` goes with the last layer; ``after_layer(n)`` is
+    called once ``n`` layers are timed."""
     from uniap_lightning.runtime.chain import check_layer_output
 
     times, stats = [], []
@@ -175,6 +219,8 @@ def _time_chain(layers: Sequence[nn.Module], names: Sequence[str], x: Any, repea
         times.append((fwd_s, bwd_s))
         stats.append((nbytes(y), act, peak))
         x = y
+        if after_layer is not None:
+            after_layer(i + 1)
     return times, stats
 
 
@@ -229,15 +275,19 @@ def profile_layers(
     stats: list[tuple[int, float, float]] = []  # at the largest size: out bytes, act bytes, backward peak
     skipped: dict[int, str] = {}
     failure: Exception | None = None
+    estimate: _DurationEstimate | None = None
     with training_state_kept(layers):
         for m in sizes:  # largest last: its outputs give the per-sample byte figures
             if sync is not None:
                 sync()
             if failure is not None:
                 continue
+            if estimate is None:  # the first size timed (the smallest) predicts the rest
+                estimate = _DurationEstimate(len(layers), [s for s in sizes if s >= m], repeats, progress)
             try:
                 readings[m], size_stats = _time_chain(layers, names, head(sample_input, m), repeats, warmup,
-                                                      context, flush, with_loss.at(m))
+                                                      context, flush, with_loss.at(m),
+                                                      after_layer=estimate.after_layer if m == estimate.sizes[0] else None)
             except ProfilingUnavailable as err:
                 if m == n_rows or "meta device" in str(err):
                     failure = err
