@@ -218,7 +218,7 @@ def test_seq2seq_two_ranks(name: str, spawn_cases: Any) -> None:
 
 
 FOUR_RANKS = {
-    "bart_pp2_x_tp2": case("bart", [TP] * 7, [0, 0, 0, 0, 1, 1, 1], world=4),
+    "bart_pp2_x_tp2": case("bart", [REPL, TP, TP, REPL, TP, TP, TP], [0, 0, 0, 0, 1, 1, 1], world=4),
     "whisper_pp2_x_fsdp2": case("whisper", [FSDP] * 7, [0, 0, 0, 1, 1, 1, 1], world=4),
 }
 
