@@ -25,8 +25,10 @@ time and peak memory, and logs through Lightning's loggers (CSV, TensorBoard, ..
 Gathering the ranks' figures does not stop training: the gather is started at the end of a window and finished
 at the end of the next batch (or of training), so the figures are logged one batch after their window.
 
-It warns once (rank 0) when the time error exceeds ``time_error_threshold``, and writes a JSON file that
-``uniap explain measured=FILE`` reads: ``tpi_s``, ``stage_time_s`` (per stage and micro-batch: the predicted
+It warns once (rank 0) when the time error exceeds ``time_error_threshold`` (naming the command to run), and writes
+a JSON file (``<log dir>/uniap_measured.json``, e.g. ``lightning_logs/version_0/``) that ``uniap explain
+measured=FILE`` reads: ``run`` (what it belongs to: the plan, and the cluster description, model profile and
+training settings it was planned with; see :func:`run_record`), ``tpi_s``, ``stage_time_s`` (per stage and micro-batch: the predicted
 stage times scaled by measured / predicted time per iteration - an approximation, stages are not timed
 separately), ``stage_peak_memory_bytes`` (the largest peak of each stage's ranks), plus per-rank figures, and
 ``rebalances``: the plan switches of a ``rebalance=True`` run so far (:mod:`uniap_lightning.rebalance`). A switch
@@ -75,6 +77,25 @@ def _grad_sync_bytes(trainer: pl.Trainer) -> tuple[int, int]:
         return 0, 0
     replicated = strategy.runtime.replicated
     return replicated.counter.step_bytes, replicated.wire_bytes_per_step()
+
+
+def run_record(setup_result: Any, plan: Any) -> dict[str, Any]:
+    """What a measured file belongs to (``run``): the plan, and where setup had them, the cluster description, the
+    model profile and the training settings it was planned with, so ``uniap explain measured=FILE`` re-scores the
+    same problem (and refuses another model or cluster)."""
+    from dataclasses import asdict
+
+    record: dict[str, Any] = {"model": plan.model, "cluster": plan.cluster, "devices": plan.num_devices,
+                              "model_fingerprint": plan.model_fingerprint, "plan": plan.to_dict()}
+    cluster = getattr(setup_result, "planning_cluster", None)
+    profile = getattr(setup_result, "profile", None)
+    if cluster is not None and profile is not None:
+        record["cluster"] = cluster.name
+        record["cluster_spec"] = asdict(cluster)
+        record["profile"] = profile.to_dict()
+        training = dict(getattr(setup_result, "report", {}).get("training") or {})
+        record["training"] = training or {"global_batch_size": plan.global_batch_size, "schedule": plan.schedule}
+    return record
 
 
 class UniAPMonitor(pl.Callback):
@@ -261,6 +282,8 @@ class UniAPMonitor(pl.Callback):
         rebalances = getattr(strategy, "rebalances", None)
         if rebalances:
             report["rebalances"] = rebalances
+        if plan is not None:
+            report["run"] = run_record(strategy.setup_result, plan)
         self.last = report
         if log:
             for k, v in metrics.items():
@@ -291,11 +314,14 @@ class UniAPMonitor(pl.Callback):
                                f"({err:+.0%}), {mem}")
                 if abs(err) > self.time_error_threshold and not self._warned:
                     self._warned = True
+                    where = report.get("file")
                     rank_zero_warn(
                         f"UniAP: measured step time {compared * 1e3:.2f} ms differs from the plan's prediction "
                         f"{report['predicted_tpi_s'] * 1e3:.2f} ms by {err:+.0%} (threshold "
-                        f"{self.time_error_threshold:.0%}); the plan may not be the fastest here. Check the cluster "
-                        "description / profile (uniap explain measured=<metrics file>)."
+                        f"{self.time_error_threshold:.0%}); the plan may not be the fastest here. Per stage and "
+                        "layer, with the model, cluster and plan this run used: "
+                        + (f"uniap explain measured={where}" if where else "uniap explain measured=<metrics file> "
+                           "(this run's could not be written)")
                     )
             else:
                 rank_zero_info(f"UniAP monitor: {report['tpi_s'] * 1e3:.2f} ms/step measured, {mem}")
@@ -311,6 +337,6 @@ class UniAPMonitor(pl.Callback):
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             write_json_atomic(path, report)
-            report["file"] = str(path)
+            report["file"] = str(path.resolve())
         except (OSError, UniAPError):  # UniAPError: a device, FIFO or folder under the name (never replaced)
             pass

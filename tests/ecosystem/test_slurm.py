@@ -24,12 +24,18 @@ def sh(*args: str, timeout: int = 600, **kw) -> subprocess.CompletedProcess:
 def slurm():
     if shutil.which("slurmctld") is None and os.geteuid() != 0:
         pytest.skip("SLURM is not installed and this is not root")
+    had_srun = shutil.which("srun") is not None
     up = sh("bash", str(ROOT / "scripts" / "slurm_local.sh"), "start", timeout=900)
     if up.returncode != 0:
+        sh("bash", str(ROOT / "scripts" / "slurm_local.sh"), "stop")
         pytest.fail(f"could not start SLURM:\n{up.stdout}\n{up.stderr}")
     yield
     sh("scancel", "--user", os.environ.get("USER", "root"))
-    sh("bash", str(ROOT / "scripts" / "slurm_local.sh"), "stop")
+    down = sh("bash", str(ROOT / "scripts" / "slurm_local.sh"), "stop", timeout=600)
+    assert down.returncode == 0, down.stderr
+    # what the start installed is gone: later Lightning runs would warn about an unused srun
+    assert had_srun or shutil.which("srun") is None
+    assert subprocess.run(["pgrep", "-x", "slurmctld"], capture_output=True).returncode == 1
 
 
 def sbatch(tmp_path: Path, *extra: str) -> tuple[int, str]:

@@ -230,6 +230,43 @@ def test_monitor_logs_measured_vs_predicted(fitted: Any) -> None:
     Console(file=open("/dev/null", "w")).print(explain_renderables(first.strategy.plan, problem, data))
 
 
+def test_explain_uses_the_model_cluster_and_plan_the_measured_file_records(fitted: Any, tmp_path: Path) -> None:
+    """The measured file records what it belongs to: ``uniap explain measured=FILE`` alone re-scores that plan on
+    that model and cluster (the warning prints this command); another model or device count is refused; a file
+    without the record says so (issue 21 item 4: it compared with gpt2_small on a100_1x8 and printed "+206%")."""
+    import subprocess
+    import sys
+
+    tmp, first, _, _, messages = fitted
+    path = (tmp / "measured.json").resolve()
+    data = json.loads(path.read_text())
+    run = data["run"]
+    plan = first.strategy.plan
+    assert run["plan"] == json.loads(json.dumps(plan.to_dict())) and run["devices"] == 1
+    assert run["training"]["global_batch_size"] == plan.global_batch_size and run["profile"]["layers"]
+    assert any(f"uniap explain measured={path}" in m for m in messages)
+
+    def explain(*args: str) -> Any:
+        return subprocess.run([sys.executable, "-m", "uniap_lightning.cli.main", "explain", f"measured={path}", *args],
+                              capture_output=True, text=True, timeout=300, cwd=tmp_path)
+
+    res = explain()
+    assert res.returncode == 0, res.stderr
+    assert f"The plan measured in {path}" in res.stdout and "(1 devices)" in res.stdout
+    ms = f"{plan.estimate.tpi_s * 1e3:,.2f} ms"  # the same prediction as at setup: the same problem and plan
+    assert ms in res.stdout, (ms, res.stdout[:2000])
+    bad = explain("model=gpt2_small", "cluster=a100_1x8")
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+    assert "was measured with model" in bad.stderr and "(1 devices), not model gpt2_small" in bad.stderr
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({k: v for k, v in data.items() if k != "run"}))
+    res = subprocess.run([sys.executable, "-m", "uniap_lightning.cli.main", "explain", f"measured={old}",
+                          "model=tiny_gpt", "cluster=local_cpu", "batch_size=8"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "does not record which model, cluster and plan it measured" in res.stdout
+
+
 def test_empty_dataloader_plans_structurally(tmp_path: Path) -> None:
     from torch.utils.data import DataLoader, TensorDataset
 

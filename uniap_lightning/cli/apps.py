@@ -221,22 +221,41 @@ def run_explain(cfg: DictConfig) -> None:
     from uniap_lightning.planner.report import explain_renderables, print_plan
     from uniap_lightning.planner.solver import solve
 
+    from uniap_lightning.cli import measured as recorded
+
     console = make_console()
+    note = title = None
     try:
         _check_options(cfg)
         measured = _measured(cfg.measured) if cfg.get("measured") else None
-        problem = _problem(cfg)
-        if cfg.plan:
-            plan = Plan.from_json(Path(cfg.plan))
+        run = recorded.recorded_run(measured, cfg.measured) if measured else None
+        chosen = run is not None and not (recorded.given_on_command_line() & set(recorded.CHOOSING))
+        found = recorded.recorded_problem(run, cfg.measured) if chosen else None
+        if found is not None:  # the model, cluster and plan the file was measured with
+            problem, plan = found
             plan.estimate = evaluate(problem, plan)
+            title = f"The plan measured in {cfg.measured}: {recorded.describe(run)}"
         else:
-            with console.status("[bold]solving[/bold]"):
-                plan = solve(problem, solver=cfg.solver, time_limit_s=float(cfg.time_limit), pp=_pp(cfg),
-                             baselines=bool(cfg.baselines))
+            problem = _problem(cfg)
+            plan = Plan.from_json(Path(cfg.plan)) if cfg.plan else None
+            if run is not None:
+                recorded.check_same_run(run, problem, plan, cfg.measured)
+            elif measured is not None:
+                note = (f"note: {cfg.measured} does not record which model, cluster and plan it measured "
+                        f"(written by an older version); compared with model {problem.model.model} on "
+                        f"{problem.cluster.name}")
+            if plan is not None:
+                plan.estimate = evaluate(problem, plan)
+            else:
+                with console.status("[bold]solving[/bold]"):
+                    plan = solve(problem, solver=cfg.solver, time_limit_s=float(cfg.time_limit), pp=_pp(cfg),
+                                 baselines=bool(cfg.baselines))
     except UniAPError as err:
         _fail(err, cfg)
         return
-    print_plan(plan, console=console)
+    if note:
+        console.print(note, markup=False, highlight=False)
+    print_plan(plan, console=console, **({"title": title} if title else {}))
     console.print(explain_renderables(plan, problem, measured))
     if measured and measured.get("rebalances"):
         console.print(_rebalance_table(measured["rebalances"]))

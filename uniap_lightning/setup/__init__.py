@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -160,7 +160,9 @@ def _solve(m: Measurements, chain: Chain, sample: Sample, cluster: Cluster | Non
              f"(solver={o.solver}, time limit {o.time_limit_s:g} s) ...")
 
     t0 = time.perf_counter()
-    plan, origin = solve_plan(profile=profile, cluster=cluster, training=_training(chain, batch, o.schedule),
+    training = _training(chain, batch, o.schedule)
+    m.report["training"] = asdict(training)  # what the monitor's measured file records for `uniap explain`
+    plan, origin = solve_plan(profile=profile, cluster=cluster, training=training,
                               solver=o.solver, time_limit_s=o.time_limit_s, cache_dir=o.plan_cache_dir(),
                               compression=o.compression, compression_options=o.compression_options_dict,
                               on_solve=say)
