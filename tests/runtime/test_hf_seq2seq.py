@@ -155,16 +155,50 @@ def test_layerdrop_trains_as_one_layer() -> None:
     torch.testing.assert_close(_chain_loss(chain, batch), expected, rtol=1e-6, atol=1e-6)
 
 
-def test_another_seq2seq_head_is_refused_at_setup() -> None:
+def _tiny_bart(cls: str, **kw: Any) -> Any:
     import transformers as tr
 
+    torch.manual_seed(0)
+    return getattr(tr, cls)(tr.BartConfig(
+        vocab_size=32, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, dropout=0.0, attention_dropout=0.0,
+        pad_token_id=0, eos_token_id=2, **kw))
+
+
+def test_a_seq2seq_classifier_trains_as_one_layer() -> None:
+    """BART's sequence classifier pools the decoder's states at the last <eos> in its top-level forward: one layer
+    (one warning), its own loss on micro-batches."""
     from uniap_lightning.runtime import extract_chain
 
-    model = tr.BartForSequenceClassification(tr.BartConfig(
-        vocab_size=32, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, num_labels=3))
-    with pytest.raises(UniAPError, match=r"BartForSequenceClassification.*encoder-decoder LMs.*uniap_layers"):
-        extract_chain(h.make_module(factory="hf_models:HFModule", model=model))
+    module = h.make_module(factory="hf_models:HFModule", model=_tiny_bart("BartForSequenceClassification",
+                                                                          num_labels=3))
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 32, (8, 6), generator=g)
+    ids[:, -1] = 2  # every sample ends with <eos>
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.randint(0, 3, (8,), generator=g)}
+    expected = module.model(**batch).loss
+    with pytest.warns(UserWarning, match="BartForSequenceClassification trains as ONE layer.*pools"):
+        chain = extract_chain(module)
+    assert chain.names == ["model.model"]
+    torch.testing.assert_close(_chain_loss(chain, batch), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_another_seq2seq_head_is_refused_at_setup() -> None:
+    from uniap_lightning.runtime import extract_chain
+
+    module = h.make_module(factory="hf_models:HFModule", model=_tiny_bart("BartForQuestionAnswering"))
+    with pytest.raises(UniAPError, match=r"BartForQuestionAnswering.*encoder-decoder LMs.*uniap_layers"):
+        extract_chain(module)
+
+
+def test_labels_longer_than_the_decoder_positions_are_refused_in_one_line() -> None:
+    from uniap_lightning.runtime import extract_chain
+
+    chain = extract_chain(seq2seq_module("whisper"))
+    batch = next(iter(seq2seq_batches(2, "whisper")))
+    batch["labels"] = torch.ones(2, 13, dtype=torch.long)  # Whisper's tiny config: 12 decoder positions
+    with pytest.raises(UniAPError, match="13 decoder tokens.*at most 12"):
+        chain.split_batch(batch)
 
 
 def test_tensor_parallel_where_the_attention_allows_it() -> None:

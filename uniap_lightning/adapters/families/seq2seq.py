@@ -59,6 +59,7 @@ from uniap_lightning.adapters.families.generic import (
     _refuse,
     _register_attention,
     _settled,
+    _task,
     _Task,
     _templates,
     _verify,
@@ -103,7 +104,13 @@ def seq2seq_prepare(model: Any, batch: dict[str, torch.Tensor]) -> dict[str, tor
     if "labels" not in batch:
         raise UniAPError("an encoder-decoder batch needs 'labels' (training) or 'decoder_input_ids' (prediction); "
                          f"it has {sorted(batch)}")
-    return {"decoder_input_ids": _shift(model, batch["labels"])}
+    decoder = _shift(model, batch["labels"])
+    limit = getattr(model.config, "max_target_positions", None) or getattr(model.config, "max_position_embeddings",
+                                                                           None)
+    if isinstance(limit, int) and decoder.shape[-1] > limit:  # (else an index error deep in the decoder)
+        raise UniAPError(f"the batch's labels hold {decoder.shape[-1]} decoder tokens; {type(model).__name__} takes at "
+                         f"most {limit} (config.max_target_positions / max_position_embeddings)")
+    return {"decoder_input_ids": decoder}
 
 
 def _stacks(model: Any) -> tuple[nn.Module, nn.Module]:
@@ -221,12 +228,13 @@ class DecoderPrologue(_Layer):
                                                                                                hidden.shape[0])}
 
 
-def _tensor_parallel(block: nn.Module, config: Any) -> tuple[dict[str, str], list[int]] | None:
+def _tensor_parallel(block: nn.Module) -> tuple[dict[str, str], list[int]] | None:
     """Megatron-style tensor parallelism of an encoder or decoder block: every attention (self, cross) with
     ``q_proj`` / ``k_proj`` / ``v_proj`` / ``out_proj`` whose forward reshapes by ``-1`` heads and never by its full
     head count, and ``fc1`` / ``fc2`` on the block itself; ``None`` when the block is not of that shape."""
+    projections = ("q_proj", "k_proj", "v_proj", "out_proj")
     attentions = [(n, m) for n, m in block.named_modules()
-                  if all(isinstance(getattr(m, p, None), nn.Linear) for p in ("q_proj", "k_proj", "v_proj", "out_proj"))]
+                  if all(isinstance(getattr(m, p, None), nn.Linear) for p in projections)]
     if not attentions or not all(isinstance(getattr(block, p, None), nn.Linear) for p in ("fc1", "fc2")):
         return None
     plan, heads = {}, []
@@ -237,8 +245,7 @@ def _tensor_parallel(block: nn.Module, config: Any) -> tuple[dict[str, str], lis
             return None
         if ",-1,self.head_dim)" not in source or "reshape(*input_shape,-1)" not in source or "self.num_heads" in source:
             return None  # e.g. Whisper's keys reshaped with the full head count
-        if {id(p) for p in attn.parameters()} != {id(p) for p in ("q_proj", "k_proj", "v_proj", "out_proj")
-                                                  for p in getattr(attn, p).parameters()}:
+        if {id(p) for p in attn.parameters()} != {id(w) for p in projections for w in getattr(attn, p).parameters()}:
             return None  # parameters besides the projections would see only this rank's heads
         n_heads = int(getattr(attn, "num_heads", 0) or 0)
         if not n_heads:
@@ -256,7 +263,7 @@ class Seq2SeqBlock(GenericBlock):
 
     def __init__(self, block: nn.Module, plan: _Plan, index: int, config: Any = None) -> None:
         super().__init__(block, plan, index, config)
-        self.tp = _tensor_parallel(block, config)
+        self.tp = _tensor_parallel(block)
 
     def uniap_tp_plan(self, tp: int) -> dict[str, Any]:
         assert self.tp is not None
@@ -437,12 +444,12 @@ def _decoder_plan(model: Any, encoder: nn.Module, decoder: nn.Module, enc_blocks
 
 # ------------------------------------------------------------------------------------------------------ family
 def seq2seq_family(model: Any) -> Family:
-    """The family of an encoder-decoder LM with no builder in ``FAMILIES``: the split above, or the whole model as
-    one layer (one warning naming why); a clear error for other heads."""
-    if model.get_output_embeddings() is None:
-        raise _refuse(model, "the generic split handles encoder-decoder LMs (*ForConditionalGeneration, "
-                             "MarianMTModel, ...: a decoder with an LM head and the seq2seq loss) only")
+    """The family of an encoder-decoder model with no builder in ``FAMILIES``: an LM is split as above, or trains as
+    one layer (one warning naming why); a single-label sequence classifier (BART's: it pools the decoder's states at
+    the last ``<eos>`` in its top-level forward) trains as one layer; a clear error for other heads."""
     encoder, _ = _stacks(model)
+    if model.get_output_embeddings() is None:
+        return _classifier(model, encoder)
     if _register_attention() and hasattr(model, "set_attn_implementation"):
         try:
             model.set_attn_implementation(ATTENTION)
@@ -458,13 +465,43 @@ def seq2seq_family(model: Any) -> Family:
     try:
         pairs = seq2seq_layers(model)
     except Unsplittable as e:
-        return _one_layer(model, encoder, inputs, e)
+        batch = _probe(model, encoder, inputs[0], 3, next(model.parameters()).device)
+        layer = _one_layer(model, inputs, _TASK, batch, {**batch, **seq2seq_prepare(model, batch)}, e)
+        return Family(layers=lambda _: layer, loss=seq2seq_loss, inputs=inputs, count=count_tokens,
+                      prepare=seq2seq_prepare, attention=None)
     return Family(layers=lambda _: pairs, loss=seq2seq_loss, inputs=inputs, count=count_tokens,
                   prepare=seq2seq_prepare, attention=None, ties=ties)
 
 
-def _one_layer(model: Any, encoder: nn.Module, inputs: tuple[str, ...], why: UniAPError) -> Family:
-    """The model as one layer, after checking that its own loss is the seq2seq LM loss of its logits on a probe."""
+def _classifier(model: Any, encoder: nn.Module) -> Family:
+    """A sequence classifier as one layer, on a probe whose every sample ends with ``<eos>`` (where BART pools)."""
+    why = _refuse(model, "the generic split handles encoder-decoder LMs (*ForConditionalGeneration, MarianMTModel, "
+                         "...: a decoder with an LM head and the seq2seq loss) and trains single-label sequence "
+                         "classifiers as one layer")
+    if not type(model).__name__.endswith("ForSequenceClassification"):
+        raise why
+    try:
+        task = _task(model)
+    except Unsplittable:
+        raise why from None
+    inputs = _encoder_inputs(model, encoder)
+    batch = _probe(model, encoder, inputs[0], 3, next(model.parameters()).device)
+    eos = getattr(model.config, "eos_token_id", None)
+    if "input_ids" not in batch or not isinstance(eos, int):
+        raise why
+    last = batch["attention_mask"].sum(1) - 1
+    other = eos + 1 if eos + 1 < int(model.config.vocab_size) else eos - 1  # one <eos> per sample
+    batch["input_ids"] = batch["input_ids"].masked_fill(batch["input_ids"] == eos, other)
+    batch["input_ids"][torch.arange(len(last)), last] = eos
+    batch["labels"] = task.labels(model, batch)
+    layer = _one_layer(model, inputs, task, batch, batch, _refuse(model, "it pools in its top-level forward"))
+    return Family(layers=lambda _: layer, loss=task.loss, inputs=inputs, count=task.count, attention=None)
+
+
+def _one_layer(model: Any, inputs: tuple[str, ...], task: _Task, batch: dict[str, torch.Tensor],
+               chain_batch: dict[str, torch.Tensor], why: UniAPError) -> list[tuple[nn.Module, list[str]]]:
+    """The model as one layer, after checking on the probe ``batch`` (labels included; ``chain_batch``: what the
+    layer takes) that its own loss is ``task``'s loss of its logits; one warning naming why."""
     from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
     layer = WholeModel(model, inputs)
@@ -472,14 +509,13 @@ def _one_layer(model: Any, encoder: nn.Module, inputs: tuple[str, ...], why: Uni
     model.eval()
     try:
         with torch.no_grad():
-            batch = _probe(model, encoder, inputs[0], 3, next(model.parameters()).device)
             reference = model(**batch, **_flags(model))
-            logits = layer({**batch, **seq2seq_prepare(model, batch)})
+            logits = layer(chain_batch)
     finally:
         for m, training in modes.items():
             m.train(training)
     try:
-        _check_loss(model, _TASK, logits, batch["labels"], reference, 1e-4)
+        _check_loss(model, task, logits, batch["labels"], reference, 1e-4)
     except UniAPError:
         raise why from None
     reason = getattr(why, "reason", "") or str(why)
@@ -487,5 +523,4 @@ def _one_layer(model: Any, encoder: nn.Module, inputs: tuple[str, ...], why: Uni
                    f"parallelism): the generic split cannot handle it ({reason}). Define uniap_layers() on your "
                    "LightningModule to split it.")
     owners = [n for n, m in model.named_children() if any(True for _ in m.parameters())]
-    return Family(layers=lambda _: [(layer, owners)], loss=seq2seq_loss, inputs=inputs, count=count_tokens,
-                  prepare=seq2seq_prepare, attention=None)
+    return [(layer, owners)]
