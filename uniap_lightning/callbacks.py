@@ -100,6 +100,15 @@ class StepProgressBar(RichProgressBar):
         return super()._get_train_description(current_epoch)
 
 
+def fix_default_progress_bar(trainer: pl.Trainer) -> None:
+    """Lightning's default rich progress bar, made a :class:`StepProgressBar` (a subclass that only changes the
+    train description, no state of its own) so a user's ``Trainer(max_steps=N)`` shows "Epoch 0", not "Epoch 0/-2".
+    A bar the user chose (any other class) is left alone."""
+    bar = getattr(trainer, "progress_bar_callback", None)
+    if type(bar) is RichProgressBar:
+        bar.__class__ = StepProgressBar
+
+
 class CheckpointOnSigterm(Callback):
     """On preemption (SIGTERM: SLURM, Kubernetes, ``kill``), write a checkpoint before the run exits.
 

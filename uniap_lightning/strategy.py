@@ -217,7 +217,9 @@ class UniAPStrategy(CheckpointIO, ModelParallelStrategy):
         check_module_supported(self.lightning_module, self.precision_plugin)
         if self._runtime is None:
             from uniap_lightning import error_hook
+            from uniap_lightning.callbacks import fix_default_progress_bar
 
+            fix_default_progress_bar(trainer)
             error_hook.install(rank=self.global_rank)  # a setup refusal ends the script with one line, on rank 0
             _materialize_distributed_module(self.model, self.root_device)
             self.model = self.precision_plugin.convert_module(self.model)

@@ -55,3 +55,34 @@ def test_perplexity_is_computed_without_a_collective(one_rank_group: Any, monkey
     ppl.on_validation_batch_end(_Trainer(2), module, torch.tensor(3.0), None, 0)  # type: ignore[arg-type]
     ppl.on_validation_epoch_end(_Trainer(2), module)  # type: ignore[arg-type]
     assert ppl.last_val_ppl == pytest.approx(math.exp(3.0))
+
+
+def test_a_users_trainer_bounded_by_steps_shows_no_negative_epoch_count(tmp_path: Any) -> None:
+    """Lightning's default rich bar printed "Epoch 0/-2" for ``Trainer(max_steps=N)`` (``max_epochs=-1``); under
+    the strategy it shows "Epoch 0"; a bar the user chose is left as it is."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from uniap_lightning import UniAPStrategy
+    from uniap_lightning.adapters import CausalLMModule
+    from uniap_lightning.adapters.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    module = CausalLMModule(GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=8)).layers())
+    ids = torch.randint(0, 32, (16, 8))
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                         enable_model_summary=False, strategy=UniAPStrategy(cache_dir=str(tmp_path), monitor=False,
+                                                                           measure_cluster=False))
+    assert type(trainer.progress_bar_callback) is RichProgressBar
+    plain = RichProgressBar()
+    plain._trainer = trainer
+    assert plain._get_train_description(0).strip() == "Epoch 0/-2"  # Lightning's own
+    trainer.fit(module, DataLoader(TensorDataset(ids, ids), batch_size=8))
+    assert trainer.progress_bar_callback._get_train_description(0).strip() == "Epoch 0"
+    mine = TQDMProgressBar()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, callbacks=[mine], logger=False)
+    from uniap_lightning.callbacks import fix_default_progress_bar
+
+    fix_default_progress_bar(trainer)
+    assert type(trainer.progress_bar_callback) is TQDMProgressBar
