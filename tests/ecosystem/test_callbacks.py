@@ -75,11 +75,11 @@ def test_a_users_trainer_bounded_by_steps_shows_no_negative_epoch_count(tmp_path
                          enable_model_summary=False, strategy=UniAPStrategy(cache_dir=str(tmp_path), monitor=False,
                                                                            measure_cluster=False))
     assert type(trainer.progress_bar_callback) is RichProgressBar
-    plain = RichProgressBar()
-    plain._trainer = trainer
-    assert plain._get_train_description(0).strip() == "Epoch 0/-2"  # Lightning's own
     trainer.fit(module, DataLoader(TensorDataset(ids, ids), batch_size=8))
     assert trainer.progress_bar_callback._get_train_description(0).strip() == "Epoch 0"
+    plain = RichProgressBar()
+    plain._trainer = trainer
+    assert plain._get_train_description(0).strip() == "Epoch 0/-2"  # Lightning's own, in the same state
     mine = TQDMProgressBar()
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, callbacks=[mine], logger=False)
     from uniap_lightning.callbacks import fix_default_progress_bar
