@@ -29,8 +29,8 @@ def test_a_long_profile_is_announced_once_with_what_to_do(monkeypatch: pytest.Mo
     messages: list[str] = []
     _profile(messages)
     said = [m for m in messages if m.startswith("this will take about")]
-    assert len(said) == 1 and messages[0] is said[0]  # at the first layer, before any size is done
-    assert "3 layers at micro-batches 2, 8; 1 layer(s) at 2 took" in said[0]
+    assert len(said) == 1 and messages[0] is said[0]  # after the first 3 layers, before any size is done
+    assert "3 layers at micro-batches 2, 8; the first 3 at 2 took" in said[0]
     assert "profile_repeats=1 (now 2)" in said[0] and "profile=FILE" in said[0] and "\n" not in said[0]
 
 

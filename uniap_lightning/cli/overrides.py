@@ -98,6 +98,9 @@ def compose_checked(config_name: str, overrides: list[str]) -> Any:
 
 
 def _composition_message(err: Exception, overrides: list[str]) -> str:
+    typed = _wrong_type(err)
+    if typed:
+        return typed
     text = str(err)
     added = re.search(r"To append to your config use (\+\S+)", text)
     if added:
@@ -109,6 +112,25 @@ def _composition_message(err: Exception, overrides: list[str]) -> str:
         return (f"{missing_key.group(2)}: the interpolation ${{{missing_key.group(1)}}} names no key of the config; "
                 f"give a value or an existing key")
     return f"the command line does not compose a config: {_why(err)}"
+
+
+def _wrong_type(err: Exception) -> str | None:
+    """A value of the wrong type for a structured config's field (``strategy.time_limit=soon``): the key, OmegaConf's
+    reason and, for a strategy argument, its type and default as ``UniAPStrategy`` declares them."""
+    from omegaconf.errors import ValidationError
+
+    cause = err if isinstance(err, ValidationError) else err.__cause__
+    if not isinstance(cause, ValidationError) or not cause.full_key:
+        return None
+    from uniap_lightning.config_schema import STRATEGY_GROUP, strategy_arguments
+
+    key = str(cause.full_key)
+    reason = (str(cause.msg).splitlines() or ["not of the field's type"])[0]
+    field = key.split("[")[0].split(".")
+    declared = next((a for a in strategy_arguments() if field[:1] == [STRATEGY_GROUP] and field[1:] == [a.name]), None)
+    hint = (f"; UniAPStrategy's {declared.name} is {declared.annotation} (default {declared.default!r})"
+            if declared is not None else "")
+    return f"{key}: {reason}{hint}"
 
 
 def _why(err: Exception) -> str:

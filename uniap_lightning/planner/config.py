@@ -13,6 +13,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from uniap_lightning.config_schema import register as register_schemas
 from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.files import check_yaml_limits, read_text
@@ -21,6 +22,7 @@ from uniap_lightning.planner.analytic import ModelSpec, analytic_profile
 from uniap_lightning.planner.profile import ModelProfile, load_profile
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # uniap_lightning/conf: packaged with the wheel
+register_schemas()  # conf/fit.yaml's `strategy` is a structured config: in Hydra's ConfigStore before any compose
 _CONF_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 

@@ -1,0 +1,64 @@
+"""The ``strategy`` group is a structured config derived from ``UniAPStrategy.__init__``: one type and one default
+per option for `uniap train`, its sweeps and the strategy itself (issue 21 item 1)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from uniap_lightning.errors import UniAPError
+
+
+def _fit(*overrides: str):
+    from uniap_lightning.cli.overrides import compose_checked
+
+    return compose_checked("fit", list(overrides))
+
+
+def test_the_schema_is_the_strategys_signature() -> None:
+    from uniap_lightning.config_schema import strategy_arguments
+    from uniap_lightning.strategy import UniAPStrategy
+
+    params = {n: p for n, p in inspect.signature(UniAPStrategy.__init__).parameters.items() if n != "self"}
+    args = {a.name: a for a in strategy_arguments()}
+    assert list(args) == list(params)
+    for name, p in params.items():
+        assert args[name].default == p.default, name
+        assert args[name].annotation == p.annotation, name  # the annotation as written (postponed evaluation)
+
+
+def test_uniap_train_defaults_are_the_strategys_defaults() -> None:
+    from uniap_lightning.strategy import UniAPStrategy
+
+    strategy = _fit().strategy
+    for name, p in inspect.signature(UniAPStrategy.__init__).parameters.items():
+        if name != "self":
+            assert strategy[name] == p.default, name
+    assert strategy.time_limit == 60.0  # was 30 in conf/fit.yaml against 60 in UniAPStrategy
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("strategy.time_limit=soon", "strategy.time_limit: Value 'soon' of type 'str' could not be converted to Float; "
+                                 "UniAPStrategy's time_limit is float (default 60.0)"),
+    ("strategy.profile_repeats=2.5", "strategy.profile_repeats: Value '2.5' of type 'float' could not be converted to "
+                                     "Integer; UniAPStrategy's profile_repeats is int (default 3)"),
+    ("strategy.measure_cluster=maybe", "strategy.measure_cluster: Value 'maybe' is not a valid bool"),
+    ("strategy.profile_micro_batches=[2,x]", "strategy.profile_micro_batches[1]: Value 'x' of type 'str' could not be "
+                                             "converted to Integer; UniAPStrategy's profile_micro_batches is list[int]"),
+])
+def test_a_value_of_the_wrong_type_is_one_line(override: str, message: str) -> None:
+    from uniap_lightning.cli.overrides import check_command_line
+
+    with pytest.raises(UniAPError) as err:
+        check_command_line("train", [override])
+    assert str(err.value) == message or str(err.value).startswith(message)
+    assert "\n" not in str(err.value)
+
+
+def test_typed_values_are_converted_and_open_keys_stay_possible() -> None:
+    cfg = _fit("strategy.time_limit=7", "strategy.profile_micro_batches=[2,4]", "strategy.cluster={name: x}",
+               "strategy.plan=plan.json", "+strategy.my_subclass_option=1")
+    assert cfg.strategy.time_limit == 7.0 and isinstance(cfg.strategy.time_limit, float)
+    assert list(cfg.strategy.profile_micro_batches) == [2, 4] and cfg.strategy.cluster.name == "x"
+    assert cfg.strategy.my_subclass_option == 1  # a strategy._target_ subclass may take arguments of its own

@@ -1,0 +1,94 @@
+"""Structured configs: the schema of ``uniap train``'s ``strategy`` group, registered in Hydra's ConfigStore.
+
+``UniAPStrategy.__init__``'s signature is the one place for each strategy option's type and default: the schema is
+derived from it (:func:`strategy_schema`), and its checks are the strategy's own (``uniap train`` builds the
+strategy once before any rank starts). ``conf/fit.yaml`` chooses it (``defaults: - strategy: uniap``) and copies
+no value, so the CLI, its sweeps and ``UniAPStrategy(...)`` share every default; a value of the wrong type
+(``strategy.time_limit=soon``) is refused when the config is composed, in one line
+(:mod:`uniap_lightning.cli.overrides`).
+
+The signature is read from the source of :mod:`uniap_lightning.strategy` (its syntax tree), not by importing it:
+composing a config must not import torch and Lightning (``uniap plan`` does not need them). Types OmegaConf can
+check (``bool``, ``int``, ``float``, ``str``, lists of them, each optionally ``None``) are checked; the others
+(``cluster``: a name, a path or a mapping; ``monitor``: a flag or a monitor) are ``Any``, left to the strategy.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, List, Optional
+
+from omegaconf import MISSING
+
+#: ``strategy.*``'s group option in the ConfigStore (``conf/fit.yaml``: ``defaults: - strategy: uniap``)
+STRATEGY_GROUP, STRATEGY_NAME = "strategy", "uniap"
+STRATEGY_TARGET = "uniap_lightning.strategy.UniAPStrategy"
+_STRATEGY_SOURCE = Path(__file__).resolve().parent / "strategy.py"
+_PRIMITIVES: dict[str, type] = {"bool": bool, "int": int, "float": float, "str": str}
+
+
+@dataclasses.dataclass(frozen=True)
+class Argument:
+    """One keyword argument of ``UniAPStrategy.__init__``: its name, annotation (as written) and default."""
+
+    name: str
+    annotation: str
+    default: Any
+
+    def schema_type(self) -> Any:
+        """The type OmegaConf checks the value against (``Any``: the strategy checks it)."""
+        parts = [p.strip() for p in self.annotation.split("|")]
+        optional = "None" in parts
+        kinds = sorted({"str" if p == "Path" else p for p in parts if p != "None"})  # a path is given as a string
+        if len(kinds) != 1:
+            return Any
+        kind = kinds[0]
+        if kind in _PRIMITIVES:
+            found: Any = _PRIMITIVES[kind]
+        elif kind.startswith("list[") and kind.endswith("]") and kind[5:-1] in _PRIMITIVES:
+            found = List[_PRIMITIVES[kind[5:-1]]]  # noqa: UP006 - OmegaConf reads typing's generics
+        else:
+            return Any
+        return Optional[found] if optional else found  # noqa: UP007
+
+
+@lru_cache(maxsize=1)
+def strategy_arguments() -> tuple[Argument, ...]:
+    """``UniAPStrategy.__init__``'s keyword arguments, read from its source (one without a default is ``MISSING``:
+    a value the config must give)."""
+    tree = ast.parse(_STRATEGY_SOURCE.read_text(encoding="utf-8"))
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "UniAPStrategy")
+    init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    args = init.args
+    if args.args[1:] or args.vararg or args.kwarg:
+        raise AssertionError("UniAPStrategy.__init__ takes keyword-only arguments: the schema reads only those")
+    return tuple(Argument(a.arg, ast.unparse(a.annotation) if a.annotation else "Any",
+                          ast.literal_eval(d) if d is not None else MISSING)
+                 for a, d in zip(args.kwonlyargs, args.kw_defaults, strict=True))
+
+
+@lru_cache(maxsize=1)
+def strategy_schema() -> type:
+    """The ``strategy`` group's dataclass: ``_target_`` and one field per argument, with its type and default."""
+    fields: list[tuple[str, Any, Any]] = [("_target_", str, dataclasses.field(default=STRATEGY_TARGET))]
+    for arg in strategy_arguments():
+        default = arg.default
+        field = dataclasses.field(default_factory=lambda v=default: list(v)) if isinstance(default, list) else \
+            dataclasses.field(default=default)
+        fields.append((arg.name, arg.schema_type(), field))
+    return dataclasses.make_dataclass("UniAPStrategyConfig", fields)
+
+
+def register() -> None:
+    """Put the schemas in Hydra's ConfigStore (again: replaces the same entries). The ``strategy`` node stays open
+    to keys it does not list (``+strategy.x=...``), for a ``strategy._target_`` subclass with arguments of its own."""
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.structured(strategy_schema())
+    OmegaConf.set_struct(node, False)
+    ConfigStore.instance().store(group=STRATEGY_GROUP, name=STRATEGY_NAME, node=node,
+                                 provider="uniap_lightning.config_schema")
