@@ -91,6 +91,18 @@ def test_a_path_is_registered_once_and_handed_back_to_started_ranks(tmp_path: Pa
     assert registered[1] == "trainer.devices=2"
     assert original_overrides(registered) == [f"+model={conf}/model/mygpt.yaml,tiny_gpt", "trainer.devices=2"]
     assert searchpath_override([conf], ["hydra.searchpath=[x]", "lr=1"]) == ["lr=1", f"hydra.searchpath=['file://{conf}']"]
+    chosen = register_paths(["model=choice(conf/model/mygpt.yaml,tiny_gpt)"])[0]
+    assert chosen.startswith("model=choice(file_mygpt_") and chosen.endswith(",tiny_gpt)")
+
+
+def test_sweep_functions_are_read_as_hydra_reads_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from uniap_lightning.cli.overrides import check_command_line
+
+    _own_conf(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    check_command_line("plan", ["-m", "model=glob(tiny_*)", "cluster=choice(a100_1x8,conf/cluster/mycpu.yaml)"])
+    with pytest.raises(UniAPError, match="unknown model 'nothere'"):  # was: model 'choice(tiny_gpt' is neither ...
+        check_command_line("plan", ["-m", "model=choice(tiny_gpt,nothere)"])
 
 
 def test_strategy_takes_a_cluster_of_the_users_folder_or_a_path(tmp_path: Path,

@@ -130,12 +130,22 @@ def load(group: str, value: str, dirs: list[Path]) -> dict[str, Any]:
 
 
 def group_values(overrides: list[str]) -> list[tuple[int, str, list[str]]]:
-    """``(index, group, values)`` of each ``model=`` / ``cluster=`` / ``train=`` override (a sweep lists several)."""
+    """``(index, group, values)`` of each ``model=`` / ``cluster=`` / ``train=`` override: one value, or the
+    values of a sweep (``a,b`` or ``choice(a,b)``). ``glob(...)`` and ranges are Hydra's to match against names."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ChoiceSweep
+
+    parser = OverridesParser.create()
     found = []
     for i, arg in enumerate(overrides):
-        key, sep, value = arg.lstrip("+~").partition("=")
-        if sep and key in GROUPS and value:
-            found.append((i, key, [v.strip() for v in value.split(",")]))
+        key, sep, _ = arg.lstrip("+~").partition("=")
+        if not sep or key not in GROUPS:
+            continue
+        value = parser.parse_overrides([arg])[0].value()
+        if isinstance(value, ChoiceSweep):
+            found.append((i, key, [str(v) for v in value.list]))
+        elif isinstance(value, str) and value:
+            found.append((i, key, [value]))
     return found
 
 
@@ -169,7 +179,9 @@ def register_paths(overrides: list[str]) -> list[str]:
             _REGISTERED[name] = str(path)
             names.append(name)
         prefix = overrides[i][: len(overrides[i]) - len(overrides[i].lstrip("+~"))]
-        out[i] = f"{prefix}{group}={','.join(names)}"
+        listed = ",".join(names)
+        out[i] = f"{prefix}{group}=" + (f"choice({listed})" if overrides[i].partition("=")[2].startswith("choice(")
+                                         else listed)
     return out
 
 
