@@ -29,6 +29,20 @@ SEQ2SEQ = {
     "whisper": ("model.encoder.conv1", "model.encoder.layers", "model.encoder.layer_norm",
                 "model.decoder.layers", "model.decoder.layer_norm"),
 }
+#: more families that come free (tested in the slow set)
+MORE = {
+    "blenderbot": SEQ2SEQ["pegasus"],
+    "blenderbot_small": SEQ2SEQ["bart"],
+    "plbart": SEQ2SEQ["bart"],
+}
+#: encoder-decoder LMs trained as one layer (the model's top-level module holding its body), and why
+ONE_LAYER = {
+    "bart_layerdrop": ("model", "LayerDrop"),
+    # (eager attention only: its masks change with the padding, the payload with them)
+    "mvp": ("model", "other arguments for batches with and without padding"),
+    "led": ("led", "other arguments for batches with and without padding"),
+    "mt5": ("shared", "runs decoder.dropout before and after its blocks"),  # (one dropout module, run twice)
+}
 
 
 def build_seq2seq(family: str) -> Any:
@@ -44,6 +58,23 @@ def build_seq2seq(family: str) -> Any:
     if family == "bart_layerdrop":  # skips blocks at random in training: one layer
         return tr.BartForConditionalGeneration(tr.BartConfig(**common, forced_eos_token_id=None,
                                                              encoder_layerdrop=0.1))
+    if family == "blenderbot":
+        return tr.BlenderbotForConditionalGeneration(tr.BlenderbotConfig(**common))
+    if family == "blenderbot_small":
+        return tr.BlenderbotSmallForConditionalGeneration(tr.BlenderbotSmallConfig(**common))
+    if family == "plbart":
+        return tr.PLBartForConditionalGeneration(tr.PLBartConfig(**common))
+    if family == "mvp":
+        return tr.MvpForConditionalGeneration(tr.MvpConfig(**common))
+    if family == "led":
+        common = {k: v for k, v in common.items() if k != "max_position_embeddings"}
+        return tr.LEDForConditionalGeneration(tr.LEDConfig(**common, max_encoder_position_embeddings=4 * SEQ,
+                                                           max_decoder_position_embeddings=4 * SEQ,
+                                                           attention_window=4))
+    if family == "mt5":
+        return tr.MT5ForConditionalGeneration(tr.MT5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                                           num_heads=4, dropout_rate=0.0, pad_token_id=PAD,
+                                                           decoder_start_token_id=PAD))
     if family == "mbart":
         return tr.MBartForConditionalGeneration(tr.MBartConfig(**common))
     if family == "marian":
@@ -65,9 +96,9 @@ def seq2seq_module(family: str, lr: float = 0.1) -> HFModule:
 
 def seq2seq_names(family: str) -> list[str]:
     """The chain's layer names under the LightningModule (``model.`` + the model's own module paths)."""
-    if family == "bart_layerdrop":
-        return ["model.model"]
-    first, encoder, bridge, decoder, last = SEQ2SEQ[family]
+    if family in ONE_LAYER:
+        return [f"model.{ONE_LAYER[family][0]}"]
+    first, encoder, bridge, decoder, last = {**SEQ2SEQ, **MORE}[family]
     return [f"model.{n}" for n in (first, f"{encoder}.0", f"{encoder}.1", bridge, f"{decoder}.0", f"{decoder}.1",
                                    last)]
 

@@ -16,7 +16,7 @@ import torch
 import uniap_rt_helpers as h
 
 pytest.importorskip("transformers")  # the [hf] extra
-from hf_seq2seq_models import SEQ2SEQ, seq2seq_batches, seq2seq_module, seq2seq_names  # noqa: E402
+from hf_seq2seq_models import MORE, ONE_LAYER, SEQ2SEQ, seq2seq_batches, seq2seq_module, seq2seq_names  # noqa: E402
 
 from uniap_lightning.errors import UniAPError  # noqa: E402
 
@@ -72,6 +72,12 @@ def test_seq2seq_chain_gives_the_models_own_loss_and_gradients(family: str) -> N
     _loss_and_grads(family)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(MORE))
+def test_seq2seq_chain_more_families(family: str) -> None:
+    _loss_and_grads(family)
+
+
 def test_given_decoder_inputs_are_used_as_given() -> None:
     """A batch with ``decoder_input_ids`` (and a decoder padding mask) is not shifted again: the chain's logits are
     the model's own on those inputs."""
@@ -96,9 +102,9 @@ def test_given_decoder_inputs_are_used_as_given() -> None:
 
 
 def test_t5_through_the_generic_path_matches_the_hand_written_family() -> None:
-    """T5 passes the relative position bias from block to block: the generic path trains it as one layer (with one
-    warning), whose loss and gradients are the hand-written family's; the hand-written family keeps winning in
-    dispatch."""
+    """T5's stacks run one dropout module before and after their blocks and pass the relative position bias from
+    block to block: the generic path trains it as one layer (with one warning), whose loss and gradients are the
+    hand-written family's; the hand-written family keeps winning in dispatch."""
     from hf_models import hf_batches, hf_module
 
     from uniap_lightning.adapters.families.seq2seq import seq2seq_family
@@ -139,20 +145,30 @@ def _hf_target(target: dict[str, torch.Tensor]) -> Any:
     return HFTarget(target["labels"], target["global_scale"])
 
 
+def _one_layer(family: str) -> None:
+    from uniap_lightning.runtime import extract_chain
+
+    module = seq2seq_module(family)
+    model = module.model
+    batch = next(iter(seq2seq_batches(8, "bart")))
+    model.eval()  # (LayerDrop drops no block: the reference is deterministic)
+    expected = model(**batch).loss
+    with pytest.warns(UserWarning, match=f"{type(model).__name__} trains as ONE layer.*{ONE_LAYER[family][1]}"):
+        chain = extract_chain(module)
+    assert chain.names == seq2seq_names(family)
+    torch.testing.assert_close(_chain_loss(chain, batch), expected, rtol=1e-6, atol=1e-6)
+
+
 def test_layerdrop_trains_as_one_layer() -> None:
     """LayerDrop skips blocks at random in training: no split can reproduce it, the model trains as one layer
     with one warning naming why, on its own loss."""
-    from uniap_lightning.runtime import extract_chain
+    _one_layer("bart_layerdrop")
 
-    module = seq2seq_module("bart_layerdrop")
-    model = module.model
-    batch = next(iter(seq2seq_batches(8, "bart")))
-    model.eval()  # (no blocks dropped: the reference is deterministic)
-    expected = model(**batch).loss
-    with pytest.warns(UserWarning, match=r"BartForConditionalGeneration trains as ONE layer.*LayerDrop"):
-        chain = extract_chain(module)
-    assert chain.names == seq2seq_names("bart_layerdrop")
-    torch.testing.assert_close(_chain_loss(chain, batch), expected, rtol=1e-6, atol=1e-6)
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", [f for f in ONE_LAYER if f != "bart_layerdrop"])
+def test_what_the_split_cannot_reproduce_trains_as_one_layer(family: str) -> None:
+    _one_layer(family)
 
 
 def _tiny_bart(cls: str, **kw: Any) -> Any:

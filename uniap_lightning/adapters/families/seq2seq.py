@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -305,88 +306,119 @@ def seq2seq_layers(model: Any) -> list[tuple[nn.Module, list[str]]]:
         raise _refuse(model, f"{type(e).__name__}: {e}") from e
 
 
+@dataclass(frozen=True)
+class _Stacks:
+    """The model's encoder and decoder: modules, names (relative to the model), blocks, the decoder's token
+    embedding and the encoder's inputs."""
+
+    encoder: nn.Module
+    decoder: nn.Module
+    names: tuple[str, str]
+    blocks: tuple[nn.ModuleList, nn.ModuleList]
+    block_names: tuple[str, str]
+    embedding: nn.Module
+    inputs: tuple[str, ...]
+
+
+def _stacks_of(model: Any) -> _Stacks:
+    encoder, decoder = _stacks(model)
+    fqn = {id(m): n for n, m in model.named_modules()}
+    (enc_rel, enc_blocks), (dec_rel, dec_blocks) = _find_blocks(encoder), _find_blocks(decoder)
+    embedding = decoder.get_input_embeddings()
+    if not isinstance(embedding, nn.Module) or id(embedding) not in fqn:
+        raise _refuse(model, "its decoder has no token embedding module")
+    names = (fqn[id(encoder)], fqn[id(decoder)])
+    return _Stacks(encoder, decoder, names, (enc_blocks, dec_blocks),
+                   (f"{names[0]}.{enc_rel}", f"{names[1]}.{dec_rel}"), embedding, _encoder_inputs(model, encoder))
+
+
+def _hooked(model: Any, s: _Stacks) -> dict[str, nn.Module]:
+    """The modules whose calls are recorded: all but the blocks, their insides and the modules holding them."""
+    ancestors = {b.rsplit(".", i)[0] for b in s.block_names for i in range(1, b.count(".") + 1)}
+    return {n: m for n, m in model.named_modules()
+            if n and n not in ancestors and not any(_inside(n, b) for b in s.block_names)
+            and not isinstance(m, nn.modules.loss._Loss)}
+
+
+@dataclass
+class _Parts:
+    """Module names (relative to the model) of the non-block layers, from the order the model's forward ran them."""
+
+    first: list[str]  # the encoder's prologue, the decoder's token embedding, what shares their weights
+    ends: list[str]  # what the encoder runs after its blocks (in order)
+    bridge: list[str]  # the decoder's prologue (its forward calls them)
+    after: list[str]  # what the model runs after the decoder's blocks (in order)
+    rest: list[str]  # modules with parameters never called (carried by the epilogue)
+
+
+def _parts(model: Any, s: _Stacks, units: dict[str, nn.Module], enc: _Calls, dec: _Calls) -> _Parts:
+    enc_name, dec_name = s.names
+    for stack, calls in (("encoder", enc), ("decoder", dec)):
+        between = [n for n in calls.names("between") if n in units]
+        if between:
+            raise _refuse(model, f"it runs {between[0]} between its {stack} blocks")
+    middle = [n for n in enc.names("after") if n in set(dec.names("before"))]
+    stray = [n for n in middle if not _inside(n, enc_name) and not _inside(n, dec_name)]
+    if stray:
+        raise _refuse(model, f"it runs {stray[0]} between its encoder and its decoder")
+    emb = _fqn(model, s.embedding)
+    first = [n for n in enc.names("before") if n in units]
+    first += [emb] if emb not in first else []
+    ends = _outermost([n for n in middle if _inside(n, enc_name)])
+    bridge = [n for n in middle if _inside(n, dec_name) and n in units and n != emb]
+    after = _outermost(dec.names("after"))
+    if not after:
+        raise _refuse(model, "it runs nothing after its decoder blocks (no head)")
+    covered = [n for n in units if any(_inside(n, a) for a in (*ends, *after))]
+    twice = (set(first) | set(bridge)) & set(covered)
+    if twice:
+        raise _refuse(model, f"it runs {sorted(twice)[0]} before and after its blocks")
+    # a module read without being called (Whisper's encoder positions), or sharing the token embedding's weight
+    # (BART's ``shared``), stays with the stack that uses it
+    unused = [n for n in units if n not in first and n not in bridge and n not in covered
+              and any(True for _ in units[n].parameters())]
+    first_params = {id(p) for n in first for p in units[n].parameters()}
+    to_first = [n for n in unused if _inside(n, enc_name) or {id(p) for p in units[n].parameters()} <= first_params]
+    to_bridge = [n for n in unused if n not in to_first and _inside(n, dec_name)]
+    rest = [n for n in unused if n not in to_first and n not in to_bridge]
+    return _Parts(first + to_first, ends, bridge + to_bridge, after, rest)
+
+
 def _split(model: Any) -> list[tuple[nn.Module, list[str]]]:
     drops = {k: v for k, v in vars(model.config).items() if k.endswith("layerdrop") and v}
     if drops:
         raise _refuse(model, f"it skips blocks at random in training (LayerDrop: {drops})")
-    encoder, decoder = _stacks(model)
-    fqn = {id(m): n for n, m in model.named_modules()}
-    enc_name, dec_name = fqn[id(encoder)], fqn[id(decoder)]
-    enc_rel, enc_blocks = _find_blocks(encoder)
-    dec_rel, dec_blocks = _find_blocks(decoder)
-    enc_blocks_name, dec_blocks_name = f"{enc_name}.{enc_rel}", f"{dec_name}.{dec_rel}"
-    embedding = decoder.get_input_embeddings()
-    if not isinstance(embedding, nn.Module) or id(embedding) not in fqn:
-        raise _refuse(model, "its decoder has no token embedding module")
-    inputs = _encoder_inputs(model, encoder)
+    s = _stacks_of(model)
     device = next(model.parameters()).device
-    modes = {m: m.training for m in model.modules()}
-    model.eval()
-    blocked = (enc_blocks_name, dec_blocks_name)
-    ancestors = {b.rsplit(".", i)[0] for b in blocked for i in range(1, b.count(".") + 1)}
-    hooked = {n: m for n, m in model.named_modules()
-              if n and n not in ancestors and not any(_inside(n, b) for b in blocked)
-              and not isinstance(m, nn.modules.loss._Loss)}
+    modules = dict(model.named_modules())
+    hooked = _hooked(model, s)
     units = {n: m for n, m in hooked.items()
              if any(True for _ in m.parameters(recurse=False)) or not any(True for _ in m.children())}
-    enc_calls, dec_calls = _Calls(hooked, enc_blocks), _Calls(hooked, dec_blocks)
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
     try:
         with torch.no_grad():
+            enc_calls, dec_calls = _Calls(hooked, s.blocks[0]), _Calls(hooked, s.blocks[1])
             try:
-                batch = _probe(model, encoder, inputs[0], 3, device)
-                flags = _flags(model)
-                reference = model(**batch, **flags)  # (the model shifts the labels itself)
+                batch = _probe(model, s.encoder, s.inputs[0], 3, device)
+                reference = model(**batch, **_flags(model))  # (the model shifts the labels itself)
             finally:
                 enc_calls.close()
                 dec_calls.close()
-            enc_plan = _plan(model, encoder, enc_blocks, inputs, device,
-                             lambda p: {k: p[k] for k in inputs if k in p})
-            before = [n for n in enc_calls.names("before") if n in units]
-            for stack, calls in (("encoder", enc_calls), ("decoder", dec_calls)):
-                between = [n for n in calls.names("between") if n in units]
-                if between:
-                    raise _refuse(model, f"it runs {between[0]} between its {stack} blocks")
-            middle = [n for n in enc_calls.names("after") if n in set(dec_calls.names("before"))]
-            stray = [n for n in middle if not _inside(n, enc_name) and not _inside(n, dec_name)]
-            if stray:
-                raise _refuse(model, f"it runs {stray[0]} between its encoder and its decoder")
-            ends = _outermost([n for n in middle if _inside(n, enc_name)])
-            emb_name = fqn[id(embedding)]
-            dec_before = [n for n in middle if _inside(n, dec_name) and n in units and n != emb_name]
-            after = _outermost(dec_calls.names("after"))
-            if not after:
-                raise _refuse(model, "it runs nothing after its decoder blocks (no head)")
-            owned = set(before) | {emb_name} | set(dec_before)
-            covered = [n for n in units if any(_inside(n, a) for a in (*ends, *after))]
-            twice = owned & set(covered)
-            if twice:
-                raise _refuse(model, f"it runs {sorted(twice)[0]} before and after its blocks")
-            first = [*before, *([emb_name] if emb_name not in before else [])]
-            first_params = {id(p) for n in first for p in units[n].parameters()}
-            unused = [n for n in units if n not in owned and n not in covered
-                      and any(True for _ in units[n].parameters())]
-            # a module the forward reads without calling it (Whisper's encoder positions), or one sharing the token
-            # embedding's weight (BART's ``shared``), stays with the stack that uses it
-            to_first = [n for n in unused if _inside(n, enc_name)
-                        or {id(p) for p in units[n].parameters()} <= first_params]
-            to_bridge = [n for n in unused if n not in to_first and _inside(n, dec_name)]
-            rest = [n for n in unused if n not in to_first and n not in to_bridge]
-            prologue = EncoderPrologue([units[n] for n in first + to_first], encoder, enc_blocks, enc_plan, inputs,
-                                       embedding)
-            modules = dict(model.named_modules())
-            bridge_plan = _decoder_plan(model, encoder, decoder, enc_blocks, dec_blocks, embedding, inputs,
-                                        [modules[n] for n in ends], device)
-            bridge = DecoderPrologue([modules[n] for n in ends], [units[n] for n in dec_before + to_bridge],
-                                     decoder, dec_blocks, bridge_plan, enc_plan)
-            enc_layers = [Seq2SeqBlock(b, enc_plan, i, model.config) for i, b in enumerate(enc_blocks)]
-            dec_layers = [Seq2SeqBlock(b, bridge_plan, i, model.config) for i, b in enumerate(dec_blocks)]
+            parts = _parts(model, s, units, enc_calls, dec_calls)
+            enc_plan, dec_plan = _plans(model, s, device)
+            prologue = EncoderPrologue([modules[n] for n in parts.first], s.encoder, s.blocks[0], enc_plan, s.inputs,
+                                       s.embedding)
+            bridge = DecoderPrologue([modules[n] for n in parts.ends], [modules[n] for n in parts.bridge], s.decoder,
+                                     s.blocks[1], dec_plan, enc_plan)
+            encoders = [Seq2SeqBlock(b, enc_plan, i, model.config) for i, b in enumerate(s.blocks[0])]
+            decoders = [Seq2SeqBlock(b, dec_plan, i, model.config) for i, b in enumerate(s.blocks[1])]
             bias = getattr(model, "final_logits_bias", None)
-            epilogue = Seq2SeqEpilogue([modules[n] for n in after], [units[n] for n in rest],
+            epilogue = Seq2SeqEpilogue([modules[n] for n in parts.after], [modules[n] for n in parts.rest],
                                        bias if isinstance(bias, torch.Tensor) else None)
-            chain_batch = {k: v for k, v in batch.items() if k != "labels"}
-            chain_batch.update(seq2seq_prepare(model, batch))
-            _verify(model, _TASK, prologue, [*enc_layers, bridge, *dec_layers], epilogue, chain_batch,
-                    batch["labels"], reference)
+            chain_batch = {**{k: v for k, v in batch.items() if k != "labels"}, **seq2seq_prepare(model, batch)}
+            _verify(model, _TASK, prologue, [*encoders, bridge, *decoders], epilogue, chain_batch, batch["labels"],
+                    reference)
     finally:
         for m, training in modes.items():
             m.train(training)
@@ -395,11 +427,11 @@ def _split(model: Any) -> list[tuple[nn.Module, list[str]]]:
         return sorted(names, key=lambda n: not any(True for _ in modules[n].parameters()))
 
     return [
-        (prologue, owners_first(first + to_first)),
-        *[(layer, [f"{enc_blocks_name}.{i}"]) for i, layer in enumerate(enc_layers)],
-        (bridge, owners_first(ends + dec_before + to_bridge)),
-        *[(layer, [f"{dec_blocks_name}.{i}"]) for i, layer in enumerate(dec_layers)],
-        (epilogue, owners_first(after) + rest),
+        (prologue, owners_first(parts.first)),
+        *[(layer, [f"{s.block_names[0]}.{i}"]) for i, layer in enumerate(encoders)],
+        (bridge, owners_first(parts.ends + parts.bridge)),
+        *[(layer, [f"{s.block_names[1]}.{i}"]) for i, layer in enumerate(decoders)],
+        (epilogue, owners_first(parts.after) + parts.rest),
     ]
 
 
@@ -413,33 +445,23 @@ def _structure(model: Any, calls_by_rows: list[list[Any]]) -> _Plan:
     return _Plan(templates, [_mode(model, j, a, b) for j, (a, b) in enumerate(zip(tensors2, tensors3))])
 
 
-_PROBES = ((2, True), (3, True), (2, False))
-
-
-def _plan(model: Any, encoder: nn.Module, blocks: nn.ModuleList, inputs: tuple[str, ...], device: torch.device,
-          pick: Any) -> _Plan:
-    flags = _flags(encoder)
-    calls = [_capture(encoder, blocks, {**pick(_probe(model, encoder, inputs[0], rows, device, padded)), **flags})[1]
-             for rows, padded in _PROBES]
-    return _structure(model, calls)
-
-
-def _decoder_plan(model: Any, encoder: nn.Module, decoder: nn.Module, enc_blocks: nn.ModuleList,
-                  dec_blocks: nn.ModuleList, embedding: nn.Module, inputs: tuple[str, ...], ends: list[nn.Module],
-                  device: torch.device) -> _Plan:
-    """The decoder's plan, its forward given the encoder's own output on each probe."""
-    cross = "encoder_attention_mask" in inspect.signature(decoder.forward).parameters
-    calls = []
-    for rows, padded in _PROBES:
-        probe = _probe(model, encoder, inputs[0], rows, device, padded)
-        enc_in = {k: probe[k] for k in inputs if k in probe}
-        out = encoder(**enc_in, **_flags(encoder))
-        kwargs: dict[str, Any] = {"inputs_embeds": embedding(_shift(model, probe["labels"])),
-                                  "encoder_hidden_states": out[0], **_flags(decoder)}
+def _plans(model: Any, s: _Stacks, device: torch.device) -> tuple[_Plan, _Plan]:
+    """The encoder's and the decoder's plans, from probes of 2 and 3 samples and 2 without padding; the decoder's
+    forward given the encoder's own output."""
+    enc_flags, dec_flags = _flags(s.encoder), _flags(s.decoder)
+    cross = "encoder_attention_mask" in inspect.signature(s.decoder.forward).parameters
+    enc_calls, dec_calls = [], []
+    for rows, padded in ((2, True), (3, True), (2, False)):
+        probe = _probe(model, s.encoder, s.inputs[0], rows, device, padded)
+        inputs = {**{k: probe[k] for k in s.inputs if k in probe}, **enc_flags}
+        enc_calls.append(_capture(s.encoder, s.blocks[0], inputs)[1])
+        out = s.encoder(**inputs)[0]
+        kwargs: dict[str, Any] = {"inputs_embeds": s.embedding(_shift(model, probe["labels"])),
+                                  "encoder_hidden_states": out, **dec_flags}
         if cross and "attention_mask" in probe:
             kwargs["encoder_attention_mask"] = probe["attention_mask"]
-        calls.append(_capture(decoder, dec_blocks, kwargs)[1])
-    return _structure(model, calls)
+        dec_calls.append(_capture(s.decoder, s.blocks[1], kwargs)[1])
+    return _structure(model, enc_calls), _structure(model, dec_calls)
 
 
 # ------------------------------------------------------------------------------------------------------ family
