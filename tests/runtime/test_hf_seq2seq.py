@@ -101,6 +101,20 @@ def test_given_decoder_inputs_are_used_as_given() -> None:
     torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_a_batch_without_attention_mask() -> None:
+    """Without ``attention_mask`` (no padding) the model attends to every token; so does the chain (the masks, always
+    materialized, keep the structure the blocks were set up with)."""
+    from uniap_lightning.runtime import extract_chain
+
+    module = seq2seq_module("bart")
+    batch = next(iter(seq2seq_batches(4, "bart")))
+    del batch["attention_mask"]
+    with torch.no_grad():
+        expected = module.model(**batch).loss
+        chain = extract_chain(module)
+        torch.testing.assert_close(_chain_loss(chain, batch, pieces=2), expected, rtol=1e-6, atol=1e-6)
+
+
 def test_t5_through_the_generic_path_matches_the_hand_written_family() -> None:
     """T5's stacks run one dropout module before and after their blocks and pass the relative position bias from
     block to block: the generic path trains it as one layer (with one warning), whose loss and gradients are the

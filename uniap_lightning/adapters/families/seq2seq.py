@@ -1,5 +1,5 @@
-"""Hugging Face encoder-decoder LMs with no hand-written family (BART, mBART, Marian, Pegasus, Whisper, ...), split
-from the model's own structure and code with the generic split's machinery
+"""Hugging Face encoder-decoder LMs with no hand-written family (BART, mBART, Marian, Pegasus, Blenderbot, PLBart,
+Whisper, ...), split from the model's own structure and code with the generic split's machinery
 (:mod:`uniap_lightning.adapters.families.generic`).
 
 :func:`seq2seq_family` is what :func:`~uniap_lightning.adapters.families.generic.generic_family` hands a model with
@@ -22,8 +22,11 @@ from the model's own structure and code with the generic split's machinery
 The decoder's inputs are the labels shifted right as the model does (``prepare_decoder_input_ids_from_labels`` or
 its module's ``shift_tokens_right``) unless the batch has ``decoder_input_ids``. At setup the chain is checked on
 a probe batch (built from the config: token ids, or Whisper's mel features of the length its encoder requires)
-against the model's own forward given only the labels: logits and loss. What this cannot reproduce (LayerDrop, a
-top-level forward that changes the logits or the encoder output) trains as one layer with one warning naming why.
+against the model's own forward given only the labels: logits and loss. What this cannot reproduce (LayerDrop, eager
+attention whose masks change with the padding, T5-style stacks passing a position bias from block to block, a
+top-level forward that changes the logits) trains as one layer with one warning naming why, when its own loss is the
+seq2seq LM loss; a single-label sequence classifier (BART's pools at the last ``<eos>``) trains as one layer too;
+other heads are refused at setup. Labels longer than the decoder's positions are refused at the batch split.
 
 Tensor parallelism (:func:`_tensor_parallel`): blocks whose attentions (self and cross) have ``q_proj`` /
 ``k_proj`` / ``v_proj`` / ``out_proj`` and reshape by ``-1`` heads (BART's), with ``fc1`` / ``fc2`` on the block:
