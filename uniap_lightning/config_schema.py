@@ -1,4 +1,5 @@
-"""Structured configs: the schema of ``uniap train``'s ``strategy`` group, registered in Hydra's ConfigStore.
+"""Structured configs: the schemas of ``uniap train``'s ``strategy`` group and of the planning commands' options,
+registered in Hydra's ConfigStore.
 
 ``UniAPStrategy.__init__``'s signature is the one place for each strategy option's type and default: the schema is
 derived from it (:func:`strategy_schema`), and its checks are the strategy's own (``uniap train`` builds the
@@ -82,13 +83,68 @@ def strategy_schema() -> type:
     return dataclasses.make_dataclass("UniAPStrategyConfig", fields)
 
 
+#: ``uniap plan`` / ``evaluate`` / ``explain``'s options (conf/plan.yaml: ``defaults: - uniap_plan_options``)
+PLAN_OPTIONS_NAME = "uniap_plan_options"
+
+
+@lru_cache(maxsize=1)
+def plan_schema() -> type:
+    """The planning commands' options: their types and defaults, the search's (``solver``, ``time_limit``) those
+    of ``UniAPStrategy`` (what the strategy solves with at setup is what ``uniap plan`` shows). The values are
+    checked by the commands (``uniap_lightning.cli.apps``); ``Any``: a number or a list."""
+    strategy = {a.name: a.default for a in strategy_arguments()}
+    return dataclasses.make_dataclass("UniAPPlanOptions", [
+        ("batch_size", Optional[int], dataclasses.field(default=None)),  # noqa: UP007 - OmegaConf reads typing
+        ("schedule", Optional[str], dataclasses.field(default=None)),  # noqa: UP007
+        ("microbatches", Any, dataclasses.field(default=None)),
+        ("profile", Optional[str], dataclasses.field(default=None)),  # noqa: UP007
+        ("solver", str, dataclasses.field(default=strategy["solver"])),
+        ("time_limit", float, dataclasses.field(default=strategy["time_limit"])),
+        ("pp", Any, dataclasses.field(default=None)),
+        ("baselines", bool, dataclasses.field(default=True)),
+        ("compression", Any, dataclasses.field(default=strategy["compression"])),
+        *[(key, Optional[str], dataclasses.field(default=None)) for key in ("out", "viz", "plan", "measured")],  # noqa: UP007
+        # the groups (conf/model, conf/cluster, conf/train, or the user's own), checked by the planner
+        *[(group, Any, dataclasses.field(default=None)) for group in ("model", "cluster", "train")],
+    ])
+
+
+def declared(full_key: str) -> str | None:
+    """``"UniAPStrategy's time_limit is float (default 60.0)"`` for a key of a schema here, else None."""
+    parts = full_key.split("[")[0].split(".")
+    if len(parts) == 2 and parts[0] == STRATEGY_GROUP:
+        for arg in strategy_arguments():
+            if arg.name == parts[1]:
+                return f"UniAPStrategy's {arg.name} is {arg.annotation} (default {arg.default!r})"
+    if len(parts) == 1:
+        for field in dataclasses.fields(plan_schema()):
+            if field.name == parts[0]:
+                return f"`uniap plan`'s {field.name} is {_type_name(field.type)} (default {field.default!r})"
+    return None
+
+
+def _type_name(kind: Any) -> str:
+    """``int``, ``int | None``, ``list[int] | None``, ``any``: a schema type as the signature would write it."""
+    import typing
+
+    if kind is Any:
+        return "any"
+    if isinstance(kind, type):
+        return "None" if kind is type(None) else kind.__name__
+    args = typing.get_args(kind)
+    if typing.get_origin(kind) is typing.Union:
+        return " | ".join(_type_name(a) for a in args)
+    return f"{getattr(typing.get_origin(kind), '__name__', str(kind))}[{', '.join(_type_name(a) for a in args)}]"
+
+
 def register() -> None:
-    """Put the schemas in Hydra's ConfigStore (again: replaces the same entries). The ``strategy`` node stays open
-    to keys it does not list (``+strategy.x=...``), for a ``strategy._target_`` subclass with arguments of its own."""
+    """Put the schemas in Hydra's ConfigStore (again: replaces the same entries). A key a schema does not list is
+    refused as Hydra refuses any unknown key (``strategy.time_limt=5``: "use +strategy.time_limt=5 to add a key"),
+    and ``+strategy.x=...`` adds one (for a ``strategy._target_`` subclass with arguments of its own)."""
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
-    node = OmegaConf.structured(strategy_schema())
-    OmegaConf.set_struct(node, False)
-    ConfigStore.instance().store(group=STRATEGY_GROUP, name=STRATEGY_NAME, node=node,
-                                 provider="uniap_lightning.config_schema")
+    store = ConfigStore.instance()
+    for group, name, schema in ((STRATEGY_GROUP, STRATEGY_NAME, strategy_schema()), (None, PLAN_OPTIONS_NAME,
+                                                                                     plan_schema())):
+        store.store(group=group, name=name, node=OmegaConf.structured(schema), provider="uniap_lightning.config_schema")

@@ -46,12 +46,20 @@ def test_uniap_train_defaults_are_the_strategys_defaults() -> None:
     ("strategy.measure_cluster=maybe", "strategy.measure_cluster: Value 'maybe' is not a valid bool"),
     ("strategy.profile_micro_batches=[2,x]", "strategy.profile_micro_batches[1]: Value 'x' of type 'str' could not be "
                                              "converted to Integer; UniAPStrategy's profile_micro_batches is list[int]"),
+    ("strategy.time_limt=5", "strategy.time_limt=5: the config has no key 'strategy.time_limt'; use "
+                             "+strategy.time_limt=5 to add a key"),
+    ("plan:time_limit=soon", "time_limit: Value 'soon' of type 'str' could not be converted to Float; `uniap plan`'s "
+                             "time_limit is float (default 60.0)"),
+    ("plan:batch_size=1.5", "batch_size: Value '1.5' of type 'float' could not be converted to Integer; `uniap plan`'s "
+                            "batch_size is int | None (default None)"),
+    ("plan:baselines=maybe", "baselines: Value 'maybe' is not a valid bool (type str); `uniap plan`'s baselines is bool"),
 ])
 def test_a_value_of_the_wrong_type_is_one_line(override: str, message: str) -> None:
     from uniap_lightning.cli.overrides import check_command_line
 
+    command, _, override = override.rpartition(":") if override.startswith("plan:") else ("train", "", override)
     with pytest.raises(UniAPError) as err:
-        check_command_line("train", [override])
+        check_command_line(command, [override])
     assert str(err.value) == message or str(err.value).startswith(message)
     assert "\n" not in str(err.value)
 
@@ -62,3 +70,15 @@ def test_typed_values_are_converted_and_open_keys_stay_possible() -> None:
     assert cfg.strategy.time_limit == 7.0 and isinstance(cfg.strategy.time_limit, float)
     assert list(cfg.strategy.profile_micro_batches) == [2, 4] and cfg.strategy.cluster.name == "x"
     assert cfg.strategy.my_subclass_option == 1  # a strategy._target_ subclass may take arguments of its own
+
+
+def test_the_planning_commands_search_as_the_strategy_does() -> None:
+    """`uniap plan`'s solver and time limit default to UniAPStrategy's: the plan it shows is the one setup solves."""
+    from uniap_lightning.cli.overrides import compose_checked
+    from uniap_lightning.strategy import UniAPStrategy
+
+    params = inspect.signature(UniAPStrategy.__init__).parameters
+    cfg = compose_checked("plan", [])
+    assert cfg.solver == params["solver"].default and cfg.time_limit == params["time_limit"].default
+    assert cfg.compression == params["compression"].default and cfg.baselines is True and cfg.pp is None
+    assert compose_checked("plan", ["time_limit=5", "pp=[2,4]"]).time_limit == 5.0

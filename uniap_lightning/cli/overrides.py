@@ -116,21 +116,18 @@ def _composition_message(err: Exception, overrides: list[str]) -> str:
 
 def _wrong_type(err: Exception) -> str | None:
     """A value of the wrong type for a structured config's field (``strategy.time_limit=soon``): the key, OmegaConf's
-    reason and, for a strategy argument, its type and default as ``UniAPStrategy`` declares them."""
+    reason and the field's declared type and default (:func:`uniap_lightning.config_schema.declared`)."""
     from omegaconf.errors import ValidationError
 
     cause = err if isinstance(err, ValidationError) else err.__cause__
     if not isinstance(cause, ValidationError) or not cause.full_key:
         return None
-    from uniap_lightning.config_schema import STRATEGY_GROUP, strategy_arguments
+    from uniap_lightning.config_schema import declared
 
     key = str(cause.full_key)
     reason = (str(cause.msg).splitlines() or ["not of the field's type"])[0]
-    field = key.split("[")[0].split(".")
-    declared = next((a for a in strategy_arguments() if field[:1] == [STRATEGY_GROUP] and field[1:] == [a.name]), None)
-    hint = (f"; UniAPStrategy's {declared.name} is {declared.annotation} (default {declared.default!r})"
-            if declared is not None else "")
-    return f"{key}: {reason}{hint}"
+    hint = declared(key)
+    return f"{key}: {reason}" + (f"; {hint}" if hint else "")
 
 
 def _why(err: Exception) -> str:
