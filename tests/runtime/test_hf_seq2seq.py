@@ -263,8 +263,8 @@ TWO_RANKS = {
     # the other stage
     "bart_pp2": case("bart", [ONE] * 7, [0, 0, 0, 1, 1, 1, 1]),
     "bart_fsdp": case("bart", [FSDP] * 7, [0] * 7),
-    # the encoder's output crosses the boundary inside the decoder (with the decoder's masks)
-    "whisper_pp2": case("whisper", [ONE] * 7, [0, 0, 0, 0, 0, 1, 1]),
+    # the encoder's output crosses the boundary inside the decoder (with the decoder's masks); validation too
+    "whisper_pp2": case("whisper", [ONE] * 7, [0, 0, 0, 0, 0, 1, 1], limit_val_batches=2),
     # self- and cross-attention, MLP and the LM head tensor parallel
     "bart_tp2": case("bart", [REPL, TP, TP, FSDP, TP, TP, TP], [0] * 7),
     # no plan: the strategy profiles the chain, solves and applies the plan
@@ -276,7 +276,10 @@ TWO_RANKS = {
 @pytest.mark.parametrize("name", list(TWO_RANKS))
 def test_seq2seq_two_ranks(name: str, spawn_cases: Any) -> None:
     results = spawn_cases(2, TWO_RANKS, "hf_seq2seq_two_ranks")
-    h.assert_close_to_reference(results, name, h.reference_for(TWO_RANKS[name]))
+    reference = h.reference_for(TWO_RANKS[name])
+    h.assert_close_to_reference(results, name, reference)
+    if "limit_val_batches" in TWO_RANKS[name]:
+        assert [r[name]["val_loss"] for r in results] == pytest.approx([reference["val_loss"]] * 2, rel=1e-5)
     if TWO_RANKS[name]["plan"] is None:
         assert results[0][name]["origin"] == "solver"
 
