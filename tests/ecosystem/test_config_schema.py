@@ -82,3 +82,25 @@ def test_the_planning_commands_search_as_the_strategy_does() -> None:
     assert cfg.solver == params["solver"].default and cfg.time_limit == params["time_limit"].default
     assert cfg.compression == params["compression"].default and cfg.baselines is True and cfg.pp is None
     assert compose_checked("plan", ["time_limit=5", "pp=[2,4]"]).time_limit == 5.0
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["-m", "time_limit=5,soon"], "time_limit: Value 'soon' of type 'str' could not be converted to Float"),
+    (["-m", "time_limt=5,6"], "time_limt=5: the config has no key 'time_limt'"),
+    (["-m", "model=tiny_gpt,gpt2_small", "batch_size=range(8,24,8)", "baselines=true,maybe"],
+     "baselines: Value 'maybe' is not a valid bool"),
+])
+def test_every_value_of_a_sweep_is_checked_before_the_first_job(args: list[str], message: str) -> None:
+    from uniap_lightning.cli.overrides import check_command_line
+
+    with pytest.raises(UniAPError) as err:
+        check_command_line("plan", args)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_sweep_variants_give_each_value_once() -> None:
+    from uniap_lightning.cli.overrides import _sweep_variants
+
+    assert _sweep_variants(["a=1,2", "b=x", "+c=choice(p,q)"]) == [
+        ["a=1", "b=x", "+c=p"], ["a=2", "b=x", "+c=p"], ["a=1", "b=x", "+c=q"]]
+    assert _sweep_variants(["model=glob(tiny_*)", "a=1,2"]) == []  # Hydra expands globs against the names

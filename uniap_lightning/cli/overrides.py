@@ -28,7 +28,8 @@ def check_command_line(command: str, args: list[str]) -> list[str]:
     own_configs.check_groups(overrides, dirs)
     registered = own_configs.register_paths(overrides)
     if _composes_one_config(flags):
-        compose_checked(CONFIG_NAME[command], own_configs.searchpath_override(dirs, registered))
+        for variant in _sweep_variants(registered) if flags.multirun else [registered]:
+            compose_checked(CONFIG_NAME[command], own_configs.searchpath_override(dirs, variant))
     renamed = dict(zip(overrides, registered))
     return [renamed.get(arg, arg) for arg in args]
 
@@ -72,10 +73,35 @@ def _grammar_message(override: str, err: Exception) -> str:
             f"quote values with spaces or symbols ({GRAMMAR_URL})")
 
 
+#: the most configs a sweep's command line is composed as before it runs
+MAX_SWEEP_CHECKS = 64
+
+
+def _sweep_variants(overrides: list[str]) -> list[list[str]]:
+    """The command lines that together give every value of a sweep once (``a=1,2 b=x,y``: ``a=1 b=x``, ``a=2 b=x``,
+    ``a=1 b=y``), so a bad value or key is refused before the first job rather than as Hydra's multi-line error
+    in its own job. ``glob(...)`` sweeps are Hydra's to expand: such a sweep is not checked here."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import Glob
+
+    choices = []
+    for text, override in zip(overrides, OverridesParser.create().parse_overrides(overrides)):
+        if not override.is_sweep_override():
+            choices.append([text])
+        elif isinstance(override.value(), Glob):
+            return []
+        else:
+            key = override.get_key_element()
+            choices.append([f"{key}={value}" for value in override.sweep_string_iterator()] or [text])
+    first = [c[0] for c in choices]
+    variants = [first] + [first[:i] + [value] + first[i + 1:] for i, c in enumerate(choices) for value in c[1:]]
+    return variants[:MAX_SWEEP_CHECKS]
+
+
 def _composes_one_config(flags: Any) -> bool:
-    """A plain run: not a sweep (its values are lists), not --help / --cfg / --info, not another primary config
-    (``--config-dir`` only adds folders to the search path: composed here too)."""
-    return not (flags.multirun or flags.help or flags.hydra_help or flags.cfg or flags.info or flags.shell_completion
+    """Not --help / --cfg / --info, not another primary config (``--config-dir`` only adds folders to the search
+    path: composed here too). A sweep (``-m``) is composed once per value (:func:`_sweep_variants`)."""
+    return not (flags.help or flags.hydra_help or flags.cfg or flags.info or flags.shell_completion
                 or flags.config_name or flags.config_path or flags.experimental_rerun)
 
 
