@@ -261,7 +261,7 @@ def case(family: str, strategies: list[tuple[int, int, bool]], stages: list[int]
 TWO_RANKS = {
     # the encoder's padding mask and the decoder's embedded inputs cross the boundary; the tied LM head copy on
     # the other stage
-    "bart_pp2": case("bart", [ONE] * 7, [0, 0, 0, 1, 1, 1, 1]),
+    "bart_pp2": case("bart", [ONE] * 7, [0, 0, 0, 1, 1, 1, 1], export=f"{PLANS}/bart.pt"),
     "bart_fsdp": case("bart", [FSDP] * 7, [0] * 7),
     # the encoder's output crosses the boundary inside the decoder (with the decoder's masks); validation too
     "whisper_pp2": case("whisper", [ONE] * 7, [0, 0, 0, 0, 0, 1, 1], limit_val_batches=2),
@@ -273,11 +273,33 @@ TWO_RANKS = {
 }
 
 
+def _check_export(case: dict[str, Any], folder: Any) -> None:
+    """The consolidated file holds the model's own state-dict keys (the tied embedding once per name, equal) and
+    loads with ``from_pretrained``."""
+    from safetensors.torch import save_file
+
+    from hf_seq2seq_models import build_seq2seq
+
+    state = torch.load(case["export"], weights_only=True)
+    hf = {k.removeprefix("model."): v for k, v in state.items()}
+    model = build_seq2seq(case["module"]["family"])
+    assert set(hf) <= set(model.state_dict()), set(hf) - set(model.state_dict())
+    model.config.save_pretrained(folder)
+    save_file({k: v.contiguous() for k, v in hf.items()}, folder / "model.safetensors")
+    loaded, info = type(model).from_pretrained(folder, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    for k, v in loaded.state_dict().items():
+        if k in hf:
+            torch.testing.assert_close(v, hf[k], rtol=0, atol=0, msg=k)
+
+
 @pytest.mark.parametrize("name", list(TWO_RANKS))
-def test_seq2seq_two_ranks(name: str, spawn_cases: Any) -> None:
+def test_seq2seq_two_ranks(name: str, spawn_cases: Any, tmp_path: Any) -> None:
     results = spawn_cases(2, TWO_RANKS, "hf_seq2seq_two_ranks")
     reference = h.reference_for(TWO_RANKS[name])
     h.assert_close_to_reference(results, name, reference)
+    if "export" in TWO_RANKS[name]:
+        _check_export(TWO_RANKS[name], tmp_path)
     if "limit_val_batches" in TWO_RANKS[name]:
         assert [r[name]["val_loss"] for r in results] == pytest.approx([reference["val_loss"]] * 2, rel=1e-5)
     if TWO_RANKS[name]["plan"] is None:
