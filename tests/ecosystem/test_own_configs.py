@@ -38,7 +38,7 @@ def _uniap(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
 @pytest.mark.parametrize("form", ["config-dir", "searchpath", "paths"])
 def test_own_configs_compose_in_every_form(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, form: str) -> None:
     from uniap_lightning.cli.overrides import check_command_line, compose_checked
-    from uniap_lightning.cli.own_configs import search_dirs, searchpath_override
+    from uniap_lightning.cli.own_configs import search_dirs
 
     conf = _own_conf(tmp_path)
     monkeypatch.chdir(tmp_path)  # paths are relative to the current folder
@@ -51,8 +51,8 @@ def test_own_configs_compose_in_every_form(tmp_path: Path, monkeypatch: pytest.M
         given = [a for a in args if not a.startswith(("cluster=", "train="))] if command == "train" else args
         hydra_args = check_command_line(command, given)
         overrides = [a for a in hydra_args if "=" in a]
-        dirs = search_dirs("conf" if form == "config-dir" else None, overrides)
-        cfg = compose_checked("fit" if command == "train" else "plan", searchpath_override(dirs, overrides))
+        search = search_dirs("conf" if form == "config-dir" else None, overrides)
+        cfg = compose_checked("fit" if command == "train" else "plan", search.override(overrides))
         assert cfg.model.name == "mygpt" and cfg.model.layers == 2
         if command != "train":
             assert cfg.cluster.name == "mycpu" and cfg.train.global_batch_size == 8
@@ -81,7 +81,7 @@ def test_missing_own_configs_are_one_line(tmp_path: Path, monkeypatch: pytest.Mo
 
 def test_a_path_is_registered_once_and_handed_back_to_started_ranks(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    from uniap_lightning.cli.own_configs import original_overrides, register_paths, searchpath_override
+    from uniap_lightning.cli.own_configs import SearchPath, original_overrides, register_paths
 
     conf = _own_conf(tmp_path)
     monkeypatch.chdir(tmp_path)
@@ -90,7 +90,8 @@ def test_a_path_is_registered_once_and_handed_back_to_started_ranks(tmp_path: Pa
     assert registered[0].startswith("+model=file_mygpt_") and registered[0].endswith(",tiny_gpt")
     assert registered[1] == "trainer.devices=2"
     assert original_overrides(registered) == [f"+model={conf}/model/mygpt.yaml,tiny_gpt", "trainer.devices=2"]
-    assert searchpath_override([conf], ["hydra.searchpath=[x]", "lr=1"]) == ["lr=1", f"hydra.searchpath=['file://{conf}']"]
+    assert SearchPath((conf,), ("pkg://my.pkg",)).override(["hydra.searchpath=[x]", "lr=1"]) == [
+        "lr=1", f"hydra.searchpath=['file://{conf}','pkg://my.pkg']"]
     chosen = register_paths(["model=choice(conf/model/mygpt.yaml,tiny_gpt)"])[0]
     assert chosen.startswith("model=choice(file_mygpt_") and chosen.endswith(",tiny_gpt)")
 
@@ -149,3 +150,19 @@ def test_uniap_train_two_ranks_with_own_configs(tmp_path: Path) -> None:
     for rank in (0, 1):
         result = json.loads((tmp_path / "out" / f"rank{rank}.json").read_text())
         assert result["model"] == "mygpt" and result["steps"] == 1 and result["world_size"] == 2
+
+
+def test_a_package_on_the_search_path_is_left_to_hydra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from uniap_lightning.cli.overrides import check_command_line, compose_checked
+    from uniap_lightning.cli.own_configs import search_dirs
+
+    package = tmp_path / "my_uniap_confs"
+    (package / "model").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    model = yaml.safe_load((CONF_DIR / "model" / "tiny_gpt.yaml").read_text()) | {"name": "pkggpt"}
+    (package / "model" / "pkggpt.yaml").write_text(yaml.safe_dump(model))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    args = ["hydra.searchpath=[pkg://my_uniap_confs]", "model=pkggpt"]
+    hydra_args = check_command_line("plan", args)
+    assert hydra_args == args
+    assert compose_checked("plan", search_dirs(None, args).override(args)).model.name == "pkggpt"

@@ -294,12 +294,12 @@ def explain_main(cfg: DictConfig) -> None:
 
 @hydra.main(version_base="1.3", config_path=CONF, config_name="fit")
 def train_main(cfg: DictConfig) -> None:
-    from uniap_lightning.cli.own_configs import hydra_search_dirs, original_overrides, searchpath_override
+    from uniap_lightning.cli.own_configs import hydra_search_path, original_overrides
     from uniap_lightning.cli.train import run_train
 
     # the ranks it starts get the command line as given (a YAML path, not the name it is registered under) and the
     # user's config folders (--config-dir is a flag, hydra.searchpath a Hydra override: neither is a task override)
-    overrides = searchpath_override(hydra_search_dirs(), original_overrides(list(HydraConfig.get().overrides.task)))
+    overrides = hydra_search_path().override(original_overrides(list(HydraConfig.get().overrides.task)))
     try:
         result = run_train(cfg, overrides)
     except UniAPError as err:

@@ -24,12 +24,12 @@ def check_command_line(command: str, args: list[str]) -> list[str]:
     flags = _parse_flags(command, args)
     overrides = list(flags.overrides or [])
     _parse_overrides(overrides)
-    dirs = own_configs.search_dirs(flags.config_dir, overrides)
-    own_configs.check_groups(overrides, dirs)
+    search = own_configs.search_dirs(flags.config_dir, overrides)
+    own_configs.check_groups(overrides, search)
     registered = own_configs.register_paths(overrides)
     if _composes_one_config(flags):
         for variant in _sweep_variants(registered) if flags.multirun else [registered]:
-            compose_checked(CONFIG_NAME[command], own_configs.searchpath_override(dirs, variant))
+            compose_checked(CONFIG_NAME[command], search.override(variant))
     renamed = dict(zip(overrides, registered))
     return [renamed.get(arg, arg) for arg in args]
 

@@ -16,6 +16,7 @@ A missing folder or file is one error line naming it.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,17 +32,38 @@ REGISTERED_PREFIX = "file_"
 _REGISTERED: dict[str, str] = {}
 
 
-def search_dirs(config_dir: str | None, overrides: list[str]) -> list[Path]:
-    """The folders of the user's own configs, in Hydra's order: ``--config-dir``, then ``hydra.searchpath``'s
-    ``file://`` entries (``pkg://`` entries are Hydra's to read). Each must be a folder."""
+@dataclass(frozen=True)
+class SearchPath:
+    """The user's config folders of a run, in Hydra's order (``--config-dir``, then ``hydra.searchpath``), and the
+    ``pkg://`` entries of ``hydra.searchpath`` (Hydra reads those; names found nowhere else are left to it)."""
+
+    dirs: tuple[Path, ...] = ()
+    packages: tuple[str, ...] = ()
+
+    def override(self, overrides: list[str]) -> list[str]:
+        """``overrides`` with one ``hydra.searchpath`` naming every entry (for composing outside a Hydra app, where
+        ``--config-dir`` is not a flag, and for the ranks `uniap train` starts)."""
+        if not (self.dirs or self.packages):
+            return list(overrides)
+        kept = [o for o in overrides if o.partition("=")[0].lstrip("+~") != "hydra.searchpath"]
+        entries = [f"file://{d}" for d in self.dirs] + list(self.packages)
+        quoted = ",".join("'" + e.replace("\\", "\\\\").replace("'", "\\'") + "'" for e in entries)
+        return [*kept, f"hydra.searchpath=[{quoted}]"]
+
+
+def search_dirs(config_dir: str | None, overrides: list[str]) -> SearchPath:
+    """The search path a command line gives: ``--config-dir``, then ``hydra.searchpath``'s entries. Each folder
+    must exist."""
     dirs: list[Path] = []
+    packages: list[str] = []
     if config_dir is not None:
         dirs.append(_folder(config_dir, "--config-dir"))
     for entry in _searchpath_entries(overrides):
         if entry.startswith("pkg://"):
-            continue
-        dirs.append(_folder(entry[len("file://"):] if entry.startswith("file://") else entry, "hydra.searchpath"))
-    return dirs
+            packages.append(entry)
+        else:
+            dirs.append(_folder(entry[len("file://"):] if entry.startswith("file://") else entry, "hydra.searchpath"))
+    return SearchPath(tuple(dirs), tuple(packages))
 
 
 def _searchpath_entries(overrides: list[str]) -> list[str]:
@@ -65,15 +87,22 @@ def _folder(path: str, what: str) -> Path:
     return folder
 
 
-def hydra_search_dirs() -> list[Path]:
-    """Inside a Hydra app: the user's folders of this run (``--config-dir``, ``hydra.searchpath``); [] outside one."""
+#: the providers of the search path entries the user gave (Hydra's names for them)
+USER_PROVIDERS = ("command-line", "hydra.searchpath in command-line", "hydra.searchpath in main")
+
+
+def hydra_search_path() -> SearchPath:
+    """Inside a Hydra app: the search path the user gave this run (``--config-dir``, ``hydra.searchpath``); empty
+    outside one."""
     from hydra.core.hydra_config import HydraConfig
 
     try:
         sources = HydraConfig.get().runtime.config_sources
     except ValueError:  # not inside a Hydra app (Python code composing the config itself)
-        return []
-    return [Path(s.path) for s in sources if s.schema == "file" and s.provider not in ("main", "hydra")]
+        return SearchPath()
+    mine = [s for s in sources if s.provider in USER_PROVIDERS]
+    return SearchPath(tuple(Path(s.path) for s in mine if s.schema == "file"),
+                      tuple(f"pkg://{s.path}" for s in mine if s.schema == "pkg"))
 
 
 def strategy_cluster(cluster: Any, dirs: list[Path]) -> Any:
@@ -111,10 +140,12 @@ def available(group: str, dirs: list[Path]) -> list[str]:
     return sorted({p.stem for folder in (CONF_DIR, *dirs) for p in (folder / group).glob("*.yaml")})
 
 
-def load(group: str, value: str, dirs: list[Path]) -> dict[str, Any]:
-    """Read and check one ``group=value`` choice (a name, or a path to a YAML file) as Hydra will compose it."""
+def load(group: str, value: str, search: SearchPath) -> dict[str, Any] | None:
+    """Read and check one ``group=value`` choice (a name, or a path to a YAML file) as Hydra will compose it; None
+    for a name only a ``pkg://`` entry of the search path can hold (Hydra reads it)."""
     from uniap_lightning.planner.config import load_group
 
+    dirs = list(search.dirs)
     if is_path(value):
         path = Path(value).expanduser()
         if not path.is_file():
@@ -122,6 +153,8 @@ def load(group: str, value: str, dirs: list[Path]) -> dict[str, Any]:
                              "current folder")
         return load_group(group, str(path))
     found = find(group, value, dirs) if "/" not in value and ".." not in value else None
+    if found is None and search.packages:
+        return None
     if found is None and dirs:
         where = ", ".join(str(d / group) for d in dirs)
         raise UniAPError(f"unknown {group} {value!r}; available: {', '.join(available(group, dirs))} (shipped, and in "
@@ -149,11 +182,11 @@ def group_values(overrides: list[str]) -> list[tuple[int, str, list[str]]]:
     return found
 
 
-def check_groups(overrides: list[str], dirs: list[Path]) -> None:
+def check_groups(overrides: list[str], search: SearchPath) -> None:
     """Read each group choice once before Hydra composes the config: a missing or broken YAML is then one line."""
     for _, group, values in group_values(overrides):
         for value in values:
-            load(group, value, dirs)
+            load(group, value, search)
 
 
 def register_paths(overrides: list[str]) -> list[str]:
@@ -172,7 +205,7 @@ def register_paths(overrides: list[str]) -> list[str]:
                 names.append(value)
                 continue
             path = Path(value).expanduser().absolute()
-            data = load(group, value, [])
+            data = load(group, value, SearchPath())
             name = f"{REGISTERED_PREFIX}{_safe(path.stem)}_{hashlib.sha256(str(path).encode()).hexdigest()[:8]}"
             ConfigStore.instance().store(group=group, name=name, node=OmegaConf.create(data),
                                          provider="uniap (a file given as a path)")
@@ -199,13 +232,3 @@ def original_overrides(overrides: list[str]) -> list[str]:
             arg = f"{key}={','.join(_REGISTERED.get(v, v) for v in value.split(','))}"
         out.append(arg)
     return out
-
-
-def searchpath_override(dirs: list[Path], overrides: list[str]) -> list[str]:
-    """``overrides`` with one ``hydra.searchpath`` naming ``dirs`` (for composing outside a Hydra app, where
-    ``--config-dir`` is not a flag)."""
-    if not dirs:
-        return list(overrides)
-    kept = [o for o in overrides if o.partition("=")[0].lstrip("+~") != "hydra.searchpath"]
-    entries = ",".join("'file://" + str(d).replace("\\", "\\\\").replace("'", "\\'") + "'" for d in dirs)
-    return [*kept, f"hydra.searchpath=[{entries}]"]

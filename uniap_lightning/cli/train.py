@@ -386,10 +386,10 @@ def build_strategy(cfg: DictConfig) -> Any:
     from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
-    from uniap_lightning.cli.own_configs import hydra_search_dirs, strategy_cluster
+    from uniap_lightning.cli.own_configs import hydra_search_path, strategy_cluster
     from uniap_lightning.strategy import UniAPStrategy
 
-    own = {"cluster": strategy_cluster(cfg.strategy.get("cluster"), hydra_search_dirs())}  # --config-dir's clusters
+    own = {"cluster": strategy_cluster(cfg.strategy.get("cluster"), list(hydra_search_path().dirs))}  # --config-dir's
     try:
         strategy = instantiate(cfg.strategy, _convert_="all", **{k: v for k, v in own.items() if v is not None})
     except InstantiationException as err:
