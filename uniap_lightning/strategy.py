@@ -226,7 +226,8 @@ class UniAPStrategy(CheckpointIO, ModelParallelStrategy):
             self.model_to_device()
             # planning and wrapping draw no random numbers the user's run would see: a shuffling sampler or dropout
             # then follows the same random stream as on one device
-            with torch.random.fork_rng(devices=[self.root_device] if self.root_device.type == "cuda" else []):
+            with torch.random.fork_rng(devices=[self.root_device] if self.root_device.type == "cuda" else []), \
+                    error_hook.raised_on_every_rank():  # setup agrees on failures: rank 0's line says it for all
                 self.install_runtime(self._plan_and_apply(trainer))
         self._install_callbacks(trainer)
         self.precision_plugin.bind_global_norm(global_norm_clipper(self.runtime.plan.devices_per_stage,

@@ -80,5 +80,9 @@ def test_the_hook_leaves_other_errors_and_other_ranks_alone(capsys: pytest.Captu
     sys.excepthook(RuntimeError, RuntimeError("boom"), None)
     assert capsys.readouterr().err == "error: bad\n" and seen == [RuntimeError]
     error_hook.install(rank=1)
-    sys.excepthook(UniAPError, UniAPError("bad"), None)
+    with pytest.raises(UniAPError) as agreed, error_hook.raised_on_every_rank():
+        raise UniAPError("bad")
+    sys.excepthook(UniAPError, agreed.value, None)  # setup's: rank 0 said it
     assert capsys.readouterr().err == "" and seen == [RuntimeError]
+    sys.excepthook(UniAPError, UniAPError("mine alone"), None)  # not known to be on rank 0 too
+    assert capsys.readouterr().err == "error: (rank 1) mine alone\n"
