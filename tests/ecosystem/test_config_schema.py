@@ -17,7 +17,7 @@ def _fit(*overrides: str):
 
 
 def test_the_schema_is_the_strategys_signature() -> None:
-    from uniap_lightning.config_schema import strategy_arguments
+    from uniap_lightning.planner.config_schema import strategy_arguments
     from uniap_lightning.strategy import UniAPStrategy
 
     params = {n: p for n, p in inspect.signature(UniAPStrategy.__init__).parameters.items() if n != "self"}

@@ -142,13 +142,13 @@ def _composition_message(err: Exception, overrides: list[str]) -> str:
 
 def _wrong_type(err: Exception) -> str | None:
     """A value of the wrong type for a structured config's field (``strategy.time_limit=soon``): the key, OmegaConf's
-    reason and the field's declared type and default (:func:`uniap_lightning.config_schema.declared`)."""
+    reason and the field's declared type and default (:func:`uniap_lightning.planner.config_schema.declared`)."""
     from omegaconf.errors import ValidationError
 
     cause = err if isinstance(err, ValidationError) else err.__cause__
     if not isinstance(cause, ValidationError) or not cause.full_key:
         return None
-    from uniap_lightning.config_schema import declared
+    from uniap_lightning.planner.config_schema import declared
 
     key = str(cause.full_key)
     reason = (str(cause.msg).splitlines() or ["not of the field's type"])[0]

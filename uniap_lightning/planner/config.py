@@ -13,7 +13,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from uniap_lightning.config_schema import register as register_schemas
+from uniap_lightning.planner.config_schema import register as register_schemas
 from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.files import check_yaml_limits, read_text

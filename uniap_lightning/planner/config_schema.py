@@ -27,7 +27,7 @@ from omegaconf import MISSING
 #: ``strategy.*``'s group option in the ConfigStore (``conf/fit.yaml``: ``defaults: - strategy: uniap``)
 STRATEGY_GROUP, STRATEGY_NAME = "strategy", "uniap"
 STRATEGY_TARGET = "uniap_lightning.strategy.UniAPStrategy"
-_STRATEGY_SOURCE = Path(__file__).resolve().parent / "strategy.py"
+_STRATEGY_SOURCE = Path(__file__).resolve().parents[1] / "strategy.py"
 _PRIMITIVES: dict[str, type] = {"bool": bool, "int": int, "float": float, "str": str}
 
 
@@ -147,4 +147,4 @@ def register() -> None:
     store = ConfigStore.instance()
     for group, name, schema in ((STRATEGY_GROUP, STRATEGY_NAME, strategy_schema()), (None, PLAN_OPTIONS_NAME,
                                                                                      plan_schema())):
-        store.store(group=group, name=name, node=OmegaConf.structured(schema), provider="uniap_lightning.config_schema")
+        store.store(group=group, name=name, node=OmegaConf.structured(schema), provider="uniap_lightning.planner.config_schema")
