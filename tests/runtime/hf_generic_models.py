@@ -36,14 +36,89 @@ GENERIC = {
     "electra_mlm": ("electra.embeddings.word_embeddings", "electra.encoder.layer", "generator_predictions"),
     "electra_cls": ("electra.embeddings.word_embeddings", "electra.encoder.layer", "classifier"),
     "distilbert_mlm": ("distilbert.embeddings.word_embeddings", "distilbert.transformer.layer", "vocab_transform"),
+    # other heads (issue 20 item 2): token classification (_tc), question answering (_qa: start / end logits),
+    # regression (_reg: 1 label, float targets), multi-label classification (_multilabel: 0 / 1 float targets)
+    "roberta_tc": ("roberta.embeddings.word_embeddings", "roberta.encoder.layer", "classifier"),
+    "roberta_qa": ("roberta.embeddings.word_embeddings", "roberta.encoder.layer", "qa_outputs"),
+    "roberta_reg": ("roberta.embeddings.word_embeddings", "roberta.encoder.layer", "classifier"),
+    "electra_tc": ("electra.embeddings.word_embeddings", "electra.encoder.layer", "classifier"),
+    "electra_multilabel": ("electra.embeddings.word_embeddings", "electra.encoder.layer", "classifier"),
+    "distilbert_tc": ("distilbert.embeddings.word_embeddings", "distilbert.transformer.layer", "classifier"),
+    "distilbert_qa": ("distilbert.embeddings.word_embeddings", "distilbert.transformer.layer", "qa_outputs"),
+    "qwen2_tc": ("model.embed_tokens", "model.layers", "model.norm"),
+    "qwen2_qa": ("transformer.embed_tokens", "transformer.layers", "transformer.norm"),
+    "mistral_tc": ("model.embed_tokens", "model.layers", "model.norm"),
+    "mistral_qa": ("model.embed_tokens", "model.layers", "model.norm"),
+    # images (8 x 8, 3 channels) and audio: pooling in the head's forward reproduced by the epilogue
+    "deit": ("deit.embeddings", "deit.layers", "deit.layernorm"),  # first token
+    "convnext": ("convnext.embeddings.patch_embeddings", "convnext.encoder.stages", "convnext.layernorm"),  # stages
+    "clip_cls": ("vision_model.embeddings", "vision_model.encoder.layers", "vision_model.post_layernorm"),
+    "wav2vec2_ctc": ("wav2vec2.feature_extractor.conv_layers.0.conv", "wav2vec2.encoder.layers", "lm_head"),
+    "whisper_cls": ("encoder.conv1", "encoder.layers", "encoder.layer_norm"),  # the encoder only, mean pooled
 }
 #: models the generic split cannot reproduce, trained as one layer (the model's top-level module holding its body)
-ONE_LAYER = {"gemma2": "model", "distilbert_cls": "distilbert", "albert_mlm": "albert", "qwen2_cls": "model"}
+ONE_LAYER = {"gemma2": "model", "distilbert_cls": "distilbert", "albert_mlm": "albert", "qwen2_cls": "model",
+             "electra_mc": "electra",  # flattens the choices in its top-level forward
+             "wav2vec2_cls": "wav2vec2"}  # pools over the frames the attention mask keeps
+AUDIO = ("wav2vec2_cls", "wav2vec2_ctc", "whisper_cls")
+#: wav2vec2's feature extractor: 80 samples -> 7 frames
+SAMPLES, MELS, MEL_FRAMES = 80, 8, 16
+W2V = dict(vocab_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+           conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=4,
+           num_conv_pos_embedding_groups=2, hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+           feat_proj_dropout=0.0, final_dropout=0.0, layerdrop=0.0, mask_time_prob=0.0, pad_token_id=0,
+           classifier_proj_size=16)
 
 
 def data_family(family: str) -> str:
-    """The ``hf_models.hf_batches`` layout of ``family``: masked-LM or classification labels, else causal."""
-    return "bert_mlm" if family.endswith("_mlm") else "bert" if family.endswith("_cls") else family
+    """The ``hf_models.hf_batches`` layout of ``family``: masked-LM, classification, token classification, span,
+    regression, multi-label or multiple-choice labels, images, else causal."""
+    if family in AUDIO:
+        return family
+    if family in ("deit", "convnext", "clip_cls"):
+        return "vit"
+    for suffix, layout in (("_mlm", "bert_mlm"), ("_cls", "bert"), ("_reg", "bert_reg"), ("_mc", "bert_mc"),
+                           ("_multilabel", "llama_multilabel")):
+        if family.endswith(suffix):
+            return layout
+    return family  # (hf_batches: *_tc and *_qa by their suffix)
+
+
+def data_spec(family: str) -> dict[str, Any]:
+    """The spawn cases' ``data`` entry for ``family``."""
+    if family in AUDIO:
+        return {"factory": "hf_generic_models:audio_batches", "family": family}
+    return {"factory": "hf_models:hf_batches", "family": data_family(family)}
+
+
+def batches(batch_size: int, family: str) -> Any:
+    """The batches of ``family`` (text and images from ``hf_models.hf_batches``, audio from :func:`audio_batches`)."""
+    from hf_models import hf_batches
+
+    return audio_batches(batch_size, family) if family in AUDIO else hf_batches(batch_size, data_family(family))
+
+
+def audio_batches(batch_size: int, family: str, n: int = 32, seed: int = 1) -> Any:
+    """Raw audio (``input_values``, :data:`SAMPLES` samples) with class labels or CTC transcripts (1 to 3 tokens,
+    -100 after the end); log-mel ``input_features`` (:data:`MELS` x :data:`MEL_FRAMES`) for Whisper."""
+    from torch.utils.data import DataLoader
+
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        if family == "whisper_cls":
+            rows.append({"input_features": torch.randn(MELS, MEL_FRAMES, generator=g),
+                         "labels": torch.randint(0, 3, (), generator=g)})
+            continue
+        row = {"input_values": torch.randn(SAMPLES, generator=g)}
+        if family == "wav2vec2_ctc":
+            length = int(torch.randint(1, 4, (), generator=g))
+            tokens = torch.randint(1, W2V["vocab_size"], (3,), generator=g)
+            row["labels"] = tokens.masked_fill(torch.arange(3) >= length, -100)
+        else:
+            row["labels"] = torch.randint(0, 3, (), generator=g)
+        rows.append(row)
+    return DataLoader(rows, batch_size=batch_size, shuffle=False, drop_last=True)
 
 
 def build_generic(family: str) -> Any:
@@ -81,6 +156,50 @@ def build_generic(family: str) -> Any:
         return tr.DistilBertForSequenceClassification(tr.DistilBertConfig(**distilbert, num_labels=3))
     if kind == "albert_mlm":  # one shared block run num_hidden_layers times: one layer
         return tr.AlbertForMaskedLM(tr.AlbertConfig(**encoder, embedding_size=16))
+    heads = {"tc": ("ForTokenClassification", {"num_labels": 3}), "qa": ("ForQuestionAnswering", {}),
+             "reg": ("ForSequenceClassification", {"num_labels": 1}), "mc": ("ForMultipleChoice", {}),
+             "multilabel": ("ForSequenceClassification", {"num_labels": 3,
+                                                          "problem_type": "multi_label_classification"})}
+    base, _, head = kind.rpartition("_")
+    if head in heads:
+        suffix, extra = heads[head]
+        if base == "roberta":
+            return getattr(tr, f"Roberta{suffix}")(tr.RobertaConfig(**encoder, **extra))
+        if base == "electra":
+            return getattr(tr, f"Electra{suffix}")(tr.ElectraConfig(**encoder, embedding_size=16,
+                                                                   summary_last_dropout=0.0, **extra))
+        if base == "distilbert":
+            return getattr(tr, f"DistilBert{suffix}")(tr.DistilBertConfig(**distilbert, qa_dropout=0.0, **extra))
+        if base in ("qwen2", "mistral"):
+            cls, cfg = {"qwen2": ("Qwen2", tr.Qwen2Config), "mistral": ("Mistral", tr.MistralConfig)}[base]
+            return getattr(tr, f"{cls}{suffix}")(cfg(**common, intermediate_size=64, num_key_value_heads=2,
+                                                      classifier_dropout=0.0, **extra))
+    vision = dict(image_size=8, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
+                  num_attention_heads=4, intermediate_size=64)
+    if kind == "deit":
+        return tr.DeiTForImageClassification(tr.DeiTConfig(**vision, num_labels=3, hidden_dropout_prob=0.0,
+                                                           attention_probs_dropout_prob=0.0))
+    if kind == "convnext":  # two stages of different widths (8, 16): each stage a layer
+        return tr.ConvNextForImageClassification(tr.ConvNextConfig(
+            num_channels=3, image_size=8, patch_size=2, num_stages=2, hidden_sizes=[8, 16], depths=[1, 1],
+            num_labels=3, drop_path_rate=0.0))
+    if kind == "clip_cls":
+        vision.pop("num_channels")
+        return tr.CLIPForImageClassification(tr.CLIPConfig(
+            vision_config=vision, text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                                   num_hidden_layers=1, num_attention_heads=4, bos_token_id=1,
+                                                   eos_token_id=2, pad_token_id=0), num_labels=3))
+    if kind == "wav2vec2_cls":
+        return tr.Wav2Vec2ForSequenceClassification(tr.Wav2Vec2Config(**W2V, num_labels=3))
+    if kind == "wav2vec2_ctc":  # ctc_loss_reduction "sum" (the default) sums over the batch
+        return tr.Wav2Vec2ForCTC(tr.Wav2Vec2Config(**W2V))
+    if kind == "whisper_cls":
+        return tr.WhisperForAudioClassification(tr.WhisperConfig(
+            vocab_size=VOCAB, num_mel_bins=MELS, encoder_layers=2, encoder_attention_heads=4, decoder_layers=1,
+            decoder_attention_heads=4, d_model=32, encoder_ffn_dim=64, decoder_ffn_dim=64,
+            max_source_positions=MEL_FRAMES // 2, max_target_positions=16, num_labels=3, classifier_proj_size=16,
+            dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2, decoder_start_token_id=1))
     if kind == "qwen2_cls":  # pools at the last real token in its top-level forward: one layer
         return tr.Qwen2ForSequenceClassification(tr.Qwen2Config(**common, intermediate_size=64, num_key_value_heads=2,
                                                                 num_labels=3))

@@ -17,9 +17,12 @@ import uniap_rt_helpers as h
 
 pytest.importorskip("transformers")  # the [hf] extra
 from hf_generic_models import (  # noqa: E402
+    AUDIO,
     GENERIC,
+    batches,
     build_generic,
     data_family,
+    data_spec,
     generic_module,
     generic_names,
 )
@@ -29,6 +32,12 @@ from uniap_lightning.errors import UniAPError  # noqa: E402
 
 FAST = ["opt", "mistral", "qwen2", "gpt_neox", "phi", "gemma", "falcon", "bloom", "gemma3"]
 ENCODERS = ["roberta_mlm", "roberta_cls", "electra_mlm", "electra_cls", "distilbert_mlm"]
+#: the other heads (token classification, question answering, regression, multi-label, multiple choice) and the
+#: image / audio families
+HEADS = ["roberta_tc", "roberta_qa", "roberta_reg", "electra_multilabel", "distilbert_qa", "qwen2_tc", "mistral_qa",
+         "electra_mc"]
+HEADS_SLOW = ["electra_tc", "distilbert_tc", "qwen2_qa", "mistral_tc"]
+MEDIA = ["deit", "convnext", "clip_cls", "wav2vec2_ctc", "wav2vec2_cls", "whisper_cls"]
 
 
 def _loss_and_grads(family: str, left: bool = False) -> None:
@@ -37,8 +46,8 @@ def _loss_and_grads(family: str, left: bool = False) -> None:
 
     module = generic_module(family)
     model = module.model
-    batch = next(iter(hf_batches(8, data_family(family))))
-    assert (batch["attention_mask"] == 0).any()
+    batch = next(iter(batches(8, family)))
+    assert "attention_mask" not in batch or (batch["attention_mask"] == 0).any()
     if left:  # left padding (the sequences reversed: only where the padding sits matters here)
         batch = {k: v.flip(-1) if v.dim() == 2 else v for k, v in batch.items()}
     expected = model(**batch).loss
@@ -71,8 +80,14 @@ def _loss_and_grads(family: str, left: bool = False) -> None:
         torch.testing.assert_close(grads[n], g, rtol=1e-5, atol=1e-6, msg=n)
 
 
-@pytest.mark.parametrize("family", [*FAST, "opt_tied", "qwen2_tied", "gpt_neox_tied", *ENCODERS])
+@pytest.mark.parametrize("family", [*FAST, "opt_tied", "qwen2_tied", "gpt_neox_tied", *ENCODERS, *HEADS, *MEDIA])
 def test_generic_chain_gives_the_models_own_loss_and_gradients(family: str) -> None:
+    _loss_and_grads(family)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", HEADS_SLOW)
+def test_generic_chain_more_heads(family: str) -> None:
     _loss_and_grads(family)
 
 
@@ -212,16 +227,34 @@ def _module(model: Any) -> Any:
     return h.make_module(factory="hf_models:HFModule", model=model)
 
 
-def test_another_head_is_refused_at_setup() -> None:
+def test_a_head_the_split_does_not_know_is_refused_at_setup() -> None:
     import transformers as tr
 
     from uniap_lightning.runtime import extract_chain
 
-    bert = tr.DistilBertForQuestionAnswering(tr.DistilBertConfig(
-        vocab_size=32, dim=16, n_layers=1, n_heads=2, hidden_dim=32, max_position_embeddings=8))
-    with pytest.raises(UniAPError, match=r"\(model_type='distilbert'\) is not a Hugging Face family.*causal LMs "
-                                         r"\(\*ForCausalLM\), masked LMs.*uniap_layers"):
-        extract_chain(_module(bert))
+    electra = tr.ElectraForPreTraining(tr.ElectraConfig(
+        vocab_size=32, embedding_size=8, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=8))
+    with pytest.raises(UniAPError, match=r"\(model_type='electra'\) is not a Hugging Face family.*causal LMs "
+                                         r"\(\*ForCausalLM\), masked LMs.*CTC \(\*ForCTC\).*uniap_layers"):
+        extract_chain(_module(electra))
+
+
+def test_a_contrastive_loss_is_refused_at_setup() -> None:
+    """CLIP's contrastive loss compares every image with every text of the whole batch: not a sum over samples, so
+    micro-batches cannot give it; refused at setup with why (its image classifier trains, see ``clip_cls``)."""
+    import transformers as tr
+
+    from uniap_lightning.runtime import extract_chain
+
+    clip = tr.CLIPModel(tr.CLIPConfig(
+        vision_config=dict(image_size=8, patch_size=4, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2),
+        text_config=dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=0)))
+    with pytest.raises(UniAPError, match=r"CLIPModel .*contrastive loss compares every sample with every other of the "
+                                         r"whole batch, which does not decompose over micro-batches"):
+        extract_chain(_module(clip))
 
 
 def test_no_list_of_blocks_is_refused() -> None:

@@ -1,6 +1,12 @@
 """Hugging Face models with no hand-written family, split from the model's own structure and code: decoder-only
-causal LMs (OPT, Mistral, Qwen2/3, GPT-NeoX, Phi, Gemma 1/3, Falcon, BLOOM, GPT-J, MPT, OLMo, StableLM, ...),
-masked LMs (RoBERTa, ELECTRA, DistilBERT) and single-label sequence classifiers (RoBERTa, ELECTRA).
+causal LMs (OPT, Mistral, Qwen2/3, GPT-NeoX, Phi, Gemma 1/3, Falcon, BLOOM, GPT-J, MPT, OLMo, StableLM, ...) and
+encoders (RoBERTa, ELECTRA, DistilBERT, ...) with every head Hugging Face has for them: masked LM, sequence
+classification (single-label, regression, multi-label), token classification, question answering (``[batch, seq,
+2]`` start / end logits), multiple choice (one layer: it flattens the choices in its top-level forward); image
+encoders (``pixel_values``: DeiT, ConvNeXt (one layer per stage), CLIP's image classifier) and audio encoders
+(``input_values`` / ``input_features``: Wav2Vec2 CTC, Whisper's audio classifier). The probe batch is built from the
+config (vocabulary, image size and channels, the feature extractor's kernels and strides, mel bins). A contrastive
+loss over the whole batch (``CLIPModel``) does not decompose over micro-batches and is refused.
 
 :func:`generic_family` is what :func:`~uniap_lightning.adapters.auto.pretrained_chain` falls back to when
 :data:`~uniap_lightning.adapters.auto.FAMILIES` has no builder for ``config.model_type`` (a hand-written family
@@ -15,8 +21,9 @@ always wins). The chain is
 * one layer per block (the ``nn.ModuleList`` of same-class modules holding most parameters): ``block(hidden,
   **its recorded arguments)``, its first output the new hidden states;
 * the *epilogue*: the outermost modules the model runs after its last block, in the order it runs them (final norm,
-  projection, LM head; an encoder's head module) -> logits; the model's own loss (causal LM, masked LM or
-  classification), whole-batch normalized like the hand-written families.
+  projection, LM head; an encoder's head module) -> logits, with the pooling a head does in its top-level forward
+  (first token, mean over the sequence or the feature map) found on the probe batch; the model's own loss (the
+  head's), whole-batch normalized like the hand-written families.
 
 Payload tensors carry the batch on dim 0: a tensor the model broadcasts over the batch (a ``[1, seq, dim]`` rotary
 table) is expanded and taken back as one row, one independent of the batch is sent per row and taken back once, one
@@ -43,11 +50,15 @@ from torch import nn
 from uniap_lightning.adapters.auto import Family, HFTarget, count_next_tokens, count_rows, count_tokens
 from uniap_lightning.adapters.families.common import (
     causal_lm_loss,
-    classification_loss,
     colwise,
+    count_labels,
+    count_per_column,
     divisors_of_all,
+    question_answering_labels,
+    question_answering_loss,
     replicate,
     rowwise,
+    sequence_classification_loss,
     token_loss,
 )
 from uniap_lightning.errors import UniAPError
@@ -458,13 +469,17 @@ class GenericEpilogue(_Layer):
     """The modules the model runs after its last block, in its order (final norm, LM head) -> logits. Tensor
     parallel over the vocabulary when the last is an ``nn.Linear`` (logits gathered)."""
 
-    def __init__(self, sequence: list[nn.Module], unused: list[nn.Module]) -> None:
+    def __init__(self, sequence: list[nn.Module], unused: list[nn.Module],
+                 pool: tuple[int, str] | None = None) -> None:
         super().__init__(sequence + unused)
         self.steps = len(sequence)
+        self.pool = pool
 
     def forward(self, d: dict[str, torch.Tensor]) -> torch.Tensor:
         x = d["hidden"]
-        for m in list(self.units)[: self.steps]:
+        for i, m in enumerate(list(self.units)[: self.steps]):
+            if self.pool is not None and self.pool[0] == i:
+                x = _POOLS[self.pool[1]](x)
             x = m(x)
         return x
 
@@ -479,10 +494,113 @@ class GenericEpilogue(_Layer):
         return 1
 
 
+#: how heads pool the hidden states in a top-level forward (between two of the modules run after the blocks)
+_POOLS = {
+    "first token": lambda x: x[:, 0],
+    "mean over the sequence": lambda x: x.mean(1),
+    "mean over the tokens after the first": lambda x: x[:, 1:].mean(1),
+    "mean over the feature map": lambda x: x.mean((-2, -1)),
+}
+
+
+def _epilogue(model: Any, task: _Task, prologue: nn.Module, blocks: list[nn.Module], after: list[nn.Module],
+              unused: list[nn.Module], batch: dict[str, torch.Tensor], reference: Any) -> GenericEpilogue:
+    """The modules run after the blocks, in order; where that does not give the model's logits on the probe batch,
+    the first variant that does: a pooling (:data:`_POOLS`) before one of them, and / or one of them left out (a
+    module whose output the head does not use, e.g. CLIP's pooled-output norm). Unmasked pooling only passes the
+    check when the model pools that way on the padded probe too."""
+    from uniap_lightning.runtime.payload import call_layer
+
+    plain = GenericEpilogue(after, unused)
+    theirs = task.logits(reference)
+    if not isinstance(theirs, torch.Tensor) or len(after) > 4:
+        return plain
+    hiddens = []
+    for lo, hi in ((0, 1), (1, 3)):
+        x: Any = {k: v[lo:hi] for k, v in batch.items()}
+        for layer in (prologue, *blocks):
+            x = call_layer(layer, x)
+        hiddens.append(x)
+
+    def matches(epilogue: GenericEpilogue) -> bool:
+        try:
+            ours = torch.cat([epilogue(h) for h in hiddens])
+        except Exception:  # noqa: BLE001 - a variant whose shapes do not fit
+            return False
+        if ours.shape != theirs.shape:
+            return False
+        tol = 1e-4 if ours.dtype == torch.float32 else 3e-2
+        return float((ours.float() - theirs.float()).abs().max() / theirs.abs().max().clamp(min=1)) <= tol
+
+    if matches(plain):
+        return plain
+    for skip in (None, *range(len(after) - 1)):
+        sequence = [m for i, m in enumerate(after) if i != skip]
+        rest = unused + ([after[skip]] if skip is not None else [])
+        if skip is not None and matches(GenericEpilogue(sequence, rest)):
+            return GenericEpilogue(sequence, rest)
+        for position in range(len(sequence)):
+            for kind in _POOLS:
+                candidate = GenericEpilogue(sequence, rest, (position, kind))
+                if matches(candidate):
+                    return candidate
+    return plain
+
+
 # ------------------------------------------------------------------------------------------------------ building
+#: the batch entry a model's forward takes first, by modality
+_MAIN = ("input_ids", "pixel_values", "input_values", "input_features")
+
+
+def _main_input(model: Any) -> str:
+    params = inspect.signature(model.forward).parameters
+    main = next((k for k in _MAIN if k in params), None)
+    if main is None:
+        raise _refuse(model, f"its forward takes none of {list(_MAIN)}")
+    return main
+
+
+def _wave(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    n = 1
+    for d in shape:
+        n *= d
+    return torch.sin(torch.arange(n, device=device, dtype=torch.float32) * 0.37).reshape(shape).to(dtype)
+
+
+def _audio_length(config: Any, frames: int = 6) -> int:
+    """Samples a raw-audio encoder turns into ``frames`` frames (its feature extractor's kernels and strides)."""
+    length = frames
+    for kernel, stride in reversed(list(zip(config.conv_kernel, config.conv_stride))):
+        length = (length - 1) * stride + kernel
+    return length
+
+
 def _probe(model: Any, rows: int, device: torch.device, padded: bool = True) -> dict[str, torch.Tensor]:
-    """A deterministic batch (no random numbers drawn): the last sample's last token is padding (``padded``)."""
-    vocab = int(getattr(model.config, "vocab_size", 0) or 2)
+    """A deterministic batch built from the config (no random numbers drawn): token ids (the last sample's last
+    token is padding when ``padded``), images of the configured size and channels, raw audio of a few frames (the
+    last sample's tail masked when ``padded`` and the model takes a mask) or the configured log-mel features."""
+    main = _main_input(model)
+    config = model.config
+    dtype = next(model.parameters()).dtype
+    takes_mask = "attention_mask" in inspect.signature(model.forward).parameters
+    if main == "pixel_values":
+        vision = getattr(config, "vision_config", None) or config
+        size = vision.image_size
+        h, w = (size, size) if isinstance(size, int) else tuple(size)
+        return {"pixel_values": _wave((rows, int(vision.num_channels), h, w), device, dtype)}
+    if main == "input_values":
+        length = _audio_length(config)
+        batch = {"input_values": _wave((rows, length), device, dtype)}
+        if takes_mask:
+            mask = torch.ones(rows, length, dtype=torch.long, device=device)
+            if padded:
+                mask[-1, length * 2 // 3:] = 0
+            batch["attention_mask"] = mask
+        return batch
+    if main == "input_features":
+        frames = 2 * int(config.max_source_positions)
+        return {"input_features": _wave((rows, int(config.num_mel_bins), frames), device, dtype)}
+    vocab = int(getattr(config, "vocab_size", 0) or 2)
     seq = 4
     ids = (torch.arange(rows * seq, device=device).reshape(rows, seq) * 7 + 3) % max(vocab - 1, 1) + 1
     mask = torch.ones(rows, seq, dtype=torch.long, device=device)
@@ -493,9 +611,11 @@ def _probe(model: Any, rows: int, device: torch.device, padded: bool = True) -> 
 
 def _base_inputs(base: nn.Module) -> tuple[tuple[str, ...], dict[str, Any]]:
     params = inspect.signature(base.forward).parameters
-    if "input_ids" not in params:
-        raise UniAPError("its base model takes no input_ids")
-    inputs = tuple(k for k in ("input_ids", "attention_mask", "token_type_ids", "position_ids") if k in params)
+    main = next((k for k in _MAIN if k in params), None)
+    if main is None:
+        raise UniAPError(f"its base model takes none of {list(_MAIN)}")
+    inputs = (main, *(k for k in ("attention_mask", "token_type_ids", "position_ids")
+                      if k in params and (main != "input_features" or k != "attention_mask")))
     extra = {k: False for k in ("use_cache", "output_attentions", "output_hidden_states") if k in params}
     return inputs, extra
 
@@ -512,6 +632,9 @@ def generic_layers(model: Any) -> list[tuple[nn.Module, list[str]]]:
 
 
 def _split(model: Any) -> list[tuple[nn.Module, list[str]]]:
+    drops = {k: v for k, v in vars(model.config).items() if k.endswith("layerdrop") and v}
+    if drops:  # (wav2vec2's default 0.1, ...)
+        raise _refuse(model, f"it skips blocks at random in training (LayerDrop: {drops})")
     base = model.base_model
     blocks_name, blocks = _find_blocks(model)
     base_prefix = next((n for n, m in model.named_modules() if m is base), None)
@@ -538,7 +661,7 @@ def _split(model: Any) -> list[tuple[nn.Module, list[str]]]:
                 labels = task.labels(model, batch)
                 calls.order.clear()
                 calls.phase = "before"
-                reference = model(**batch, labels=labels, **extra)
+                reference = model(**batch, **task.kwargs(labels), **extra)
             finally:
                 calls.close()
             templates, tensors2 = _templates(small[1])
@@ -564,10 +687,11 @@ def _split(model: Any) -> list[tuple[nn.Module, list[str]]]:
             unused = [n for n in units if n not in before and n not in covered
                       and any(True for _ in units[n].parameters())]
             prologue = GenericPrologue([units[n] for n in before], base, blocks, plan, extra, inputs,
-                                       model.get_input_embeddings())
+                                       _embeddings(model, "input"))
             layers = [GenericBlock(b, plan, i, model.config) for i, b in enumerate(blocks)]
             heads = dict(model.named_modules())
-            epilogue = GenericEpilogue([heads[n] for n in after], [units[n] for n in unused])
+            epilogue = _epilogue(model, task, prologue, layers, [heads[n] for n in after], [units[n] for n in unused],
+                                 batch, reference)
             _verify(model, task, prologue, layers, epilogue, batch, labels, reference)
     finally:
         for m, training in modes.items():
@@ -598,7 +722,7 @@ def _verify(model: Any, task: _Task, prologue: nn.Module, blocks: list[nn.Module
             x = call_layer(layer, x)
         logits.append(x)
     ours = torch.cat(logits)
-    theirs = getattr(reference, "logits", None)
+    theirs = task.logits(reference)
     if not isinstance(theirs, torch.Tensor) or theirs.shape != ours.shape:
         raise _refuse(model, f"its output logits are {None if theirs is None else tuple(theirs.shape)}, the chain "
                              f"gives {tuple(ours.shape)}")
@@ -614,9 +738,9 @@ def _verify(model: Any, task: _Task, prologue: nn.Module, blocks: list[nn.Module
 
 def _check_loss(model: Any, task: _Task, logits: torch.Tensor, labels: torch.Tensor, reference: Any,
                 tol: float) -> None:
-    count = task.count(labels).to(torch.float64).clamp(min=1)
-    scale_rows = (labels.shape[0] / count).to(torch.float32).expand(labels.shape[0])
-    loss = task.loss(model, logits, HFTarget(labels, scale_rows))
+    count = task.count(labels).to(torch.float64).clamp(min=1)  # one count per column for question answering
+    scale = (labels.shape[0] / count).to(torch.float32)
+    loss = task.loss(model, logits, HFTarget(labels, scale.expand(labels.shape[0], *scale.shape)))
     if reference.loss is None or abs(float(loss) - float(reference.loss)) > tol * max(1.0, abs(float(loss))):
         raise _refuse(model, f"its own loss ({None if reference.loss is None else float(reference.loss):.6g}) is not "
                              f"the {task.what} ({float(loss):.6g})")
@@ -626,44 +750,183 @@ def _masked_lm_loss(model: Any, logits: torch.Tensor, target: HFTarget) -> torch
     return token_loss(logits, target.labels, target)
 
 
+def _rows(batch: dict[str, torch.Tensor]) -> tuple[int, torch.device]:
+    first = next(iter(batch.values()))
+    return first.shape[0], first.device
+
+
 def _token_labels(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
 
 
+def _tag_labels(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Token classification: a class per real token (padding -100)."""
+    return (batch["input_ids"] % int(model.config.num_labels)).masked_fill(batch["attention_mask"] == 0, -100)
+
+
 def _class_labels(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    rows = batch["input_ids"].shape[0]
-    return torch.arange(rows, device=batch["input_ids"].device) % int(model.config.num_labels)
+    """Sequence / image / audio classification, as the config's problem type (or number of labels) has it: class
+    ids, regression values or multi-label 0 / 1 targets."""
+    rows, device = _rows(batch)
+    config = model.config
+    n = int(config.num_labels)
+    kind = getattr(config, "problem_type", None)
+    if kind == "regression" or (kind is None and n == 1):
+        values = torch.arange(rows * n, device=device, dtype=torch.float32).reshape(rows, n) * 0.5 - 0.3
+        return values.reshape(rows) if n == 1 else values
+    if kind == "multi_label_classification":
+        return ((torch.arange(rows * n, device=device).reshape(rows, n) % 3) == 0).float()
+    return torch.arange(rows, device=device) % n
+
+
+def _span_labels(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Question answering: ``[batch, 2]`` start and end positions inside the sequence."""
+    rows, device = _rows(batch)
+    seq = batch["input_ids"].shape[-1]
+    start = torch.arange(rows, device=device) % seq
+    return torch.stack([start, (start + 2) % seq], -1)
+
+
+def _span_kwargs(labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {"start_positions": labels[:, 0], "end_positions": labels[:, 1]}
+
+
+def _span_logits(output: Any) -> torch.Tensor:
+    return torch.stack([output.start_logits, output.end_logits], -1)
+
+
+_CHOICES = 2
+
+
+def _choices(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Multiple choice: the probe as ``[batch, choices, seq]``, the choices differing."""
+    out = {}
+    for k, v in batch.items():
+        v = torch.stack([v, v.roll(1, -1)], 1) if k == "input_ids" else v.unsqueeze(1).expand(-1, _CHOICES, -1)
+        out[k] = v.contiguous()
+    return out
+
+
+def _choice_labels(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    rows, device = _rows(batch)
+    return torch.arange(rows, device=device) % _CHOICES
+
+
+def _ctc_frames(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Each row's number of output frames, as the model computes it for its CTC loss."""
+    values = batch["input_values"]
+    mask = batch.get("attention_mask")
+    lengths = mask.sum(-1) if mask is not None else torch.full(values.shape[:1], values.shape[-1],
+                                                                 device=values.device)
+    return model._get_feat_extract_output_lengths(lengths).to(torch.long)
+
+
+def _ctc_labels(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """CTC: the target is the row's frame count followed by its labels (-100 after the end), so the loss has the
+    input lengths the model's own loss uses."""
+    rows, device = _rows(batch)
+    vocab = int(model.config.vocab_size)
+    labels = (torch.arange(rows * 3, device=device).reshape(rows, 3) * 5 + 1) % (vocab - 1) + 1
+    labels[-1, -1] = -100
+    return torch.cat([_ctc_frames(model, batch)[:, None], labels], 1)
+
+
+def _ctc_kwargs(labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {"labels": labels[:, 1:]}
+
+
+def _ctc_loss(model: Any, logits: torch.Tensor, target: HFTarget) -> torch.Tensor:
+    """Hugging Face's CTC loss (blank = the pad token, zero_infinity as configured) per row, summed and whole-batch
+    normalized: ``ctc_loss_reduction="sum"`` sums over the batch (count 1), ``"mean"`` averages each row's loss over
+    its target length, then over the rows. Both decompose over micro-batches."""
+    frames, labels = target.labels[:, 0], target.labels[:, 1:]
+    config = model.config
+    given = labels >= 0
+    log_probs = nn.functional.log_softmax(logits, dim=-1, dtype=torch.float32).transpose(0, 1)
+    with torch.backends.cudnn.flags(enabled=False):
+        per_row = nn.functional.ctc_loss(log_probs, labels.masked_select(given), frames, given.sum(-1),
+                                         blank=config.pad_token_id, reduction="none",
+                                         zero_infinity=config.ctc_zero_infinity)
+    if config.ctc_loss_reduction == "mean":
+        per_row = per_row / given.sum(-1).clamp(min=1)
+    return per_row.sum() * target.per_item_sum_scale()
+
+
+def count_one(labels: torch.Tensor) -> torch.Tensor:
+    """A loss summed over the batch (not averaged): the whole batch counts once."""
+    return torch.tensor(1)
 
 
 @dataclass(frozen=True)
 class _Task:
-    """What a head of the generic split trains on: its loss, what it counts, probe labels."""
+    """What a head of the generic split trains on: its loss, what it counts, probe labels ``(model, probe batch) ->
+    labels``; ``target`` (``model -> (batch -> labels)``, default ``batch["labels"]``), ``given`` (labels -> the
+    model's keyword arguments, default ``labels=``), ``output`` (the model's output -> logits, default
+    ``.logits``), ``probe`` (reshapes the probe batch), ``one_layer`` (why this head always trains as one layer)."""
 
     what: str
     loss: Any
     count: Any
     labels: Any
+    target: Any = None
+    given: Any = None
+    output: Any = None
+    probe: Any = None
+    one_layer: str = ""
+
+    def kwargs(self, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"labels": labels} if self.given is None else self.given(labels)
+
+    def logits(self, output: Any) -> Any:
+        return getattr(output, "logits", None) if self.output is None else self.output(output)
 
 
+_CLASSIFY = _Task("sequence classification loss", sequence_classification_loss, count_labels, _class_labels)
 _TASKS = {
     "ForCausalLM": _Task("causal LM cross-entropy", causal_lm_loss, count_next_tokens, _token_labels),
     "ForMaskedLM": _Task("masked LM cross-entropy", _masked_lm_loss, count_tokens, _token_labels),
-    "ForSequenceClassification": _Task("classification cross-entropy", classification_loss, count_rows,
-                                       _class_labels),
+    "ForSequenceClassification": _CLASSIFY,
+    "ForImageClassification": _CLASSIFY,
+    "ForAudioClassification": _CLASSIFY,
+    "ForTokenClassification": _Task("token classification cross-entropy", _masked_lm_loss, count_tokens,
+                                    _tag_labels),
+    "ForQuestionAnswering": _Task("question answering loss", question_answering_loss, count_per_column,
+                                  _span_labels, target=lambda model: question_answering_labels, given=_span_kwargs,
+                                  output=_span_logits),
+    "ForMultipleChoice": _Task("multiple choice cross-entropy", _masked_lm_loss, count_tokens, _choice_labels,
+                               probe=_choices, one_layer="it flattens the choices in its top-level forward"),
+    "ForCTC": _Task("CTC loss", _ctc_loss, count_rows, _ctc_labels,
+                    target=lambda model: (lambda batch: None if batch.get("labels") is None else torch.cat(
+                        [_ctc_frames(model, batch)[:, None], batch["labels"]], 1)),
+                    given=_ctc_kwargs),
 }
+_HEADS = ("causal LMs (*ForCausalLM), masked LMs (*ForMaskedLM), sequence / image / audio classifiers, token "
+          "classifiers, question answering (*ForQuestionAnswering), multiple choice and CTC (*ForCTC)")
 
 
 def _task(model: Any) -> _Task:
     name = type(model).__name__
+    if "return_loss" in inspect.signature(model.forward).parameters:
+        raise _refuse(model, "its contrastive loss compares every sample with every other of the whole batch, which "
+                             "does not decompose over micro-batches (train it with a loss of your own)")
     for suffix, task in _TASKS.items():
         if name.endswith(suffix):
-            if suffix == "ForSequenceClassification" and (
-                    int(getattr(model.config, "num_labels", 0)) < 2
-                    or getattr(model.config, "problem_type", None) not in (None, "single_label_classification")):
+            if task.loss is _ctc_loss and (
+                    not hasattr(model, "_get_feat_extract_output_lengths")
+                    or getattr(model.config, "ctc_loss_reduction", None) not in ("sum", "mean")):
                 break
+            if task.loss is _ctc_loss and model.config.ctc_loss_reduction == "sum":
+                return _Task(task.what, task.loss, count_one, task.labels, task.target, task.given)
             return task
-    raise _refuse(model, "the generic split handles causal LMs (*ForCausalLM), masked LMs (*ForMaskedLM) and "
-                         "single-label sequence classifiers (*ForSequenceClassification)")
+    raise _refuse(model, f"the generic split handles {_HEADS}")
+
+
+def _embeddings(model: Any, which: str) -> nn.Module | None:
+    """The model's input or output embedding; ``None`` for a model without one (an image or audio encoder)."""
+    try:
+        return getattr(model, f"get_{which}_embeddings")()
+    except (NotImplementedError, AttributeError):
+        return None
 
 
 def _fqn(model: nn.Module, module: Any) -> str | None:
@@ -673,7 +936,8 @@ def _fqn(model: nn.Module, module: Any) -> str | None:
 def generic_family(model: Any) -> Family:
     """The family of a causal LM, masked LM or sequence classifier with no builder in ``FAMILIES`` (the generic
     split, or the whole model as one layer); a clear error for anything else."""
-    if getattr(model.config, "is_encoder_decoder", False):  # encoder-decoder LMs: their own split
+    if getattr(model.config, "is_encoder_decoder", False) and (  # encoder-decoder LMs: their own split
+            "decoder_input_ids" in inspect.signature(model.forward).parameters):  # (not Whisper's audio classifier)
         from uniap_lightning.adapters.families.seq2seq import seq2seq_family
 
         return seq2seq_family(model)
@@ -684,7 +948,7 @@ def generic_family(model: Any) -> Family:
         except Exception:  # noqa: BLE001 - a model without SDPA: its own (eager) attention, whose masks are tensors
             pass
     ties: tuple[tuple[str, str], ...] = ()
-    src, dst = model.get_input_embeddings(), model.get_output_embeddings()
+    src, dst = _embeddings(model, "input"), _embeddings(model, "output")
     if src is not None and dst is not None and getattr(src, "weight", None) is getattr(dst, "weight", 0):
         a, b = _fqn(model, src), _fqn(model, dst)
         if a and b:
@@ -693,27 +957,32 @@ def generic_family(model: Any) -> Family:
         inputs, _ = _base_inputs(model.base_model)
     except UniAPError as e:
         raise _refuse(model, str(e)) from None
+    if task.one_layer:
+        return _one_layer(model, task, inputs, _refuse(model, task.one_layer))
     try:
         pairs = generic_layers(model)  # (the weights still tied: the split refers to modules, not to weights)
     except Unsplittable as e:
         return _one_layer(model, task, inputs, e)
-    return Family(layers=lambda _: pairs, loss=task.loss, inputs=inputs, count=task.count, attention=None, ties=ties)
+    return Family(layers=lambda _: pairs, loss=task.loss, inputs=inputs, count=task.count, attention=None, ties=ties,
+                  labels=None if task.target is None else task.target(model))
 
 
 class WholeModel(_Layer):
     """The whole model as one layer (input ids and mask -> logits): trains replicated or sharded (ZeRO), with
     neither pipeline nor tensor parallelism."""
 
-    def __init__(self, model: nn.Module, inputs: tuple[str, ...]) -> None:
+    def __init__(self, model: nn.Module, inputs: tuple[str, ...], output: Any = None) -> None:
         super().__init__([])
         self.model = model
         self.inputs = inputs
+        self.output = output  # the model's output -> logits (default: .logits)
 
     def forward(self, d: dict[str, torch.Tensor]) -> torch.Tensor:
         kwargs = {k: d[k] for k in self.inputs if k in d}
         if "use_cache" in inspect.signature(self.model.forward).parameters:
             kwargs["use_cache"] = False
-        return self.model(**kwargs).logits
+        out = self.model(**kwargs)
+        return out.logits if self.output is None else self.output(out)
 
 
 def _one_layer(model: Any, task: _Task, inputs: tuple[str, ...], why: UniAPError) -> Family:
@@ -721,15 +990,16 @@ def _one_layer(model: Any, task: _Task, inputs: tuple[str, ...], why: UniAPError
     own loss is the task's loss of its logits (then the whole-batch normalization holds)."""
     from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-    layer = WholeModel(model, inputs)
+    layer = WholeModel(model, inputs, task.output)
     modes = {m: m.training for m in model.modules()}
     model.eval()
     try:
         with torch.no_grad():
             batch = _probe(model, 3, next(model.parameters()).device)
+            batch = task.probe(batch) if task.probe is not None else batch
             labels = task.labels(model, batch)
             kwargs = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
-            reference = model(**batch, labels=labels, **kwargs)
+            reference = model(**batch, **task.kwargs(labels), **kwargs)
             logits = layer(batch)
     finally:
         for m, training in modes.items():
@@ -743,4 +1013,5 @@ def _one_layer(model: Any, task: _Task, inputs: tuple[str, ...], why: UniAPError
                    f"parallelism): the generic split cannot handle it ({reason}). Define uniap_layers() on your "
                    "LightningModule to split it.")
     owners = [n for n, m in model.named_children() if any(True for _ in m.parameters())]
-    return Family(layers=lambda _: [(layer, owners)], loss=task.loss, inputs=inputs, count=task.count, attention=None)
+    return Family(layers=lambda _: [(layer, owners)], loss=task.loss, inputs=inputs, count=task.count, attention=None,
+                  labels=None if task.target is None else task.target(model))
