@@ -132,6 +132,8 @@ def test_uniap_plan_with_own_configs(tmp_path: Path) -> None:
                      tmp_path)
     assert by_path.returncode == 0, by_path.stderr
     assert "UniAP plan: mygpt on mycpu" in by_path.stdout
+    helped = _uniap(["plan", "--config-dir", "conf", "--help"], tmp_path)
+    assert helped.returncode == 0 and "mygpt" in helped.stdout and "mycpu" in helped.stdout
     missing = _uniap(["explain", "model=nope.yaml"], tmp_path)
     assert missing.returncode == 2 and missing.stderr.strip().count("\n") == 0
     assert f"model=nope.yaml: no such file ({tmp_path / 'nope.yaml'})" in missing.stderr
