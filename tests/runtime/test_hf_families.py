@@ -19,6 +19,7 @@ import uniap_rt_helpers as h
 pytest.importorskip("transformers")  # the [hf] extra
 from hf_models import HEADS, build, hf_batches, hf_module  # noqa: E402
 
+from uniap_lightning.adapters.families import compat  # noqa: E402
 from uniap_lightning.errors import UniAPError  # noqa: E402
 
 ONE, REPL, FSDP, TP = (1, 1, False), (2, 1, False), (2, 1, True), (1, 2, False)
@@ -27,6 +28,10 @@ Z2, Z3R = (2, 1, "zero2", False, "none"), (2, 1, "zero3", True, "none")
 # consolidated exports are written here by rank 0 of the spawned group (an absolute path in the case)
 EXPORTS = Path(tempfile.mkdtemp(prefix="uniap_hf_exports_"))
 atexit.register(shutil.rmtree, EXPORTS, ignore_errors=True)
+
+
+#: where ViT's blocks are (transformers moved them in 5.9, see adapters/families/compat.py)
+VIT_BLOCKS = "layers" if compat.at_least(compat.VISION_PROJECTIONS) else "encoder.layer"
 
 
 def names(family: str) -> list[str]:
@@ -43,7 +48,7 @@ def names(family: str) -> list[str]:
         "bert_qa": ["bert.embeddings", "bert.encoder.layer.0", "bert.encoder.layer.1", "qa_outputs"],
         "t5": ["shared", "encoder.block.0", "encoder.block.1", "encoder.final_layer_norm", "decoder.block.0",
                "decoder.block.1", "decoder.final_layer_norm"],
-        "vit": ["vit.embeddings", "vit.layers.0", "vit.layers.1", "vit.layernorm"],
+        "vit": ["vit.embeddings", f"vit.{VIT_BLOCKS}.0", f"vit.{VIT_BLOCKS}.1", "vit.layernorm"],
         "swin": ["swin.embeddings", "swin.encoder.layers.0.blocks.0", "swin.encoder.layers.0.blocks.1",
                  "swin.encoder.layers.0.downsample", "swin.encoder.layers.1.blocks.0", "swin.encoder.layers.1.blocks.1",
                  "swin.layernorm"],
@@ -230,18 +235,18 @@ def test_hf_families_four_ranks(name: str, spawn_cases: Any) -> None:
 
 def test_unsupported_family_names_what_to_implement() -> None:
     import lightning.pytorch as pl
-    from transformers import DistilBertConfig, DistilBertForQuestionAnswering
+    from transformers import DistilBertConfig, DistilBertModel
 
     from uniap_lightning.runtime import extract_chain
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.net = DistilBertForQuestionAnswering(DistilBertConfig(
+            self.net = DistilBertModel(DistilBertConfig(
                 vocab_size=32, dim=16, n_layers=1, n_heads=2, hidden_dim=32, max_position_embeddings=8))
 
-    # (no hand-written family, and a head the generic split does not train)
-    with pytest.raises(UniAPError, match=r"DistilBertForQuestionAnswering \(model_type='distilbert'\) is not a "
+    # (no hand-written family, and no head: nothing the generic split trains)
+    with pytest.raises(UniAPError, match=r"DistilBertModel \(model_type='distilbert'\) is not a "
                                          r"Hugging Face family.*\['bert', 'gpt2', 'llama', 'swin', 't5', 'vit'\].*"
                                          r"causal LMs.*Implement uniap_layers\(\)"):
         extract_chain(Module())
@@ -346,13 +351,9 @@ def test_only_tied_weights_become_tied_copies() -> None:
     assert extract_chain(hf_module("gpt2")).ties == [] and extract_chain(hf_module("llama")).ties == []
 
 
-@pytest.mark.parametrize("family", [*HEADS, "bert", "bert_mlm", "gpt2", "llama"])
-def test_every_head_gives_the_models_own_loss_and_gradients(family: str) -> None:
-    """Each head of BERT, GPT-2 and Llama (issue 20): the chain run on a padded batch cut into micro-batches of
-    unequal labelled counts averages to ``model(**batch).loss`` (question answering with positions past the input,
-    ignored, and negative ones, clamped; multiple choice on ``[batch, choices, seq]``; the decoders' sequence
-    classifiers pooled at the last non-padding token; regression and multi-label classification), with the same
-    gradients."""
+def _chain_matches_model_loss_and_gradients(family: str) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The chain of ``family`` run on a (padded) batch cut into 4 micro-batches averages to ``model(**batch).loss``
+    with the same gradients; returns the chain and the batch."""
     from uniap_lightning.runtime import extract_chain
     from uniap_lightning.runtime.payload import call_layer, chunk
 
@@ -383,6 +384,20 @@ def test_every_head_gives_the_models_own_loss_and_gradients(family: str) -> None
     assert set(grads) == set(reference)
     for n, g in reference.items():
         torch.testing.assert_close(grads[n], g, rtol=1e-5, atol=1e-6, msg=n)
+    return chain, batch
+
+
+@pytest.mark.parametrize("family", [*HEADS, "bert", "bert_mlm", "gpt2", "llama"])
+def test_every_head_gives_the_models_own_loss_and_gradients(family: str) -> None:
+    """Each head of BERT, GPT-2 and Llama (issue 20): the chain run on a padded batch cut into micro-batches of
+    unequal labelled counts averages to ``model(**batch).loss`` (question answering with positions past the input,
+    ignored, and negative ones, clamped; multiple choice on ``[batch, choices, seq]``; the decoders' sequence
+    classifiers pooled at the last non-padding token; regression and multi-label classification), with the same
+    gradients."""
+    from uniap_lightning.runtime.payload import call_layer
+
+    chain, batch = _chain_matches_model_loss_and_gradients(family)
+    model = chain.module.model
     # prediction (no labels): the chain's output is the model's logits (question answering: start and end stacked)
     with torch.no_grad():
         out = model(**batch)
@@ -392,6 +407,14 @@ def test_every_head_gives_the_models_own_loss_and_gradients(family: str) -> None
             x = call_layer(layer, x)
     logits = torch.stack([out.start_logits, out.end_logits], -1) if family.endswith("_qa") else out.logits
     torch.testing.assert_close(x, logits)
+
+
+@pytest.mark.parametrize("family", ["t5", "vit", "swin"])
+def test_encoder_decoder_and_vision_give_the_models_own_loss_and_gradients(family: str) -> None:
+    """T5 (padded encoder and decoder inputs, the position bias and masks rebuilt per block), ViT and Swin: the
+    chain's micro-batches average to the model's own loss, with the same gradients, on every supported
+    transformers release (the masks and module layouts of adapters/families/compat.py)."""
+    _chain_matches_model_loss_and_gradients(family)
 
 
 @pytest.mark.parametrize("family", ["gpt2_sc", "llama_sc"])

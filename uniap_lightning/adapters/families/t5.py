@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from uniap_lightning.adapters.auto import Family, count_tokens, register
+from uniap_lightning.adapters.families import compat
 from uniap_lightning.adapters.families.common import (
     View,
     colwise,
@@ -54,6 +55,18 @@ def _bias(attention: nn.Module, table: torch.Tensor, q_len: int, k_len: int) -> 
     return nn.functional.embedding(buckets, table).permute([2, 0, 1]).unsqueeze(0)
 
 
+def _with_mask(bias: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """An attention mask added to a ``[1, heads, q, k]`` position bias (as T5 did before 5.15); a boolean one
+    (True: attended) becomes 0 or the dtype's minimum first."""
+    if mask is None:
+        return bias
+    mask = mask[..., : bias.shape[-1]]
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=bias.dtype, device=bias.device).masked_fill(
+            ~mask, torch.finfo(bias.dtype).min)
+    return bias + mask
+
+
 class T5Block(View):
     """One block of either stack. The first block of a stack owns the relative-position table and passes it on."""
 
@@ -65,8 +78,6 @@ class T5Block(View):
         return (self.decoder, self.first)
 
     def forward(self, d: Payload) -> dict[str, torch.Tensor]:
-        from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
-
         hidden = d["hidden"]
         attention = self.block.layer[0].SelfAttention
         key = "dec_rel" if self.decoder else "enc_rel"
@@ -74,23 +85,31 @@ class T5Block(View):
             else d[key]
         bias = local_heads(attention.q.weight, _bias(attention, rel[0], hidden.shape[1], hidden.shape[1]))
         if self.decoder:
-            mask = create_causal_mask(config=self.config, inputs_embeds=hidden,
-                                      attention_mask=d.get("decoder_attention_mask"), cache=None)
-            cross = create_bidirectional_mask(config=self.config, inputs_embeds=hidden,
-                                              attention_mask=d.get("attention_mask"),
-                                              encoder_hidden_states=d["encoder"])
+            mask = compat.causal_mask(self.config, hidden, d.get("decoder_attention_mask"))
+        else:
+            mask = compat.bidirectional_mask(self.config, hidden, d.get("attention_mask"))
+        cross = None
+        if self.decoder:
+            cross = compat.bidirectional_mask(self.config, hidden, d.get("attention_mask"), d["encoder"])
             # T5 builds a zero cross-attention bias for all heads when given none: give this rank's heads'
             cross_attention = self.block.layer[1].EncDecAttention
-            zeros = torch.zeros(1, cross_attention.n_heads // tensor_parallel_heads(cross_attention.q.weight)[0], hidden.shape[1],
-                                d["encoder"].shape[1], dtype=hidden.dtype, device=hidden.device)
-            out = self.block(hidden, mask, bias, d["encoder"], cross, zeros)
+            heads = cross_attention.n_heads // tensor_parallel_heads(cross_attention.q.weight)[0]
+            zeros = torch.zeros(1, heads, hidden.shape[1], d["encoder"].shape[1], dtype=hidden.dtype,
+                                device=hidden.device)
+        if not compat.at_least(compat.T5_MASK_IN_POSITION_BIAS):
+            # before 5.15 an attention given a position bias ignores its mask: the mask goes inside the bias
+            bias, mask = _with_mask(bias, mask), None
+            if self.decoder:
+                zeros, cross = _with_mask(zeros, cross), None
+        if self.decoder:
+            out = self.block(hidden, mask, bias, d["encoder"], cross, zeros, **compat.t5_block_kwargs(hidden))
         else:
-            mask = create_bidirectional_mask(config=self.config, inputs_embeds=hidden,
-                                             attention_mask=d.get("attention_mask"))
-            out = self.block(hidden, mask, bias)
+            out = self.block(hidden, mask, bias, **compat.t5_block_kwargs(hidden))
         return {"hidden": out[0], key: rel}
 
     def uniap_tp_degrees(self) -> list[int]:
+        if not compat.at_least(compat.T5_HEADS_FROM_SHAPE):  # before 5.5: a fixed number of heads per rank
+            return [1]
         ff = self.block.layer[-1].DenseReluDense
         return divisors_of_all(ff.wo.in_features, self.block.layer[0].SelfAttention.n_heads)
 

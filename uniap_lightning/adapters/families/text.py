@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from uniap_lightning.adapters.auto import Family, HFTarget, count_next_tokens, count_tokens, register
+from uniap_lightning.adapters.families import compat
 from uniap_lightning.adapters.families.common import (
     View,
     causal_lm_loss,
@@ -162,16 +163,15 @@ class BertBlock(View):
         self.config = config
 
     def forward(self, d: Payload) -> dict[str, torch.Tensor]:
-        from transformers.masking_utils import create_bidirectional_mask
-
         shape = d["hidden"].shape  # [batch, (choices,) seq, hidden]
         hidden = d["hidden"].reshape(-1, *shape[-2:])
         mask = d.get("attention_mask")
-        mask = create_bidirectional_mask(config=self.config, inputs_embeds=hidden,
-                                         attention_mask=None if mask is None else mask.reshape(hidden.shape[:2]))
+        mask = compat.bidirectional_mask(self.config, hidden, None if mask is None else mask.reshape(hidden.shape[:2]))
         return {"hidden": _first(self.layer(hidden, attention_mask=mask)).reshape(shape)}
 
     def uniap_tp_degrees(self) -> list[int]:
+        if not compat.at_least(compat.BERT_HEADS_FROM_SHAPE):  # 4.x: a fixed number of heads per rank
+            return [1]
         return divisors_of_all(self.config.num_attention_heads, self.config.intermediate_size)
 
     def uniap_tp_plan(self, tp: int) -> dict[str, Any]:
@@ -261,12 +261,9 @@ class GPT2Block(View):
 
 
 def _causal_mask(config: Any, d: Payload) -> Any:
-    from transformers.masking_utils import create_causal_mask
-
     hidden = d["hidden"]
     pos = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-    return create_causal_mask(config=config, inputs_embeds=hidden, attention_mask=d.get("attention_mask"),
-                              cache=None, position_ids=pos)
+    return compat.causal_mask(config, hidden, d.get("attention_mask"), pos)
 
 
 class NormLMHead(View):

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from uniap_lightning.adapters.auto import Family, count_rows, register
+from uniap_lightning.adapters.families import compat
 from uniap_lightning.adapters.families.common import (
     View,
     classification_loss,
@@ -48,10 +49,12 @@ class ViTBlock(View):
         self.config = config
 
     def forward(self, d: Payload) -> dict[str, torch.Tensor]:
-        out = self.layer(d["hidden"], None)
+        out = self.layer(d["hidden"])
         return {"hidden": out[0] if isinstance(out, tuple) else out}
 
     def uniap_tp_degrees(self) -> list[int]:
+        if not compat.at_least(compat.VISION_PROJECTIONS):  # before 5.9: a fixed number of heads per rank
+            return [1]
         return divisors_of_all(self.config.num_attention_heads, self.config.intermediate_size)
 
     def uniap_tp_plan(self, tp: int) -> dict[str, Any]:
@@ -69,9 +72,10 @@ class ViTHead(View):
 
 def vit_layers(model: Any) -> list[tuple[nn.Module, list[str]]]:
     vit = model.vit
+    path, blocks = compat.vit_blocks(vit)
     return [
         (PatchEmbed(embeddings=vit.embeddings), ["vit.embeddings"]),
-        *[(ViTBlock(layer, vit.config), [f"vit.layers.{i}"]) for i, layer in enumerate(vit.layers)],
+        *[(ViTBlock(layer, vit.config), [f"vit.{path}.{i}"]) for i, layer in enumerate(blocks)],
         (ViTHead(layernorm=vit.layernorm, classifier=model.classifier), ["vit.layernorm", "classifier"]),
     ]
 
@@ -91,7 +95,7 @@ class SwinBlock(View):
         super().__init__(block=block)
         self.dims = dims
         attention = block.attention
-        if not getattr(attention, "_uniap_heads_hook", False):
+        if compat.at_least(compat.VISION_PROJECTIONS) and not getattr(attention, "_uniap_heads_hook", False):
             attention.relative_position_bias.register_forward_hook(partial(_heads_of_this_rank, attention))
             attention._uniap_heads_hook = True
 
@@ -103,6 +107,8 @@ class SwinBlock(View):
         return {"hidden": out[0] if isinstance(out, tuple) else out}
 
     def uniap_tp_degrees(self) -> list[int]:
+        if not compat.at_least(compat.VISION_PROJECTIONS):  # before 5.9: a fixed number of heads per rank
+            return [1]
         return divisors_of_all(self.block.mlp.fc1.out_features, self.block.attention.num_attention_heads)
 
     def uniap_tp_plan(self, tp: int) -> dict[str, Any]:
