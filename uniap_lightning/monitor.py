@@ -259,8 +259,7 @@ class UniAPMonitor(pl.Callback):
         for r, m in enumerate(rank_peak):
             metrics[f"uniap/peak_memory_bytes/rank{r}"] = m
         if plan is not None:
-            n = plan.devices_per_stage
-            report["stage_peak_memory_bytes"] = [max(rank_peak[i * n:(i + 1) * n]) for i in range(plan.pp)]
+            report["stage_peak_memory_bytes"] = plan.per_stage(rank_peak)
             est = plan.estimate
             if est is not None and est.tpi_s > 0:
                 ratio = compared / est.tpi_s

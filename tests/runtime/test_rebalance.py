@@ -14,8 +14,18 @@ from uniap_lightning.rebalance.decision import (
 )
 
 
-def _assess(measured, predicted=(1.0, 1.0), n=2, speeds=(1.0,) * 4, threshold=0.1, switches=0, most=3):
-    return assess(measured_s=list(measured), predicted_stage_s=list(predicted), devices_per_stage=n,
+def _plan(pp=2, world=4):
+    """A plan whose rank layout the decision reads (pp stages of world / pp ranks)."""
+    from uniap_lightning.planner.plan import Plan
+
+    n = world // pp
+    return Plan.from_assignment(stage_of_layer=list(range(pp)), strategies=[(n, 1, False)] * pp,
+                                layer_names=[f"l{i}" for i in range(pp)], pp=pp, microbatches=1, schedule="1f1b",
+                                global_batch_size=n, num_devices=world)
+
+
+def _assess(measured, predicted=(1.0, 1.0), speeds=(1.0,) * 4, threshold=0.1, switches=0, most=3):
+    return assess(measured_s=list(measured), predicted_stage_s=list(predicted), plan=_plan(),
                   speeds=tuple(speeds), threshold=threshold, switches=switches, max_rebalances=most)
 
 
@@ -48,7 +58,7 @@ def test_speeds_already_known_are_kept_and_a_recovery_is_seen():
     # the running plan already assumes rank 3 at half speed: stage 1 predicted twice as long, rank 2 (full speed)
     # expected to take half of it
     speeds = (1.0, 1.0, 1.0, 0.5)
-    assert rank_slowness([1.0, 1.0, 1.0, 2.0], [1.0, 2.0], 2, speeds) == [1.0, 1.0, 1.0, 1.0]
+    assert rank_slowness([1.0, 1.0, 1.0, 2.0], [1.0, 2.0], _plan(), speeds) == [1.0, 1.0, 1.0, 1.0]
     assert not _assess([1.0, 1.0, 1.0, 2.0], predicted=(1.0, 2.0), speeds=speeds).replan
     recovered = _assess([1.0, 1.0, 1.0, 1.0], predicted=(1.0, 2.0), speeds=speeds)
     assert recovered.replan and recovered.speeds == (1.0,) * 4

@@ -42,6 +42,12 @@ COMPRESSION_DEFAULTS: dict[str, float] = {"powersgd_rank": 1, "topk_ratio": 0.01
 COMPRESSION_RUNTIME_DEFAULTS: dict[str, float] = {"start_iter": 0, "start_fraction": 0.02, "dgc_momentum": 0.0}
 
 
+def stage_ranks(stage: int, devices_per_stage: int) -> range:
+    """The rank layout: stage ``i`` of ``n`` devices runs ranks ``[i*n, (i+1)*n)``. Plans answer it through
+    :meth:`Plan.ranks_of_stage`; the cost tables of a candidate (no plan yet) through this."""
+    return range(stage * devices_per_stage, (stage + 1) * devices_per_stage)
+
+
 @dataclass(frozen=True)
 class LayerPlan:
     """Strategy of one layer: its stage, its intra-layer split ``dp * tp == devices per stage``, how the ``dp``
@@ -151,12 +157,37 @@ class Plan:
     def micro_batch_size(self) -> int:
         return self.global_batch_size // self.microbatches
 
+    # ------------------------------------------------------------------ layout: the one place it is computed
+    # Every module asks these (meshes, pipeline, rebalance, monitor, cost tables); none works it out itself.
     def stage_of_rank(self, rank: int) -> int:
+        """The pipeline stage ``rank`` runs."""
         return rank // self.devices_per_stage
 
+    def ranks_of_stage(self, stage: int) -> range:
+        """The global ranks that run ``stage`` (consecutive)."""
+        return stage_ranks(stage, self.devices_per_stage)
+
+    def lane_of_rank(self, rank: int) -> int:
+        """``rank``'s position inside its stage; lane ``r`` is the pipeline ``r, n + r, 2n + r, ...``."""
+        return rank % self.devices_per_stage
+
+    def batch_chunk_of_rank(self, rank: int, dp: int) -> int:
+        """Which of the ``dp`` batch chunks ``rank`` holds where a layer runs with ``dp`` data-parallel copies
+        (``tp`` innermost: consecutive lanes share a chunk)."""
+        return self.lane_of_rank(rank) // (self.devices_per_stage // dp)
+
     def layers_of_stage(self, stage: int) -> list[int]:
+        """The chain indices of ``stage``'s layers (in order)."""
         first, last = self.stages[stage].layers
         return list(range(first, last + 1))
+
+    def layers_of_rank(self, rank: int) -> list[int]:
+        """The chain indices of the layers ``rank`` holds."""
+        return self.layers_of_stage(self.stage_of_rank(rank))
+
+    def per_stage(self, per_rank: list[Any], reduce: Any = max) -> list[Any]:
+        """A per-rank list folded into one value per stage (``reduce`` over the stage's ranks)."""
+        return [reduce(per_rank[r] for r in self.ranks_of_stage(i)) for i in range(self.pp)]
 
     # ------------------------------------------------------------------ build
     @classmethod
@@ -181,7 +212,7 @@ class Plan:
             members = [u for u, s in enumerate(stage_of_layer) if s == i]
             if not members:
                 raise UniAPError(f"stage {i} has no layers (pp={pp}, stage_of_layer={stage_of_layer})")
-            stages.append(StagePlan(i, (members[0], members[-1]), tuple(range(i * n, (i + 1) * n))))
+            stages.append(StagePlan(i, (members[0], members[-1]), tuple(stage_ranks(i, n))))
         layers = [_layer_plan(name, s, strat) for name, s, strat in zip(layer_names, stage_of_layer, strategies, strict=True)]
         plan = cls(pp, microbatches, schedule, global_batch_size, num_devices, stages, layers, **extra)
         plan.validate()
@@ -216,7 +247,7 @@ class Plan:
             if st.index != i or first != expected_first or last < first:
                 raise UniAPError(f"plan stage {i} has layers {list(st.layers)}; stages must tile the chain in order")
             # the length first: a huge num_devices must not build a huge range to compare with
-            if len(st.ranks) != n or tuple(st.ranks) != tuple(range(i * n, (i + 1) * n)):
+            if len(st.ranks) != n or tuple(st.ranks) != tuple(stage_ranks(i, n)):
                 raise UniAPError(f"plan stage {i} ranks must be {i * n}..{(i + 1) * n - 1}")
             expected_first = last + 1
         if expected_first != len(self.layers):

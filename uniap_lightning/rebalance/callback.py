@@ -185,7 +185,7 @@ class Rebalancer(Callback):
         measured = [None if m is None else m[0] + m[1] for m, _ in gathered]
         try:
             check = assess(measured_s=measured, predicted_stage_s=self._predicted_stage_s(plan),
-                           devices_per_stage=plan.devices_per_stage, speeds=self.speeds,
+                           plan=plan, speeds=self.speeds,
                            threshold=self.options.threshold, switches=len(self.events),
                            max_rebalances=self.options.max_rebalances)
             if not check.replan:

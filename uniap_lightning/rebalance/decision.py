@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from uniap_lightning.errors import UniAPError
+
+if TYPE_CHECKING:
+    from uniap_lightning.planner.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -47,17 +50,16 @@ class RebalanceOptions:
         return cls(rebalance, float(t), int(rebalance_check_every), int(max_rebalances))
 
 
-def rank_slowness(measured_s: list[float | None], predicted_stage_s: list[float], devices_per_stage: int,
+def rank_slowness(measured_s: list[float | None], predicted_stage_s: list[float], plan: Plan,
                   speeds: tuple[float, ...]) -> list[float | None]:
     """Per rank: measured seconds per micro-batch over the seconds predicted for that rank (``None``: unmeasured).
 
     The plan predicts a stage's time at the speed of its slowest rank; a faster rank of the stage, timed on its own
-    work, is expected to take proportionally less."""
+    work, is expected to take proportionally less. ``plan``: the running plan (its rank layout)."""
     out: list[float | None] = []
-    n = devices_per_stage
     for r, m in enumerate(measured_s):
-        stage = r // n
-        slowest = min(speeds[stage * n:(stage + 1) * n])
+        stage = plan.stage_of_rank(r)
+        slowest = min(speeds[q] for q in plan.ranks_of_stage(stage))
         expected = predicted_stage_s[stage] * slowest / speeds[r]
         out.append(m / expected if m is not None and m > 0 and expected > 0 else None)
     return out
@@ -96,10 +98,10 @@ class Check:
     reason: str
 
 
-def assess(*, measured_s: list[float | None], predicted_stage_s: list[float], devices_per_stage: int,
+def assess(*, measured_s: list[float | None], predicted_stage_s: list[float], plan: Plan,
            speeds: tuple[float, ...], threshold: float, switches: int, max_rebalances: int) -> Check:
     """Step 1 and 2 of the module docstring, from every rank's median seconds per micro-batch."""
-    slow = rank_slowness(measured_s, predicted_stage_s, devices_per_stage, speeds)
+    slow = rank_slowness(measured_s, predicted_stage_s, plan, speeds)
     new = new_speeds(slow, speeds)
     moved = speeds_moved(new, speeds, threshold)
     if not moved:

@@ -115,7 +115,7 @@ def switch_plan(strategy: Any, trainer: pl.Trainer, plan: Plan, pristine: Pristi
         del state, optimizers
         strategy.optimizers, strategy.lr_scheduler_configs = [], []  # the old parameters go with the old plan
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            pristine.restore(module, set(plan.layers_of_stage(rank // plan.devices_per_stage)), device)
+            pristine.restore(module, set(plan.layers_of_rank(rank)), device)
             chain = extract_chain(module)
             chain.input_spec, chain.specs = old.chain.input_spec, old.chain.specs
             runtime = strategy.guard(lambda: apply_plan(chain, plan, rank=rank, device=device))

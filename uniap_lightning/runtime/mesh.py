@@ -56,11 +56,11 @@ class PlanMeshes:
 
     @property
     def stage(self) -> int:
-        return self.rank // self.n
+        return self.plan.stage_of_rank(self.rank)
 
     @property
     def lane(self) -> int:
-        return self.rank % self.n
+        return self.plan.lane_of_rank(self.rank)
 
     @property
     def lane_group(self) -> dist.ProcessGroup:
@@ -83,7 +83,7 @@ class PlanMeshes:
 
     def chunk_index(self, dp: int) -> int:
         """Which of the ``dp`` batch chunks this rank holds in layout ``dp``."""
-        return self.lane // (self.n // dp)
+        return self.plan.batch_chunk_of_rank(self.rank, dp)
 
     def regather_group(self, dp_a: int, dp_b: int) -> dist.ProcessGroup:
         """Ranks that hold the same coarse chunk (``min`` layout) but different fine chunks (``max`` layout)."""

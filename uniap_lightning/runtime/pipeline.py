@@ -190,7 +190,7 @@ class PipelineRunner:
             full = map_tensors(lambda t: self._gather_lanes(t, n), out)
         box = [full]
         if self.plan.pp > 1 or self.plan.devices_per_stage > 1:
-            dist.broadcast_object_list(box, src=(self.plan.pp - 1) * self.plan.devices_per_stage)
+            dist.broadcast_object_list(box, src=self.plan.ranks_of_stage(self.plan.pp - 1)[0])
         return box[0]
 
     def _gather_lanes(self, out: torch.Tensor, n: int) -> torch.Tensor:

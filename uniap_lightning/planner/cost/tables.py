@@ -126,7 +126,9 @@ class CandidateCosts:
 
     # ------------------------------------------------------------------ heterogeneous devices
     def stage_ranks(self, stage: int) -> range:
-        return range(stage * self.n, (stage + 1) * self.n)
+        from uniap_lightning.planner.plan import stage_ranks
+
+        return stage_ranks(stage, self.n)
 
     def stage_speed(self, stage: int) -> float:
         """Relative compute speed of ``stage``'s slowest device (1.0 on a homogeneous cluster)."""
