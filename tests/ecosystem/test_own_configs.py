@@ -168,3 +168,16 @@ def test_a_package_on_the_search_path_is_left_to_hydra(tmp_path: Path, monkeypat
     hydra_args = check_command_line("plan", args)
     assert hydra_args == args
     assert compose_checked("plan", search_dirs(None, args).override(args)).model.name == "pkggpt"
+
+
+@pytest.mark.parametrize(("arg", "message"), [
+    ("cluster=local_cpu", "cluster=local_cpu: this command has no cluster group; `uniap train` plans for the cluster "
+                          "given as strategy.cluster=NAME"),
+    ("train=fp32_adam", "train=fp32_adam: this command has no train group; `uniap train`'s training settings are"),
+])
+def test_groups_train_does_not_have_are_one_line(arg: str, message: str) -> None:
+    from uniap_lightning.cli.overrides import check_command_line
+
+    with pytest.raises(UniAPError) as err:
+        check_command_line("train", [arg])
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)

@@ -133,6 +133,14 @@ def _composition_message(err: Exception, overrides: list[str]) -> str:
         key = added.group(1)[1:].split("=", 1)[0]
         return (f"{_shown(added.group(1)[1:])}: the config has no key '{key}'; use {_shown(added.group(1))} to add "
                 f"a key (Trainer and strategy arguments that are not listed need the +)")
+    no_group = re.search(r"Could not override '([^']*)'\. No match in the defaults list", text)
+    if no_group:
+        group = no_group.group(1)
+        given = next((o for o in overrides if o.lstrip("+~").partition("=")[0] == group), group)
+        instead = {"cluster": "; `uniap train` plans for the cluster given as strategy.cluster=NAME (or a .yaml path), "
+                              "or for the machine it runs on",
+                   "train": "; `uniap train`'s training settings are trainer.*, data.*, lr and seed"}.get(group, "")
+        return f"{_shown(given)}: this command has no {group} group{instead}"
     missing_key = re.search(r"Interpolation key '([^']*)' not found\s+full_key: (\S+)", text)
     if missing_key:
         return (f"{missing_key.group(2)}: the interpolation ${{{missing_key.group(1)}}} names no key of the config; "
