@@ -79,6 +79,24 @@ def _grad_sync_bytes(trainer: pl.Trainer) -> tuple[int, int]:
     return replicated.counter.step_bytes, replicated.wire_bytes_per_step()
 
 
+def _error_parts(plan: Any, report: dict[str, Any]) -> str:
+    """What the compared times are made of: the prediction's pipeline and per-step parts, the measured plan's work
+    and Lightning's loop around it."""
+    est = plan.estimate
+    sync = max(est.stage_sync_s) if est.stage_sync_s else 0.0
+    pipe = est.tpi_s - sync
+    slowest = max(est.stage_time_s) if est.stage_time_s else 0.0
+    text = (f"Predicted: {pipe * 1e3:.2f} ms of pipeline ({plan.microbatches} micro-batch(es), the slowest stage "
+            f"{slowest * 1e3:.2f} ms each, from the profile's layer timings) + {sync * 1e3:.2f} ms of gradient sync "
+            "and optimizer step. Measured:")
+    if "plan_work_s" in report:
+        text += (f" {report['plan_work_s'] * 1e3:.2f} ms of the plan's work (compared) + {report['loop_s'] * 1e3:.2f}"
+                 " ms of Lightning's loop, logging and callbacks (not predicted).")
+    else:
+        text += f" {report['tpi_s'] * 1e3:.2f} ms per step."
+    return text
+
+
 def run_record(setup_result: Any, plan: Any) -> dict[str, Any]:
     """What a measured file belongs to (``run``): the plan, and where setup had them, the cluster description, the
     model profile and the training settings it was planned with, so ``uniap explain measured=FILE`` re-scores the
@@ -317,8 +335,9 @@ class UniAPMonitor(pl.Callback):
                     rank_zero_warn(
                         f"UniAP: measured step time {compared * 1e3:.2f} ms differs from the plan's prediction "
                         f"{report['predicted_tpi_s'] * 1e3:.2f} ms by {err:+.0%} (threshold "
-                        f"{self.time_error_threshold:.0%}); the plan may not be the fastest here. Per stage and "
-                        "layer, with the model, cluster and plan this run used: "
+                        f"{self.time_error_threshold:.0%}); the plan may not be the fastest here. "
+                        f"{_error_parts(plan, report)} Per stage and layer, with the model, cluster and plan this "
+                        "run used: "
                         + (f"uniap explain measured={where}" if where else "uniap explain measured=<metrics file> "
                            "(this run's could not be written)")
                     )

@@ -218,6 +218,9 @@ def test_monitor_logs_measured_vs_predicted(fitted: Any) -> None:
     assert data["step_time_error"] == pytest.approx(data["plan_work_s"] / data["predicted_tpi_s"] - 1)
     # threshold 0: the error always exceeds it, and the warning comes once although two windows were reported
     assert sum("differs from the plan's prediction" in m for m in messages) == 1
+    warned = next(m for m in messages if "differs from the plan's prediction" in m)
+    assert "ms of pipeline (" in warned and "of gradient sync and optimizer step" in warned  # what it is made of
+    assert "of the plan's work (compared) +" in warned and "of Lightning's loop" in warned
     # what `uniap explain measured=FILE` reads renders with this file
     from rich.console import Console
 
