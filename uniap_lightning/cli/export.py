@@ -14,7 +14,10 @@ def main(argv: list[str]) -> int:
     from uniap_lightning.runtime.checkpoint import consolidate_checkpoint
     from uniap_lightning.runtime.export import FORMATS
 
-    p = argparse.ArgumentParser(prog="uniap export", description=__doc__.split("\n\n")[0].split(": ", 1)[1])
+    p = argparse.ArgumentParser(prog="uniap export", description=(
+        "A checkpoint folder (what Trainer(strategy='uniap') saves, under any plan) as full weights: one safetensors "
+        "file (default), one torch.save file, or a Hugging Face folder that from_pretrained loads. One process; "
+        "nothing in the checkpoint runs code."))
     p.add_argument("checkpoint", help="a checkpoint folder (e.g. checkpoints/step-30.ckpt)")
     p.add_argument("out", help="the weights file, or the folder for --format hf")
     p.add_argument("--format", choices=FORMATS, default=None,
