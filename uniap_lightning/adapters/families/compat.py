@@ -19,6 +19,8 @@ tests against the oldest supported release, which takes the other branches.
   ignores the mask when given a bias (so a block handed the bias gets the mask inside it); from 5.15 it adds both.
 * :data:`T5_BLOCK_CACHE_POSITION` (5.4): before, a T5 decoder block reads the query length from its
   ``cache_position`` argument (required, though no cache is used): :func:`t5_block_kwargs` passes it.
+* :data:`T5_SCALE_CONFIG` (5.0): T5 scales the decoder's output by ``d_model ** -0.5`` when
+  ``config.scale_decoder_outputs``; before, when ``config.tie_word_embeddings`` (:func:`t5_scales_decoder_outputs`).
 * :data:`BERT_HEADS_FROM_SHAPE` (5.0) and :data:`T5_HEADS_FROM_SHAPE` (5.5): BERT's and T5's attentions reshape
   with ``-1`` heads (the local heads under tensor parallelism); before, with the configured number: no tensor
   parallelism on those releases.
@@ -33,8 +35,9 @@ import torch
 from packaging.version import Version
 
 __all__ = ["BERT_HEADS_FROM_SHAPE", "BIDIRECTIONAL_MASK", "CACHE_ARGUMENT", "INPUTS_EMBEDS", "NO_CACHE_POSITION",
-           "OLDEST", "T5_BLOCK_CACHE_POSITION", "T5_HEADS_FROM_SHAPE", "T5_MASK_IN_POSITION_BIAS", "VISION_PROJECTIONS",
-           "at_least", "bidirectional_mask", "causal_mask", "installed", "t5_block_kwargs", "vit_blocks"]
+           "OLDEST", "T5_BLOCK_CACHE_POSITION", "T5_HEADS_FROM_SHAPE", "T5_MASK_IN_POSITION_BIAS", "T5_SCALE_CONFIG",
+           "VISION_PROJECTIONS", "at_least", "bidirectional_mask", "causal_mask", "installed", "t5_block_kwargs",
+           "t5_scales_decoder_outputs", "vit_blocks"]
 
 #: the oldest transformers release the families support (the lower bound pyproject declares)
 OLDEST = "4.57"
@@ -46,6 +49,7 @@ BIDIRECTIONAL_MASK = "5.0"
 VISION_PROJECTIONS = "5.9"
 T5_MASK_IN_POSITION_BIAS = "5.15"  # the first release that no longer does
 T5_BLOCK_CACHE_POSITION = "5.4"  # the first release whose T5 block no longer needs it
+T5_SCALE_CONFIG = "5.0"
 BERT_HEADS_FROM_SHAPE = "5.0"
 T5_HEADS_FROM_SHAPE = "5.5"
 
@@ -116,3 +120,11 @@ def t5_block_kwargs(hidden: torch.Tensor, version: Version | None = None) -> dic
     if at_least(T5_BLOCK_CACHE_POSITION, version):
         return {}
     return {"cache_position": torch.arange(hidden.shape[1], device=hidden.device)}
+
+
+def t5_scales_decoder_outputs(config: Any, version: Version | None = None) -> bool:
+    """Whether T5 scales its decoder's output by ``d_model ** -0.5`` before the LM head: the config's
+    ``scale_decoder_outputs`` from 5.0; before, ``tie_word_embeddings`` (T5's default)."""
+    if at_least(T5_SCALE_CONFIG, version):
+        return bool(getattr(config, "scale_decoder_outputs", False))
+    return bool(getattr(config, "tie_word_embeddings", False))

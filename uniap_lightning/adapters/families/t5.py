@@ -155,7 +155,7 @@ def t5_layers(model: Any) -> list[tuple[nn.Module, list[str]]]:
         raise UniAPError(f"{type(model).__name__}: the strategy splits T5ForConditionalGeneration; for other heads "
                          "define uniap_layers() (and uniap_loss) on your LightningModule")
     enc, dec = model.encoder, model.decoder
-    scale = model.model_dim**-0.5 if getattr(model.config, "scale_decoder_outputs", False) else None
+    scale = model.model_dim**-0.5 if compat.t5_scales_decoder_outputs(model.config) else None
     return [
         (T5Embed(shared=model.shared, dropout=enc.dropout), ["shared", "encoder.embed_tokens", "decoder.embed_tokens"]),
         *[(T5Block(b, enc.config, first=i == 0), [f"encoder.block.{i}"]) for i, b in enumerate(enc.block)],
