@@ -26,10 +26,9 @@ from uniap_lightning.errors import UniAPError
 GROUPS = ("model", "cluster", "train")
 #: the prefix of the names under which files given as paths are registered in the ConfigStore
 REGISTERED_PREFIX = "file_"
-
-# the name registered for each file given as a path -> that path (absolute), to hand the same command line to the
-# ranks `uniap train` starts; it lives as long as the ConfigStore entries it names (this process)
-_REGISTERED: dict[str, str] = {}
+#: the ConfigStore entry's provider: this prefix and the file's absolute path, to give started ranks the path again
+#: (the entry travels with Hydra's singletons to a launcher's jobs, the path with it)
+PROVIDER_PREFIX = "uniap file "
 
 
 @dataclass(frozen=True)
@@ -208,8 +207,7 @@ def register_paths(overrides: list[str]) -> list[str]:
             data = load(group, value, SearchPath())
             name = f"{REGISTERED_PREFIX}{_safe(path.stem)}_{hashlib.sha256(str(path).encode()).hexdigest()[:8]}"
             ConfigStore.instance().store(group=group, name=name, node=OmegaConf.create(data),
-                                         provider="uniap (a file given as a path)")
-            _REGISTERED[name] = str(path)
+                                         provider=f"{PROVIDER_PREFIX}{path}")
             names.append(name)
         prefix = overrides[i][: len(overrides[i]) - len(overrides[i].lstrip("+~"))]
         listed = ",".join(names)
@@ -228,7 +226,22 @@ def original_overrides(overrides: list[str]) -> list[str]:
     out = []
     for arg in overrides:
         key, sep, value = arg.partition("=")
-        if sep and key.lstrip("+~") in GROUPS and any(v in _REGISTERED for v in value.split(",")):
-            arg = f"{key}={','.join(_REGISTERED.get(v, v) for v in value.split(','))}"
+        group = key.lstrip("+~")
+        if sep and group in GROUPS and REGISTERED_PREFIX in value:
+            arg = f"{key}={','.join(_registered_path(group, v) or v for v in value.split(','))}"
         out.append(arg)
     return out
+
+
+def _registered_path(group: str, name: str) -> str | None:
+    """The path of the file registered as ``group/name`` by :func:`register_paths`, else None."""
+    from hydra.core.config_store import ConfigStore
+
+    if not name.startswith(REGISTERED_PREFIX):
+        return None
+    try:
+        node = ConfigStore.instance().load(f"{group}/{name}.yaml")
+    except Exception:  # noqa: BLE001 - ConfigLoadError: not an entry of ours
+        return None
+    provider = node.provider or ""
+    return provider[len(PROVIDER_PREFIX):] if provider.startswith(PROVIDER_PREFIX) else None
