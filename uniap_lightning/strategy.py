@@ -47,7 +47,8 @@ class UniAPStrategy(CheckpointIO, ModelParallelStrategy):
 
     Arguments:
         cluster: the cluster the planner should assume: a :class:`~uniap_lightning.planner.cluster.Cluster`, a dict
-            of its fields, the name of a shipped ``conf/cluster`` entry, or ``None`` for this machine (its
+            of its fields, the name of a shipped ``conf/cluster`` entry, the path of a cluster ``.yaml`` file (your
+            own, relative to the current folder), or ``None`` for this machine (its
             collectives measured at setup when ``measure_cluster``).
         plan: a pinned plan (a :class:`~uniap_lightning.planner.plan.Plan` or the path of a plan JSON file); skips
             profiling and solving. It must be for this model (layer names, fingerprint) and world size.
