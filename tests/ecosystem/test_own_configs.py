@@ -61,6 +61,7 @@ def test_own_configs_compose_in_every_form(tmp_path: Path, monkeypatch: pytest.M
 @pytest.mark.parametrize(("args", "message"), [
     (["model=missing.yaml"], "model=missing.yaml: no such file ("),
     (["cluster=conf/cluster/none.yml"], "cluster=conf/cluster/none.yml: no such file ("),
+    (["model=conf.yaml"], "model=conf.yaml: "),  # a folder named like a file (made below)
     (["--config-dir", "nowhere", "model=mygpt"], "--config-dir 'nowhere': no such folder"),
     (["hydra.searchpath=[file:///no/such/dir]", "model=mygpt"], "hydra.searchpath '/no/such/dir': no such folder"),
     (["--config-dir", "conf", "model=other"], "unknown model 'other'; available: bert_huge"),
@@ -71,9 +72,12 @@ def test_missing_own_configs_are_one_line(tmp_path: Path, monkeypatch: pytest.Mo
     from uniap_lightning.cli.overrides import check_command_line
 
     _own_conf(tmp_path)
+    (tmp_path / "conf.yaml").mkdir()
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UniAPError) as err:
         check_command_line("plan", args)
+    if args == ["model=conf.yaml"]:
+        assert str(err.value).endswith("conf.yaml is not a file; give the path of a .yaml file")
     assert message in str(err.value) and "\n" not in str(err.value)
     if "available" in message:
         assert "mygpt" in str(err.value)  # the user's own names are listed with the shipped ones

@@ -147,9 +147,11 @@ def load(group: str, value: str, search: SearchPath) -> dict[str, Any] | None:
     dirs = list(search.dirs)
     if is_path(value):
         path = Path(value).expanduser()
-        if not path.is_file():
+        if not path.exists():
             raise UniAPError(f"{group}={value}: no such file ({path.absolute()}); a path is read relative to the "
                              "current folder")
+        if not path.is_file():
+            raise UniAPError(f"{group}={value}: {path.absolute()} is not a file; give the path of a .yaml file")
         return load_group(group, str(path))
     found = find(group, value, dirs) if "/" not in value and ".." not in value else None
     if found is None and search.packages:
