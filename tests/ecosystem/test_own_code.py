@@ -1,4 +1,4 @@
-"""A user's own LightningModule (issue 21 item 3): the README's snippet trains; one computing its loss in
+"""A user's own LightningModule (issue 21 item 6): the README's snippet trains; one computing its loss in
 ``training_step`` (which the strategy never calls) is refused with one line on rank 0, every rank ending."""
 
 from __future__ import annotations

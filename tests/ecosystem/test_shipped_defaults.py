@@ -1,4 +1,4 @@
-"""Shipped defaults are valid for every shipped model on the shipped corpus (issue 21 item 2): `uniap train`'s
+"""Shipped defaults are valid for every shipped model on the shipped corpus (issue 21 item 3): `uniap train`'s
 config check runs for each conf/model entry without training; ``auto`` Trainer values follow the corpus."""
 
 from __future__ import annotations

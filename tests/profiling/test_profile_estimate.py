@@ -1,5 +1,5 @@
 """The profiler predicts its own duration from its first timings and says once when it is long (issue 21
-item 2): what to change is in the message."""
+item 3): what to change is in the message."""
 
 from __future__ import annotations
 
