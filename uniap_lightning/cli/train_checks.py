@@ -50,44 +50,48 @@ AUTO_LIMIT_VAL_BATCHES = 4
 
 def check_train_config(cfg: DictConfig) -> list[str]:
     """Every value of the `uniap train` config that needs no import of torch or Lightning. The ``auto`` values of
-    ``trainer.val_check_interval`` / ``trainer.limit_val_batches`` are replaced in ``cfg`` by what the shipped
-    corpus gives for this model and batch (:func:`resolve_auto`); the returned lines say where that differs from
-    the usual figures."""
+    ``trainer.limit_val_batches`` / ``trainer.val_check_interval`` are replaced in ``cfg`` by what the shipped
+    corpus gives for this model and batch; the returned lines say where that differs from the usual figures."""
     data = _mapping(cfg, "data")
     seq_len, batch = _check_model_and_data(cfg, data)
     number(cfg.get("lr"), "lr", low=0, high=1e3, low_open=True, unit="the learning rate")
     integer(cfg.get("seed"), "seed", low=0, high=2**32 - 1)
     _mapping(cfg, "trainer")
-    notes = resolve_auto(cfg, seq_len, batch)
-    trainer = _mapping(cfg, "trainer")
-    _check_corpus_fits(seq_len, batch, trainer)
-    return notes
-
-
-def resolve_auto(cfg: DictConfig, seq_len: int, batch: int) -> list[str]:
-    """Shipped defaults valid for every shipped model on the shipped corpus: ``val_check_interval=auto`` is
-    :data:`AUTO_VAL_CHECK_INTERVAL` batches, at most an epoch (gpt2_small at 1,024 tokens has 5 batches of 16);
-    ``limit_val_batches=auto`` is :data:`AUTO_LIMIT_VAL_BATCHES`, at most what the validation split holds, and 0
-    (no validation) when it holds less than one batch (llama_7b at 2,048 tokens). Values given by hand are checked
-    as given."""
-    trainer = cfg.trainer
-    notes = []
-    train_tokens, val_tokens = corpus_tokens()
-    if trainer.get("limit_val_batches") == "auto":
-        held = (val_tokens // seq_len) // batch
-        trainer.limit_val_batches = min(AUTO_LIMIT_VAL_BATCHES, held)
-        if held == 0:
-            notes.append(f"no validation (trainer.limit_val_batches=auto): the corpus's validation split "
-                         f"({val_tokens:,} tokens) holds {val_tokens // seq_len:,} sequence(s) of {seq_len:,} tokens, "
-                         f"less than one batch of {batch}")
+    notes = _auto_validation_batches(cfg, seq_len, batch)
     check_trainer_values(_mapping(cfg, "trainer"))
-    if trainer.get("val_check_interval") == "auto":
-        batches = max(1, _limited((train_tokens // seq_len) // batch, trainer.get("limit_train_batches")))
-        trainer.val_check_interval = min(AUTO_VAL_CHECK_INTERVAL, batches)
-        if batches < AUTO_VAL_CHECK_INTERVAL and _validates(_mapping(cfg, "trainer")):
-            notes.append(f"validating every {batches} batches (trainer.val_check_interval=auto): an epoch of the "
-                         f"corpus has {batches} batches of {batch} x {seq_len:,} tokens")
+    notes += _auto_val_check_interval(cfg, seq_len, batch)
+    _check_corpus_fits(seq_len, batch, _mapping(cfg, "trainer"))
     return notes
+
+
+def _auto_validation_batches(cfg: DictConfig, seq_len: int, batch: int) -> list[str]:
+    """``trainer.limit_val_batches=auto``: :data:`AUTO_LIMIT_VAL_BATCHES`, at most what the corpus's validation
+    split holds, and 0 (no validation, said in a note) when it holds less than one batch (llama_7b at 2,048 tokens,
+    gpt2_small at 1,024 with batches of 16). A value given by hand is checked as given."""
+    if cfg.trainer.get("limit_val_batches") != "auto":
+        return []
+    val_tokens = corpus_tokens()[1]
+    held = (val_tokens // seq_len) // batch
+    cfg.trainer.limit_val_batches = min(AUTO_LIMIT_VAL_BATCHES, held)
+    if held:
+        return []
+    return [f"no validation (trainer.limit_val_batches=auto): the corpus's validation split ({val_tokens:,} tokens) "
+            f"holds {val_tokens // seq_len:,} sequence(s) of {seq_len:,} tokens, less than one batch of {batch}"]
+
+
+def _auto_val_check_interval(cfg: DictConfig, seq_len: int, batch: int) -> list[str]:
+    """``trainer.val_check_interval=auto``: every :data:`AUTO_VAL_CHECK_INTERVAL` batches, at most once an epoch
+    (gpt2_small at 1,024 tokens has 5 batches of 16), as Lightning demands. A value given by hand is checked as
+    given (:func:`_check_corpus_fits`). Runs after :func:`check_trainer_values` (``limit_train_batches`` is valid)."""
+    trainer = cfg.trainer
+    if trainer.get("val_check_interval") != "auto":
+        return []
+    batches = max(1, _limited((corpus_tokens()[0] // seq_len) // batch, trainer.get("limit_train_batches")))
+    trainer.val_check_interval = min(AUTO_VAL_CHECK_INTERVAL, batches)
+    if batches >= AUTO_VAL_CHECK_INTERVAL or not _validates(_mapping(cfg, "trainer")):
+        return []
+    return [f"validating every {batches} batches (trainer.val_check_interval=auto): an epoch of the corpus has "
+            f"{batches} batches of {batch} x {seq_len:,} tokens"]
 
 
 def _mapping(cfg: DictConfig, key: str) -> dict[str, Any]:
@@ -197,7 +201,7 @@ def _count_or_fraction(value: Any, name: str) -> None:
 
 
 def _val_check_interval(value: Any, name: str) -> None:
-    if value == "auto":  # resolved by resolve_auto
+    if value == "auto":  # resolved before this check (_auto_val_check_interval)
         return
     if isinstance(value, (str, dict)):  # a time span ("00:01:00:00"), Lightning checks it
         return
