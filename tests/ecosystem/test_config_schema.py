@@ -44,15 +44,17 @@ def test_uniap_train_defaults_are_the_strategys_defaults() -> None:
     ("strategy.profile_repeats=2.5", "strategy.profile_repeats: Value '2.5' of type 'float' could not be converted to "
                                      "Integer; UniAPStrategy's profile_repeats is int (default 3)"),
     ("strategy.measure_cluster=maybe", "strategy.measure_cluster: Value 'maybe' is not a valid bool"),
-    ("strategy.profile_micro_batches=[2,x]", "strategy.profile_micro_batches[1]: Value 'x' of type 'str' could not be "
-                                             "converted to Integer; UniAPStrategy's profile_micro_batches is list[int]"),
+    ("strategy.profile_micro_batches=[2,x]",
+     "strategy.profile_micro_batches[1]: Value 'x' of type 'str' could not be converted to Integer; UniAPStrategy's "
+     "profile_micro_batches is list[int]"),
     ("strategy.time_limt=5", "strategy.time_limt=5: the config has no key 'strategy.time_limt'; use "
                              "+strategy.time_limt=5 to add a key"),
     ("plan:time_limit=soon", "time_limit: Value 'soon' of type 'str' could not be converted to Float; `uniap plan`'s "
                              "time_limit is float (default 60.0)"),
     ("plan:batch_size=1.5", "batch_size: Value '1.5' of type 'float' could not be converted to Integer; `uniap plan`'s "
                             "batch_size is int | None (default None)"),
-    ("plan:baselines=maybe", "baselines: Value 'maybe' is not a valid bool (type str); `uniap plan`'s baselines is bool"),
+    ("plan:baselines=maybe",
+     "baselines: Value 'maybe' is not a valid bool (type str); `uniap plan`'s baselines is bool"),
 ])
 def test_a_value_of_the_wrong_type_is_one_line(override: str, message: str) -> None:
     from uniap_lightning.cli.overrides import check_command_line

@@ -128,8 +128,8 @@ def test_strategy_takes_a_cluster_of_the_users_folder_or_a_path(tmp_path: Path,
 def test_uniap_plan_with_own_configs(tmp_path: Path) -> None:
     _own_conf(tmp_path)
     (tmp_path / "m.yaml").write_text((tmp_path / "conf" / "model" / "mygpt.yaml").read_text())
-    by_dir = _uniap(["plan", "--config-dir", "conf", "model=mygpt", "cluster=mycpu", "time_limit=10", "baselines=false"],
-                    tmp_path)
+    by_dir = _uniap(["plan", "--config-dir", "conf", "model=mygpt", "cluster=mycpu", "time_limit=10",
+                     "baselines=false"], tmp_path)
     assert by_dir.returncode == 0, by_dir.stderr
     assert "UniAP plan: mygpt on mycpu" in by_dir.stdout
     by_path = _uniap(["plan", "model=m.yaml", "cluster=conf/cluster/mycpu.yaml", "time_limit=10", "baselines=false"],

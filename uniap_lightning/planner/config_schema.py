@@ -103,7 +103,8 @@ def plan_schema() -> type:
         ("pp", Any, dataclasses.field(default=None)),
         ("baselines", bool, dataclasses.field(default=True)),
         ("compression", Any, dataclasses.field(default=strategy["compression"])),
-        *[(key, Optional[str], dataclasses.field(default=None)) for key in ("out", "viz", "plan", "measured")],  # noqa: UP007
+        *[(key, Optional[str], dataclasses.field(default=None))  # noqa: UP007
+          for key in ("out", "viz", "plan", "measured")],
         # the groups (conf/model, conf/cluster, conf/train, or the user's own), checked by the planner
         *[(group, Any, dataclasses.field(default=None)) for group in ("model", "cluster", "train")],
     ])
@@ -147,4 +148,4 @@ def register() -> None:
     store = ConfigStore.instance()
     for group, name, schema in ((STRATEGY_GROUP, STRATEGY_NAME, strategy_schema()), (None, PLAN_OPTIONS_NAME,
                                                                                      plan_schema())):
-        store.store(group=group, name=name, node=OmegaConf.structured(schema), provider="uniap_lightning.planner.config_schema")
+        store.store(group=group, name=name, node=OmegaConf.structured(schema), provider=__name__)

@@ -290,10 +290,11 @@ def profile_layers(
                 continue
             if estimate is None:  # the first size timed (the smallest) predicts the rest
                 estimate = _DurationEstimate(len(layers), [s for s in sizes if s >= m], repeats, progress)
+            first = m == estimate.sizes[0]
             try:
                 readings[m], size_stats = _time_chain(layers, names, head(sample_input, m), repeats, warmup,
                                                       context, flush, with_loss.at(m),
-                                                      after_layer=estimate.after_layer if m == estimate.sizes[0] else None)
+                                                      after_layer=estimate.after_layer if first else None)
             except ProfilingUnavailable as err:
                 if m == n_rows or "meta device" in str(err):
                     failure = err
