@@ -53,6 +53,8 @@ class UniAPStrategy(CheckpointIO, ModelParallelStrategy):
         plan: a pinned plan (a :class:`~uniap_lightning.planner.plan.Plan` or the path of a plan JSON file); skips
             profiling and solving. It must be for this model (layer names, fingerprint) and world size.
         schedule: pipeline schedule when solving: ``"1f1b"`` (default, less activation memory) or ``"gpipe"``.
+        pp: restrict the search to these pipeline degrees (an int or a list; each must divide the number of
+            processes); ``None`` (default): every degree. Not with a pinned ``plan`` (it has its own).
         solver: MILP backend for the planner: ``"auto"`` (the best available), ``"cbc"``, ``"highs"``, ``"gurobi"``.
         time_limit: seconds the solver may spend.
         profile: path of a profile JSON file to plan with instead of measuring the model at setup.
@@ -88,6 +90,7 @@ class UniAPStrategy(CheckpointIO, ModelParallelStrategy):
         cluster: Cluster | Mapping[str, Any] | str | None = None,
         plan: Plan | str | Path | None = None,
         schedule: str = "1f1b",
+        pp: int | list[int] | None = None,
         solver: str = "auto",
         time_limit: float = 60.0,
         profile: str | Path | None = None,
@@ -111,7 +114,7 @@ class UniAPStrategy(CheckpointIO, ModelParallelStrategy):
         super().__init__(save_distributed_checkpoint=True, process_group_backend=process_group_backend,
                          timeout=timedelta(seconds=timeout_s))
         self._setup_options = SetupOptions.from_arguments(
-            cluster=cluster, plan=plan, schedule=schedule, solver=solver, time_limit=time_limit, profile=profile,
+            cluster=cluster, plan=plan, schedule=schedule, pp=pp, solver=solver, time_limit=time_limit, profile=profile,
             cache_dir=cache_dir, measure_cluster=measure_cluster, profile_cache=profile_cache,
             profile_repeats=profile_repeats, profile_micro_batches=profile_micro_batches, compression=compression,
             compression_options=compression_options,

@@ -42,6 +42,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]]
         "mixed_eval": {"plan": MIXED, **EVAL},
         "monitored": {"plan": PP2, "strategy": {"monitor": UniAPMonitor(warmup_steps=1, window=2,
                                                                         metrics_file=out / "measured.json")}},
+        # UniAPStrategy(pp=2): the search keeps to that pipeline degree
+        "solved_pp2": {"strategy": {"cache_dir": str(out / "cache3"), "time_limit": 30, "pp": 2}},
         "different_batches": {"plan": PP2, "skew_data": True},  # last: it fails on purpose
     }
     results = h.spawn(2, cases, out)
@@ -94,6 +96,30 @@ def test_monitor_gathers_every_rank_without_blocking(runs: Any) -> None:
     assert rep["steps"] == 2 and rep["global_step"] == 5  # the second window, reported at the end of training
     assert len(rep["rank_step_time_s"]) == 2 and all(t > 0 for t in rep["rank_step_time_s"])
     assert rep["tpi_s"] == max(rep["rank_step_time_s"]) and len(rep["stage_peak_memory_bytes"]) == 2
+
+
+def test_the_pipeline_degree_can_be_restricted(runs: Any) -> None:
+    results, cases = runs
+    assert results[0]["solved_pp2"]["origin"] == "solver" and results[0]["solved_pp2"]["plan"]["pp"] == 2
+    h.assert_close_to_reference(results, "solved_pp2", h.reference_for(cases["solved_pp2"]))
+
+
+def test_bad_pipeline_degrees_are_refused_before_any_work() -> None:
+    from uniap_lightning import UniAPStrategy
+    from uniap_lightning.errors import UniAPError
+    from uniap_lightning.setup import _check_pipeline_degrees
+
+    assert UniAPStrategy(pp=[4, 2, 2]).setup_options.pp == (2, 4)
+    for bad in (0, [], [2, "4"], True, 1.5):
+        with pytest.raises(UniAPError, match="must be a pipeline degree >= 1 or a non-empty list"):
+            UniAPStrategy(pp=bad)
+    with pytest.raises(UniAPError, match="a pinned plan .* has its own pp"):
+        UniAPStrategy(pp=2, plan=PP2)
+    _check_pipeline_degrees((1, 2), world_size=4, layers=4)
+    with pytest.raises(UniAPError, match=r"pp=\[3\]: 3 is not a pipeline degree for 4 processes and a chain of 4"):
+        _check_pipeline_degrees((3,), world_size=4, layers=4)
+    with pytest.raises(UniAPError, match="8 is not a pipeline degree for 8 processes and a chain of 4 layers"):
+        _check_pipeline_degrees((8,), world_size=8, layers=4)
 
 
 def test_ranks_with_different_batches_are_refused(runs: Any) -> None:

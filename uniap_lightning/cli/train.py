@@ -247,9 +247,12 @@ def _train(cfg: DictConfig, overrides: list[str], resume: Path | None) -> dict[s
     if trainer.global_rank == 0 and result["final_loss"] is None:
         print(_no_training_line(trainer), flush=True)
     elif trainer.global_rank == 0:
+        predicted = f"{result['samples_per_s'] or float('nan'):.1f}"
+        rate = (f"{timer.samples_per_s:.1f} samples/s measured{_plan_work_rate(trainer, timer.batch)} ({predicted} "
+                "predicted)" if timer.samples_per_s else
+                f"throughput not measured (the first {timer.warmup} steps are warm-up; {predicted} samples/s predicted)")
         print(f"final train loss {result['final_loss']:.4f}, perplexity {result['train_ppl'] or float('nan'):.2f}, "
-              f"{timer.samples_per_s or float('nan'):.1f} samples/s measured{_plan_work_rate(trainer, timer.batch)} "
-              f"({result['samples_per_s'] or float('nan'):.1f} predicted)")
+              f"{rate}")
     return result
 
 

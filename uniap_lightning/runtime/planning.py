@@ -59,7 +59,7 @@ def local_cluster(*, nodes: int, devices_per_node: int, device_type: str) -> Clu
 
 def cache_key(*, profile: ModelProfile, cluster: Cluster, world_size: int, training: TrainingConfig,
               solver: str, compression: tuple[str, ...] = ("none",),
-              compression_options: dict[str, float] | None = None) -> str:
+              compression_options: dict[str, float] | None = None, pp: list[int] | None = None) -> str:
     payload = {
         "fingerprint": profile.fingerprint(),
         # measured strategy overheads change the cost model's terms, so a plan solved without them is not reused
@@ -72,6 +72,8 @@ def cache_key(*, profile: ModelProfile, cluster: Cluster, world_size: int, train
         "compression": list(compression),  # the methods the solver could choose from, and their parameters
         "compression_options": sorted((compression_options or {}).items()),
     }
+    if pp is not None:  # (absent when unrestricted: the keys of plans cached before this option stay valid)
+        payload["pp"] = sorted(pp)
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
@@ -101,14 +103,15 @@ def solve_plan(
     cache_dir: Path,
     compression: tuple[str, ...] = ("none",),
     compression_options: dict[str, float] | None = None,
+    pp: list[int] | None = None,
     on_solve: Any = None,
 ) -> tuple[Plan, str]:
     """Solve (or reuse from the cache) a plan; returns it and where it came from ("cache <path>" or "solver").
     ``compression``: the gradient compression methods the solver may choose per layer (always with "none"),
-    ``compression_options`` their parameters (default: the plan defaults); ``on_solve()`` is called when the cache
-    has no plan, before solving (e.g. to say so)."""
+    ``compression_options`` their parameters (default: the plan defaults); ``pp``: the pipeline degrees to search
+    (``None``: all); ``on_solve()`` is called when the cache has no plan, before solving (e.g. to say so)."""
     key = cache_key(profile=profile, cluster=cluster, world_size=cluster.num_devices, training=training,
-                    solver=solver, compression=compression, compression_options=compression_options)
+                    solver=solver, compression=compression, compression_options=compression_options, pp=pp)
     path = cache_dir / f"plan-{key}.json"
     cached = _cached_plan(path, profile=profile, world_size=cluster.num_devices,
                           global_batch_size=training.global_batch_size)
@@ -125,7 +128,7 @@ def solve_plan(
                       compression_options=dict(compression_options or COMPRESSION_DEFAULTS))
     if on_solve is not None:
         on_solve()
-    plan = solve(problem, solver=solver, time_limit_s=time_limit_s)  # no cyclic GC while solving (see no_gc)
+    plan = solve(problem, solver=solver, time_limit_s=time_limit_s, pp=pp)  # no cyclic GC while solving (see no_gc)
     if not plan.model_fingerprint:
         plan = replace(plan, model_fingerprint=profile.fingerprint())
     try:  # a cache that cannot be written (read-only directory) means "don't cache", not a failed setup

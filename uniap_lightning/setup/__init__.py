@@ -89,6 +89,7 @@ def run_setup(chain: Chain, trainer: pl.Trainer, *, ranks: Ranks, options: Setup
         plan, origin, profile, report = from_lead(ranks, "checking the pinned plan",
                                                   lambda: _pinned(m, chain, sample, fitting))
     else:
+        _check_pipeline_degrees(options.pp, ranks.world_size, len(chain.layers))
         if cluster is None:
             cluster = m.cluster()
         premeasured = None
@@ -99,6 +100,17 @@ def run_setup(chain: Chain, trainer: pl.Trainer, *, ranks: Ranks, options: Setup
     everyone(ranks, "checking the plan against this rank's model", lambda: _check(plan, chain, ranks))
     return SetupResult(plan=plan, origin=origin, planning_cluster=cluster, profile=profile,
                        profile_origin=str(report.get("profile_origin", "")), report=MappingProxyType(report))
+
+
+def _check_pipeline_degrees(pp: tuple[int, ...] | None, world_size: int, layers: int) -> None:
+    """``pp=`` given to the strategy: every degree must divide the processes and have a layer per stage (checked
+    on every rank alike, before anything is measured)."""
+    if pp is None:
+        return
+    bad = [p for p in pp if world_size % p or p > layers]
+    if bad:
+        raise UniAPError(f"pp={list(pp)}: {bad[0]} is not a pipeline degree for {world_size} processes and a chain "
+                         f"of {layers} layers (it must divide the processes and be at most the layers)")
 
 
 def _fitting(trainer: pl.Trainer) -> bool:
@@ -156,7 +168,8 @@ def _solve(m: Measurements, chain: Chain, sample: Sample, cluster: Cluster | Non
     o = m.options
 
     def say() -> None:  # only when no cached plan fits (a cached one is announced with the plan)
-        info(f"UniAP: solving for {m.ranks.world_size} devices, global batch {batch} "
+        only = f", pp in {list(o.pp)}" if o.pp else ""
+        info(f"UniAP: solving for {m.ranks.world_size} devices, global batch {batch}{only} "
              f"(solver={o.solver}, time limit {o.time_limit_s:g} s) ...")
 
     t0 = time.perf_counter()
@@ -165,7 +178,7 @@ def _solve(m: Measurements, chain: Chain, sample: Sample, cluster: Cluster | Non
     plan, origin = solve_plan(profile=profile, cluster=cluster, training=training,
                               solver=o.solver, time_limit_s=o.time_limit_s, cache_dir=o.plan_cache_dir(),
                               compression=o.compression, compression_options=o.compression_options_dict,
-                              on_solve=say)
+                              pp=list(o.pp) if o.pp else None, on_solve=say)
     m.report["solve_s"] = time.perf_counter() - t0
     return plan, origin, profile, m.report
 

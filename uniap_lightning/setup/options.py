@@ -26,6 +26,8 @@ class SetupOptions:
     cluster: Cluster | None = None
     pinned_plan: Plan | None = None
     schedule: str = "1f1b"
+    #: the pipeline degrees the search may use (``None``: all that divide the world size)
+    pp: tuple[int, ...] | None = None
     solver: str = "auto"
     time_limit_s: float = 60.0
     profile_path: Path | None = None
@@ -43,7 +45,7 @@ class SetupOptions:
     def from_arguments(cls, *, cluster: Any, plan: Any, schedule: str, solver: str, time_limit: float, profile: Any,
                        cache_dir: Any, measure_cluster: bool, profile_cache: bool, profile_repeats: int,
                        profile_micro_batches: Any, compression: Any = None,
-                       compression_options: Any = None) -> SetupOptions:
+                       compression_options: Any = None, pp: Any = None) -> SetupOptions:
         """Check and normalize ``UniAPStrategy``'s arguments (clear errors when the strategy is built)."""
         from uniap_lightning.planner.plan import SCHEDULES
         from uniap_lightning.planner.solver.search import SOLVERS
@@ -65,10 +67,15 @@ class SetupOptions:
         elif cluster is not None and not isinstance(cluster, Cluster):
             raise UniAPError(f"cluster must be a Cluster, a dict, a conf/cluster name or None, got "
                              f"{type(cluster).__name__}")
+        degrees = _pipeline_degrees(pp)
+        if degrees is not None and plan is not None:
+            raise UniAPError(f"pp={pp!r} restricts the planner's search; a pinned plan (plan=) has its own pp: give one "
+                             "of them")
         if plan is not None and not isinstance(plan, Plan):
             plan = Plan.from_json(Path(plan))
         return cls(
-            cluster=cluster, pinned_plan=plan, schedule=schedule, solver=solver, time_limit_s=float(time_limit),
+            cluster=cluster, pinned_plan=plan, schedule=schedule, pp=degrees, solver=solver,
+            time_limit_s=float(time_limit),
             profile_path=Path(profile) if profile is not None else None,
             cache_dir=Path(cache_dir) if cache_dir is not None else None, measure_cluster=bool(measure_cluster),
             profile_cache=bool(profile_cache), profile_repeats=max(int(profile_repeats), 1),
@@ -113,3 +120,13 @@ def _compression_options(value: Any) -> dict[str, float]:
     check_compression_options(dict(value), "compression_options")  # the run-time keys (start_iter, ...)
     runtime = {k: type(COMPRESSION_RUNTIME_DEFAULTS[k])(v) for k, v in value.items() if k in COMPRESSION_RUNTIME_DEFAULTS}
     return {"powersgd_rank": int(rank), "topk_ratio": float(ratio), **runtime}
+
+
+def _pipeline_degrees(pp: Any) -> tuple[int, ...] | None:
+    """``pp=4`` or ``pp=[2, 4]`` as a sorted tuple of distinct degrees >= 1 (``None``: no restriction)."""
+    if pp is None:
+        return None
+    values = [pp] if isinstance(pp, (int, str)) else list(pp) if hasattr(pp, "__iter__") else [pp]
+    if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
+        raise UniAPError(f"pp={pp!r} must be a pipeline degree >= 1 or a non-empty list of them (None: any)")
+    return tuple(sorted(set(values)))
