@@ -13,8 +13,9 @@ from packaging.version import Version  # noqa: E402
 
 from uniap_lightning.adapters.families import compat  # noqa: E402
 
-GATES = ("T5_SCALE_CONFIG", "INPUTS_EMBEDS", "NO_CACHE_POSITION", "CACHE_ARGUMENT", "BIDIRECTIONAL_MASK", "VISION_PROJECTIONS",
-         "T5_MASK_IN_POSITION_BIAS", "T5_BLOCK_CACHE_POSITION", "BERT_HEADS_FROM_SHAPE", "T5_HEADS_FROM_SHAPE")
+GATES = ("T5_SCALE_CONFIG", "INPUTS_EMBEDS", "NO_CACHE_POSITION", "CACHE_ARGUMENT", "BIDIRECTIONAL_MASK",
+         "VISION_PROJECTIONS", "T5_MASK_IN_POSITION_BIAS", "T5_BLOCK_CACHE_POSITION", "BERT_HEADS_FROM_SHAPE",
+         "T5_HEADS_FROM_SHAPE")
 NEWEST, OLDEST = Version("5.25"), Version(compat.OLDEST)
 
 
@@ -52,6 +53,15 @@ def test_installed_release_is_the_imported_one_and_in_the_cache_key() -> None:
     assert compat.installed() >= Version(compat.OLDEST)
     # the profile and plan caches key on the transformers that runs (a side-by-side install: its own version)
     assert versions()["transformers"] == transformers.__version__
+
+
+def test_an_older_transformers_is_one_clear_error() -> None:
+    from uniap_lightning.errors import UniAPError
+
+    compat.check_supported()  # the installed one is supported
+    with pytest.raises(UniAPError, match=r"^transformers 4\.46\.3 is older than the oldest release the Hugging Face "
+                                         r"adapters support \(4\.57\); install 'transformers>=4\.57,<6'"):
+        compat.check_supported(Version("4.46.3"))
 
 
 def test_gates_are_releases_between_the_oldest_and_the_next_major() -> None:

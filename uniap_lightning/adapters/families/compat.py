@@ -36,8 +36,8 @@ from packaging.version import Version
 
 __all__ = ["BERT_HEADS_FROM_SHAPE", "BIDIRECTIONAL_MASK", "CACHE_ARGUMENT", "INPUTS_EMBEDS", "NO_CACHE_POSITION",
            "OLDEST", "T5_BLOCK_CACHE_POSITION", "T5_HEADS_FROM_SHAPE", "T5_MASK_IN_POSITION_BIAS", "T5_SCALE_CONFIG",
-           "VISION_PROJECTIONS", "at_least", "bidirectional_mask", "causal_mask", "installed", "t5_block_kwargs",
-           "t5_scales_decoder_outputs", "vit_blocks"]
+           "VISION_PROJECTIONS", "at_least", "bidirectional_mask", "causal_mask", "check_supported", "installed",
+           "t5_block_kwargs", "t5_scales_decoder_outputs", "vit_blocks"]
 
 #: the oldest transformers release the families support (the lower bound pyproject declares)
 OLDEST = "4.57"
@@ -65,6 +65,17 @@ def installed() -> Version:
 def at_least(gate: str, version: Version | None = None) -> bool:
     """Whether ``version`` (the installed transformers by default) is ``gate`` or newer."""
     return (installed() if version is None else version) >= Version(gate)
+
+
+def check_supported(version: Version | None = None) -> None:
+    """One clear error for a transformers older than :data:`OLDEST` (installed past the declared range): its
+    masking and rotary APIs are missing or different, and the families would fail deep inside the model."""
+    version = installed() if version is None else version
+    if version < Version(OLDEST):
+        from uniap_lightning.errors import UniAPError
+
+        raise UniAPError(f"transformers {version} is older than the oldest release the Hugging Face adapters support "
+                         f"({OLDEST}); install 'transformers>={OLDEST},<6' (pip install 'uniap-lightning[hf]')")
 
 
 def _embeds_key(version: Version | None) -> str:

@@ -149,6 +149,7 @@ class T5Head(View):
 
 
 def t5_layers(model: Any) -> list[tuple[nn.Module, list[str]]]:
+    compat.check_supported()
     if not hasattr(model, "lm_head") or not hasattr(model, "decoder"):
         from uniap_lightning.errors import UniAPError
 

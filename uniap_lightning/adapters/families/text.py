@@ -209,6 +209,7 @@ BERT_TIES = (("bert.embeddings.word_embeddings", "cls.predictions.decoder"),)
 
 def bert_head(model: Any) -> Family:
     """The Family of this BERT model's head."""
+    compat.check_supported()
     kind, bert = head_kind(model), getattr(model, "bert", None)
     if not isinstance(bert, nn.Module):
         kind = None
@@ -305,6 +306,7 @@ GPT2_TIES = (("transformer.wte", "lm_head"),)
 
 def gpt2_head(model: Any) -> Family:
     """The Family of this GPT-2 model's head."""
+    compat.check_supported()
     kind, t = head_kind(model), getattr(model, "transformer", None)
     if not isinstance(t, nn.Module):
         raise _unsupported_head(model, GPT2_HEADS)
@@ -380,6 +382,7 @@ LLAMA_HEADS = ("LlamaForCausalLM, LlamaForSequenceClassification, LlamaForTokenC
 
 def llama_head(model: Any) -> Family:
     """The Family of this Llama model's head."""
+    compat.check_supported()
     kind = head_kind(model)
     prefix = getattr(model, "base_model_prefix", "model")  # LlamaForQuestionAnswering: "transformer"
     m = getattr(model, prefix, None)

@@ -3,8 +3,10 @@
 Batches are dicts ``{"pixel_values", "labels"}``. ViT: patch embedding, one layer per encoder block, final norm +
 classifier on the first token. Swin: patch embedding, one layer per block of every stage, one layer per patch
 merging between stages, final norm + average pool + classifier; a block's patch-grid size is a constant of its
-stage (from the config), not sent. Both shard attention heads and MLP under tensor parallelism. Swin's blocks differ between stages (width, heads, grid) and within a stage
-(shifted windows or not): each answers ``uniap_structure_key()``, so profiling pools only truly identical blocks.
+stage (from the config), not sent. Both shard attention heads and MLP under tensor parallelism (from transformers
+5.9: before, their attentions reshape with a fixed head count). Swin's blocks differ between stages (width, heads,
+grid) and within a stage (shifted windows or not): each answers ``uniap_structure_key()``, so profiling pools only
+truly identical blocks.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class ViTHead(View):
 
 
 def vit_layers(model: Any) -> list[tuple[nn.Module, list[str]]]:
+    compat.check_supported()
     vit = model.vit
     path, blocks = compat.vit_blocks(vit)
     return [
@@ -138,6 +141,7 @@ class SwinHead(View):
 
 
 def swin_layers(model: Any) -> list[tuple[nn.Module, list[str]]]:
+    compat.check_supported()
     swin, cfg = model.swin, model.config
     image = cfg.image_size if isinstance(cfg.image_size, (tuple, list)) else (cfg.image_size, cfg.image_size)
     patch = cfg.patch_size if isinstance(cfg.patch_size, (tuple, list)) else (cfg.patch_size, cfg.patch_size)
