@@ -238,9 +238,10 @@ def build_generic(family: str) -> Any:
     return cls(cfg(**common, intermediate_size=64, num_key_value_heads=2, max_position_embeddings=2 * SEQ, **extra))
 
 
-def generic_module(family: str, lr: float = 0.1) -> HFModule:
+def generic_module(family: str, lr: float = 0.1, optimizer_lr: float | None = None) -> HFModule:
+    """``optimizer_lr``: the learning rate from a spawn case (``make_module`` keeps a case's ``lr`` to itself)."""
     torch.manual_seed(0)
-    return HFModule(build_generic(family), lr=lr)
+    return HFModule(build_generic(family), lr=lr if optimizer_lr is None else optimizer_lr)
 
 
 def generic_names(family: str) -> list[str]:

@@ -368,7 +368,8 @@ class GenericPrologue(_Layer):
             raise UniAPError("the model passed its blocks other arguments than on the setup probe; the generic split "
                              "needs the same structure for every batch")
         rows = hidden.shape[0]
-        return {**{k: None for k in self.inputs}, "hidden": _settled(hidden), **self.plan.encode(tensors, rows)}
+        return {**{k: None for k in self.inputs}, "hidden": _settled(hidden).contiguous(),
+                **self.plan.encode(tensors, rows)}
 
 
 def _settled(t: torch.Tensor) -> torch.Tensor:
@@ -377,6 +378,23 @@ def _settled(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
     return t.clone() if isinstance(t, AsyncCollectiveTensor) else t
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity; its gradient made contiguous (a convolution's input gradient can come out channels-last, and a
+    pipeline stage receives gradients into buffers laid out like the activations it sent)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def _contiguous_grad(x: torch.Tensor) -> torch.Tensor:
+    return _ContiguousGrad.apply(x) if x.requires_grad and x.dim() > 3 else x
 
 
 _ATTENTION_OUT = ("o_proj", "dense", "out_proj")
@@ -458,11 +476,11 @@ class GenericBlock(_Layer):
         return 2 if self.tp is not None else 0
 
     def forward(self, d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        hidden = d["hidden"]
+        hidden = _contiguous_grad(d["hidden"])
         values = self.plan.decode(d, self.uses, hidden.shape[0])
         args, kwargs = self.plan.templates[self.index]
         out = self.units[0](*_fill(args, hidden, values), **{k: _fill(v, hidden, values) for k, v in kwargs.items()})
-        return {"hidden": _first(out)}
+        return {"hidden": _first(out).contiguous()}  # (ConvNeXt's stages return a permuted view; sent as it is)
 
 
 class GenericEpilogue(_Layer):
@@ -476,7 +494,7 @@ class GenericEpilogue(_Layer):
         self.pool = pool
 
     def forward(self, d: dict[str, torch.Tensor]) -> torch.Tensor:
-        x = d["hidden"]
+        x = _contiguous_grad(d["hidden"])
         for i, m in enumerate(list(self.units)[: self.steps]):
             if self.pool is not None and self.pool[0] == i:
                 x = _POOLS[self.pool[1]](x)
@@ -676,6 +694,8 @@ def _split(model: Any) -> list[tuple[nn.Module, list[str]]]:
             if between:
                 raise _refuse(model, f"it runs {between[0]} between its blocks")
             before = [n for n in before if n in units]
+            # a module owning parameters directly holds its children too (DeiT's embeddings and patch embedding)
+            before = [n for n in before if not any(n.startswith(a + ".") for a in before)]
             if not after:
                 raise _refuse(model, "it runs nothing after its blocks (no head)")
             # the outermost modules run after the blocks (a head module as a whole, with what its forward does)
@@ -685,7 +705,9 @@ def _split(model: Any) -> list[tuple[nn.Module, list[str]]]:
             if twice:
                 raise _refuse(model, f"it runs {sorted(twice)[0]} before and after its blocks")
             unused = [n for n in units if n not in before and n not in covered
+                      and not any(n.startswith(a + ".") for a in before)
                       and any(True for _ in units[n].parameters())]
+            unused = [n for n in unused if not any(n.startswith(a + ".") for a in unused)]
             prologue = GenericPrologue([units[n] for n in before], base, blocks, plan, extra, inputs,
                                        _embeddings(model, "input"))
             layers = [GenericBlock(b, plan, i, model.config) for i, b in enumerate(blocks)]
