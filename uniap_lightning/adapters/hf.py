@@ -171,6 +171,9 @@ _BUILDERS = {"gpt2": gpt2_layers, "llama": llama_layers}
 
 def hf_layers(model: Any) -> list[nn.Module]:
     """The chain of ``model`` (``GPT2LMHeadModel`` or ``LlamaForCausalLM``); switches it to SDPA attention."""
+    from uniap_lightning.adapters.families.compat import check_supported
+
+    check_supported()
     config = getattr(model, "config", None)
     kind = getattr(config, "model_type", None)
     if kind not in _BUILDERS:
