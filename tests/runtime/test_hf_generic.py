@@ -124,6 +124,8 @@ TWO_RANKS = {
     # rotary (cos, sin) broadcast over the batch, split with it across data-parallel ranks; the tied copies
     "qwen2_tied_dp_fsdp": case("qwen2_tied", [REPL, FSDP, REPL, FSDP], [0] * 4, export=f"{PLANS}/qwen2_tied.pt"),
     "gpt_neox_pp2": case("gpt_neox", [ONE] * 4, [0, 1, 1, 1]),
+    # the fused query_key_value (laid out per head) column-parallel: each rank whole heads with their q, k, v
+    "gpt_neox_tp2": case("gpt_neox", [REPL, TP, TP, REPL], [0] * 4),
     # head-parallel attention with grouped key / value heads and a sliding window, MLP and LM head tensor parallel
     "mistral_tp2_fsdp": case("mistral", [FSDP, TP, TP, TP], [0] * 4),
     # the one-layer fallback (Gemma 2's soft-capped logits), sharded
@@ -233,17 +235,17 @@ def test_generic_families_two_ranks_more(name: str, spawn_cases: Any) -> None:
 
 
 def test_tensor_parallel_only_where_the_blocks_are_recognized() -> None:
-    """Blocks with separate q/k/v projections, an attention reshaping to ``-1`` heads and an MLP of known names are
-    tensor parallel (degrees dividing every head count and the MLP width); fused QKV (GPT-NeoX, Falcon), OPT's
-    attention (reshaped with its full head count), StableLM's, and Qwen3's per-head norms (replicated weights
-    seeing one rank's heads) are not."""
+    """Blocks with separate q/k/v projections (or GPT-NeoX's fused one, laid out per head), an attention reshaping
+    to ``-1`` heads and an MLP of known names are tensor parallel (degrees dividing every head count and the MLP
+    width); Falcon's fused QKV (reshaped with its full head count), OPT's attention (likewise), StableLM's, and
+    Qwen3's per-head norms (replicated weights seeing one rank's heads) are not."""
     from uniap_lightning.runtime import extract_chain
 
     families = ["opt", "mistral", "qwen2", "gpt_neox", "phi", "gemma", "falcon", "qwen3", "stablelm", "olmo", "bloom",
                 "gemma3", "gptj"]
     chains = {f: extract_chain(generic_module(f)) for f in families}
     degrees = {f: chain.layers[1].uniap_tp_degrees() for f, chain in chains.items()}
-    assert degrees == {"opt": [1], "mistral": [1, 2], "qwen2": [1, 2], "gpt_neox": [1], "phi": [1, 2, 4],
+    assert degrees == {"opt": [1], "mistral": [1, 2], "qwen2": [1, 2], "gpt_neox": [1, 2, 4], "phi": [1, 2, 4],
                        "gemma": [1, 2], "falcon": [1], "qwen3": [1], "stablelm": [1], "olmo": [1, 2], "bloom": [1],
                        "gemma3": [1], "gptj": [1]}
     # the token embedding over the vocabulary (64) where it is a plain nn.Embedding (Gemma scales it in a subclass)
@@ -333,3 +335,22 @@ def test_blocks_taking_other_arguments_without_padding_are_caught_at_setup(monke
     with pytest.warns(UserWarning, match="Qwen2ForCausalLM trains as ONE layer.*batches with and without padding"):
         chain = extract_chain(module)
     assert chain.names == ["model.model"]
+
+
+def test_layerdrop_trains_as_one_layer() -> None:
+    """LayerDrop skips blocks at random in the model's own forward while training, which a chain of one layer per
+    block would not: the model trains as one layer (one warning naming why), with its own CTC loss."""
+    from uniap_lightning.runtime import extract_chain
+    from uniap_lightning.runtime.payload import chunk
+
+    module = generic_module("wav2vec2_ctc")
+    module.model.config.layerdrop = 0.1
+    module.model.eval()  # (LayerDrop only draws while training: the reference is deterministic)
+    batch = next(iter(batches(8, "wav2vec2_ctc")))
+    expected = module.model(**batch).loss
+    with pytest.warns(UserWarning, match=r"Wav2Vec2ForCTC trains as ONE layer.*LayerDrop: \{'layerdrop': 0.1\}"):
+        chain = extract_chain(module)
+    assert chain.names == ["model.wav2vec2"]
+    x, y = chain.split_batch(batch)
+    losses = [chain.loss_fn(chain.layers[0](xm), ym) for xm, ym in zip(chunk(x, 4), chunk(y, 4))]
+    torch.testing.assert_close(torch.stack(losses).mean(), expected, rtol=1e-6, atol=1e-6)
