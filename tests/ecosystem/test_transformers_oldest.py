@@ -3,7 +3,7 @@ the newest one the default run uses: the release is installed side by side with 
 ``~/.cache/uniap/transformers-<release>`` (reused while it imports; a broken one is deleted and rebuilt; the venv's
 torch and numpy are used, not copies) and a fresh interpreter runs with ``PYTHONPATH`` pointing at it.
 
-The subset run on the oldest release (about a minute on 2 CPU cores once installed, 1.5 with the install):
+The subset run on the oldest release (1.5-2 minutes on 2 shared CPU cores, the install included):
 
 * ``tests/runtime/test_compat.py``: every version gate's branch on that release;
 * ``tests/runtime/test_adapters.py``: the GPT-2 / Llama chains of ``adapters/hf.py`` (2-rank parity included);
@@ -11,7 +11,9 @@ The subset run on the oldest release (about a minute on 2 CPU cores once install
   GPT-2 and Llama and for T5, ViT and Swin; padded micro-batches; prediction without labels; structural runs of
   T5 and Swin; and the 2-rank spawn group ``HEADS_TWO_RANKS`` (Llama sequence classification over 2 pipeline
   stages, BERT token classification under FSDP, BERT multiple choice over 2 stages with its export loaded back,
-  GPT-2 question answering data parallel), each matching one process within 1e-5;
+  GPT-2 question answering data parallel) and ``ON_4X_TWO_RANKS`` (T5 over 2 stages with its export, a solved
+  Swin plan, Llama tensor parallel + FSDP, GPT-2 with its tied LM head data parallel, ViT over 2 stages), each
+  matching one process within 1e-5;
 * ``tests/runtime/test_hf_generic.py``: the generic split's loss and gradients for the decoder families OPT,
   Mistral, Qwen2, GPT-NeoX, Phi, Gemma, Bloom and Gemma 3 and two of their other heads (Qwen2 token
   classification, Mistral question answering).
@@ -59,7 +61,8 @@ TESTS = [
         "test_batches_without_labels_predict_but_do_not_train",
         "test_decoder_classifiers_pool_the_last_real_token_with_left_padding_too",
         "test_runs_of_identical_layers_come_from_structural_identity",
-        "test_hf_heads_two_ranks")],
+        "test_hf_heads_two_ranks",
+        "test_hf_families_two_ranks_on_4x")],
     *[f"tests/runtime/test_hf_generic.py::test_generic_chain_gives_the_models_own_loss_and_gradients[{f}]"
       for f in ("opt", "mistral", "qwen2", "gpt_neox", "phi", "gemma", "bloom", "gemma3", "qwen2_tc", "mistral_qa")],
 ]
@@ -133,4 +136,4 @@ def test_hf_parity_on_the_oldest_supported_transformers(tmp_path: Path) -> None:
     assert res.returncode == 0, out[-6000:]
     assert re.search(rf"^transformers {re.escape(OLDEST)}\.\d+ from {re.escape(str(target))}", out, re.M), out[-3000:]
     summary = re.search(r"(\d+) passed", out)
-    assert summary and int(summary.group(1)) >= 45 and not re.search(r"\d+ (failed|skipped|error)", out), out[-3000:]
+    assert summary and int(summary.group(1)) >= 50 and not re.search(r"\d+ (failed|skipped|error)", out), out[-3000:]
