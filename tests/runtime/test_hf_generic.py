@@ -17,16 +17,13 @@ import uniap_rt_helpers as h
 
 pytest.importorskip("transformers")  # the [hf] extra
 from hf_generic_models import (  # noqa: E402
-    AUDIO,
     GENERIC,
     batches,
     build_generic,
-    data_family,
     data_spec,
     generic_module,
     generic_names,
 )
-from hf_models import hf_batches  # noqa: E402
 
 from uniap_lightning.errors import UniAPError  # noqa: E402
 
@@ -300,7 +297,10 @@ def test_no_list_of_blocks_is_refused() -> None:
 @pytest.mark.parametrize("family, why", [
     ("gemma2", "Gemma2ForCausalLM trains as ONE layer.*logits differ from the model's"),  # soft cap in forward
     # pools the first token in its top-level forward
-    ("distilbert_cls", r"DistilBertForSequenceClassification trains as ONE layer.*logits are \(3, 3\), the chain"),
+    ("distilbert_cls", r"DistilBertForSequenceClassification trains as ONE layer.*pools the hidden states in its "
+                       r"top-level forward.*logits are \(3, 3\), the chain's \(3, 4, 3\)"),
+    # a mean over the frames its attention mask keeps
+    ("wav2vec2_cls", r"Wav2Vec2ForSequenceClassification trains as ONE layer.*pools the hidden states"),
     ("albert_mlm", "AlbertForMaskedLM trains as ONE layer"),  # one shared block, run once per layer
     ("qwen2_cls", "Qwen2ForSequenceClassification trains as ONE layer"),  # pools at the last real token
 ])
@@ -312,7 +312,7 @@ def test_a_model_the_split_cannot_reproduce_trains_as_one_layer(family: str, why
 
     module = generic_module(family)
     model = module.model
-    batch = next(iter(hf_batches(8, data_family(family))))
+    batch = next(iter(batches(8, family)))
     expected = model(**batch).loss
     with pytest.warns(UserWarning, match=why):
         chain = extract_chain(module)

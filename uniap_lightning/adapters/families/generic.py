@@ -570,6 +570,12 @@ def _epilogue(model: Any, task: _Task, prologue: nn.Module, blocks: list[nn.Modu
                 candidate = GenericEpilogue(sequence, rest, (position, kind))
                 if matches(candidate):
                     return candidate
+    shape = tuple(torch.cat([plain(h) for h in hiddens]).shape)
+    if shape != tuple(theirs.shape):
+        raise _refuse(model, f"its head pools the hidden states in its top-level forward in a way the split does not "
+                             f"reproduce (its logits are {tuple(theirs.shape)}, the chain's {shape}; tried the first "
+                             "token and unmasked means), e.g. at each row's last real token or over what its attention "
+                             "mask keeps")
     return plain
 
 
