@@ -11,9 +11,11 @@ A LightningModule that holds one ``transformers.PreTrainedModel`` attribute (and
 * the batch layout: a dict batch (``input_ids``, ``attention_mask``, ``labels``, ...) as Hugging Face users have it.
 
 Layers carry tensor-parallel plans for attention and MLP where the family's modules allow it. A family without a
-builder goes the generic way (:mod:`uniap_lightning.adapters.families.generic`: decoder-only causal LMs split from
-their own module tree and forward, checked against the model on a probe batch at setup); what that cannot split is
-refused with a :class:`~uniap_lightning.errors.UniAPError` naming why and what to implement.
+builder goes the generic way (:mod:`uniap_lightning.adapters.families.generic`: causal LMs, encoders with every
+head, image and audio encoders split from their own module tree and forward, checked against the model on a probe
+batch at setup; what it cannot reproduce trains as one layer); a loss that does not decompose over micro-batches
+or a head it does not know is refused with a :class:`~uniap_lightning.errors.UniAPError` naming why and what to
+implement.
 """
 
 from __future__ import annotations
