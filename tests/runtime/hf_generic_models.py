@@ -49,6 +49,9 @@ GENERIC = {
     "qwen2_qa": ("transformer.embed_tokens", "transformer.layers", "transformer.norm"),
     "mistral_tc": ("model.embed_tokens", "model.layers", "model.norm"),
     "mistral_qa": ("model.embed_tokens", "model.layers", "model.norm"),
+    # decoders' sequence classifiers: pooled at each row's last non-padding token (found by the prologue)
+    "qwen2_cls": ("model.embed_tokens", "model.layers", "model.norm"),
+    "mistral_reg": ("model.embed_tokens", "model.layers", "model.norm"),
     # images (8 x 8, 3 channels) and audio: pooling in the head's forward reproduced by the epilogue
     "deit": ("deit.embeddings", "deit.layers", "deit.layernorm"),  # first token
     "convnext": ("convnext.embeddings.patch_embeddings", "convnext.encoder.stages", "convnext.layernorm"),  # stages
@@ -57,7 +60,7 @@ GENERIC = {
     "whisper_cls": ("encoder.conv1", "encoder.layers", "encoder.layer_norm"),  # the encoder only, mean pooled
 }
 #: models the generic split cannot reproduce, trained as one layer (the model's top-level module holding its body)
-ONE_LAYER = {"gemma2": "model", "distilbert_cls": "distilbert", "albert_mlm": "albert", "qwen2_cls": "model",
+ONE_LAYER = {"gemma2": "model", "distilbert_cls": "distilbert", "albert_mlm": "albert",
              "electra_mc": "electra",  # flattens the choices in its top-level forward
              "wav2vec2_cls": "wav2vec2"}  # pools over the frames the attention mask keeps
 AUDIO = ("wav2vec2_cls", "wav2vec2_ctc", "whisper_cls")
@@ -200,7 +203,7 @@ def build_generic(family: str) -> Any:
             max_source_positions=MEL_FRAMES // 2, max_target_positions=16, num_labels=3, classifier_proj_size=16,
             dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=0, bos_token_id=1,
             eos_token_id=2, decoder_start_token_id=1))
-    if kind == "qwen2_cls":  # pools at the last real token in its top-level forward: one layer
+    if kind == "qwen2_cls":  # pools at the last real token in its top-level forward
         return tr.Qwen2ForSequenceClassification(tr.Qwen2Config(**common, intermediate_size=64, num_key_value_heads=2,
                                                                 num_labels=3))
     gpt = dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=4 * SEQ, resid_pdrop=0.0, embd_pdrop=0.0,

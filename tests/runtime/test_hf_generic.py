@@ -32,7 +32,7 @@ ENCODERS = ["roberta_mlm", "roberta_cls", "electra_mlm", "electra_cls", "distilb
 #: the other heads (token classification, question answering, regression, multi-label, multiple choice) and the
 #: image / audio families
 HEADS = ["roberta_tc", "roberta_qa", "roberta_reg", "electra_multilabel", "distilbert_qa", "qwen2_tc", "mistral_qa",
-         "electra_mc"]
+         "electra_mc", "qwen2_cls", "mistral_reg"]
 HEADS_SLOW = ["electra_tc", "distilbert_tc", "qwen2_qa", "mistral_tc"]
 MEDIA = ["deit", "convnext", "clip_cls", "wav2vec2_ctc", "wav2vec2_cls", "whisper_cls"]
 
@@ -88,7 +88,7 @@ def test_generic_chain_more_heads(family: str) -> None:
     _loss_and_grads(family)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "mistral", "roberta_cls"])
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "roberta_cls", "qwen2_cls"])
 def test_generic_chain_with_left_padding(family: str) -> None:
     _loss_and_grads(family, left=True)
 
@@ -136,6 +136,9 @@ TWO_RANKS = {
     # classes, regression and multi-label targets split by data parallelism
     "roberta_qa_pp2": case("roberta_qa", [ONE] * 4, [0, 0, 1, 1]),
     "qwen2_tc_pp2": case("qwen2_tc", [ONE] * 4, [0, 1, 1, 1]),
+    # a decoder's classifier: each row's last non-padding index (from input_ids, on the first stage) crosses over
+    "qwen2_cls_pp2": case("qwen2_cls", [ONE] * 4, [0, 0, 1, 1]),
+    "mistral_reg_dp_fsdp": case("mistral_reg", [REPL, FSDP, REPL, FSDP], [0] * 4),
     "distilbert_qa_fsdp": case("distilbert_qa", [FSDP, REPL, FSDP, REPL], [0] * 4),
     "roberta_reg_dp2": case("roberta_reg", [REPL] * 4, [0] * 4),
     "mistral_qa_tp2": case("mistral_qa", [REPL, TP, TP, REPL], [0] * 4),
@@ -302,7 +305,6 @@ def test_no_list_of_blocks_is_refused() -> None:
     # a mean over the frames its attention mask keeps
     ("wav2vec2_cls", r"Wav2Vec2ForSequenceClassification trains as ONE layer.*pools the hidden states"),
     ("albert_mlm", "AlbertForMaskedLM trains as ONE layer"),  # one shared block, run once per layer
-    ("qwen2_cls", "Qwen2ForSequenceClassification trains as ONE layer"),  # pools at the last real token
 ])
 def test_a_model_the_split_cannot_reproduce_trains_as_one_layer(family: str, why: str) -> None:
     """The check against the model's own forward on a probe batch catches what the split cannot reproduce at setup;

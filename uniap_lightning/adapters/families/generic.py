@@ -61,6 +61,7 @@ from uniap_lightning.adapters.families.common import (
     sequence_classification_loss,
     token_loss,
 )
+from uniap_lightning.adapters.families.text import _last_non_padding
 from uniap_lightning.errors import UniAPError
 
 #: the attention implementation the generic layers run with (SDPA, masks always materialized)
@@ -347,6 +348,9 @@ class GenericPrologue(_Layer):
         self.__dict__["_base"], self.__dict__["_blocks"] = base, blocks
         self.plan, self.extra, self.inputs = plan, extra, inputs
         self.embedding = next((i for i, m in enumerate(modules) if m is embedding and type(m) is nn.Embedding), None)
+        #: ``(pad_token_id,)`` when the head pools at each row's last non-padding token: the prologue (which alone
+        #: sees ``input_ids``) sends that index on as ``uniap_last``
+        self.last: tuple[int | None] | None = None
 
     def uniap_tp_degrees(self) -> list[int]:
         if self.embedding is None:
@@ -368,8 +372,9 @@ class GenericPrologue(_Layer):
             raise UniAPError("the model passed its blocks other arguments than on the setup probe; the generic split "
                              "needs the same structure for every batch")
         rows = hidden.shape[0]
+        last = {} if self.last is None else {_LAST: _last_non_padding(d["input_ids"], self.last[0])}
         return {**{k: None for k in self.inputs}, "hidden": _settled(hidden).contiguous(),
-                **self.plan.encode(tensors, rows)}
+                **self.plan.encode(tensors, rows), **last}
 
 
 def _settled(t: torch.Tensor) -> torch.Tensor:
@@ -505,7 +510,11 @@ class GenericEpilogue(_Layer):
         x = _contiguous_grad(d["hidden"])
         for i, m in enumerate(list(self.units)[: self.steps]):
             if self.pool is not None and self.pool[0] == i:
-                x = _POOLS[self.pool[1]](x)
+                if self.pool[1] == _LAST_TOKEN:  # (clamped: pipeline shape inference runs on arbitrary values)
+                    last = d[_LAST].clamp(0, x.shape[1] - 1)
+                    x = x[torch.arange(x.shape[0], device=x.device), last]
+                else:
+                    x = _POOLS[self.pool[1]](x)
             x = m(x)
         return x
 
@@ -520,7 +529,9 @@ class GenericEpilogue(_Layer):
         return 1
 
 
-#: how heads pool the hidden states in a top-level forward (between two of the modules run after the blocks)
+_LAST, _LAST_TOKEN = "uniap_last", "last non-padding token"
+#: how heads pool the hidden states in a top-level forward (between two of the modules run after the blocks); and
+#: :data:`_LAST_TOKEN`, at the index the prologue sends
 _POOLS = {
     "first token": lambda x: x[:, 0],
     "mean over the sequence": lambda x: x.mean(1),
@@ -541,6 +552,10 @@ def _epilogue(model: Any, task: _Task, prologue: nn.Module, blocks: list[nn.Modu
     theirs = task.logits(reference)
     if not isinstance(theirs, torch.Tensor) or len(after) > 4:
         return plain
+    kinds = list(_POOLS)
+    if task is _CLASSIFY and "input_ids" in batch:  # a decoder's classifier: at each row's last real token
+        prologue.last = (getattr(model.config, "pad_token_id", None),)
+        kinds.append(_LAST_TOKEN)
     hiddens = []
     for lo, hi in ((0, 1), (1, 3)):
         x: Any = {k: v[lo:hi] for k, v in batch.items()}
@@ -559,24 +574,37 @@ def _epilogue(model: Any, task: _Task, prologue: nn.Module, blocks: list[nn.Modu
         return float((ours.float() - theirs.float()).abs().max() / theirs.abs().max().clamp(min=1)) <= tol
 
     if matches(plain):
+        prologue.last = None
         return plain
+    chosen = _first_match(plain, after, unused, kinds, matches)
+    if chosen is not None:
+        if chosen.pool is None or chosen.pool[1] != _LAST_TOKEN:
+            prologue.last = None
+        return chosen
+    prologue.last = None
+    shape = tuple(torch.cat([plain(h) for h in hiddens]).shape)
+    if shape != tuple(theirs.shape):
+        raise _refuse(model, f"its head pools the hidden states in its top-level forward in a way the split does not "
+                             f"reproduce (its logits are {tuple(theirs.shape)}, the chain's {shape}; tried the first "
+                             "token, the last real token and unmasked means), e.g. over what its attention mask "
+                             "keeps")
+    return plain
+
+
+def _first_match(plain: GenericEpilogue, after: list[nn.Module], unused: list[nn.Module], kinds: list[str],
+                 matches: Any) -> GenericEpilogue | None:
+    """The first epilogue variant giving the model's logits: a module left out and / or a pooling before one."""
     for skip in (None, *range(len(after) - 1)):
         sequence = [m for i, m in enumerate(after) if i != skip]
         rest = unused + ([after[skip]] if skip is not None else [])
         if skip is not None and matches(GenericEpilogue(sequence, rest)):
             return GenericEpilogue(sequence, rest)
         for position in range(len(sequence)):
-            for kind in _POOLS:
+            for kind in kinds:
                 candidate = GenericEpilogue(sequence, rest, (position, kind))
                 if matches(candidate):
                     return candidate
-    shape = tuple(torch.cat([plain(h) for h in hiddens]).shape)
-    if shape != tuple(theirs.shape):
-        raise _refuse(model, f"its head pools the hidden states in its top-level forward in a way the split does not "
-                             f"reproduce (its logits are {tuple(theirs.shape)}, the chain's {shape}; tried the first "
-                             "token and unmasked means), e.g. at each row's last real token or over what its attention "
-                             "mask keeps")
-    return plain
+    return None
 
 
 # ------------------------------------------------------------------------------------------------------ building
