@@ -356,3 +356,23 @@ def test_layerdrop_trains_as_one_layer() -> None:
     x, y = chain.split_batch(batch)
     losses = [chain.loss_fn(chain.layers[0](xm), ym) for xm, ym in zip(chunk(x, 4), chunk(y, 4))]
     torch.testing.assert_close(torch.stack(losses).mean(), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_the_probe_batch_is_built_from_the_config() -> None:
+    """Images of the configured size and channels, raw audio long enough for a few frames of the feature extractor
+    (its tail masked on the padded probe), the configured log-mel features; the same values every time."""
+    from uniap_lightning.adapters.families.generic import _probe
+
+    cpu = torch.device("cpu")
+    deit, w2v, whisper = (build_generic(f) for f in ("deit", "wav2vec2_ctc", "whisper_cls"))
+    images = _probe(deit, 3, cpu)
+    assert list(images) == ["pixel_values"] and images["pixel_values"].shape == (3, 3, 8, 8)
+    audio = _probe(w2v, 2, cpu)
+    assert audio["input_values"].shape == (2, 70)  # kernels (10, 3), strides (5, 2): 6 frames
+    assert int(w2v._get_feat_extract_output_lengths(torch.tensor(70))) == 6
+    assert audio["attention_mask"][0].all() and not audio["attention_mask"][1].all()
+    assert _probe(w2v, 2, cpu, padded=False)["attention_mask"].all()
+    assert _probe(whisper, 2, cpu)["input_features"].shape == (2, 8, 16)  # mel bins x 2 * max_source_positions
+    for model in (deit, w2v, whisper):
+        first, again = _probe(model, 2, cpu), _probe(model, 2, cpu)
+        assert all(torch.equal(first[k], again[k]) for k in first)
