@@ -366,6 +366,10 @@ class GenericPrologue(_Layer):
 
     def forward(self, d: dict[str, torch.Tensor]) -> dict[str, Any]:
         batch = {k: d[k] for k in self.inputs if k in d}
+        if "attention_mask" in self.inputs and "attention_mask" not in batch and self.inputs[0] in _MASKED:
+            # all ones, as the model reads a missing mask: the blocks take what they took on the (masked) probe
+            main = batch[self.inputs[0]]
+            batch["attention_mask"] = torch.ones(main.shape[:2], dtype=torch.long, device=main.device)
         hidden, calls = _capture(self._base, self._blocks, {**batch, **self.extra})
         templates, tensors = _templates(calls)
         if templates != self.plan.templates:
@@ -610,6 +614,8 @@ def _first_match(plain: GenericEpilogue, after: list[nn.Module], unused: list[nn
 # ------------------------------------------------------------------------------------------------------ building
 #: the batch entry a model's forward takes first, by modality
 _MAIN = ("input_ids", "pixel_values", "input_values", "input_features")
+#: the main inputs the setup probe masks (``[batch, seq]`` or ``[batch, samples]``: a mask per position)
+_MASKED = ("input_ids", "input_values")
 
 
 def _main_input(model: Any) -> str:
@@ -669,6 +675,14 @@ def _probe(model: Any, rows: int, device: torch.device, padded: bool = True) -> 
     return {"input_ids": ids, "attention_mask": mask}
 
 
+def _accepted(model: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The ``kwargs`` the model's forward takes (the base model's flags, e.g. ``use_cache``, are not every head's)."""
+    params = inspect.signature(model.forward).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
 def _base_inputs(base: nn.Module) -> tuple[tuple[str, ...], dict[str, Any]]:
     params = inspect.signature(base.forward).parameters
     main = next((k for k in _MAIN if k in params), None)
@@ -721,7 +735,7 @@ def _split(model: Any) -> list[tuple[nn.Module, list[str]]]:
                 labels = task.labels(model, batch)
                 calls.order.clear()
                 calls.phase = "before"
-                reference = model(**batch, **task.kwargs(labels), **extra)
+                reference = model(**batch, **task.kwargs(labels), **_accepted(model, extra))
             finally:
                 calls.close()
             templates, tensors2 = _templates(small[1])
