@@ -23,6 +23,7 @@ of predicted vs measured time, and where the planner's choice ranks among the me
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import socket
@@ -186,8 +187,8 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: str) ->
                                   training=TrainingConfig(global_batch_size=B, schedule=plan.schedule))
                 est = evaluate(problem, plan)
                 est_formula = evaluate(Problem(model=formula_profile, cluster=cluster, training=problem.training), plan)
-                plan.estimate = est
-                plan.model_fingerprint = ""  # pinned as is (the profile was measured above)
+                # pinned as is (the profile was measured above)
+                plan = dataclasses.replace(plan, model_fingerprint="").with_report(estimate=est)
                 mon = UniAPMonitor(warmup_steps=args["warmup"], window=args["steps"], repeat=False,
                                    time_error_threshold=10.0, metrics_file=Path(out) / "measured.json")
                 strategy = UniAPStrategy(plan=plan, monitor=mon, measure_cluster=False)

@@ -122,7 +122,7 @@ def brute_force(problem: Problem, *, candidate: tuple[int, int] | None = None) -
                                                 pp=pp, microbatches=c)
                         best, best_tpi = plan, tpi
     if best is not None:
-        best.estimate = evaluate(problem, best)
+        best = best.with_report(estimate=evaluate(problem, best))
         assert best.estimate.feasible
         assert abs(best.estimate.tpi_s - best_tpi) <= 1e-9 * best_tpi, (best.estimate.tpi_s, best_tpi)
     return best

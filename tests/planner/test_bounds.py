@@ -101,7 +101,7 @@ def test_floors_hold_for_random_plans_of_every_candidate(seed):
             stage_of = [sum(u >= x for x in cuts) for u in range(L)]
             plan = problem.plan_for(stage_of_layer=stage_of, strategies=[rng.choice(o) for o in options],
                                     pp=t.pp, microbatches=t.c)
-            plan.estimate = evaluate(problem, plan)
+            plan = plan.with_report(estimate=evaluate(problem, plan))
             T, Y = _bottleneck_and_sync(plan)
             assert t.tpi_s(0.0, 0.0, T, Y) >= floor * (1 - REL), (t.pp, t.c, stage_of)
             if t.pp > 1:

@@ -81,9 +81,11 @@ def test_plan_fingerprint_from_another_model_is_refused() -> None:
     chain = extract_chain(module)
     profile = profile_layers(chain.layers, chain.names, torch.randn(4, h.IN), repeats=1)
     plan = h.make_plan([(2, 1, False)] * 4, [0, 0, 0, 0], pp=1, microbatches=1)
-    plan.model_fingerprint = profile.fingerprint()
+    from dataclasses import replace
+
+    plan = replace(plan, model_fingerprint=profile.fingerprint())
     check_plan_matches(plan, h.NAMES, world_size=2, profile=profile)
-    plan.model_fingerprint = "0123456789abcdef"
+    plan = replace(plan, model_fingerprint="0123456789abcdef")
     with pytest.raises(UniAPError, match="model_fingerprint 0123456789abcdef differs"):
         check_plan_matches(plan, h.NAMES, world_size=2, profile=profile)
 

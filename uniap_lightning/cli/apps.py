@@ -203,11 +203,11 @@ def run_evaluate(cfg: DictConfig) -> None:
         _check_options(cfg)
         plan = Plan.from_json(Path(cfg.plan))
         problem = _problem(cfg)
-        plan.estimate = evaluate(problem, plan)
+        plan = plan.with_report(estimate=evaluate(problem, plan))
     except UniAPError as err:
         _fail(err, cfg)
         return
-    plan.solver = None
+    plan = plan.with_report(solver=None)
     print_plan(plan, console=console, title=f"Evaluated plan {cfg.plan}: {problem.model.model} on {problem.cluster.name}")
     _record({"model": problem.model.model, "cluster": problem.cluster.name, "tpi_s": plan.estimate.tpi_s,
              "samples_per_s": plan.estimate.samples_per_s, "feasible": plan.estimate.feasible})
@@ -233,7 +233,7 @@ def run_explain(cfg: DictConfig) -> None:
         found = recorded.recorded_problem(run, cfg.measured) if chosen else None
         if found is not None:  # the model, cluster and plan the file was measured with
             problem, plan = found
-            plan.estimate = evaluate(problem, plan)
+            plan = plan.with_report(estimate=evaluate(problem, plan))
             title = f"The plan measured in {cfg.measured}: {recorded.describe(run)}"
         else:
             problem = _problem(cfg)
@@ -245,7 +245,7 @@ def run_explain(cfg: DictConfig) -> None:
                         f"(written by an older version); compared with model {problem.model.model} on "
                         f"{problem.cluster.name}")
             if plan is not None:
-                plan.estimate = evaluate(problem, plan)
+                plan = plan.with_report(estimate=evaluate(problem, plan))
             else:
                 with console.status("[bold]solving[/bold]"):
                     plan = solve(problem, solver=cfg.solver, time_limit_s=float(cfg.time_limit), pp=_pp(cfg),

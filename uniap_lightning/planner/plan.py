@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -126,9 +126,23 @@ class SolverInfo:
     objective_s: float | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
+class SolveReport:
+    """What the search learned about a plan, kept beside its decisions: the cost model's ``estimate``, how it was
+    found (``solver``), the ``baselines``' predicted times per iteration, and one ``search`` record per (pp, c)
+    candidate (outcome: "optimal", "pruned by bound", "does not fit", ...; ``tpi_s``, ``bound_s``)."""
+
+    estimate: Estimate | None = None
+    solver: SolverInfo | None = None
+    baselines: dict[str, float | None] = field(default_factory=dict)
+    search: tuple[dict[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
 class Plan:
-    """A complete parallelization plan for one model on one cluster."""
+    """A complete parallelization plan for one model on one cluster: what the runtime executes (frozen). What the
+    search learned travels beside it in ``report`` (:class:`SolveReport`; ``plan.estimate`` etc. read it), and
+    :meth:`with_report` gives the same plan with another report."""
 
     pp: int
     microbatches: int
@@ -140,13 +154,32 @@ class Plan:
     model: str = ""
     cluster: str = ""
     model_fingerprint: str = ""
-    estimate: Estimate | None = None
-    solver: SolverInfo | None = None
-    baselines: dict[str, float | None] = field(default_factory=dict)
-    # one record per (pp, c) candidate: outcome ("optimal", "pruned by bound", "does not fit", ...), tpi_s, bound_s
-    search: list[dict[str, Any]] = field(default_factory=list)
     compression_options: dict[str, float] = field(default_factory=lambda: dict(COMPRESSION_DEFAULTS))
     format_version: int = PLAN_FORMAT_VERSION
+    report: SolveReport = field(default_factory=SolveReport, compare=False)
+
+    # ------------------------------------------------------------------ the solve report
+    @property
+    def estimate(self) -> Estimate | None:
+        return self.report.estimate
+
+    @property
+    def solver(self) -> SolverInfo | None:
+        return self.report.solver
+
+    @property
+    def baselines(self) -> dict[str, float | None]:
+        return self.report.baselines
+
+    @property
+    def search(self) -> tuple[dict[str, Any], ...]:
+        return self.report.search
+
+    def with_report(self, **changes: Any) -> Plan:
+        """This plan with its report's fields replaced (``estimate=``, ``solver=``, ``baselines=``, ``search=``)."""
+        if "search" in changes:
+            changes["search"] = tuple(changes["search"])
+        return replace(self, report=replace(self.report, **changes))
 
     # ------------------------------------------------------------------ derived
     @property
@@ -272,7 +305,14 @@ class Plan:
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        fields = asdict(self)
+        report = fields.pop("report")
+        order = ("pp", "microbatches", "schedule", "global_batch_size", "num_devices", "stages", "layers", "model",
+                 "cluster", "model_fingerprint")
+        d = {k: fields[k] for k in order}  # the JSON keys in the order of format versions 1 and 2
+        d.update(estimate=report["estimate"], solver=report["solver"], baselines=report["baselines"],
+                 search=list(report["search"]), compression_options=fields["compression_options"],
+                 format_version=fields["format_version"])
         d["stages"] = [{"index": s.index, "layers": list(s.layers), "ranks": list(s.ranks)} for s in self.stages]
         for x, lp in zip(d["layers"], self.layers, strict=True):
             x["shard"] = lp.shard  # derived from dp_mode; kept so version-1 readers still see it
@@ -294,7 +334,7 @@ class Plan:
             plan = _plan_from_dict(cls, d)
             plan.validate()
             if d.get("estimate"):  # after validate: its lists are checked against the (valid) stages
-                plan.estimate = _estimate_from_dict(d["estimate"], plan.pp)
+                plan = plan.with_report(estimate=_estimate_from_dict(d["estimate"], plan.pp))
         except UniAPError as err:
             raise UniAPError(str(err) if origin == "plan" else f"{origin}: {err}") from None
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as err:
@@ -382,10 +422,10 @@ def _plan_from_dict(cls: type[Plan], d: dict[str, Any]) -> Plan:
         model=F.string(d.get("model", ""), "plan field 'model'"),
         cluster=F.string(d.get("cluster", ""), "plan field 'cluster'"),
         model_fingerprint=F.string(d.get("model_fingerprint", ""), "plan field 'model_fingerprint'"),
-        solver=_solver_from_dict(d["solver"]) if d.get("solver") else None,
-        baselines=_baselines_from_dict(d.get("baselines", {})),
-        search=_search_from_dict(d.get("search", [])),
         compression_options={**COMPRESSION_DEFAULTS, **options},
+        report=SolveReport(solver=_solver_from_dict(d["solver"]) if d.get("solver") else None,
+                           baselines=_baselines_from_dict(d.get("baselines", {})),
+                           search=tuple(_search_from_dict(d.get("search", [])))),
     )
 
 

@@ -52,7 +52,6 @@ def _solve(problem, *, solver, time_limit_s, pp, baselines, progress) -> Plan:
         feasible = [p for p in base.values() if p is not None and p.estimate and p.estimate.feasible]
         incumbent = min(feasible, key=lambda p: p.estimate.tpi_s, default=None)
     plan = search(problem, solver=solver, deadline=deadline, pp=pp, incumbent=incumbent, progress=progress)
-    plan.baselines = {k: (v.estimate.tpi_s if v is not None else None) for k, v in base.items()}
     # the incumbent may be a baseline object: give the caller its own copy of the estimate
-    plan.estimate = evaluate(problem, plan)
-    return plan
+    return plan.with_report(baselines={k: (v.estimate.tpi_s if v is not None else None) for k, v in base.items()},
+                            estimate=evaluate(problem, plan))

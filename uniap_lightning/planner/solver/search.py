@@ -213,10 +213,10 @@ def search(
                 if res.stage_of_layer is None:
                     continue
                 plan = _from_milp(problem, cand, res.stage_of_layer, res.strategy_index)
-                plan.estimate = evaluate(problem, plan)
+                plan = plan.with_report(estimate=evaluate(problem, plan))
                 if plan.estimate.feasible and (best is None or plan.estimate.tpi_s < best.estimate.tpi_s):
-                    plan.solver = SolverInfo(name, res.status, res.gap, 0.0, objective_s=res.objective_s)
-                    best = plan
+                    best = plan.with_report(solver=SolverInfo(name, res.status, res.gap, 0.0,
+                                                              objective_s=res.objective_s))
     finally:
         pool.close()
     if best is None and not all_optimal:
@@ -227,7 +227,7 @@ def search(
     if not all_optimal and open_bounds:
         gap = max(0.0, (best.estimate.tpi_s - min(open_bounds)) / best.estimate.tpi_s)
     objective = best.solver.objective_s if best.solver else best.estimate.tpi_s
-    best.solver = SolverInfo(
+    return best.with_report(solver=SolverInfo(
         name=name,
         status="optimal" if all_optimal or gap == 0 else "time_limit",
         gap=gap,
@@ -236,6 +236,4 @@ def search(
         solved=solved,
         pruned=pruned,
         objective_s=objective,
-    )
-    best.search = trace
-    return best
+    ), search=trace)

@@ -49,7 +49,7 @@ def best_uniform(
             continue
         if plan is None:
             continue
-        plan.estimate = evaluate(problem, plan, check_strategies=False)
+        plan = plan.with_report(estimate=evaluate(problem, plan, check_strategies=False))
         if plan.estimate.feasible and (best is None or plan.estimate.tpi_s < best.estimate.tpi_s):
             best = plan
     return best
