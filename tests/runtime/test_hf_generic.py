@@ -376,3 +376,18 @@ def test_the_probe_batch_is_built_from_the_config() -> None:
     for model in (deit, w2v, whisper):
         first, again = _probe(model, 2, cpu), _probe(model, 2, cpu)
         assert all(torch.equal(first[k], again[k]) for k in first)
+
+
+def test_a_model_whose_own_forward_fails_on_the_probe_is_refused_in_one_line() -> None:
+    """A decoder's classifier without a pad token cannot pool batches of several rows (Hugging Face's own error):
+    refused at setup with that reason, not a raw exception from the one-layer fallback."""
+    import transformers as tr
+
+    from uniap_lightning.runtime import extract_chain
+
+    model = tr.Qwen2ForSequenceClassification(tr.Qwen2Config(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, num_labels=3, pad_token_id=None))
+    with pytest.raises(UniAPError, match=r"Qwen2ForSequenceClassification .*cannot handle it: ValueError: Cannot "
+                                         r"handle batch sizes > 1 if no padding token is defined"):
+        extract_chain(_module(model))

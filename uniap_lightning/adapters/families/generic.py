@@ -1077,8 +1077,11 @@ def _one_layer(model: Any, task: _Task, inputs: tuple[str, ...], why: UniAPError
             batch = task.probe(batch) if task.probe is not None else batch
             labels = task.labels(model, batch)
             kwargs = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
-            reference = model(**batch, **task.kwargs(labels), **kwargs)
-            logits = layer(batch)
+            try:
+                reference = model(**batch, **task.kwargs(labels), **kwargs)
+                logits = layer(batch)
+            except Exception as e:  # noqa: BLE001 - the model's own forward fails on the probe: why says why
+                raise why from e
     finally:
         for m, training in modes.items():
             m.train(training)
