@@ -57,7 +57,32 @@ def test_perplexity_is_computed_without_a_collective(one_rank_group: Any, monkey
     assert ppl.last_val_ppl == pytest.approx(math.exp(3.0))
 
 
-def test_a_users_trainer_bounded_by_steps_shows_no_negative_epoch_count(tmp_path: Any) -> None:
+@pytest.fixture
+def in_process_fit() -> Any:
+    """A fit in this process leaves what a user's script would (Lightning's MASTER_PORT / WORLD_SIZE ... in the
+    environment, the strategy's excepthook and signal handlers): put them back, or later tests' subprocesses take
+    themselves for started ranks."""
+    import signal
+    import sys
+
+    env = dict(os.environ)
+    hook = sys.excepthook
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    threads = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(env)
+        sys.excepthook = hook
+        for s, h in handlers.items():
+            signal.signal(s, h)
+        torch.set_num_threads(threads)
+
+
+def test_a_users_trainer_bounded_by_steps_shows_no_negative_epoch_count(tmp_path: Any, in_process_fit: Any) -> None:
     """Lightning's default rich bar printed "Epoch 0/-2" for ``Trainer(max_steps=N)`` (``max_epochs=-1``); under
     the strategy it shows "Epoch 0"; a bar the user chose is left as it is."""
     import lightning.pytorch as pl
