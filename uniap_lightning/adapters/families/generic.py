@@ -41,6 +41,8 @@ warning naming why) when its own loss is the one the chain computes; anything el
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,6 +102,35 @@ def _register_attention() -> bool:
     AttentionInterface.register(ATTENTION, sdpa_attention_forward)
     AttentionMaskInterface.register(ATTENTION, mask)
     return True
+
+
+@contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[None]:
+    """``model`` in eval mode (no dropout on the probes), each module's own mode restored after."""
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes.items():
+            m.train(training)
+
+
+def _accept_one_layer(model: Any, task: _Task, logits: torch.Tensor, labels: torch.Tensor, reference: Any,
+                      why: UniAPError) -> list[str]:
+    """The one-layer fallback's check and warning: the model's own loss must be ``task``'s loss of its logits (else
+    ``why`` is raised); returns the top-level modules the layer owns."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+    try:
+        _check_loss(model, task, logits, labels, reference, 1e-4)
+    except UniAPError:
+        raise why from None
+    reason = getattr(why, "reason", "") or str(why)
+    rank_zero_warn(f"{type(model).__name__} trains as ONE layer (replicated or ZeRO-sharded, no pipeline or tensor "
+                   f"parallelism): the generic split cannot handle it ({reason}). Define uniap_layers() on your "
+                   "LightningModule to split it.")
+    return [n for n, m in model.named_children() if any(True for _ in m.parameters())]
 
 
 def _first(out: Any) -> torch.Tensor:
@@ -717,15 +748,13 @@ def _split(model: Any) -> list[tuple[nn.Module, list[str]]]:
     units = _units(model, blocks_name)
     inputs, extra = _base_inputs(base)
     device = next(model.parameters()).device
-    modes = {m: m.training for m in model.modules()}
-    model.eval()
     ancestors = {blocks_name.rsplit(".", i)[0] for i in range(1, blocks_name.count(".") + 1)}
     hooked = {n: m for n, m in model.named_modules()
               if n and n not in ancestors and n != blocks_name and not n.startswith(blocks_name + ".")
               and not isinstance(m, nn.modules.loss._Loss)}  # (DistilBERT's loss module: the loss is ours)
     task = _task(model)
     calls = _Calls(hooked, blocks)
-    try:
+    with _eval_mode(model):
         with torch.no_grad():
             try:
                 small = _capture(base, blocks, {**_probe(model, 2, device), **extra})
@@ -771,9 +800,6 @@ def _split(model: Any) -> list[tuple[nn.Module, list[str]]]:
             epilogue = _epilogue(model, task, prologue, layers, [heads[n] for n in after], [units[n] for n in unused],
                                  batch, reference)
             _verify(model, task, prologue, layers, epilogue, batch, labels, reference)
-    finally:
-        for m, training in modes.items():
-            m.train(training)
 
     every = dict(model.named_modules())
 
@@ -1066,33 +1092,17 @@ class WholeModel(_Layer):
 def _one_layer(model: Any, task: _Task, inputs: tuple[str, ...], why: UniAPError) -> Family:
     """The fallback for a model the generic split cannot reproduce: the model as one layer, after checking that its
     own loss is the task's loss of its logits (then the whole-batch normalization holds)."""
-    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-
     layer = WholeModel(model, inputs, task.output)
-    modes = {m: m.training for m in model.modules()}
-    model.eval()
-    try:
-        with torch.no_grad():
-            batch = _probe(model, 3, next(model.parameters()).device)
-            batch = task.probe(batch) if task.probe is not None else batch
-            labels = task.labels(model, batch)
-            kwargs = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
-            try:
-                reference = model(**batch, **task.kwargs(labels), **kwargs)
-                logits = layer(batch)
-            except Exception as e:  # noqa: BLE001 - the model's own forward fails on the probe: why says why
-                raise why from e
-    finally:
-        for m, training in modes.items():
-            m.train(training)
-    try:
-        _check_loss(model, task, logits, labels, reference, 1e-4)
-    except UniAPError:
-        raise why from None
-    reason = getattr(why, "reason", "") or str(why)
-    rank_zero_warn(f"{type(model).__name__} trains as ONE layer (replicated or ZeRO-sharded, no pipeline or tensor "
-                   f"parallelism): the generic split cannot handle it ({reason}). Define uniap_layers() on your "
-                   "LightningModule to split it.")
-    owners = [n for n, m in model.named_children() if any(True for _ in m.parameters())]
+    with _eval_mode(model), torch.no_grad():
+        batch = _probe(model, 3, next(model.parameters()).device)
+        batch = task.probe(batch) if task.probe is not None else batch
+        labels = task.labels(model, batch)
+        kwargs = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
+        try:
+            reference = model(**batch, **task.kwargs(labels), **kwargs)
+            logits = layer(batch)
+        except Exception as e:  # noqa: BLE001 - the model's own forward fails on the probe: why says why
+            raise why from e
+    owners = _accept_one_layer(model, task, logits, labels, reference, why)
     return Family(layers=lambda _: [(layer, owners)], loss=task.loss, inputs=inputs, count=task.count, attention=None,
                   labels=None if task.target is None else task.target(model))

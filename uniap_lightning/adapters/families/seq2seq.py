@@ -52,9 +52,10 @@ from uniap_lightning.adapters.families.generic import (
     GenericEpilogue,
     Unsplittable,
     WholeModel,
+    _accept_one_layer,
     _Calls,
     _capture,
-    _check_loss,
+    _eval_mode,
     _find_blocks,
     _fqn,
     _Layer,
@@ -397,9 +398,7 @@ def _split(model: Any) -> list[tuple[nn.Module, list[str]]]:
     hooked = _hooked(model, s)
     units = {n: m for n, m in hooked.items()
              if any(True for _ in m.parameters(recurse=False)) or not any(True for _ in m.children())}
-    modes = {m: m.training for m in model.modules()}
-    model.eval()
-    try:
+    with _eval_mode(model):
         with torch.no_grad():
             enc_calls, dec_calls = _Calls(hooked, s.blocks[0]), _Calls(hooked, s.blocks[1])
             try:
@@ -422,9 +421,6 @@ def _split(model: Any) -> list[tuple[nn.Module, list[str]]]:
             chain_batch = {**{k: v for k, v in batch.items() if k != "labels"}, **seq2seq_prepare(model, batch)}
             _verify(model, _TASK, prologue, [*encoders, bridge, *decoders], epilogue, chain_batch, batch["labels"],
                     reference)
-    finally:
-        for m, training in modes.items():
-            m.train(training)
 
     def owners_first(names: list[str]) -> list[str]:
         return sorted(names, key=lambda n: not any(True for _ in modules[n].parameters()))
@@ -527,25 +523,8 @@ def _one_layer(model: Any, inputs: tuple[str, ...], task: _Task, batch: dict[str
                chain_batch: dict[str, torch.Tensor], why: UniAPError) -> list[tuple[nn.Module, list[str]]]:
     """The model as one layer, after checking on the probe ``batch`` (labels included; ``chain_batch``: what the
     layer takes) that its own loss is ``task``'s loss of its logits; one warning naming why."""
-    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-
     layer = WholeModel(model, inputs)
-    modes = {m: m.training for m in model.modules()}
-    model.eval()
-    try:
-        with torch.no_grad():
-            reference = model(**batch, **_flags(model))
-            logits = layer(chain_batch)
-    finally:
-        for m, training in modes.items():
-            m.train(training)
-    try:
-        _check_loss(model, task, logits, batch["labels"], reference, 1e-4)
-    except UniAPError:
-        raise why from None
-    reason = getattr(why, "reason", "") or str(why)
-    rank_zero_warn(f"{type(model).__name__} trains as ONE layer (replicated or ZeRO-sharded, no pipeline or tensor "
-                   f"parallelism): the generic split cannot handle it ({reason}). Define uniap_layers() on your "
-                   "LightningModule to split it.")
-    owners = [n for n, m in model.named_children() if any(True for _ in m.parameters())]
-    return [(layer, owners)]
+    with _eval_mode(model), torch.no_grad():
+        reference = model(**batch, **_flags(model))
+        logits = layer(chain_batch)
+    return [(layer, _accept_one_layer(model, task, logits, batch["labels"], reference, why))]
