@@ -136,6 +136,7 @@ class UniAPMonitor(pl.Callback):
         self._cpu_memory = CpuStepMemory()
         self._process_peaks: list[float] = []  # CPU: the process's growth over the measured step
         self._warned = False
+        self._run: tuple[Any, dict[str, Any]] | None = None  # (plan, its run record): built once per plan
         self._done = False
         self._pending: tuple[Any, list[torch.Tensor], int] | None = None  # (work, gathered, steps) of a window
         self._path: Path | None = None
@@ -300,7 +301,9 @@ class UniAPMonitor(pl.Callback):
         if rebalances:
             report["rebalances"] = rebalances
         if plan is not None:
-            report["run"] = run_record(strategy.setup_result, plan)
+            if self._run is None or self._run[0] is not plan:  # (a re-plan switches plans inside the fit)
+                self._run = (plan, run_record(strategy.setup_result, plan))
+            report["run"] = self._run[1]
         self.last = report
         if log:
             for k, v in metrics.items():
