@@ -134,6 +134,7 @@ def _fit(kind: str, args: argparse.Namespace, cache: str) -> dict[str, Any]:
         "step_s": clock.median_step_s(args.warmup),
         "peak_bytes": _peak(base),
         "leftover_bytes": base,
+        "params": sum(p.numel() for p in module.parameters()),
         "setup_s": clock.callback.start - t0 if clock.callback.start else None,
         "total_s": total,
         "loss": float(trainer.callback_metrics.get("train_loss", float("nan"))),
@@ -182,7 +183,7 @@ def _table(rows: list[dict[str, Any]], pairs: list[float], cli: dict[str, Any] |
     ms = lambda v: "-" if v is None else f"{v * 1e3:.2f} ms"  # noqa: E731
     gb = lambda v: "-" if v is None else f"{v / 1e9:.2f} GB"  # noqa: E731
     sec = lambda v: "-" if v is None else f"{v:.1f} s"  # noqa: E731
-    lines = [f"device: {device}; model: GPT {MODEL} ({_params() / 1e6:.0f}M parameters), bf16-mixed, AdamW",
+    lines = [f"device: {device}; model: GPT {MODEL} ({rows[0]['params'] / 1e6:.0f}M parameters), bf16-mixed, AdamW",
              "",
              "| strategy | step (median of runs) | predicted step | peak memory | predicted memory | setup (first / later) |",
              "| --- | --- | --- | --- | --- | --- |"]
@@ -205,11 +206,6 @@ def _table(rows: list[dict[str, Any]], pairs: list[float], cli: dict[str, Any] |
         lines += ["", f"`{cli['command']}`: exit code {cli['rc']} in {cli['wall_s']:.1f} s"]
         lines += ["    " + t for t in cli["tail"][-6:]]
     return "\n".join(lines)
-
-
-def _params() -> int:
-    d, v, t, n = MODEL["n_embd"], MODEL["vocab_size"], MODEL["block_size"], MODEL["n_layer"]
-    return v * d + t * d + n * (12 * d * d + 13 * d) + 2 * d + d * v
 
 
 def main(argv: list[str] | None = None) -> int:
