@@ -109,6 +109,10 @@ def test_explain_shows_layers_stages_and_runners_up(plan_file, tmp_path):
     ("explain", [f"measured={sys.executable}"], "is not a text file"),
     ("explain", ["measured=MEASURED"], "field 'tpi_s' must be a number of seconds >= 0, got 'fast'"),
     ("explain", ["measured=NOTJSON"], "is not valid JSON"),
+    # the run record (what the file measured) is checked field by field
+    ("explain", ["measured=RUNSTR"], ": run must be an object, got str"),
+    ("explain", ["measured=RUNDEV"], ": run.devices must be >= 1, got 0"),
+    ("explain", ["measured=RUNPLAN"], ": run.plan must be an object, got list"),
     ("plan", ["profile=ZEROS"], "every layer has forward_s = backward_s = 0"),
 ])
 def test_bad_files_get_one_clear_message(command, args, message, tmp_path):
@@ -120,7 +124,11 @@ def test_bad_files_get_one_clear_message(command, args, message, tmp_path):
     for layer in zeros["layers"]:
         layer.update(forward_s=0, backward_s=0, params=0, activation_bytes=0, output_bytes=0)
     (tmp_path / "z.json").write_text(json.dumps(zeros))
-    files = {"MEASURED": "m.json", "NOTJSON": "n.json", "ZEROS": "z.json"}
+    runs = {"RUNSTR": "x", "RUNDEV": {"model": "m", "devices": 0, "plan": {}},
+            "RUNPLAN": {"model": "m", "devices": 1, "plan": []}}
+    for key, run in runs.items():
+        (tmp_path / f"{key}.json").write_text(json.dumps({"tpi_s": 0.1, "run": run}))
+    files = {"MEASURED": "m.json", "NOTJSON": "n.json", "ZEROS": "z.json", **{k: f"{k}.json" for k in runs}}
     for key, name in files.items():
         args = [a.replace(key, str(tmp_path / name)) for a in args]
     res = uniap(command, "model=gpt2_small", *args)
