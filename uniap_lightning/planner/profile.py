@@ -23,7 +23,8 @@ One record per layer of the chain, in order::
          "param_tensors": 4,            # trainable parameter tensors (optimizer step cost per tensor)
          "matrix_dims": 4096,           # sum over parameters with ndim >= 2 of shape[0] + numel / shape[0]
          "vector_params": 2048,         # elements in parameters with ndim < 2 (biases, norms)
-         "backward_peak_bytes": 3.1e6   # bytes per sample the backward adds at its peak (default 0)
+         "backward_peak_bytes": 3.1e6,  # bytes per sample the backward adds at its peak (default 0)
+         "weight_grad_fraction": 0.35   # weight-gradient share of the backward (default: 0.5 with params, else 0)
         }, ...]
     }
 
@@ -31,6 +32,16 @@ One record per layer of the chain, in order::
 ``backward_peak_bytes`` (optional, measured) is what the layer's backward holds at its peak beyond those: the
 gradient it receives, the one it hands back, and its temporaries; the cost model adds the largest of a stage's
 layers to the stage's memory (only one layer runs its backward at a time).
+
+``weight_grad_fraction`` (optional, measured, in [0, 1]) is the share of the layer's backward that computes the
+gradients of its parameters (W), the rest computing the gradient of its input (B): zero-bubble pipeline schedules
+run B when the gradient arrives and move W into the bubbles, so their cost model needs ``backward time x
+fraction`` per layer. The profiler times the two halves as ``torch.distributed.pipelining`` runs them
+(:mod:`uniap_lightning.profiling.measure`); a layer whose input never needs a gradient (the first) has 1, a layer
+without parameters 0. Absent (analytic, structural and older profiles), :meth:`LayerProfile.backward_split` uses
+0.5 for a layer with parameters (a linear layer's input and weight gradients cost the same flops) and 0 without.
+Readers of ``format_version`` 1 ignore fields they do not know, so a profile with it still loads in older versions
+(which then price zero-bubble schedules without it).
 
 When ``timings`` lists two or more micro-batch sizes, compute time for ``m`` samples is interpolated (and
 extrapolated) linearly between them instead of assuming ``m * forward_s``.
@@ -87,6 +98,8 @@ class Overhead:
 
 
 OVERHEAD_KINDS = ("tp", "fsdp", "dp", "zero2", "zero1")
+#: :meth:`LayerProfile.backward_split` of a layer with parameters whose profile has no ``weight_grad_fraction``
+DEFAULT_WEIGHT_GRAD_FRACTION = 0.5
 
 
 @dataclass(frozen=True)
@@ -112,6 +125,9 @@ class LayerProfile:
     vector_params: int | None = None
     #: bytes per sample the layer's backward adds at its peak beyond its saved activations (0: not measured)
     backward_peak_bytes: float = 0.0
+    #: share of the backward that computes the parameters' gradients (W; the rest is B, the input's gradient), in
+    #: [0, 1]; None: not measured (:meth:`backward_split` gives the default)
+    weight_grad_fraction: float | None = None
 
     def powersgd_dims(self) -> tuple[float, float]:
         """``(matrix_dims, vector_params)``: the profiled values, else every tensor taken as a square matrix."""
@@ -119,6 +135,14 @@ class LayerProfile:
             return float(self.matrix_dims), float(self.vector_params or 0)
         tensors = max(self.param_tensors, 1)
         return 2.0 * math.sqrt(self.params / tensors) * tensors, float(self.vector_params or 0)
+
+    def backward_split(self) -> float:
+        """The weight-gradient share of the backward to price with: the measured ``weight_grad_fraction``, else
+        :data:`DEFAULT_WEIGHT_GRAD_FRACTION` for a layer with parameters (a linear layer's input and weight
+        gradients are two matrix products of the same flops) and 0 for one without."""
+        if self.weight_grad_fraction is not None:
+            return self.weight_grad_fraction
+        return DEFAULT_WEIGHT_GRAD_FRACTION if self.params > 0 else 0.0
 
     @property
     def forward_fraction(self) -> float:
@@ -197,7 +221,7 @@ class ModelProfile:
             d["overheads"] = [asdict(o) for o in lp.overheads]
             if not d["overheads"]:
                 del d["overheads"]
-            for key in ("matrix_dims", "vector_params"):
+            for key in ("matrix_dims", "vector_params", "weight_grad_fraction"):
                 if d[key] is None:
                     del d[key]
             if not d["backward_peak_bytes"]:
@@ -260,6 +284,15 @@ def _number(item: dict[str, Any], key: str, where: str, *, integer: bool = False
     return float(value)
 
 
+def _fraction(item: dict[str, Any], key: str, where: str) -> float:
+    value = item[key]
+    if not _finite(value):
+        raise UniAPError(f"{where}.{key} must be a finite number, got {short(value)}")
+    if not 0 <= value <= 1:
+        raise UniAPError(f"{where}.{key} must be in [0, 1], got {value!r}")
+    return float(value)
+
+
 def _layer_from_dict(item: Any, where: str) -> LayerProfile:
     if not isinstance(item, dict):
         raise UniAPError(f"{where} must be an object")
@@ -273,9 +306,8 @@ def _layer_from_dict(item: Any, where: str) -> LayerProfile:
         raise UniAPError(f"{where}.tp_degrees must be a non-empty list of positive integers, got {short(degrees)}")
     if 1 not in degrees:
         raise UniAPError(f"{where}.tp_degrees must include 1, got {degrees!r}")
-    frac = _number(item, "activation_tp_fraction", where) if "activation_tp_fraction" in item else 1.0
-    if frac > 1:
-        raise UniAPError(f"{where}.activation_tp_fraction must be in [0, 1], got {frac}")
+    frac = _fraction(item, "activation_tp_fraction", where) if "activation_tp_fraction" in item else 1.0
+    wgrad = _fraction(item, "weight_grad_fraction", where) if item.get("weight_grad_fraction") is not None else None
     timings = []
     for j, t in enumerate(item.get("timings") or []):
         tw = f"{where}.timings[{j}]"
@@ -328,6 +360,7 @@ def _layer_from_dict(item: Any, where: str) -> LayerProfile:
                        if item.get("vector_params") is not None else None),
         backward_peak_bytes=(_number(item, "backward_peak_bytes", where)
                              if item.get("backward_peak_bytes") is not None else 0.0),
+        weight_grad_fraction=wgrad,
     )
 
 
