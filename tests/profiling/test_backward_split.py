@@ -4,12 +4,22 @@
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from uniap_lightning.errors import UniAPError
+from uniap_lightning.profiling import backward_split, measure
+from uniap_lightning.profiling.aggregate import median_over_ranks
+from uniap_lightning.profiling.backward_split import weight_grad_fraction
+from uniap_lightning.profiling.measure import profile_layers
 from uniap_lightning.planner.profile import (
     DEFAULT_WEIGHT_GRAD_FRACTION,
     LayerProfile,
@@ -73,3 +83,173 @@ def test_bad_values_are_refused_naming_the_layer_and_field(value: object, match:
     with pytest.raises(UniAPError, match=match) as err:
         ModelProfile.from_dict(_doc(weight_grad_fraction=value))
     assert "\n" not in str(err.value)
+
+
+# ------------------------------------------------------------------ measured
+
+
+class _Embed(nn.Module):
+    """A first layer on token ids: its input has no gradient (no B)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, D)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.emb(ids)
+
+
+class _Block(nn.Module):
+    """A pre-norm transformer block (attention and MLP)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.attn = nn.MultiheadAttention(D, 2, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU(), nn.Linear(4 * D, D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class _Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(D, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+
+VOCAB, D, ROWS, SEQ = 64, 32, 8, 16
+NAMES = ["embed", "block0", "block1", "act", "frozen", "head"]
+
+
+def _chain() -> list[nn.Module]:
+    torch.manual_seed(0)
+    frozen = nn.Linear(D, D)
+    frozen.requires_grad_(False)
+    return [_Embed(), _Block(), _Block(), nn.GELU(), frozen, _Head()]
+
+
+def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out.reshape(-1, VOCAB), target.reshape(-1))
+
+
+def _profile(layers: list[nn.Module]) -> ModelProfile:
+    ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=torch.Generator().manual_seed(1))
+    return profile_layers(layers, NAMES, ids, repeats=1, micro_batches=[2, ROWS], loss_fn=_loss, target=ids,
+                          flush_bytes=0)
+
+
+def test_a_measured_profile_splits_each_backward_and_leaves_the_other_fields_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    layers = _chain()
+    prof = _profile(layers)
+    frac = {lp.name: lp.weight_grad_fraction for lp in prof.layers}
+    assert frac["embed"] == 1.0  # token ids: no input gradient, the whole backward is W
+    assert frac["act"] == 0.0 and frac["frozen"] == 0.0  # no trainable parameters: no W
+    for name in ("block0", "block1", "head"):  # the head's includes the loss's backward, as training runs it
+        assert 0.0 < frac[name] < 1.0, (name, frac[name])
+    assert frac["block0"] == frac["block1"]  # identical layers pool their fractions (the median)
+    split = prof.meta["backward_split"]
+    assert split["micro_batch"] == ROWS and split["failed"] == {} and split["seconds"] > 0
+    assert all(p.grad is None for layer in layers for p in layer.parameters())  # training state kept
+    assert ModelProfile.from_dict(json.loads(json.dumps(prof.to_dict()))).layers == prof.layers
+
+    # without the split every other field, bytes and counts, is what it was (times are not comparable)
+    monkeypatch.setattr(measure, "weight_grad_fraction", lambda *a, **k: None)
+    plain = _profile(_chain())
+    assert all(lp.weight_grad_fraction is None for lp in plain.layers)
+    untimed = ("params", "activation_bytes", "output_bytes", "backward_peak_bytes", "param_tensors", "matrix_dims",
+               "vector_params", "tp_degrees", "tp_allreduces")
+    for a, b in zip(prof.layers, plain.layers):
+        assert [getattr(a, k) for k in untimed] == [getattr(b, k) for k in untimed]
+        assert [t.micro_batch for t in a.timings] == [t.micro_batch for t in b.timings] == [2, ROWS]
+
+
+def test_a_failing_split_leaves_the_field_out_not_the_profile(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(layer: nn.Module, *args: object, **kwargs: object) -> float:
+        if isinstance(layer, _Block):
+            raise RuntimeError("no split here\nsecond line")
+        return 0.25
+
+    monkeypatch.setattr(measure, "weight_grad_fraction", broken)
+    prof = _profile(_chain())
+    assert prof.source == "measured"
+    assert [lp.weight_grad_fraction for lp in prof.layers] == [0.25, None, None, 0.25, 0.25, 0.25]
+    assert prof.meta["backward_split"]["failed"] == {"block0": "RuntimeError: no split here",
+                                                     "block1": "RuntimeError: no split here"}
+    assert prof.layers[1].backward_split() == DEFAULT_WEIGHT_GRAD_FRACTION
+
+
+class _HeavyInputGradient(nn.Module):
+    """Parameters (a layer norm) first, then ten products with a fixed matrix: the input's gradient is ten matrix
+    products, the parameters' gradients none. Timing W as a second ``autograd.grad`` from the output would repeat
+    those ten products (W = B, a fraction of 0.5); split as the zero-bubble schedules split it, W holds none."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(64)
+        self.register_buffer("m", torch.randn(64, 64) / 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(x)
+        for _ in range(10):
+            x = x @ self.m
+        return x
+
+
+class _ProductFlops(TorchDispatchMode):
+    """Counts the flops of the matrix products dispatched while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            a, b = args[-2], args[-1]
+            self.flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
+        return func(*args, **(kwargs or {}))
+
+
+class _FlopClock:
+    """A Timer whose marks are the matrix-product flops counted so far: the split's halves in flops, exactly."""
+
+    counter = _ProductFlops()
+
+    def __init__(self, device: torch.device) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def mark(self) -> int:
+        return self.counter.flops
+
+    def elapsed_s(self, start: int, end: int) -> float:
+        return float(end - start)
+
+
+def test_w_is_only_the_parameters_gradients_not_the_path_back_to_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Counted in flops instead of seconds (deterministic): a linear layer's W is half its backward (the two
+    products of equal size); a layer whose parameters come first has W free of the input-gradient products."""
+    monkeypatch.setattr(backward_split, "Timer", _FlopClock)
+    torch.manual_seed(0)
+    x = torch.randn(32, 64)
+    with _FlopClock.counter:
+        split = partial(weight_grad_fraction, first=False, context=nullcontext, flush=lambda: None)
+        assert split(nn.Linear(64, 64, bias=False), x) == 0.5
+        assert split(_HeavyInputGradient(), x) == 0.0
+        assert split(nn.Linear(64, 64), x, first=True) == 1.0
+        assert split(nn.GELU(), x) == 0.0
+
+
+def test_ranks_combined_take_the_median_fraction() -> None:
+    profiles = [ModelProfile("m", [replace(LAYER, weight_grad_fraction=f), LAYER]) for f in (0.2, 0.5, 0.3)]
+    combined = median_over_ranks(profiles)
+    assert [lp.weight_grad_fraction for lp in combined.layers] == [0.3, None]

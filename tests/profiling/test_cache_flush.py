@@ -20,8 +20,9 @@ def test_flush_runs_before_every_timed_forward(monkeypatch) -> None:
     monkeypatch.setattr(CacheFlush, "__call__", lambda self: calls.append(self.nbytes))
     layers, names = _chain()
     profile = profile_layers(layers, names, torch.randn(8, 8), repeats=3, warmup=2, micro_batches=[4, 8])
-    # per layer and size: the byte-counting run, one more warm-up run, then three timed runs
-    assert len(calls) == len(layers) * 2 * (1 + 1 + 3)
+    # per layer and size: the byte-counting run, one more warm-up run, then three timed runs; at the largest size
+    # the backward split's two halves of the one layer with both parameters and an input gradient (the last)
+    assert len(calls) == len(layers) * 2 * (1 + 1 + 3) + 2
     assert set(calls) == {CPU_FLUSH_BYTES}
     assert profile.meta["cache_flush_bytes"] == CPU_FLUSH_BYTES
 

@@ -63,8 +63,8 @@ def never_faster_when_larger(readings: Readings) -> None:
 
 
 def median_over_ranks(profiles: Sequence[ModelProfile]) -> ModelProfile:
-    """One profile from the same chain measured on several ranks at once: every time is the median over the
-    ranks (sizes, bytes and the rest from the first). A rank that happened to run alone for a moment, or was
+    """One profile from the same chain measured on several ranks at once: every time, and the weight-gradient
+    fraction, is the median over the ranks (sizes, bytes and the rest from the first). A rank that happened to run alone for a moment, or was
     descheduled, does not decide the plan."""
     first = profiles[0]
     if len(profiles) == 1:
@@ -78,8 +78,10 @@ def median_over_ranks(profiles: Sequence[ModelProfile]) -> ModelProfile:
                    med(q.timings[j].backward_s for q in peers))
             for j, t in enumerate(lp.timings)
         ) if all(len(q.timings) == len(lp.timings) for q in peers) else lp.timings
+        fracs = [q.weight_grad_fraction for q in peers if q.weight_grad_fraction is not None]
         layers.append(replace(lp, forward_s=med(q.forward_s for q in peers),
-                              backward_s=med(q.backward_s for q in peers), timings=timings))
+                              backward_s=med(q.backward_s for q in peers), timings=timings,
+                              weight_grad_fraction=med(fracs) if fracs else None))
     meta = dict(first.meta)
     meta["ranks_combined"] = len(profiles)
     return ModelProfile(model=first.model, layers=layers, source=first.source, device=first.device, meta=meta)

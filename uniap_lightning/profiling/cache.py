@@ -118,8 +118,9 @@ def profile_key(*, layers: Sequence[Any], names: Sequence[str], input_shape: Seq
         "precision": precision,
         "versions": versions(),
         "settings": settings,
-        "kind": "model-profile", "fields": 7,  # 2: param_tensors; 3: "dp" overheads; 4: matrix_dims; 5: zero1/zero2;
-        # 6: memory by storage + backward peak; 7: layers timed from cold caches, the loss with the last layer
+        "kind": "model-profile", "fields": 8,  # 2: param_tensors; 3: "dp" overheads; 4: matrix_dims; 5: zero1/zero2;
+        # 6: memory by storage + backward peak; 7: layers timed from cold caches, the loss with the last layer;
+        # 8: weight_grad_fraction
     })
 
 

@@ -3,8 +3,9 @@
 Per layer and micro-batch size: forward and backward seconds (median of ``repeats`` timed runs after ``warmup``
 untimed ones, with :class:`~uniap_lightning.profiling.timing.Timer`; each run starts from cold caches, as a layer
 does in a training step, :class:`~uniap_lightning.profiling.timing.CacheFlush`), and at the largest size the output bytes, the
-bytes of the storages autograd saves for backward (parameters excluded) and the bytes the backward adds at its
-peak (:mod:`~uniap_lightning.profiling.memory`). The
+bytes of the storages autograd saves for backward (parameters excluded), the bytes the backward adds at its
+peak (:mod:`~uniap_lightning.profiling.memory`) and the weight-gradient share of the backward, timed after the
+layer's other runs (:mod:`~uniap_lightning.profiling.backward_split`). The
 forward runs inside ``context`` - the precision plugin's forward context (autocast for ``bf16-mixed``) - exactly as
 training runs it, so times and byte counts follow the precision. Raw readings go to
 :mod:`~uniap_lightning.profiling.aggregate` before they become a profile.
@@ -32,6 +33,7 @@ from torch import nn
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.profile import LayerProfile, ModelProfile, Timing
 from uniap_lightning.profiling.aggregate import Readings, never_faster_when_larger, pool_identical_layers, structure_key
+from uniap_lightning.profiling.backward_split import weight_grad_fraction
 from uniap_lightning.profiling.memory import SavedBytes, backward_peak_bytes
 from uniap_lightning.profiling.timing import CacheFlush, Timer
 from uniap_lightning.runtime.payload import backward_ones, call_layer, flatten, float_leaves, head, nbytes, rows
@@ -198,16 +200,41 @@ def _duration(seconds: float) -> str:
         f"{seconds / 3600:.1f} h"
 
 
+#: per layer at the largest size: out bytes, activation bytes, backward peak bytes, weight-gradient fraction
+Stats = list[tuple[int, float, float, float | None]]
+
+
+class _Split:
+    """The weight-gradient fraction of every layer at one size (``measure``), the seconds it took and why a layer
+    has none; a failure leaves that layer's fraction out (the profile's default applies), never the profile."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.failed: dict[str, str] = {}
+
+    def measure(self, i: int, name: str, layer: nn.Module, x: Any, *, context: Context,
+                flush: Callable[[], None], loss: Callable[[Any], torch.Tensor] | None) -> float | None:
+        t0 = time.perf_counter()
+        try:
+            return weight_grad_fraction(layer, x, first=i == 0, context=context, flush=flush, loss=loss)
+        except Exception as err:  # noqa: BLE001 - an optional field: the layer keeps the documented default
+            self.failed[name] = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:160] if str(err) else ''}"
+            return None
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+
 def _time_chain(layers: Sequence[nn.Module], names: Sequence[str], x: Any, repeats: int, warmup: int,
                 context: Context, flush: Callable[[], None], loss: Callable[[Any], torch.Tensor] | None = None,
-                after_layer: Callable[[int], None] | None = None,
-                ) -> tuple[list[tuple[float, float]], list[tuple[int, float, float]]]:
+                after_layer: Callable[[int], None] | None = None, split: _Split | None = None,
+                ) -> tuple[list[tuple[float, float]], Stats]:
     """Every layer in order at one micro-batch size: times, and (out bytes summed over the output's tensors,
-    activation bytes, backward peak bytes) per layer; ``loss`` goes with the last layer; ``after_layer(n)`` is
-    called once ``n`` layers are timed."""
+    activation bytes, backward peak bytes, weight-gradient fraction: None without ``split``) per layer; ``loss``
+    goes with the last layer; ``after_layer(n)`` is called once ``n`` layers are timed."""
     from uniap_lightning.runtime.chain import check_layer_output
 
-    times, stats = [], []
+    times: list[tuple[float, float]] = []
+    stats: Stats = []
     for i, (layer, name) in enumerate(zip(layers, names, strict=True)):
         check = partial(check_layer_output, i, name, layer, rows=rows(x))
         try:
@@ -222,8 +249,11 @@ def _time_chain(layers: Sequence[nn.Module], names: Sequence[str], x: Any, repea
                 f"layer {i} ({name}) rejected the sample batch ({type(err).__name__}: "
                 f"{str(err).splitlines()[0] if str(err) else ''})"
             ) from err
+        last_loss = loss if i == len(layers) - 1 else None
+        frac = split.measure(i, name, layer, x, context=context, flush=flush,
+                             loss=last_loss) if split is not None else None
         times.append((fwd_s, bwd_s))
-        stats.append((nbytes(y), act, peak))
+        stats.append((nbytes(y), act, peak, frac))
         x = y
         if after_layer is not None:
             after_layer(i + 1)
@@ -278,7 +308,8 @@ def profile_layers(
     flush = CacheFlush(flatten(sample_input)[0].device, flush_bytes)
     with_loss = _Loss(loss_fn, target, layers, head(sample_input, sizes[0]), context)
     readings: Readings = {}
-    stats: list[tuple[int, float, float]] = []  # at the largest size: out bytes, act bytes, backward peak
+    stats: Stats = []  # at the largest size
+    split = _Split()
     skipped: dict[int, str] = {}
     failure: Exception | None = None
     estimate: _DurationEstimate | None = None
@@ -294,7 +325,8 @@ def profile_layers(
             try:
                 readings[m], size_stats = _time_chain(layers, names, head(sample_input, m), repeats, warmup,
                                                       context, flush, with_loss.at(m),
-                                                      after_layer=estimate.after_layer if first else None)
+                                                      after_layer=estimate.after_layer if first else None,
+                                                      split=split if m == n_rows else None)
             except ProfilingUnavailable as err:
                 if m == n_rows or "meta device" in str(err):
                     failure = err
@@ -311,7 +343,7 @@ def profile_layers(
     if failure is not None:
         raise failure
     pool_identical_layers(layers, [s[:2] for s in stats], readings)
-    stats = _pooled_peaks(layers, stats)
+    stats = _pooled_stats(layers, stats)
     never_faster_when_larger(readings)
     out = _layer_profiles(layers, names, readings, stats, tp_degrees=tp_degrees, tp_allreduces=tp_allreduces)
     meta = {
@@ -320,21 +352,28 @@ def profile_layers(
         "loss": with_loss.why or "with the last layer",
         "skipped_micro_batches": {str(m): why for m, why in skipped.items()},
         "profile_seconds": time.perf_counter() - t_start,
+        "backward_split": {"micro_batch": n_rows, "seconds": split.seconds, "failed": split.failed},
     }
     return ModelProfile(model=model, layers=out, source="measured", device=device, meta=meta)
 
 
-def _pooled_peaks(layers: Sequence[nn.Module], stats: list[tuple[int, float, float]]) -> list[tuple[int, float, float]]:
-    """Identical layers get the largest backward peak of their group (the rule of :mod:`.aggregate`)."""
+def _pooled_stats(layers: Sequence[nn.Module], stats: Stats) -> Stats:
+    """Identical layers get the largest backward peak of their group and the median of its weight-gradient
+    fractions (the rule of :mod:`.aggregate`; a layer whose fraction failed takes the group's)."""
     peak: dict[Any, float] = {}
+    fracs: dict[Any, list[float]] = {}
     keys = [(structure_key(layer), *s[:2]) for layer, s in zip(layers, stats)]
     for key, s in zip(keys, stats):
         peak[key] = max(peak.get(key, 0.0), s[2])
-    return [(s[0], s[1], peak[key]) for key, s in zip(keys, stats)]
+        fracs.setdefault(key, [])
+        if s[3] is not None:
+            fracs[key].append(s[3])
+    return [(s[0], s[1], peak[key], statistics.median(fracs[key]) if fracs[key] else None)
+            for key, s in zip(keys, stats)]
 
 
 def _layer_profiles(layers: Sequence[nn.Module], names: Sequence[str], readings: Readings,
-                    stats: Sequence[tuple[int, float, float]], *, tp_degrees: Sequence[Sequence[int]] | None,
+                    stats: Stats, *, tp_degrees: Sequence[Sequence[int]] | None,
                     tp_allreduces: Sequence[int] | None) -> list[LayerProfile]:
     """Per-sample figures at the largest size (the sample's rows), with the timings at every size."""
     from uniap_lightning.profiling.structural import powersgd_dims  # structural imports this module
@@ -344,7 +383,7 @@ def _layer_profiles(layers: Sequence[nn.Module], names: Sequence[str], readings:
     out = []
     for i, (layer, name) in enumerate(zip(layers, names)):
         fwd_s, bwd_s = readings[rows][i]
-        out_bytes, act_bytes, peak_bytes = stats[i]
+        out_bytes, act_bytes, peak_bytes, wgrad = stats[i]
         out.append(LayerProfile(
             name=name, forward_s=fwd_s / rows, backward_s=bwd_s / rows,
             params=sum(p.numel() for p in layer.parameters()), activation_bytes=act_bytes / rows,
@@ -353,6 +392,7 @@ def _layer_profiles(layers: Sequence[nn.Module], names: Sequence[str], readings:
             timings=tuple(Timing(m, *readings[m][i]) for m in sizes) if len(sizes) > 1 else (),
             param_tensors=sum(1 for p in layer.parameters() if p.requires_grad),
             backward_peak_bytes=peak_bytes / rows,
+            weight_grad_fraction=wgrad,
             **powersgd_dims(layer),  # PowerSGD pricing (profiling.structural)
         ))
     return out
