@@ -8,9 +8,10 @@ parameters' operations) then ``stage_backward_weight`` (only the parameters' gra
 fresh forward (untimed) and the two halves, each timed from cold caches, after the layer's other timed runs.
 
 One run per layer (:data:`SPLIT_RUNS`): the fraction is a ratio of two halves of one backward, and identical
-layers pool their fractions (the median, :mod:`.aggregate`'s rule). On this project's 2-core CPU host, for a
-4-block GPT-2 (d=256, 8 x 128 tokens) one run added 14-28% to the profile's time and gave the blocks 0.335-0.341
-over three profiles; the median of three runs added 55-67% and gave 0.350-0.356.
+layers pool their fractions (the median, :mod:`.aggregate`'s rule). On this project's 2-core CPU host, shared with
+other jobs, for a 4-block GPT-2 (d=256, 8 x 128 tokens, one thread) one run added 11-30% to the profile's time
+(profiles with and without it alternated) and gave the blocks 0.25-0.34 over nine profiles; the median of three
+runs added 55-67% and gave 0.33-0.36 over six. On a GPU, whose timings vary far less, one run is enough.
 
 Why not two plain ``torch.autograd.grad`` calls (inputs, then parameters): the second walks the graph again from
 the output, so it repeats every input-gradient step between the output and the parameters' operations. A GPT-2
