@@ -173,16 +173,17 @@ def test_a_measured_profile_splits_each_backward_and_leaves_the_other_fields_alo
 
 def test_a_failing_split_leaves_the_field_out_not_the_profile(monkeypatch: pytest.MonkeyPatch) -> None:
     def broken(layer: nn.Module, *args: object, **kwargs: object) -> float:
-        if isinstance(layer, _Block):
-            raise RuntimeError("no split here\nsecond line")
+        if isinstance(layer, _Block):  # as torch's split reports it: a wrapper naming the tensors, and the cause
+            raise RuntimeError("\n  Failed to run stage backward input:\n  Stage output: ...") from ValueError(
+                "no split here\nsecond line")
         return 0.25
 
     monkeypatch.setattr(measure, "weight_grad_fraction", broken)
     prof = _profile(_chain())
     assert prof.source == "measured"
     assert [lp.weight_grad_fraction for lp in prof.layers] == [0.25, None, None, 0.25, 0.25, 0.25]
-    assert prof.meta["backward_split"]["failed"] == {"block0": "RuntimeError: no split here",
-                                                     "block1": "RuntimeError: no split here"}
+    assert prof.meta["backward_split"]["failed"] == {"block0": "ValueError: no split here",
+                                                     "block1": "ValueError: no split here"}
     assert prof.layers[1].backward_split() == DEFAULT_WEIGHT_GRAD_FRACTION
 
 

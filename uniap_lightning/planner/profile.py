@@ -37,8 +37,8 @@ layers to the stage's memory (only one layer runs its backward at a time).
 gradients of its parameters (W), the rest computing the gradient of its input (B): zero-bubble pipeline schedules
 run B when the gradient arrives and move W into the bubbles, so their cost model needs ``backward time x
 fraction`` per layer. The profiler times the two halves as ``torch.distributed.pipelining`` runs them
-(:mod:`uniap_lightning.profiling.measure`); a layer whose input never needs a gradient (the first) has 1, a layer
-without parameters 0. Absent (analytic, structural and older profiles), :meth:`LayerProfile.backward_split` uses
+(:mod:`uniap_lightning.profiling.backward_split`); a layer whose input never needs a gradient (the first) has 1,
+a layer without parameters 0. Absent (analytic, structural and older profiles), :meth:`LayerProfile.backward_split` uses
 0.5 for a layer with parameters (a linear layer's input and weight gradients cost the same flops) and 0 without.
 Readers of ``format_version`` 1 ignore fields they do not know, so a profile with it still loads in older versions
 (which then price zero-bubble schedules without it).

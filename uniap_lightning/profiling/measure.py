@@ -218,7 +218,9 @@ class _Split:
         try:
             return weight_grad_fraction(layer, x, first=i == 0, context=context, flush=flush, loss=loss)
         except Exception as err:  # noqa: BLE001 - an optional field: the layer keeps the documented default
-            self.failed[name] = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:160] if str(err) else ''}"
+            cause = err.__cause__ or err  # (torch's split wraps the error in one naming its tensors)
+            text = str(cause).strip()
+            self.failed[name] = f"{type(cause).__name__}: {text.splitlines()[0][:160] if text else ''}"
             return None
         finally:
             self.seconds += time.perf_counter() - t0
