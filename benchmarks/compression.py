@@ -25,6 +25,7 @@ momentum correction (``dgc_momentum`` 0.9; with ``--optimizer sgd`` only, the op
 
 from __future__ import annotations
 
+from uniap_lightning.planner.decision import Strategy
 import argparse
 import json
 import math
@@ -125,7 +126,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
             chain = extract_chain(module)
             plan = Plan.from_assignment(
                 stage_of_layer=[0] * len(chain.names), layer_names=chain.names, pp=1, microbatches=1,
-                strategies=[(world, 1, "replicate", False, method)] * len(chain.names), schedule="1f1b",
+                strategies=[Strategy(world, 1, "replicate", False, method)] * len(chain.names), schedule="1f1b",
                 global_batch_size=args.batch, num_devices=world, compression_options=options)
             strategy = UniAPStrategy(plan=plan, monitor=False)
             losses: list[float] = []

@@ -22,6 +22,7 @@ of predicted vs measured time, and where the planner's choice ranks among the me
 
 from __future__ import annotations
 
+from uniap_lightning.planner.decision import Strategy
 import argparse
 import dataclasses
 import json
@@ -201,7 +202,7 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: str) ->
                 trainer.fit(_module(), _data(args["warmup"] + args["steps"]))
                 m = mon.last or {}
                 row = {"plan": name, "pp": plan.pp, "c": plan.microbatches, "schedule": plan.schedule,
-                       "layers": [[lp.dp, lp.tp, lp.shard, lp.stage] for lp in plan.layers],
+                       "layers": [[lp.strategy.dp, lp.strategy.tp, lp.strategy.shard, lp.stage] for lp in plan.layers],
                        "pred_tpi_s": est.tpi_s, "pred_formula_tpi_s": est_formula.tpi_s, "meas_tpi_s": m.get("tpi_s"),
                        "pred_mem": [est.stage_memory_bytes[r // plan.devices_per_stage] for r in range(world)],
                        "meas_mem": m.get("rank_peak_memory_bytes"), "wall_s": time.perf_counter() - t0,

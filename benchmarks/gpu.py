@@ -144,7 +144,7 @@ def _fit(kind: str, args: argparse.Namespace, cache: str) -> dict[str, Any]:
         est = strategy.plan.estimate
         out["plan_origin"] = strategy.plan_origin
         plan = strategy.plan
-        recompute = sum(layer.recompute for layer in plan.layers)
+        recompute = sum(layer.strategy.recompute for layer in plan.layers)
         out["plan"] = (f"pp={plan.pp}, {plan.microbatches} micro-batch(es), {plan.schedule}, "
                        f"recompute {recompute}/{len(plan.layers)} layers")
         if est is not None:

@@ -65,6 +65,7 @@ def _rank_run(rank: int, world: int, port: int, args: Any, out_dir: str) -> None
     from torch.utils.data import DataLoader, TensorDataset
 
     from uniap_lightning.adapters import CausalLMModule
+    from uniap_lightning.planner.decision import Strategy
     from uniap_lightning.planner.plan import Plan
     from uniap_lightning.runtime.zero import held_bytes
     from uniap_lightning.strategy import UniAPStrategy
@@ -74,7 +75,7 @@ def _rank_run(rank: int, world: int, port: int, args: Any, out_dir: str) -> None
         module = CausalLMModule(gpt_layers(args))
         n = args.layers + 2  # embedding, blocks, head
         names = [f"chain.{i}" for i in range(n)]  # CausalLMModule keeps them in an nn.Sequential `chain`
-        plan = Plan.from_assignment(stage_of_layer=[0] * n, strategies=[(world, 1, mode, False, "none")] * n,
+        plan = Plan.from_assignment(stage_of_layer=[0] * n, strategies=[Strategy(world, 1, mode, False, "none")] * n,
                                     layer_names=names, pp=1, microbatches=2, schedule="1f1b",
                                     global_batch_size=args.batch, num_devices=world)
         strategy = UniAPStrategy(plan=plan, monitor=False)

@@ -80,8 +80,8 @@ def quality_json(path: str, time_limit: float, models: list[str] | None = None,
                 rec = {"samples_per_s": plan.estimate.samples_per_s, "status": plan.solver.status,
                        "gap": plan.solver.gap, "tpi_ms": plan.estimate.tpi_s * 1e3,
                        "plan": f"pp{plan.pp} c{plan.microbatches}", "peak_gib": max(plan.estimate.stage_memory_bytes) / 2**30,
-                       "recomputed": sum(lp.recompute for lp in plan.layers),
-                       "modes": sorted({lp.dp_mode for lp in plan.layers if lp.dp > 1})}
+                       "recomputed": sum(lp.strategy.recompute for lp in plan.layers),
+                       "modes": sorted({lp.strategy.dp_mode for lp in plan.layers if lp.strategy.dp > 1})}
             except InfeasibleError as err:
                 m = re.search(r"needs is ([0-9.]+) GiB", str(err))
                 rec = {"infeasible": True, "least_gib": float(m.group(1)) if m else None}
@@ -206,10 +206,9 @@ def main() -> None:
                     "OOM" if plan.baselines.get(k) is None else f"{plan.baselines[k] / plan.estimate.tpi_s:.2f}x"
                     for k in BASELINES
                 ]
-                from uniap_lightning.planner.cost.evaluate import strategy_of
 
                 desc = f"pp{plan.pp} c{plan.microbatches} " + "/".join(
-                    sorted({strategy_of(lp).label() for lp in plan.layers}))
+                    sorted({lp.strategy.label() for lp in plan.layers}))
                 table.add_row(model, cluster, str(b), desc, f"{plan.estimate.samples_per_s:,.1f}", *ratios,
                               f"{plan.solver.solve_s:.2f}", plan.solver.status)
         console.print(table)

@@ -45,6 +45,7 @@ rises with the wall time (compare variants only within one run, side by side).
 
 from __future__ import annotations
 
+from uniap_lightning.planner.decision import Strategy
 import argparse
 import gc
 import json
@@ -114,7 +115,7 @@ def layout_plan(pp: int, c: int, stage_of_layer: list[int], dp: int, names: list
     from uniap_lightning.planner.plan import Plan
 
     return Plan.from_assignment(
-        stage_of_layer=stage_of_layer, strategies=[(dp, 1, False)] * len(names), layer_names=names, pp=pp,
+        stage_of_layer=stage_of_layer, strategies=[Strategy(dp, 1)] * len(names), layer_names=names, pp=pp,
         microbatches=c, schedule="1f1b", global_batch_size=BATCH, num_devices=WORLD,
     )
 
@@ -126,7 +127,7 @@ def label(plan: Any) -> str:
         kinds = []
         for u in plan.layers_of_stage(i):
             lp = plan.layers[u]
-            k = f"{'f' if lp.shard else 'd'}{lp.dp}t{lp.tp}"
+            k = f"{'f' if lp.strategy.shard else 'd'}{lp.strategy.dp}t{lp.strategy.tp}"
             if k not in kinds:
                 kinds.append(k)
         parts.append("/".join(kinds))
@@ -378,7 +379,7 @@ def part0(args: Any, say: Any) -> dict[str, Any]:
 
     def uniap() -> float:
         names = [f"chain.{i}" for i in range(TINY["n_layer"] + 2)]
-        plan = Plan.from_assignment(stage_of_layer=[0] * len(names), strategies=[(1, 1, False)] * len(names),
+        plan = Plan.from_assignment(stage_of_layer=[0] * len(names), strategies=[Strategy(1, 1)] * len(names),
                                     layer_names=names, pp=1, microbatches=1, schedule="1f1b",
                                     global_batch_size=TINY_BATCH, num_devices=1)
         return lightning(UniAPStrategy(plan=plan, **STRATEGY_KW))
@@ -430,7 +431,7 @@ def part2(args: Any, say: Any, cache_dir: str) -> dict[str, Any]:
     def uniap() -> float:
         strategy = UniAPStrategy(plan=dp_plan, **STRATEGY_KW)
         s, plan = run_uniap(None, args.warmup, args.steps, strategy=strategy)
-        pure = plan.pp == 1 and all(lp.dp == WORLD and lp.tp == 1 and not lp.shard for lp in plan.layers)
+        pure = plan.pp == 1 and all(lp.strategy.dp == WORLD and lp.strategy.tp == 1 and not lp.strategy.shard for lp in plan.layers)
         seen.append(f"{label(plan)} [{strategy.plan_origin.split()[0]}{', pure data parallel' if pure else ''}]")
         return s
 

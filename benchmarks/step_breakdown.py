@@ -14,6 +14,7 @@ process (what profiling and the optimizer term assume). The table puts each next
 
 from __future__ import annotations
 
+from uniap_lightning.planner.decision import Strategy
 import argparse
 import os
 import socket
@@ -122,7 +123,7 @@ def _pinned(args: argparse.Namespace, world: int, module: Any, cfg: Any) -> Any:
     per = -(-len(names) // args.pp)
     n = world // args.pp
     return Plan.from_assignment(
-        stage_of_layer=[min(u // per, args.pp - 1) for u in range(len(names))], strategies=[(n, 1, False)] * len(names),
+        stage_of_layer=[min(u // per, args.pp - 1) for u in range(len(names))], strategies=[Strategy(n, 1)] * len(names),
         layer_names=names, pp=args.pp, microbatches=args.microbatches, schedule="1f1b",
         global_batch_size=int(cfg.data.batch_size), num_devices=world)
 

@@ -278,7 +278,7 @@ class UniAPMonitor(pl.Callback):
         for r, m in enumerate(rank_peak):
             metrics[f"uniap/peak_memory_bytes/rank{r}"] = m
         if plan is not None:
-            report["stage_peak_memory_bytes"] = plan.per_stage(rank_peak)
+            report["stage_peak_memory_bytes"] = plan.per_group(rank_peak)
             est = plan.estimate
             if est is not None and est.tpi_s > 0:
                 ratio = compared / est.tpi_s

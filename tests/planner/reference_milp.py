@@ -133,7 +133,7 @@ class StageMilp:
         self.o = [m.add_var(f"o[{j}]") for j in range(self.P - 1)]
         for u in range(self.L - 1):
             K, Kn = range(len(t.strategies[u])), range(len(t.strategies[u + 1]))
-            d, dn = [s.d for s in t.strategies[u]], [s.d for s in t.strategies[u + 1]]
+            d, dn = [s.dp for s in t.strategies[u]], [s.dp for s in t.strategies[u + 1]]
             R = {(k, l): t.reshard_s(u, d[k], dn[l]) * MS for k in K for l in Kn}
             boundaries = [j for j in range(self.P - 1) if j in self.stages_of(u) and j + 1 in self.stages_of(u + 1)]
             X = {(k, l, j): t.boundary_s(u, d[k], dn[l], j) * MS for k in K for l in Kn for j in boundaries}
@@ -229,7 +229,7 @@ class StageMilp:
             boundary = mip.xsum(self.b(u, j) for j in range(self.P - 1)) if self.P > 1 else 0
             for k, s in enumerate(t.strategies[u]):
                 for l in range(k):
-                    if t.strategies[u + 1][l].d == s.d:
+                    if t.strategies[u + 1][l].dp == s.dp:
                         self.m += self.x[u, k] + self.x[u + 1, l] <= 1 + boundary, f"sym[{u},{k},{l}]"
 
     # ----------------------------------------------------------------- solve

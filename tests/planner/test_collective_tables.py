@@ -72,11 +72,11 @@ def test_fsdp_layer_pays_the_reduce_scatter_table():
     layer = LayerProfile(name="l", forward_s=1e-3, backward_s=2e-3, params=1_000_000, activation_bytes=1e6,
                          output_bytes=1e5, tp_degrees=(1,), tp_allreduces=0)
     tr = TrainingConfig(global_batch_size=8, weight_bytes=2, grad_bytes=2, optimizer_bytes=12)
-    c = layer_cost(layer, Strategy(2, 1, True), 8, 2, CL, tr)
+    c = layer_cost(layer, Strategy(2, 1, "zero3"), 8, 2, CL, tr)
     ag = 100e-6 + 0.5 * 2e6 / 4e9
     rs = 1000e-6 + 0.5 * 2e6 / 0.5e9
     assert c.comm_s == pytest.approx(2 * ag + rs)
-    plain = layer_cost(layer, Strategy(2, 1, True), 8, 2, Cluster(**BASE), tr)
+    plain = layer_cost(layer, Strategy(2, 1, "zero3"), 8, 2, Cluster(**BASE), tr)
     assert c.comm_s > plain.comm_s
 
 

@@ -8,7 +8,8 @@ import pytest
 
 from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.planner.cost import all_gather_s, all_reduce_s, evaluate, layer_cost, p2p_s, reduce_scatter_s
-from uniap_lightning.planner.cost.layer import Strategy, boundary_inter_node, in_flight, reshard_s, strategies_for
+from uniap_lightning.planner.cost.layer import Strategy, boundary_inter_node, reshard_s, strategies_for
+from uniap_lightning.planner.cost.tables import pipeline_shape
 from uniap_lightning.planner.plan import Plan
 from uniap_lightning.planner.problem import Problem, TrainingConfig
 from uniap_lightning.planner.profile import LayerProfile, ModelProfile
@@ -39,7 +40,7 @@ def test_measured_bandwidth_table_replaces_flat_figure():
 
 
 def test_replicated_tensor_parallel_layer():
-    c = layer_cost(LAYER, Strategy(2, 2, False), 8, 4, CL, TR)
+    c = layer_cost(LAYER, Strategy(2, 2), 8, 4, CL, TR)
     assert c.compute_s == pytest.approx(3e-3 * 4 / 2)  # b/d = 4 samples, split over t = 2
     tp = 2 * 2 * (2 * 1 * 5e-6 + 2 * 1 / 2 * 4e5 / 1e10)  # 2 all-reduces x (fwd + bwd) of 4 samples x 1e5 B
     assert c.comm_s == pytest.approx(tp)
@@ -51,7 +52,7 @@ def test_replicated_tensor_parallel_layer():
 
 
 def test_sharded_layer():
-    c = layer_cost(LAYER, Strategy(2, 2, True), 8, 4, CL, TR)
+    c = layer_cost(LAYER, Strategy(2, 2, "zero3"), 8, 4, CL, TR)
     fsdp = 2 * (5e-6 + 0.5 * 1e6 / 1e10) + (5e-6 + 0.5 * 1e6 / 1e10)  # AG fwd + AG bwd + RS, 1e6 B over 2
     tp = 2 * 2 * (2 * 1 * 5e-6 + 2 * 1 / 2 * 4e5 / 1e10)
     assert c.comm_s == pytest.approx(fsdp + tp)
@@ -64,40 +65,40 @@ def test_replicated_layers_count_their_gradient_buckets():
     """The runtime's all-reduce buckets (runtime.data_parallel.ReplicatedGrads) persist and hold one more copy of a
     replicated layer's local gradients: 1e6 params / t x 2 B; sharded and single-copy layers have none."""
     assert TR.bytes_per_param == 16
-    assert layer_cost(LAYER, Strategy(4, 1, False), 8, 4, CL, TR).static_bytes == pytest.approx(1e6 * (16 + 2))
-    assert layer_cost(LAYER, Strategy(2, 2, False), 8, 4, CL, TR).static_bytes == pytest.approx(5e5 * (16 + 2))
-    assert layer_cost(LAYER, Strategy(4, 1, True), 8, 4, CL, TR).static_bytes == pytest.approx(1e6 * 16 / 4)
-    assert layer_cost(LAYER, Strategy(1, 4, False), 8, 4, CL, TR).static_bytes == pytest.approx(1e6 / 4 * 16)
+    assert layer_cost(LAYER, Strategy(4, 1), 8, 4, CL, TR).static_bytes == pytest.approx(1e6 * (16 + 2))
+    assert layer_cost(LAYER, Strategy(2, 2), 8, 4, CL, TR).static_bytes == pytest.approx(5e5 * (16 + 2))
+    assert layer_cost(LAYER, Strategy(4, 1, "zero3"), 8, 4, CL, TR).static_bytes == pytest.approx(1e6 * 16 / 4)
+    assert layer_cost(LAYER, Strategy(1, 4), 8, 4, CL, TR).static_bytes == pytest.approx(1e6 / 4 * 16)
 
 
 def test_data_parallel_group_across_nodes_uses_inter_node_link():
-    c = layer_cost(LAYER, Strategy(8, 1, False), 8, 8, CL, TR)
+    c = layer_cost(LAYER, Strategy(8, 1), 8, 8, CL, TR)
     assert c.sync_s == pytest.approx(2 * 7 * 50e-6 + 2 * 7 / 8 * 2e6 / 1e9)
 
 
 def test_activation_fraction_not_split_by_tensor_parallelism():
     layer = LayerProfile(**{**LAYER.__dict__, "activation_tp_fraction": 0.25})
-    c = layer_cost(layer, Strategy(1, 4, False), 8, 4, CL, TR)
+    c = layer_cost(layer, Strategy(1, 4), 8, 4, CL, TR)
     assert c.activation_bytes == pytest.approx(1e6 * 8 * (0.75 + 0.25 / 4))
 
 
 def test_strategies_respect_tp_degrees_node_and_micro_batch():
     got = strategies_for(LAYER, 4, CL, 8)
-    assert sorted({(s.d, s.t) for s in got}) == [(1, 4), (2, 2), (4, 1)]
+    assert sorted({(s.dp, s.tp) for s in got}) == [(1, 4), (2, 2), (4, 1)]
     assert len(got) == 2 * 4 + 2 * 4 + 2  # (mode x recompute) for d > 1, recompute only for d = 1
-    assert Strategy(4, 1, False) not in strategies_for(LAYER, 4, CL, 2)  # 2 samples cannot split 4 ways
+    assert Strategy(4, 1) not in strategies_for(LAYER, 4, CL, 2)  # 2 samples cannot split 4 ways
 
 
 def test_resharding_and_boundaries():
     assert reshard_s(CL, 1e5, 8, 4, 2) == pytest.approx(5e-6 + 0.5 * 4e5 / 1e10)
     assert reshard_s(CL, 1e5, 8, 2, 4) == reshard_s(CL, 1e5, 8, 4, 2)
     assert reshard_s(CL, 1e5, 8, 2, 2) == 0
-    assert not boundary_inter_node(CL, 2, 0)  # ranks 0-1 -> 2-3, one node
-    assert boundary_inter_node(CL, 2, 1)  # ranks 2-3 -> 4-5 cross
-    assert boundary_inter_node(CL, 4, 0)
-    assert in_flight("1f1b", 8, 4, 1) == 3
-    assert in_flight("gpipe", 8, 4, 1) == 8
-    assert in_flight("1f1b", 2, 4, 3) == 2  # fewer micro-batches than stages: torch runs it as GPipe
+    assert not boundary_inter_node(CL, 2, 0, 1)  # ranks 0-1 -> 2-3, one node
+    assert boundary_inter_node(CL, 2, 1, 2)  # ranks 2-3 -> 4-5 cross
+    assert boundary_inter_node(CL, 4, 0, 1)
+    assert pipeline_shape("1f1b", 4, 1, 8)[1][1] == 3
+    assert pipeline_shape("gpipe", 4, 1, 8)[1][1] == 8
+    assert pipeline_shape("1f1b", 4, 1, 2)[1][3] == 2  # fewer micro-batches than stages: torch runs it as GPipe
 
 
 def test_evaluate_two_stage_pipeline_by_hand():
@@ -109,7 +110,7 @@ def test_evaluate_two_stage_pipeline_by_hand():
     ]
     tr = TrainingConfig(global_batch_size=8, schedule="1f1b", weight_bytes=4, grad_bytes=4, optimizer_bytes=8)
     problem = Problem(ModelProfile("m", layers), cl, tr)
-    plan = Plan.from_assignment(stage_of_layer=[0, 1], strategies=[(1, 1, False)] * 2, layer_names=["a", "b"],
+    plan = Plan.from_assignment(stage_of_layer=[0, 1], strategies=[Strategy(1, 1)] * 2, layer_names=["a", "b"],
                                 pp=2, microbatches=2, schedule="1f1b", global_batch_size=8, num_devices=2)
     est = evaluate(problem, plan)
     p0, p1 = 3e-3 * 4, 6e-3 * 4
@@ -126,7 +127,7 @@ def test_evaluate_two_stage_pipeline_by_hand():
     assert slow.stage_time_s == pytest.approx([p0 + h, p1 + h])
     assert slow.tpi_s == pytest.approx(est.tpi_s + (2 + 2 - 1) * h)
     # without pipeline stages there is no schedule to pay for
-    flat = Plan.from_assignment(stage_of_layer=[0, 0], strategies=[(2, 1, False)] * 2, layer_names=["a", "b"],
+    flat = Plan.from_assignment(stage_of_layer=[0, 0], strategies=[Strategy(2, 1)] * 2, layer_names=["a", "b"],
                                 pp=1, microbatches=2, schedule="1f1b", global_batch_size=8, num_devices=2)
     assert evaluate(Problem(ModelProfile("m", layers), replace(cl, pipeline_overhead_us=500), tr), flat).tpi_s == \
         pytest.approx(evaluate(problem, flat).tpi_s)
@@ -136,7 +137,7 @@ def test_evaluate_two_stage_pipeline_by_hand():
     k = 2e-9  # s per parameter
     with_opt = Problem(ModelProfile("m", layers), replace(cl, optimizer_ns_per_param=k * 1e9), tr)
     assert evaluate(with_opt, plan).tpi_s == pytest.approx(est.tpi_s + k * 2000)  # slower stage: 2000 parameters
-    sharded = Plan.from_assignment(stage_of_layer=[0, 0], strategies=[(2, 1, True)] * 2, layer_names=["a", "b"],
+    sharded = Plan.from_assignment(stage_of_layer=[0, 0], strategies=[Strategy(2, 1, "zero3")] * 2, layer_names=["a", "b"],
                                    pp=1, microbatches=2, schedule="1f1b", global_batch_size=8, num_devices=2)
     assert evaluate(with_opt, sharded).tpi_s == pytest.approx(evaluate(problem, sharded).tpi_s + k * 3000 / 2)
 
@@ -165,7 +166,7 @@ def test_zero_modes_memory_and_collectives_by_hand():
     z3 = layer_cost(LAYER, Strategy(4, 1, "zero3"), P4, cluster=CL, training=TR)
     assert z3.static_bytes == pytest.approx(1e6 * 16 / 4) and z3.sync_s == 0
     assert z3.comm_s == pytest.approx(2 * ag + rs) and z3.transient_bytes == pytest.approx(2e6)
-    assert Strategy(4, 1, True) == Strategy(4, 1, "zero3") and Strategy(4, 1, True).shard
+    assert Strategy(4, 1, "zero3") == Strategy(4, 1, "zero3") and Strategy(4, 1, "zero3").shard
 
 
 def test_optimizer_step_runs_on_the_shard_a_mode_holds():
@@ -197,8 +198,8 @@ def test_the_backward_peak_is_transient_and_split_like_activations():
     for s in (Strategy(4, 1), Strategy(4, 1, "replicate", True), Strategy(2, 2), Strategy(4, 1, "zero3")):
         c = layer_cost(peaky, s, P4, cluster=CL, training=TR, input_bytes=3e5)
         plain = layer_cost(replace(peaky, backward_peak_bytes=0.0), s, P4, cluster=CL, training=TR, input_bytes=3e5)
-        samples = P4.micro_batch / s.d
-        assert c.transient_bytes - plain.transient_bytes == pytest.approx(4e5 * samples * (0.25 + 0.75 / s.t)), s
+        samples = P4.micro_batch / s.dp
+        assert c.transient_bytes - plain.transient_bytes == pytest.approx(4e5 * samples * (0.25 + 0.75 / s.tp)), s
         assert (c.activation_bytes, c.static_bytes, c.time_s) == (plain.activation_bytes, plain.static_bytes,
                                                                   plain.time_s)
 
@@ -232,7 +233,7 @@ def test_stage_memory_holds_the_largest_transient_once():
     layers = [replace(LAYER, name="a"), replace(LAYER, name="b")]
     problem = Problem(ModelProfile("m", layers), replace(CL, nodes=1), TrainingConfig(global_batch_size=8, weight_bytes=2,
                       grad_bytes=2, optimizer_bytes=12, schedule="gpipe"))
-    plan = problem.plan_for(stage_of_layer=[0, 0], strategies=[(4, 1, "replicate", True, "none"), (4, 1, "zero3", False, "none")],
+    plan = problem.plan_for(stage_of_layer=[0, 0], strategies=[Strategy(4, 1, "replicate", True, "none"), Strategy(4, 1, "zero3", False, "none")],
                             pp=1, microbatches=2)
     est = evaluate(problem, plan)
     b = Pricing(4, 4, accumulate=True)
@@ -247,8 +248,8 @@ def test_stage_memory_holds_the_largest_transient_once():
 
 def test_strategies_per_layer_cover_every_mode_and_the_allowed_compression():
     ks = strategies_for(LAYER, 4, CL, 8, compression=("none", "topk"))
-    assert {k.dp_mode for k in ks if k.d > 1} == {"replicate", "zero1", "zero2", "zero3"}
-    assert {k.compression for k in ks if k.dp_mode in ("replicate", "zero1") and k.d > 1} == {"none", "topk"}
-    assert all(k.compression == "none" for k in ks if k.dp_mode in ("zero2", "zero3") or k.d == 1)
+    assert {k.dp_mode for k in ks if k.dp > 1} == {"replicate", "zero1", "zero2", "zero3"}
+    assert {k.compression for k in ks if k.dp_mode in ("replicate", "zero1") and k.dp > 1} == {"none", "topk"}
+    assert all(k.compression == "none" for k in ks if k.dp_mode in ("zero2", "zero3") or k.dp == 1)
     assert {k.recompute for k in ks} == {False, True}
-    assert all(k.dp_mode == "replicate" for k in ks if k.d == 1)
+    assert all(k.dp_mode == "replicate" for k in ks if k.dp == 1)

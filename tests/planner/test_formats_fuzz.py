@@ -169,8 +169,8 @@ def test_plan_v2_round_trips_every_new_field() -> None:
     plan = Plan.from_dict(copy.deepcopy(PLAN_V2))
     again = Plan.from_json(plan.to_json())
     assert again == plan
-    assert {lp.dp_mode for lp in plan.layers if lp.dp > 1} == {"replicate", "zero1", "zero2", "zero3"}
-    assert any(lp.recompute for lp in plan.layers) and any(lp.compression == "topk" for lp in plan.layers)
+    assert {lp.strategy.dp_mode for lp in plan.layers if lp.strategy.dp > 1} == {"replicate", "zero1", "zero2", "zero3"}
+    assert any(lp.strategy.recompute for lp in plan.layers) and any(lp.strategy.compression == "topk" for lp in plan.layers)
     assert again.compression_options == {"powersgd_rank": 2, "topk_ratio": 0.05}
 
 
@@ -183,10 +183,10 @@ def test_plan_v1_files_load_as_replicate_or_zero3() -> None:
             layer.pop(key, None)
         layer["shard"] = u % 2 == 0
     plan = Plan.from_dict(doc)
-    assert plan.format_version == 2
+    assert plan.format_version == 3  # read and upgraded
     for u, lp in enumerate(plan.layers):
-        assert lp.dp_mode == ("zero3" if u % 2 == 0 and lp.dp > 1 else "replicate")
-        assert not lp.recompute and lp.compression == "none"
+        assert lp.strategy.dp_mode == ("zero3" if u % 2 == 0 and lp.strategy.dp > 1 else "replicate")
+        assert not lp.strategy.recompute and lp.strategy.compression == "none"
 
 
 @st.composite

@@ -250,7 +250,7 @@ def test_a_v1_shard_must_be_a_json_boolean(plan_doc: dict[str, Any], tmp_path: P
                                          r"true or false \(a JSON boolean\)"):
         Plan.from_json(path)
     doc["layers"][0]["shard"] = False
-    assert Plan.from_dict(doc).layers[0].dp_mode == "replicate"
+    assert Plan.from_dict(doc).layers[0].strategy.dp_mode == "replicate"
 
 
 @pytest.mark.parametrize(("edit", "match"), [
@@ -291,7 +291,7 @@ def test_integral_floats_and_every_current_field_still_load(plan_doc: dict[str, 
     doc["layers"][0]["dp"] = float(doc["layers"][0]["dp"])
     doc["pp"] = float(doc["pp"])
     plan = Plan.from_dict(doc)
-    assert isinstance(plan.layers[0].dp, int) and isinstance(plan.pp, int)
+    assert isinstance(plan.layers[0].strategy.dp, int) and isinstance(plan.pp, int)
     assert Plan.from_json(Plan.from_dict(plan_doc).to_json()).to_dict() == Plan.from_dict(plan_doc).to_dict()
 
 

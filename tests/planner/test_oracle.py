@@ -72,7 +72,7 @@ def test_milp_matches_brute_force(case, solver):
     assert plan.estimate.tpi_s == pytest.approx(oracle.estimate.tpi_s, rel=1e-6)
     assert plan.estimate.feasible
     allowed = set(problem.compression)
-    assert all(lp.compression in allowed for lp in plan.layers)
+    assert all(lp.strategy.compression in allowed for lp in plan.layers)
 
 
 def test_oracle_optima_use_every_dimension():
@@ -86,11 +86,11 @@ def test_oracle_optima_use_every_dimension():
             infeasible += 1
             continue
         for lp in best.layers:
-            if lp.dp > 1:
-                seen.add(lp.dp_mode)
-            if lp.recompute:
+            if lp.strategy.dp > 1:
+                seen.add(lp.strategy.dp_mode)
+            if lp.strategy.recompute:
                 seen.add("recompute")
-            if lp.compression != "none":
+            if lp.strategy.compression != "none":
                 seen.add("compressed")
     assert {"replicate", "zero1", "zero2", "zero3", "recompute", "compressed"} <= seen, seen
     assert infeasible > 0
@@ -118,7 +118,7 @@ def test_memory_forces_recomputation_or_sharding(case):
     except InfeasibleError:
         plain = None
     assert plain is None or plain.estimate.tpi_s > plan.estimate.tpi_s * (1 + 1e-9)
-    assert any(lp.recompute or (lp.dp > 1 and lp.dp_mode != "replicate") for lp in plan.layers)
+    assert any(lp.strategy.recompute or (lp.strategy.dp > 1 and lp.strategy.dp_mode != "replicate") for lp in plan.layers)
 
 
 PATTERNS = ["ABBBC", "AAAA", "ABBB", "AABBB", "ABABB", "ABBBBC"]

@@ -39,6 +39,6 @@ def test_picture_of_a_plan_that_recomputes_and_compresses(tmp_path):
 
     problem = forced_problem(0, memory_gib=1.0, activation_scale=5, param_scale=0.05)
     plan = solve(problem, time_limit_s=60, compression="bf16")
-    assert any(lp.recompute for lp in plan.layers)
+    assert any(lp.strategy.recompute for lp in plan.layers)
     path = draw_plan(plan, problem, tmp_path / "plan.png")
     assert path.read_bytes()[:4] == b"\x89PNG"

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from uniap_lightning.planner.decision import Strategy
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.profile import load_profile
 from uniap_lightning.profiling.cache import profile_key
@@ -181,7 +182,7 @@ def test_bf16_mixed_profiles_under_autocast_and_keys_its_own_cache_entry(tmp_pat
 def _plan(batch: int) -> Any:
     from uniap_lightning.planner.plan import Plan
 
-    return Plan.from_assignment(stage_of_layer=[0, 0, 0, 0], strategies=[(1, 1, False)] * 4,
+    return Plan.from_assignment(stage_of_layer=[0, 0, 0, 0], strategies=[Strategy(1, 1)] * 4,
                                 layer_names=["net.0", "net.1", "net.2", "net.3"], pp=1, microbatches=1,
                                 schedule="1f1b", global_batch_size=batch, num_devices=1)
 

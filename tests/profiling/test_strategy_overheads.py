@@ -41,34 +41,34 @@ def test_overhead_is_interpolated_in_the_micro_batch_and_flat_outside():
 
 def test_measured_tp_overhead_replaces_the_allreduce_formula():
     # d=1, t=2 on a 2-device stage: 8 samples per device, compute split in two, then the measured 16 ms
-    c = layer_cost(MEASURED, Strategy(1, 2, False), 8, 2, CL, TR)
+    c = layer_cost(MEASURED, Strategy(1, 2), 8, 2, CL, TR)
     assert c.compute_s == pytest.approx(3e-3 * 8 / 2)
     assert c.comm_s == pytest.approx(0.016)
-    formula = layer_cost(PLAIN, Strategy(1, 2, False), 8, 2, CL, TR)
+    formula = layer_cost(PLAIN, Strategy(1, 2), 8, 2, CL, TR)
     assert formula.comm_s == pytest.approx(2 * 2 * all_reduce_s(CL, 1e5 * 8, 2, False))
     # not measured at tp=4: the formula still applies
-    c4 = layer_cost(MEASURED, Strategy(1, 4, False), 8, 4, CL, TR)
+    c4 = layer_cost(MEASURED, Strategy(1, 4), 8, 4, CL, TR)
     assert c4.comm_s == pytest.approx(2 * 2 * all_reduce_s(CL, 1e5 * 8, 4, False))
 
 
 def test_measured_fsdp_overhead_only_inside_a_node_and_without_tp():
-    c = layer_cost(MEASURED, Strategy(2, 1, True), 8, 2, CL, TR)
+    c = layer_cost(MEASURED, Strategy(2, 1, "zero3"), 8, 2, CL, TR)
     assert c.comm_s == pytest.approx(0.004)
     assert c.sync_s == 0
     # FSDP x TP: formula for the sharding part, measured TP at 4 samples (12 ms)
-    ct = layer_cost(MEASURED, Strategy(2, 2, True), 8, 4, CL, TR)
+    ct = layer_cost(MEASURED, Strategy(2, 2, "zero3"), 8, 4, CL, TR)
     fsdp = 2 * all_gather_s(CL, 5e5 * 2, 2, False) + reduce_scatter_s(CL, 5e5 * 2, 2, False)
     assert ct.comm_s == pytest.approx(fsdp + 0.012)
     # a data-parallel group across nodes (stage of 8 devices on 4-device nodes): the formulas, inter-node link
     m8 = replace(MEASURED, overheads=(Overhead("fsdp", 8, 1, 0.5),))
-    c8 = layer_cost(m8, Strategy(8, 1, True), 8, 8, CL, TR)
+    c8 = layer_cost(m8, Strategy(8, 1, "zero3"), 8, 8, CL, TR)
     assert c8.comm_s == pytest.approx(2 * all_gather_s(CL, 1e6 * 2, 8, True) + reduce_scatter_s(CL, 1e6 * 2, 8, True))
 
 
 def test_measured_replication_replaces_the_allreduce_formula_once_per_step():
     rep = replace(PLAIN, param_tensors=2, overheads=(Overhead("dp", 2, 4, 0.007),))
-    base = layer_cost(PLAIN, Strategy(2, 1, False), 8, 2, CL, TR)
-    c = layer_cost(rep, Strategy(2, 1, False), 8, 2, CL, TR)
+    base = layer_cost(PLAIN, Strategy(2, 1), 8, 2, CL, TR)
+    c = layer_cost(rep, Strategy(2, 1), 8, 2, CL, TR)
     formula = all_reduce_s(CL, 1e6 * 2, 2, False)
     optimizer = CL.optimizer_s_per_param * 1e6
     assert base.sync_s == pytest.approx(formula + optimizer)
@@ -76,12 +76,12 @@ def test_measured_replication_replaces_the_allreduce_formula_once_per_step():
     assert c.time_s == base.time_s  # per micro-batch time unchanged: the average runs once per step
     # measured below zero (a GPU overlapping it entirely) never makes the sync pay back time
     neg = replace(PLAIN, overheads=(Overhead("dp", 2, 4, -0.003),))
-    assert layer_cost(neg, Strategy(2, 1, False), 8, 2, CL, TR).sync_s == pytest.approx(optimizer)
+    assert layer_cost(neg, Strategy(2, 1), 8, 2, CL, TR).sync_s == pytest.approx(optimizer)
     # with TP, or a group across nodes: the formula
-    c22 = layer_cost(replace(rep, overheads=(Overhead("dp", 2, 2, 0.007),)), Strategy(2, 2, False), 8, 4, CL, TR)
+    c22 = layer_cost(replace(rep, overheads=(Overhead("dp", 2, 2, 0.007),)), Strategy(2, 2), 8, 4, CL, TR)
     assert c22.sync_s == pytest.approx(all_reduce_s(CL, 5e5 * 2, 2, False) + optimizer / 2
                                        + CL.optimizer_s_per_tensor * 2)
-    c8 = layer_cost(replace(rep, overheads=(Overhead("dp", 8, 1, 0.5),)), Strategy(8, 1, False), 8, 8, CL, TR)
+    c8 = layer_cost(replace(rep, overheads=(Overhead("dp", 8, 1, 0.5),)), Strategy(8, 1), 8, 8, CL, TR)
     assert c8.sync_s == pytest.approx(all_reduce_s(CL, 1e6 * 2, 8, True) + optimizer + CL.optimizer_s_per_tensor * 2)
 
 

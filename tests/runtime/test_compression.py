@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 import torch
 
+from uniap_lightning.planner.decision import Strategy
+
 SHAPES = [(6, 5), (4, 3, 2), (5,)]  # a matrix, a 3-D piece (viewed 4 x 6), a vector
 WORLD = 2
 CASES = {
@@ -365,7 +367,7 @@ def _plan(methods: list[str], *, modes: list[str] | None = None, dp: int = 2, wo
 
     modes = modes or ["replicate"] * len(methods)
     return Plan.from_assignment(
-        stage_of_layer=[0] * 4, strategies=[(dp, world // dp, mode, False, m) for m, mode in zip(methods, modes)],
+        stage_of_layer=[0] * 4, strategies=[Strategy(dp, world // dp, mode, False, m) for m, mode in zip(methods, modes)],
         layer_names=NAMES, pp=1, microbatches=2, schedule="1f1b", global_batch_size=16, num_devices=world,
         compression_options={"powersgd_rank": rank_r, "topk_ratio": ratio},
     )

@@ -6,6 +6,7 @@ saved state does not (so the comparison can tell); resuming under another compre
 
 from __future__ import annotations
 
+from uniap_lightning.planner.decision import Strategy
 import shutil
 import warnings
 from pathlib import Path
@@ -25,7 +26,7 @@ def _plan(methods: list[str]) -> Any:
     from uniap_lightning.planner.plan import Plan
 
     return Plan.from_assignment(
-        stage_of_layer=[0] * 4, strategies=[(2, 1, "replicate", False, m) for m in methods], layer_names=h.NAMES,
+        stage_of_layer=[0] * 4, strategies=[Strategy(2, 1, "replicate", False, m) for m in methods], layer_names=h.NAMES,
         pp=1, microbatches=2, schedule="1f1b", global_batch_size=16, num_devices=2, compression_options=OPTIONS)
 
 

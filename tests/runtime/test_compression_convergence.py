@@ -5,6 +5,7 @@ the full table (300 steps, three seeds)."""
 
 from __future__ import annotations
 
+from uniap_lightning.planner.decision import Strategy
 import math
 import os
 from pathlib import Path
@@ -54,7 +55,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         chain = extract_chain(module)
         plan = Plan.from_assignment(
             stage_of_layer=[0] * len(chain.names), layer_names=chain.names, pp=1, microbatches=1,
-            strategies=[(world, 1, "replicate", False, method)] * len(chain.names), schedule="1f1b",
+            strategies=[Strategy(world, 1, "replicate", False, method)] * len(chain.names), schedule="1f1b",
             global_batch_size=int(cfg.data.batch_size), num_devices=world,
             compression_options={"powersgd_rank": 1, "topk_ratio": 0.01, **options})
         strategy = UniAPStrategy(plan=plan, monitor=False)

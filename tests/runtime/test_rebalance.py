@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from uniap_lightning.planner.decision import Strategy
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.rebalance.decision import (
     RebalanceOptions, assess, new_speeds, predicted_gain, rank_slowness, should_switch,
@@ -19,7 +20,7 @@ def _plan(pp=2, world=4):
     from uniap_lightning.planner.plan import Plan
 
     n = world // pp
-    return Plan.from_assignment(stage_of_layer=list(range(pp)), strategies=[(n, 1, False)] * pp,
+    return Plan.from_assignment(stage_of_layer=list(range(pp)), strategies=[Strategy(n, 1)] * pp,
                                 layer_names=[f"l{i}" for i in range(pp)], pp=pp, microbatches=1, schedule="1f1b",
                                 global_batch_size=n, num_devices=world)
 
@@ -244,7 +245,7 @@ CASES = {
 def _slow_rank_work(plan: Any, rank: int) -> float:
     """Layer-samples the rank computes per step: every layer of its stage, on the samples its dp x tp share has."""
     stage = rank // plan.devices_per_stage
-    return sum(plan.global_batch_size / (plan.layers[u].dp * plan.layers[u].tp) for u in plan.layers_of_stage(stage))
+    return sum(plan.global_batch_size / (plan.layers[u].strategy.dp * plan.layers[u].strategy.tp) for u in plan.layers_of_stage(stage))
 
 
 @pytest.fixture(scope="module")

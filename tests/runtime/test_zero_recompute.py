@@ -128,7 +128,7 @@ def _probe_case(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             rt = strategy.runtime
-            self.names = [rt.chain.names[u] for u in rt.plan.layers_of_stage(rt.meshes.stage)]
+            self.names = [rt.chain.names[u] for u in rt.plan.layers_of_rank(rt.meshes.rank)]
             self.layers = list(rt.stage_module.layers)
             self.layers[-1].register_forward_hook(self._forward)
 
@@ -173,7 +173,7 @@ def _count_case(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
     class Count(pl.Callback):
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             rt = strategy.runtime
-            for u in rt.plan.layers_of_stage(rt.meshes.stage):
+            for u in rt.plan.layers_of_rank(rt.meshes.rank):
                 name = rt.chain.names[u]
                 calls[name] = 0
                 # a pre-hook: checkpoint's recomputation stops once it has what backward needs, before post-hooks

@@ -18,6 +18,7 @@ sends itself SIGTERM at the end of that batch), ``sigterm_in_setup`` (the same, 
 
 from __future__ import annotations
 
+from uniap_lightning.planner.decision import Strategy
 import json
 import os
 import socket
@@ -144,13 +145,28 @@ def make_data(batch_size: int, n: int = N_SAMPLES, lm: bool = False, seed: int =
     return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=shuffle, drop_last=True)
 
 
-def make_plan(strategies: list[tuple[int, int, bool]], stage_of_layer: list[int], *, pp: int, microbatches: int,
-              schedule: str = "1f1b", batch: int = 16, world: int = 2, names: list[str] | None = None) -> Any:
+def strategy(s: Any) -> Any:
+    """The tests' shorthand for a layer's strategy: ``(dp, tp, shard)`` with a bool (True: zero3), or ``(dp, tp,
+    dp_mode, recompute, compression)``; a Strategy passes through."""
+    from uniap_lightning.planner.decision import Strategy
+
+    if isinstance(s, Strategy):
+        return s
+    d, t, *rest = s
+    if rest and isinstance(rest[0], bool):
+        rest = ["zero3" if rest[0] else "replicate"]
+    return Strategy.of(d, t, *rest)
+
+
+def make_plan(strategies: list[Any], stage_of_layer: list[int], *, pp: int, microbatches: int,
+              schedule: str = "1f1b", batch: int = 16, world: int = 2, names: list[str] | None = None,
+              virtual_stages: int = 1) -> Any:
     from uniap_lightning.planner.plan import Plan
 
     return Plan.from_assignment(
-        stage_of_layer=stage_of_layer, strategies=strategies, layer_names=names or NAMES, pp=pp,
-        microbatches=microbatches, schedule=schedule, global_batch_size=batch, num_devices=world,
+        stage_of_layer=stage_of_layer, strategies=[strategy(s) for s in strategies], layer_names=names or NAMES,
+        pp=pp, microbatches=microbatches, schedule=schedule, global_batch_size=batch, num_devices=world,
+        virtual_stages=virtual_stages,
     )
 
 

@@ -141,7 +141,6 @@ def _fail(err: UniAPError, cfg: DictConfig) -> None:
 
 
 def run_plan(cfg: DictConfig) -> None:
-    from uniap_lightning.planner.cost.evaluate import strategy_of
     from uniap_lightning.planner.report import print_plan
     from uniap_lightning.planner.solver import solve
 
@@ -182,7 +181,7 @@ def run_plan(cfg: DictConfig) -> None:
             "batch_size": plan.global_batch_size,
             "pp": plan.pp,
             "microbatches": plan.microbatches,
-            "strategies": ", ".join(sorted({strategy_of(lp).label() for lp in plan.layers})),
+            "strategies": ", ".join(sorted({lp.strategy.label() for lp in plan.layers})),
             "tpi_s": plan.estimate.tpi_s,
             "samples_per_s": plan.estimate.samples_per_s,
             "solve_s": plan.solver.solve_s if plan.solver else None,

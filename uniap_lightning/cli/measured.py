@@ -89,7 +89,7 @@ def recorded_problem(run: dict[str, Any], path: str) -> tuple[Any, Any] | None:
         if isinstance(training.get("microbatches"), list):
             training["microbatches"] = tuple(training["microbatches"])
         problem = Problem(model=profile, cluster=cluster, training=TrainingConfig(**training),
-                          compression=tuple(sorted({lp.compression for lp in plan.layers} | {"none"})),
+                          compression=tuple(sorted({lp.strategy.compression for lp in plan.layers} | {"none"})),
                           compression_options=dict(plan.compression_options))
     except UniAPError as err:
         raise UniAPError(f"{where}: {err}") from None

@@ -5,7 +5,9 @@ README) and prints as a readable table (see :mod:`uniap_lightning.planner.report
 Lightning.
 
 Rank layout (fixed, so a plan is fully described by these fields): with ``n = num_devices // pp`` devices per
-stage, stage ``i`` owns ranks ``[i*n, (i+1)*n)``. Inside a stage a layer with strategy ``(dp, tp)`` uses the stage's
+device group, group ``g`` owns ranks ``[g*n, (g+1)*n)`` and runs ``virtual_stages`` pipeline stages, placed by the
+schedule (loop: stage ``k`` on group ``k % pp``; V: ``k`` on ``k`` for ``k < pp``, else on ``2 pp - 1 - k``); with
+one virtual stage, stage ``i`` is group ``i``. The :class:`Plan` methods answer every layout question. Inside a stage a layer with strategy ``(dp, tp)`` uses the stage's
 ranks as a ``(dp, tp)`` grid with ``tp`` innermost (consecutive ranks form a tensor-parallel group). ``dp_mode``
 tells how the ``dp`` copies hold their state: ``replicate`` (DDP-style all-reduce), ``zero1`` (optimizer state
 sharded), ``zero2`` (optimizer state and gradients sharded) or ``zero3`` (FSDP: parameters too). ``recompute``
@@ -13,7 +15,11 @@ runs the layer's forward again in backward instead of keeping its activations; `
 ``replicate`` / ``zero1`` layer's gradients travel (``none``, ``bf16``, ``powersgd``, ``topk``).
 
 Format history: version 1 had ``shard: bool`` per layer (read as ``zero3`` / ``replicate``); version 2 replaced it
-with ``dp_mode`` and added ``recompute``, ``compression`` and the plan-level ``compression_options``.
+with ``dp_mode`` and added ``recompute``, ``compression`` and the plan-level ``compression_options``; version 3
+added ``virtual_stages`` and the schedules beyond ``gpipe`` / ``1f1b`` (``stages`` then lists ``pp *
+virtual_stages`` pipeline stages in chain order, each with the ranks of the device group the schedule places it
+on; the estimate's per-stage lists are per device group, ``boundary_s`` per stage boundary). Versions 1 and 2 read
+as version 3 with ``virtual_stages = 1``.
 """
 
 from __future__ import annotations
@@ -27,14 +33,20 @@ from typing import Any
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.files import parse_json, read_text, write_text_atomic
 from uniap_lightning.planner import fields as F
+from uniap_lightning.planner.decision import COMPRESSIBLE_DP_MODES, COMPRESSIONS, DP_MODES, Strategy
 
-PLAN_FORMAT_VERSION = 2
-READABLE_FORMAT_VERSIONS = (1, 2)
-SCHEDULES = ("gpipe", "1f1b")
-DP_MODES = ("replicate", "zero1", "zero2", "zero3")
-COMPRESSIONS = ("none", "bf16", "powersgd", "topk")
-# modes whose gradients are all-reduced whole, so a compressor can stand in for the all-reduce
-COMPRESSIBLE_DP_MODES = ("replicate", "zero1")
+__all__ = ["COMPRESSIBLE_DP_MODES", "COMPRESSIONS", "DP_MODES", "LayerPlan", "Plan", "StagePlan", "Strategy"]
+
+PLAN_FORMAT_VERSION = 3
+READABLE_FORMAT_VERSIONS = (1, 2, 3)
+#: pipeline schedules (torch.distributed.pipelining runs each): name -> (placement of chunks, allowed virtual stages)
+#: "loop": stage ``k`` on device group ``k % pp``; "v": stage ``k`` on ``k`` for ``k < pp``, else ``2 pp - 1 - k``
+SCHEDULE_LAYOUTS: dict[str, tuple[str, str]] = {
+    "gpipe": ("loop", "1"), "1f1b": ("loop", "1"), "zb_h1": ("loop", "1"),
+    "interleaved_1f1b": ("loop", ">=2"), "interleaved_zb": ("loop", ">=2"),
+    "zb_v": ("v", "2"), "dualpipe_v": ("v", "2"),
+}
+SCHEDULES = tuple(SCHEDULE_LAYOUTS)
 # parameters of the compressors, plan-wide (the plan JSON carries them so a plan runs as it was priced)
 COMPRESSION_DEFAULTS: dict[str, float] = {"powersgd_rank": 1, "topk_ratio": 0.01}
 # the compressors' run-time options (not priced: the cost model prices steady-state compression); absent from a
@@ -42,47 +54,40 @@ COMPRESSION_DEFAULTS: dict[str, float] = {"powersgd_rank": 1, "topk_ratio": 0.01
 COMPRESSION_RUNTIME_DEFAULTS: dict[str, float] = {"start_iter": 0, "start_fraction": 0.02, "dgc_momentum": 0.0}
 
 
-def stage_ranks(stage: int, devices_per_stage: int) -> range:
-    """The rank layout: stage ``i`` of ``n`` devices runs ranks ``[i*n, (i+1)*n)``. Plans answer it through
-    :meth:`Plan.ranks_of_stage`; the cost tables of a candidate (no plan yet) through this."""
-    return range(stage * devices_per_stage, (stage + 1) * devices_per_stage)
+def stage_ranks(group: int, devices_per_stage: int) -> range:
+    """The rank layout: device group ``g`` of ``n`` devices runs ranks ``[g*n, (g+1)*n)``. Plans answer it through
+    :meth:`Plan.ranks_of_group`; the cost tables of a candidate (no plan yet) through this."""
+    return range(group * devices_per_stage, (group + 1) * devices_per_stage)
+
+
+def check_schedule(schedule: str, virtual_stages: int, where: str = "plan") -> None:
+    """``schedule`` is known and ``virtual_stages`` is one it runs with; UniAPError naming both else."""
+    if schedule not in SCHEDULE_LAYOUTS:
+        raise UniAPError(f"{where} schedule={schedule!r} must be one of {SCHEDULES}")
+    rule = SCHEDULE_LAYOUTS[schedule][1]
+    ok = virtual_stages >= 2 if rule == ">=2" else virtual_stages == int(rule)
+    if not ok:
+        raise UniAPError(f"{where} schedule={schedule!r} runs with virtual_stages {rule}, got {virtual_stages}")
+
+
+def group_of_stage(stage: int, pp: int, virtual_stages: int, schedule: str) -> int:
+    """The device group that runs pipeline stage ``stage`` (chain order) under ``schedule``'s placement."""
+    if SCHEDULE_LAYOUTS[schedule][0] == "v":
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp
 
 
 @dataclass(frozen=True)
 class LayerPlan:
-    """Strategy of one layer: its stage, its intra-layer split ``dp * tp == devices per stage``, how the ``dp``
-    copies hold state (``dp_mode``), whether it recomputes activations, and how its gradients are compressed."""
+    """One layer of the plan: its name, its pipeline stage and its :class:`Strategy` (the one decision record;
+    ``strategy.dp * strategy.tp`` is the stage's device count)."""
 
     name: str
     stage: int
-    dp: int
-    tp: int
-    dp_mode: str = "replicate"
-    recompute: bool = False
-    compression: str = "none"
-
-    @property
-    def shard(self) -> bool:
-        """Parameters sharded across the ``dp`` copies (ZeRO-3 / FSDP); the version-1 field."""
-        return self.dp > 1 and self.dp_mode == "zero3"
+    strategy: Strategy
 
     def check(self, where: str) -> None:
-        if self.dp_mode not in DP_MODES:
-            raise UniAPError(f"{where}: dp_mode={self.dp_mode!r} must be one of {DP_MODES}")
-        if self.compression not in COMPRESSIONS:
-            raise UniAPError(f"{where}: compression={self.compression!r} must be one of {COMPRESSIONS}")
-        if not isinstance(self.recompute, bool):
-            raise UniAPError(f"{where}: recompute must be true or false, got {self.recompute!r}")
-        if self.dp == 1 and (self.dp_mode != "replicate" or self.compression != "none"):
-            raise UniAPError(
-                f"{where}: dp=1 has no data-parallel copies, so dp_mode must be 'replicate' and compression 'none' "
-                f"(got {self.dp_mode!r}, {self.compression!r})"
-            )
-        if self.compression != "none" and self.dp_mode not in COMPRESSIBLE_DP_MODES:
-            raise UniAPError(
-                f"{where}: compression={self.compression!r} needs dp_mode in {COMPRESSIBLE_DP_MODES} "
-                f"(gradients all-reduced whole), got {self.dp_mode!r}"
-            )
+        self.strategy.check(where)
 
 
 @dataclass(frozen=True)
@@ -155,6 +160,8 @@ class Plan:
     cluster: str = ""
     model_fingerprint: str = ""
     compression_options: dict[str, float] = field(default_factory=lambda: dict(COMPRESSION_DEFAULTS))
+    #: pipeline stages per device group (chunks per device): 1 for gpipe / 1f1b / zb_h1, 2 for the V schedules
+    virtual_stages: int = 1
     format_version: int = PLAN_FORMAT_VERSION
     report: SolveReport = field(default_factory=SolveReport, compare=False)
 
@@ -192,16 +199,38 @@ class Plan:
 
     # ------------------------------------------------------------------ layout: the one place it is computed
     # Every module asks these (meshes, pipeline, rebalance, monitor, cost tables); none works it out itself.
-    def stage_of_rank(self, rank: int) -> int:
-        """The pipeline stage ``rank`` runs."""
+    # A *stage* is one pipeline stage in chain order (``num_stages = pp * virtual_stages`` of them, each a torch
+    # PipelineStage); a *group* is the ``n`` devices that run ``virtual_stages`` stages (torch's pipeline rank).
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.virtual_stages
+
+    def group_of_stage(self, stage: int) -> int:
+        """The device group that runs ``stage`` (the schedule's placement: loop or V)."""
+        return group_of_stage(stage, self.pp, self.virtual_stages, self.schedule)
+
+    def stages_of_group(self, group: int) -> list[int]:
+        """The stages device group ``group`` runs, in chain order."""
+        return [k for k in range(self.num_stages) if self.group_of_stage(k) == group]
+
+    def ranks_of_group(self, group: int) -> range:
+        """The global ranks of device group ``group`` (consecutive)."""
+        return stage_ranks(group, self.devices_per_stage)
+
+    def group_of_rank(self, rank: int) -> int:
+        """The device group (pipeline rank) ``rank`` belongs to."""
         return rank // self.devices_per_stage
 
+    def stages_of_rank(self, rank: int) -> list[int]:
+        """The stages ``rank`` runs, in chain order (one per virtual stage)."""
+        return self.stages_of_group(self.group_of_rank(rank))
+
     def ranks_of_stage(self, stage: int) -> range:
-        """The global ranks that run ``stage`` (consecutive)."""
-        return stage_ranks(stage, self.devices_per_stage)
+        """The global ranks that run ``stage``."""
+        return self.ranks_of_group(self.group_of_stage(stage))
 
     def lane_of_rank(self, rank: int) -> int:
-        """``rank``'s position inside its stage; lane ``r`` is the pipeline ``r, n + r, 2n + r, ...``."""
+        """``rank``'s position inside its group; lane ``r`` is the pipeline ``r, n + r, 2n + r, ...``."""
         return rank % self.devices_per_stage
 
     def batch_chunk_of_rank(self, rank: int, dp: int) -> int:
@@ -214,13 +243,17 @@ class Plan:
         first, last = self.stages[stage].layers
         return list(range(first, last + 1))
 
+    def layers_of_group(self, group: int) -> list[int]:
+        """The chain indices of the layers device group ``group`` holds (its stages', in chain order)."""
+        return [u for k in self.stages_of_group(group) for u in self.layers_of_stage(k)]
+
     def layers_of_rank(self, rank: int) -> list[int]:
         """The chain indices of the layers ``rank`` holds."""
-        return self.layers_of_stage(self.stage_of_rank(rank))
+        return self.layers_of_group(self.group_of_rank(rank))
 
-    def per_stage(self, per_rank: list[Any], reduce: Any = max) -> list[Any]:
-        """A per-rank list folded into one value per stage (``reduce`` over the stage's ranks)."""
-        return [reduce(per_rank[r] for r in self.ranks_of_stage(i)) for i in range(self.pp)]
+    def per_group(self, per_rank: list[Any], reduce: Any = max) -> list[Any]:
+        """A per-rank list folded into one value per device group (``reduce`` over the group's ranks)."""
+        return [reduce(per_rank[r] for r in self.ranks_of_group(g)) for g in range(self.pp)]
 
     # ------------------------------------------------------------------ build
     @classmethod
@@ -228,7 +261,7 @@ class Plan:
         cls,
         *,
         stage_of_layer: list[int],
-        strategies: list[tuple[Any, ...]],
+        strategies: list[Strategy],
         layer_names: list[str],
         pp: int,
         microbatches: int,
@@ -237,16 +270,24 @@ class Plan:
         num_devices: int,
         **extra: Any,
     ) -> Plan:
-        """Build a plan from per-layer stage indices and strategies, each ``(dp, tp, shard)`` (version-1 shape)
-        or ``(dp, tp, dp_mode, recompute, compression)``."""
+        """Build a plan from per-layer stage indices (chain order, ``0 .. pp * virtual_stages - 1``) and
+        :class:`Strategy` records (canonicalized: ``Strategy.of``)."""
         n = num_devices // pp
+        v = int(extra.get("virtual_stages", 1))
+        check_schedule(schedule, v)
         stages = []
-        for i in range(pp):
+        for i in range(pp * v):
             members = [u for u, s in enumerate(stage_of_layer) if s == i]
             if not members:
-                raise UniAPError(f"stage {i} has no layers (pp={pp}, stage_of_layer={stage_of_layer})")
-            stages.append(StagePlan(i, (members[0], members[-1]), tuple(stage_ranks(i, n))))
-        layers = [_layer_plan(name, s, strat) for name, s, strat in zip(layer_names, stage_of_layer, strategies, strict=True)]
+                raise UniAPError(f"stage {i} has no layers (pp={pp}, virtual_stages={v}, "
+                                 f"stage_of_layer={stage_of_layer})")
+            group = group_of_stage(i, pp, v, schedule)
+            stages.append(StagePlan(i, (members[0], members[-1]), tuple(stage_ranks(group, n))))
+        for u, strat in enumerate(strategies):
+            if not isinstance(strat, Strategy):
+                raise UniAPError(f"layer {u}: a strategy must be a Strategy record, got {strat!r}")
+        layers = [LayerPlan(name, s, Strategy.of(*strat))
+                  for name, s, strat in zip(layer_names, stage_of_layer, strategies, strict=True)]
         plan = cls(pp, microbatches, schedule, global_batch_size, num_devices, stages, layers, **extra)
         plan.validate()
         return plan
@@ -260,19 +301,19 @@ class Plan:
                 f"files of versions {READABLE_FORMAT_VERSIONS} are read and upgraded)"
             )
         check_compression_options(self.compression_options, "plan compression_options")
-        if self.schedule not in SCHEDULES:
-            raise UniAPError(f"plan schedule={self.schedule!r} must be one of {SCHEDULES}")
-        for key in ("pp", "microbatches", "global_batch_size", "num_devices"):
+        for key in ("pp", "microbatches", "global_batch_size", "num_devices", "virtual_stages"):
             if getattr(self, key) < 1:
                 raise UniAPError(f"plan field '{key}' must be >= 1, got {getattr(self, key)}")
+        check_schedule(self.schedule, self.virtual_stages)
         if self.num_devices % self.pp:
             raise UniAPError(f"plan pp={self.pp} does not divide num_devices={self.num_devices}")
         if self.global_batch_size % self.microbatches:
             raise UniAPError(
                 f"plan microbatches={self.microbatches} does not divide global_batch_size={self.global_batch_size}"
             )
-        if len(self.stages) != self.pp:
-            raise UniAPError(f"plan has {len(self.stages)} stages but pp={self.pp}")
+        if len(self.stages) != self.num_stages:
+            raise UniAPError(f"plan has {len(self.stages)} stages but pp={self.pp} x virtual_stages="
+                             f"{self.virtual_stages} = {self.num_stages}")
         n = self.devices_per_stage
         expected_first = 0
         for i, st in enumerate(self.stages):
@@ -280,8 +321,9 @@ class Plan:
             if st.index != i or first != expected_first or last < first:
                 raise UniAPError(f"plan stage {i} has layers {list(st.layers)}; stages must tile the chain in order")
             # the length first: a huge num_devices must not build a huge range to compare with
-            if len(st.ranks) != n or tuple(st.ranks) != tuple(stage_ranks(i, n)):
-                raise UniAPError(f"plan stage {i} ranks must be {i * n}..{(i + 1) * n - 1}")
+            g = self.group_of_stage(i)
+            if len(st.ranks) != n or tuple(st.ranks) != tuple(stage_ranks(g, n)):
+                raise UniAPError(f"plan stage {i} ranks must be {g * n}..{(g + 1) * n - 1} (device group {g})")
             expected_first = last + 1
         if expected_first != len(self.layers):
             raise UniAPError(f"plan stages cover {expected_first} layers but the plan lists {len(self.layers)}")
@@ -292,15 +334,16 @@ class Plan:
                 "of a stage holds micro_batch_size / devices_per_stage samples at stage boundaries"
             )
         for u, lp in enumerate(self.layers):
-            first, last = self.stages[lp.stage].layers if 0 <= lp.stage < self.pp else (-1, -1)
+            first, last = self.stages[lp.stage].layers if 0 <= lp.stage < self.num_stages else (-1, -1)
             if not first <= u <= last:
                 raise UniAPError(f"plan layer {u} ({lp.name}) says stage {lp.stage}, but that stage does not hold it")
             lp.check(f"plan layer {u} ({lp.name})")
-            if lp.dp * lp.tp != n:
-                raise UniAPError(f"plan layer {u} ({lp.name}): dp*tp = {lp.dp}*{lp.tp} != devices per stage {n}")
-            if mb % lp.dp:
+            dp, tp = lp.strategy.dp, lp.strategy.tp
+            if dp * tp != n:
+                raise UniAPError(f"plan layer {u} ({lp.name}): dp*tp = {dp}*{tp} != devices per stage {n}")
+            if mb % dp:
                 raise UniAPError(
-                    f"plan layer {u} ({lp.name}): micro-batch size {mb} is not divisible by dp={lp.dp}"
+                    f"plan layer {u} ({lp.name}): micro-batch size {mb} is not divisible by dp={dp}"
                 )
 
     # ------------------------------------------------------------------ JSON
@@ -310,12 +353,15 @@ class Plan:
         order = ("pp", "microbatches", "schedule", "global_batch_size", "num_devices", "stages", "layers", "model",
                  "cluster", "model_fingerprint")
         d = {k: fields[k] for k in order}  # the JSON keys in the order of format versions 1 and 2
+        d["virtual_stages"] = self.virtual_stages  # format 3
         d.update(estimate=report["estimate"], solver=report["solver"], baselines=report["baselines"],
                  search=list(report["search"]), compression_options=fields["compression_options"],
                  format_version=fields["format_version"])
         d["stages"] = [{"index": s.index, "layers": list(s.layers), "ranks": list(s.ranks)} for s in self.stages]
-        for x, lp in zip(d["layers"], self.layers, strict=True):
-            x["shard"] = lp.shard  # derived from dp_mode; kept so version-1 readers still see it
+        # each layer's strategy is written flat into its object (the JSON keys of versions 1 and 2)
+        d["layers"] = [{"name": lp.name, "stage": lp.stage, **lp.strategy._asdict(),
+                        "shard": lp.strategy.shard}  # derived from dp_mode; kept so version-1 readers see it
+                       for lp in self.layers]
         return d
 
     def to_json(self, path: str | Path | None = None) -> str:
@@ -334,7 +380,7 @@ class Plan:
             plan = _plan_from_dict(cls, d)
             plan.validate()
             if d.get("estimate"):  # after validate: its lists are checked against the (valid) stages
-                plan = plan.with_report(estimate=_estimate_from_dict(d["estimate"], plan.pp))
+                plan = plan.with_report(estimate=_estimate_from_dict(d["estimate"], plan.pp, plan.num_stages - 1))
         except UniAPError as err:
             raise UniAPError(str(err) if origin == "plan" else f"{origin}: {err}") from None
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as err:
@@ -354,7 +400,7 @@ class Plan:
         """Fold consecutive layers with the same stage and strategy into ``(first, last, layer)`` runs."""
         runs: list[tuple[int, int, LayerPlan]] = []
         for u, lp in enumerate(self.layers):
-            if runs and _choice(runs[-1][2]) == _choice(lp):
+            if runs and (runs[-1][2].stage, runs[-1][2].strategy) == (lp.stage, lp.strategy):
                 runs[-1] = (runs[-1][0], u, runs[-1][2])
             else:
                 runs.append((u, u, lp))
@@ -385,24 +431,6 @@ def check_compression_options(options: Any, where: str) -> None:
         raise UniAPError(f"{where}.topk_ratio must be in (0, 1], got {ratio!r}")
 
 
-def _choice(lp: LayerPlan) -> tuple[Any, ...]:
-    return (lp.stage, lp.dp, lp.tp, lp.dp_mode, lp.recompute, lp.compression)
-
-
-def _layer_plan(name: str, stage: int, strategy: Any) -> LayerPlan:
-    if hasattr(strategy, "dp_mode"):  # a cost-model Strategy or a LayerPlan
-        d, t = (strategy.dp, strategy.tp) if hasattr(strategy, "dp") else (strategy.d, strategy.t)
-        mode, rec, comp = strategy.dp_mode, bool(strategy.recompute), strategy.compression
-    elif len(strategy) == 3:
-        d, t, sh = strategy
-        mode, rec, comp = ("zero3" if sh else "replicate"), False, "none"
-    else:
-        d, t, mode, rec, comp = strategy
-    if d == 1:  # one copy: nothing to shard or compress
-        mode, comp = "replicate", "none"
-    return LayerPlan(name, stage, int(d), int(t), str(mode), bool(rec), str(comp))
-
-
 def _plan_from_dict(cls: type[Plan], d: dict[str, Any]) -> Plan:
     """The plan's fields, each read with its JSON type (see :mod:`uniap_lightning.planner.fields`)."""
     version = F.integer(d.get("format_version", PLAN_FORMAT_VERSION), "plan field 'format_version'")
@@ -414,8 +442,12 @@ def _plan_from_dict(cls: type[Plan], d: dict[str, Any]) -> Plan:
     layers = [_layer_from_dict(x, u, version)
               for u, x in enumerate(F.array(_top(d, "layers"), "plan field 'layers'"))]
     options = F.obj(d.get("compression_options", {}), "plan field 'compression_options'")
+    # format 3 added virtual_stages; versions 1 and 2 had one stage per device group
+    virtual = (F.integer(_top(d, "virtual_stages"), "plan field 'virtual_stages'", low=1, high=F.MAX_COUNT)
+               if version >= 3 else 1)
     return cls(
         **counts,
+        virtual_stages=virtual,
         schedule=F.string(_top(d, "schedule"), "plan field 'schedule'"),
         stages=stages,
         layers=layers,
@@ -453,12 +485,12 @@ def _layer_from_dict(x: Any, u: int, version: int) -> LayerPlan:
     stage = F.integer(F.required(x, "stage", where), f"{where}: stage", low=0, high=F.MAX_COUNT)
     d = F.integer(F.required(x, "dp", where), f"{where}: dp", low=1, high=F.MAX_COUNT)
     t = F.integer(F.required(x, "tp", where), f"{where}: tp", low=1, high=F.MAX_COUNT)
-    if version == 1:
+    if version == 1:  # the version-1 shape: shard (a real boolean) instead of dp_mode
         shard = F.boolean(F.required(x, "shard", where), f"{where}: shard")
-        return LayerPlan(name, stage, d, t, "zero3" if shard and d > 1 else "replicate")
-    return LayerPlan(name, stage, d, t, F.string(F.required(x, "dp_mode", where), f"{where}: dp_mode"),
-                     F.boolean(x.get("recompute", False), f"{where}: recompute"),
-                     F.string(x.get("compression", "none"), f"{where}: compression"))
+        return LayerPlan(name, stage, Strategy(d, t, "zero3" if shard and d > 1 else "replicate"))
+    return LayerPlan(name, stage, Strategy(d, t, F.string(F.required(x, "dp_mode", where), f"{where}: dp_mode"),
+                                           F.boolean(x.get("recompute", False), f"{where}: recompute"),
+                                           F.string(x.get("compression", "none"), f"{where}: compression")))
 
 
 def _numbers(value: Any, where: str, length: int, *, finite: bool = True) -> list[float]:
@@ -468,8 +500,9 @@ def _numbers(value: Any, where: str, length: int, *, finite: bool = True) -> lis
     return [F.number(v, f"{where}[{i}]", low=0, finite=finite) for i, v in enumerate(values)]
 
 
-def _estimate_from_dict(e: Any, pp: int) -> Estimate:
-    """The cost model's prediction saved with the plan: printed as is, so its lists must match the stages."""
+def _estimate_from_dict(e: Any, pp: int, boundaries: int) -> Estimate:
+    """The cost model's prediction saved with the plan: printed as is, so its lists must match the device groups
+    (``pp``: time, memory, sync) and the stage boundaries (``boundaries``)."""
     w = "plan estimate"
     e = F.obj(e, w)
     unknown = set(e) - set(Estimate.__dataclass_fields__)
@@ -482,7 +515,7 @@ def _estimate_from_dict(e: Any, pp: int) -> Estimate:
         stage_time_s=_numbers(F.required(e, "stage_time_s", w), f"{w}.stage_time_s", pp),
         stage_memory_bytes=_numbers(F.required(e, "stage_memory_bytes", w), f"{w}.stage_memory_bytes", pp),
         stage_sync_s=_numbers(F.required(e, "stage_sync_s", w), f"{w}.stage_sync_s", pp),
-        boundary_s=_numbers(F.required(e, "boundary_s", w), f"{w}.boundary_s", pp - 1),
+        boundary_s=_numbers(F.required(e, "boundary_s", w), f"{w}.boundary_s", boundaries),
         memory_limit_bytes=F.number(F.required(e, "memory_limit_bytes", w), f"{w}.memory_limit_bytes", low=0),
         feasible=F.boolean(F.required(e, "feasible", w), f"{w}.feasible"),
         stage_memory_limit_bytes=(None if limits is None else
@@ -532,7 +565,11 @@ def _search_from_dict(records: Any) -> list[dict[str, Any]]:
         for key in ("pp", "microbatches"):
             r[key] = F.integer(F.required(r, key, w), f"{w}.{key}", low=1, high=F.MAX_COUNT)
         r["outcome"] = F.string(F.required(r, "outcome", w), f"{w}.outcome")
-        for key in ("tpi_s", "bound_s", "memory_bound_bytes", "solve_s"):
+        if "virtual_stages" in r:
+            r["virtual_stages"] = F.integer(r["virtual_stages"], f"{w}.virtual_stages", low=1, high=F.MAX_COUNT)
+        if "schedule" in r:
+            r["schedule"] = F.string(r["schedule"], f"{w}.schedule")
+        for key in ("tpi_s", "bound_s", "memory_bound_bytes", "solve_s", "bubble_s"):
             if key in r:
                 r[key] = F.optional_number(r[key], f"{w}.{key}", finite=False)
         out.append(r)

@@ -7,7 +7,8 @@ from typing import Any
 
 from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.errors import UniAPError
-from uniap_lightning.planner.plan import COMPRESSION_DEFAULTS, COMPRESSIONS, SCHEDULES, Plan, check_compression_options
+from uniap_lightning.planner.plan import (COMPRESSION_DEFAULTS, COMPRESSIONS, SCHEDULE_LAYOUTS, SCHEDULES, Plan,
+                                          check_compression_options, check_schedule)
 from uniap_lightning.planner.profile import ModelProfile
 from uniap_lightning.values import as_int, choice, integer, number, short
 
@@ -35,7 +36,11 @@ class TrainingConfig:
     global_batch_size: int
     microbatches: tuple[int, ...] | None = None
     max_microbatches: int = 64
+    #: a pipeline schedule (:data:`~uniap_lightning.planner.plan.SCHEDULES`) or "auto": the search chooses among
+    #: every schedule torch runs, with ``virtual_stages`` (None: searched, 1 to ``max_virtual_stages``)
     schedule: str = "1f1b"
+    virtual_stages: int | None = None
+    max_virtual_stages: int = 4
     weight_bytes: float = 4.0
     grad_bytes: float = 4.0
     optimizer_bytes: float = 8.0
@@ -48,7 +53,14 @@ class TrainingConfig:
         object.__setattr__(self, "global_batch_size", b)  # frozen: the checked, normalized value
         object.__setattr__(self, "max_microbatches", integer(self.max_microbatches, "max_microbatches", low=1,
                                                              high=MAX_MICROBATCHES))
-        choice(self.schedule, "schedule", SCHEDULES)
+        choice(self.schedule, "schedule", ("auto", *SCHEDULES))
+        object.__setattr__(self, "max_virtual_stages", integer(self.max_virtual_stages, "max_virtual_stages", low=1,
+                                                               high=64))
+        if self.virtual_stages is not None:
+            object.__setattr__(self, "virtual_stages", integer(self.virtual_stages, "virtual_stages", low=1,
+                                                               high=64))
+            if self.schedule != "auto":
+                check_schedule(self.schedule, self.virtual_stages, "training")
         for key in ("weight_bytes", "grad_bytes", "optimizer_bytes"):
             number(getattr(self, key), key, low=0, high=MAX_BYTES_PER_PARAM, unit="bytes per parameter")
         if self.microbatches is not None:
@@ -68,6 +80,31 @@ class TrainingConfig:
         return counts
 
     @property
+    def concrete_schedule(self) -> str:
+        """The schedule of plans built without a search over schedules (baselines, ``auto``'s default)."""
+        return "1f1b" if self.schedule == "auto" else self.schedule
+
+    def schedule_candidates(self, pp: int, c: int, num_layers: int) -> list[tuple[str, int]]:
+        """The ``(schedule, virtual_stages)`` pairs the search prices for ``pp`` device groups and ``c``
+        micro-batches: the pinned schedule, or under "auto" every schedule but GPipe (1F1B holds fewer
+        activations for the same time) whose torch class runs this shape (:func:`schedule_unusable`), each
+        with every allowed ``v`` up to ``max_virtual_stages`` and one layer per stage at least."""
+        if pp == 1:  # one stage: nothing to schedule
+            pinned = self.schedule if self.schedule != "auto" else "1f1b"
+            return [(pinned, 1)] if SCHEDULE_LAYOUTS[pinned][1] == "1" else [("1f1b", 1)]
+        names = [self.schedule] if self.schedule != "auto" else [s for s in SCHEDULES if s != "gpipe"]
+        out = []
+        for name in names:
+            rule = SCHEDULE_LAYOUTS[name][1]
+            vs = [1] if rule == "1" else [2] if rule == "2" else range(2, self.max_virtual_stages + 1)
+            for v in vs:
+                if self.virtual_stages is not None and v != self.virtual_stages:
+                    continue
+                if pp * v <= num_layers and schedule_unusable(name, pp, v, c) is None:
+                    out.append((name, v))
+        return out
+
+    @property
     def bytes_per_param(self) -> float:
         return self.weight_bytes + self.grad_bytes + self.optimizer_bytes
 
@@ -75,6 +112,16 @@ class TrainingConfig:
         if self.microbatches is not None:
             return sorted(set(self.microbatches))
         return [c for c in divisors(self.global_batch_size) if c <= self.max_microbatches]
+
+
+def schedule_unusable(schedule: str, pp: int, v: int, c: int) -> str | None:
+    """Why torch cannot run ``schedule`` with ``pp`` groups, ``v`` stages each and ``c`` micro-batches (one line),
+    or None. GPipe and 1F1B run any shape (1F1B with ``c < pp`` runs as GPipe)."""
+    if schedule in ("gpipe", "1f1b"):
+        return None
+    from uniap_lightning.planner.cost import schedules
+
+    return schedules.unusable(schedule, pp, v, c)
 
 
 def divisors(n: int) -> list[int]:
@@ -150,17 +197,19 @@ class Problem:
             )
         return out
 
-    def plan_for(self, *, stage_of_layer: list[int], strategies: list, pp: int, microbatches: int) -> Plan:
+    def plan_for(self, *, stage_of_layer: list[int], strategies: list, pp: int, microbatches: int,
+                 schedule: str | None = None, virtual_stages: int = 1) -> Plan:
         """A plan of this problem (its model, cluster, batch, schedule and compression options) from a stage and a
-        strategy per layer (``(dp, tp, shard)`` or ``(dp, tp, dp_mode, recompute, compression)``): the one place
+        strategy per layer (:class:`~uniap_lightning.planner.decision.Strategy`): the one place
         the solver, the baselines and the tests stamp a plan's identity."""
         return Plan.from_assignment(
             stage_of_layer=stage_of_layer,
-            strategies=[tuple(s) for s in strategies],
+            strategies=list(strategies),
             layer_names=[lp.name for lp in self.model.layers],
             pp=pp,
             microbatches=microbatches,
-            schedule=self.training.schedule,
+            schedule=schedule or self.training.concrete_schedule,
+            virtual_stages=virtual_stages,
             global_batch_size=self.training.global_batch_size,
             num_devices=self.num_devices,
             model=self.model.model,

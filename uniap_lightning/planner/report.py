@@ -7,7 +7,6 @@ from rich.table import Table
 from rich.text import Text
 
 from uniap_lightning.planner.cluster import GIB
-from uniap_lightning.planner.cost.evaluate import strategy_of
 from uniap_lightning.planner.plan import Plan
 
 BASELINE_LABELS = {
@@ -28,6 +27,34 @@ DP_MODE_LABELS = {
 }
 
 
+def schedule_table(plan: Plan) -> Table | None:
+    """Per schedule and virtual stages the search priced: its best predicted time, the bubble that plan leaves on
+    its busiest device group, and how the search ended for it (None when the search priced one schedule only)."""
+    best: dict[tuple[str, int], dict] = {}
+    for r in plan.search:
+        key = (str(r.get("schedule", plan.schedule)), int(r.get("virtual_stages", 1)))
+        cur = best.setdefault(key, {"tpi_s": None, "bound_s": None, "bubble_s": None, "outcomes": set()})
+        cur["outcomes"].add(str(r.get("outcome", "")))
+        tpi, bound = r.get("tpi_s"), r.get("bound_s")
+        if tpi is not None and (cur["tpi_s"] is None or tpi < cur["tpi_s"]):
+            cur["tpi_s"], cur["bubble_s"] = tpi, r.get("bubble_s")
+        if bound is not None and (cur["bound_s"] is None or bound < cur["bound_s"]):
+            cur["bound_s"] = bound
+    if len(best) < 2:
+        return None
+    table = Table(title="Schedules (best candidate of each; same cost model)", title_justify="left")
+    for col in ("schedule", "v", "ms / iteration", "bubble ms (share)", "lower bound ms", "search"):
+        table.add_column(col, justify="left" if col in ("schedule", "search") else "right")
+    chosen = (plan.schedule, plan.virtual_stages)
+    for (name, v), cur in sorted(best.items(), key=lambda kv: (kv[1]["tpi_s"] is None, kv[1]["tpi_s"] or 0.0)):
+        tpi, bubble = cur["tpi_s"], cur["bubble_s"]
+        share = f"{bubble * 1e3:,.2f} ({bubble / tpi:.0%})" if tpi and bubble is not None else "-"
+        outcome = "CHOSEN" if (name, v) == chosen else ", ".join(sorted(o for o in cur["outcomes"] if o))
+        table.add_row(name, str(v), _ms(tpi) if tpi is not None else "-", share,
+                      _ms(cur["bound_s"]) if cur["bound_s"] is not None else "-", outcome)
+    return table
+
+
 def _ms(s: float) -> str:
     return f"{s * 1e3:,.2f}"
 
@@ -45,6 +72,8 @@ def plan_renderables(plan: Plan, *, title: str | None = None) -> Group:
         f"\n{plan.num_devices} devices, global batch {plan.global_batch_size} = {plan.microbatches} micro-batches "
         f"x {plan.micro_batch_size}, pp={plan.pp} ({plan.devices_per_stage} devices per stage), "
         f"schedule {plan.schedule}"
+        + (f" with {plan.virtual_stages} stages per device ({plan.num_stages} pipeline stages)"
+           if plan.virtual_stages > 1 else "")
     )
     if est is not None:
         head.append(
@@ -53,39 +82,48 @@ def plan_renderables(plan: Plan, *, title: str | None = None) -> Group:
             style="green" if est.feasible else "red bold",
         )
 
-    stages = Table(title="Stages", title_justify="left", show_lines=False)
-    for col in ("stage", "layers", "ranks", "strategies", "time/µbatch ms", "sync ms", "memory GiB / limit"):
+    several = plan.virtual_stages > 1  # a row per device group, listing its stages
+    stages = Table(title="Device groups and their stages" if several else "Stages", title_justify="left",
+                   show_lines=False)
+    for col in ("group: stages" if several else "stage", "layers", "ranks", "strategies", "time/µbatch ms",
+                "sync ms", "memory GiB / limit"):
         stages.add_column(col, justify="right" if "ms" in col or "GiB" in col else "left")
     runs = plan.strategy_runs()
-    for st in plan.stages:
-        first, last = st.layers
+    for g in range(plan.pp):
+        mine = plan.stages_of_group(g)
         strat = ", ".join(
-            f"{strategy_of(lp).label()}" + (f" [{names[a]}..{names[b]}]" if a != b else f" [{names[a]}]")
+            f"{lp.strategy.label()}" + (f" [{names[a]}..{names[b]}]" if a != b else f" [{names[a]}]")
             for a, b, lp in runs
-            if lp.stage == st.index
+            if lp.stage in mine
         )
         mem = ""
         t = sync = ""
         if est is not None:
-            used = est.stage_memory_bytes[st.index]
-            limit = (est.stage_memory_limit_bytes or [est.memory_limit_bytes] * plan.pp)[st.index]
+            used = est.stage_memory_bytes[g]
+            limit = (est.stage_memory_limit_bytes or [est.memory_limit_bytes] * plan.pp)[g]
             style = "red" if used > limit else ("yellow" if used > 0.9 * limit else "green")
             mem = f"[{style}]{used / GIB:,.2f} / {limit / GIB:,.1f} ({used / limit:.0%})[/{style}]"
-            t, sync = _ms(est.stage_time_s[st.index]), _ms(est.stage_sync_s[st.index])
-        ranks = f"{st.ranks[0]}-{st.ranks[-1]}" if len(st.ranks) > 1 else str(st.ranks[0])
+            t, sync = _ms(est.stage_time_s[g]), _ms(est.stage_sync_s[g])
+        ranks_g = plan.ranks_of_group(g)
+        ranks = f"{ranks_g[0]}-{ranks_g[-1]}" if len(ranks_g) > 1 else str(ranks_g[0])
         if est is not None and est.stage_device:
-            ranks += f" ({est.stage_device[st.index]})"
-        stages.add_row(str(st.index), _range(names, first, last), ranks, strat, t, sync, mem)
+            ranks += f" ({est.stage_device[g]})"
+        label = f"{g}: " + ", ".join(map(str, mine)) if several else str(g)
+        spans = "; ".join(_range(names, *plan.stages[k].layers) for k in mine)
+        stages.add_row(label, spans, ranks, strat, t, sync, mem)
 
     layers = Table(title="Per-layer strategy (consecutive equal layers folded)", title_justify="left")
     for col in ("layers", "stage", "dp", "tp", "dp mode", "recompute", "compression"):
         layers.add_column(col)
     for a, b, lp in runs:
-        kind = "-" if lp.dp == 1 else DP_MODE_LABELS[lp.dp_mode]
-        layers.add_row(_range(names, a, b), str(lp.stage), str(lp.dp), str(lp.tp), kind,
-                       "yes" if lp.recompute else "-", lp.compression if lp.compression != "none" else "-")
+        kind = "-" if lp.strategy.dp == 1 else DP_MODE_LABELS[lp.strategy.dp_mode]
+        layers.add_row(_range(names, a, b), str(lp.stage), str(lp.strategy.dp), str(lp.strategy.tp), kind,
+                       "yes" if lp.strategy.recompute else "-", lp.strategy.compression if lp.strategy.compression != "none" else "-")
 
     parts = [head, stages, layers]
+    schedules = schedule_table(plan)
+    if schedules is not None:
+        parts.append(schedules)
     if plan.baselines and est is not None:
         base = Table(title="Baselines (same cost model)", title_justify="left")
         for col in ("baseline", "ms / iteration", "samples/s", "plan speed-up"):
@@ -143,10 +181,10 @@ def explain_renderables(plan: Plan, problem, measured: dict | None = None) -> Gr
                 "sync ms / iter", "state MiB", "activations MiB", "transient MiB"):
         layers.add_column(col, justify="left" if col in ("layer", "strategy", "dp mode", "compression") else "right")
     for u, lp in enumerate(plan.layers):
-        s = strategy_of(lp)
+        s = lp.strategy
         c = costs.terms(u, s)
         F = costs.in_flight(lp.stage)
-        layers.add_row(str(u), lp.name, str(lp.stage), s.label(), s.dp_mode if s.d > 1 else "-",
+        layers.add_row(str(u), lp.name, str(lp.stage), s.label(), s.dp_mode if s.dp > 1 else "-",
                        "yes" if s.recompute else "-", s.compression if s.compression != "none" else "-",
                        _ms(c.compute_s), _ms(c.comm_s), _ms(c.sync_s), f"{c.static_bytes / 2**20:,.1f}",
                        f"{F * c.activation_bytes / 2**20:,.1f} ({F} in flight)", f"{c.transient_bytes / 2**20:,.1f}")

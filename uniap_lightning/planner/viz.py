@@ -12,7 +12,6 @@ from pathlib import Path
 
 from uniap_lightning.files import write_bytes_atomic
 from uniap_lightning.planner.cluster import GIB
-from uniap_lightning.planner.cost.evaluate import strategy_of
 from uniap_lightning.planner.plan import Plan
 from uniap_lightning.planner.problem import Problem
 from uniap_lightning.planner.report import BASELINE_LABELS
@@ -82,7 +81,7 @@ def draw_plan(plan: Plan, problem: Problem, path: str | Path) -> Path:
         fontsize=11,
     )
     def label(lp) -> str:  # recomputation is drawn as hatching, not a colour of its own
-        return strategy_of(lp)._replace(recompute=False).label()
+        return lp.strategy._replace(recompute=False).label()
 
     labels = sorted({label(lp) for lp in plan.layers})
     cmap = plt.get_cmap("tab10")
@@ -91,14 +90,14 @@ def draw_plan(plan: Plan, problem: Problem, path: str | Path) -> Path:
     ax = axes[0, 0]
     for u, lp in enumerate(plan.layers):
         ax.barh(lp.stage, 1, left=u, color=colour[label(lp)], edgecolor="white", lw=0.3,
-                hatch="///" if lp.recompute else None)
+                hatch="///" if lp.strategy.recompute else None)
     ax.set_yticks(range(plan.pp), [f"stage {i}\nranks {s.ranks[0]}-{s.ranks[-1]}" for i, s in enumerate(plan.stages)],
                   fontsize=7 if plan.pp > 8 else 9)
     ax.invert_yaxis()
     ax.set_xlabel("layer index along the chain")
     ax.set_title("Layers grouped into stages, coloured by strategy")
     handles = [Patch(color=colour[lab], label=lab) for lab in labels]
-    if any(lp.recompute for lp in plan.layers):
+    if any(lp.strategy.recompute for lp in plan.layers):
         handles.append(Patch(facecolor="white", edgecolor="black", hatch="///", label="recomputed"))
     ax.legend(handles=handles, fontsize=8, loc="lower right")
 

@@ -37,7 +37,7 @@ def describe(plan: Plan) -> str:
     parts = []
     for s in plan.stages:
         first, last = s.layers
-        kinds = sorted({(lp.dp, lp.tp, lp.dp_mode) for lp in plan.layers[first:last + 1]})
+        kinds = sorted({(lp.strategy.dp, lp.strategy.tp, lp.strategy.dp_mode) for lp in plan.layers[first:last + 1]})
         label = "/".join(f"dp{d}" + (f"tp{t}" if t > 1 else "") + ("" if m == "replicate" or d == 1 else f"-{m}")
                          for d, t, m in kinds)
         parts.append(f"[{first}-{last}] {label}")

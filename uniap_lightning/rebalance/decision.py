@@ -58,9 +58,9 @@ def rank_slowness(measured_s: list[float | None], predicted_stage_s: list[float]
     work, is expected to take proportionally less. ``plan``: the running plan (its rank layout)."""
     out: list[float | None] = []
     for r, m in enumerate(measured_s):
-        stage = plan.stage_of_rank(r)
-        slowest = min(speeds[q] for q in plan.ranks_of_stage(stage))
-        expected = predicted_stage_s[stage] * slowest / speeds[r]
+        group = plan.group_of_rank(r)
+        slowest = min(speeds[q] for q in plan.ranks_of_group(group))
+        expected = predicted_stage_s[group] * slowest / speeds[r]
         out.append(m / expected if m is not None and m > 0 and expected > 0 else None)
     return out
 

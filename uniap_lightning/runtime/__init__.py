@@ -63,7 +63,7 @@ def check_plan_executable(plan: Plan, chain: Chain) -> None:
             "boundaries split every micro-batch over all devices of the stage"
         )
     for u, lp in enumerate(plan.layers):
-        check_tp_supported(chain.layers[u], chain.names[u], lp.tp)
+        check_tp_supported(chain.layers[u], chain.names[u], lp.strategy.tp)
 
 
 def apply_plan(chain: Chain, plan: Plan, *, rank: int, device: torch.device) -> Runtime:

@@ -30,7 +30,7 @@ def layout_transitions(plan: Plan) -> list[tuple[int, int]]:
     for stage in range(plan.pp):
         current = n
         for u in plan.layers_of_stage(stage):
-            dp = plan.layers[u].dp
+            dp = plan.layers[u].strategy.dp
             if dp != current:
                 pairs.add((current, dp))
             current = dp
@@ -55,8 +55,9 @@ class PlanMeshes:
         return self.plan.devices_per_stage
 
     @property
-    def stage(self) -> int:
-        return self.plan.stage_of_rank(self.rank)
+    def group(self) -> int:
+        """This rank's device group (torch's pipeline rank)."""
+        return self.plan.group_of_rank(self.rank)
 
     @property
     def lane(self) -> int:
@@ -97,7 +98,7 @@ def build_meshes(plan: Plan, *, rank: int, device_type: str) -> PlanMeshes:
     n = plan.devices_per_stage
     world = init_device_mesh(device_type, (plan.pp, n), mesh_dim_names=("pp", "stage"))
     meshes = PlanMeshes(plan=plan, rank=rank, device_type=device_type, world=world)
-    for dp, tp in sorted({(lp.dp, lp.tp) for lp in plan.layers}):
+    for dp, tp in sorted({(lp.strategy.dp, lp.strategy.tp) for lp in plan.layers}):
         meshes.grids[(dp, tp)] = init_device_mesh(device_type, (plan.pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
     for fine, coarse in sorted({(max(a, b), min(a, b)) for a, b in layout_transitions(plan)}):
         mesh = init_device_mesh(

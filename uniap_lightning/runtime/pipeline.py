@@ -84,11 +84,11 @@ class PipelineRunner:
 
     @property
     def is_first(self) -> bool:
-        return self.meshes.stage == 0
+        return self.meshes.group == 0
 
     @property
     def is_last(self) -> bool:
-        return self.meshes.stage == self.plan.pp - 1
+        return self.meshes.group == self.plan.pp - 1
 
     # ------------------------------------------------------------------ schedules
     def _output(self, out: Any) -> Any:
@@ -110,7 +110,7 @@ class PipelineRunner:
         key = (mode, repr(signature(xs)))
         if key not in self._schedules:
             stage = PipelineStage(
-                self.stage_module, self.meshes.stage, self.plan.pp, self.device, group=self.meshes.lane_group
+                self.stage_module, self.meshes.group, self.plan.pp, self.device, group=self.meshes.lane_group
             )
             # With fewer micro-batches than stages 1F1B has no steady state and is exactly GPipe (torch refuses it).
             one_f_one_b = self.plan.schedule == "1f1b" and self.plan.microbatches >= self.plan.pp

@@ -77,7 +77,7 @@ def drop_other_stages(chain: Chain, plan: Plan, stage: int) -> None:
 def broadcast_from_stage_leader(modules: list[nn.Module], meshes: PlanMeshes) -> None:
     if meshes.n == 1:
         return
-    src = meshes.stage * meshes.n
+    src = meshes.group * meshes.n
     for m in modules:
         for t in list(m.parameters()) + list(m.buffers()):
             dist.broadcast(t.data, src=src, group=meshes.stage_group)
@@ -85,7 +85,7 @@ def broadcast_from_stage_leader(modules: list[nn.Module], meshes: PlanMeshes) ->
 
 def build_stage(chain: Chain, plan: Plan, meshes: PlanMeshes) -> tuple[StageModule, ReplicatedGrads]:
     """Apply the plan to this rank's layers, in place; return the stage module and the replicated-gradient book."""
-    stage = meshes.stage
+    stage = meshes.group
     drop_other_stages(chain, plan, stage)
     indices = plan.layers_of_stage(stage)
     layers = [chain.layers[u] for u in indices]
@@ -95,19 +95,19 @@ def build_stage(chain: Chain, plan: Plan, meshes: PlanMeshes) -> tuple[StageModu
     originals = [dict(layer.named_parameters()) for layer in layers]
     for u, layer in zip(indices, layers):
         lp = plan.layers[u]
-        if lp.tp > 1:
-            apply_tp(layer, chain.names[u], meshes.tp_mesh(lp.dp, lp.tp))
-        if lp.dp == 1:
+        if lp.strategy.tp > 1:
+            apply_tp(layer, chain.names[u], meshes.tp_mesh(lp.strategy.dp, lp.strategy.tp))
+        if lp.strategy.dp == 1:
             continue
-        mesh = meshes.dp_mesh(lp.dp, lp.tp)
-        if lp.dp_mode in ZERO_MODES:
-            zero.add(layer, lp.dp_mode, mesh, replicated, mesh.get_group(), lp.dp, lp.compression)
+        mesh = meshes.dp_mesh(lp.strategy.dp, lp.strategy.tp)
+        if lp.strategy.dp_mode in ZERO_MODES:
+            zero.add(layer, lp.strategy.dp_mode, mesh, replicated, mesh.get_group(), lp.strategy.dp, lp.strategy.compression)
         else:
-            replicated.add(layer, mesh.get_group(), lp.dp, lp.compression)
+            replicated.add(layer, mesh.get_group(), lp.strategy.dp, lp.strategy.compression)
     repoint_aliases(chain.module, originals, layers)
     specs = {"in_spec": chain.spec_before(indices[0]), "out_spec": chain.spec_after(indices[-1])} if indices else {}
-    module = StageModule(layers, [plan.layers[u].dp for u in indices], meshes, **specs,
-                         recompute=[plan.layers[u].recompute for u in indices], zero=zero)
+    module = StageModule(layers, [plan.layers[u].strategy.dp for u in indices], meshes, **specs,
+                         recompute=[plan.layers[u].strategy.recompute for u in indices], zero=zero)
     return module, replicated
 
 

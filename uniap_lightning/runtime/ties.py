@@ -56,9 +56,9 @@ class TiedGrads:
     def __init__(self, ties: list[tuple[int, int, str, str]], layers: list[nn.Module], plan: Plan,
                  meshes: PlanMeshes) -> None:
         self.ties: list[_Tie] = []
-        n, rank = meshes.n, meshes.stage * meshes.n + meshes.lane
+        n, rank = meshes.n, meshes.group * meshes.n + meshes.lane
         for a, b, name_a, name_b in ties:
-            sa, sb = plan.layers[a].stage, plan.layers[b].stage
+            sa, sb = plan.group_of_stage(plan.layers[a].stage), plan.group_of_stage(plan.layers[b].stage)
             group = None
             if sa != sb:
                 for r in range(n):  # every rank creates every group, in the same order
@@ -66,7 +66,7 @@ class TiedGrads:
                     if rank in (sa * n + r, sb * n + r):
                         group = g
             local = [layers[u].get_parameter(name) for u, name, s in ((a, name_a, sa), (b, name_b, sb))
-                     if s == meshes.stage]
+                     if s == meshes.group]
             if local:
                 self.ties.append(_Tie(local, group, sa * n + meshes.lane))
 

@@ -6,18 +6,11 @@ it returns, baselines are scored with it, and the brute-force oracle enumerates 
 
 from __future__ import annotations
 
-from uniap_lightning.planner.cost.layer import Strategy, strategies_for
+from uniap_lightning.planner.cost.layer import strategies_for
 from uniap_lightning.planner.cost.tables import CandidateCosts
 from uniap_lightning.errors import UniAPError
-from uniap_lightning.planner.plan import COMPRESSIONS, Estimate, LayerPlan, Plan
+from uniap_lightning.planner.plan import COMPRESSIONS, Estimate, Plan
 from uniap_lightning.planner.problem import Problem
-
-
-def strategy_of(lp: LayerPlan) -> Strategy:
-    """The cost model's strategy for a plan's layer."""
-    if lp.dp == 1:
-        return Strategy(1, lp.tp, "replicate", lp.recompute, "none")
-    return Strategy(lp.dp, lp.tp, lp.dp_mode, lp.recompute, lp.compression)
 
 
 def check_plan_matches(problem: Problem, plan: Plan) -> None:
@@ -57,50 +50,53 @@ def evaluate(problem: Problem, plan: Plan, *, check_strategies: bool = True) -> 
             f"micro-batch size {b} must be divisible by the {n} devices per stage when pp > 1 (stage boundaries "
             "split the micro-batch over every rank of a stage)"
         )
-    costs = CandidateCosts(problem, pp, c, compression_options=plan.compression_options)
-    strat = [strategy_of(lp) for lp in plan.layers]
+    costs = CandidateCosts(problem, pp, c, schedule=plan.schedule, virtual_stages=plan.virtual_stages,
+                           compression_options=plan.compression_options)
+    strat = [lp.strategy for lp in plan.layers]
     if check_strategies:
         for u, (lp, s) in enumerate(zip(costs.layers, strat)):
             if s not in strategies_for(lp, n, cl, b, compression=COMPRESSIONS):
                 raise UniAPError(
-                    f"plan layer {u} ({lp.name}): strategy dp={s.d} tp={s.t} is not allowed here "
+                    f"plan layer {u} ({lp.name}): strategy dp={s.dp} tp={s.tp} is not allowed here "
                     f"(tp_degrees={list(lp.tp_degrees)}, devices per node={cl.devices_per_node}, micro-batch={b})"
                 )
-    layer_time = [0.0] * pp
-    reshard = [0.0] * pp
-    sync = [0.0] * pp
-    static = [0.0] * pp
-    activation = [0.0] * pp
-    transient = [0.0] * pp
-    boundary = [0.0] * (pp - 1)
+    S = plan.num_stages  # pipeline stages; device group g runs plan.stages_of_group(g)
+    layer_time, reshard, weight = [0.0] * S, [0.0] * S, [0.0] * S
+    sync, static, activation, transient = [0.0] * pp, [0.0] * S, [0.0] * S, [0.0] * pp
+    boundary = [0.0] * (S - 1)
     stage_of = [lp.stage for lp in plan.layers]
     for u, s in enumerate(strat):
         i = stage_of[u]
+        g = costs.group_of(i)
         terms = costs.terms(u, s)
         layer_time[i] += costs.layer_time_s(i, terms)
-        sync[i] += terms.sync_s
+        weight[i] += costs.weight_time_s(i, terms)
+        sync[g] += terms.sync_s
         static[i] += terms.static_bytes
         activation[i] += terms.activation_bytes
-        transient[i] = max(transient[i], terms.transient_bytes)
+        transient[g] = max(transient[g], terms.transient_bytes)  # one layer of the group runs its backward at once
         if u + 1 < len(strat):
             if stage_of[u + 1] == i:
-                reshard[i] += costs.reshard_s(u, s.d, strat[u + 1].d)
+                reshard[i] += costs.reshard_s(u, s.dp, strat[u + 1].dp)
             else:
-                boundary[i] = costs.boundary_s(u, s.d, strat[u + 1].d, i)
-    stage_time = [costs.stage_time_s(layer_time[i], reshard[i]) for i in range(pp)]
-    memory = [costs.stage_memory_bytes(i, static[i], activation[i], transient[i]) for i in range(pp)]
-    tpi = costs.tpi_s(sum(stage_time), sum(boundary), max(stage_time + boundary), max(sync))
-    limits = [costs.memory_limit_bytes(i) for i in range(pp)]
+                boundary[i] = costs.boundary_s(u, s.dp, strat[u + 1].dp, i)
+    stage_time = [costs.stage_time_s(layer_time[i], reshard[i]) for i in range(S)]
+    group_time = [sum(stage_time[k] for k in costs.stages_of(g)) for g in range(pp)]
+    memory = [costs.group_memory_bytes(g, static, activation, transient[g]) for g in range(pp)]
+    tpi = costs.tpi_s(sum(stage_time), sum(boundary), costs.bottleneck_s(group_time, boundary), max(sync),
+                      sum(weight), max(weight))
+    limits = [costs.memory_limit_bytes(costs.stages_of(g)[0]) for g in range(pp)]
     limit = min(limits)
     return Estimate(
         tpi_s=tpi,
         samples_per_s=plan.global_batch_size / tpi if tpi > 0 else float("inf"),
-        stage_time_s=stage_time,
+        stage_time_s=group_time,
         stage_memory_bytes=memory,
         stage_sync_s=sync,
         boundary_s=boundary,
         memory_limit_bytes=limit,
         feasible=all(m <= lim for m, lim in zip(memory, limits)),
         stage_memory_limit_bytes=limits if cl.rank_memory_gib else None,
-        stage_device=[cl.stage_device(costs.stage_ranks(i)) for i in range(pp)] if cl.rank_device else None,
+        stage_device=[cl.stage_device(costs.stage_ranks(costs.stages_of(g)[0])) for g in range(pp)]
+        if cl.rank_device else None,
     )

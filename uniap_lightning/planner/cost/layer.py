@@ -33,55 +33,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import NamedTuple
 
 from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.planner.cost.comm import all_gather_s, all_reduce_s, reduce_scatter_s
-from uniap_lightning.planner.plan import COMPRESSIBLE_DP_MODES, DP_MODES
+from uniap_lightning.planner.decision import COMPRESSIBLE_DP_MODES, DP_LABELS, DP_MODES, Strategy
 from uniap_lightning.planner.problem import TrainingConfig
 from uniap_lightning.planner.profile import LayerProfile
-
-
-class _StrategyFields(NamedTuple):
-    d: int
-    t: int
-    dp_mode: str = "replicate"
-    recompute: bool = False
-    compression: str = "none"
-
-
-class Strategy(_StrategyFields):
-    """Intra-layer strategy: ``d`` data-parallel copies x ``t`` tensor-parallel ranks; how the copies hold state
-    (``dp_mode``: replicate / zero1 / zero2 / zero3), whether the layer recomputes its activations in backward, and
-    how its gradients travel (``compression``, replicate / zero1 only). ``Strategy(d, t, shard)`` with a bool
-    third field is the version-1 shape (``True``: zero3)."""
-
-    __slots__ = ()
-
-    def __new__(cls, d: int, t: int, dp_mode: str | bool = "replicate", recompute: bool = False,
-                compression: str = "none") -> Strategy:
-        if isinstance(dp_mode, bool):
-            dp_mode = "zero3" if dp_mode else "replicate"
-        return super().__new__(cls, d, t, dp_mode, recompute, compression)
-
-    @property
-    def shard(self) -> bool:
-        """Parameters sharded over the data-parallel copies (ZeRO-3 / FSDP)."""
-        return self.d > 1 and self.dp_mode == "zero3"
-
-    def label(self) -> str:
-        parts = []
-        if self.d > 1:
-            parts.append(f"{DP_LABELS[self.dp_mode]}{self.d}")
-        if self.t > 1:
-            parts.append(f"tp{self.t}")
-        out = "x".join(parts) or "single"
-        if self.compression != "none":
-            out += f"+{self.compression}"
-        return out + ("+rc" if self.recompute else "")
-
-
-DP_LABELS = {"replicate": "dp", "zero1": "z1dp", "zero2": "z2dp", "zero3": "fsdp"}
 
 
 @dataclass(frozen=True)
@@ -95,6 +52,7 @@ class LayerCost:
     static_bytes: float  # weights + grads + optimizer state per dp_mode (+ buckets, error feedback) on one device
     activation_bytes: float  # per micro-batch in flight, on one device (a recomputed layer: its input only)
     transient_bytes: float  # extra bytes while the layer runs: gathered ZeRO-3 weights + recomputed activations
+    weight_grad_s: float = 0.0  # per micro-batch: the weight-gradient part of compute (zero-bubble schedules' W)
 
 
 @dataclass(frozen=True)
@@ -162,10 +120,12 @@ def layer_cost(
 def _layer_cost(
     layer: LayerProfile, s: Strategy, pr: Pricing, cluster: Cluster, training: TrainingConfig, input_bytes: float
 ) -> LayerCost:
-    d, t = s.d, s.t
+    d, t = s.dp, s.tp
     mode = s.dp_mode if d > 1 else "replicate"
     samples = pr.micro_batch / d
     compute = layer.compute_s(samples) / t
+    # W: the backward's weight-gradient share (profiled, else the profile's default), split by TP like compute
+    weight_grad = compute * (1 - layer.forward_fraction) * layer.backward_split()
     tp_comm = 0.0
     if t > 1:
         # measured (profile ``overheads``): all-reduces + unsplit compute + dispatch; else the ring formula
@@ -231,7 +191,7 @@ def _layer_cost(
         # keeps only its input (whole on every TP rank); its own activations live again while it recomputes
         transient += act
         act = input_bytes * samples
-    return LayerCost(compute + comm, compute, comm, sync, static, act, transient)
+    return LayerCost(compute + comm, compute, comm, sync, static, act, transient, weight_grad)
 
 
 def _gradient_sync(layer: LayerProfile, s: Strategy, P: float, d: int, inter: bool, cluster: Cluster,
@@ -245,7 +205,7 @@ def _gradient_sync(layer: LayerProfile, s: Strategy, P: float, d: int, inter: bo
     if method == "none":
         # measured inside a node without TP (profile overhead "dp": the runtime's own bucketed all-reduce beside
         # the step's last backward, waited for; on CPU ranks sharing cores it also slows that backward)
-        measured = layer.overhead_s("dp", d, pr.micro_batch / d) if s.t == 1 and not inter else None
+        measured = layer.overhead_s("dp", d, pr.micro_batch / d) if s.tp == 1 and not inter else None
         if measured is not None:
             return max(measured, 0.0), 0.0
         return all_reduce_s(cluster, P * training.grad_bytes, d, inter), 0.0
@@ -256,9 +216,9 @@ def _gradient_sync(layer: LayerProfile, s: Strategy, P: float, d: int, inter: bo
         r = pr.powersgd_rank
         dims, vectors = layer.powersgd_dims()
         # a TP shard splits one side of each matrix: (n / t + k) or (n + k / t)
-        dims = dims * (1 + 1 / s.t) / 2
+        dims = dims * (1 + 1 / s.tp) / 2
         low_rank = 4 * r * dims  # P (n r) then Q (k r), fp32
-        sync = 2 * all_reduce_s(cluster, low_rank / 2, d, inter) + all_reduce_s(cluster, 4 * vectors / s.t, d, inter)
+        sync = 2 * all_reduce_s(cluster, low_rank / 2, d, inter) + all_reduce_s(cluster, 4 * vectors / s.tp, d, inter)
         return sync + work * r, P * 4 + low_rank  # error feedback (fp32) and the P, Q factors
     # topk: every rank sends k values (fp32) and indices (int32) per tensor, all-gathered
     k = max(math.ceil(pr.topk_ratio * P), max(layer.param_tensors, 1))
@@ -279,15 +239,10 @@ def reshard_s(cluster: Cluster, out_bytes: float, micro_batch: int, d_from: int,
     return all_gather_s(cluster, out_bytes * micro_batch / lo, hi // lo, False)
 
 
-def boundary_inter_node(cluster: Cluster, n: int, stage: int) -> bool:
-    """Whether the point-to-point links between stage ``stage`` and ``stage + 1`` cross a node boundary."""
+def boundary_inter_node(cluster: Cluster, n: int, group_a: int, group_b: int) -> bool:
+    """Whether the point-to-point links from device group ``group_a`` to ``group_b`` (``n`` devices each, lane to
+    lane) cross a node boundary."""
     dpn = cluster.devices_per_node
     if n >= dpn:
         return True
-    return ((stage + 1) * n) % dpn == 0
-
-
-def in_flight(schedule: str, c: int, pp: int, stage: int) -> int:
-    """Micro-batches whose activations a stage holds at its peak. torch's 1F1B needs at least ``pp``
-    micro-batches; with fewer, the runtime runs GPipe, so that is what memory is costed as."""
-    return c if schedule == "gpipe" or c < pp else min(c, pp - stage)
+    return (group_a * n) // dpn != (group_b * n) // dpn

@@ -35,8 +35,10 @@ from the same formulas ``evaluate`` computes):
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import replace
+from typing import NamedTuple
 
 from uniap_lightning.planner.cost.comm import p2p_s
 from uniap_lightning.planner.cost.layer import (
@@ -44,12 +46,37 @@ from uniap_lightning.planner.cost.layer import (
     Pricing,
     Strategy,
     boundary_inter_node,
-    in_flight,
     layer_cost,
     reshard_s,
     strategies_for,
 )
+from uniap_lightning.planner.plan import group_of_stage
 from uniap_lightning.planner.problem import Problem
+
+
+class PipelineShape(NamedTuple):
+    """A schedule's time per iteration as coefficients of linear terms (see :meth:`CandidateCosts.tpi_s`):
+    ``a_p sum p + a_w sum w + a_o sum o + b_T T + b_W max w + Y`` with ``T >= boundary_weight * o_j``."""
+
+    a_p: float
+    a_w: float
+    a_o: float
+    b_T: float
+    b_W: float = 0.0
+    boundary_weight: float = 1.0
+
+
+def pipeline_shape(schedule: str, pp: int, v: int, c: int) -> tuple[PipelineShape, list[int]]:
+    """The schedule's time coefficients and, per pipeline stage, the micro-batches whose activations it holds at
+    its peak. GPipe and 1F1B (UniAP's formula ``sum p + sum o + (c - 1) T``; torch's 1F1B needs ``c >= pp``, with
+    fewer the runtime runs GPipe, so that is what memory is costed as); the others from
+    :mod:`~uniap_lightning.planner.cost.schedules`, checked there against torch's own action lists."""
+    if schedule in ("gpipe", "1f1b"):
+        flight = [c if schedule == "gpipe" or c < pp else min(c, pp - k) for k in range(pp)]
+        return PipelineShape(1.0, 0.0, 1.0, c - 1.0), flight
+    from uniap_lightning.planner.cost import schedules
+
+    return schedules.pipeline_terms(schedule, pp, v, c)
 
 
 def costing_layers(model) -> list:
@@ -79,9 +106,11 @@ class CandidateCosts:
     :class:`CostTables` adds the enumeration the solver chooses from.
     """
 
-    def __init__(self, problem: Problem, pp: int, c: int, *, compression_options: dict | None = None) -> None:
+    def __init__(self, problem: Problem, pp: int, c: int, *, schedule: str | None = None, virtual_stages: int = 1,
+                 compression_options: dict | None = None) -> None:
         self.problem, self.pp, self.c = problem, pp, c
-        self.n = problem.num_devices // pp  # devices per stage
+        self.n = problem.num_devices // pp  # devices per device group (a group runs virtual_stages stages)
+        self._set_schedule(schedule or problem.training.concrete_schedule, virtual_stages)
         self.b = problem.training.global_batch_size // c  # micro-batch size
         self.layers = problem.model.layers
         opts = compression_options if compression_options is not None else problem.compression_options
@@ -104,8 +133,8 @@ class CandidateCosts:
 
     def send_s(self, u: int, j: int) -> float:
         """Point-to-point send of layer ``u``'s output across boundary ``j`` (forward) and its gradient (backward);
-        every rank of the stage sends its ``b / n`` samples."""
-        inter = boundary_inter_node(self.problem.cluster, self.n, j)
+        every rank of the stage sends its ``b / n`` samples to the rank of the next stage's group."""
+        inter = boundary_inter_node(self.problem.cluster, self.n, self._group[j], self._group[j + 1])
         return 2 * p2p_s(self.problem.cluster, self.layers[u].output_bytes * self.b / self.n, inter)
 
     def boundary_out_s(self, u: int, d_last: int, j: int) -> float:
@@ -121,14 +150,36 @@ class CandidateCosts:
         return self.boundary_out_s(u, d_last, j) + self.boundary_in_s(u, d_first)
 
     def in_flight(self, stage: int) -> int:
-        """Micro-batches whose activations ``stage`` holds at its peak (the schedule's)."""
-        return in_flight(self.problem.training.schedule, self.c, self.pp, stage)
+        """Micro-batches whose activations ``stage`` holds at its peak (the schedule's action order)."""
+        return self._in_flight[stage]
+
+    # ------------------------------------------------------------------ the schedule: stages on device groups
+    def _set_schedule(self, schedule: str, virtual_stages: int) -> None:
+        self.schedule, self.v = schedule, virtual_stages
+        self.stages = self.pp * virtual_stages  # pipeline stages, in chain order
+        self.shape, self._in_flight = pipeline_shape(schedule, self.pp, virtual_stages, self.c)
+        self._group = [group_of_stage(k, self.pp, virtual_stages, schedule) for k in range(self.stages)]
+
+    def with_schedule(self, schedule: str, virtual_stages: int) -> CandidateCosts:
+        """The same candidate's terms under another schedule (a shallow copy: the per-layer tables are shared)."""
+        out = copy.copy(self)
+        out._set_schedule(schedule, virtual_stages)
+        return out
+
+    def group_of(self, stage: int) -> int:
+        """The device group that runs ``stage``."""
+        return self._group[stage]
+
+    def stages_of(self, group: int) -> list[int]:
+        """The stages device group ``group`` runs."""
+        return [k for k in range(self.stages) if self._group[k] == group]
 
     # ------------------------------------------------------------------ heterogeneous devices
     def stage_ranks(self, stage: int) -> range:
+        """The ranks that run ``stage`` (its device group's)."""
         from uniap_lightning.planner.plan import stage_ranks
 
-        return stage_ranks(stage, self.n)
+        return stage_ranks(self._group[stage], self.n)
 
     def stage_speed(self, stage: int) -> float:
         """Relative compute speed of ``stage``'s slowest device (1.0 on a homogeneous cluster)."""
@@ -164,14 +215,36 @@ class CandidateCosts:
         """``m_i = sum static + in_flight(i) * sum activation + max transient`` (any unit: it is homogeneous)."""
         return static + self.in_flight(stage) * activation + transient
 
+    def group_memory_bytes(self, group: int, static: list, activation: list, transient=0.0):
+        """``m_g = sum over the group's stages k of (static_k + in_flight(k) * activation_k) + max transient``:
+        a device holds every stage it runs; one of its layers runs its backward at a time (``static`` and
+        ``activation`` per stage, ``transient`` the group's largest)."""
+        return sum(self.stage_memory_bytes(k, static[k], activation[k]) for k in self.stages_of(group)) + transient
+
+    def bottleneck_s(self, group_times: list, boundaries: list):
+        """``T``: the largest device group's summed stage times and the largest hand-off (numbers only; the MILP
+        states the same with one row per term)."""
+        return max(list(group_times) + [self.shape.boundary_weight * o for o in boundaries])
+
     def layer_memory_bytes(self, stage: int, cost: LayerCost) -> float:
         """One layer's share of :meth:`stage_memory_bytes` on ``stage``, without the transient term."""
         return self.stage_memory_bytes(stage, cost.static_bytes, cost.activation_bytes)
 
-    def tpi_s(self, stages_s, boundaries_s, bottleneck_s, sync_s):
-        """``TPI = sum_i p_i + sum_j o_j + (c - 1) max(p_i, o_j) + max_i sync_i`` from those four quantities
-        (sums, bottleneck and largest sync); linear in them, which the MILP and the bounds rely on."""
-        return stages_s + boundaries_s + (self.c - 1) * bottleneck_s + sync_s
+    def weight_time_s(self, stage: int, cost: LayerCost) -> float:
+        """The weight-gradient part of a layer's time on ``stage`` (what zero-bubble schedules move into bubbles)."""
+        speed = self.stage_speed(stage)
+        return cost.weight_grad_s / speed
+
+    def tpi_s(self, stages_s, boundaries_s, bottleneck_s, sync_s, weight_s=0.0, weight_max_s=0.0):
+        """The schedule's time per iteration from the sums over stages of their times ``p_k`` (``stages_s``) and
+        weight-gradient times ``w_k`` (``weight_s``), the sum of hand-offs ``o_j``, the bottleneck ``T`` (every
+        device group's summed stage times, every hand-off), the largest ``w_k`` and the largest group's sync:
+        ``a_p sum p + a_w sum w + a_o sum o + b_T T + b_W max w + Y`` with the coefficients of
+        :func:`~uniap_lightning.planner.cost.schedules.schedule_shape` (1F1B / GPipe: ``sum p + sum o + (c - 1) T
+        + Y``). Linear in them, which the MILP and the bounds rely on."""
+        sh = self.shape
+        return (sh.a_p * stages_s + sh.a_w * weight_s + sh.a_o * boundaries_s + sh.b_T * bottleneck_s
+                + sh.b_W * weight_max_s + sync_s)
 
 
 class CostTables(CandidateCosts):
@@ -184,8 +257,9 @@ class CostTables(CandidateCosts):
     """
 
     def __init__(self, problem: Problem, pp: int, c: int, *, allowed: Callable[[Strategy], bool] | None = None,
-                 prune: bool = True, stop: Callable[[], bool] | None = None) -> None:
-        super().__init__(problem, pp, c)
+                 prune: bool = True, stop: Callable[[], bool] | None = None, schedule: str | None = None,
+                 virtual_stages: int = 1) -> None:
+        super().__init__(problem, pp, c, schedule=schedule, virtual_stages=virtual_stages)
         self.strategies: list[list[Strategy]] = []
         self.cost: list[list[LayerCost]] = []
         seen: dict[tuple, tuple[list[Strategy], list[LayerCost]]] = {}  # identical layers (a model's blocks) once
@@ -210,7 +284,8 @@ class CostTables(CandidateCosts):
     @property
     def feasible_shape(self) -> bool:
         """Every layer has at least one strategy, and stage boundaries can split the micro-batch over n."""
-        return all(self.strategies) and (self.pp == 1 or self.b % self.n == 0)
+        return (all(self.strategies) and (self.pp == 1 or self.b % self.n == 0)
+                and len(self.layers) >= self.stages)
 
     def layer_key(self, u: int) -> tuple:
         """Everything the table knows about layer ``u``: two layers with equal keys are interchangeable."""
@@ -229,7 +304,10 @@ class CostTables(CandidateCosts):
 
 def _vector(c: LayerCost, split_time: bool = False) -> tuple[float, ...]:
     time = (c.compute_s, c.time_s - c.compute_s) if split_time else (c.time_s,)
-    return (*time, c.sync_s, c.static_bytes, c.activation_bytes, c.transient_bytes)
+    # zero-bubble schedules price ``time - 2 w`` and the largest ``w``: a strategy dominates only where both agree
+    # (the tables are shared by every schedule of the candidate)
+    weight = (c.weight_grad_s, c.time_s - 2 * c.weight_grad_s)
+    return (*time, *weight, c.sync_s, c.static_bytes, c.activation_bytes, c.transient_bytes)
 
 
 def undominated(strategies: list[Strategy], costs: list[LayerCost], *, split_time: bool = False) -> list[int]:
@@ -241,7 +319,7 @@ def undominated(strategies: list[Strategy], costs: list[LayerCost], *, split_tim
     for j, (s, v) in enumerate(zip(strategies, vec)):
         dominated = False
         for i, (s2, v2) in enumerate(zip(strategies, vec)):
-            if i == j or s2.d != s.d:
+            if i == j or s2.dp != s.dp:
                 continue
             if all(a <= b for a, b in zip(v2, v)) and (v2 != v or i < j):
                 dominated = True

@@ -39,7 +39,7 @@ def baseline_plans(
     out["ddp"] = best_uniform(problem, ((1, c, Strategy(N, 1)) for c in cs), deadline=deadline)
     try:  # ZeRO-2 everywhere; the search only decides which layers recompute (and c)
         out["zero2"] = search(problem, solver=solver, deadline=deadline.share(0.2), pp=[1],
-                              allowed=lambda s: s.d == N and s.compression == "none" and s.dp_mode == ("zero2" if N > 1 else "replicate"))
+                              allowed=lambda s: s.dp == N and s.compression == "none" and s.dp_mode == ("zero2" if N > 1 else "replicate"))
     except UniAPError:
         out["zero2"] = None
     out["fsdp"] = best_uniform(problem, ((1, c, Strategy(N, 1, "zero3" if N > 1 else "replicate")) for c in cs),
@@ -54,7 +54,7 @@ def baseline_plans(
         out["megatron"] = best_uniform(problem, grid, deadline=deadline)
         if out["megatron"] is not None:
             break
-    plain = lambda s: s.t == 1 and s.dp_mode == "replicate" and not s.recompute and s.compression == "none"  # noqa: E731
+    plain = lambda s: s.tp == 1 and s.dp_mode == "replicate" and not s.recompute and s.compression == "none"  # noqa: E731
     for key, share, kwargs in (
         ("intra_only", 0.5, {"pp": [1], "allowed": lambda s: s.compression == "none"}),
         ("inter_only", 1.0, {"allowed": plain}),

@@ -10,28 +10,35 @@ from uniap_lightning.planner.cost.tables import CostTables
 def time_lower_bound_s(t: CostTables) -> float:
     """A valid lower bound on the candidate's TPI, from per-layer minima (no solver).
 
-    ``tpi_s`` is linear in (sum of stage times, sum of boundaries, bottleneck, largest sync). With ``P`` stages,
-    ``max_i p_i >= sum_i p_i / P`` and ``max_i sync_i >= sum_i sync_i / P``, so each layer contributes at least
-    ``min_k tpi_s(A_uk, 0, A_uk / P, S_uk / P)``; also ``max_i p_i >= max_u min_k A_uk`` and the run floors.
-    Or, term by term: the sum of stage times is at least every layer's cheapest time, and bottleneck plus sync
-    together at least :func:`chain_sync_floor_s`. What every stage pays with no layer at all (``stage_time_s(0)``,
-    the slot overhead) and the cheapest transfer over each of the ``P - 1`` boundaries come on top.
+    ``tpi_s`` is linear in (sum of stage times, sum of weight-gradient times, sum of hand-offs, bottleneck, largest
+    weight-gradient time, largest sync), with a non-negative coefficient on all but the weight-gradient sum
+    (zero-bubble schedules subtract it). With ``pp`` device groups, ``T >= sum_i p_i / pp`` and
+    ``Y >= sum sync / pp``, so each layer contributes at least ``min_k tpi_s(A_uk, 0, A_uk / pp, S_uk / pp,
+    W_uk)``; also ``T >= max_u min_k A_uk`` and the run floors. Or, term by term: the sum of stage times is at least
+    every layer's cheapest time, and bottleneck plus sync together at least :func:`chain_sync_floor_s`. Times are
+    taken at the fastest device's speed and weight-gradient times at the slowest's (the subtracted term at its
+    largest). What every stage pays with no layer at all (``stage_time_s(0)``, the slot overhead; a group pays it
+    for each of its ``v`` stages) and the cheapest transfer over each of the ``S - 1`` boundaries come on top.
     """
-    P = t.pp
+    S, pp, v = t.stages, t.pp, t.v
     # on a heterogeneous cluster every layer is taken at the fastest device's speed (a lower bound anywhere)
     fast = t.fastest_layer_time_s
-    spread = sum(min(t.tpi_s(fast(k), 0.0, fast(k) / P, k.sync_s / P) for k in costs) for costs in t.cost)
+    slowest = min(t.stage_speed(i) for i in range(S))
+    most_w = lambda k: k.weight_grad_s / slowest  # noqa: E731 - the weight-gradient time at its largest
+    spread = sum(min(t.tpi_s(fast(k), 0.0, fast(k) / pp, k.sync_s / pp, most_w(k)) for k in costs)
+                 for costs in t.cost)
     cheapest = [min(fast(k) for k in costs) for costs in t.cost]
+    weights = sum(max(most_w(k) for k in costs) for costs in t.cost)
     floor = max(run_bottleneck_s(t, a, e) for a, e in t.runs())
-    peak = t.tpi_s(sum(cheapest), 0.0, max(max(cheapest), floor), 0.0)
+    peak = t.tpi_s(sum(cheapest), 0.0, max(max(cheapest), floor), 0.0, weights)
     boundaries = 0.0
-    if P > 1:
+    if S > 1:
         smallest = min(range(len(t.layers) - 1), key=lambda u: t.layers[u].output_bytes)
-        boundaries = (P - 1) * min(t.send_s(smallest, j) for j in range(P - 1))
+        boundaries = (S - 1) * min(t.send_s(smallest, j) for j in range(S - 1))
     empty = t.stage_time_s(0.0)
     # chain_sync_floor_s already holds the empty stage's share of the bottleneck
-    combined = t.tpi_s(sum(cheapest) + P * empty, boundaries, 0.0, 0.0) + chain_sync_floor_s(t)
-    return max(max(spread, peak) + t.tpi_s(P * empty, boundaries, empty, 0.0), combined)
+    combined = t.tpi_s(sum(cheapest) + S * empty, boundaries, 0.0, 0.0, weights) + chain_sync_floor_s(t)
+    return max(max(spread, peak) + t.tpi_s(S * empty, boundaries, v * empty, 0.0), combined)
 
 
 def chain_bottleneck_s(t: CostTables) -> float:
@@ -41,7 +48,7 @@ def chain_bottleneck_s(t: CostTables) -> float:
 
     Unlike the LP relaxation, which can put a fraction of a block next to the embedding or the head, this sees
     that whole layers share stages."""
-    return partition_floor([min(t.fastest_layer_time_s(k) for k in costs) for costs in t.cost], t.pp)
+    return partition_floor([min(t.fastest_layer_time_s(k) for k in costs) for costs in t.cost], t.stages)
 
 
 def chain_sync_floor_s(t: CostTables) -> float:
@@ -60,7 +67,7 @@ def chain_sync_floor_s(t: CostTables) -> float:
     candidate's LP bound went from 31.1 ms to its optimum's 34.9 ms).
     """
     w = [min(t.tpi_s(0.0, 0.0, t.fastest_layer_time_s(k), k.sync_s) for k in costs) for costs in t.cost]
-    return partition_floor(w, t.pp) + t.tpi_s(0.0, 0.0, t.stage_time_s(0.0), 0.0)
+    return partition_floor(w, t.stages) + t.tpi_s(0.0, 0.0, t.stage_time_s(0.0), 0.0)
 
 
 def partition_floor(weights: list[float], parts: int) -> float:
@@ -103,7 +110,7 @@ def run_bottleneck_s(t: CostTables, first: int, last: int) -> float:
     """
     R = last - first + 1
     costs = t.cost[first]
-    lo, hi = max(0, t.pp - len(t.layers) + first), min(last, t.pp - 1)
+    lo, hi = max(0, t.stages - len(t.layers) + first), min(last, t.stages - 1)
     per_f: dict[tuple[int, float, float], list[float]] = {}
     tables = []
     for i in range(lo, hi + 1):
@@ -158,7 +165,7 @@ def _frontier(opts: list[tuple[float, float]]) -> list[tuple[float, float]]:
 def memory_lower_bound_bytes(t: CostTables) -> float:
     """Cheap bound: the busiest stage holds at least its share of every layer's least memory, and at least the
     hungriest single layer (each on the stage with the fewest micro-batches in flight)."""
-    lightest = min(range(t.pp), key=t.in_flight)
+    lightest = min(range(t.stages), key=t.in_flight)
     least = [min(t.layer_memory_bytes(lightest, k) for k in costs) for costs in t.cost]
     return max(sum(least) / t.pp, max(least))
 
@@ -174,6 +181,8 @@ def least_memory_bytes(t: CostTables, *, rel_tol: float = 1e-9) -> float:
     where it costs more than in any feasible split. ``O(L * F + iterations * P log L)`` for ``F`` distinct
     in-flight counts, where the dynamic program it replaces was ``O(P L^2)``.
     """
+    if t.stages != t.pp:  # several stages per device: the cheap bound (still a lower bound)
+        return memory_lower_bound_bytes(t)
     L, P = len(t.layers), t.pp
     prefix: dict[int, list[float]] = {}
     stage_prefix = []

@@ -73,7 +73,7 @@ class GroupedMilp:
     def __init__(self, tables: CostTables, *, solver: str = "cbc", threads: int = 1) -> None:
         t0 = time.perf_counter()
         self.t = tables
-        self.P, self.L = tables.pp, len(tables.layers)
+        self.P, self.L = tables.stages, len(tables.layers)  # pipeline stages (pp * virtual stages), layers
         self.runs = tables.runs()
         self.G = len(self.runs)
         self.m = new_model(solver, threads)
@@ -89,7 +89,7 @@ class GroupedMilp:
         self._sync()
         self._memory()
         self._bottleneck()
-        self.tpi = tables.tpi_s(mip.xsum(self.p), mip.xsum(self.o), self.T, self.Y)
+        self.tpi = tables.tpi_s(mip.xsum(self.p), mip.xsum(self.o), self.T, self.Y, mip.xsum(self.w), self.Wmax)
         self.m.objective = mip.minimize(self.tpi)
         self.build_s = time.perf_counter() - t0
 
@@ -101,9 +101,9 @@ class GroupedMilp:
             self.R.append(e - a + 1)
             self.K.append(t.strategies[a])
             self.cost.append(t.cost[a])
-            lv = sorted({s.d for s in t.strategies[a]})
+            lv = sorted({s.dp for s in t.strategies[a]})
             self.levels.append(lv)
-            self.level_of.append([lv.index(s.d) for s in t.strategies[a]])
+            self.level_of.append([lv.index(s.dp) for s in t.strategies[a]])
             self.first.append(a)  # every layer of a run has the same output, so run g's pair terms use layer a
         self.T = self.m.add_var("T")
         self.Y = self.m.add_var("Y")
@@ -310,47 +310,65 @@ class GroupedMilp:
         return [g for g in range(self.G) if i in self.stage_range(g)]
 
     def _stage_time(self) -> None:
-        """p_i = stage_time_s(sum A n, sum X tau + sum X zeta)  (which adds the slot overhead);  T >= p_i."""
-        self.p = []
+        """p_i = stage_time_s(sum A n, sum X tau + sum X zeta)  (which adds the slot overhead);  T >= sum of p_i
+        over each device group's stages;  w_i = sum W n (weight-gradient time) and Wmax >= w_i where the schedule
+        prices them (zero-bubble)."""
+        self.p, self.w = [], []
+        weighted = self.t.shape.a_w != 0 or self.t.shape.b_W != 0
+        self.Wmax = self.m.add_var("Wmax") if weighted else 0.0
         for i in range(self.P):
-            layers, reshard = [], list(self.junction.get(i, []))
+            layers, reshard, weight = [], list(self.junction.get(i, [])), []
             for g in self._here(i):
                 layers += [self.t.layer_time_s(i, c) * MS * self.n[g, i][k] for k, c in enumerate(self.cost[g])]
+                if weighted:
+                    weight += [self.t.weight_time_s(i, c) * MS * self.n[g, i][k] for k, c in enumerate(self.cost[g])
+                               if c.weight_grad_s > 0]
                 for (d, e), tv in self.tau.get((g, i), {}).items():
                     reshard.append(self.reshard_ms(g, self.levels[g][d], self.levels[g][e]) * tv)
             p = self.t.stage_time_s(mip.xsum(layers), mip.xsum(reshard), per_s=MS)
             self.p.append(p)
-            self.m += self.T >= p, f"bottleneck_stage[{i}]"
+            if weighted:
+                w = mip.xsum(weight)
+                self.w.append(w)
+                self.m += self.Wmax >= w, f"weight_max[{i}]"
+        for grp in range(self.t.pp):
+            self.m += self.T >= mip.xsum(self.p[i] for i in self.t.stages_of(grp)), f"bottleneck_group[{grp}]"
 
     def _sync(self) -> None:
-        """Y >= sum_{g,k} S_gk n[g,i,k] for every stage i (the largest end-of-iteration all-reduce)."""
-        for i in range(self.P):
-            terms = [c.sync_s * MS * self.n[g, i][k] for g in self._here(i) for k, c in enumerate(self.cost[g])
-                     if c.sync_s > 0]
+        """Y >= sum_{g,k} S_gk n[g,i,k] over each device group's stages i (the largest end-of-iteration sync)."""
+        for grp in range(self.t.pp):
+            terms = [c.sync_s * MS * self.n[g, i][k] for i in self.t.stages_of(grp) for g in self._here(i)
+                     for k, c in enumerate(self.cost[g]) if c.sync_s > 0]
             if terms:
-                self.m += self.Y >= mip.xsum(terms), f"sync[{i}]"
+                self.m += self.Y >= mip.xsum(terms), f"sync[{grp}]"
 
     def _memory(self) -> None:
-        """stage_memory_bytes(i, sum W n, sum Act n, gmax_i) <= M (GiB);  gmax_i >= G_k v[g,i,k]."""
+        """group_memory_bytes(grp, sum W n, sum Act n per stage, gmax_grp) <= M (GiB) for every device group;
+        gmax_grp >= G_k v[g,i,k] over the group's stages (one layer of a device runs its backward at a time)."""
         m, t = self.m, self.t
+        static, act = [], []
         for i in range(self.P):
-            limit = t.memory_limit_bytes(i) / GIB
             here = self._here(i)
-            static = mip.xsum(c.static_bytes / GIB * self.n[g, i][k] for g in here for k, c in enumerate(self.cost[g]))
-            act = mip.xsum(c.activation_bytes / GIB * self.n[g, i][k] for g in here for k, c in enumerate(self.cost[g]))
-            gathered = [size / GIB * v for (g, ii, _), (v, size) in self.v.items() if ii == i]
+            static.append(mip.xsum(c.static_bytes / GIB * self.n[g, i][k] for g in here
+                                   for k, c in enumerate(self.cost[g])))
+            act.append(mip.xsum(c.activation_bytes / GIB * self.n[g, i][k] for g in here
+                                for k, c in enumerate(self.cost[g])))
+        for grp in range(t.pp):
+            mine = set(t.stages_of(grp))
+            limit = t.memory_limit_bytes(min(mine)) / GIB
+            gathered = [size / GIB * v for (g, ii, _), (v, size) in self.v.items() if ii in mine]
             gmax = 0.0
             if gathered:
-                gmax = m.add_var(f"gmax[{i}]")
+                gmax = m.add_var(f"gmax[{grp}]")
                 for j, term in enumerate(gathered):
-                    m += gmax >= term, f"gathered[{i},{j}]"
-            m += t.stage_memory_bytes(i, static, act, gmax) <= limit, f"memory[{i}]"
+                    m += gmax >= term, f"gathered[{grp},{j}]"
+            m += t.group_memory_bytes(grp, static, act, gmax) <= limit, f"memory[{grp}]"
 
     def _bottleneck(self) -> None:
         """T >= o_j;  T >= run_bottleneck_s(g) for every run of two or more layers;  T >= chain_bottleneck_s;
         (c - 1) T + Y >= chain_sync_floor_s (valid: see :mod:`.bounds`)."""
         for j, o in enumerate(self.o):
-            self.m += self.T >= o, f"bottleneck_boundary[{j}]"
+            self.m += self.T >= self.t.shape.boundary_weight * o, f"bottleneck_boundary[{j}]"
         for g, (a, e) in enumerate(self.runs):
             floor = run_bottleneck_s(self.t, a, e)
             if e > a and floor < float("inf"):

@@ -45,16 +45,28 @@ def resolve_solver(name: str) -> str:
 class Candidate:
     pp: int
     c: int
-    tables: CostTables
+    tables: CostTables  # priced under the candidate's schedule and virtual stages (tables.schedule, tables.v)
     bound_s: float
     warm: Plan | None = None
+
+    @property
+    def record(self) -> dict:
+        """The candidate's identity in the search trace."""
+        return {"pp": self.pp, "microbatches": self.c, "schedule": self.tables.schedule,
+                "virtual_stages": self.tables.v}
+
+    def label(self) -> str:
+        t = self.tables
+        return f"pp={self.pp} c={self.c} {t.schedule}" + (f" v={t.v}" if t.v > 1 else "")
 
 
 def _candidates(
     problem: Problem, pp: list[int] | None, allowed, trace: list[dict], deadline: Deadline
 ) -> tuple[list[Candidate], bool]:
     """The candidates that may fit memory, with their bounds; and whether the deadline cut the enumeration
-    short (a 10,000-layer chain takes seconds per candidate to tabulate)."""
+    short (a 10,000-layer chain takes seconds per candidate to tabulate). One table per ``(pp, c)``, priced under
+    each ``(schedule, virtual_stages)`` of :meth:`TrainingConfig.schedule_candidates` (the per-layer terms do not
+    depend on the schedule; its in-flight counts and time formula do)."""
     pps = problem.pp_candidates() if pp is None else pp
     bad = [p for p in pps if p not in problem.pp_candidates()]
     if bad:
@@ -76,15 +88,17 @@ def _candidates(
             if not out:
                 raise UniAPError(_out_of_time(problem, f"after {n_done} of {len(shapes)} (pp, c) candidates")) from None
             return out, True
-        if not t.feasible_shape:
-            continue
-        mem = memory_lower_bound_bytes(t)
-        if mem > problem.cluster.largest_memory_bytes:
-            skipped.append(t)  # cannot fit: no solve needed
-            trace.append({"pp": p, "microbatches": c, "outcome": "does not fit", "tpi_s": None,
-                          "bound_s": None, "memory_bound_bytes": mem})
-            continue
-        out.append(Candidate(p, c, t, time_lower_bound_s(t)))
+        for schedule, v in problem.training.schedule_candidates(p, c, len(t.layers)):
+            ts = t.with_schedule(schedule, v)
+            if not ts.feasible_shape:
+                continue
+            mem = memory_lower_bound_bytes(ts)
+            if mem > problem.cluster.largest_memory_bytes:
+                skipped.append(ts)  # cannot fit: no solve needed
+                trace.append({"pp": p, "microbatches": c, "schedule": schedule, "virtual_stages": v,
+                              "outcome": "does not fit", "tpi_s": None, "bound_s": None, "memory_bound_bytes": mem})
+                continue
+            out.append(Candidate(p, c, ts, time_lower_bound_s(ts)))
     if not out and skipped:
         raise InfeasibleError(_no_fit(problem, skipped, deadline))
     if not out:
@@ -122,14 +136,24 @@ def _warm_starts(problem: Problem, cands: list[Candidate], deadline: Deadline) -
     for cand in cands:
         ks = cand.tables.strategies
         uniform = [k for k in dict.fromkeys(s for row in ks for s in row) if all(k in row for row in ks)]
-        cand.warm = best_uniform(problem, ((cand.pp, cand.c, k) for k in uniform), deadline=deadline)
+        cand.warm = best_uniform(problem, ((cand.pp, cand.c, k) for k in uniform), deadline=deadline,
+                                 schedule=cand.tables.schedule, virtual_stages=cand.tables.v)
     return min((cd.warm for cd in cands if cd.warm is not None), key=lambda p: p.estimate.tpi_s, default=None)
 
 
 def _from_milp(problem: Problem, cand: Candidate, stages: list[int], ks: list[int]) -> Plan:
     t = cand.tables
     return problem.plan_for(stage_of_layer=stages, strategies=[t.strategies[u][k] for u, k in enumerate(ks)],
-                            pp=cand.pp, microbatches=cand.c)
+                            pp=cand.pp, microbatches=cand.c, schedule=t.schedule, virtual_stages=t.v)
+
+
+def bubble_s(plan: Plan) -> float:
+    """Idle time of the plan's busiest device group per iteration: what the time per iteration holds beyond that
+    group's ``c`` micro-batches of work and the largest end-of-step sync (the schedule's bubble, plus waits on
+    hand-offs)."""
+    est = plan.estimate
+    busy = plan.microbatches * max(est.stage_time_s) + max(est.stage_sync_s)
+    return max(est.tpi_s - busy, 0.0)
 
 
 @no_gc()  # also when called directly (tests, baselines): see no_gc
@@ -163,7 +187,7 @@ def search(
     if incumbent is not None and incumbent.estimate and incumbent.estimate.feasible and (pp is None or incumbent.pp in pp):
         if best is None or incumbent.estimate.tpi_s < best.estimate.tpi_s:
             best = incumbent
-    say(f"{len(cands)} (pp, c) candidates; best uniform plan: "
+    say(f"{len(cands)} (pp, c, schedule) candidates; best uniform plan: "
         + (f"{best.estimate.tpi_s * 1e3:.2f} ms" if best else "none fits memory"))
     cands.sort(key=lambda cd: cd.bound_s)
     solved = pruned = 0
@@ -176,7 +200,7 @@ def search(
         while queue or pending:
             while queue and len(pending) < pool.size:  # hand out candidates, best bound first
                 cand = queue.pop(0)
-                record = {"pp": cand.pp, "microbatches": cand.c, "outcome": "", "tpi_s": None, "bound_s": cand.bound_s}
+                record = {**cand.record, "outcome": "", "tpi_s": None, "bound_s": cand.bound_s}
                 trace.append(record)
                 if best is not None and cand.bound_s >= best.estimate.tpi_s * (1 - 1e-9):
                     pruned += 1
@@ -200,7 +224,7 @@ def search(
                 except Exception:  # noqa: BLE001 - a worker that died (memory, signal): solve it here instead
                     res = solve_candidate(cand.tables, name, max(deadline.remaining_s(), 0.0), cutoff)
                 solved += 1
-                say(f"pp={cand.pp} c={cand.c}: {res.status} in {res.solve_s:.2f} s "
+                say(f"{cand.label()}: {res.status} in {res.solve_s:.2f} s "
                     f"({res.num_vars} vars, {res.num_constrs} rows)"
                     + (f", {res.objective_s * 1e3:.3f} ms" if res.objective_s is not None else ""))
                 record.update(outcome=res.status if res.status != "infeasible" else "no better plan (infeasible)",
@@ -214,6 +238,7 @@ def search(
                     continue
                 plan = _from_milp(problem, cand, res.stage_of_layer, res.strategy_index)
                 plan = plan.with_report(estimate=evaluate(problem, plan))
+                record["bubble_s"] = bubble_s(plan)
                 if plan.estimate.feasible and (best is None or plan.estimate.tpi_s < best.estimate.tpi_s):
                     best = plan.with_report(solver=SolverInfo(name, res.status, res.gap, 0.0,
                                                               objective_s=res.objective_s))

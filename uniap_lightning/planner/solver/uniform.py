@@ -21,30 +21,34 @@ def even_split(num_layers: int, pp: int) -> list[int]:
     return out
 
 
-def uniform_plan(problem: Problem, pp: int, c: int, s: Strategy) -> Plan | None:
-    """The plan with strategy ``s`` on every layer and an even split, or None if a layer does not allow ``s``."""
+def uniform_plan(problem: Problem, pp: int, c: int, s: Strategy, schedule: str | None = None,
+                 virtual_stages: int = 1) -> Plan | None:
+    """The plan with strategy ``s`` on every layer and an even split into ``pp * virtual_stages`` stages, or None if
+    a layer does not allow ``s``."""
     n = problem.num_devices // pp
     b = problem.training.global_batch_size // c
     layers = problem.model.layers
-    if pp > len(layers) or (pp > 1 and b % n):
+    if pp * virtual_stages > len(layers) or (pp > 1 and b % n):
         return None
     if any(s not in strategies_for(lp, n, problem.cluster, b) for lp in layers):
         return None
-    return problem.plan_for(stage_of_layer=even_split(len(layers), pp), strategies=[s] * len(layers), pp=pp,
-                            microbatches=c)
+    return problem.plan_for(stage_of_layer=even_split(len(layers), pp * virtual_stages), strategies=[s] * len(layers),
+                            pp=pp, microbatches=c, schedule=schedule, virtual_stages=virtual_stages)
 
 
 def best_uniform(
-    problem: Problem, candidates: Iterable[tuple[int, int, Strategy]], *, deadline: Deadline | None = None
+    problem: Problem, candidates: Iterable[tuple[int, int, Strategy]], *, deadline: Deadline | None = None,
+    schedule: str | None = None, virtual_stages: int = 1,
 ) -> Plan | None:
-    """The fastest memory-feasible uniform plan among ``(pp, c, strategy)`` candidates; those left when the
-    deadline passes are not scored (each is an ``evaluate`` of the whole chain)."""
+    """The fastest memory-feasible uniform plan among ``(pp, c, strategy)`` candidates (under ``schedule`` with
+    ``virtual_stages``); those left when the deadline passes are not scored (each is an ``evaluate`` of the whole
+    chain)."""
     best: Plan | None = None
     for pp, c, s in candidates:
         if deadline is not None and deadline.remaining_s() <= 0:
             break
         try:
-            plan = uniform_plan(problem, pp, c, s)
+            plan = uniform_plan(problem, pp, c, s, schedule, virtual_stages)
         except UniAPError:
             continue
         if plan is None:
