@@ -52,7 +52,11 @@ class UniAPStrategy(CheckpointIO, ModelParallelStrategy):
             collectives measured at setup when ``measure_cluster``).
         plan: a pinned plan (a :class:`~uniap_lightning.planner.plan.Plan` or the path of a plan JSON file); skips
             profiling and solving. It must be for this model (layer names, fingerprint) and world size.
-        schedule: pipeline schedule when solving: ``"1f1b"`` (default, less activation memory) or ``"gpipe"``.
+        schedule: pipeline schedule when solving: ``"auto"`` (the planner prices every schedule torch runs and
+            chooses, with the stage split and the micro-batch count), or one of ``"gpipe"``, ``"1f1b"``,
+            ``"zb_h1"``, ``"interleaved_1f1b"``, ``"interleaved_zb"``, ``"zb_v"``, ``"dualpipe_v"`` (see the README's
+            schedule table). ``virtual_stages``: pipeline stages per device (``None``: searched; interleaved
+            schedules take 2 or more, the V schedules 2).
         pp: restrict the search to these pipeline degrees (an int or a list; each must divide the number of
             processes); ``None`` (default): every degree. Not with a pinned ``plan`` (it has its own).
         solver: MILP backend for the planner: ``"auto"`` (the best available), ``"cbc"``, ``"highs"``, ``"gurobi"``.
@@ -91,6 +95,7 @@ class UniAPStrategy(CheckpointIO, ModelParallelStrategy):
         plan: Plan | str | Path | None = None,
         schedule: str = "1f1b",
         pp: int | list[int] | None = None,
+        virtual_stages: int | None = None,
         solver: str = "auto",
         time_limit: float = 60.0,
         profile: str | Path | None = None,
@@ -114,7 +119,7 @@ class UniAPStrategy(CheckpointIO, ModelParallelStrategy):
         super().__init__(save_distributed_checkpoint=True, process_group_backend=process_group_backend,
                          timeout=timedelta(seconds=timeout_s))
         self._setup_options = SetupOptions.from_arguments(
-            cluster=cluster, plan=plan, schedule=schedule, pp=pp, solver=solver, time_limit=time_limit, profile=profile,
+            cluster=cluster, plan=plan, schedule=schedule, pp=pp, virtual_stages=virtual_stages, solver=solver, time_limit=time_limit, profile=profile,
             cache_dir=cache_dir, measure_cluster=measure_cluster, profile_cache=profile_cache,
             profile_repeats=profile_repeats, profile_micro_batches=profile_micro_batches, compression=compression,
             compression_options=compression_options,

@@ -44,6 +44,7 @@ def _problem(cfg: DictConfig) -> Problem:
         profile=cfg.profile,
         global_batch_size=cfg.batch_size,
         schedule=cfg.schedule,
+        virtual_stages=cfg.get("virtual_stages"),
         microbatches=mb,
     )
 

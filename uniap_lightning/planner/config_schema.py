@@ -96,6 +96,7 @@ def plan_schema() -> type:
     return dataclasses.make_dataclass("UniAPPlanOptions", [
         ("batch_size", Optional[int], dataclasses.field(default=None)),  # noqa: UP007 - OmegaConf reads typing
         ("schedule", Optional[str], dataclasses.field(default=None)),  # noqa: UP007
+        ("virtual_stages", Optional[int], dataclasses.field(default=None)),  # noqa: UP007
         ("microbatches", Any, dataclasses.field(default=None)),
         ("profile", Optional[str], dataclasses.field(default=None)),  # noqa: UP007
         ("solver", str, dataclasses.field(default=strategy["solver"])),

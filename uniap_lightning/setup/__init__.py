@@ -173,7 +173,7 @@ def _solve(m: Measurements, chain: Chain, sample: Sample, cluster: Cluster | Non
              f"(solver={o.solver}, time limit {o.time_limit_s:g} s) ...")
 
     t0 = time.perf_counter()
-    training = _training(chain, batch, o.schedule)
+    training = _training(chain, batch, o.schedule, o.virtual_stages)
     m.report["training"] = asdict(training)  # what the monitor's measured file records for `uniap explain`
     plan, origin = solve_plan(profile=profile, cluster=cluster, training=training,
                               solver=o.solver, time_limit_s=o.time_limit_s, cache_dir=o.plan_cache_dir(),
@@ -183,7 +183,7 @@ def _solve(m: Measurements, chain: Chain, sample: Sample, cluster: Cluster | Non
     return plan, origin, profile, m.report
 
 
-def _training(chain: Chain, global_batch_size: int, schedule: str) -> Any:
+def _training(chain: Chain, global_batch_size: int, schedule: str, virtual_stages: int | None = None) -> Any:
     """Training settings with the bytes per parameter of the model's real dtypes (after the precision plugin
     converted it): weights and gradients in the parameters' dtype, two optimizer states of the same size (Adam)."""
     from uniap_lightning.planner.problem import TrainingConfig
@@ -191,7 +191,8 @@ def _training(chain: Chain, global_batch_size: int, schedule: str) -> Any:
     params = [p for layer in chain.layers for p in layer.parameters()]
     count = sum(p.numel() for p in params)
     per_param = sum(p.numel() * p.element_size() for p in params) / count if count else 4.0
-    return TrainingConfig(global_batch_size=int(global_batch_size), schedule=schedule, weight_bytes=per_param,
+    return TrainingConfig(global_batch_size=int(global_batch_size), schedule=schedule,
+                          virtual_stages=virtual_stages, weight_bytes=per_param,
                           grad_bytes=per_param, optimizer_bytes=2 * per_param)
 
 

@@ -26,6 +26,8 @@ class SetupOptions:
     cluster: Cluster | None = None
     pinned_plan: Plan | None = None
     schedule: str = "1f1b"
+    #: pipeline stages per device (None: searched with the schedule)
+    virtual_stages: int | None = None
     #: the pipeline degrees the search may use (``None``: all that divide the world size)
     pp: tuple[int, ...] | None = None
     solver: str = "auto"
@@ -45,17 +47,23 @@ class SetupOptions:
     def from_arguments(cls, *, cluster: Any, plan: Any, schedule: str, solver: str, time_limit: float, profile: Any,
                        cache_dir: Any, measure_cluster: bool, profile_cache: bool, profile_repeats: int,
                        profile_micro_batches: Any, compression: Any = None,
-                       compression_options: Any = None, pp: Any = None) -> SetupOptions:
+                       compression_options: Any = None, pp: Any = None,
+                       virtual_stages: Any = None) -> SetupOptions:
         """Check and normalize ``UniAPStrategy``'s arguments (clear errors when the strategy is built)."""
-        from uniap_lightning.planner.plan import SCHEDULES
+        from uniap_lightning.planner.plan import SCHEDULES, check_schedule
         from uniap_lightning.planner.solver.search import SOLVERS
 
         if not isinstance(compression, (str, type(None))) or compression not in COMPRESSION_CHOICES:
             allowed = ", ".join(repr(c) for c in COMPRESSION_CHOICES if c != "none")
             raise UniAPError(f"compression={compression!r} must be one of {allowed} (None: off; a method: the "
                              "planner may use it per layer; 'auto': it chooses among all)")
-        if schedule not in SCHEDULES:
-            raise UniAPError(f"schedule={schedule!r} must be one of {list(SCHEDULES)}")
+        if schedule not in ("auto", *SCHEDULES):
+            raise UniAPError(f"schedule={schedule!r} must be 'auto' (the planner chooses) or one of {list(SCHEDULES)}")
+        if virtual_stages is not None:
+            if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
+                raise UniAPError(f"virtual_stages={virtual_stages!r} must be None (searched) or an integer >= 1")
+            if schedule != "auto":
+                check_schedule(schedule, virtual_stages, "strategy")
         if solver not in SOLVERS:
             raise UniAPError(f"solver={solver!r} must be one of {list(SOLVERS)}")
         if isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)) or not time_limit > 0:
@@ -74,7 +82,8 @@ class SetupOptions:
         if plan is not None and not isinstance(plan, Plan):
             plan = Plan.from_json(Path(plan))
         return cls(
-            cluster=cluster, pinned_plan=plan, schedule=schedule, pp=degrees, solver=solver,
+            cluster=cluster, pinned_plan=plan, schedule=schedule, virtual_stages=virtual_stages, pp=degrees,
+            solver=solver,
             time_limit_s=float(time_limit),
             profile_path=Path(profile) if profile is not None else None,
             cache_dir=Path(cache_dir) if cache_dir is not None else None, measure_cluster=bool(measure_cluster),
