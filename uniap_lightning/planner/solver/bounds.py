@@ -101,8 +101,8 @@ def partition_floor(weights: list[float], parts: int) -> float:
 def run_bottleneck_s(t: CostTables, first: int, last: int) -> float:
     """A lower bound on the bottleneck stage time forced by a run of ``R`` identical layers ``first..last``.
 
-    For stage ``i`` let ``h_i(T)`` be the most of these layers that fit on it within time ``T`` and memory ``M_i``
-    (at the stage's own speed and memory limit)
+    For device group ``g`` let ``h_g(T)`` be the most of these layers that fit on it within time ``T`` and memory
+    ``M_g`` (at the group's own speed and memory limit; a group's stages share both)
     (strategy mixes relaxed to fractions: the cheapest time for ``x`` layers is a two-strategy LP, solved in
     closed form). Every layer must go somewhere, so the bottleneck is at least the least ``T`` with
     ``sum_i h_i(T) >= R``. Ignores every other layer, which can only raise the true value; ``inf`` if the run
@@ -113,7 +113,10 @@ def run_bottleneck_s(t: CostTables, first: int, last: int) -> float:
     lo, hi = max(0, t.stages - len(t.layers) + first), min(last, t.stages - 1)
     per_f: dict[tuple[int, float, float], list[float]] = {}
     tables = []
-    for i in range(lo, hi + 1):
+    # a device group's stages share its time T and its memory: one bin per group, each layer priced on the group's
+    # stage (within reach of the run) that holds the fewest micro-batches in flight (a relaxation)
+    for g in sorted({t.group_of(i) for i in range(lo, hi + 1)}):
+        i = min((k for k in t.stages_of(g) if lo <= k <= hi), key=t.in_flight)
         key = (t.in_flight(i), t.stage_speed(i), t.memory_limit_bytes(i))
         if key not in per_f:
             opts = [(t.layer_time_s(i, k), t.layer_memory_bytes(i, k)) for k in costs]
