@@ -25,7 +25,6 @@ momentum correction (``dgc_momentum`` 0.9; with ``--optimizer sgd`` only, the op
 
 from __future__ import annotations
 
-from uniap_lightning.planner.decision import Strategy
 import argparse
 import json
 import math
@@ -38,6 +37,8 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+
+from uniap_lightning.planner.decision import Strategy
 
 #: method label -> (plan compression, compression_options)
 METHODS: dict[str, tuple[str, dict[str, float]]] = {

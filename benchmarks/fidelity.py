@@ -22,7 +22,6 @@ of predicted vs measured time, and where the planner's choice ranks among the me
 
 from __future__ import annotations
 
-from uniap_lightning.planner.decision import Strategy
 import argparse
 import dataclasses
 import json
@@ -37,6 +36,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from uniap_lightning.planner.decision import Strategy
 
 B, SEQ, VOCAB, WIDTH, HEADS, BLOCKS = 16, 64, 256, 192, 4, 4
 

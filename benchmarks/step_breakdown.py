@@ -14,7 +14,6 @@ process (what profiling and the optimizer term assume). The table puts each next
 
 from __future__ import annotations
 
-from uniap_lightning.planner.decision import Strategy
 import argparse
 import os
 import socket
@@ -25,6 +24,8 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+
+from uniap_lightning.planner.decision import Strategy
 
 
 def _port() -> int:
@@ -100,7 +101,7 @@ def _fit(rank: int, world: int, port: int, args: argparse.Namespace, cache: str)
         solved = strategy_of_solved_run[0]
         problem = Problem(model=solved.profile, cluster=solved.planning_cluster,
                           training=TrainingConfig(global_batch_size=strategy.plan.global_batch_size))
-        strategy_plan = replace(strategy.plan, estimate=evaluate(problem, strategy.plan))
+        strategy_plan = strategy.plan.with_report(estimate=evaluate(problem, strategy.plan))
     else:
         strategy_plan = strategy.plan
         strategy_of_solved_run[:] = [strategy.setup_result]

@@ -6,7 +6,6 @@ saved state does not (so the comparison can tell); resuming under another compre
 
 from __future__ import annotations
 
-from uniap_lightning.planner.decision import Strategy
 import shutil
 import warnings
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from uniap_lightning.planner.decision import Strategy
 import uniap_rt_helpers as h
 
 ADAM = {"module": {"optimizer": "adam", "lr": 0.01}}

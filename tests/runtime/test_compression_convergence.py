@@ -5,7 +5,6 @@ the full table (300 steps, three seeds)."""
 
 from __future__ import annotations
 
-from uniap_lightning.planner.decision import Strategy
 import math
 import os
 from pathlib import Path
@@ -13,6 +12,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from uniap_lightning.planner.decision import Strategy
 
 STEPS = 120
 TAIL = 20  # steps averaged for the final loss (one batch is noisy)
