@@ -1,0 +1,128 @@
+"""Exhaustive search for one candidate ``(pp, c, schedule, virtual_stages)``: every split of the chain into
+``pp * v`` stages and every strategy of every layer, scored at once with numpy (one array axis per layer).
+
+Unlike :mod:`bruteforce` it prunes nothing, because with several stages per device the stages interact through
+their device group's summed time, memory and sync, and zero-bubble schedules price each stage's weight-gradient
+time too. It shares nothing with the MILP (no ``CostTables``, no dominance pruning, no runs): it reads the
+per-layer terms (``CandidateCosts.terms`` / ``reshard_s`` / ``boundary_s``), the schedule's in-flight counts and
+its ``tpi_s`` formula, adds everything up itself, and the plan it returns is re-scored with ``evaluate``.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from uniap_lightning.planner.cost.evaluate import evaluate
+from uniap_lightning.planner.cost.layer import strategies_for
+from uniap_lightning.planner.cost.tables import CandidateCosts
+from uniap_lightning.planner.plan import Plan
+from uniap_lightning.planner.problem import Problem
+
+MAX_GRID = 3_000_000  # assignments per split: a bigger instance is a mistake in the test, not a slow test
+
+
+def splits(num_layers: int, stages: int):
+    """Stage index per layer for every split of the chain into ``stages`` non-empty contiguous stages."""
+    for cuts in itertools.combinations(range(1, num_layers), stages - 1):
+        bounds = (0, *cuts, num_layers)
+        yield [i for i in range(stages) for _ in range(bounds[i], bounds[i + 1])]
+
+
+def _axis(values, u: int, ndim: int) -> np.ndarray:
+    shape = [1] * ndim
+    shape[u] = len(values)
+    return np.asarray(values, dtype=float).reshape(shape)
+
+
+def brute_force_candidate(problem: Problem, pp: int, c: int, schedule: str, v: int) -> Plan | None:
+    """The best plan of one candidate, or None when nothing fits (or the shape is unusable)."""
+    layers = problem.model.layers
+    L, S = len(layers), pp * v
+    n = problem.num_devices // pp
+    b = problem.training.global_batch_size // c
+    if S > L or (pp > 1 and b % n):
+        return None
+    options = [strategies_for(lp, n, problem.cluster, b, compression=problem.compression) for lp in layers]
+    if not all(options):
+        return None
+    shape = [len(o) for o in options]
+    if np.prod(shape, dtype=float) > MAX_GRID:
+        raise AssertionError("brute force instance too large")
+    costs = CandidateCosts(problem, pp, c, schedule=schedule, virtual_stages=v)
+    terms = [[costs.terms(u, s) for s in opts] for u, opts in enumerate(options)]
+    best, best_tpi = None, float("inf")
+    for stage_of in splits(L, S):
+        group = [costs.group_of(k) for k in range(S)]
+        time = [np.zeros([1] * L) for _ in range(S)]
+        weight = [np.zeros([1] * L) for _ in range(S)]
+        static = [np.zeros([1] * L) for _ in range(S)]
+        act = [np.zeros([1] * L) for _ in range(S)]
+        sync = [np.zeros([1] * L) for _ in range(pp)]
+        transient = [np.zeros([1] * L) for _ in range(pp)]
+        bounds = []
+        for u in range(L):
+            k, g = stage_of[u], group[stage_of[u]]
+            cs = terms[u]
+            time[k] = time[k] + _axis([costs.layer_time_s(k, x) for x in cs], u, L)
+            weight[k] = weight[k] + _axis([costs.weight_time_s(k, x) for x in cs], u, L)
+            static[k] = static[k] + _axis([x.static_bytes for x in cs], u, L)
+            act[k] = act[k] + _axis([x.activation_bytes for x in cs], u, L)
+            sync[g] = sync[g] + _axis([x.sync_s for x in cs], u, L)
+            transient[g] = np.maximum(transient[g], _axis([x.transient_bytes for x in cs], u, L))
+            if u + 1 < L:  # a (K_u, K_u+1) table on two axes: resharding inside a stage, or the boundary
+                if stage_of[u + 1] == k:
+                    pair = [[costs.reshard_s(u, s.dp, s2.dp) for s2 in options[u + 1]] for s in options[u]]
+                else:
+                    pair = [[costs.boundary_s(u, s.dp, s2.dp, k) for s2 in options[u + 1]] for s in options[u]]
+                table = np.asarray(pair, dtype=float).reshape([1] * u + [shape[u], shape[u + 1]] + [1] * (L - u - 2))
+                if stage_of[u + 1] == k:
+                    time[k] = time[k] + table
+                else:
+                    bounds.append(table)
+        p = [costs.stage_time_s(t) for t in time]
+        group_time = [sum(p[k] for k in range(S) if group[k] == g) for g in range(pp)]
+        memory = [sum(static[k] + costs.in_flight(k) * act[k] for k in range(S) if group[k] == g) + transient[g]
+                  for g in range(pp)]
+        limits = [costs.memory_limit_bytes(group.index(g)) for g in range(pp)]
+        T = group_time[0]
+        for x in group_time[1:] + [costs.shape.boundary_weight * o for o in bounds]:
+            T = np.maximum(T, x)
+        Y = sync[0]
+        for x in sync[1:]:
+            Y = np.maximum(Y, x)
+        wmax = weight[0]
+        for x in weight[1:]:
+            wmax = np.maximum(wmax, x)
+        tpi = costs.tpi_s(sum(p), sum(bounds) if bounds else 0.0, T, Y, sum(weight), wmax)
+        tpi = np.broadcast_to(tpi, shape)
+        ok = np.ones(shape, dtype=bool)
+        for m, lim in zip(memory, limits):
+            ok &= np.broadcast_to(m <= lim, shape)
+        if not ok.any():
+            continue
+        masked = np.where(ok, tpi, np.inf)
+        flat = int(np.argmin(masked))
+        if masked.flat[flat] < best_tpi:
+            best_tpi = float(masked.flat[flat])
+            idx = np.unravel_index(flat, shape)
+            best = problem.plan_for(stage_of_layer=stage_of, strategies=[options[u][k] for u, k in enumerate(idx)],
+                                    pp=pp, microbatches=c, schedule=schedule, virtual_stages=v)
+    if best is not None:
+        best = best.with_report(estimate=evaluate(problem, best))
+        assert best.estimate.feasible
+        assert abs(best.estimate.tpi_s - best_tpi) <= 1e-9 * best_tpi, (best.estimate.tpi_s, best_tpi)
+    return best
+
+
+def brute_force_all(problem: Problem) -> Plan | None:
+    """The best plan over every ``(pp, c)`` and every ``(schedule, v)`` the problem's search prices."""
+    best = None
+    for pp in problem.pp_candidates():
+        for c in problem.training.microbatch_candidates():
+            for schedule, v in problem.training.schedule_candidates(pp, c, problem.model.num_layers):
+                plan = brute_force_candidate(problem, pp, c, schedule, v)
+                if plan is not None and (best is None or plan.estimate.tpi_s < best.estimate.tpi_s):
+                    best = plan
+    return best
