@@ -9,7 +9,7 @@ import pytest
 from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.planner.cost import all_gather_s, all_reduce_s, evaluate, layer_cost, p2p_s, reduce_scatter_s
 from uniap_lightning.planner.cost.layer import Strategy, boundary_inter_node, reshard_s, strategies_for
-from uniap_lightning.planner.cost.tables import pipeline_shape
+from uniap_lightning.planner.cost.pipeline import pipeline_shape
 from uniap_lightning.planner.plan import Plan
 from uniap_lightning.planner.problem import Problem, TrainingConfig
 from uniap_lightning.planner.profile import LayerProfile, ModelProfile

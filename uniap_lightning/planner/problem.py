@@ -117,11 +117,9 @@ class TrainingConfig:
 def schedule_unusable(schedule: str, pp: int, v: int, c: int) -> str | None:
     """Why torch cannot run ``schedule`` with ``pp`` groups, ``v`` stages each and ``c`` micro-batches (one line),
     or None. GPipe and 1F1B run any shape (1F1B with ``c < pp`` runs as GPipe)."""
-    if schedule in ("gpipe", "1f1b"):
-        return None
-    from uniap_lightning.planner.cost import schedules
+    from uniap_lightning.planner.cost.pipeline import unusable
 
-    return schedules.unusable(schedule, pp, v, c)
+    return unusable(schedule, pp, v, c)
 
 
 def divisors(n: int) -> list[int]:

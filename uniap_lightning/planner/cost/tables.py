@@ -38,7 +38,6 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import replace
-from typing import NamedTuple
 
 from uniap_lightning.planner.cost.comm import p2p_s
 from uniap_lightning.planner.cost.layer import (
@@ -50,33 +49,9 @@ from uniap_lightning.planner.cost.layer import (
     reshard_s,
     strategies_for,
 )
+from uniap_lightning.planner.cost.pipeline import pipeline_shape
 from uniap_lightning.planner.plan import group_of_stage
 from uniap_lightning.planner.problem import Problem
-
-
-class PipelineShape(NamedTuple):
-    """A schedule's time per iteration as coefficients of linear terms (see :meth:`CandidateCosts.tpi_s`):
-    ``a_p sum p + a_w sum w + a_o sum o + b_T T + b_W max w + Y`` with ``T >= boundary_weight * o_j``."""
-
-    a_p: float
-    a_w: float
-    a_o: float
-    b_T: float
-    b_W: float = 0.0
-    boundary_weight: float = 1.0
-
-
-def pipeline_shape(schedule: str, pp: int, v: int, c: int) -> tuple[PipelineShape, list[int]]:
-    """The schedule's time coefficients and, per pipeline stage, the micro-batches whose activations it holds at
-    its peak. GPipe and 1F1B (UniAP's formula ``sum p + sum o + (c - 1) T``; torch's 1F1B needs ``c >= pp``, with
-    fewer the runtime runs GPipe, so that is what memory is costed as); the others from
-    :mod:`~uniap_lightning.planner.cost.schedules`, checked there against torch's own action lists."""
-    if schedule in ("gpipe", "1f1b"):
-        flight = [c if schedule == "gpipe" or c < pp else min(c, pp - k) for k in range(pp)]
-        return PipelineShape(1.0, 0.0, 1.0, c - 1.0), flight
-    from uniap_lightning.planner.cost import schedules
-
-    return schedules.pipeline_terms(schedule, pp, v, c)
 
 
 def costing_layers(model) -> list:
@@ -240,7 +215,7 @@ class CandidateCosts:
         weight-gradient times ``w_k`` (``weight_s``), the sum of hand-offs ``o_j``, the bottleneck ``T`` (every
         device group's summed stage times, every hand-off), the largest ``w_k`` and the largest group's sync:
         ``a_p sum p + a_w sum w + a_o sum o + b_T T + b_W max w + Y`` with the coefficients of
-        :func:`~uniap_lightning.planner.cost.schedules.schedule_shape` (1F1B / GPipe: ``sum p + sum o + (c - 1) T
+        :func:`~uniap_lightning.planner.cost.pipeline.pipeline_shape` (1F1B / GPipe: ``sum p + sum o + (c - 1) T
         + Y``). Linear in them, which the MILP and the bounds rely on."""
         sh = self.shape
         return (sh.a_p * stages_s + sh.a_w * weight_s + sh.a_o * boundaries_s + sh.b_T * bottleneck_s
