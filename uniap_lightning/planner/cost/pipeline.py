@@ -35,14 +35,14 @@ import re
 from functools import lru_cache
 from typing import NamedTuple
 
+from uniap_lightning.planner.schedule_rules import SPLIT_BACKWARD
+
 #: torch.distributed.pipelining class per schedule
 TORCH_CLASSES = {
     "gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "zb_h1": "ScheduleInterleavedZeroBubble",
     "interleaved_1f1b": "ScheduleInterleaved1F1B", "interleaved_zb": "ScheduleInterleavedZeroBubble",
     "zb_v": "ScheduleZBVZeroBubble", "dualpipe_v": "ScheduleDualPipeV",
 }
-#: schedules that split the backward into input-gradient and weight-gradient halves
-SPLIT_BACKWARD = ("zb_h1", "interleaved_zb", "zb_v", "dualpipe_v")
 
 
 class PipelineShape(NamedTuple):

@@ -21,6 +21,7 @@ from uniap_lightning.planner.cost.tables import CostTables, TabulationStopped
 from uniap_lightning.errors import InfeasibleError, UniAPError
 from uniap_lightning.planner.plan import Plan, SolverInfo
 from uniap_lightning.planner.problem import Problem
+from uniap_lightning.planner.schedule_rules import SPLIT_BACKWARD, unsupported
 from uniap_lightning.planner.solver.bounds import least_memory_bytes, memory_lower_bound_bytes, time_lower_bound_s
 from uniap_lightning.planner.solver.parallel import Pool, solve_candidate, worker_count
 from uniap_lightning.planner.solver.backend import Deadline, no_gc, now_s, solver_available
@@ -88,8 +89,14 @@ def _candidates(
             if not out:
                 raise UniAPError(_out_of_time(problem, f"after {n_done} of {len(shapes)} (pp, c) candidates")) from None
             return out, True
+        split_tables = None  # the table the zero-bubble schedules may use (the runtime's rules, planner.schedule_rules)
         for schedule, v in problem.training.schedule_candidates(p, c, len(t.layers)):
-            ts = t.with_schedule(schedule, v)
+            if schedule in SPLIT_BACKWARD:
+                if split_tables is None:
+                    split_tables = _split_backward_tables(problem, t, p, c, allowed, schedule)
+                ts = split_tables.with_schedule(schedule, v)
+            else:
+                ts = t.with_schedule(schedule, v)
             if not ts.feasible_shape:
                 continue
             mem = memory_lower_bound_bytes(ts)
@@ -109,6 +116,15 @@ def _candidates(
             f"batch size that is a multiple of {problem.num_devices})"
         )
     return out, False
+
+
+def _split_backward_tables(problem: Problem, t: CostTables, pp: int, c: int, allowed, schedule: str) -> CostTables:
+    """``t`` without the strategies a split-backward (zero-bubble) schedule does not run; ``t`` itself when it has
+    none of them."""
+    if all(unsupported(schedule, k) is None for row in t.strategies for k in row):
+        return t
+    keep = lambda k: (allowed is None or allowed(k)) and unsupported(schedule, k) is None  # noqa: E731
+    return CostTables(problem, pp, c, allowed=keep)
 
 
 def _out_of_time(problem: Problem, where: str) -> str:
