@@ -129,7 +129,7 @@ def _probe_case(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             rt = strategy.runtime
             self.names = [rt.chain.names[u] for u in rt.plan.layers_of_rank(rt.meshes.rank)]
-            self.layers = list(rt.stage_module.layers)
+            self.layers = [layer for m in rt.stage_modules for layer in m.layers]
             self.layers[-1].register_forward_hook(self._forward)
 
         def _measure(self, trainer: Any) -> dict[str, Any]:

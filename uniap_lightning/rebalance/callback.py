@@ -114,7 +114,7 @@ class Rebalancer(Callback):
 
         if self.timer is not None:
             self.timer.remove()
-        self.timer = StageTimer(strategy.runtime.stage_module, strategy.root_device)
+        self.timer = StageTimer(strategy.runtime.stage_modules[0], strategy.root_device)  # v = 1: the stage
         self._fresh = True
 
     # ---------------------------------------------------------------- per step

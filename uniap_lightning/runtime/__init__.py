@@ -23,11 +23,13 @@ from torch import nn
 
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.plan import Plan
+from uniap_lightning.planner.schedule_rules import SPLIT_BACKWARD, unsupported, unsupported_ties
 from uniap_lightning.runtime.chain import Chain, UniAPModule, extract_chain
 from uniap_lightning.runtime.data_parallel import ReplicatedGrads
 from uniap_lightning.runtime.mesh import PlanMeshes, build_meshes
-from uniap_lightning.runtime.pipeline import PipelineRunner
-from uniap_lightning.runtime.stage import StageModule, build_stage
+from uniap_lightning.runtime.pipeline import PipelineRunner, check_schedule_runs
+from uniap_lightning.runtime.stage import StageModule, build_stages
+from uniap_lightning.runtime.zero import ZeroLayers
 from uniap_lightning.runtime.tensor_parallel import check_tp_supported
 from uniap_lightning.runtime.ties import TiedGrads
 
@@ -39,7 +41,7 @@ class Runtime:
     plan: Plan
     chain: Chain
     meshes: PlanMeshes
-    stage_module: StageModule
+    stage_modules: list[StageModule]  # one per pipeline stage of this rank's device group, in chain order
     replicated: ReplicatedGrads
     runner: PipelineRunner
     ties: TiedGrads | None = None  # tied weights kept as equal copies (an adapter's chain, see .ties)
@@ -50,8 +52,13 @@ class Runtime:
         """This rank's trainable parameters (the set is fixed once the plan is applied; ``requires_grad`` is read
         each time, since callbacks may freeze or unfreeze layers during training)."""
         if self._params is None:
-            self._params = list(self.stage_module.parameters())
+            self._params = [p for m in self.stage_modules for p in m.parameters()]
         return [p for p in self._params if p.requires_grad]
+
+    @property
+    def zero(self) -> ZeroLayers:
+        """The ZeRO book of every local layer (the stage modules share it)."""
+        return self.stage_modules[0].zero
 
 
 def check_plan_executable(plan: Plan, chain: Chain) -> None:
@@ -62,21 +69,29 @@ def check_plan_executable(plan: Plan, chain: Chain) -> None:
             f"{plan.microbatches}) is not divisible by the {plan.devices_per_stage} devices per stage; stage "
             "boundaries split every micro-batch over all devices of the stage"
         )
+    check_schedule_runs(plan)
     for u, lp in enumerate(plan.layers):
         check_tp_supported(chain.layers[u], chain.names[u], lp.strategy.tp)
+        reason = unsupported(plan.schedule, lp.strategy)
+        if reason is not None:
+            raise UniAPError(f"plan layer {chain.names[u]!r}: {reason}")
+    if chain.ties and plan.schedule in SPLIT_BACKWARD and plan.pp > 1:
+        reason = unsupported_ties(plan.schedule)
+        if reason is not None:
+            raise UniAPError(reason)
 
 
 def apply_plan(chain: Chain, plan: Plan, *, rank: int, device: torch.device) -> Runtime:
     """Parallelize ``chain.module`` in place according to ``plan`` (collective over the world)."""
     check_plan_executable(plan, chain)
     meshes = build_meshes(plan, rank=rank, device_type=device.type)
-    stage_module, replicated = build_stage(chain, plan, meshes)
+    stage_modules, replicated = build_stages(chain, plan, meshes)
     ties = None
     if chain.ties:
         ties = TiedGrads(chain.ties, chain.layers, plan, meshes)
         ties.sync_values()
-    runner = PipelineRunner(plan, meshes, stage_module, device)
-    return Runtime(plan, chain, meshes, stage_module, replicated, runner, ties)
+    runner = PipelineRunner(plan, meshes, stage_modules, device)
+    return Runtime(plan, chain, meshes, stage_modules, replicated, runner, ties)
 
 
 __all__ = ["Chain", "Runtime", "UniAPModule", "apply_plan", "extract_chain"]

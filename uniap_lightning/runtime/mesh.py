@@ -1,8 +1,8 @@
 """Device meshes and process groups for one plan.
 
-Rank layout (see :mod:`uniap_lightning.planner.plan`): ``world = pp * n``; stage ``i`` owns ranks ``[i*n, (i+1)*n)``; the
-rank at position ``r`` inside its stage is on pipeline *lane* ``r``, and lane ``r`` is the pipeline
-``r, n+r, 2n+r, ...``. Inside a stage a layer with strategy ``(dp, tp)`` sees the stage's ranks as a
+Rank layout (see :mod:`uniap_lightning.planner.plan`): ``world = pp * n``; device group ``g`` owns ranks
+``[g*n, (g+1)*n)`` and runs the plan's pipeline stages placed on it (``virtual_stages`` of them); the rank at
+position ``r`` inside its group is on pipeline *lane* ``r``, and lane ``r`` is the pipeline ``r, n+r, 2n+r, ...``. Inside a stage a layer with strategy ``(dp, tp)`` sees the stage's ranks as a
 ``(dp, tp)`` grid with ``tp`` innermost.
 
 Every mesh is built as a *world* mesh with a leading ``pp`` dimension and then sliced, because
@@ -24,10 +24,11 @@ if TYPE_CHECKING:
 
 
 def layout_transitions(plan: Plan) -> list[tuple[int, int]]:
-    """Every ``(dp_from, dp_to)`` activation re-layout the plan needs, sorted; ``n`` is the stage-boundary layout."""
+    """Every ``(dp_from, dp_to)`` activation re-layout the plan needs, sorted; ``n`` is the stage-boundary layout
+    (every pipeline stage starts and ends in it)."""
     n = plan.devices_per_stage
     pairs: set[tuple[int, int]] = set()
-    for stage in range(plan.pp):
+    for stage in range(plan.num_stages):
         current = n
         for u in plan.layers_of_stage(stage):
             dp = plan.layers[u].strategy.dp

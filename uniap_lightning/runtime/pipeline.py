@@ -34,6 +34,45 @@ from uniap_lightning.runtime.stage import StageModule
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
+#: plan schedule -> torch.distributed.pipelining class name (1f1b runs as GPipe with fewer micro-batches than stages)
+SCHEDULE_CLASSES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "zb_h1": "ScheduleInterleavedZeroBubble",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "interleaved_zb": "ScheduleInterleavedZeroBubble",
+    "zb_v": "ScheduleZBVZeroBubble",
+    "dualpipe_v": "ScheduleDualPipeV",
+}
+_SINGLE = ("ScheduleGPipe", "Schedule1F1B")  # classes that take one stage, not a list
+
+
+def schedule_class_name(plan: Plan) -> str:
+    name = SCHEDULE_CLASSES[plan.schedule]
+    if name == "Schedule1F1B" and plan.microbatches < plan.pp:
+        return "ScheduleGPipe"  # no steady state with fewer micro-batches than stages: exactly GPipe
+    return name
+
+
+def check_schedule_runs(plan: Plan) -> None:
+    """torch's own requirements of the plan's schedule class, as one clear line before any collective."""
+    if plan.pp == 1:
+        return
+    m, pp, k = plan.microbatches, plan.pp, plan.num_stages
+    name = schedule_class_name(plan)
+    where = f"plan schedule={plan.schedule!r} (torch {name}, pp={pp}, virtual_stages={plan.virtual_stages}, " \
+            f"microbatches={m})"
+    if name in ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble"):
+        rounds = max(1, m // pp)
+        if m % rounds:
+            raise UniAPError(f"{where}: microbatches must be a multiple of max(1, microbatches // pp) = {rounds}")
+    if name in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV") and plan.virtual_stages != 2:
+        raise UniAPError(f"{where}: the V schedules run exactly 2 stages per device group")
+    if name == "ScheduleDualPipeV" and m < k:
+        raise UniAPError(f"{where}: DualPipeV needs at least as many microbatches as stages ({k})")
+    if name in _SINGLE and plan.virtual_stages != 1:
+        raise UniAPError(f"{where}: runs one stage per device group")
+
 
 def lane_slice(t: Any, plan: Plan, lane: int) -> Any:
     """This lane's samples of every micro-batch, concatenated in micro-batch order (every tensor of a payload;
@@ -68,13 +107,43 @@ def unslice(local: torch.Tensor, plan: Plan, gathered: list[torch.Tensor]) -> to
     return torch.stack(parts, dim=1).reshape(-1, *local.shape[1:])
 
 
-class PipelineRunner:
-    """Forward/backward of one batch on this rank's stage; the global mean loss on every rank."""
+def forward_only_schedule(plan: Plan) -> type:
+    """A forward-only schedule over the plan's placement (loop or V): each device group runs every micro-batch
+    through its stages in chain order (torch's ScheduleLoopedBFS order, which assumes the loop placement, with
+    the plan's stages and its stage-to-group map)."""
+    from torch.distributed.pipelining.schedules import ScheduleLoopedBFS, _Action, _add_send_recv, _ComputationType
 
-    def __init__(self, plan: Plan, meshes: PlanMeshes, stage_module: StageModule, device: torch.device) -> None:
+    groups = {g: plan.stages_of_group(g) for g in range(plan.pp)}
+
+    class ForwardOnly(ScheduleLoopedBFS):
+        def _calculate_single_rank_operations(self, rank: int) -> list[Any]:
+            ops: list[Any] = [None] * rank
+            for k in groups[rank]:
+                ops.extend(_Action(k, _ComputationType.FORWARD, mb) for mb in range(self._n_microbatches))
+            return ops
+
+        def _prepare_schedule_with_comms(self, actions: Any, format: str = "compute_only") -> None:
+            # torch's lowering validates that every stage runs its backward; a forward-only order only needs sends
+            # and receives, over the plan's stage-to-group map
+            self.stage_index_to_group_rank = {k: plan.group_of_stage(k) for k in range(plan.num_stages)}
+            for stage in self._stages:
+                stage.stage_index_to_group_rank = self.stage_index_to_group_rank
+            self.pipeline_order_with_comms = _add_send_recv(
+                {r: [a for a in ops if a is not None] for r, ops in actions.items()},
+                stage_to_rank=lambda k: plan.group_of_stage(k), num_stages=plan.num_stages)
+
+    return ForwardOnly
+
+
+class PipelineRunner:
+    """Forward/backward of one batch on this rank's stages; the global mean loss on every rank."""
+
+    def __init__(self, plan: Plan, meshes: PlanMeshes, stage_modules: list[StageModule],
+                 device: torch.device) -> None:
         self.plan = plan
         self.meshes = meshes
-        self.stage_module = stage_module
+        self.stage_modules = stage_modules
+        self.stages = plan.stages_of_group(meshes.group)  # the pipeline stage index of each module
         self.device = device
         self._schedules: dict[tuple[Any, ...], Any] = {}
         # Schedules keep the loss function they were built with; it reads the current loss and scale from here.
@@ -84,16 +153,29 @@ class PipelineRunner:
 
     @property
     def is_first(self) -> bool:
-        return self.meshes.group == 0
+        return 0 in self.stages
 
     @property
     def is_last(self) -> bool:
-        return self.meshes.group == self.plan.pp - 1
+        return self.plan.num_stages - 1 in self.stages
+
+    @property
+    def last_module(self) -> StageModule:
+        """The module of the chain's last stage (on this rank when :attr:`is_last`)."""
+        return self.stage_modules[self.stages.index(self.plan.num_stages - 1)] if self.is_last else \
+            self.stage_modules[-1]
+
+    def _run_local(self, *tensors: torch.Tensor) -> Any:
+        """All stages in one process (pp == 1: one device group holds every stage, in order)."""
+        out: Any = tensors
+        for module in self.stage_modules:
+            out = module(*(out if isinstance(out, tuple) else (out,)))
+        return out
 
     # ------------------------------------------------------------------ schedules
     def _output(self, out: Any) -> Any:
         """The last stage's output (a tensor or the flat tuple a stage returns) as the chain's payload."""
-        return unflatten(out, self.stage_module.out_spec)
+        return unflatten(out, self.last_module.out_spec)
 
     def _scaled_loss(self, out: Any, target: Any) -> torch.Tensor:
         assert self._loss_fn is not None
@@ -104,19 +186,29 @@ class PipelineRunner:
         return self._scaled_loss(out, self._targets[int(index.reshape(-1)[0])])
 
     def _schedule(self, mode: str, xs: Any) -> Any:
-        """One PipelineStage + schedule per (mode, input shapes): stages infer and cache tensor shapes."""
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        """PipelineStages + schedule per (mode, input shapes): stages infer and cache tensor shapes.
+
+        Training runs the plan's schedule class. Evaluation and prediction run forward only: with one stage per
+        device through the plan's class (GPipe / 1F1B have a forward-only path), with several through
+        :func:`forward_only_schedule` (the multi-stage classes' ``eval`` still runs their backward actions)."""
+        import torch.distributed.pipelining as pipelining
 
         key = (mode, repr(signature(xs)))
         if key not in self._schedules:
-            stage = PipelineStage(
-                self.stage_module, self.meshes.group, self.plan.pp, self.device, group=self.meshes.lane_group
-            )
-            # With fewer micro-batches than stages 1F1B has no steady state and is exactly GPipe (torch refuses it).
-            one_f_one_b = self.plan.schedule == "1f1b" and self.plan.microbatches >= self.plan.pp
-            cls = Schedule1F1B if one_f_one_b else ScheduleGPipe
+            stages = [
+                pipelining.PipelineStage(module, k, self.plan.num_stages, self.device, group=self.meshes.lane_group)
+                for module, k in zip(self.stage_modules, self.stages)
+            ]
+            name = schedule_class_name(self.plan)
             loss_fn = None if mode == "predict" else self._indexed_loss
-            self._schedules[key] = cls(stage, n_microbatches=self.plan.microbatches, loss_fn=loss_fn, scale_grads=False)
+            if name in _SINGLE:
+                cls, arg = getattr(pipelining, name), stages[0]
+            elif mode == "train":
+                cls, arg = getattr(pipelining, name), stages
+            else:
+                cls, arg = forward_only_schedule(self.plan), stages
+            self._schedules[key] = cls(arg, n_microbatches=self.plan.microbatches, loss_fn=loss_fn,
+                                       scale_grads=False)
         return self._schedules[key]
 
     # ------------------------------------------------------------------ steps
@@ -134,7 +226,7 @@ class PipelineRunner:
         self._targets = self._chunks(ys)
         if self.plan.pp == 1:
             for xm, ym in zip(chunk(xs, c), self._targets):
-                loss = self._scaled_loss(self.stage_module(*flatten(xm)), ym)
+                loss = self._scaled_loss(self._run_local(*flatten(xm)), ym)
                 (loss / c).backward()
                 losses.append(loss.detach())
             self._targets = []
@@ -165,7 +257,7 @@ class PipelineRunner:
         self._targets = self._chunks(ys)
         try:
             if self.plan.pp == 1:
-                losses = [self._scaled_loss(self.stage_module(*flatten(xm)), ym)
+                losses = [self._scaled_loss(self._run_local(*flatten(xm)), ym)
                           for xm, ym in zip(chunk(xs, c), self._targets)]
             else:
                 args = flatten(xs) if self.is_first else ()
@@ -180,7 +272,7 @@ class PipelineRunner:
         """The chain's output for the whole batch (a payload), on every rank."""
         xs = lane_slice(x, self.plan, self.meshes.lane)
         if self.plan.pp == 1:
-            out = concat([self._output(self.stage_module(*flatten(xm))) for xm in chunk(xs, self.plan.microbatches)])
+            out = concat([self._output(self._run_local(*flatten(xm))) for xm in chunk(xs, self.plan.microbatches)])
         else:
             out = self._schedule("predict", xs).eval(*(flatten(xs) if self.is_first else ()))
             out = self._output(out) if self.is_last else None
@@ -190,7 +282,7 @@ class PipelineRunner:
             full = map_tensors(lambda t: self._gather_lanes(t, n), out)
         box = [full]
         if self.plan.pp > 1 or self.plan.devices_per_stage > 1:
-            dist.broadcast_object_list(box, src=self.plan.ranks_of_stage(self.plan.pp - 1)[0])
+            dist.broadcast_object_list(box, src=self.plan.ranks_of_stage(self.plan.num_stages - 1)[0])
         return box[0]
 
     def _gather_lanes(self, out: torch.Tensor, n: int) -> torch.Tensor:

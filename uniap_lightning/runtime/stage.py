@@ -1,7 +1,8 @@
-"""Build this rank's pipeline stage from a plan: keep the local layers, parallelize each, re-layout between them.
+"""Build this rank's pipeline stages from a plan (one module per stage of its device group): keep the local
+layers, parallelize each, re-layout between them.
 
-The order of the techniques is fixed: (1) drop the layers of other stages, (2) broadcast the local layers'
-initial weights from the stage's first rank (ranks may have initialized differently), (3) tensor parallelism,
+The order of the techniques is fixed: (1) drop the layers of other device groups, (2) broadcast the local
+layers' initial weights from the group's first rank (ranks may have initialized differently), (3) tensor parallelism,
 (4) the layer's data-parallel mode (``replicate``, or ``zero1``/``zero2``/``zero3`` through FSDP2, see :mod:`.zero`).
 TP comes before FSDP because FSDP2 shards whatever parameters it finds, and must find the DTensor TP shards to build
 2-D (dp x tp) parameters. A layer whose plan says ``recompute`` runs under non-reentrant activation checkpointing
@@ -65,9 +66,9 @@ class StageModule(nn.Module):
         return flat[0] if self.out_spec is None else flat
 
 
-def drop_other_stages(chain: Chain, plan: Plan, stage: int) -> None:
-    """Replace layers of other stages with ``nn.Identity`` so their parameter names simply disappear here."""
-    local = set(plan.layers_of_stage(stage))
+def drop_other_stages(chain: Chain, plan: Plan, group: int) -> None:
+    """Replace layers of other device groups with ``nn.Identity`` so their parameter names simply disappear here."""
+    local = set(plan.layers_of_group(group))
     for u in range(len(chain.layers)):
         if u not in local:
             chain.replace(u, nn.Identity())
@@ -77,17 +78,19 @@ def drop_other_stages(chain: Chain, plan: Plan, stage: int) -> None:
 def broadcast_from_stage_leader(modules: list[nn.Module], meshes: PlanMeshes) -> None:
     if meshes.n == 1:
         return
-    src = meshes.group * meshes.n
+    src = meshes.plan.ranks_of_group(meshes.group)[0]
     for m in modules:
         for t in list(m.parameters()) + list(m.buffers()):
             dist.broadcast(t.data, src=src, group=meshes.stage_group)
 
 
-def build_stage(chain: Chain, plan: Plan, meshes: PlanMeshes) -> tuple[StageModule, ReplicatedGrads]:
-    """Apply the plan to this rank's layers, in place; return the stage module and the replicated-gradient book."""
-    stage = meshes.group
-    drop_other_stages(chain, plan, stage)
-    indices = plan.layers_of_stage(stage)
+def build_stages(chain: Chain, plan: Plan, meshes: PlanMeshes) -> tuple[list[StageModule], ReplicatedGrads]:
+    """Apply the plan to this rank's layers, in place; return one stage module per pipeline stage of this rank's
+    device group (in chain order) and the replicated-gradient book. The modules share that book and one
+    :class:`ZeroLayers` (``modules[0].zero``), so gradient sync, ZeRO and the optimizer see every local layer once."""
+    group = meshes.group
+    drop_other_stages(chain, plan, group)
+    indices = plan.layers_of_group(group)
     layers = [chain.layers[u] for u in indices]
     broadcast_from_stage_leader(layers, meshes)
     replicated = ReplicatedGrads(compression_options=dict(plan.compression_options))
@@ -105,10 +108,13 @@ def build_stage(chain: Chain, plan: Plan, meshes: PlanMeshes) -> tuple[StageModu
         else:
             replicated.add(layer, mesh.get_group(), lp.strategy.dp, lp.strategy.compression)
     repoint_aliases(chain.module, originals, layers)
-    specs = {"in_spec": chain.spec_before(indices[0]), "out_spec": chain.spec_after(indices[-1])} if indices else {}
-    module = StageModule(layers, [plan.layers[u].strategy.dp for u in indices], meshes, **specs,
-                         recompute=[plan.layers[u].strategy.recompute for u in indices], zero=zero)
-    return module, replicated
+    modules = []
+    for k in plan.stages_of_group(group):
+        us = plan.layers_of_stage(k)
+        specs = {"in_spec": chain.spec_before(us[0]), "out_spec": chain.spec_after(us[-1])} if us else {}
+        modules.append(StageModule([chain.layers[u] for u in us], [plan.layers[u].strategy.dp for u in us], meshes,
+                                   **specs, recompute=[plan.layers[u].strategy.recompute for u in us], zero=zero))
+    return modules, replicated
 
 
 def repoint_aliases(root: nn.Module, originals: list[dict[str, nn.Parameter]], layers: list[nn.Module]) -> None:

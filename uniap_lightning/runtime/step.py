@@ -89,7 +89,7 @@ class TrainStep:
         closing = self._closing
         if closing:
             rt.replicated.arm(backward_passes=rt.plan.microbatches, previous=dict(previous) if self._window_open else {})
-        zero = rt.stage_module.zero  # zero1/zero2: gradient sync and reshard only in the window's last backward
+        zero = rt.zero  # zero1/zero2: gradient sync and reshard only in the window's last backward
         zero.begin(closing=closing, backward_passes=rt.plan.microbatches)
         try:
             with context():
@@ -113,7 +113,7 @@ class TrainStep:
         ties = self.runtime.ties
         if ties is not None and self._closing:  # once per optimizer step, after the data-parallel averages
             self.guard(ties.sum_grads)
-        self.runtime.stage_module.zero.finish()  # zero1: the averages into the shards (same condition)
+        self.runtime.zero.finish()  # zero1: the averages into the shards (same condition)
 
     def finish_loss(self) -> torch.Tensor | None:
         """The global mean loss of the last training batch (waits for its background all-reduce), once."""

@@ -56,19 +56,20 @@ class TiedGrads:
     def __init__(self, ties: list[tuple[int, int, str, str]], layers: list[nn.Module], plan: Plan,
                  meshes: PlanMeshes) -> None:
         self.ties: list[_Tie] = []
-        n, rank = meshes.n, meshes.group * meshes.n + meshes.lane
+        n, rank = meshes.n, meshes.rank
         for a, b, name_a, name_b in ties:
             sa, sb = plan.group_of_stage(plan.layers[a].stage), plan.group_of_stage(plan.layers[b].stage)
+            ranks_a, ranks_b = plan.ranks_of_group(sa), plan.ranks_of_group(sb)
             group = None
             if sa != sb:
                 for r in range(n):  # every rank creates every group, in the same order
-                    g = dist.new_group([sa * n + r, sb * n + r])
-                    if rank in (sa * n + r, sb * n + r):
+                    g = dist.new_group([ranks_a[r], ranks_b[r]])
+                    if rank in (ranks_a[r], ranks_b[r]):
                         group = g
             local = [layers[u].get_parameter(name) for u, name, s in ((a, name_a, sa), (b, name_b, sb))
                      if s == meshes.group]
             if local:
-                self.ties.append(_Tie(local, group, sa * n + meshes.lane))
+                self.ties.append(_Tie(local, group, ranks_a[meshes.lane]))
 
     @torch.no_grad()
     def sync_values(self) -> None:
