@@ -31,6 +31,59 @@ def P(schedule: str, stages: list[int], *, m: int, pp: int = 2, v: int = 1, worl
                        virtual_stages=v)
 
 
+def deep_chain() -> Any:
+    """Eight layers (pp=4 x 2 stages per device group), trained like the helpers' four-layer chain."""
+    import lightning.pytorch as pl
+    from torch import nn
+
+    class Deep(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            blocks = [nn.Sequential(nn.Linear(h.HID, h.HID), nn.Tanh()) for _ in range(6)]
+            self.net = nn.Sequential(nn.Linear(h.IN, h.HID), *blocks, nn.Linear(h.HID, h.OUT))
+            self.loss_fn = nn.MSELoss()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            loss = self.loss_fn(self.net(batch[0]), batch[1])
+            self.log("train_loss", loss)
+            return loss
+
+        def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            loss = self.loss_fn(self.net(batch[0]), batch[1])
+            self.log("val_loss", loss)
+            return loss
+
+        def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self.net(batch[0])
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    return Deep()
+
+
+DEEP = {"module": {"factory": "test_schedules_run:deep_chain"}}
+DEEP_NAMES = [f"net.{i}" for i in range(8)]
+
+
+def PD(schedule: str, *, m: int, v: int = 2) -> Any:
+    """The eight-layer chain on pp=4 groups of one process, one layer per stage."""
+    return h.make_plan([S()] * 8, list(range(8)), pp=4, microbatches=m, schedule=schedule, world=4,
+                       virtual_stages=v, names=DEEP_NAMES)
+
+
+GPT2_TIED = ["model.transformer.wte", "model.transformer.h.0", "model.transformer.h.1", "model.transformer.ln_f"]
+TIED = {"module": {"factory": "hf_models:hf_module", "family": "gpt2_tied"},
+        "data": {"factory": "hf_models:hf_batches", "family": "gpt2_tied"}}
+
+
+def PT(schedule: str, *, m: int, v: int = 2, world: int = 2) -> Any:
+    """The tied GPT-2, one layer per stage (the V placement puts embedding and head on group 0, the loop on 0 and
+    1)."""
+    return h.make_plan([S()] * 4, EACH, pp=2, microbatches=m, schedule=schedule, world=world, virtual_stages=v,
+                       names=GPT2_TIED)
+
+
 EVAL = {"limit_val_batches": 2, "predict": True}  # forward-only runs through the same stages
 
 TWO_RANKS = {
@@ -41,19 +94,36 @@ TWO_RANKS = {
     "interleaved_zb": {"plan": P("interleaved_zb", EACH, m=4, v=2), **EVAL},
     "zb_v": {"plan": P("zb_v", EACH, m=2, v=2), **EVAL, **ADAM},
     "dualpipe_v": {"plan": P("dualpipe_v", EACH, m=4, v=2), **EVAL},
+    # tied weights under the split backward: copies on one device group (V) and on two (loop)
+    "tied_zb_v": {"plan": PT("zb_v", m=2), **TIED},
+    "tied_interleaved_zb": {"plan": PT("interleaved_zb", m=2), **TIED},
+    # a checkpoint saved under 1f1b (v=1) resumes under interleaved 1F1B (v=2), whose checkpoint resumes under ZB-V
+    "ck_uninterrupted": {"plan": P("1f1b", LOOP2, m=2), "epochs": 3, **ADAM},
+    "ck_1f1b": {"plan": P("1f1b", LOOP2, m=2), "epochs": 1, "save": "1f1b.ckpt", **ADAM},
+    "ck_interleaved": {"plan": P("interleaved_1f1b", EACH, m=2, v=2), "epochs": 2, "resume": "1f1b.ckpt",
+                       "save": "interleaved.ckpt", **ADAM},
+    "ck_zb_v": {"plan": P("zb_v", EACH, m=2, v=2), "epochs": 3, "resume": "interleaved.ckpt", **ADAM},
+    # last (a failed case ends the run): torch's DualPipeV needs microbatches >= stages; refused on every rank
+    "bad_dualpipe_microbatches": {"plan": P("dualpipe_v", EACH, m=2, v=2)},
 }
+CHECKPOINT_CASES = ("ck_uninterrupted", "ck_1f1b", "ck_interleaved", "ck_zb_v", "bad_dualpipe_microbatches")
 
 MIXED = [S(2, 1, Z1, True), S(2, 1, Z2), S(1, 2, REP, True), S(2, 1, Z3, True)]
+SPLIT_OK = [S(2, 1, Z1, True), S(2, 1, REP), S(2, 1, Z1), S(2, 1, REP, True)]  # what the split backward runs
 FOUR_RANKS = {
-    "1f1b_pp4": {"plan": P("1f1b", EACH, m=4, pp=4, world=4), **EVAL},
+    "interleaved_1f1b_pp4": {"plan": PD("interleaved_1f1b", m=4), **DEEP, **EVAL},
     "interleaved_1f1b_mixed": {"plan": P("interleaved_1f1b", EACH, m=2, v=2, world=4, strategies=MIXED),
                                "clip": 0.3, **EVAL},
-    "zb_v_mixed": {"plan": P("zb_v", EACH, m=2, v=2, world=4, strategies=MIXED), "accumulate": 2},
+    "zb_v_mixed": {"plan": P("zb_v", EACH, m=2, v=2, world=4, strategies=SPLIT_OK), "accumulate": 2, **EVAL},
+    # last: zero2 under the split backward is refused on every rank, before any collective
+    "bad_zb_v_zero2": {"plan": P("zb_v", EACH, m=2, v=2, world=4, strategies=[S(2, 1, Z2)] * 4)},
 }
 
 
 def _check(results: list[dict[str, Any]], cases: dict[str, dict[str, Any]]) -> None:
     for name, case in cases.items():
+        if name.startswith(("bad_", "ck_")):
+            continue
         ref = h.reference_for(case)
         h.assert_close_to_reference(results, name, ref)
         for r, res in enumerate(results):
@@ -63,9 +133,39 @@ def _check(results: list[dict[str, Any]], cases: dict[str, dict[str, Any]]) -> N
                 torch.testing.assert_close(res[name]["predictions"], ref["predictions"], rtol=1e-5, atol=1e-6)
 
 
+def _refused_everywhere(results: list[dict[str, Any]], name: str, *needles: str) -> None:
+    for r, res in enumerate(results):
+        error = res[name].get("error", "")
+        assert error.startswith("UniAPError: ") and "\n" not in error, (r, error)
+        assert all(n in error for n in needles), (r, error)
+
+
 def test_every_schedule_two_ranks(spawn_cases: Any) -> None:
     _check(spawn_cases(2, TWO_RANKS, "schedules2"), TWO_RANKS)
 
 
+def test_checkpoint_resumes_across_schedules_and_virtual_stages(spawn_cases: Any) -> None:
+    results = spawn_cases(2, TWO_RANKS, "schedules2")
+    for r, res in enumerate(results):
+        for name in CHECKPOINT_CASES[:-1]:
+            assert "error" not in res[name], (r, name, res[name].get("traceback"))
+        full, first, second, third = (res[n]["losses"] for n in CHECKPOINT_CASES[:-1])
+        assert len(full) == 12 and len(first) == len(second) == len(third) == 4
+        torch.testing.assert_close(torch.tensor(first + second + third), torch.tensor(full), rtol=1e-5, atol=1e-7)
+    full, resumed = h.merge_states(results, "ck_uninterrupted"), h.merge_states(results, "ck_zb_v")
+    assert set(full) == set(resumed)
+    for k in full:
+        torch.testing.assert_close(resumed[k], full[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_torch_schedule_requirements_refused_on_every_rank(spawn_cases: Any) -> None:
+    _refused_everywhere(spawn_cases(2, TWO_RANKS, "schedules2"), "bad_dualpipe_microbatches", "dualpipe_v",
+                        "at least as many microbatches as stages (4)")
+
+
 def test_schedules_four_ranks_mixed(spawn_cases: Any) -> None:
     _check(spawn_cases(4, FOUR_RANKS, "schedules4"), FOUR_RANKS)
+
+
+def test_split_backward_refuses_zero2_on_every_rank(spawn_cases: Any) -> None:
+    _refused_everywhere(spawn_cases(4, FOUR_RANKS, "schedules4"), "bad_zb_v_zero2", "zb_v", "zero2")

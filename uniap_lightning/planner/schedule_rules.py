@@ -13,8 +13,15 @@ from typing import Any
 #: schedules whose backward is split into input- and weight-gradient parts
 SPLIT_BACKWARD = ("zb_h1", "interleaved_zb", "zb_v", "dualpipe_v")
 
-#: (feature, why) refused under the split backward; feature is a Strategy field test (see :func:`_features`)
-_REFUSED: dict[str, str] = {}
+#: feature -> why it is refused under the split backward (feature names as :func:`_features` gives them)
+_REFUSED: dict[str, str] = {
+    # FSDP2's post-backward hook runs at the input-gradient part, before the weight gradient exists: the
+    # reduce-scatter never sees it (torch 2.13, found on gloo)
+    "zero2": "FSDP2 reduce-scatters before the weight-gradient part of the split backward computes the gradient",
+    "zero3": "FSDP2 reduce-scatters before the weight-gradient part of the split backward: gradients are wrong",
+    # stage_backward_input fails on DTensor parameters (torch 2.13)
+    "tensor parallelism": "torch's stage_backward_input fails on the DTensor shards of tensor parallelism",
+}
 
 
 def _features(strategy: Any) -> list[str]:
