@@ -84,7 +84,7 @@ def _rank_run(rank: int, world: int, port: int, args: Any, out_dir: str) -> None
         class Probe(pl.Callback):
             def on_train_start(self, trainer: Any, pl_module: Any) -> None:
                 rt = strategy.runtime
-                self.layers = list(rt.stage_module.layers)
+                self.layers = [layer for m in rt.stage_modules for layer in m.layers]
                 self.opts = [getattr(o, "_optimizer", o) for o in trainer.optimizers]
                 self.layers[-1].register_forward_hook(self._forward)
 
@@ -104,9 +104,9 @@ def _rank_run(rank: int, world: int, port: int, args: Any, out_dir: str) -> None
                              logger=False, enable_checkpointing=False, enable_progress_bar=False,
                              enable_model_summary=False)
         trainer.fit(module, data)
-        numel = [sum(p.numel() for p in m.parameters()) for m in strategy.runtime.stage_module.layers]
+        numel = [sum(p.numel() for p in m.parameters()) for m in (layer for s in strategy.runtime.stage_modules for layer in s.layers)]
         results[mode] = {**probe, "numel": numel, "names": list(strategy.runtime.chain.names),
-                         "param_tensors": [len(list(m.parameters())) for m in strategy.runtime.stage_module.layers]}
+                         "param_tensors": [len(list(m.parameters())) for m in (layer for s in strategy.runtime.stage_modules for layer in s.layers)]}
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
 
 
