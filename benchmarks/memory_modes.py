@@ -104,9 +104,10 @@ def _rank_run(rank: int, world: int, port: int, args: Any, out_dir: str) -> None
                              logger=False, enable_checkpointing=False, enable_progress_bar=False,
                              enable_model_summary=False)
         trainer.fit(module, data)
-        numel = [sum(p.numel() for p in m.parameters()) for m in (layer for s in strategy.runtime.stage_modules for layer in s.layers)]
+        layers = [layer for s in strategy.runtime.stage_modules for layer in s.layers]
+        numel = [sum(p.numel() for p in m.parameters()) for m in layers]
         results[mode] = {**probe, "numel": numel, "names": list(strategy.runtime.chain.names),
-                         "param_tensors": [len(list(m.parameters())) for m in (layer for s in strategy.runtime.stage_modules for layer in s.layers)]}
+                         "param_tensors": [len(list(m.parameters())) for m in layers]}
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
 
 

@@ -2,8 +2,9 @@
 
 Rank layout (see :mod:`uniap_lightning.planner.plan`): ``world = pp * n``; device group ``g`` owns ranks
 ``[g*n, (g+1)*n)`` and runs the plan's pipeline stages placed on it (``virtual_stages`` of them); the rank at
-position ``r`` inside its group is on pipeline *lane* ``r``, and lane ``r`` is the pipeline ``r, n+r, 2n+r, ...``. Inside a stage a layer with strategy ``(dp, tp)`` sees the stage's ranks as a
-``(dp, tp)`` grid with ``tp`` innermost.
+position ``r`` inside its group is on pipeline *lane* ``r``, and lane ``r`` is the pipeline ``r, n+r, 2n+r, ...``.
+Inside a group a layer with strategy ``(dp, tp)`` sees the group's ranks as a ``(dp, tp)`` grid with ``tp``
+innermost.
 
 Every mesh is built as a *world* mesh with a leading ``pp`` dimension and then sliced, because
 ``init_device_mesh`` and ``new_group`` are collective over the whole world: each rank must create every group
