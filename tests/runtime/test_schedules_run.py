@@ -66,10 +66,10 @@ DEEP = {"module": {"factory": "test_schedules_run:deep_chain"}}
 DEEP_NAMES = [f"net.{i}" for i in range(8)]
 
 
-def PD(schedule: str, *, m: int, v: int = 2) -> Any:
+def PD(schedule: str, *, m: int, v: int = 2, batch: int = 16) -> Any:
     """The eight-layer chain on pp=4 groups of one process, one layer per stage."""
     return h.make_plan([S()] * 8, list(range(8)), pp=4, microbatches=m, schedule=schedule, world=4,
-                       virtual_stages=v, names=DEEP_NAMES)
+                       virtual_stages=v, names=DEEP_NAMES, batch=batch)
 
 
 GPT2_TIED = ["model.transformer.wte", "model.transformer.h.0", "model.transformer.h.1", "model.transformer.ln_f"]
@@ -120,9 +120,37 @@ FOUR_RANKS = {
 }
 
 
+# the bigger matrix, in the slow run: every schedule with the features it runs, four stages per group, compression
+POWERSGD = [(2, 1, REP, False, "powersgd")] * 4
+FOUR_RANKS_SLOW = {
+    **{f"{sched}_mixed": {"plan": P(sched, LOOP2, m=2, world=4, strategies=MIXED), "accumulate": 2, "clip": 0.3}
+       for sched in ("gpipe", "1f1b")},
+    "interleaved_zb_mixed": {"plan": P("interleaved_zb", EACH, m=4, v=2, world=4, strategies=SPLIT_OK), **EVAL},
+    "zb_h1_mixed": {"plan": P("zb_h1", LOOP2, m=2, world=4, strategies=SPLIT_OK), "accumulate": 2},
+    "dualpipe_v_mixed": {"plan": P("dualpipe_v", EACH, m=4, v=2, world=4, strategies=SPLIT_OK), "clip": 0.3},
+    "zb_v_pp4": {"plan": PD("zb_v", m=4), **DEEP, **EVAL},
+    "dualpipe_v_pp4": {"plan": PD("dualpipe_v", m=8, batch=32), **DEEP, "batch": 32},
+    "interleaved_zb_pp4": {"plan": PD("interleaved_zb", m=4), **DEEP},
+    # lossy (no one-process reference): the same compressor under the split backward trains as without it, on the
+    # same placement (PowerSGD's factors depend on which layers a rank holds)
+    "powersgd_1f1b": {"plan": P("1f1b", LOOP2, m=2, world=4, strategies=POWERSGD)},
+    "powersgd_zb_h1": {"plan": P("zb_h1", LOOP2, m=2, world=4, strategies=POWERSGD)},
+    "powersgd_interleaved_1f1b": {"plan": P("interleaved_1f1b", EACH, m=2, v=2, world=4, strategies=POWERSGD)},
+    "powersgd_interleaved_zb": {"plan": P("interleaved_zb", EACH, m=2, v=2, world=4, strategies=POWERSGD)},
+}
+COMPRESSED_PAIRS = [("powersgd_1f1b", "powersgd_zb_h1"), ("powersgd_interleaved_1f1b", "powersgd_interleaved_zb")]
+TWO_RANKS_SLOW = {
+    "interleaved_1f1b_v4": {"plan": h.make_plan([S()] * 8, list(range(8)), pp=2, microbatches=4,
+                                                schedule="interleaved_1f1b", virtual_stages=4, names=DEEP_NAMES),
+                            **DEEP, **EVAL},
+    "interleaved_zb_v4": {"plan": h.make_plan([S()] * 8, list(range(8)), pp=2, microbatches=2,
+                                              schedule="interleaved_zb", virtual_stages=4, names=DEEP_NAMES), **DEEP},
+}
+
+
 def _check(results: list[dict[str, Any]], cases: dict[str, dict[str, Any]]) -> None:
     for name, case in cases.items():
-        if name.startswith(("bad_", "ck_")):
+        if name.startswith(("bad_", "ck_", "powersgd_")):
             continue
         ref = h.reference_for(case)
         h.assert_close_to_reference(results, name, ref)
@@ -169,3 +197,82 @@ def test_schedules_four_ranks_mixed(spawn_cases: Any) -> None:
 
 def test_split_backward_refuses_zero2_on_every_rank(spawn_cases: Any) -> None:
     _refused_everywhere(spawn_cases(4, FOUR_RANKS, "schedules4"), "bad_zb_v_zero2", "zb_v", "zero2")
+
+
+@pytest.mark.slow
+def test_schedules_four_ranks_slow(spawn_cases: Any) -> None:
+    results = spawn_cases(4, FOUR_RANKS_SLOW, "schedules4_slow")
+    _check(results, FOUR_RANKS_SLOW)
+    for plain_name, split_name in COMPRESSED_PAIRS:
+        for r, res in enumerate(results):
+            for name in (plain_name, split_name):
+                assert "error" not in res[name], (r, name, res[name].get("traceback"))
+            torch.testing.assert_close(torch.tensor(res[split_name]["losses"]), torch.tensor(res[plain_name]["losses"]),
+                                       rtol=1e-5, atol=1e-7)
+        plain, split = h.merge_states(results, plain_name), h.merge_states(results, split_name)
+        for k in plain:
+            torch.testing.assert_close(split[k], plain[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+@pytest.mark.slow
+def test_four_stages_per_group_two_ranks_slow(spawn_cases: Any) -> None:
+    _check(spawn_cases(2, TWO_RANKS_SLOW, "schedules2_slow"), TWO_RANKS_SLOW)
+
+
+# ---------------------------------------------------------------------- checks without processes
+def _chain() -> Any:
+    from uniap_lightning.runtime.chain import extract_chain
+
+    return extract_chain(h.make_module())
+
+
+@pytest.mark.parametrize("plan, needles", [
+    # interleaved schedules: microbatches % max(1, microbatches // pp) == 0 (5 % 2 here)
+    (lambda: h.make_plan([S()] * 4, EACH, pp=2, microbatches=5, schedule="interleaved_1f1b", batch=20,
+                         virtual_stages=2), ("interleaved_1f1b", "multiple of max(1, microbatches // pp) = 2")),
+    (lambda: h.make_plan([S()] * 4, EACH, pp=2, microbatches=5, schedule="interleaved_zb", batch=20,
+                         virtual_stages=2), ("interleaved_zb", "multiple of")),
+    (lambda: P("dualpipe_v", EACH, m=2, v=2), ("dualpipe_v", "at least as many microbatches as stages (4)")),
+    (lambda: P("zb_h1", LOOP2, m=2, world=4, strategies=[S(1, 2)] * 4), ("zb_h1", "tensor parallelism")),
+    (lambda: P("interleaved_zb", EACH, m=2, v=2, world=4, strategies=[S(2, 1, Z3)] * 4), ("interleaved_zb", "zero3")),
+])
+def test_check_plan_executable_refuses_in_one_line(plan: Any, needles: tuple[str, ...]) -> None:
+    from uniap_lightning.errors import UniAPError
+    from uniap_lightning.runtime import check_plan_executable
+
+    with pytest.raises(UniAPError) as err:
+        check_plan_executable(plan(), _chain())
+    assert "\n" not in str(err.value) and all(n in str(err.value) for n in needles), str(err.value)
+
+
+def test_schedule_without_split_runs_every_feature() -> None:
+    from uniap_lightning.runtime import check_plan_executable
+
+    for schedule, stages, v in (("1f1b", LOOP2, 1), ("interleaved_1f1b", EACH, 2)):
+        check_plan_executable(P(schedule, stages, m=2, v=v, world=4, strategies=MIXED), _chain())
+
+
+def test_v_schedule_with_three_stages_per_group_is_refused() -> None:
+    from uniap_lightning.errors import UniAPError
+
+    with pytest.raises(UniAPError, match="zb_v.*virtual_stages"):
+        h.make_plan([S()] * 8, list(range(6)) + [5, 5], pp=2, microbatches=2,
+                    schedule="zb_v", virtual_stages=3, names=DEEP_NAMES)
+
+
+def test_unsupported_matrix() -> None:
+    """The rules the planner reads (torch-free): what the split backward refuses, nothing else."""
+    from uniap_lightning.planner.decision import Strategy
+    from uniap_lightning.planner.schedule_rules import SPLIT_BACKWARD, unsupported
+
+    refused = {"zero2": Strategy.of(2, 1, Z2), "zero3": Strategy.of(2, 1, Z3),
+               "tensor parallelism": Strategy.of(1, 2)}
+    allowed = [Strategy.of(1, 1), Strategy.of(2, 1, REP), Strategy.of(2, 1, Z1), Strategy.of(2, 1, REP, True),
+               Strategy.of(2, 1, REP, False, "powersgd"), Strategy.of(2, 1, Z1, True, "topk")]
+    for schedule in ("gpipe", "1f1b", "interleaved_1f1b", *SPLIT_BACKWARD):
+        for s in allowed:
+            assert unsupported(schedule, s) is None, (schedule, s)
+        for feature, s in refused.items():
+            reason = unsupported(schedule, s)
+            assert (reason is not None) == (schedule in SPLIT_BACKWARD), (schedule, s)
+            assert reason is None or (feature in reason and schedule in reason and "\n" not in reason)
