@@ -23,7 +23,7 @@ from torch import nn
 
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.plan import Plan
-from uniap_lightning.planner.schedule_rules import SPLIT_BACKWARD, unsupported, unsupported_ties
+from uniap_lightning.planner.schedule_rules import unsupported
 from uniap_lightning.runtime.chain import Chain, UniAPModule, extract_chain
 from uniap_lightning.runtime.data_parallel import ReplicatedGrads
 from uniap_lightning.runtime.mesh import PlanMeshes, build_meshes
@@ -75,10 +75,6 @@ def check_plan_executable(plan: Plan, chain: Chain) -> None:
         reason = unsupported(plan.schedule, lp.strategy)
         if reason is not None:
             raise UniAPError(f"plan layer {chain.names[u]!r}: {reason}")
-    if chain.ties and plan.schedule in SPLIT_BACKWARD and plan.pp > 1:
-        reason = unsupported_ties(plan.schedule)
-        if reason is not None:
-            raise UniAPError(reason)
 
 
 def apply_plan(chain: Chain, plan: Plan, *, rank: int, device: torch.device) -> Runtime:
