@@ -19,6 +19,7 @@ from uniap_lightning.planner.cost.layer import strategies_for
 from uniap_lightning.planner.cost.tables import CandidateCosts
 from uniap_lightning.planner.plan import Plan
 from uniap_lightning.planner.problem import Problem
+from uniap_lightning.planner.schedule_rules import unsupported
 
 MAX_GRID = 3_000_000  # assignments per split: a bigger instance is a mistake in the test, not a slow test
 
@@ -44,7 +45,9 @@ def brute_force_candidate(problem: Problem, pp: int, c: int, schedule: str, v: i
     b = problem.training.global_batch_size // c
     if S > L or (pp > 1 and b % n):
         return None
-    options = [strategies_for(lp, n, problem.cluster, b, compression=problem.compression) for lp in layers]
+    # the strategies the runtime runs under this schedule (zero-bubble: planner.schedule_rules)
+    options = [[s for s in strategies_for(lp, n, problem.cluster, b, compression=problem.compression)
+                if unsupported(schedule, s) is None] for lp in layers]
     if not all(options):
         return None
     shape = [len(o) for o in options]

@@ -30,7 +30,7 @@ def time_lower_bound_s(t: CostTables) -> float:
     cheapest = [min(fast(k) for k in costs) for costs in t.cost]
     weights = sum(max(most_w(k) for k in costs) for costs in t.cost)
     floor = max(run_bottleneck_s(t, a, e) for a, e in t.runs())
-    peak = t.tpi_s(sum(cheapest), 0.0, max(max(cheapest), floor), 0.0, weights)
+    peak = t.tpi_s(sum(cheapest), 0.0, max(max(cheapest), floor, group_floor_s(t)), 0.0, weights)
     boundaries = 0.0
     if S > 1:
         smallest = min(range(len(t.layers) - 1), key=lambda u: t.layers[u].output_bytes)
@@ -39,6 +39,22 @@ def time_lower_bound_s(t: CostTables) -> float:
     # chain_sync_floor_s already holds the empty stage's share of the bottleneck
     combined = t.tpi_s(sum(cheapest) + S * empty, boundaries, 0.0, 0.0, weights) + chain_sync_floor_s(t)
     return max(max(spread, peak) + t.tpi_s(S * empty, boundaries, v * empty, 0.0), combined)
+
+
+def group_floor_s(t: CostTables) -> float:
+    """A lower bound on the busiest device group's layer time, wherever the layers go (contiguity and memory
+    ignored): of the ``k pp + 1`` slowest layers (each at its cheapest strategy, at the fastest device's speed), some
+    group holds ``k + 1``, so at least the ``k + 1`` cheapest of them (pigeonhole), for every ``k``. With several
+    stages per device, where the partition floors see single stages, this is what sees that 32 blocks and a head on
+    4 groups put 9 blocks on one of them."""
+    times = sorted((min(t.fastest_layer_time_s(k) for k in costs) for costs in t.cost), reverse=True)
+    pp, best = t.pp, 0.0
+    for k in range(len(times) // pp + 1):
+        top = times[: k * pp + 1]
+        if len(top) < k * pp + 1:
+            break
+        best = max(best, sum(top[-(k + 1):]))
+    return best * (1 - 1e-12)
 
 
 def chain_bottleneck_s(t: CostTables) -> float:

@@ -63,7 +63,8 @@ import mip
 from uniap_lightning.planner.cluster import GIB
 from uniap_lightning.planner.cost.tables import CostTables
 from uniap_lightning.planner.solver.backend import MS, MilpResult, add_cutoff, beyond_cutoff, new_model, optimize
-from uniap_lightning.planner.solver.bounds import chain_bottleneck_s, chain_sync_floor_s, run_bottleneck_s
+from uniap_lightning.planner.solver.bounds import (chain_bottleneck_s, chain_sync_floor_s, group_floor_s,
+                                                  run_bottleneck_s)
 from uniap_lightning.planner.solver.decode import decode
 
 
@@ -375,6 +376,9 @@ class GroupedMilp:
                 self.m += self.T >= floor * MS, f"run_floor[{g}]"
         if self.P > 1:
             self.m += self.T >= chain_bottleneck_s(self.t) * MS, "chain_floor"
+            # a group pays its v stages' slot overhead beside its layers
+            empty = self.t.stage_time_s(0.0) * self.t.v
+            self.m += self.T >= (group_floor_s(self.t) + empty) * MS, "group_floor"
         self.m += self.t.tpi_s(0.0, 0.0, self.T, self.Y) >= chain_sync_floor_s(self.t) * MS, "chain_sync_floor"
 
     # ----------------------------------------------------------------- solve
