@@ -5,6 +5,10 @@ Each rank feeds its *lane's* share of the batch: the global batch (every rank lo
 takes slice ``r`` of every micro-batch. Lane ``r`` is a pipeline over ranks ``r, n+r, ...`` with its own
 process group, so the ``n`` lanes run side by side.
 
+A rank runs every pipeline stage its device group holds (``virtual_stages`` of them, placed by the schedule: loop
+or V), one ``PipelineStage`` each, through the plan's torch schedule class (:data:`SCHEDULE_CLASSES`). Evaluation
+and prediction run forward only over the same stages (:func:`forward_only_schedule` when there are several).
+
 Losses are means over a lane's slice; gradients are the mean over micro-batches (each micro-batch's loss carries
 ``1 / microbatches`` before its backward) and, through the data-parallel averages, over lanes: exactly the gradient
 of the mean loss over the global batch, as on one device. The scaling is in the loss, not in the schedules'
