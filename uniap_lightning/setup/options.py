@@ -58,7 +58,8 @@ class SetupOptions:
             raise UniAPError(f"compression={compression!r} must be one of {allowed} (None: off; a method: the "
                              "planner may use it per layer; 'auto': it chooses among all)")
         if schedule not in ("auto", *SCHEDULES):
-            raise UniAPError(f"schedule={schedule!r} must be 'auto' (the planner chooses) or one of {list(SCHEDULES)}")
+            raise UniAPError(f"schedule={schedule!r} must be one of {['auto', *SCHEDULES]} ('auto': the planner "
+                             "chooses)")
         if virtual_stages is not None:
             if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
                 raise UniAPError(f"virtual_stages={virtual_stages!r} must be None (searched) or an integer >= 1")
