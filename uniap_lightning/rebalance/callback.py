@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -114,8 +115,18 @@ class Rebalancer(Callback):
 
         if self.timer is not None:
             self.timer.remove()
-        self.timer = StageTimer(strategy.runtime.stage_modules[0], strategy.root_device)  # v = 1: the stage
+        self.timer = None
         self._fresh = True
+        if strategy.runtime.plan.virtual_stages > 1:
+            # the timer measures one module per rank; a device holding several stages would be judged by one of
+            # them, so rebalancing is off for such a plan (said once, on rank 0)
+            if strategy.global_rank == 0:
+                warnings.warn(f"UniAP: rebalance=True is off for this plan: it runs "
+                              f"{strategy.runtime.plan.virtual_stages} pipeline stages per device "
+                              f"({strategy.runtime.plan.schedule}), and the re-planning timer measures one stage per "
+                              "device", stacklevel=2)
+            return
+        self.timer = StageTimer(strategy.runtime.stage_modules[0], strategy.root_device)  # v = 1: the stage
 
     # ---------------------------------------------------------------- per step
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
@@ -135,6 +146,8 @@ class Rebalancer(Callback):
                 self.timer.clear()
             return
         if step % self.options.check_every or step >= _total_steps(trainer):  # not after the last step
+            return
+        if self.timer is None:  # off for this plan (several stages per device, see attach); the same on every rank
             return
         self._check(trainer, pl_module)
         self._step_times = []
