@@ -1,0 +1,255 @@
+"""Pipeline schedules as numbers: placement, in-flight activations, a linear time shape, and a simulator.
+
+Torch-free on purpose: the planner imports it without torch; ``tests/planner/test_schedules.py`` checks every
+number here against torch 2.13's own action lists (``pipeline_order``).
+
+Vocabulary: ``p`` device groups, ``v`` chunks per group, ``S = p * v`` stages in chain order, ``m`` micro-batches.
+Placement "loop": stage k on group k % p; "v": stage k on group k for k < p, else 2p - 1 - k.
+Per stage k and micro-batch: forward f_k, backward-input b_k, backward-weight w_k, ``p_k = f_k + b_k + w_k``;
+hand-off o_j across boundary j (stage j -> j + 1, forward plus backward p2p). ``P_g`` = sum of p_k on group g.
+
+In-flight rule: a micro-batch's activations on stage k are held from its F until its full backward B, or, for the
+split schedules, until its W (W still needs the saved inputs). ``in_flight`` is the peak count per stage.
+
+Time per iteration (end-of-step sync excluded) as a linear shape the MILP can use::
+
+    TPI = a_p * sum_k p_k + a_w * sum_k w_k + a_o * sum_j o_j + b_T * T + b_W * Wmax
+    T >= P_g for every group g,  T >= v * o_j for every boundary j,  Wmax >= w_k for every stage k
+    1f1b also:  T >= (sum p + sum o) / p   (a micro-batch's round trip, shared by the p in flight on stage 0)
+
+Coefficients per schedule (see ``SHAPES``; the test gives the measured gap to ``simulate`` of torch's order):
+  gpipe / 1f1b:       sum p + sum o + (m - 1) T                      exact for equal stages
+  interleaved_1f1b:   (1/v)(sum p + sum o) + (m - 1/v) T             Megatron's (m v + p - 1) t for equal chunks
+  zb_h1 / interleaved_zb, zb_v, dualpipe_v:
+                      (1/v)(sum (p - 2w) + sum o) + 2 Wmax + (m - 1/v) T    the ZB paper's bubble (p-1)(f+b-w)
+The split-backward forms are not exact for every (m, ratio): torch's greedy orders sometimes idle more; the test
+asserts the documented relative bounds in ``SHAPE_GAP`` and prints the gaps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+Action = tuple[str, int, int]  # (kind in F/B/I/W, micro-batch, stage)
+
+
+def _check_single(name: str) -> Callable[[int, int, int], str | None]:
+    def check(p: int, v: int, m: int) -> str | None:
+        if v != 1:
+            return f"{name} runs one stage per group (v=1), got v={v}"
+        if name == "1f1b" and m < p:
+            return f"Schedule1F1B needs m >= p ({m} < {p}); the runtime uses GPipe below it"
+        return None
+
+    return check
+
+
+def _check_rounds(name: str, allowed: Callable[[int], bool]) -> Callable[[int, int, int], str | None]:
+    def check(p: int, v: int, m: int) -> str | None:
+        if not allowed(v):
+            return f"{name} does not take v={v}"
+        rounds = max(1, m // p)
+        if m % rounds:
+            return f"torch needs m a multiple of the rounds max(1, m // p) = {rounds}, got m={m}"
+        return None
+
+    return check
+
+
+def _check_v(name: str, dual: bool) -> Callable[[int, int, int], str | None]:
+    def check(p: int, v: int, m: int) -> str | None:
+        if v != 2:
+            return f"{name} needs exactly 2 stages per group (v=2), got v={v}"
+        if dual and m < 2 * p:
+            return f"ScheduleDualPipeV needs m >= 2p stages ({m} < {2 * p})"
+        return None
+
+    return check
+
+
+@dataclass(frozen=True)
+class ScheduleInfo:
+    """What a schedule name means: placement, the v it takes, whether B is split into I and W, torch's class."""
+
+    name: str
+    placement: str  # "loop" or "v"
+    allowed_v: str  # "1", ">=2", "2"
+    split_backward: bool
+    torch_class: str
+    check: Callable[[int, int, int], str | None]  # None when torch builds and runs it, else a one-line reason
+
+
+SCHEDULES: dict[str, ScheduleInfo] = {
+    "gpipe": ScheduleInfo("gpipe", "loop", "1", False, "ScheduleGPipe", _check_single("gpipe")),
+    "1f1b": ScheduleInfo("1f1b", "loop", "1", False, "Schedule1F1B", _check_single("1f1b")),
+    "interleaved_1f1b": ScheduleInfo(
+        "interleaved_1f1b", "loop", ">=2", False, "ScheduleInterleaved1F1B",
+        _check_rounds("interleaved_1f1b", lambda v: v >= 2),
+    ),
+    "zb_h1": ScheduleInfo(
+        "zb_h1", "loop", "1", True, "ScheduleInterleavedZeroBubble", _check_rounds("zb_h1", lambda v: v == 1)
+    ),
+    "interleaved_zb": ScheduleInfo(
+        "interleaved_zb", "loop", ">=2", True, "ScheduleInterleavedZeroBubble",
+        _check_rounds("interleaved_zb", lambda v: v >= 2),
+    ),
+    "zb_v": ScheduleInfo("zb_v", "v", "2", True, "ScheduleZBVZeroBubble", _check_v("zb_v", False)),
+    "dualpipe_v": ScheduleInfo("dualpipe_v", "v", "2", True, "ScheduleDualPipeV", _check_v("dualpipe_v", True)),
+}
+
+
+def group_of_stage(k: int, p: int, v: int, placement: str) -> int:
+    """Device group that runs pipeline stage ``k``."""
+    if placement == "loop":
+        return k % p
+    if placement == "v":
+        return k if k < p else 2 * p - 1 - k
+    raise ValueError(f"unknown placement {placement!r}")
+
+
+def stages_of_group(g: int, p: int, v: int, placement: str) -> list[int]:
+    """Stages of group ``g`` in chain order."""
+    return [k for k in range(p * v) if group_of_stage(k, p, v, placement) == g]
+
+
+def in_flight_of_order(order: Mapping[int, Sequence[Action]], n_stages: int, split_backward: bool) -> list[int]:
+    """Peak held micro-batches per stage of an action list (held from F until B, or until W when split)."""
+    release = "W" if split_backward else "B"
+    peak = [0] * n_stages
+    for acts in order.values():
+        held = [0] * n_stages
+        for kind, _, k in acts:
+            if kind == "F":
+                held[k] += 1
+                peak[k] = max(peak[k], held[k])
+            elif kind == release:
+                held[k] -= 1
+    return peak
+
+
+def in_flight(schedule: str, p: int, v: int, m: int) -> list[int]:
+    """Peak micro-batches whose activations each stage holds under torch's order.
+
+    Closed forms read off torch 2.13 and checked on the test grid (R = m // max(1, m // p), torch's per-round
+    count): gpipe m; 1f1b min(m, p - k); zb_v min(m, 2p - k); dualpipe_v m - max(0, k - p);
+    zb_h1 / interleaved_zb by chunk c = k // p: last chunk min(R, p), first chunk min(m, 2R), middle chunks R.
+    interleaved_1f1b has no closed form here (its counts vary per group with torch's warmup); it raises.
+    """
+    info = SCHEDULES[schedule]
+    reason = info.check(p, v, m)
+    if reason is not None:
+        raise ValueError(reason)
+    if schedule == "gpipe":
+        return [m] * p
+    if schedule == "1f1b":
+        return [min(m, p - k) for k in range(p)]
+    n = p * v
+    if schedule == "zb_v":
+        return [min(m, n - k) for k in range(n)]
+    if schedule == "dualpipe_v":
+        return [m - max(0, k - p) for k in range(n)]
+    if schedule in ("zb_h1", "interleaved_zb"):
+        per_round = m // max(1, m // p)  # torch's microbatches_per_round
+        out = []
+        for k in range(n):
+            chunk = k // p
+            if chunk == v - 1:
+                out.append(min(per_round, p))
+            elif chunk == 0:
+                out.append(min(m, 2 * per_round))
+            else:
+                out.append(per_round)
+        return out
+    raise ValueError(f"{schedule}: no closed form; use in_flight_of_order on torch's pipeline_order")
+
+
+@dataclass(frozen=True)
+class ScheduleShape:
+    """Coefficients of TPI = a_p sum p + a_w sum w + a_o sum o + b_T T + b_W Wmax (T, Wmax epigraph variables)."""
+
+    a_p: float
+    a_w: float
+    a_o: float
+    b_T: float
+    b_W: float
+    v: int  # T >= v * o_j: every boundary is crossed v times per micro-batch by a group's chunks
+    cycle: float = 0.0  # T >= cycle * (sum p + sum o): 1F1B's round trip shared by the p micro-batches in flight
+
+    def tpi(
+        self, p_list: Sequence[float], w_list: Sequence[float], o_list: Sequence[float], groups: Sequence[int]
+    ) -> float:
+        """Evaluate on numbers; ``groups[k]`` is stage k's device group."""
+        load: dict[int, float] = {}
+        for k, pk in enumerate(p_list):
+            load[groups[k]] = load.get(groups[k], 0.0) + pk
+        rows = [*load.values(), *(self.v * o for o in o_list), self.cycle * (sum(p_list) + sum(o_list))]
+        t = max(rows)
+        wmax = max(w_list, default=0.0)
+        return (
+            self.a_p * sum(p_list) + self.a_w * sum(w_list) + self.a_o * sum(o_list) + self.b_T * t + self.b_W * wmax
+        )
+
+
+def shape(schedule: str, p: int, v: int, m: int) -> ScheduleShape:
+    """The linear TPI shape of ``schedule`` at (p, v, m)."""
+    info = SCHEDULES[schedule]
+    if info.split_backward:
+        return ScheduleShape(1 / v, -2 / v, 1 / v, m - 1 / v, 2.0, v)
+    if v == 1:
+        return ScheduleShape(1.0, 0.0, 1.0, m - 1.0, 0.0, 1, 1 / p if schedule == "1f1b" else 0.0)
+    return ScheduleShape(1 / v, 0.0, 1 / v, m - 1 / v, 0.0, v)
+
+
+def simulate(
+    order: Mapping[int, Sequence[Action | None]],
+    f: Sequence[float],
+    b: Sequence[float],
+    w: Sequence[float],
+    o: Sequence[float],
+) -> tuple[float, dict[int, float]]:
+    """Makespan and per-group busy time of an action list, by discrete events.
+
+    Each group runs its actions in order. ``o_j`` is the forward plus backward hand-off of boundary j, so each
+    direction pays half: F(k, mb) starts after F(k-1, mb) ends plus o_{k-1} / 2; B/I(k, mb) after B/I(k+1, mb)
+    ends plus o_k / 2 (the last stage's after its own F); W(k, mb) after I(k, mb). A full B costs b_k + w_k,
+    I costs b_k, W costs w_k. None entries are skipped.
+    """
+    n = len(f)
+    done: dict[tuple[str, int, int], float] = {}
+    pos = {g: 0 for g in order}
+    clock = {g: 0.0 for g in order}
+    busy = {g: 0.0 for g in order}
+    rows = {g: [a for a in acts if a is not None] for g, acts in order.items()}
+    remaining = sum(len(r) for r in rows.values())
+    while remaining:
+        progressed = False
+        for g, acts in rows.items():
+            while pos[g] < len(acts):
+                kind, mb, k = acts[pos[g]]
+                if kind == "F":
+                    dep, cost = (("F", mb, k - 1), o[k - 1] / 2) if k > 0 else (None, 0.0)
+                    dur = f[k]
+                elif kind in ("B", "I"):
+                    if k == n - 1:
+                        dep, cost = ("F", mb, k), 0.0
+                    else:
+                        nxt = ("B", mb, k + 1) if ("B", mb, k + 1) in done else ("I", mb, k + 1)
+                        dep, cost = nxt, o[k] / 2
+                    dur = b[k] + w[k] if kind == "B" else b[k]
+                elif kind == "W":
+                    dep, cost, dur = ("I", mb, k), 0.0, w[k]
+                else:
+                    raise ValueError(f"unknown action kind {kind!r}")
+                if dep is not None and dep not in done:
+                    break
+                start = max(clock[g], done[dep] + cost if dep is not None else 0.0)
+                clock[g] = start + dur
+                busy[g] += dur
+                done[(kind, mb, k)] = clock[g]
+                pos[g] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise ValueError("action list deadlocks: some action waits on one that never runs first")
+    return max(clock.values(), default=0.0), busy
