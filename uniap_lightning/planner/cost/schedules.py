@@ -134,7 +134,7 @@ def in_flight(schedule: str, p: int, v: int, m: int) -> list[int]:
     Closed forms read off torch 2.13 and checked on the test grid (R = m // max(1, m // p), torch's per-round
     count): gpipe m; 1f1b min(m, p - k); zb_v min(m, 2p - k); dualpipe_v m - max(0, k - p);
     zb_h1 / interleaved_zb by chunk c = k // p: last chunk min(R, p), first chunk min(m, 2R), middle chunks R.
-    interleaved_1f1b has no closed form here (its counts vary per group with torch's warmup); it raises.
+    interleaved_1f1b varies per group with torch's warmup: a tiny counter of torch's per-group order.
     """
     info = SCHEDULES[schedule]
     reason = info.check(p, v, m)
@@ -161,7 +161,36 @@ def in_flight(schedule: str, p: int, v: int, m: int) -> list[int]:
             else:
                 out.append(per_round)
         return out
-    raise ValueError(f"{schedule}: no closed form; use in_flight_of_order on torch's pipeline_order")
+    if schedule == "interleaved_1f1b":
+        return _interleaved_1f1b_in_flight(p, v, m)
+    raise ValueError(f"unknown schedule {schedule!r}")
+
+
+def _interleaved_1f1b_in_flight(p: int, v: int, m: int) -> list[int]:
+    """Count torch's interleaved 1F1B per group: warmup forwards, then F/B pairs, then the remaining backwards.
+
+    With R micro-batches per round, group g runs ``min((v - 1) R + 2 (p - 1 - g), m v)`` warmup forwards; its
+    i-th forward is on chunk ``(i // R) % v`` and its j-th backward on chunk ``v - 1 - (j // R) % v``.
+    """
+    per_round = m // max(1, m // p)
+    out = [0] * (p * v)
+    for g in range(p):
+        warm = min((v - 1) * per_round + 2 * (p - 1 - g), m * v)
+        held = [0] * v
+        peak = [0] * v
+        n_f = n_b = 0
+        while n_b < m * v:
+            if n_f < m * v and (n_f < warm or n_f - warm <= n_b):
+                c = (n_f // per_round) % v
+                held[c] += 1
+                peak[c] = max(peak[c], held[c])
+                n_f += 1
+            else:
+                held[v - 1 - (n_b // per_round) % v] -= 1
+                n_b += 1
+        for c in range(v):
+            out[c * p + g] = peak[c]
+    return out
 
 
 @dataclass(frozen=True)
