@@ -17,8 +17,10 @@ Time per iteration (end-of-step sync excluded) as a linear shape the MILP can us
     T >= P_g for every group g,  T >= v * o_j for every boundary j,  Wmax >= w_k for every stage k
     1f1b also:  T >= (sum p + sum o) / p   (a micro-batch's round trip, shared by the p in flight on stage 0)
 
-Coefficients per schedule (see ``SHAPES``; the test gives the measured gap to ``simulate`` of torch's order):
-  gpipe / 1f1b:       sum p + sum o + (m - 1) T                      exact for equal stages
+Coefficients per schedule (see ``shape``; the test gives the measured gap to ``simulate`` of torch's order):
+  gpipe / 1f1b:       sum p + sum o + (m - 1) T     gpipe exact for equal stages; 1f1b exact with o = 0 and an
+                      upper bound (<= +2%) with hand-offs thanks to the round-trip row above (without it, today's
+                      formula fell up to 11% under the simulation at o = 0.3 t, more with larger m)
   interleaved_1f1b:   (1/v) sum p + sum o + (m - 1/v) T              Megatron's (m v + p - 1) t for equal chunks
   zb_h1 / interleaved_zb, zb_v, dualpipe_v:
                       (1/v) sum (p - 2w) + sum o + 2 Wmax + (m - 1/v) T    the ZB paper's bubble (p-1)(f+b-w)
