@@ -20,7 +20,7 @@ Time per iteration (end-of-step sync excluded) as a linear shape the MILP can us
 Coefficients per schedule (see ``shape``; the test gives the measured gap to ``simulate`` of torch's order):
   gpipe / 1f1b:       sum p + sum o + (m - 1) T     gpipe exact for equal stages; 1f1b exact with o = 0 and an
                       upper bound (<= +2%) with hand-offs thanks to the round-trip row above (without it, today's
-                      formula fell up to 11% under the simulation at o = 0.3 t, more with larger m)
+                      formula fell up to 6% under the simulation at o = 0.3 t, more with larger m)
   interleaved_1f1b:   (1/v) sum p + sum o + (m - 1/v) T              Megatron's (m v + p - 1) t for equal chunks
   zb_h1 / interleaved_zb, zb_v, dualpipe_v:
                       (1/v) sum (p - 2w) + sum o + 2 Wmax + (m - 1/v) T    the ZB paper's bubble (p-1)(f+b-w)
