@@ -24,26 +24,17 @@ schedule cannot hide at the stages' mean ``sum w / S`` instead of a maximum: exa
 keeps the program as easy to solve as 1F1B's (a maximum made HiGHS take more than 60 s where 1F1B took 4 s).
 
 Activations in flight: GPipe holds all ``m`` micro-batches; 1F1B ``min(m, pp - k)`` (with ``m < pp`` torch runs
-GPipe); every other schedule's counts are read off torch's action list for the exact ``(pp, v, m)`` -- per stage,
-the most micro-batches whose forward ran and whose backward (for split schedules: weight-gradient half) has
-not -- and where torch cannot build that list here, ``m`` (never too few).
+GPipe); every other schedule's from :func:`~uniap_lightning.planner.cost.schedules.in_flight`: per stage, the most
+micro-batches whose forward ran and whose backward (for split schedules: weight-gradient half) has not, in closed
+forms that equal the counts read off torch's own action lists on a grid of ``(pp, v, m)``
+(``tests/planner/test_schedules.py``).
 """
 
 from __future__ import annotations
 
-import re
-from functools import lru_cache
 from typing import NamedTuple
 
-from uniap_lightning.planner.schedule_rules import SPLIT_BACKWARD
-
-#: torch.distributed.pipelining class per schedule
-TORCH_CLASSES = {
-    "gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "zb_h1": "ScheduleInterleavedZeroBubble",
-    "interleaved_1f1b": "ScheduleInterleaved1F1B", "interleaved_zb": "ScheduleInterleavedZeroBubble",
-    "zb_v": "ScheduleZBVZeroBubble", "dualpipe_v": "ScheduleDualPipeV",
-}
-
+from uniap_lightning.planner.cost.schedules import SCHEDULES, in_flight
 
 class PipelineShape(NamedTuple):
     """A schedule's time per iteration as coefficients of linear terms (see
@@ -65,7 +56,7 @@ def pipeline_shape(schedule: str, pp: int, v: int, m: int) -> tuple[PipelineShap
     if schedule in ("gpipe", "1f1b"):
         flight = [m if schedule == "gpipe" or m < pp else min(m, pp - k) for k in range(pp)]
         return PipelineShape(1.0, 0.0, 1.0, m - 1.0), flight
-    flight = list(in_flight_from_torch(schedule, pp, v, m))
+    flight = in_flight(schedule, pp, v, m)
     if schedule == "interleaved_1f1b":
         return PipelineShape(1 / v, 0.0, 1 / v, m - 1 / v), flight
     return PipelineShape(1 / v, -2 / v + 2 / S, 1 / v, m - 1 / v), flight
@@ -82,61 +73,9 @@ def unusable(schedule: str, pp: int, v: int, m: int) -> str | None:
         return f"{schedule} needs 2 or more device groups"
     if m < pp:
         return f"{schedule} with {m} micro-batches < {pp} device groups (no steady state)"
-    if schedule in ("interleaved_1f1b", "interleaved_zb") and m % max(1, m // pp):
-        return f"{schedule}: {m} micro-batches is not a multiple of torch's rounds max(1, m // pp) = {m // pp}"
-    if schedule == "dualpipe_v" and m < 2 * pp:
-        return f"dualpipe_v needs at least 2 pp = {2 * pp} micro-batches, got {m}"
+    torch_says = SCHEDULES[schedule].check(pp, v, m)  # torch's own rules (rounds, DualPipeV's m >= 2 pp, v)
+    if torch_says is not None:
+        return torch_says
     if schedule == "zb_v" and m < 2 * pp:  # torch runs it, but its warm-up leaves bubbles the form does not price
         return f"zb_v is priced from 2 pp = {2 * pp} micro-batches, got {m}"
     return None
-
-
-@lru_cache(maxsize=512)
-def in_flight_from_torch(schedule: str, pp: int, v: int, m: int) -> tuple[int, ...]:
-    """Per pipeline stage, the most micro-batches in flight in torch's action list for this shape (``m`` each when
-    torch cannot build the list)."""
-    try:
-        order = torch_actions(schedule, pp, v, m)
-    except Exception:  # noqa: BLE001 - another torch: the safe count
-        return (m,) * (pp * v)
-    held = [0] * (pp * v)
-    peak = [0] * (pp * v)
-    split = schedule in SPLIT_BACKWARD
-    for actions in order.values():
-        for kind, _mb, k in actions:
-            if kind == "F":
-                held[k] += 1
-            elif kind == "B" or (split and kind == "W"):
-                held[k] -= 1
-            peak[k] = max(peak[k], held[k])
-    return tuple(max(1, min(p, m)) for p in peak)
-
-
-_ACTION = re.compile(r"(\d+)([A-Z_]+?)(\d+)")
-
-
-def torch_actions(schedule: str, pp: int, v: int, m: int) -> dict[int, list[tuple[str, int, int]]]:
-    """Every device group's computation actions ``(kind, micro-batch, stage)`` in torch's order (kind F, B, I, W;
-    an overlapped forward-backward counts as its two parts), built from torch's schedule class without processes."""
-    from types import SimpleNamespace
-
-    import torch.distributed.pipelining.schedules as torch_schedules
-
-    cls = getattr(torch_schedules, TORCH_CLASSES[schedule])
-    v_shape = schedule in ("zb_v", "dualpipe_v")
-    S = pp * v
-    local = [0, S - 1] if v_shape else [j * pp for j in range(v)]
-    stages = [SimpleNamespace(num_stages=S, group_size=pp, group_rank=0, stage_index=k, is_first=k == 0,
-                              is_last=k == S - 1, submod=None, stage_index_to_group_rank=None) for k in local]
-    sched = cls(stages, m)
-    out = {}
-    for rank, actions in sched.pipeline_order.items():
-        parsed = []
-        for action in actions:
-            if action is None:
-                continue
-            for stage, kind, mb in _ACTION.findall(str(action)):
-                if kind in ("F", "B", "I", "W"):
-                    parsed.append((kind, int(mb), int(stage)))
-        out[rank] = parsed
-    return out
