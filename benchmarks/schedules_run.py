@@ -12,9 +12,11 @@ over ``--reps`` repetitions, schedules interleaved within a repetition):
 
 * measured step: batch start to batch end, the slowest rank;
 * predicted: the plan's time per iteration;
-* measured bubble: step minus ``m`` x the busiest rank's own forward + backward of its stage modules on one
-  micro-batch, timed outside the schedule right after the fit on every rank at once (the same core sharing);
-* predicted bubble: :func:`uniap_lightning.planner.solver.search.bubble_s`;
+* measured m x compute: ``m`` x the busiest rank's own forward + backward (input gradients too; for the
+  zero-bubble schedules split as they run it: input gradients, then weight gradients) of its stage modules on one micro-batch, timed outside the schedule right after the fit on every rank at once
+  (the same core sharing); predicted m x stage: ``m`` x the plan's largest stage time per micro-batch;
+* measured bubble: step minus measured m x compute; predicted bubble:
+  :func:`uniap_lightning.planner.solver.search.bubble_s` (which also takes off the end-of-step sync);
 * rank of the planner's choice: where the lowest-predicted schedule lands among the measured times (1: fastest).
 """
 
@@ -33,6 +35,8 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+
+from uniap_lightning.planner.schedule_rules import SPLIT_BACKWARD
 
 WORLD, PP = 4, 4
 SCHEDULES = {"gpipe": 1, "1f1b": 1, "zb_h1": 1, "interleaved_1f1b": 2, "interleaved_zb": 2, "zb_v": 2,
@@ -102,6 +106,10 @@ def _trainer(strategy: Any, steps: int, callbacks: list[Any]) -> Any:
 
 def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
     torch.set_num_threads(1)
+    if args.profile_flush_bytes is not None:
+        from uniap_lightning.profiling import timing
+
+        timing.CPU_FLUSH_BYTES = args.profile_flush_bytes
     import lightning.pytorch as pl
 
     from uniap_lightning.strategy import UniAPStrategy
@@ -148,26 +156,33 @@ def _run(rank: int, schedule: str, args: argparse.Namespace, problem: Any) -> di
     layers = [copy.deepcopy(module.net[u]) for u in mine]  # this rank's stage modules, before the fit moves them
     total = args.warmup + args.steps
     _trainer(UniAPStrategy(monitor=False, plan=plan), total, [Steps()]).fit(module, _data(args, total))
-    row = {"step_s": statistics.median(steps[args.warmup:]), "compute_s": _compute(layers, args)}
+    row = {"step_s": statistics.median(steps[args.warmup:]), "compute_s": _compute(layers, args, schedule in SPLIT_BACKWARD)}
     if problem is not None:
         from uniap_lightning.planner.cost import evaluate
         from uniap_lightning.planner.solver.search import bubble_s
 
         scored = plan.with_report(estimate=evaluate(problem, plan))
-        row.update(predicted_s=scored.estimate.tpi_s, predicted_bubble_s=bubble_s(scored))
+        row.update(predicted_s=scored.estimate.tpi_s, predicted_bubble_s=bubble_s(scored),
+                   predicted_work_s=plan.microbatches * max(scored.estimate.stage_time_s))
     return row
 
 
-def _compute(layers: list[Any], args: argparse.Namespace) -> float:
-    """This rank's stage modules: forward + backward (input gradients too) of one micro-batch, median seconds."""
+def _compute(layers: list[Any], args: argparse.Namespace, split: bool) -> float:
+    """This rank's stage modules: forward + backward of one micro-batch, median seconds; ``split``: the backward as
+    the zero-bubble schedules run it, input gradients first (graph kept), then weight gradients."""
     x = torch.randn(args.batch // args.microbatches, args.width, generator=torch.Generator().manual_seed(1))
+    params = [p for layer in layers for p in layer.parameters()]
     times = []
     for _ in range(args.warmup + args.steps):
         t0 = time.perf_counter()
         h = x.requires_grad_(True)
         for layer in layers:
             h = layer(h)
-        h.backward(torch.ones_like(h))
+        if split:
+            torch.autograd.grad(h, [x], torch.ones_like(h), retain_graph=True)
+            torch.autograd.grad(h, params, torch.ones_like(h))
+        else:
+            h.backward(torch.ones_like(h))
         times.append(time.perf_counter() - t0)
         x = x.detach()
         for layer in layers:
@@ -182,24 +197,29 @@ def _table(out: str, args: argparse.Namespace) -> str:
         for rep in range(args.reps):
             ranks = [json.loads(Path(out, f"{schedule}.{rep}.{r}.json").read_text()) for r in range(WORLD)]
             step = max(r["step_s"] for r in ranks)
-            reps.append((step, step - args.microbatches * max(r["compute_s"] for r in ranks), ranks[0]))
+            work = args.microbatches * max(r["compute_s"] for r in ranks)
+            reps.append((step, work, ranks[0]))
         rows[schedule] = {"step": statistics.median(s for s, _, _ in reps),
                           "spread": (min(s for s, _, _ in reps), max(s for s, _, _ in reps)),
-                          "bubble": statistics.median(b for _, b, _ in reps),
+                          "bubble": statistics.median(s - w for s, w, _ in reps),
+                          "work": statistics.median(w for _, w, _ in reps),
+                          "pred_work": reps[0][2]["predicted_work_s"],
                           "pred": reps[0][2]["predicted_s"], "pred_bubble": reps[0][2]["predicted_bubble_s"]}
     by_measured = sorted(rows, key=lambda s: rows[s]["step"])
     preferred = min(rows, key=lambda s: rows[s]["pred"])
-    lines = [f"pp={PP}, {args.layers} x Linear({args.width}) + Tanh, global batch {args.batch}, "
+    flush = "" if args.profile_flush_bytes is None else f", profile flush {args.profile_flush_bytes} bytes"
+    lines = [f"pp={PP}, {args.layers} x Linear({args.width}) + Tanh, global batch {args.batch}{flush}, "
              f"m={args.microbatches}, replicate; medians of {args.steps} steps after {args.warmup} warm-up, "
              f"median of {args.reps} repetitions (min-max in brackets)",
              "",
-             "| schedule | v | measured step ms | predicted ms | measured / predicted | measured bubble ms | "
-             "predicted bubble ms | measured rank |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| schedule | v | measured step ms | predicted ms | measured / predicted | measured m x compute ms | "
+             "predicted m x stage ms | measured bubble ms | predicted bubble ms | measured rank |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for s, r in rows.items():
         lo, hi = r["spread"]
         lines.append(f"| {s} | {SCHEDULES[s]} | {r['step'] * 1e3:.1f} ({lo * 1e3:.1f}-{hi * 1e3:.1f}) | "
-                     f"{r['pred'] * 1e3:.1f} | {r['step'] / r['pred']:.2f} | {r['bubble'] * 1e3:.1f} | "
+                     f"{r['pred'] * 1e3:.1f} | {r['step'] / r['pred']:.2f} | {r['work'] * 1e3:.1f} | "
+                     f"{r['pred_work'] * 1e3:.1f} | {r['bubble'] * 1e3:.1f} | "
                      f"{r['pred_bubble'] * 1e3:.1f} | {by_measured.index(s) + 1} |")
     lines += ["", f"planner's preferred schedule (lowest predicted): {preferred}, measured rank "
                   f"{by_measured.index(preferred) + 1} of {len(rows)} (fastest measured: {by_measured[0]})"]
@@ -215,6 +235,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--profile-flush-bytes", type=int, default=None,
+                    help="bytes the profiler writes before each timed layer run on a CPU (default: the library's, "
+                         "64 MiB; 0: hot caches, as the schedules run here)")
     args = ap.parse_args()
     if args.layers % (2 * PP) or args.batch % args.microbatches or args.microbatches < 2 * PP:
         raise SystemExit(f"--layers must be a multiple of {2 * PP}, --batch of --microbatches, and --microbatches "
