@@ -13,8 +13,9 @@ over ``--reps`` repetitions, schedules interleaved within a repetition):
 * measured step: batch start to batch end, the slowest rank;
 * predicted: the plan's time per iteration;
 * measured m x compute: ``m`` x the busiest rank's own forward + backward (input gradients too; for the
-  zero-bubble schedules split as they run it: input gradients, then weight gradients) of its stage modules on one micro-batch, timed outside the schedule right after the fit on every rank at once
-  (the same core sharing); predicted m x stage: ``m`` x the plan's largest stage time per micro-batch;
+  zero-bubble schedules split as they run it: input gradients, then weight gradients) of its stage modules on one
+  micro-batch, timed outside the schedule right after the fit on every rank at once (the same core sharing);
+  predicted m x stage: ``m`` x the plan's largest stage time per micro-batch;
 * measured bubble: step minus measured m x compute; predicted bubble:
   :func:`uniap_lightning.planner.solver.search.bubble_s` (which also takes off the end-of-step sync);
 * rank of the planner's choice: where the lowest-predicted schedule lands among the measured times (1: fastest).
@@ -156,7 +157,8 @@ def _run(rank: int, schedule: str, args: argparse.Namespace, problem: Any) -> di
     layers = [copy.deepcopy(module.net[u]) for u in mine]  # this rank's stage modules, before the fit moves them
     total = args.warmup + args.steps
     _trainer(UniAPStrategy(monitor=False, plan=plan), total, [Steps()]).fit(module, _data(args, total))
-    row = {"step_s": statistics.median(steps[args.warmup:]), "compute_s": _compute(layers, args, schedule in SPLIT_BACKWARD)}
+    row = {"step_s": statistics.median(steps[args.warmup:]),
+           "compute_s": _compute(layers, args, schedule in SPLIT_BACKWARD)}
     if problem is not None:
         from uniap_lightning.planner.cost import evaluate
         from uniap_lightning.planner.solver.search import bubble_s
