@@ -10,9 +10,8 @@ its ``tpi_s`` formula, adds everything up itself, and the plan it returns is re-
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
+from bruteforce import splits
 
 from uniap_lightning.planner.cost.evaluate import evaluate
 from uniap_lightning.planner.cost.layer import strategies_for
@@ -22,13 +21,6 @@ from uniap_lightning.planner.problem import Problem
 from uniap_lightning.planner.schedule_rules import unsupported
 
 MAX_GRID = 3_000_000  # assignments per split: a bigger instance is a mistake in the test, not a slow test
-
-
-def splits(num_layers: int, stages: int):
-    """Stage index per layer for every split of the chain into ``stages`` non-empty contiguous stages."""
-    for cuts in itertools.combinations(range(1, num_layers), stages - 1):
-        bounds = (0, *cuts, num_layers)
-        yield [i for i in range(stages) for _ in range(bounds[i], bounds[i + 1])]
 
 
 def _axis(values, u: int, ndim: int) -> np.ndarray:

@@ -70,11 +70,17 @@ def check_schedule(schedule: str, virtual_stages: int, where: str = "plan") -> N
         raise UniAPError(f"{where} schedule={schedule!r} runs with virtual_stages {rule}, got {virtual_stages}")
 
 
-def group_of_stage(stage: int, pp: int, virtual_stages: int, schedule: str) -> int:
-    """The device group that runs pipeline stage ``stage`` (chain order) under ``schedule``'s placement."""
-    if SCHEDULE_LAYOUTS[schedule][0] == "v":
+def placed_group(stage: int, pp: int, placement: str) -> int:
+    """The device group of pipeline stage ``stage`` under a placement: "loop" (``stage % pp``) or "v" (``stage``
+    for ``stage < pp``, else ``2 pp - 1 - stage``)."""
+    if placement == "v":
         return stage if stage < pp else 2 * pp - 1 - stage
     return stage % pp
+
+
+def group_of_stage(stage: int, pp: int, virtual_stages: int, schedule: str) -> int:
+    """The device group that runs pipeline stage ``stage`` (chain order) under ``schedule``'s placement."""
+    return placed_group(stage, pp, SCHEDULE_LAYOUTS[schedule][0])
 
 
 @dataclass(frozen=True)

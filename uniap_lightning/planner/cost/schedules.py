@@ -39,6 +39,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
+from uniap_lightning.planner.plan import placed_group
+
 Action = tuple[str, int, int]  # (kind in F/B/I/W, micro-batch, stage)
 
 
@@ -109,11 +111,9 @@ SCHEDULES: dict[str, ScheduleInfo] = {
 
 def group_of_stage(k: int, p: int, v: int, placement: str) -> int:
     """Device group that runs pipeline stage ``k``."""
-    if placement == "loop":
-        return k % p
-    if placement == "v":
-        return k if k < p else 2 * p - 1 - k
-    raise ValueError(f"unknown placement {placement!r}")
+    if placement not in ("loop", "v"):
+        raise ValueError(f"unknown placement {placement!r}")
+    return placed_group(k, p, placement)
 
 
 def stages_of_group(g: int, p: int, v: int, placement: str) -> list[int]:
