@@ -124,6 +124,10 @@ def test_pinned_plan_file_checks(tmp_path: Path) -> None:
         UniAPStrategy(plan=bad)
     with pytest.raises(UniAPError, match="schedule='zb' must be one of"):
         UniAPStrategy(schedule="zb")
+    with pytest.raises(UniAPError, match="schedule='zb_v' runs with virtual_stages 2, got 3"):
+        UniAPStrategy(schedule="zb_v", virtual_stages=3)
+    with pytest.raises(UniAPError, match="virtual_stages=0 must be None"):
+        UniAPStrategy(schedule="auto", virtual_stages=0)
     with pytest.raises(UniAPError, match="solver='glpk' must be one of"):
         UniAPStrategy(solver="glpk")
     with pytest.raises(UniAPError, match="time_limit must be > 0"):
