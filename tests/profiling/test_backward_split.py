@@ -1,5 +1,6 @@
-"""The backward's split into the input's gradient (B) and the parameters' gradients (W): the profile field
-``weight_grad_fraction``, its default, and the profiler's measurement of it (single process, CPU)."""
+"""The backward's split into the input's gradient (B) and the parameters' gradients (W): the profile fields
+``weight_grad_fraction`` and ``backward_split_overhead``, their defaults, the profiler's measurement of them
+(single process, CPU) and what the cost model does with the overhead."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.profiling import backward_split, measure
 from uniap_lightning.profiling.aggregate import median_over_ranks
-from uniap_lightning.profiling.backward_split import weight_grad_fraction
+from uniap_lightning.profiling.backward_split import BackwardSplit, measure_backward_split
 from uniap_lightning.profiling.measure import profile_layers
 from uniap_lightning.planner.profile import (
     DEFAULT_WEIGHT_GRAD_FRACTION,
@@ -155,13 +156,18 @@ def test_a_measured_profile_splits_each_backward_and_leaves_the_other_fields_alo
     for name in ("block0", "block1", "head"):  # the head's includes the loss's backward, as training runs it
         assert 0.0 < frac[name] < 1.0, (name, frac[name])
     assert frac["block0"] == frac["block1"]  # identical layers pool their fractions (the median)
+    over = {lp.name: lp.backward_split_overhead for lp in prof.layers}
+    assert over["embed"] is None and over["act"] is None and over["frozen"] is None  # no split to price
+    for name in ("block0", "block1", "head"):  # a ratio of two timings of the same work: positive, not wild
+        assert 0.2 < over[name] < 5.0, (name, over[name])
+    assert over["block0"] == over["block1"]
     split = prof.meta["backward_split"]
     assert split["micro_batch"] == ROWS and split["failed"] == {} and split["seconds"] > 0
     assert all(p.grad is None for layer in layers for p in layer.parameters())  # training state kept
     assert ModelProfile.from_dict(json.loads(json.dumps(prof.to_dict()))).layers == prof.layers
 
     # without the split every other field, bytes and counts, is what it was (times are not comparable)
-    monkeypatch.setattr(measure, "weight_grad_fraction", lambda *a, **k: None)
+    monkeypatch.setattr(measure, "measure_backward_split", lambda *a, **k: None)
     plain = _profile(_chain())
     assert all(lp.weight_grad_fraction is None for lp in plain.layers)
     untimed = ("params", "activation_bytes", "output_bytes", "backward_peak_bytes", "param_tensors", "matrix_dims",
@@ -172,16 +178,17 @@ def test_a_measured_profile_splits_each_backward_and_leaves_the_other_fields_alo
 
 
 def test_a_failing_split_leaves_the_field_out_not_the_profile(monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken(layer: nn.Module, *args: object, **kwargs: object) -> float:
+    def broken(layer: nn.Module, *args: object, **kwargs: object) -> BackwardSplit:
         if isinstance(layer, _Block):  # as torch's split reports it: a wrapper naming the tensors, and the cause
             raise RuntimeError("\n  Failed to run stage backward input:\n  Stage output: ...") from ValueError(
                 "no split here\nsecond line")
-        return 0.25
+        return BackwardSplit(0.25, 1.2)
 
-    monkeypatch.setattr(measure, "weight_grad_fraction", broken)
+    monkeypatch.setattr(measure, "measure_backward_split", broken)
     prof = _profile(_chain())
     assert prof.source == "measured"
     assert [lp.weight_grad_fraction for lp in prof.layers] == [0.25, None, None, 0.25, 0.25, 0.25]
+    assert [lp.backward_split_overhead for lp in prof.layers] == [1.2, None, None, 1.2, 1.2, 1.2]
     assert prof.meta["backward_split"]["failed"] == {"block0": "ValueError: no split here",
                                                      "block1": "ValueError: no split here"}
     assert prof.layers[1].backward_split() == DEFAULT_WEIGHT_GRAD_FRACTION
@@ -238,19 +245,41 @@ class _FlopClock:
 
 def test_w_is_only_the_parameters_gradients_not_the_path_back_to_them(monkeypatch: pytest.MonkeyPatch) -> None:
     """Counted in flops instead of seconds (deterministic): a linear layer's W is half its backward (the two
-    products of equal size); a layer whose parameters come first has W free of the input-gradient products."""
+    products of equal size); a layer whose parameters come first has W free of the input-gradient products. The
+    split does no product twice, so in flops its overhead is 1 (in seconds it is what two graph walks cost)."""
     monkeypatch.setattr(backward_split, "Timer", _FlopClock)
     torch.manual_seed(0)
     x = torch.randn(32, 64)
     with _FlopClock.counter:
-        split = partial(weight_grad_fraction, first=False, context=nullcontext, flush=lambda: None)
-        assert split(nn.Linear(64, 64, bias=False), x) == 0.5
-        assert split(_HeavyInputGradient(), x) == 0.0
-        assert split(nn.Linear(64, 64), x, first=True) == 1.0
-        assert split(nn.GELU(), x) == 0.0
+        split = partial(measure_backward_split, first=False, context=nullcontext, flush=lambda: None)
+        assert split(nn.Linear(64, 64, bias=False), x) == BackwardSplit(0.5, 1.0)
+        assert split(_HeavyInputGradient(), x) == BackwardSplit(0.0, 1.0)
+        assert split(nn.Linear(64, 64), x, first=True) == BackwardSplit(1.0, None)
+        assert split(nn.GELU(), x) == BackwardSplit(0.0, None)
 
 
-def test_ranks_combined_take_the_median_fraction() -> None:
-    profiles = [ModelProfile("m", [replace(LAYER, weight_grad_fraction=f), LAYER]) for f in (0.2, 0.5, 0.3)]
+def test_ranks_combined_take_the_median_fraction_and_overhead() -> None:
+    profiles = [ModelProfile("m", [replace(LAYER, weight_grad_fraction=f, backward_split_overhead=r), LAYER])
+                for f, r in ((0.2, 1.3), (0.5, 1.1), (0.3, 1.2))]
     combined = median_over_ranks(profiles)
     assert [lp.weight_grad_fraction for lp in combined.layers] == [0.3, None]
+    assert [lp.backward_split_overhead for lp in combined.layers] == [1.2, None]
+
+
+# ------------------------------------------------------------------ the overhead field and its price
+
+
+def test_the_overhead_field_round_trips_defaults_to_one_and_refuses_bad_values(tmp_path: Path) -> None:
+    prof = ModelProfile("m", [replace(LAYER, backward_split_overhead=1.25), LAYER])
+    save_profile(prof, tmp_path / "p.json")
+    raw = json.loads((tmp_path / "p.json").read_text())
+    assert [("backward_split_overhead" in lp) for lp in raw["layers"]] == [True, False]
+    back = load_profile(tmp_path / "p.json")
+    assert back.layers == prof.layers
+    assert [lp.split_overhead() for lp in back.layers] == [1.25, 1.0]
+    for value, match in ((0, r"layers\[0\]\.backward_split_overhead must be > 0, got 0"),
+                         (-1.0, r"backward_split_overhead must be > 0"),
+                         ("x", r"layers\[0\]\.backward_split_overhead must be a finite number, got 'x'")):
+        with pytest.raises(UniAPError, match=match):
+            ModelProfile.from_dict(_doc(backward_split_overhead=value))
+

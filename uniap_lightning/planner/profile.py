@@ -24,7 +24,8 @@ One record per layer of the chain, in order::
          "matrix_dims": 4096,           # sum over parameters with ndim >= 2 of shape[0] + numel / shape[0]
          "vector_params": 2048,         # elements in parameters with ndim < 2 (biases, norms)
          "backward_peak_bytes": 3.1e6,  # bytes per sample the backward adds at its peak (default 0)
-         "weight_grad_fraction": 0.35   # weight-gradient share of the backward (default: 0.5 with params, else 0)
+         "weight_grad_fraction": 0.35,  # weight-gradient share of the backward (default: 0.5 with params, else 0)
+         "backward_split_overhead": 1.15  # split backward's time over one ordinary backward (default 1)
         }, ...]
     }
 
@@ -40,8 +41,12 @@ fraction`` per layer. The profiler times the two halves as ``torch.distributed.p
 (:mod:`uniap_lightning.profiling.backward_split`); a layer whose input never needs a gradient (the first) has 1,
 a layer without parameters 0. Absent (analytic, structural and older profiles), :meth:`LayerProfile.backward_split` uses
 0.5 for a layer with parameters (a linear layer's input and weight gradients cost the same flops) and 0 without.
-Readers of ``format_version`` 1 ignore fields they do not know, so a profile with it still loads in older versions
-(which then price zero-bubble schedules without it).
+``backward_split_overhead`` (optional, measured, > 0) is the time of the two halves over the time of one ordinary
+backward of the layer: the split walks the graph twice, so a zero-bubble schedule's backward is that much slower
+(1.1-1.3 for a GPT-2 block on this project's CPU host). Absent, :meth:`LayerProfile.split_overhead` uses 1 (the
+zero-bubble paper's assumption, and what a GPU's large kernels come close to).
+Readers of ``format_version`` 1 ignore fields they do not know, so a profile with them still loads in older
+versions (which then price zero-bubble schedules without them).
 
 When ``timings`` lists two or more micro-batch sizes, compute time for ``m`` samples is interpolated (and
 extrapolated) linearly between them instead of assuming ``m * forward_s``.
@@ -128,6 +133,8 @@ class LayerProfile:
     #: share of the backward that computes the parameters' gradients (W; the rest is B, the input's gradient), in
     #: [0, 1]; None: not measured (:meth:`backward_split` gives the default)
     weight_grad_fraction: float | None = None
+    #: the split backward's ``B + W`` time over one ordinary backward (> 0); None: not measured (1 is priced)
+    backward_split_overhead: float | None = None
 
     def powersgd_dims(self) -> tuple[float, float]:
         """``(matrix_dims, vector_params)``: the profiled values, else every tensor taken as a square matrix."""
@@ -143,6 +150,10 @@ class LayerProfile:
         if self.weight_grad_fraction is not None:
             return self.weight_grad_fraction
         return DEFAULT_WEIGHT_GRAD_FRACTION if self.params > 0 else 0.0
+
+    def split_overhead(self) -> float:
+        """What splitting the backward multiplies it by: the measured ``backward_split_overhead``, else 1."""
+        return self.backward_split_overhead if self.backward_split_overhead is not None else 1.0
 
     @property
     def forward_fraction(self) -> float:
@@ -221,7 +232,7 @@ class ModelProfile:
             d["overheads"] = [asdict(o) for o in lp.overheads]
             if not d["overheads"]:
                 del d["overheads"]
-            for key in ("matrix_dims", "vector_params", "weight_grad_fraction"):
+            for key in ("matrix_dims", "vector_params", "weight_grad_fraction", "backward_split_overhead"):
                 if d[key] is None:
                     del d[key]
             if not d["backward_peak_bytes"]:
@@ -361,6 +372,8 @@ def _layer_from_dict(item: Any, where: str) -> LayerProfile:
         backward_peak_bytes=(_number(item, "backward_peak_bytes", where)
                              if item.get("backward_peak_bytes") is not None else 0.0),
         weight_grad_fraction=wgrad,
+        backward_split_overhead=(_number(item, "backward_split_overhead", where, positive=True)
+                                 if item.get("backward_split_overhead") is not None else None),
     )
 
 

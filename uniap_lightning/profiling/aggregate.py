@@ -79,9 +79,11 @@ def median_over_ranks(profiles: Sequence[ModelProfile]) -> ModelProfile:
             for j, t in enumerate(lp.timings)
         ) if all(len(q.timings) == len(lp.timings) for q in peers) else lp.timings
         fracs = [q.weight_grad_fraction for q in peers if q.weight_grad_fraction is not None]
+        overheads = [q.backward_split_overhead for q in peers if q.backward_split_overhead is not None]
         layers.append(replace(lp, forward_s=med(q.forward_s for q in peers),
                               backward_s=med(q.backward_s for q in peers), timings=timings,
-                              weight_grad_fraction=med(fracs) if fracs else None))
+                              weight_grad_fraction=med(fracs) if fracs else None,
+                              backward_split_overhead=med(overheads) if overheads else None))
     meta = dict(first.meta)
     meta["ranks_combined"] = len(profiles)
     return ModelProfile(model=first.model, layers=layers, source=first.source, device=first.device, meta=meta)

@@ -33,7 +33,7 @@ from torch import nn
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.profile import LayerProfile, ModelProfile, Timing
 from uniap_lightning.profiling.aggregate import Readings, never_faster_when_larger, pool_identical_layers, structure_key
-from uniap_lightning.profiling.backward_split import weight_grad_fraction
+from uniap_lightning.profiling.backward_split import BackwardSplit, measure_backward_split
 from uniap_lightning.profiling.memory import SavedBytes, backward_peak_bytes
 from uniap_lightning.profiling.timing import CacheFlush, Timer
 from uniap_lightning.runtime.payload import backward_ones, call_layer, flatten, float_leaves, head, nbytes, rows
@@ -200,8 +200,8 @@ def _duration(seconds: float) -> str:
         f"{seconds / 3600:.1f} h"
 
 
-#: per layer at the largest size: out bytes, activation bytes, backward peak bytes, weight-gradient fraction
-Stats = list[tuple[int, float, float, float | None]]
+#: per layer at the largest size: out bytes, activation bytes, backward peak bytes, the backward's split
+Stats = list[tuple[int, float, float, BackwardSplit | None]]
 
 
 class _Split:
@@ -213,10 +213,10 @@ class _Split:
         self.failed: dict[str, str] = {}
 
     def measure(self, i: int, name: str, layer: nn.Module, x: Any, *, context: Context,
-                flush: Callable[[], None], loss: Callable[[Any], torch.Tensor] | None) -> float | None:
+                flush: Callable[[], None], loss: Callable[[Any], torch.Tensor] | None) -> BackwardSplit | None:
         t0 = time.perf_counter()
         try:
-            return weight_grad_fraction(layer, x, first=i == 0, context=context, flush=flush, loss=loss)
+            return measure_backward_split(layer, x, first=i == 0, context=context, flush=flush, loss=loss)
         except Exception as err:  # noqa: BLE001 - an optional field: the layer keeps the documented default
             cause = err.__cause__ or err  # (torch's split wraps the error in one naming its tensors)
             text = str(cause).strip()
@@ -360,18 +360,25 @@ def profile_layers(
 
 
 def _pooled_stats(layers: Sequence[nn.Module], stats: Stats) -> Stats:
-    """Identical layers get the largest backward peak of their group and the median of its weight-gradient
-    fractions (the rule of :mod:`.aggregate`; a layer whose fraction failed takes the group's)."""
+    """Identical layers get the largest backward peak of their group and the medians of its weight-gradient
+    fractions and split overheads (the rule of :mod:`.aggregate`; a layer whose split failed takes the group's)."""
     peak: dict[Any, float] = {}
-    fracs: dict[Any, list[float]] = {}
+    splits: dict[Any, list[BackwardSplit]] = {}
     keys = [(structure_key(layer), *s[:2]) for layer, s in zip(layers, stats)]
     for key, s in zip(keys, stats):
         peak[key] = max(peak.get(key, 0.0), s[2])
-        fracs.setdefault(key, [])
+        splits.setdefault(key, [])
         if s[3] is not None:
-            fracs[key].append(s[3])
-    return [(s[0], s[1], peak[key], statistics.median(fracs[key]) if fracs[key] else None)
-            for key, s in zip(keys, stats)]
+            splits[key].append(s[3])
+
+    def pooled(group: list[BackwardSplit]) -> BackwardSplit | None:
+        if not group:
+            return None
+        overheads = [q.overhead for q in group if q.overhead is not None]
+        return BackwardSplit(statistics.median(q.fraction for q in group),
+                             statistics.median(overheads) if overheads else None)
+
+    return [(s[0], s[1], peak[key], pooled(splits[key])) for key, s in zip(keys, stats)]
 
 
 def _layer_profiles(layers: Sequence[nn.Module], names: Sequence[str], readings: Readings,
@@ -385,7 +392,7 @@ def _layer_profiles(layers: Sequence[nn.Module], names: Sequence[str], readings:
     out = []
     for i, (layer, name) in enumerate(zip(layers, names)):
         fwd_s, bwd_s = readings[rows][i]
-        out_bytes, act_bytes, peak_bytes, wgrad = stats[i]
+        out_bytes, act_bytes, peak_bytes, split = stats[i]
         out.append(LayerProfile(
             name=name, forward_s=fwd_s / rows, backward_s=bwd_s / rows,
             params=sum(p.numel() for p in layer.parameters()), activation_bytes=act_bytes / rows,
@@ -394,7 +401,8 @@ def _layer_profiles(layers: Sequence[nn.Module], names: Sequence[str], readings:
             timings=tuple(Timing(m, *readings[m][i]) for m in sizes) if len(sizes) > 1 else (),
             param_tensors=sum(1 for p in layer.parameters() if p.requires_grad),
             backward_peak_bytes=peak_bytes / rows,
-            weight_grad_fraction=wgrad,
+            weight_grad_fraction=split.fraction if split is not None else None,
+            backward_split_overhead=split.overhead if split is not None else None,
             **powersgd_dims(layer),  # PowerSGD pricing (profiling.structural)
         ))
     return out

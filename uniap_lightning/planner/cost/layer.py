@@ -52,7 +52,8 @@ class LayerCost:
     static_bytes: float  # weights + grads + optimizer state per dp_mode (+ buckets, error feedback) on one device
     activation_bytes: float  # per micro-batch in flight, on one device (a recomputed layer: its input only)
     transient_bytes: float  # extra bytes while the layer runs: gathered ZeRO-3 weights + recomputed activations
-    weight_grad_s: float = 0.0  # per micro-batch: the weight-gradient part of compute (zero-bubble schedules' W)
+    weight_grad_s: float = 0.0  # per micro-batch: the weight-gradient part of a split backward (zero-bubble's W)
+    split_extra_s: float = 0.0  # per micro-batch: what splitting the backward adds (zero-bubble schedules pay it)
 
 
 @dataclass(frozen=True)
@@ -124,8 +125,12 @@ def _layer_cost(
     mode = s.dp_mode if d > 1 else "replicate"
     samples = pr.micro_batch / d
     compute = layer.compute_s(samples) / t
-    # W: the backward's weight-gradient share (profiled, else the profile's default), split by TP like compute
-    weight_grad = compute * (1 - layer.forward_fraction) * layer.backward_split()
+    # under a split backward (zero-bubble schedules) the backward takes ``split_overhead`` times as long (profiled,
+    # else 1): the extra, and W, the weight-gradient share of that split backward (profiled, else the profile's
+    # default), split by TP like compute
+    backward = compute * (1 - layer.forward_fraction)
+    split_extra = backward * (layer.split_overhead() - 1)
+    weight_grad = (backward + split_extra) * layer.backward_split()
     tp_comm = 0.0
     if t > 1:
         # measured (profile ``overheads``): all-reduces + unsplit compute + dispatch; else the ring formula
@@ -191,7 +196,7 @@ def _layer_cost(
         # keeps only its input (whole on every TP rank); its own activations live again while it recomputes
         transient += act
         act = input_bytes * samples
-    return LayerCost(compute + comm, compute, comm, sync, static, act, transient, weight_grad)
+    return LayerCost(compute + comm, compute, comm, sync, static, act, transient, weight_grad, split_extra)
 
 
 def _gradient_sync(layer: LayerProfile, s: Strategy, P: float, d: int, inter: bool, cluster: Cluster,

@@ -50,6 +50,7 @@ from uniap_lightning.planner.cost.layer import (
     strategies_for,
 )
 from uniap_lightning.planner.cost.pipeline import pipeline_shape
+from uniap_lightning.planner.cost.schedules import SCHEDULES
 from uniap_lightning.planner.plan import group_of_stage
 from uniap_lightning.planner.problem import Problem
 
@@ -131,6 +132,7 @@ class CandidateCosts:
     # ------------------------------------------------------------------ the schedule: stages on device groups
     def _set_schedule(self, schedule: str, virtual_stages: int) -> None:
         self.schedule, self.v = schedule, virtual_stages
+        self.split_backward = SCHEDULES[schedule].split_backward  # zero-bubble: the backward runs as B and W
         self.stages = self.pp * virtual_stages  # pipeline stages, in chain order
         self.shape, self._in_flight = pipeline_shape(schedule, self.pp, virtual_stages, self.c)
         self._group = [group_of_stage(k, self.pp, virtual_stages, schedule) for k in range(self.stages)]
@@ -165,15 +167,20 @@ class CandidateCosts:
         return self.problem.cluster.stage_memory_bytes(self.stage_ranks(stage))
 
     def layer_time_s(self, stage: int, cost: LayerCost) -> float:
-        """A layer's time per micro-batch on ``stage``: its compute at the stage's (slowest device's) speed, plus
-        its communication (links do not slow down with the device)."""
-        speed = self.stage_speed(stage)
-        return cost.time_s if speed == 1.0 else cost.compute_s / speed + (cost.time_s - cost.compute_s)
+        """A layer's time per micro-batch on ``stage``: its compute (with what splitting the backward adds, where
+        the schedule splits it) at the stage's (slowest device's) speed, plus its communication (links do not slow
+        down with the device)."""
+        return self._time_at(cost, self.stage_speed(stage))
 
     def fastest_layer_time_s(self, cost: LayerCost) -> float:
         """:meth:`layer_time_s` on the fastest device anywhere (what lower bounds may assume)."""
-        speed = self.problem.cluster.fastest_speed
-        return cost.time_s if speed == 1.0 else cost.compute_s / speed + (cost.time_s - cost.compute_s)
+        return self._time_at(cost, self.problem.cluster.fastest_speed)
+
+    def _time_at(self, cost: LayerCost, speed: float) -> float:
+        extra = cost.split_extra_s if self.split_backward else 0.0
+        if speed == 1.0:
+            return cost.time_s + extra
+        return (cost.compute_s + extra) / speed + (cost.time_s - cost.compute_s)
 
     @property
     def slot_overhead_s(self) -> float:
@@ -281,7 +288,7 @@ def _vector(c: LayerCost, split_time: bool = False) -> tuple[float, ...]:
     time = (c.compute_s, c.time_s - c.compute_s) if split_time else (c.time_s,)
     # zero-bubble schedules price ``time - 2 w`` and the largest ``w``: a strategy dominates only where both agree
     # (the tables are shared by every schedule of the candidate)
-    weight = (c.weight_grad_s, c.time_s - 2 * c.weight_grad_s)
+    weight = (c.weight_grad_s, c.time_s + c.split_extra_s - 2 * c.weight_grad_s, c.split_extra_s)
     return (*time, *weight, c.sync_s, c.static_bytes, c.activation_bytes, c.transient_bytes)
 
 
