@@ -4,6 +4,10 @@
 :class:`~uniap_lightning.adapters.CausalLMModule`. Attention projections are separate q/k/v ``nn.Linear`` and
 heads are reshaped with ``-1``, so column-parallel q/k/v give each tensor-parallel rank ``n_head / tp`` whole
 heads (a fused QKV weight would split across q, k and v instead).
+
+The sequence dimension (:mod:`uniap_lightning.runtime.sequence`): ``Block.uniap_enable_cp(group)`` runs its
+attention with Ulysses over a context-parallel group and ``Embedding.uniap_enable_cp(group)`` gives it global
+positions; ``Block.uniap_sp_plan(tp)`` is the tensor-parallel plan with sequence parallelism.
 """
 
 from __future__ import annotations
@@ -34,6 +38,23 @@ class Embedding(TokenPositionEmbedding):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
+        self._cp_group: Any = None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self._cp_group is None:
+            return super().forward(ids)
+        from uniap_lightning.runtime.sequence import position_offset
+
+        start = position_offset(self._cp_group, ids.shape[1])  # this rank's piece of the sequence starts there
+        pos = torch.arange(start, start + ids.shape[1], device=ids.device)
+        return self.drop(self.wte(ids) + self.wpe(pos))
+
+    def uniap_cp_methods(self) -> list[str]:
+        return ["ulysses"]
+
+    def uniap_enable_cp(self, group: Any, *, method: str = "ulysses", counter: Any = None) -> None:
+        """Global absolute positions on a context-parallel rank holding a contiguous piece of each sequence."""
+        self._cp_group = group
 
 
 class Block(nn.Module):
@@ -45,12 +66,30 @@ class Block(nn.Module):
         self.ln_1, self.ln_2 = nn.LayerNorm(c), nn.LayerNorm(c)
         self.q, self.k, self.v, self.proj = (nn.Linear(c, c) for _ in range(4))
         self.fc, self.fc_proj = nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
+        #: key padding mask (``[b, s]`` piece on this rank, true = token), set by ``sequence.padding_mask``
+        self.uniap_key_valid: torch.Tensor | None = None
+        self._cp_group: Any = None
+        self._cp_counter: Any = None
 
     def _attention(self, x: torch.Tensor) -> torch.Tensor:
+        from uniap_lightning.runtime.sequence import replicate_sequence
+
+        x = replicate_sequence(x)  # sequence parallel: q, k and v share one all-gather
         b, t, _ = x.shape
         q, k, v = (m(x).view(b, t, -1, self.head_dim).transpose(1, 2) for m in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        y = self._attend(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        dropout_p = self.dropout if self.training else 0.0
+        if self._cp_group is None and self.uniap_key_valid is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+        from uniap_lightning.runtime.sequence import attention, ulysses_attention
+
+        if self._cp_group is None:
+            return attention(q, k, v, causal=True, key_valid=self.uniap_key_valid, dropout_p=dropout_p)
+        return ulysses_attention(q, k, v, self._cp_group, causal=True, key_valid=self.uniap_key_valid,
+                                 dropout_p=dropout_p, counter=self._cp_counter)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self._attention(self.ln_1(x))
@@ -65,6 +104,31 @@ class Block(nn.Module):
 
     def uniap_tp_allreduces(self) -> int:
         return 2
+
+    def uniap_sp_plan(self, tp: int) -> dict[str, Any]:
+        """TP with sequence parallelism: norms sequence-sharded, q/k/v/fc gather the sequence, proj/fc_proj
+        reduce-scatter it; input and output replicated over the group at the chain boundary."""
+        from uniap_lightning.runtime.sequence import sp_plan
+
+        return sp_plan(norms=["ln_1", "ln_2"], colwise=["q", "k", "v", "fc"], rowwise=["proj", "fc_proj"])
+
+    def uniap_cp_methods(self) -> list[str]:
+        return ["ulysses"]
+
+    def uniap_cp_degrees(self, tp: int = 1) -> list[int]:
+        """Ulysses degrees possible at tensor-parallel degree ``tp``: divisors of the heads per TP rank."""
+        return _divisors_of_all(self.n_head // tp) if self.n_head % tp == 0 else []
+
+    def uniap_enable_cp(self, group: Any, *, method: str = "ulysses", counter: Any = None) -> None:
+        """Run attention with Ulysses over ``group`` (the inputs are this rank's contiguous sequence pieces);
+        ``counter`` (a ``sequence.AllToAllCounter``) counts the all-to-all elements."""
+        import torch.distributed as dist
+
+        from uniap_lightning.runtime.sequence import check_ulysses
+
+        tp = self.q.weight.device_mesh.size() if hasattr(self.q.weight, "device_mesh") else 1
+        check_ulysses(heads=self.n_head, cp=dist.get_world_size(group), tp=tp, name="GPT Block (ulysses)")
+        self._cp_group, self._cp_counter = group, counter
 
 
 class GPT(nn.Module):

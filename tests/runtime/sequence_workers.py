@@ -1,0 +1,176 @@
+"""Multi-process cases for the sequence dimension (:mod:`uniap_lightning.runtime.sequence`) on gloo ranks.
+
+A case is a dict with ``kind``: ``"train"`` (the plain GPT chain trained ``steps`` SGD steps on a dp x cp x tp mesh,
+``sp`` for sequence parallelism in the TP blocks, ``padded`` for a batch with attention-mask zeros and ignored
+labels; every rank also trains the one-process reference itself and reports the largest differences), ``"bytes"``
+(the elements one Ulysses forward and backward send), ``"bad_heads"`` (the error for heads not divisible by cp).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+VOCAB, SEQ, BATCH, EMBD, HEADS = 64, 16, 4, 32, 4
+
+
+def _model(heads: int = HEADS, embd: int = EMBD) -> Any:
+    from uniap_lightning.adapters.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=heads, n_embd=embd))
+
+
+def _batches(steps: int, *, padded: bool) -> list[dict[str, torch.Tensor]]:
+    """Random token batches; padded: row 0 left-padded by 5, row 1 right-padded by 3, two labels ignored."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+        batch = {"input_ids": ids, "labels": ids.clone()}
+        if padded:
+            mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+            mask[0, :5] = 0
+            mask[1, -3:] = 0
+            batch["attention_mask"] = mask
+            batch["labels"][2, 7] = batch["labels"][3, 12] = -100
+        out.append(batch)
+    return out
+
+
+def _reference(model: Any, batches: list[dict[str, torch.Tensor]], dp: int) -> tuple[list[float], dict[str, Any]]:
+    """One process: the CausalLMModule loss (labels masked where the attention mask is 0), averaged over the dp
+    slices of the batch as data parallelism does."""
+    import torch.nn.functional as F
+
+    from uniap_lightning.runtime.sequence import padding_mask
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for batch in batches:
+        total = 0.0
+        for ids, labels, mask in zip(*(_dp_slices(batch, k, dp) for k in ("input_ids", "labels", "attention_mask"))):
+            if mask is not None:
+                labels = labels.masked_fill(mask == 0, -100)
+            with padding_mask(model.layers(), None if mask is None else mask.bool()):
+                logits = model(ids)
+            total = total + F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1)) / dp
+        opt.zero_grad()
+        total.backward()
+        opt.step()
+        losses.append(float(total.detach()))
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _dp_slices(batch: dict[str, torch.Tensor], key: str, dp: int) -> list[Any]:
+    if key not in batch:
+        return [None] * dp
+    return list(batch[key].chunk(dp))
+
+
+def _groups(dp: int, cp: int, tp: int) -> tuple[Any, Any, Any]:
+    """Mesh (dp, cp, tp): this rank's cp group, its dp x cp group (same tp index) and its tp sub-mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"))
+    world, rank = dp * cp * tp, dist.get_rank()
+    replica = None
+    for t in range(tp):  # every rank creates every group, in the same order
+        g = dist.new_group([r for r in range(world) if r % tp == t])
+        if rank % tp == t:
+            replica = g
+    return mesh["cp"].get_group(), replica, mesh["tp"]
+
+
+def train(case: dict[str, Any]) -> dict[str, Any]:
+    from uniap_lightning.runtime.sequence import (apply_sp, enable_context_parallel, global_loss, padding_mask,
+                                                  reduce_gradients, sequence_loss, shard_causal_lm_batch)
+    from uniap_lightning.runtime.tensor_parallel import apply_tp
+
+    dp, cp, tp = case.get("dp", 1), case.get("cp", 1), case.get("tp", 1)
+    steps = case.get("steps", 5)
+    batches = _batches(steps, padded=case.get("padded", False))
+    model = _model()
+    ref_losses, ref_state = _reference(copy.deepcopy(model), batches, dp)
+
+    cp_group, replica_group, tp_mesh = _groups(dp, cp, tp)
+    rank = dist.get_rank()
+    dp_rank, cp_rank = rank // (cp * tp), (rank // tp) % cp
+    if tp > 1:
+        for i, block in enumerate(model.blocks):
+            (apply_sp if case.get("sp") else apply_tp)(block, f"blocks.{i}", tp_mesh)
+    if cp > 1:
+        enable_context_parallel(model.layers(), cp_group)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for batch in batches:
+        mine = {k: v.chunk(dp)[dp_rank] for k, v in batch.items()}
+        shard = shard_causal_lm_batch(mine, cp_rank, cp)
+        mask = shard["attention_mask"].bool() if "attention_mask" in shard else None
+        with padding_mask(model.layers(), mask):
+            logits = model(shard["input_ids"])
+        loss = sequence_loss(logits, shard["targets"], cp_group)
+        opt.zero_grad()
+        loss.backward()
+        reduce_gradients(model.parameters(), replica_group, dp=dp)
+        opt.step()
+        reported = global_loss(loss, cp_group)
+        dist.all_reduce(reported, group=replica_group)  # each dp replica's loss once per cp rank: sum / (dp cp)
+        losses.append(float(reported) / (dp * cp))
+    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach() for k, v in model.state_dict().items()}
+    return {
+        "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+        "param_diff": max(float((state[k] - ref_state[k]).abs().max()) for k in ref_state),
+        "moved": max(float((ref_state[k] - model_init).abs().max())
+                     for k, model_init in _model().state_dict().items()),
+        "losses": losses,
+    }
+
+
+def count_bytes(case: dict[str, Any]) -> dict[str, Any]:
+    from uniap_lightning.runtime.sequence import AllToAllCounter, enable_context_parallel, split_sequence
+
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    model = _model()
+    counter = AllToAllCounter()
+    enable_context_parallel(model.layers(), dist.group.WORLD, counter=counter)
+    ids = split_sequence(_batches(1, padded=False)[0]["input_ids"], rank, cp)
+    model(ids).sum().backward()
+    return {"forward": counter.forward_elements, "backward": counter.backward_elements, "calls": counter.calls,
+            "by_call": list(counter.by_call), "layers": len(model.blocks)}
+
+
+def bad_heads(case: dict[str, Any]) -> dict[str, Any]:
+    from uniap_lightning.runtime.sequence import enable_context_parallel
+
+    model = _model(heads=3, embd=24)
+    try:
+        enable_context_parallel(model.layers(), dist.group.WORLD)
+    except Exception as err:  # the test checks the type and the message
+        return {"type": type(err).__name__, "message": str(err)}
+    return {"type": None}
+
+
+KINDS = {"train": train, "bytes": count_bytes, "bad_heads": bad_heads}
+
+
+def worker(rank: int, world: int, port: int, cases: dict[str, dict[str, Any]], out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
+                      LOCAL_RANK=str(rank), GLOO_SOCKET_IFNAME="lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results: dict[str, Any] = {}
+    for name, case in cases.items():
+        try:
+            results[name] = KINDS[case["kind"]](case)
+        except Exception as err:  # recorded, so the test names the failing case
+            results[name] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
+            break  # the process group may be unusable after a failure
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    dist.destroy_process_group()

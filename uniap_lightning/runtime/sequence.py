@@ -1,0 +1,345 @@
+"""The sequence dimension: Ulysses context parallelism, split batches and losses, sequence parallelism with TP.
+
+**Ulysses** (Jacobs et al., 2023). The sequence is split into ``c`` contiguous equal pieces over the ranks of a
+context-parallel (cp) process group: cp rank ``r`` holds positions ``[r s/c, (r+1) s/c)`` of every sample. Per
+attention, q, k and v (``[b, heads, s/c, d]``) go through an all-to-all that gives each rank ``heads/c`` whole
+heads over the whole sequence (``[b, heads/c, s, d]``); attention runs there (SDPA, causal and/or a key padding
+mask gathered over the group) and a second all-to-all turns the output back into sequence pieces. Each
+all-to-all keeps ``1/c`` of its input on the rank, so one attention forward sends ``4 s b h (c-1)/c^2`` elements
+per rank (``h`` = heads x head size on the rank); its backward sends the same again. Needs the heads (per
+tensor-parallel rank) divisible by ``c``.
+
+**Batches and losses.** :func:`shard_causal_lm_batch` shifts causal-LM labels over the whole sequence *before*
+splitting (so no (token, next token) pair straddles two ranks) and gives a cp rank its slice of every
+sequence-shaped tensor. :func:`sequence_loss` returns this rank's share of the one-process mean: the local sum
+of the token losses over the global count of counted tokens (all-reduced over the cp group), so the cp ranks'
+losses *sum* to the one-process loss, and so do their gradients.
+
+**Gradient reduction.** A weight replicated over data (dp) and context (cp) ranks gets the gradient
+``(1/dp) x sum over the dp x cp ranks`` of the local gradients: the cp ranks see different tokens of the same
+samples (sum), the dp ranks different samples (average, as today). :func:`reduce_gradients` does exactly that over
+one group holding the dp x cp ranks of the layer. A runtime that keeps averaging over a group (divide by its
+size, as :class:`~uniap_lightning.runtime.data_parallel.ReplicatedGrads` does) gets the same result by averaging
+over the dp x cp group and multiplying the loss by ``c`` (:func:`sequence_loss` with ``scale=c``).
+
+**Positions.** Absolute positions are global: a layer in cp mode adds ``cp_rank x s/c`` to its local positions
+(:func:`position_offset`); :func:`shard_causal_lm_batch` slices ``position_ids`` for rotary models.
+
+**Sequence parallelism with TP** (Korthikanti et al., 2022): :func:`apply_sp` shards a layer with its
+``uniap_sp_plan(tp)``: LayerNorms ``SequenceParallel`` (sequence-sharded), column-parallel layers gather the
+sequence (``input_layouts=Shard(1)``), row-parallel ones reduce-scatter it (``output_layouts=Shard(1)``). The layer's
+input and output at the chain boundary stay replicated over the tensor-parallel group (the layout the runtime
+uses between layers): the input is sliced (no communication) and the output all-gathered.
+
+Layers opt in with ``uniap_cp_methods() -> list[str]`` and ``uniap_enable_cp(group, method, counter=None)``
+(:func:`enable_context_parallel` calls it on every layer that has it) and ``uniap_sp_plan(tp)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from uniap_lightning.errors import UniAPError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+#: Context-parallel methods this module executes (ring attention needs SDPA sharding rules CPU lacks).
+CP_METHODS = ("ulysses",)
+IGNORE_INDEX = -100
+#: batch keys that are sequence-shaped (``[b, s, ...]``) and split along dim 1
+SEQUENCE_KEYS = ("input_ids", "labels", "targets", "attention_mask", "position_ids")
+
+
+@dataclass
+class AllToAllCounter:
+    """Elements this rank's Ulysses all-to-alls send to *other* ranks (the ``1/c`` a rank keeps is not sent)."""
+
+    forward_elements: int = 0
+    backward_elements: int = 0
+    calls: int = 0
+    by_call: list[int] = field(default_factory=list)
+
+    def reset(self) -> None:
+        self.forward_elements = self.backward_elements = self.calls = 0
+        self.by_call.clear()
+
+
+def ulysses_elements(*, seq_len: int, batch: int, hidden: int, cp: int) -> float:
+    """Elements one Ulysses attention forward sends per rank: ``4 s b h (c-1)/c^2`` (q, k, v in, output back)."""
+    return 4 * seq_len * batch * hidden * (cp - 1) / cp**2
+
+
+def check_ulysses(*, heads: int, cp: int, tp: int = 1, seq_len: int | None = None, name: str = "layer") -> None:
+    """Refuse a Ulysses degree the layer cannot run, in one line naming the numbers."""
+    if cp < 1 or tp < 1:
+        raise UniAPError(f"{name}: context-parallel degree cp={cp} and tensor-parallel degree tp={tp} must be >= 1")
+    if heads % tp:
+        raise UniAPError(f"{name}: {heads} attention heads are not divisible by tp={tp}")
+    if (heads // tp) % cp:
+        raise UniAPError(
+            f"{name}: Ulysses needs the attention heads per tensor-parallel rank ({heads} heads / tp={tp} = "
+            f"{heads // tp}) divisible by cp={cp}; choose cp in {_divisors(heads // tp)}"
+        )
+    if seq_len is not None and seq_len % cp:
+        raise UniAPError(f"{name}: sequence length {seq_len} is not divisible by cp={cp}; pad it to a multiple of {cp}")
+
+
+def _divisors(k: int) -> list[int]:
+    return [d for d in range(1, k + 1) if k % d == 0]
+
+
+# ---------------------------------------------------------------------------------------------- all-to-all
+class _AllToAll(torch.autograd.Function):
+    """All-to-all of ``c`` equal chunks along dim 0 (chunk ``j`` goes to rank ``j``, chunk ``i`` comes from rank
+    ``i``). The exchange is its own adjoint, so the backward is the same all-to-all of the gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any, counter: AllToAllCounter | None) -> torch.Tensor:
+        ctx.group, ctx.counter = group, counter
+        return _exchange(x, group, counter, backward=False)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _exchange(grad, ctx.group, ctx.counter, backward=True), None, None
+
+
+def _exchange(x: torch.Tensor, group: Any, counter: AllToAllCounter | None, *, backward: bool) -> torch.Tensor:
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group)
+    if counter is not None:
+        c = dist.get_world_size(group)
+        sent = x.numel() * (c - 1) // c
+        if backward:
+            counter.backward_elements += sent
+        else:
+            counter.forward_elements += sent
+            counter.calls += 1
+            counter.by_call.append(sent)
+    return out
+
+
+def seq_to_heads(x: torch.Tensor, group: Any, counter: AllToAllCounter | None = None) -> torch.Tensor:
+    """``[b, heads, s/c, d]`` (this rank's sequence piece) -> ``[b, heads/c, s, d]`` (this rank's heads)."""
+    c = dist.get_world_size(group)
+    b, h, s_local, d = x.shape
+    chunks = x.reshape(b, c, h // c, s_local, d).transpose(0, 1)  # [c (head chunk -> rank), b, h/c, s/c, d]
+    got = _AllToAll.apply(chunks, group, counter)  # [c (sequence piece of rank i), b, h/c, s/c, d]
+    return got.permute(1, 2, 0, 3, 4).reshape(b, h // c, c * s_local, d)
+
+
+def heads_to_seq(x: torch.Tensor, group: Any, counter: AllToAllCounter | None = None) -> torch.Tensor:
+    """``[b, heads/c, s, d]`` -> ``[b, heads, s/c, d]`` (the inverse of :func:`seq_to_heads`)."""
+    c = dist.get_world_size(group)
+    b, h_local, s, d = x.shape
+    chunks = x.reshape(b, h_local, c, s // c, d).permute(2, 0, 1, 3, 4)  # [c (sequence piece -> rank), ...]
+    got = _AllToAll.apply(chunks, group, counter)  # [c (head chunk of rank j), b, h/c, s/c, d]
+    return got.transpose(0, 1).reshape(b, c * h_local, s // c, d)
+
+
+def gather_sequence(t: torch.Tensor, group: Any) -> torch.Tensor:
+    """All-gather a non-differentiable ``[b, s/c, ...]`` tensor (a mask) into ``[b, s, ...]`` in rank order."""
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim=1)
+
+
+# ---------------------------------------------------------------------------------------------- attention
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+              key_valid: torch.Tensor | None = None, dropout_p: float = 0.0) -> torch.Tensor:
+    """SDPA over whole sequences (``[b, heads, s, d]``), causal and/or with a key padding mask ``key_valid``
+    (``[b, s]``, true for real tokens). A query that may see no key (a padding position before the first real
+    token) sees itself, so no row is empty (its output is unused: its label is ignored)."""
+    if key_valid is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=dropout_p)
+    s = q.shape[-2]
+    allowed = key_valid.to(torch.bool)[:, None, None, :].expand(-1, 1, s, -1)
+    if causal:
+        allowed = allowed & torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+    allowed = allowed | torch.eye(s, dtype=torch.bool, device=q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p)
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, *, causal: bool = True,
+                      key_valid: torch.Tensor | None = None, dropout_p: float = 0.0,
+                      counter: AllToAllCounter | None = None) -> torch.Tensor:
+    """:func:`attention` over the whole sequence for q/k/v given as this rank's sequence piece
+    (``[b, heads, s/c, d]``); ``key_valid`` is this rank's piece of the padding mask (``[b, s/c]``). Returns this
+    rank's piece of the output (``[b, heads, s/c, d]``)."""
+    c = dist.get_world_size(group)
+    check_ulysses(heads=q.shape[1], cp=c, name="Ulysses attention")
+    if c == 1:
+        return attention(q, k, v, causal=causal, key_valid=key_valid, dropout_p=dropout_p)
+    q, k, v = (seq_to_heads(t, group, counter) for t in (q, k, v))
+    full_mask = None if key_valid is None else gather_sequence(key_valid.to(torch.bool), group)
+    out = attention(q, k, v, causal=causal, key_valid=full_mask, dropout_p=dropout_p)
+    return heads_to_seq(out, group, counter)
+
+
+# ---------------------------------------------------------------------------------------------- layers
+def enable_context_parallel(layers: Iterable[nn.Module], group: Any, *, method: str = "ulysses",
+                            counter: AllToAllCounter | None = None) -> int:
+    """Switch every layer that supports it to context parallelism over ``group``; returns how many switched.
+
+    Layers without ``uniap_enable_cp`` (a head, an MLP) are position-wise and need nothing."""
+    if method not in CP_METHODS:
+        raise UniAPError(f"context-parallel method {method!r} is not executable here; supported: {list(CP_METHODS)}")
+    n = 0
+    for layer in layers:
+        for m in layer.modules():
+            if hasattr(m, "uniap_enable_cp"):
+                if method not in m.uniap_cp_methods():
+                    raise UniAPError(f"{type(m).__name__} supports context parallelism {m.uniap_cp_methods()}, "
+                                     f"not {method!r}")
+                m.uniap_enable_cp(group, method=method, counter=counter)
+                n += 1
+    return n
+
+
+def position_offset(group: Any | None, local_len: int) -> int:
+    """The global position of this rank's first token: ``cp_rank x s/c`` (0 without a cp group)."""
+    return 0 if group is None else dist.get_rank(group) * local_len
+
+
+@contextmanager
+def padding_mask(layers: Iterable[nn.Module], key_valid: torch.Tensor | None) -> Iterator[None]:
+    """Within the block, layers with a ``uniap_key_valid`` attribute attend only to keys where ``key_valid``
+    (this rank's ``[b, s/c]`` piece of the attention mask) is true; outside it they are unmasked again."""
+    mods = [m for layer in layers for m in layer.modules() if hasattr(m, "uniap_key_valid")]
+    for m in mods:
+        m.uniap_key_valid = key_valid
+    try:
+        yield
+    finally:
+        for m in mods:
+            m.uniap_key_valid = None
+
+
+# ---------------------------------------------------------------------------------------------- batch and loss
+def shift_labels(labels: torch.Tensor, *, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Next-token targets over the whole sequence: ``targets[:, t] = labels[:, t+1]``, the last one ignored."""
+    pad = torch.full_like(labels[:, :1], ignore_index)
+    return torch.cat([labels[:, 1:], pad], dim=1)
+
+
+def split_sequence(t: torch.Tensor, rank: int, cp: int, *, name: str = "tensor") -> torch.Tensor:
+    """Rank ``rank``'s contiguous ``1/cp`` piece of ``t`` along dim 1."""
+    s = t.shape[1]
+    if s % cp:
+        raise UniAPError(f"{name}: sequence length {s} is not divisible by cp={cp}; pad it to a multiple of {cp}")
+    n = s // cp
+    return t[:, rank * n:(rank + 1) * n]
+
+
+def shard_causal_lm_batch(batch: Mapping[str, torch.Tensor], rank: int, cp: int, *,
+                          ignore_index: int = IGNORE_INDEX) -> dict[str, torch.Tensor]:
+    """A cp rank's piece of a causal-LM batch: ``input_ids`` (``labels`` default to them) and optional
+    ``attention_mask`` / ``position_ids``.
+
+    Returns ``input_ids``, ``targets`` (labels shifted over the whole sequence, then split; positions whose
+    label or next label is masked out by ``attention_mask`` are ``ignore_index``), ``position_ids`` (global;
+    ``arange`` if not given) and ``attention_mask`` when given. Other sequence-shaped keys are split too."""
+    ids = batch["input_ids"]
+    labels = batch.get("labels", ids)
+    if "attention_mask" in batch:
+        labels = labels.masked_fill(batch["attention_mask"] == 0, ignore_index)
+    full = {**batch, "targets": shift_labels(labels, ignore_index=ignore_index)}
+    full.pop("labels", None)
+    if "position_ids" not in full:
+        full["position_ids"] = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
+    return {k: split_sequence(v, rank, cp, name=k) if k in SEQUENCE_KEYS else v for k, v in full.items()}
+
+
+def sequence_loss(logits: torch.Tensor, targets: torch.Tensor, group: Any | None, *, scale: float = 1.0,
+                  ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """This rank's share of the one-process token-mean cross-entropy: the local sum over the number of counted
+    tokens of the whole sequence (all-reduced over ``group``), times ``scale``. Summed over the cp ranks (with
+    ``scale=1``) it is the one-process loss (:func:`global_loss` reports that sum)."""
+    total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+                            ignore_index=ignore_index, reduction="sum")
+    count = (targets != ignore_index).sum().to(torch.float64)
+    if group is not None:
+        dist.all_reduce(count, group=group)
+    return total * scale / count.clamp_min(1).to(total.dtype)
+
+
+def global_loss(local: torch.Tensor, group: Any | None, *, scale: float = 1.0) -> torch.Tensor:
+    """The one-process loss from the cp ranks' :func:`sequence_loss` values (detached, summed, ``/ scale``)."""
+    out = local.detach().clone()
+    if group is not None:
+        dist.all_reduce(out, group=group)
+    return out / scale
+
+
+@torch.no_grad()
+def reduce_gradients(params: Iterable[nn.Parameter], group: Any, *, dp: int) -> None:
+    """Replicated weights' gradients over a group of the dp x cp ranks that hold them: sum, then ``/ dp`` (the
+    cp ranks' losses add up to one sample's loss; dp ranks average as the data-parallel runtime does)."""
+    from uniap_lightning.runtime.data_parallel import local_tensor
+
+    grads = [local_tensor(p.grad) for p in params if p.grad is not None]  # a TP shard: its local piece
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat.div_(dp)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+# ---------------------------------------------------------------------------------------------- sequence parallel
+def sp_boundary() -> Any:
+    """Replicated ``[b, s, h]`` in (sliced to this rank's sequence piece) and out (all-gathered back)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+
+    return PrepareModuleInputOutput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                    output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),),
+                                    use_local_input=True, use_local_output=True)
+
+
+def sp_plan(norms: Sequence[str], colwise: Sequence[str], rowwise: Sequence[str]) -> dict[str, Any]:
+    """The sequence-parallel TP plan of a transformer block: boundary (``""``), norms, column- and row-parallel
+    linears by name."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    plan: dict[str, Any] = {"": sp_boundary()}
+    plan.update({n: SequenceParallel() for n in norms})
+    plan.update({n: ColwiseParallel(input_layouts=Shard(1)) for n in colwise})
+    plan.update({n: RowwiseParallel(output_layouts=Shard(1)) for n in rowwise})
+    return plan
+
+
+def apply_sp(layer: nn.Module, name: str, tp_mesh: DeviceMesh) -> None:
+    """Shard ``layer`` over ``tp_mesh`` with sequence parallelism (its ``uniap_sp_plan(tp)``), in place."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from uniap_lightning.runtime.tensor_parallel import check_tp_supported
+
+    tp = tp_mesh.size()
+    if not hasattr(layer, "uniap_sp_plan"):
+        raise UniAPError(f"layer '{name}' ({type(layer).__name__}) has no sequence-parallel plan (uniap_sp_plan)")
+    check_tp_supported(layer, name, tp)
+    parallelize_module(layer, tp_mesh, layer.uniap_sp_plan(tp))
+
+
+def replicate_sequence(x: Any) -> Any:
+    """A sequence-sharded DTensor (a ``SequenceParallel`` norm's output) gathered once, so the q, k and v
+    projections that read it share one all-gather; anything else unchanged."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if isinstance(x, DTensor) and not all(p.is_replicate() for p in x.placements):
+        return x.redistribute(placements=[Replicate()] * x.device_mesh.ndim)
+    return x
