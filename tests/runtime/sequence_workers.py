@@ -146,6 +146,25 @@ def count_bytes(case: dict[str, Any]) -> dict[str, Any]:
             "by_call": list(counter.by_call), "layers": len(model.blocks)}
 
 
+def sp_comms(case: dict[str, Any]) -> dict[str, Any]:
+    """Collectives of one sequence-parallel block (tp = all ranks), forward and backward, by op name."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from uniap_lightning.runtime.sequence import apply_sp
+
+    block = _model().blocks[0]
+    apply_sp(block, "blocks.0", init_device_mesh("cpu", (dist.get_world_size(),)))
+    x = torch.randn(BATCH, SEQ, EMBD, requires_grad=True)
+    forward, backward = CommDebugMode(), CommDebugMode()
+    with forward:
+        y = block(x)
+    with backward:
+        y.sum().backward()
+    ops = [{str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items()} for mode in (forward, backward)]
+    return {"forward": ops[0], "backward": ops[1], "out_shape": tuple(y.shape), "grad_shape": tuple(x.grad.shape)}
+
+
 def bad_heads(case: dict[str, Any]) -> dict[str, Any]:
     from uniap_lightning.runtime.sequence import enable_context_parallel
 
@@ -157,7 +176,7 @@ def bad_heads(case: dict[str, Any]) -> dict[str, Any]:
     return {"type": None}
 
 
-KINDS = {"train": train, "bytes": count_bytes, "bad_heads": bad_heads}
+KINDS = {"train": train, "bytes": count_bytes, "sp_comms": sp_comms, "bad_heads": bad_heads}
 
 
 def worker(rank: int, world: int, port: int, cases: dict[str, dict[str, Any]], out_dir: str) -> None:

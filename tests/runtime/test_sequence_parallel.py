@@ -22,6 +22,7 @@ TWO_RANKS = {
     "sp_tp2": {"kind": "train", "tp": 2, "sp": True},
     "sp_tp2_padded": {"kind": "train", "tp": 2, "sp": True, "padded": True},
     "bytes": {"kind": "bytes"},
+    "sp_comms": {"kind": "sp_comms"},
     "bad_heads": {"kind": "bad_heads"},
 }
 FOUR_RANKS = {
@@ -61,6 +62,15 @@ def test_ulysses_moves_the_formula_elements(two_ranks: list[dict[str, Any]]) -> 
         assert r["forward"] == expected * r["layers"]
         assert r["backward"] == r["forward"]
         assert len(set(r["by_call"])) == 1
+
+
+def test_sequence_parallel_block_gathers_and_scatters_twice_per_pass(two_ranks: list[dict[str, Any]]) -> None:
+    # Megatron's 2 all-gathers + 2 reduce-scatters per pass (q, k and v share one gather), plus the boundary:
+    # the replicated output is all-gathered in the forward, the input's gradient in the backward
+    for r in _ok(two_ranks, "sp_comms"):
+        assert r["forward"] == {"all_gather_into_tensor": 3, "reduce_scatter_tensor": 2}
+        assert r["backward"] == {"all_gather_into_tensor": 3, "reduce_scatter_tensor": 2}
+        assert r["out_shape"] == r["grad_shape"] == (sw.BATCH, sw.SEQ, sw.EMBD)
 
 
 def test_heads_not_divisible_by_cp_is_one_clear_line(two_ranks: list[dict[str, Any]]) -> None:

@@ -110,7 +110,7 @@ class Block(nn.Module):
         reduce-scatter it; input and output replicated over the group at the chain boundary."""
         from uniap_lightning.runtime.sequence import sp_plan
 
-        return sp_plan(norms=["ln_1", "ln_2"], colwise=["q", "k", "v", "fc"], rowwise=["proj", "fc_proj"])
+        return sp_plan(norms=["ln_1", "ln_2"], colwise=["fc"], gathered=["q", "k", "v"], rowwise=["proj", "fc_proj"])
 
     def uniap_cp_methods(self) -> list[str]:
         return ["ulysses"]

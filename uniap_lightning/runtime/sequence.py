@@ -27,7 +27,9 @@ over the dp x cp group and multiplying the loss by ``c`` (:func:`sequence_loss` 
 
 **Sequence parallelism with TP** (Korthikanti et al., 2022): :func:`apply_sp` shards a layer with its
 ``uniap_sp_plan(tp)``: LayerNorms ``SequenceParallel`` (sequence-sharded), column-parallel layers gather the
-sequence (``input_layouts=Shard(1)``), row-parallel ones reduce-scatter it (``output_layouts=Shard(1)``). The layer's
+sequence (``input_layouts=Shard(1)``; q, k and v share one gather, see :func:`sp_plan`), row-parallel ones
+reduce-scatter it (``output_layouts=Shard(1)``). Per block and pass: 2 all-gathers and 2 reduce-scatters of
+``b s h`` elements in place of 2 all-reduces, plus the LayerNorm weights' gradient all-reduces. The layer's
 input and output at the chain boundary stay replicated over the tensor-parallel group (the layout the runtime
 uses between layers): the input is sliced (no communication) and the output all-gathered.
 
@@ -309,15 +311,23 @@ def sp_boundary() -> Any:
                                     use_local_input=True, use_local_output=True)
 
 
-def sp_plan(norms: Sequence[str], colwise: Sequence[str], rowwise: Sequence[str]) -> dict[str, Any]:
-    """The sequence-parallel TP plan of a transformer block: boundary (``""``), norms, column- and row-parallel
-    linears by name."""
-    from torch.distributed.tensor import Shard
+def sp_plan(*, norms: Sequence[str], colwise: Sequence[str], rowwise: Sequence[str],
+            gathered: Sequence[str] = ()) -> dict[str, Any]:
+    """The sequence-parallel TP plan of a transformer block by module name: the boundary (``""``), norms,
+    column-parallel linears that gather the sequence themselves, ``gathered`` column-parallel linears that read
+    an input the layer gathered once (:func:`replicate_sequence`), and row-parallel linears.
+
+    Why ``gathered``: q, k and v read the same norm output. Each ``ColwiseParallel(input_layouts=Shard(1))`` would
+    gather it again, and even fed an already gathered DTensor it redistributes it (a no-op forward) whose backward
+    all-reduces the gradient, once per projection. Declared replicated, the three partial gradients add up first
+    and the one gather's backward reduce-scatters them once, as in Megatron."""
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
     plan: dict[str, Any] = {"": sp_boundary()}
     plan.update({n: SequenceParallel() for n in norms})
     plan.update({n: ColwiseParallel(input_layouts=Shard(1)) for n in colwise})
+    plan.update({n: ColwiseParallel(input_layouts=Replicate()) for n in gathered})
     plan.update({n: RowwiseParallel(output_layouts=Shard(1)) for n in rowwise})
     return plan
 
