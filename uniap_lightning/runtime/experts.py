@@ -1,0 +1,282 @@
+"""Expert parallelism: each rank of an ep group holds ``E / ep`` experts; tokens travel to them by all-to-all.
+
+Execution (per MoE layer, :class:`ExpertParallel` installed as ``MoEMLP.experts_comm`` by
+:func:`apply_expert_parallel`):
+
+1. routing, capacity and the auxiliary loss are computed by the layer itself (:mod:`uniap_lightning.adapters.moe`);
+   the per-slot, per-expert assignment counts ``[k, E]`` of every *token rank* are all-gathered first, so the
+   capacity is counted over the global tokens of each expert and the drop decision is the one a single process
+   makes on the concatenated batch (token ranks in order). The token group is the layer's data-parallel group
+   (which contains the ep group, as in Megatron and DeepSpeed-MoE). ``token_group=None`` keeps everything local:
+   capacity ``ceil(cf * N_local * k / E)`` and the load-balancing statistics over this rank's tokens only, i.e.
+   each rank behaves as one process run on its own batch (what Megatron does by default); with no drops the two
+   differ only in the auxiliary loss's statistics;
+2. *dispatch*: the kept assignments, sorted by expert, are sent with ``all_to_all_single`` (split sizes = rows
+   per destination rank; a ``[ep, E/ep]`` count exchange goes first so receivers know the splits);
+3. the local experts run on their rows (regrouped expert-major);
+4. *combine*: the outputs go back with the reverse all-to-all, then are weighted by their gates and summed per
+   token by the layer. Backward runs the two reverse all-to-alls (:class:`_AllToAll`).
+
+Each all-to-all adds a record to the :class:`AllToAllCounter` (bytes sent to other ranks, measured from the split
+sizes at runtime). With balanced routing a rank sends ``b s k h (ep-1)/ep`` elements per all-to-all.
+
+Gradients: an expert held by a rank receives the gradient of every token rank of its ep group through the
+backward all-to-alls, so expert gradients are summed only over the ranks holding the *same* experts
+(``ExpertLayout.expert_data_groups``); every other parameter over all data ranks; both divided by the number of
+data ranks (:func:`reduce_gradients`). Checkpoints: :func:`shard_expert_state` / :func:`merge_expert_states` convert
+a one-process state dict to an ep rank's and back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from uniap_lightning.errors import UniAPError
+
+if TYPE_CHECKING:
+    from uniap_lightning.adapters.moe import ExpertFn
+
+
+def check_expert_degree(n_experts: int, ep: int, where: str = "MoE layer") -> None:
+    """Refuse an expert-parallel degree that does not divide the experts, in one line."""
+    if ep < 1 or n_experts % ep != 0:
+        raise UniAPError(f"{where}: expert parallelism ep={ep} must divide the number of experts E={n_experts} "
+                         f"(each rank holds E/ep experts)")
+
+
+# ------------------------------------------------------------------------------------------------ all-to-all
+@dataclass(frozen=True)
+class AllToAllRecord:
+    name: str  # "dispatch", "combine", "dispatch.grad" (backward of dispatch), "combine.grad"
+    rows_sent: int  # rows to other ranks
+    rows_kept: int  # rows this rank sends to itself (no transfer)
+    bytes_sent: int
+
+
+@dataclass
+class AllToAllCounter:
+    """Every all-to-all of the expert layers that share it, in the order they ran."""
+
+    records: list[AllToAllRecord] = field(default_factory=list)
+
+    def add(self, name: str, send_splits: Sequence[int], own: int, row_bytes: int) -> None:
+        sent = sum(send_splits) - send_splits[own]
+        self.records.append(AllToAllRecord(name, sent, send_splits[own], sent * row_bytes))
+
+    def bytes_sent(self, *, names: Iterable[str] | None = None) -> int:
+        wanted = None if names is None else set(names)
+        return sum(r.bytes_sent for r in self.records if wanted is None or r.name in wanted)
+
+    def reset(self) -> None:
+        self.records.clear()
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` with split sizes on dim 0; backward sends the gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, send: list[int], recv: list[int], group: Any,
+                counter: AllToAllCounter, name: str) -> torch.Tensor:
+        ctx.send, ctx.recv, ctx.group, ctx.counter, ctx.name = send, recv, group, counter, name
+        return _exchange(x, send, recv, group, counter, name)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        back = _exchange(grad, ctx.recv, ctx.send, ctx.group, ctx.counter, f"{ctx.name}.grad")
+        return back, None, None, None, None, None
+
+
+def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group: Any, counter: AllToAllCounter,
+              name: str) -> torch.Tensor:
+    x = x.contiguous()
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    dist.all_to_all_single(out, x, recv, send, group=group)
+    row_bytes = x[0].numel() * x.element_size() if x.dim() > 1 else x.element_size()
+    counter.add(name, send, dist.get_rank(group), row_bytes)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ execution
+class ExpertParallel:
+    """Runs one rank's share of an MoE layer's experts (implements ``adapters.moe.ExpertsComm``)."""
+
+    def __init__(self, n_experts: int, *, ep_group: Any, token_group: Any, counter: AllToAllCounter) -> None:
+        self.ep_group, self.token_group, self.counter = ep_group, token_group, counter
+        self.ep, self.ep_index = dist.get_world_size(ep_group), dist.get_rank(ep_group)
+        check_expert_degree(n_experts, self.ep)
+        self.n_experts, self.local = n_experts, n_experts // self.ep
+        self.offset = self.ep_index * self.local
+        self.token_rank = 0 if token_group is None else dist.get_rank(token_group)
+
+    def gather_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        if self.token_group is None:
+            return counts.unsqueeze(0)
+        parts = [torch.empty_like(counts) for _ in range(dist.get_world_size(self.token_group))]
+        dist.all_gather(parts, counts.contiguous(), group=self.token_group)
+        return torch.stack(parts)
+
+    def run_experts(self, rows: torch.Tensor, rows_per_expert: torch.Tensor, expert_fn: ExpertFn) -> torch.Tensor:
+        ep, local = self.ep, self.local
+        send_counts = rows_per_expert.view(ep, local)  # [destination rank, its local expert]
+        recv_counts = torch.empty_like(send_counts)  # [source rank, my local expert]
+        dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=self.ep_group)
+        self.counter.add("counts", [1] * ep, self.ep_index, local * send_counts.element_size())
+        send, recv = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+        got = _AllToAll.apply(rows, send, recv, self.ep_group, self.counter, "dispatch")
+        # received source-major (each source's rows expert-major); the experts want expert-major
+        pieces = got.split(recv_counts.reshape(-1).tolist())
+        outs: list[torch.Tensor | None] = [None] * len(pieces)
+        for e in range(local):
+            mine = [pieces[src * local + e] for src in range(ep)]
+            y = expert_fn(e, torch.cat(mine))
+            for src, part in zip(range(ep), y.split([p.shape[0] for p in mine])):
+                outs[src * local + e] = part
+        back = torch.cat([o for o in outs if o is not None])
+        return _AllToAll.apply(back, recv, send, self.ep_group, self.counter, "combine")
+
+
+def expert_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The MoE layers of ``module`` (modules declaring ``uniap_expert_params``), with their names."""
+    return [(name, m) for name, m in module.named_modules() if hasattr(m, "uniap_expert_params")]
+
+
+def apply_expert_parallel(module: nn.Module, *, ep_group: Any, token_group: Any,
+                          counter: AllToAllCounter | None = None) -> AllToAllCounter:
+    """Keep this rank's ``E / ep`` experts of every MoE layer of ``module`` and route tokens over ``ep_group``.
+
+    ``token_group``: the ranks whose tokens together form the batch a single process would see (the layer's data
+    group, containing ``ep_group``); ``None``: capacity and load-balancing statistics over local tokens only.
+    Returns the counter every layer records its all-to-alls in. Call before building the optimizer.
+    """
+    counter = AllToAllCounter() if counter is None else counter
+    ep, index = dist.get_world_size(ep_group), dist.get_rank(ep_group)
+    for name, m in expert_modules(module):
+        check_expert_degree(m.n_experts, ep, f"MoE layer {name!r}")
+        comm = ExpertParallel(m.n_experts, ep_group=ep_group, token_group=token_group, counter=counter)
+        for pname in m.uniap_expert_params:
+            full = getattr(m, pname)
+            setattr(m, pname, nn.Parameter(_shard(full.detach(), ep, index).clone(), full.requires_grad))
+        m.experts_comm = comm
+    return counter
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+def expert_state_keys(module: nn.Module, prefix: str = "") -> set[str]:
+    """State-dict keys of ``module`` that are stacked over experts (sharded on dim 0 under expert parallelism)."""
+    return {f"{prefix}{name}.{p}" if name else f"{prefix}{p}"
+            for name, m in expert_modules(module) for p in m.uniap_expert_params}
+
+
+def _shard(t: torch.Tensor, ep: int, index: int) -> torch.Tensor:
+    check_expert_degree(t.shape[0], ep)
+    size = t.shape[0] // ep
+    return t[index * size:(index + 1) * size]
+
+
+def shard_expert_state(state: dict[str, torch.Tensor], keys: Iterable[str], *, ep: int,
+                       index: int) -> dict[str, torch.Tensor]:
+    """A one-process state dict -> the state of ep rank ``index`` (its experts' slices; other entries as is)."""
+    keys = set(keys)
+    missing = sorted(keys - set(state))
+    if missing:
+        raise UniAPError(f"expert state: the checkpoint has no entry {missing[0]!r} (expert parameters expected)")
+    return {k: _shard(v, ep, index).clone() if k in keys else v for k, v in state.items()}
+
+
+def merge_expert_states(states: Sequence[dict[str, torch.Tensor]], keys: Iterable[str]) -> dict[str, torch.Tensor]:
+    """The states of ep ranks ``0..ep-1`` -> one process's (experts concatenated in rank order; others from rank 0)."""
+    keys = set(keys)
+    return {k: torch.cat([s[k] for s in states]) if k in keys else v for k, v in states[0].items()}
+
+
+# ------------------------------------------------------------------------------------------------ gradients
+@dataclass(frozen=True)
+class ExpertLayout:
+    """The data ranks of a layer (sharing its batch) and its expert-parallel degree.
+
+    Ep groups are consecutive blocks of ``ep`` data ranks; the ranks holding the same experts are those at the same
+    position in every block. ``ExpertLayout((0, 1, 2, 3), 2)``: ep groups ``(0, 1), (2, 3)``, expert data groups
+    ``(0, 2), (1, 3)``.
+    """
+
+    data_ranks: tuple[int, ...]
+    ep: int
+
+    def __post_init__(self) -> None:
+        if self.ep < 1 or len(self.data_ranks) % self.ep != 0:
+            raise UniAPError(f"expert parallelism ep={self.ep} must divide the {len(self.data_ranks)} data ranks "
+                             f"{list(self.data_ranks)} of the layer")
+
+    def ep_groups(self) -> list[tuple[int, ...]]:
+        r, ep = self.data_ranks, self.ep
+        return [tuple(r[i:i + ep]) for i in range(0, len(r), ep)]
+
+    def expert_data_groups(self) -> list[tuple[int, ...]]:
+        return [tuple(self.data_ranks[i::self.ep]) for i in range(self.ep)]
+
+    def group_of(self, rank: int, groups: list[tuple[int, ...]]) -> tuple[int, ...]:
+        return next(g for g in groups if rank in g)
+
+
+@dataclass(frozen=True)
+class ExpertGroups:
+    """This rank's process groups for one layout (``None`` where the group is this rank alone)."""
+
+    data: Any
+    ep: Any
+    expert_data: Any
+    data_size: int
+
+
+def new_expert_groups(layout: ExpertLayout, rank: int) -> ExpertGroups:
+    """Create the layout's groups; every rank of the world must call this with the same layouts in the same order."""
+    def make(groups: list[tuple[int, ...]]) -> Any:
+        mine = None
+        for g in groups:
+            pg = dist.new_group(list(g))
+            if rank in g:
+                mine = pg
+        return mine
+
+    data = make([layout.data_ranks])
+    ep = make(layout.ep_groups())
+    expert_data = make(layout.expert_data_groups())
+    return ExpertGroups(data, ep, expert_data, len(layout.data_ranks))
+
+
+def split_expert_params(module: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """``(expert parameters, all other parameters)`` of ``module``."""
+    expert = {id(getattr(m, p)) for _, m in expert_modules(module) for p in m.uniap_expert_params}
+    params = list(module.parameters())
+    return [p for p in params if id(p) in expert], [p for p in params if id(p) not in expert]
+
+
+def reduce_gradients(module: nn.Module, groups: ExpertGroups) -> None:
+    """Average gradients as one process on the data ranks' concatenated batch would compute them.
+
+    Non-expert gradients: summed over the data group. Expert gradients already hold the contributions of every
+    token rank of the ep group (the backward all-to-alls brought them), so they are summed only over the expert
+    data group. Both are divided by the number of data ranks (each rank's loss is the mean over its own batch).
+    """
+    expert, other = split_expert_params(module)
+    for params, group in ((other, groups.data), (expert, groups.expert_data)):
+        if not params:
+            continue
+        for p in params:  # the same tensors on every rank of the group, whatever this rank's routing touched
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(flat, group=group)
+        flat /= groups.data_size
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
