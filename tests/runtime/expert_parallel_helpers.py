@@ -140,3 +140,14 @@ def worker(rank: int, world: int, port: int, cases: dict[str, dict[str, Any]], o
             break
     dist.destroy_process_group()
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+
+
+def lightning_module(**cfg: Any) -> MoECausalLMModule:
+    """The MoE GPT as a LightningModule with SGD (for runs under ``strategy="uniap"``)."""
+
+    class SGDMoE(MoECausalLMModule):
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    torch.manual_seed(0)
+    return SGDMoE(MoEGPT(MoEGPTConfig(**{**BASE, **cfg})).layers())

@@ -197,6 +197,21 @@ def test_capacity_formula_and_layout_groups() -> None:
     assert layout.expert_data_groups() == [(0, 2), (1, 3)]
 
 
+# ------------------------------------------------------------------------------------------------ strategy
+PP_CASE = {"module": {"factory": "expert_parallel_helpers:lightning_module", **NO_DROP},
+           "data": {"factory": "uniap_rt_helpers:make_data", "lm": True}, "steps": 3,
+           "plan": h.make_plan([(1, 1, False)] * 4, [0, 0, 1, 1], pp=2, microbatches=1,
+                               names=["chain.0", "chain.1", "chain.2", "chain.3"])}
+
+
+def test_moe_chain_carries_the_aux_loss_across_a_pipeline_stage(spawn_cases: Any) -> None:
+    """``strategy="uniap"`` with pp=2 (no expert parallelism yet): the ``(hidden, aux [B])`` tuple crosses the stage
+    boundary and the loss (cross-entropy + aux) matches one process. One micro-batch: with several, routing,
+    capacity and the auxiliary loss are per micro-batch, as in every pipelined MoE."""
+    results = spawn_cases(2, {"moe_pp2": PP_CASE}, "moe_pp2")
+    h.assert_close_to_reference(results, "moe_pp2", h.reference_for(PP_CASE))
+
+
 # ------------------------------------------------------------------------------------------------ ep=2 x dp=2
 @pytest.mark.slow
 def test_ep2_dp2_four_processes_match_one_process(tmp_path: Path) -> None:
