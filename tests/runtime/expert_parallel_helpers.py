@@ -75,6 +75,20 @@ def balanced_tokens(n: int, hidden: int) -> torch.Tensor:
     return x
 
 
+def own_tokens(n: int, hidden: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s tokens prefer experts ``2 rank`` and ``2 rank + 1``: with ep=2 they all stay on their rank
+    (every all-to-all sends zero rows)."""
+    x = torch.zeros(n, hidden)
+    i = torch.arange(n)
+    x[i, 2 * rank + i % 2] = 2.0
+    x[i, 2 * rank + 1 - i % 2] = 1.0
+    return x
+
+
+def layer_tokens(kind: str, n: int, hidden: int, rank: int) -> torch.Tensor:
+    return balanced_tokens(n, hidden) if kind == "balanced" else own_tokens(n, hidden, rank)
+
+
 def balanced_layer(hidden: int) -> MoEMLP:
     torch.manual_seed(0)
     layer = MoEMLP(hidden, 4 * hidden, 4, top_k=2, capacity_factor=1.0)
@@ -95,14 +109,15 @@ def _run_case(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
         except ValueError as err:
             return {"error_message": f"{type(err).__name__}: {err}"}
         return {"error_message": None}
-    if kind == "balanced":
+    if kind in ("balanced", "own"):
         hidden, b, s = case["hidden"], case["b"], case["s"]
         layer = balanced_layer(hidden)
         counter = experts.apply_expert_parallel(layer, ep_group=groups.ep, token_group=token_group)
-        x = balanced_tokens(b * s, hidden).view(b, s, hidden).requires_grad_()  # as a block's activations do
+        x = layer_tokens(kind, b * s, hidden, rank).view(b, s, hidden).requires_grad_()  # as activations do
         y, aux = layer(x)
         (y.sum() + aux).backward()
-        return {"records": _records(counter), "dropped": int(layer.last_dropped)}
+        return {"records": _records(counter), "dropped": int(layer.last_dropped), "y": y.detach(),
+                "x_grad": x.grad, "grads": {k: p.grad for k, p in layer.named_parameters()}}
     module = make_module(**case.get("cfg", {}))
     counter = experts.apply_expert_parallel(module, ep_group=groups.ep, token_group=token_group)
     n = BATCH // groups.data_size

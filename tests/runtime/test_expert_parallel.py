@@ -26,6 +26,7 @@ CASES = {
     "drops": {"cfg": DROPS, "steps": 5},
     "drops_local": {"cfg": DROPS, "token_scope": "local", "steps": 0},
     "balanced": {"kind": "balanced", "hidden": 8, "b": 2, "s": 4},
+    "own": {"kind": "own", "hidden": 8, "b": 2, "s": 4},
     "bad_ep": {"kind": "bad_ep"},  # last: it leaves no collective half done, but keep failures late anyway
 }
 HIDDEN = eh.BASE["n_embd"]
@@ -143,6 +144,34 @@ def test_experts_not_divisible_by_ep_is_one_clear_line(ep2: list[dict[str, Any]]
         experts.shard_expert_state(state, experts.expert_state_keys(eh.make_module()), ep=3, index=0)
     with pytest.raises(UniAPError, match=r"ep=2 must divide the 3 data ranks"):
         experts.ExpertLayout((0, 1, 2), 2)
+
+
+@pytest.mark.parametrize("kind", ["balanced", "own"])
+def test_one_layer_outputs_and_gradients_equal_one_process(ep2: list[dict[str, Any]], kind: str) -> None:
+    """One MoE layer, loss ``sum(y) + aux`` per rank: outputs, input gradients and each rank's expert gradients
+    (no reduction needed: the backward all-to-alls bring every token rank's share) equal one process's on the
+    concatenated tokens with loss ``sum(y) + 2 aux`` (each rank's aux is one term of the mean). ``own``: every
+    token's experts are on its own rank, so all four all-to-alls send zero rows and must still run."""
+    case = CASES[kind]
+    n, hid = case["b"] * case["s"], case["hidden"]
+    layer = eh.balanced_layer(hid)
+    x = torch.cat([eh.layer_tokens(kind, n, hid, r) for r in range(2)]).view(2 * case["b"], case["s"], hid)
+    x.requires_grad_()
+    y, aux = layer(x)
+    (y.sum() + 2 * aux).backward()
+    local = layer.n_experts // 2
+    for r, res in enumerate(ep2):
+        got = res[kind]
+        assert got["dropped"] == 0
+        torch.testing.assert_close(got["y"], y.detach()[r * case["b"]:(r + 1) * case["b"]], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got["x_grad"], x.grad[r * case["b"]:(r + 1) * case["b"]], rtol=1e-5, atol=1e-6)
+        for name in layer.uniap_expert_params:
+            torch.testing.assert_close(got["grads"][name], getattr(layer, name).grad[r * local:(r + 1) * local],
+                                       rtol=1e-5, atol=1e-6)
+        if kind == "own":
+            assert [rec["rows_sent"] for rec in got["records"][1:]] == [0, 0, 0, 0]
+    router = ep2[0][kind]["grads"]["router.weight"] + ep2[1][kind]["grads"]["router.weight"]
+    torch.testing.assert_close(router, layer.router.weight.grad, rtol=1e-5, atol=1e-6)
 
 
 # ------------------------------------------------------------------------------------------------ one process
