@@ -27,6 +27,24 @@ def _model(heads: int = HEADS, embd: int = EMBD) -> Any:
     return GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=heads, n_embd=embd))
 
 
+class Chain(torch.nn.Sequential):
+    def layers(self) -> list[torch.nn.Module]:
+        return list(self)
+
+
+def _llama() -> Chain:
+    """A tiny Hugging Face Llama chain (4 heads, 2 key/value heads: grouped-query attention)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from uniap_lightning.adapters import hf_layers
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=EMBD, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=SEQ,
+                      tie_word_embeddings=False, initializer_range=0.2)  # sharp attention: positions matter
+    return Chain(*hf_layers(LlamaForCausalLM(cfg)))
+
+
 def _batches(steps: int, *, padded: bool) -> list[dict[str, torch.Tensor]]:
     """Random token batches; padded: row 0 left-padded by 5, row 1 right-padded by 3, two labels ignored."""
     g = torch.Generator().manual_seed(1)
@@ -96,8 +114,14 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
     dp, cp, tp = case.get("dp", 1), case.get("cp", 1), case.get("tp", 1)
     steps = case.get("steps", 5)
     batches = _batches(steps, padded=case.get("padded", False))
-    model = _model()
-    ref_losses, ref_state = _reference(copy.deepcopy(model), batches, dp)
+    llama = case.get("model") == "llama"
+    model = _llama() if llama else _model()
+    reference = copy.deepcopy(model)
+    if llama and case.get("padded"):  # the chain has no padding otherwise: the same attention function, one process
+        from uniap_lightning.adapters.families.sequence_hf import enable_hf_ulysses
+
+        enable_hf_ulysses(reference.layers(), None)
+    ref_losses, ref_state = _reference(reference, batches, dp)
 
     cp_group, replica_group, tp_mesh = _groups(dp, cp, tp)
     rank = dist.get_rank()
@@ -105,7 +129,11 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
     if tp > 1:
         for i, block in enumerate(model.blocks):
             (apply_sp if case.get("sp") else apply_tp)(block, f"blocks.{i}", tp_mesh)
-    if cp > 1:
+    if cp > 1 and llama:
+        from uniap_lightning.adapters.families.sequence_hf import enable_hf_ulysses
+
+        enable_hf_ulysses(model.layers(), cp_group)
+    elif cp > 1:
         enable_context_parallel(model.layers(), cp_group)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
@@ -128,7 +156,7 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
         "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
         "param_diff": max(float((state[k] - ref_state[k]).abs().max()) for k in ref_state),
         "moved": max(float((ref_state[k] - model_init).abs().max())
-                     for k, model_init in _model().state_dict().items()),
+                     for k, model_init in (_llama() if llama else _model()).state_dict().items()),
         "losses": losses,
     }
 

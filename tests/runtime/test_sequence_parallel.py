@@ -21,6 +21,8 @@ TWO_RANKS = {
     "ulysses_cp2_padded": {"kind": "train", "cp": 2, "padded": True},
     "sp_tp2": {"kind": "train", "tp": 2, "sp": True},
     "sp_tp2_padded": {"kind": "train", "tp": 2, "sp": True, "padded": True},
+    "llama_cp2": {"kind": "train", "cp": 2, "model": "llama"},
+    "llama_cp2_padded": {"kind": "train", "cp": 2, "model": "llama", "padded": True},
     "bytes": {"kind": "bytes"},
     "sp_comms": {"kind": "sp_comms"},
     "bad_heads": {"kind": "bad_heads"},
@@ -50,7 +52,8 @@ def _assert_parity(per_rank: list[dict[str, Any]]) -> None:
         assert r["param_diff"] < 1e-5, r
 
 
-@pytest.mark.parametrize("name", ["ulysses_cp2", "ulysses_cp2_padded", "sp_tp2", "sp_tp2_padded"])
+@pytest.mark.parametrize("name", ["ulysses_cp2", "ulysses_cp2_padded", "sp_tp2", "sp_tp2_padded", "llama_cp2",
+                                  "llama_cp2_padded"])
 def test_two_ranks_match_one_process(two_ranks: list[dict[str, Any]], name: str) -> None:
     _assert_parity(_ok(two_ranks, name))
 

@@ -157,33 +157,39 @@ def gather_sequence(t: torch.Tensor, group: Any) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------- attention
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-              key_valid: torch.Tensor | None = None, dropout_p: float = 0.0) -> torch.Tensor:
-    """SDPA over whole sequences (``[b, heads, s, d]``), causal and/or with a key padding mask ``key_valid``
-    (``[b, s]``, true for real tokens). A query that may see no key (a padding position before the first real
-    token) sees itself, so no row is empty (its output is unused: its label is ignored)."""
+              key_valid: torch.Tensor | None = None, dropout_p: float = 0.0, scale: float | None = None) -> torch.Tensor:
+    """SDPA over whole sequences (``[b, heads, s, d]``; k and v may have fewer heads, grouped-query attention),
+    causal and/or with a key padding mask ``key_valid`` (``[b, s]``, true for real tokens). A query that may see
+    no key (a padding position before the first real token) sees itself, so no row is empty (its output is
+    unused: its label is ignored)."""
+    if k.shape[1] != q.shape[1]:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     if key_valid is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=dropout_p)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=dropout_p, scale=scale)
     s = q.shape[-2]
     allowed = key_valid.to(torch.bool)[:, None, None, :].expand(-1, 1, s, -1)
     if causal:
         allowed = allowed & torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
     allowed = allowed | torch.eye(s, dtype=torch.bool, device=q.device)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p, scale=scale)
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, *, causal: bool = True,
-                      key_valid: torch.Tensor | None = None, dropout_p: float = 0.0,
+                      key_valid: torch.Tensor | None = None, dropout_p: float = 0.0, scale: float | None = None,
                       counter: AllToAllCounter | None = None) -> torch.Tensor:
     """:func:`attention` over the whole sequence for q/k/v given as this rank's sequence piece
     (``[b, heads, s/c, d]``); ``key_valid`` is this rank's piece of the padding mask (``[b, s/c]``). Returns this
-    rank's piece of the output (``[b, heads, s/c, d]``)."""
+    rank's piece of the output (``[b, heads, s/c, d]``). Grouped-query k/v whose heads ``c`` does not divide are
+    repeated to the query heads first (more bytes; with ``kv_heads % c == 0`` they travel as they are)."""
     c = dist.get_world_size(group)
     check_ulysses(heads=q.shape[1], cp=c, name="Ulysses attention")
     if c == 1:
-        return attention(q, k, v, causal=causal, key_valid=key_valid, dropout_p=dropout_p)
+        return attention(q, k, v, causal=causal, key_valid=key_valid, dropout_p=dropout_p, scale=scale)
+    if k.shape[1] % c:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     q, k, v = (seq_to_heads(t, group, counter) for t in (q, k, v))
     full_mask = None if key_valid is None else gather_sequence(key_valid.to(torch.bool), group)
-    out = attention(q, k, v, causal=causal, key_valid=full_mask, dropout_p=dropout_p)
+    out = attention(q, k, v, causal=causal, key_valid=full_mask, dropout_p=dropout_p, scale=scale)
     return heads_to_seq(out, group, counter)
 
 

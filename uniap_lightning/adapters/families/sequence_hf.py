@@ -1,0 +1,87 @@
+"""Ulysses context parallelism for Hugging Face decoders through transformers' ``AttentionInterface``.
+
+:func:`enable_hf_ulysses` switches the attention of a chain's decoder layers (today: the Llama chain of
+:func:`uniap_lightning.adapters.hf.llama_layers`) to the registered ``"uniap_ulysses"`` attention function, which
+runs :func:`uniap_lightning.runtime.sequence.ulysses_attention` over the group stored on each attention module, and
+gives the rotary embeddings global positions (``position_ids = cp_rank x s/c + arange(s/c)``, the slice
+:func:`~uniap_lightning.runtime.sequence.shard_causal_lm_batch` gives). Masks: causal, plus the key padding mask
+the :func:`~uniap_lightning.runtime.sequence.padding_mask` context sets (the chain passes no attention mask).
+Without a group (``group=None``) the same function runs the one-process attention, masks included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from uniap_lightning.errors import UniAPError
+
+ATTENTION_NAME = "uniap_ulysses"
+
+
+def ulysses_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                              attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                              scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: q/k/v ``[b, heads, s/c, d]`` -> ``([b, s/c, heads, d], None)``."""
+    from uniap_lightning.runtime.sequence import attention, ulysses_attention
+
+    if attention_mask is not None:
+        raise UniAPError(f"{ATTENTION_NAME} attention takes its padding mask from sequence.padding_mask, not a "
+                         "4-D attention_mask (the chain calls decoder layers without one)")
+    group, key_valid = getattr(module, "uniap_cp_group", None), getattr(module, "uniap_key_valid", None)
+    causal = bool(getattr(module, "is_causal", True))
+    if group is None:
+        out = attention(query, key, value, causal=causal, key_valid=key_valid, dropout_p=dropout, scale=scaling)
+    else:
+        out = ulysses_attention(query, key, value, group, causal=causal, key_valid=key_valid, dropout_p=dropout,
+                                scale=scaling, counter=getattr(module, "uniap_cp_counter", None))
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """Register :func:`ulysses_attention_forward` as ``"uniap_ulysses"`` (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, ulysses_attention_forward)
+
+
+class OffsetRotary(nn.Module):
+    """A rotary embedding called with this rank's local positions, shifted to global ones."""
+
+    def __init__(self, rotary: nn.Module, group: Any) -> None:
+        super().__init__()
+        self.rotary, self.group = rotary, group
+
+    def forward(self, hidden: torch.Tensor, pos: torch.Tensor) -> Any:
+        from uniap_lightning.runtime.sequence import position_offset
+
+        return self.rotary(hidden, pos + position_offset(self.group, hidden.shape[1]))
+
+
+def enable_hf_ulysses(layers: Iterable[nn.Module], group: Any | None, *, counter: Any = None) -> int:
+    """Run the decoder layers' attention with Ulysses over ``group`` (``None``: one process, same function);
+    returns how many layers switched. Checks heads (and key/value heads) against the group size up front."""
+    import torch.distributed as dist
+
+    from uniap_lightning.adapters.hf import LlamaBlockLayer
+    from uniap_lightning.runtime.sequence import check_ulysses
+
+    register()
+    cp = 1 if group is None else dist.get_world_size(group)
+    n = 0
+    for layer in layers:
+        if not isinstance(layer, LlamaBlockLayer):
+            continue
+        attn = layer.layer.self_attn
+        heads = attn.config.num_attention_heads
+        tp = attn.q_proj.weight.device_mesh.size() if hasattr(attn.q_proj.weight, "device_mesh") else 1
+        check_ulysses(heads=heads, cp=cp, tp=tp, name=f"{type(layer).__name__} (ulysses)")
+        attn.config._attn_implementation = ATTENTION_NAME
+        attn.uniap_cp_group, attn.uniap_cp_counter, attn.uniap_key_valid = group, counter, None
+        if group is not None and not isinstance(layer.rotary, OffsetRotary):
+            layer.rotary = OffsetRotary(layer.rotary, group)
+        n += 1
+    return n
