@@ -116,7 +116,8 @@ class MoEMLP(nn.Module):
         super().__init__()
         check_top_k(n_experts, top_k)
         self.n_experts, self.top_k = n_experts, top_k
-        self.capacity_factor, self.aux_loss_coef, self.renormalize_gates = capacity_factor, aux_loss_coef, renormalize_gates
+        self.capacity_factor, self.aux_loss_coef = capacity_factor, aux_loss_coef
+        self.renormalize_gates = renormalize_gates
         self.router = nn.Linear(hidden, n_experts, bias=False)
         self.w_in = nn.Parameter(torch.empty(n_experts, hidden, ffn).uniform_(-hidden ** -0.5, hidden ** -0.5))
         self.b_in = nn.Parameter(torch.empty(n_experts, ffn).uniform_(-hidden ** -0.5, hidden ** -0.5))

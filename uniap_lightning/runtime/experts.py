@@ -25,6 +25,36 @@ backward all-to-alls, so expert gradients are summed only over the ranks holding
 (``ExpertLayout.expert_data_groups``); every other parameter over all data ranks; both divided by the number of
 data ranks (:func:`reduce_gradients`). Checkpoints: :func:`shard_expert_state` / :func:`merge_expert_states` convert
 a one-process state dict to an ep rank's and back.
+
+Hugging Face (transformers 5.25; read from ``modeling_{mixtral,qwen2_moe,olmoe}.py``), for the ep wrapper to come:
+
+* Layout, all three: ``model.model.layers[i].mlp`` is ``<X>SparseMoeBlock`` with ``.gate`` (``<X>TopKRouter``:
+  ``weight [E, h]``, returns ``(router_logits, top_k_weights, top_k_index)``; softmax in float32, top-k; Mixtral
+  always renormalizes the k weights, Qwen2-MoE and OLMoE only if ``config.norm_topk_prob``, default False) and
+  ``.experts`` (``<X>Experts``: *stacked* ``gate_up_proj [E, 2I, h]`` and ``down_proj [E, h, I]`` in ``F.linear``
+  layout (out, in), SwiGLU ``down(act(gate) * up)``, no biases; ``forward(hidden [N, h], top_k_index [N, k],
+  top_k_weights [N, k]) -> [N, h]``, wrapped by ``@use_experts_implementation`` which dispatches on
+  ``config._experts_implementation``: "eager" loop, "grouped_mm", "batched_mm", ...). Qwen2-MoE adds a dense
+  ``shared_expert`` (``Qwen2MoeMLP``) times ``sigmoid(shared_expert_gate(x))`` on every token (replicated, not
+  sharded), and ``mlp_only_layers`` / ``decoder_sparse_step`` make some layers dense ``Qwen2MoeMLP``.
+* No capacity: all three are dropless (our ``capacity_factor=None``); an ep wrapper must not drop either.
+* Aux loss: not in the layer. With ``output_router_logits=True`` an ``OutputRecorder`` hook on ``<X>TopKRouter``
+  (output 0) collects every layer's logits and ``<X>ForCausalLM.forward`` adds ``router_aux_loss_coef *
+  load_balancing_loss_func(logits, E, k, attention_mask)`` (coef 0.001 Mixtral / Qwen2-MoE, 0.01 OLMoE). That
+  function pools *all layers*: assignment counts and probability sums added over layers and rows (padding masked),
+  then ``E * sum_e (counts_e / rows) * (probs_e / rows)`` (balanced = k): not a sum of per-layer losses. Our chain
+  never runs ``ForCausalLM.forward``, so the adapter must carry the statistics: both sums are additive over
+  samples, so a ``[B, 2E]`` per-sample accumulator through the layers (like ``adapters/moe.py``'s ``[B]`` aux)
+  lets the loss rebuild HF's value exactly, per micro-batch, and all-reduced over data ranks for the global one.
+* What an ep wrapper replaces: only ``mlp.experts`` (keep its signature): sort the (token, slot) pairs by expert,
+  :meth:`ExpertParallel.run_experts` with ``expert_fn(e, x) = F.linear(act(g) * u, down_proj[e])`` where
+  ``g, u = F.linear(x, gate_up_proj[e]).chunk(2, -1)``, then ``index_add`` the gate-weighted rows; shard
+  ``gate_up_proj`` / ``down_proj`` on dim 0 (``uniap_expert_params``) and set ``num_experts`` to the local count.
+  The router, shared expert and attention stay replicated (data-parallel gradients).
+* transformers 5.25 also ships its own EP (``DistributedConfig(ep_size=..., ep_implementation="all_to_all")``
+  with ``base_model_ep_plan``: ``gate_up_proj`` / ``down_proj`` as DTensor ``Shard(0)``, ``mlp.experts`` as
+  ``ep_dispatch_experts`` using ``all_to_all_single_autograd``, dropless). It needs its own device mesh and
+  composes with its own TP/FSDP, so it does not fit a per-layer plan; its all-to-all scheme is the same as ours.
 """
 
 from __future__ import annotations
