@@ -107,8 +107,9 @@ def _groups(dp: int, cp: int, tp: int) -> tuple[Any, Any, Any]:
 
 
 def train(case: dict[str, Any]) -> dict[str, Any]:
-    from uniap_lightning.runtime.sequence import (apply_sp, enable_context_parallel, global_loss, padding_mask,
+    from uniap_lightning.runtime.sequence import (enable_context_parallel, global_loss, padding_mask,
                                                   reduce_gradients, sequence_loss, shard_causal_lm_batch)
+    from uniap_lightning.runtime.sequence_tp import apply_sp
     from uniap_lightning.runtime.tensor_parallel import apply_tp
 
     dp, cp, tp = case.get("dp", 1), case.get("cp", 1), case.get("tp", 1)
@@ -179,7 +180,7 @@ def sp_comms(case: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from uniap_lightning.runtime.sequence import apply_sp
+    from uniap_lightning.runtime.sequence_tp import apply_sp
 
     block = _model().blocks[0]
     apply_sp(block, "blocks.0", init_device_mesh("cpu", (dist.get_world_size(),)))
@@ -190,7 +191,9 @@ def sp_comms(case: dict[str, Any]) -> dict[str, Any]:
     with backward:
         y.sum().backward()
     ops = [{str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items()} for mode in (forward, backward)]
-    return {"forward": ops[0], "backward": ops[1], "out_shape": tuple(y.shape), "grad_shape": tuple(x.grad.shape)}
+    return {"forward": ops[0], "backward": ops[1], "out_shape": tuple(y.shape), "grad_shape": tuple(x.grad.shape),
+            "norm_grads_replicated": all(pl.is_replicate() for p in (block.ln_1.weight, block.ln_2.bias)
+                                         for pl in p.grad.placements)}
 
 
 def bad_heads(case: dict[str, Any]) -> dict[str, Any]:

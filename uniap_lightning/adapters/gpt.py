@@ -72,7 +72,7 @@ class Block(nn.Module):
         self._cp_counter: Any = None
 
     def _attention(self, x: torch.Tensor) -> torch.Tensor:
-        from uniap_lightning.runtime.sequence import replicate_sequence
+        from uniap_lightning.runtime.sequence_tp import replicate_sequence
 
         x = replicate_sequence(x)  # sequence parallel: q, k and v share one all-gather
         b, t, _ = x.shape
@@ -108,7 +108,7 @@ class Block(nn.Module):
     def uniap_sp_plan(self, tp: int) -> dict[str, Any]:
         """TP with sequence parallelism: norms sequence-sharded, q/k/v/fc gather the sequence, proj/fc_proj
         reduce-scatter it; input and output replicated over the group at the chain boundary."""
-        from uniap_lightning.runtime.sequence import sp_plan
+        from uniap_lightning.runtime.sequence_tp import sp_plan
 
         return sp_plan(norms=["ln_1", "ln_2"], colwise=["fc"], gathered=["q", "k", "v"], rowwise=["proj", "fc_proj"])
 

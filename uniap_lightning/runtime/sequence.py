@@ -1,4 +1,4 @@
-"""The sequence dimension: Ulysses context parallelism, split batches and losses, sequence parallelism with TP.
+"""The sequence dimension: Ulysses context parallelism, split causal-LM batches and their loss.
 
 **Ulysses** (Jacobs et al., 2023). The sequence is split into ``c`` contiguous equal pieces over the ranks of a
 context-parallel (cp) process group: cp rank ``r`` holds positions ``[r s/c, (r+1) s/c)`` of every sample. Per
@@ -25,24 +25,17 @@ over the dp x cp group and multiplying the loss by ``c`` (:func:`sequence_loss` 
 **Positions.** Absolute positions are global: a layer in cp mode adds ``cp_rank x s/c`` to its local positions
 (:func:`position_offset`); :func:`shard_causal_lm_batch` slices ``position_ids`` for rotary models.
 
-**Sequence parallelism with TP** (Korthikanti et al., 2022): :func:`apply_sp` shards a layer with its
-``uniap_sp_plan(tp)``: LayerNorms ``SequenceParallel`` (sequence-sharded), column-parallel layers gather the
-sequence (``input_layouts=Shard(1)``; q, k and v share one gather, see :func:`sp_plan`), row-parallel ones
-reduce-scatter it (``output_layouts=Shard(1)``). Per block and pass: 2 all-gathers and 2 reduce-scatters of
-``b s h`` elements in place of 2 all-reduces, plus the LayerNorm weights' gradient all-reduces. The layer's
-input and output at the chain boundary stay replicated over the tensor-parallel group (the layout the runtime
-uses between layers): the input is sliced (no communication) and the output all-gathered.
-
 Layers opt in with ``uniap_cp_methods() -> list[str]`` and ``uniap_enable_cp(group, method, counter=None)``
-(:func:`enable_context_parallel` calls it on every layer that has it) and ``uniap_sp_plan(tp)``.
+(:func:`enable_context_parallel` calls it on every layer that has it). Sequence parallelism with TP is in
+:mod:`uniap_lightning.runtime.sequence_tp`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -50,9 +43,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from uniap_lightning.errors import UniAPError
-
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
 
 #: Context-parallel methods this module executes (ring attention needs SDPA sharding rules CPU lacks).
 CP_METHODS = ("ulysses",)
@@ -304,58 +294,3 @@ def reduce_gradients(params: Iterable[nn.Parameter], group: Any, *, dp: int) -> 
     for g in grads:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
         offset += g.numel()
-
-
-# ---------------------------------------------------------------------------------------------- sequence parallel
-def sp_boundary() -> Any:
-    """Replicated ``[b, s, h]`` in (sliced to this rank's sequence piece) and out (all-gathered back)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import PrepareModuleInputOutput
-
-    return PrepareModuleInputOutput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
-                                    output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),),
-                                    use_local_input=True, use_local_output=True)
-
-
-def sp_plan(*, norms: Sequence[str], colwise: Sequence[str], rowwise: Sequence[str],
-            gathered: Sequence[str] = ()) -> dict[str, Any]:
-    """The sequence-parallel TP plan of a transformer block by module name: the boundary (``""``), norms,
-    column-parallel linears that gather the sequence themselves, ``gathered`` column-parallel linears that read
-    an input the layer gathered once (:func:`replicate_sequence`), and row-parallel linears.
-
-    Why ``gathered``: q, k and v read the same norm output. Each ``ColwiseParallel(input_layouts=Shard(1))`` would
-    gather it again, and even fed an already gathered DTensor it redistributes it (a no-op forward) whose backward
-    all-reduces the gradient, once per projection. Declared replicated, the three partial gradients add up first
-    and the one gather's backward reduce-scatters them once, as in Megatron."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
-
-    plan: dict[str, Any] = {"": sp_boundary()}
-    plan.update({n: SequenceParallel() for n in norms})
-    plan.update({n: ColwiseParallel(input_layouts=Shard(1)) for n in colwise})
-    plan.update({n: ColwiseParallel(input_layouts=Replicate()) for n in gathered})
-    plan.update({n: RowwiseParallel(output_layouts=Shard(1)) for n in rowwise})
-    return plan
-
-
-def apply_sp(layer: nn.Module, name: str, tp_mesh: DeviceMesh) -> None:
-    """Shard ``layer`` over ``tp_mesh`` with sequence parallelism (its ``uniap_sp_plan(tp)``), in place."""
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    from uniap_lightning.runtime.tensor_parallel import check_tp_supported
-
-    tp = tp_mesh.size()
-    if not hasattr(layer, "uniap_sp_plan"):
-        raise UniAPError(f"layer '{name}' ({type(layer).__name__}) has no sequence-parallel plan (uniap_sp_plan)")
-    check_tp_supported(layer, name, tp)
-    parallelize_module(layer, tp_mesh, layer.uniap_sp_plan(tp))
-
-
-def replicate_sequence(x: Any) -> Any:
-    """A sequence-sharded DTensor (a ``SequenceParallel`` norm's output) gathered once, so the q, k and v
-    projections that read it share one all-gather; anything else unchanged."""
-    from torch.distributed.tensor import DTensor, Replicate
-
-    if isinstance(x, DTensor) and not all(p.is_replicate() for p in x.placements):
-        return x.redistribute(placements=[Replicate()] * x.device_mesh.ndim)
-    return x
