@@ -35,13 +35,38 @@ def moe_layers(module: Any) -> list[MoEMLP]:
     return [m for m in module.modules() if isinstance(m, MoEMLP)]
 
 
-def train(module: Any, ids: torch.Tensor, steps: int, after_backward: Any = None) -> dict[str, Any]:
+def hf_model(family: str) -> Any:
+    """A tiny Hugging Face MoE causal LM (random weights, E=4, k=2): ``mixtral``, ``qwen2_moe`` or ``olmoe``."""
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=SEQ, tie_word_embeddings=False, num_experts_per_tok=2,
+                  bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    if family == "mixtral":
+        return tf.MixtralForCausalLM(tf.MixtralConfig(**common, num_local_experts=4))
+    if family == "qwen2_moe":
+        return tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(**common, num_experts=4, moe_intermediate_size=32,
+                                                        shared_expert_intermediate_size=64))
+    return tf.OlmoeForCausalLM(tf.OlmoeConfig(**common, num_experts=4))
+
+
+def hf_loss(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, labels=ids).loss
+
+
+def chain_loss(module: Any, ids: torch.Tensor) -> torch.Tensor:
+    return module.uniap_loss(module(ids), ids)
+
+
+def train(module: Any, ids: torch.Tensor, steps: int, after_backward: Any = None, loss_of: Any = chain_loss
+          ) -> dict[str, Any]:
     """SGD steps on ``ids`` (no optimizer state: parity is not blurred by Adam's noise amplification)."""
     opt = torch.optim.SGD(module.parameters(), lr=0.1)
     losses, dropped = [], []
     for _ in range(steps):
         opt.zero_grad()
-        loss = module.uniap_loss(module(ids), ids)
+        loss = loss_of(module, ids)
         loss.backward()
         if after_backward is not None:
             after_backward()
@@ -118,11 +143,12 @@ def _run_case(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
         (y.sum() + aux).backward()
         return {"records": _records(counter), "dropped": int(layer.last_dropped), "y": y.detach(),
                 "x_grad": x.grad, "grads": {k: p.grad for k, p in layer.named_parameters()}}
-    module = make_module(**case.get("cfg", {}))
+    module = hf_model(case["hf"]) if "hf" in case else make_module(**case.get("cfg", {}))
     counter = experts.apply_expert_parallel(module, ep_group=groups.ep, token_group=token_group)
     n = BATCH // groups.data_size
     index = list(range(world)).index(rank)
     ids = make_ids()[index * n:(index + 1) * n]
+    loss_of = hf_loss if "hf" in case else chain_loss
     if not case.get("steps"):
         loss = module.uniap_loss(module(ids), ids)
         return {"losses": [loss.item()], "dropped": [[int(m.last_dropped) for m in moe_layers(module)]],
@@ -134,7 +160,7 @@ def _run_case(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
         if not first_step:
             first_step.append(_records(counter))
 
-    result = train(module, ids, case["steps"], reduce)
+    result = train(module, ids, case["steps"], reduce, loss_of)
     return {**result, "records": first_step[0], "expert_keys": sorted(experts.expert_state_keys(module))}
 
 

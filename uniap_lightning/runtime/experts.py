@@ -46,11 +46,12 @@ Hugging Face (transformers 5.25; read from ``modeling_{mixtral,qwen2_moe,olmoe}.
   never runs ``ForCausalLM.forward``, so the adapter must carry the statistics: both sums are additive over
   samples, so a ``[B, 2E]`` per-sample accumulator through the layers (like ``adapters/moe.py``'s ``[B]`` aux)
   lets the loss rebuild HF's value exactly, per micro-batch, and all-reduced over data ranks for the global one.
-* What an ep wrapper replaces: only ``mlp.experts`` (keep its signature): sort the (token, slot) pairs by expert,
+* What an ep wrapper replaces: only ``mlp.experts`` (same call, same parameter names). :class:`HFExperts` does it
+  (:func:`wrap_hf_experts`, called by :func:`apply_expert_parallel`): pairs sorted by expert,
   :meth:`ExpertParallel.run_experts` with ``expert_fn(e, x) = F.linear(act(g) * u, down_proj[e])`` where
-  ``g, u = F.linear(x, gate_up_proj[e]).chunk(2, -1)``, then ``index_add`` the gate-weighted rows; shard
-  ``gate_up_proj`` / ``down_proj`` on dim 0 (``uniap_expert_params``) and set ``num_experts`` to the local count.
-  The router, shared expert and attention stay replicated (data-parallel gradients).
+  ``g, u = F.linear(x, gate_up_proj[e]).chunk(2, -1)``, gate-weighted rows ``index_add``-ed back; ``gate_up_proj``
+  / ``down_proj`` sharded on dim 0. The router, shared expert and attention stay replicated (data-parallel
+  gradients). Tested for the loss without the aux term (``output_router_logits=False``), see the tests.
 * transformers 5.25 also ships its own EP (``DistributedConfig(ep_size=..., ep_implementation="all_to_all")``
   with ``base_model_ep_plan``: ``gate_up_proj`` / ``down_proj`` as DTensor ``Shard(0)``, ``mlp.experts`` as
   ``ep_dispatch_experts`` using ``all_to_all_single_autograd``, dropless). It needs its own device mesh and
@@ -65,6 +66,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from uniap_lightning.errors import UniAPError
@@ -185,6 +187,7 @@ def apply_expert_parallel(module: nn.Module, *, ep_group: Any, token_group: Any,
     Returns the counter every layer records its all-to-alls in. Call before building the optimizer.
     """
     counter = AllToAllCounter() if counter is None else counter
+    wrap_hf_experts(module)
     ep, index = dist.get_world_size(ep_group), dist.get_rank(ep_group)
     for name, m in expert_modules(module):
         check_expert_degree(m.n_experts, ep, f"MoE layer {name!r}")
@@ -194,6 +197,51 @@ def apply_expert_parallel(module: nn.Module, *, ep_group: Any, token_group: Any,
             setattr(m, pname, nn.Parameter(_shard(full.detach(), ep, index).clone(), full.requires_grad))
         m.experts_comm = comm
     return counter
+
+
+class HFExperts(nn.Module):
+    """A Hugging Face ``<X>Experts`` (Mixtral, Qwen2-MoE, OLMoE: stacked ``gate_up_proj [E, 2I, h]``,
+    ``down_proj [E, h, I]``, SwiGLU) with the same parameter names and call, routed like :class:`MoEMLP`."""
+
+    uniap_expert_params = ("gate_up_proj", "down_proj")
+
+    def __init__(self, experts: nn.Module) -> None:
+        super().__init__()
+        self.n_experts = experts.gate_up_proj.shape[0]
+        self.gate_up_proj, self.down_proj, self.act_fn = experts.gate_up_proj, experts.down_proj, experts.act_fn
+        self.experts_comm: ExpertParallel | None = None
+
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+        return F.linear(self.act_fn(gate) * up, self.down_proj[e])
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        n, k = top_k_index.shape
+        expert_of = top_k_index.reshape(-1)
+        order = torch.argsort(expert_of, stable=True)
+        token_of = torch.arange(n, device=hidden.device).repeat_interleave(k)[order]
+        rows, rows_per_expert = hidden[token_of], torch.bincount(expert_of, minlength=self.n_experts)
+        if self.experts_comm is None:
+            out = torch.cat([self._expert(e, r) for e, r in enumerate(rows.split(rows_per_expert.tolist()))])
+        else:
+            out = self.experts_comm.run_experts(rows, rows_per_expert, self._expert)
+        weighted = out * top_k_weights.reshape(-1)[order].unsqueeze(-1)
+        return torch.zeros_like(hidden).index_add(0, token_of, weighted.to(hidden.dtype))
+
+
+def wrap_hf_experts(module: nn.Module) -> int:
+    """Replace every Hugging Face stacked-experts module of ``module`` by :class:`HFExperts` (same parameters,
+    same names; all experts still here). Returns how many; :func:`apply_expert_parallel` then shards them."""
+    found = [(name, m) for name, m in module.named_modules() if type(m).__name__.endswith("Experts")
+             and isinstance(getattr(m, "gate_up_proj", None), nn.Parameter) and m.gate_up_proj.dim() == 3]
+    for name, m in found:
+        if getattr(m, "has_bias", False) or getattr(m, "is_transposed", False) or not getattr(m, "has_gate", True) \
+                or not getattr(m, "is_concatenated", True):
+            raise UniAPError(f"{name} ({type(m).__name__}): only bias-free, concatenated [gate; up] experts in "
+                             f"F.linear layout can run expert-parallel (Mixtral, Qwen2-MoE, OLMoE)")
+        parent_name, _, attr = name.rpartition(".")
+        setattr(module.get_submodule(parent_name) if parent_name else module, attr, HFExperts(m))
+    return len(found)
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints
