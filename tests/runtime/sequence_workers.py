@@ -1,9 +1,12 @@
 """Multi-process cases for the sequence dimension (:mod:`uniap_lightning.runtime.sequence`) on gloo ranks.
 
-A case is a dict with ``kind``: ``"train"`` (the plain GPT chain trained ``steps`` SGD steps on a dp x cp x tp mesh,
-``sp`` for sequence parallelism in the TP blocks, ``padded`` for a batch with attention-mask zeros and ignored
-labels; every rank also trains the one-process reference itself and reports the largest differences), ``"bytes"``
-(the elements one Ulysses forward and backward send), ``"bad_heads"`` (the error for heads not divisible by cp).
+A case is a dict with ``kind``:
+- ``"train"``: a chain trained ``steps`` SGD steps on a dp x cp x tp mesh (``dp``, ``cp``, ``tp``); ``sp``: sequence
+  parallelism in the TP blocks; ``padded``: a batch with attention-mask zeros and ignored labels; ``average``: the
+  loss scaled by cp and gradients averaged over dp x cp; ``model: "llama"``: the Hugging Face Llama chain (else
+  the plain GPT). Every rank also trains the one-process reference itself and reports the largest differences.
+- ``"bytes"``: the elements one Ulysses forward and backward send; ``"sp_comms"``: the collectives of one
+  sequence-parallel block; ``"bad_heads"``: the error for heads not divisible by cp.
 """
 
 from __future__ import annotations
@@ -144,12 +147,14 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
         mask = shard["attention_mask"].bool() if "attention_mask" in shard else None
         with padding_mask(model.layers(), mask):
             logits = model(shard["input_ids"])
-        loss = sequence_loss(logits, shard["targets"], cp_group)
+        # "average": what a runtime that averages over its group does (ReplicatedGrads, FSDP over dp x cp)
+        scale = cp if case.get("average") else 1
+        loss = sequence_loss(logits, shard["targets"], cp_group, scale=scale)
         opt.zero_grad()
         loss.backward()
-        reduce_gradients(model.parameters(), replica_group, dp=dp)
+        reduce_gradients(model.parameters(), replica_group, dp=dp * cp if case.get("average") else dp)
         opt.step()
-        reported = global_loss(loss, cp_group)
+        reported = global_loss(loss, cp_group, scale=scale)
         dist.all_reduce(reported, group=replica_group)  # each dp replica's loss once per cp rank: sum / (dp cp)
         losses.append(float(reported) / (dp * cp))
     state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach() for k, v in model.state_dict().items()}

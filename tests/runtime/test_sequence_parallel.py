@@ -19,6 +19,7 @@ from uniap_lightning.runtime import sequence as sq
 TWO_RANKS = {
     "ulysses_cp2": {"kind": "train", "cp": 2},
     "ulysses_cp2_padded": {"kind": "train", "cp": 2, "padded": True},
+    "ulysses_cp2_averaged": {"kind": "train", "cp": 2, "padded": True, "average": True},
     "sp_tp2": {"kind": "train", "tp": 2, "sp": True},
     "sp_tp2_padded": {"kind": "train", "tp": 2, "sp": True, "padded": True},
     "llama_cp2": {"kind": "train", "cp": 2, "model": "llama"},
@@ -29,6 +30,7 @@ TWO_RANKS = {
 }
 FOUR_RANKS = {
     "dp2_cp2": {"kind": "train", "dp": 2, "cp": 2},
+    "dp2_cp2_averaged": {"kind": "train", "dp": 2, "cp": 2, "average": True},
     "sp_tp2_cp2_padded": {"kind": "train", "tp": 2, "cp": 2, "sp": True, "padded": True},
 }
 
@@ -52,8 +54,7 @@ def _assert_parity(per_rank: list[dict[str, Any]]) -> None:
         assert r["param_diff"] < 1e-5, r
 
 
-@pytest.mark.parametrize("name", ["ulysses_cp2", "ulysses_cp2_padded", "sp_tp2", "sp_tp2_padded", "llama_cp2",
-                                  "llama_cp2_padded"])
+@pytest.mark.parametrize("name", [name for name, case in TWO_RANKS.items() if case["kind"] == "train"])
 def test_two_ranks_match_one_process(two_ranks: list[dict[str, Any]], name: str) -> None:
     _assert_parity(_ok(two_ranks, name))
 

@@ -20,7 +20,8 @@ losses *sum* to the one-process loss, and so do their gradients.
 samples (sum), the dp ranks different samples (average, as today). :func:`reduce_gradients` does exactly that over
 one group holding the dp x cp ranks of the layer. A runtime that keeps averaging over a group (divide by its
 size, as :class:`~uniap_lightning.runtime.data_parallel.ReplicatedGrads` does) gets the same result by averaging
-over the dp x cp group and multiplying the loss by ``c`` (:func:`sequence_loss` with ``scale=c``).
+over the dp x cp group and multiplying the loss by ``c`` (:func:`sequence_loss` with ``scale=c``); so does FSDP
+sharded over the dp x cp ranks (its reduce-scatter averages). Both ways are tested against one process.
 
 **Positions.** Absolute positions are global: a layer in cp mode adds ``cp_rank x s/c`` to its local positions
 (:func:`position_offset`); :func:`shard_causal_lm_batch` slices ``position_ids`` for rotary models.
@@ -28,6 +29,15 @@ over the dp x cp group and multiplying the loss by ``c`` (:func:`sequence_loss` 
 Layers opt in with ``uniap_cp_methods() -> list[str]`` and ``uniap_enable_cp(group, method, counter=None)``
 (:func:`enable_context_parallel` calls it on every layer that has it). Sequence parallelism with TP is in
 :mod:`uniap_lightning.runtime.sequence_tp`.
+
+**Runtime contract** (mesh ``(dp, cp, tp)`` per stage, tp innermost). Setup, per layer: TP (``apply_tp``, or
+``sequence_tp.apply_sp``) -> :func:`enable_context_parallel` over the layer's cp group (after TP: it checks
+heads/tp) -> data parallelism over the dp x cp ranks of the same tp index. Per micro-batch: every rank of a
+cp group loads the same samples (cp is not a data dimension: the data loader's replica index is the dp rank);
+:func:`shard_causal_lm_batch` with the cp rank; the forward under :func:`padding_mask` when the batch has an
+attention mask; :func:`sequence_loss` (``scale=c`` with averaging, see above); the logged loss is
+:func:`global_loss`. Between pipeline stages the activations are ``[b, s/c, h]`` pieces: a stage sends its piece
+to the same cp rank of the next stage.
 """
 
 from __future__ import annotations
@@ -147,7 +157,8 @@ def gather_sequence(t: torch.Tensor, group: Any) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------- attention
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-              key_valid: torch.Tensor | None = None, dropout_p: float = 0.0, scale: float | None = None) -> torch.Tensor:
+              key_valid: torch.Tensor | None = None, dropout_p: float = 0.0,
+              scale: float | None = None) -> torch.Tensor:
     """SDPA over whole sequences (``[b, heads, s, d]``; k and v may have fewer heads, grouped-query attention),
     causal and/or with a key padding mask ``key_valid`` (``[b, s]``, true for real tokens). A query that may see
     no key (a padding position before the first real token) sees itself, so no row is empty (its output is
