@@ -52,7 +52,7 @@ class UniAPStrategy(CheckpointIO, ModelParallelStrategy):
             collectives measured at setup when ``measure_cluster``).
         plan: a pinned plan (a :class:`~uniap_lightning.planner.plan.Plan` or the path of a plan JSON file); skips
             profiling and solving. It must be for this model (layer names, fingerprint) and world size.
-        schedule: pipeline schedule when solving: ``"auto"`` (the planner prices every schedule torch runs and
+        schedule: pipeline schedule when solving: ``"auto"`` (default: the planner prices every schedule torch runs and
             chooses, with the stage split and the micro-batch count), or one of ``"gpipe"``, ``"1f1b"``,
             ``"zb_h1"``, ``"interleaved_1f1b"``, ``"interleaved_zb"``, ``"zb_v"``, ``"dualpipe_v"`` (see the README's
             schedule table). ``virtual_stages``: pipeline stages per device (``None``: searched; interleaved
@@ -93,7 +93,7 @@ class UniAPStrategy(CheckpointIO, ModelParallelStrategy):
         *,
         cluster: Cluster | Mapping[str, Any] | str | None = None,
         plan: Plan | str | Path | None = None,
-        schedule: str = "1f1b",
+        schedule: str = "auto",
         pp: int | list[int] | None = None,
         virtual_stages: int | None = None,
         solver: str = "auto",

@@ -19,7 +19,8 @@ def plan_file(tmp_path_factory):
     out = tmp_path_factory.mktemp("cli") / "plan.json"
     res = uniap("plan", "model=bert_huge", "cluster=titanxp_2x4", "batch_size=32", f"out={out}")
     assert res.returncode == 0, res.stderr
-    assert "Stages" in res.stdout and "Baselines" in res.stdout and "solver: " in res.stdout
+    assert ("Stages" in res.stdout or "Device groups" in res.stdout) and "Baselines" in res.stdout
+    assert "solver: " in res.stdout and "Schedules" in res.stdout  # the default search prices every schedule
     assert "predicted:" in res.stdout and "samples/s" in res.stdout
     return out
 

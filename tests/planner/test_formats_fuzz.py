@@ -75,13 +75,19 @@ CLUSTER = json.loads(json.dumps(cluster_from("a100_1x8").to_dict() if hasattr(Cl
                                 {k: v for k, v in vars(cluster_from("a100_1x8")).items()}, default=str))
 
 
-def _plan_doc() -> dict[str, Any]:
+def _plan_doc(schedule: str = "auto") -> dict[str, Any]:
+    from dataclasses import replace
+
     from uniap_lightning.planner.solver import solve
 
-    return solve(_problem(), time_limit_s=30, baselines=False).to_dict()
+    problem = _problem()
+    problem = replace(problem, training=replace(problem.training, schedule=schedule))
+    return solve(problem, time_limit_s=30, baselines=False).to_dict()
 
 
 PLAN = _plan_doc()
+#: what a version-1 file could hold: one stage per device (GPipe or 1F1B)
+PLAN_1F1B = _plan_doc("1f1b")
 
 
 def _only_clear_errors(load: Any, doc: Any) -> None:
@@ -150,7 +156,7 @@ NEW_VALUES = st.one_of(JSON_LEAVES, st.sampled_from(["replicate", "zero1", "zero
 
 def _v2_plan_doc() -> dict[str, Any]:
     """A plan with every new field in use: modes, recomputation and compression differ between layers."""
-    doc = copy.deepcopy(PLAN)
+    doc = copy.deepcopy(PLAN_1F1B)
     modes = ["replicate", "zero1", "zero2", "zero3"]
     for u, layer in enumerate(doc["layers"]):
         if layer["dp"] > 1:
@@ -175,7 +181,8 @@ def test_plan_v2_round_trips_every_new_field() -> None:
 
 
 def test_plan_v1_files_load_as_replicate_or_zero3() -> None:
-    doc = copy.deepcopy(PLAN)
+    doc = copy.deepcopy(PLAN_1F1B)
+    doc.pop("virtual_stages")
     doc["format_version"] = 1
     doc.pop("compression_options", None)
     for u, layer in enumerate(doc["layers"]):

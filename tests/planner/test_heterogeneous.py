@@ -77,7 +77,7 @@ def _uniform_chain(layers: int = 8) -> ModelProfile:
 def test_a_slow_stage_gets_less_work_and_the_plan_says_where_it_runs():
     equal = Cluster(name="pair", nodes=1, devices_per_node=2, memory_gib=16, peak_tflops=10, intra_bw_gbps=50)
     slow = replace(equal, rank_speed=(1.0, 0.5), rank_device=("fast", "slow"))
-    training = TrainingConfig(global_batch_size=8, microbatches=(8,))
+    training = TrainingConfig(global_batch_size=8, microbatches=(8,), schedule="1f1b")  # one stage per device
     base = search(Problem(_uniform_chain(), equal, training), solver="cbc")
     plan = search(Problem(_uniform_chain(), slow, training), solver="cbc")
     work = [len(plan.layers_of_stage(i)) for i in range(plan.pp)]

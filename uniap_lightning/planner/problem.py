@@ -38,7 +38,7 @@ class TrainingConfig:
     max_microbatches: int = 64
     #: a pipeline schedule (:data:`~uniap_lightning.planner.plan.SCHEDULES`) or "auto": the search chooses among
     #: every schedule torch runs, with ``virtual_stages`` (None: searched, 1 to ``max_virtual_stages``)
-    schedule: str = "1f1b"
+    schedule: str = "auto"
     virtual_stages: int | None = None
     max_virtual_stages: int = 4
     weight_bytes: float = 4.0

@@ -175,7 +175,8 @@ def explain_renderables(plan: Plan, problem, measured: dict | None = None) -> Gr
     from uniap_lightning.planner.cost.tables import CandidateCosts
 
     est = plan.estimate
-    costs = CandidateCosts(problem, plan.pp, plan.microbatches, compression_options=plan.compression_options)
+    costs = CandidateCosts(problem, plan.pp, plan.microbatches, schedule=plan.schedule,
+                           virtual_stages=plan.virtual_stages, compression_options=plan.compression_options)
     layers = Table(title="Per layer (predicted, one device, one micro-batch)", title_justify="left")
     for col in ("#", "layer", "stage", "strategy", "dp mode", "recompute", "compression", "compute ms", "comm ms",
                 "sync ms / iter", "state MiB", "activations MiB", "transient MiB"):

@@ -25,7 +25,7 @@ class SetupOptions:
 
     cluster: Cluster | None = None
     pinned_plan: Plan | None = None
-    schedule: str = "1f1b"
+    schedule: str = "auto"
     #: pipeline stages per device (None: searched with the schedule)
     virtual_stages: int | None = None
     #: the pipeline degrees the search may use (``None``: all that divide the world size)
