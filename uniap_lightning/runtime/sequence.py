@@ -20,8 +20,9 @@ losses *sum* to the one-process loss, and so do their gradients.
 samples (sum), the dp ranks different samples (average, as today). :func:`reduce_gradients` does exactly that over
 one group holding the dp x cp ranks of the layer. A runtime that keeps averaging over a group (divide by its
 size, as :class:`~uniap_lightning.runtime.data_parallel.ReplicatedGrads` does) gets the same result by averaging
-over the dp x cp group and multiplying the loss by ``c`` (:func:`sequence_loss` with ``scale=c``); so does FSDP
-sharded over the dp x cp ranks (its reduce-scatter averages). Both ways are tested against one process.
+over the dp x cp group and multiplying the loss by ``c`` (:func:`sequence_loss` with ``scale=c``); FSDP
+sharded over the dp x cp ranks averages too, so it needs the same scale (not tested here). Both reductions above
+are tested against one process.
 
 **Positions.** Absolute positions are global: a layer in cp mode adds ``cp_rank x s/c`` to its local positions
 (:func:`position_offset`); :func:`shard_causal_lm_batch` slices ``position_ids`` for rotary models.
