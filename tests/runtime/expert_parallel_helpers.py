@@ -114,9 +114,9 @@ def layer_tokens(kind: str, n: int, hidden: int, rank: int) -> torch.Tensor:
     return balanced_tokens(n, hidden) if kind == "balanced" else own_tokens(n, hidden, rank)
 
 
-def balanced_layer(hidden: int) -> MoEMLP:
+def balanced_layer(hidden: int, capacity_factor: float = 1.0) -> MoEMLP:
     torch.manual_seed(0)
-    layer = MoEMLP(hidden, 4 * hidden, 4, top_k=2, capacity_factor=1.0)
+    layer = MoEMLP(hidden, 4 * hidden, 4, top_k=2, capacity_factor=capacity_factor)
     with torch.no_grad():
         layer.router.weight.copy_(torch.eye(4, hidden) * 5.0)
     return layer
@@ -136,7 +136,7 @@ def _run_case(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
         return {"error_message": None}
     if kind in ("balanced", "own"):
         hidden, b, s = case["hidden"], case["b"], case["s"]
-        layer = balanced_layer(hidden)
+        layer = balanced_layer(hidden, case.get("capacity_factor", 1.0))
         counter = experts.apply_expert_parallel(layer, ep_group=groups.ep, token_group=token_group)
         x = layer_tokens(kind, b * s, hidden, rank).view(b, s, hidden).requires_grad_()  # as activations do
         y, aux = layer(x)

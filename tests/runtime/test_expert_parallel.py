@@ -29,6 +29,7 @@ CASES = {
     "drops_local": {"cfg": DROPS, "token_scope": "local", "steps": 0},
     "balanced": {"kind": "balanced", "hidden": 8, "b": 2, "s": 4},
     "own": {"kind": "own", "hidden": 8, "b": 2, "s": 4},
+    "none_kept": {"kind": "balanced", "hidden": 8, "b": 2, "s": 4, "capacity_factor": 0.0},
     **({f"hf_{family}": {"hf": family, "steps": 3} for family in ("mixtral", "qwen2_moe", "olmoe")} if HAS_HF else {}),
     "bad_ep": {"kind": "bad_ep"},  # last: it leaves no collective half done, but keep failures late anyway
 }
@@ -189,6 +190,18 @@ def test_hugging_face_experts_ep2_match_the_unwrapped_model(ep2: list[dict[str, 
     ref = eh.train(model, eh.make_ids(), 3, loss_of=eh.hf_loss)
     assert len(ep2[0][name]["expert_keys"]) == 2 * 2  # gate_up_proj and down_proj of both layers
     _assert_parity(ep2, name, ref)
+
+
+def test_every_token_dropped_still_runs_the_exchanges(ep2: list[dict[str, Any]]) -> None:
+    """Capacity 0: no rank sends or keeps a row; the layer outputs zeros, and all four all-to-alls still run (a rank
+    skipping one would hang the others)."""
+    for res in ep2:
+        got = res["none_kept"]
+        assert got["dropped"] == 2 * 4 * 2  # all b*s*k assignments
+        assert torch.count_nonzero(got["y"]) == 0
+        assert [(r["name"], r["rows_sent"], r["rows_kept"]) for r in got["records"][1:]] == [
+            ("dispatch", 0, 0), ("combine", 0, 0), ("combine.grad", 0, 0), ("dispatch.grad", 0, 0)]
+        assert torch.count_nonzero(got["grads"]["w_in"]) == 0 and torch.count_nonzero(got["grads"]["router.weight"])
 
 
 # ------------------------------------------------------------------------------------------------ one process

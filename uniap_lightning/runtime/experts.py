@@ -60,6 +60,7 @@ Hugging Face (transformers 5.25; read from ``modeling_{mixtral,qwen2_moe,olmoe}.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -129,7 +130,7 @@ def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group: Any, cou
     x = x.contiguous()
     out = x.new_empty((sum(recv), *x.shape[1:]))
     dist.all_to_all_single(out, x, recv, send, group=group)
-    row_bytes = x[0].numel() * x.element_size() if x.dim() > 1 else x.element_size()
+    row_bytes = math.prod(x.shape[1:]) * x.element_size()  # also when this rank sends no rows at all
     counter.add(name, send, dist.get_rank(group), row_bytes)
     return out
 
