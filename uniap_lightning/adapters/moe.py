@@ -24,6 +24,9 @@ the batch (a block taking a plain tensor starts it). ``MoEHead`` returns ``(logi
 :meth:`MoECausalLMModule.uniap_loss` adds ``aux.mean()`` to the cross-entropy. Micro-batches split and join
 ``aux`` like any other tensor; each micro-batch's loss carries the auxiliary loss of its own routing.
 
+Routing, capacity and the auxiliary loss are computed per call, i.e. per micro-batch under pipelining (as every
+pipelined MoE does); there is no padding mask (every position is a token).
+
 Expert parallelism: ``MoEMLP.experts_comm`` (``None``: all experts here) is the object that runs the experts and
 reports routing counts across ranks; :func:`uniap_lightning.runtime.experts.apply_expert_parallel` installs one
 that shards the experts and moves tokens with all-to-alls. The routing math stays here, in one place.

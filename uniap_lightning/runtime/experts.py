@@ -7,8 +7,9 @@ Execution (per MoE layer, :class:`ExpertParallel` installed as ``MoEMLP.experts_
    the per-slot, per-expert assignment counts ``[k, E]`` of every *token rank* are all-gathered first, so the
    capacity is counted over the global tokens of each expert and the drop decision is the one a single process
    makes on the concatenated batch (token ranks in order). The token group is the layer's data-parallel group
-   (which contains the ep group, as in Megatron and DeepSpeed-MoE). ``token_group=None`` keeps everything local:
-   capacity ``ceil(cf * N_local * k / E)`` and the load-balancing statistics over this rank's tokens only, i.e.
+   (which contains the ep group, as in Megatron and DeepSpeed-MoE); its ranks, in ascending global rank (the
+   order ``dist.new_group`` gives them), must hold the batch's chunks in that order. ``token_group=None`` keeps
+   everything local: capacity ``ceil(cf * N_local * k / E)`` and the load-balancing statistics over this rank's tokens only, i.e.
    each rank behaves as one process run on its own batch (what Megatron does by default); with no drops the two
    differ only in the auxiliary loss's statistics;
 2. *dispatch*: the kept assignments, sorted by expert, are sent with ``all_to_all_single`` (split sizes = rows
@@ -26,7 +27,7 @@ backward all-to-alls, so expert gradients are summed only over the ranks holding
 data ranks (:func:`reduce_gradients`). Checkpoints: :func:`shard_expert_state` / :func:`merge_expert_states` convert
 a one-process state dict to an ep rank's and back.
 
-Hugging Face (transformers 5.25; read from ``modeling_{mixtral,qwen2_moe,olmoe}.py``), for the ep wrapper to come:
+Findings, Hugging Face (transformers 5.25, ``modeling_{mixtral,qwen2_moe,olmoe}.py``): what expert parallelism replaces:
 
 * Layout, all three: ``model.model.layers[i].mlp`` is ``<X>SparseMoeBlock`` with ``.gate`` (``<X>TopKRouter``:
   ``weight [E, h]``, returns ``(router_logits, top_k_weights, top_k_index)``; softmax in float32, top-k; Mixtral
