@@ -9,9 +9,9 @@ Execution (per MoE layer, :class:`ExpertParallel` installed as ``MoEMLP.experts_
    makes on the concatenated batch (token ranks in order). The token group is the layer's data-parallel group
    (which contains the ep group, as in Megatron and DeepSpeed-MoE); its ranks, in ascending global rank (the
    order ``dist.new_group`` gives them), must hold the batch's chunks in that order. ``token_group=None`` keeps
-   everything local: capacity ``ceil(cf * N_local * k / E)`` and the load-balancing statistics over this rank's tokens only, i.e.
-   each rank behaves as one process run on its own batch (what Megatron does by default); with no drops the two
-   differ only in the auxiliary loss's statistics;
+   everything local: capacity ``ceil(cf * N_local * k / E)`` and the load-balancing statistics over this rank's
+   tokens only, i.e. each rank behaves as one process run on its own batch (what Megatron does by default); with
+   no drops the two differ only in the auxiliary loss's statistics;
 2. *dispatch*: the kept assignments, sorted by expert, are sent with ``all_to_all_single`` (split sizes = rows
    per destination rank; a ``[ep, E/ep]`` count exchange goes first so receivers know the splits);
 3. the local experts run on their rows (regrouped expert-major);
