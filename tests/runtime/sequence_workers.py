@@ -131,8 +131,13 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
     rank = dist.get_rank()
     dp_rank, cp_rank = rank // (cp * tp), (rank // tp) % cp
     if tp > 1:
-        for i, block in enumerate(model.blocks):
-            (apply_sp if case.get("sp") else apply_tp)(block, f"blocks.{i}", tp_mesh)
+        for i, block in enumerate(model.layers()[1:-1]):
+            if case.get("sp") and llama:
+                from uniap_lightning.adapters.families.sequence_hf import llama_sp_plan
+
+                apply_sp(block, f"blocks.{i}", tp_mesh, plan=llama_sp_plan(tp))
+            else:
+                (apply_sp if case.get("sp") else apply_tp)(block, f"blocks.{i}", tp_mesh)
     if cp > 1 and llama:
         from uniap_lightning.adapters.families.sequence_hf import enable_hf_ulysses
 
@@ -187,8 +192,17 @@ def sp_comms(case: dict[str, Any]) -> dict[str, Any]:
 
     from uniap_lightning.runtime.sequence_tp import apply_sp
 
-    block = _model().blocks[0]
-    apply_sp(block, "blocks.0", init_device_mesh("cpu", (dist.get_world_size(),)))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    if case.get("model") == "llama":
+        from uniap_lightning.adapters.families.sequence_hf import llama_sp_plan
+
+        block = _llama()[1]
+        apply_sp(block, "layers.1", mesh, plan=llama_sp_plan(mesh.size()))
+        norms = [block.layer.input_layernorm.weight, block.layer.post_attention_layernorm.weight]
+    else:
+        block = _model().blocks[0]
+        apply_sp(block, "blocks.0", mesh)
+        norms = [block.ln_1.weight, block.ln_2.bias]
     x = torch.randn(BATCH, SEQ, EMBD, requires_grad=True)
     forward, backward = CommDebugMode(), CommDebugMode()
     with forward:
@@ -197,8 +211,7 @@ def sp_comms(case: dict[str, Any]) -> dict[str, Any]:
         y.sum().backward()
     ops = [{str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items()} for mode in (forward, backward)]
     return {"forward": ops[0], "backward": ops[1], "out_shape": tuple(y.shape), "grad_shape": tuple(x.grad.shape),
-            "norm_grads_replicated": all(pl.is_replicate() for p in (block.ln_1.weight, block.ln_2.bias)
-                                         for pl in p.grad.placements)}
+            "norm_grads_replicated": all(pl.is_replicate() for p in norms for pl in p.grad.placements)}
 
 
 def bad_heads(case: dict[str, Any]) -> dict[str, Any]:

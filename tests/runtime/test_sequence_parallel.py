@@ -24,8 +24,10 @@ TWO_RANKS = {
     "sp_tp2_padded": {"kind": "train", "tp": 2, "sp": True, "padded": True},
     "llama_cp2": {"kind": "train", "cp": 2, "model": "llama"},
     "llama_cp2_padded": {"kind": "train", "cp": 2, "model": "llama", "padded": True},
+    "llama_sp_tp2": {"kind": "train", "tp": 2, "sp": True, "model": "llama"},
     "bytes": {"kind": "bytes"},
     "sp_comms": {"kind": "sp_comms"},
+    "sp_comms_llama": {"kind": "sp_comms", "model": "llama"},
     "bad_heads": {"kind": "bad_heads"},
 }
 FOUR_RANKS = {
@@ -68,13 +70,16 @@ def test_ulysses_moves_the_formula_elements(two_ranks: list[dict[str, Any]]) -> 
         assert len(set(r["by_call"])) == 1
 
 
-def test_sequence_parallel_block_gathers_and_scatters_twice_per_pass(two_ranks: list[dict[str, Any]]) -> None:
+@pytest.mark.parametrize(("name", "norm_params"), [("sp_comms", 4), ("sp_comms_llama", 2)])
+def test_sequence_parallel_block_gathers_and_scatters_twice_per_pass(two_ranks: list[dict[str, Any]], name: str,
+                                                                     norm_params: int) -> None:
     # Megatron's 2 all-gathers + 2 reduce-scatters per pass (q, k and v share one gather), plus the boundary:
-    # the replicated output is all-gathered in the forward, the input's gradient in the backward
-    for r in _ok(two_ranks, "sp_comms"):
+    # the replicated output is all-gathered in the forward, the input's gradient in the backward; and the norm
+    # weights' gradients summed over the group (DTensor leaves them partial): GPT's 2 LayerNorms have weight and
+    # bias, Llama's 2 RMSNorms a weight
+    for r in _ok(two_ranks, name):
         assert r["forward"] == {"all_gather_into_tensor": 3, "reduce_scatter_tensor": 2}
-        # + the 4 LayerNorm weights' and biases' gradients, summed over the group (DTensor leaves them partial)
-        assert r["backward"] == {"all_gather_into_tensor": 3, "reduce_scatter_tensor": 2, "all_reduce": 4}
+        assert r["backward"] == {"all_gather_into_tensor": 3, "reduce_scatter_tensor": 2, "all_reduce": norm_params}
         assert r["norm_grads_replicated"]
         assert r["out_shape"] == r["grad_shape"] == (sw.BATCH, sw.SEQ, sw.EMBD)
 

@@ -59,19 +59,20 @@ def sp_plan(*, norms: Sequence[str], colwise: Sequence[str], rowwise: Sequence[s
     return plan
 
 
-def apply_sp(layer: nn.Module, name: str, tp_mesh: DeviceMesh) -> None:
-    """Shard ``layer`` over ``tp_mesh`` with sequence parallelism (its ``uniap_sp_plan(tp)``), in place."""
+def apply_sp(layer: nn.Module, name: str, tp_mesh: DeviceMesh, *, plan: dict[str, Any] | None = None) -> None:
+    """Shard ``layer`` over ``tp_mesh`` with sequence parallelism, in place: ``plan`` or the layer's
+    ``uniap_sp_plan(tp)``."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     from uniap_lightning.runtime.tensor_parallel import check_tp_supported
 
     tp = tp_mesh.size()
-    if not hasattr(layer, "uniap_sp_plan"):
+    if plan is None and not hasattr(layer, "uniap_sp_plan"):
         raise UniAPError(f"layer '{name}' ({type(layer).__name__}) has no sequence-parallel plan (uniap_sp_plan)")
     check_tp_supported(layer, name, tp)
-    parallelize_module(layer, tp_mesh, layer.uniap_sp_plan(tp))
+    parallelize_module(layer, tp_mesh, plan if plan is not None else layer.uniap_sp_plan(tp))
     for p in layer.parameters():
-        if p.requires_grad and all(pl.is_replicate() for pl in getattr(p, "placements", ())):
+        if p.requires_grad and hasattr(p, "placements") and all(pl.is_replicate() for pl in p.placements):
             p.register_post_accumulate_grad_hook(_sum_partial_grad)
 
 

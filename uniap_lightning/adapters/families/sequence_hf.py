@@ -7,6 +7,9 @@ gives the rotary embeddings global positions (``position_ids = cp_rank x s/c + a
 :func:`~uniap_lightning.runtime.sequence.shard_causal_lm_batch` gives). Masks: causal, plus the key padding mask
 the :func:`~uniap_lightning.runtime.sequence.padding_mask` context sets (the chain passes no attention mask).
 Without a group (``group=None``) the same function runs the one-process attention, masks included.
+
+:func:`llama_sp_plan` is the Llama block's tensor-parallel plan with sequence parallelism (for
+:func:`uniap_lightning.runtime.sequence_tp.apply_sp`).
 """
 
 from __future__ import annotations
@@ -85,3 +88,30 @@ def enable_hf_ulysses(layers: Iterable[nn.Module], group: Any | None, *, counter
             layer.rotary = OffsetRotary(layer.rotary, group)
         n += 1
     return n
+
+
+def llama_sp_plan(tp: int) -> dict[str, Any]:
+    """Sequence parallelism for a ``LlamaBlockLayer``: the boundary sits on the decoder layer (the wrapper computes
+    the rotary embedding for the whole sequence first), the RMSNorms run on sequence pieces, attention and MLP
+    gather their input once (q/k/v and gate/up share it), o_proj and down_proj reduce-scatter."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+    from uniap_lightning.runtime.sequence_tp import sp_boundary
+
+    gathered = ColwiseParallel(input_layouts=Replicate())
+    return {
+        "layer": sp_boundary(),
+        "layer.input_layernorm": SequenceParallel(),
+        "layer.self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                              desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+        "layer.self_attn.q_proj": gathered,
+        "layer.self_attn.k_proj": gathered,
+        "layer.self_attn.v_proj": gathered,
+        "layer.self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+        "layer.post_attention_layernorm": SequenceParallel(),
+        "layer.mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "layer.mlp.gate_proj": gathered,
+        "layer.mlp.up_proj": gathered,
+        "layer.mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+    }
