@@ -246,6 +246,16 @@ def test_aux_loss_is_the_coefficient_when_routing_is_balanced() -> None:
     assert int(layer.last_dropped) == 0
 
 
+def test_gradient_rule_splits_expert_from_other_trainable_parameters() -> None:
+    module = eh.make_module()
+    module.chain[0].wpe.weight.requires_grad_(False)
+    expert, other = experts.split_expert_params(module)
+    names = {id(p): n for n, p in module.named_parameters()}
+    assert sorted(names[id(p)] for p in expert) == sorted(experts.expert_state_keys(module))
+    assert "chain.1.moe.router.weight" in {names[id(p)] for p in other}
+    assert "chain.0.wpe.weight" not in {names[id(p)] for p in expert + other}
+
+
 def test_capacity_formula_and_layout_groups() -> None:
     from uniap_lightning.adapters.moe import capacity
 

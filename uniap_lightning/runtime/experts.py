@@ -331,9 +331,9 @@ def new_expert_groups(layout: ExpertLayout, rank: int) -> ExpertGroups:
 
 
 def split_expert_params(module: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """``(expert parameters, all other parameters)`` of ``module``."""
+    """``(expert parameters, all other parameters)`` of ``module``, trainable ones only."""
     expert = {id(getattr(m, p)) for _, m in expert_modules(module) for p in m.uniap_expert_params}
-    params = list(module.parameters())
+    params = [p for p in module.parameters() if p.requires_grad]  # frozen ones take no gradient
     return [p for p in params if id(p) in expert], [p for p in params if id(p) not in expert]
 
 
