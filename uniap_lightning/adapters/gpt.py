@@ -106,8 +106,8 @@ class Block(nn.Module):
         return 2
 
     def uniap_sp_plan(self, tp: int) -> dict[str, Any]:
-        """TP with sequence parallelism: norms sequence-sharded, q/k/v/fc gather the sequence, proj/fc_proj
-        reduce-scatter it; input and output replicated over the group at the chain boundary."""
+        """TP with sequence parallelism: norms on sequence pieces, q/k/v (sharing one gather) and fc gather the
+        sequence, proj/fc_proj reduce-scatter it; input and output replicated over the group at the chain boundary."""
         from uniap_lightning.runtime.sequence_tp import sp_plan
 
         return sp_plan(norms=["ln_1", "ln_2"], colwise=["fc"], gathered=["q", "k", "v"], rowwise=["proj", "fc_proj"])
