@@ -33,6 +33,7 @@ TWO_RANKS = {
 FOUR_RANKS = {
     "dp2_cp2": {"kind": "train", "dp": 2, "cp": 2},
     "dp2_cp2_averaged": {"kind": "train", "dp": 2, "cp": 2, "average": True},
+    "tp2_cp2": {"kind": "train", "tp": 2, "cp": 2},
     "sp_tp2_cp2_padded": {"kind": "train", "tp": 2, "cp": 2, "sp": True, "padded": True},
     "llama_sp_tp2_cp2": {"kind": "train", "tp": 2, "cp": 2, "sp": True, "model": "llama"},
 }
