@@ -1,7 +1,10 @@
 """Sequence parallelism with TP and Ulysses context parallelism (:mod:`uniap_lightning.runtime.sequence`).
 
-Multi-process parity: the plain GPT chain trained 5 SGD steps on gloo ranks matches one process (loss and every
-parameter within 1e-5), with and without padding; the Ulysses all-to-alls move the elements the cost formula says.
+Multi-process parity: the plain GPT chain and a tiny Hugging Face Llama chain trained 5 SGD steps on gloo ranks
+match one process (loss and every parameter within 1e-5), with and without padding (the padded Llama reference is
+the same attention function in one process: the chain has no other padding support); the Ulysses all-to-alls move
+the elements the cost formula says; a sequence-parallel block runs the collectives Megatron's pattern says. The
+2-rank cases share one spawn; the 4-rank mixes (dp x cp, tp x cp, SP x cp) are marked slow (~25 s).
 """
 
 from __future__ import annotations
