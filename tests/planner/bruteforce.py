@@ -58,7 +58,7 @@ def _stage_options(costs: CandidateCosts, options, terms, stage: int, first: int
         act = act + _axis([c.activation_bytes for c in cs], j, ndim)
         transient = np.maximum(transient, _axis([c.transient_bytes for c in cs], j, ndim))
         if u < last:  # resharding to the next layer: a (K_u, K_u+1) table on two axes
-            move = np.array([[costs.reshard_s(u, s.dp, s2.dp) for s2 in options[u + 1]] for s in options[u]])
+            move = np.array([[costs.reshard_s(u, s.layout, s2.layout) for s2 in options[u + 1]] for s in options[u]])
             shape = [1] * ndim
             shape[j], shape[j + 1] = move.shape
             time = time + move.reshape(shape)
@@ -66,8 +66,8 @@ def _stage_options(costs: CandidateCosts, options, terms, stage: int, first: int
     time = np.broadcast_to(costs.stage_time_s(time), shape).ravel()
     sync = np.broadcast_to(sync, shape).ravel()
     memory = np.broadcast_to(costs.stage_memory_bytes(stage, static, act, transient), shape).ravel()
-    d_first = np.broadcast_to(_axis([s.dp for s in options[first]], 0, ndim), shape).ravel()
-    d_last = np.broadcast_to(_axis([s.dp for s in options[last]], ndim - 1, ndim), shape).ravel()
+    d_first = np.broadcast_to(_axis([_code(s) for s in options[first]], 0, ndim), shape).ravel()
+    d_last = np.broadcast_to(_axis([_code(s) for s in options[last]], ndim - 1, ndim), shape).ravel()
     ok = memory <= costs.memory_limit_bytes(stage)
     out = {}
     for df in np.unique(d_first[ok]):
@@ -82,8 +82,17 @@ def _stage_options(costs: CandidateCosts, options, terms, stage: int, first: int
                     least = sync[flat]
                     ks = tuple(int(k) for k in np.unravel_index(flat, shape))
                     kept.append(((float(time[flat]), float(sync[flat])), ks))
-            out[int(df), int(dl)] = kept
+            out[_layout(df), _layout(dl)] = kept
     return out
+
+
+def _code(s) -> int:
+    """A strategy's layout ``(dp, cp)`` as one integer (numpy keys), :func:`_layout` its inverse."""
+    return s.dp * 100_000 + s.cp
+
+
+def _layout(code) -> tuple[int, int]:
+    return (int(code) // 100_000, int(code) % 100_000)
 
 
 def brute_force(problem: Problem, *, candidate: tuple[int, int] | None = None) -> Plan | None:

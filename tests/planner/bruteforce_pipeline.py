@@ -68,9 +68,9 @@ def brute_force_candidate(problem: Problem, pp: int, c: int, schedule: str, v: i
             transient[g] = np.maximum(transient[g], _axis([x.transient_bytes for x in cs], u, L))
             if u + 1 < L:  # a (K_u, K_u+1) table on two axes: resharding inside a stage, or the boundary
                 if stage_of[u + 1] == k:
-                    pair = [[costs.reshard_s(u, s.dp, s2.dp) for s2 in options[u + 1]] for s in options[u]]
+                    pair = [[costs.reshard_s(u, s.layout, s2.layout) for s2 in options[u + 1]] for s in options[u]]
                 else:
-                    pair = [[costs.boundary_s(u, s.dp, s2.dp, k) for s2 in options[u + 1]] for s in options[u]]
+                    pair = [[costs.boundary_s(u, s.layout, s2.layout, k) for s2 in options[u + 1]] for s in options[u]]
                 table = np.asarray(pair, dtype=float).reshape([1] * u + [shape[u], shape[u + 1]] + [1] * (L - u - 2))
                 if stage_of[u + 1] == k:
                     time[k] = time[k] + table

@@ -133,7 +133,7 @@ class StageMilp:
         self.o = [m.add_var(f"o[{j}]") for j in range(self.P - 1)]
         for u in range(self.L - 1):
             K, Kn = range(len(t.strategies[u])), range(len(t.strategies[u + 1]))
-            d, dn = [s.dp for s in t.strategies[u]], [s.dp for s in t.strategies[u + 1]]
+            d, dn = [s.layout for s in t.strategies[u]], [s.layout for s in t.strategies[u + 1]]
             R = {(k, l): t.reshard_s(u, d[k], dn[l]) * MS for k in K for l in Kn}
             boundaries = [j for j in range(self.P - 1) if j in self.stages_of(u) and j + 1 in self.stages_of(u + 1)]
             X = {(k, l, j): t.boundary_s(u, d[k], dn[l], j) * MS for k in K for l in Kn for j in boundaries}

@@ -122,7 +122,7 @@ def test_shipped_cluster_configs_still_load():
 @pytest.mark.parametrize(
     "tables, match",
     [
-        ({"all_to_all": {"intra": {2: {"bw_gbps": 1, "latency_us": 1}}}}, "unknown op 'all_to_all'"),
+        ({"broadcast": {"intra": {2: {"bw_gbps": 1, "latency_us": 1}}}}, "unknown op 'broadcast'"),
         ({"all_gather": {"cross": {2: {"bw_gbps": 1, "latency_us": 1}}}}, "keys must be 'intra'/'inter'"),
         ({"all_gather": {"intra": {1: {"bw_gbps": 1, "latency_us": 1}}}}, "group sizes must be integers >= 2"),
         ({"all_gather": {"intra": {"two": {"bw_gbps": 1, "latency_us": 1}}}}, "group sizes must be integers"),

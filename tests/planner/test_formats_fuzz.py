@@ -190,7 +190,7 @@ def test_plan_v1_files_load_as_replicate_or_zero3() -> None:
             layer.pop(key, None)
         layer["shard"] = u % 2 == 0
     plan = Plan.from_dict(doc)
-    assert plan.format_version == 3  # read and upgraded
+    assert plan.format_version == 4  # read and upgraded
     for u, lp in enumerate(plan.layers):
         assert lp.strategy.dp_mode == ("zero3" if u % 2 == 0 and lp.strategy.dp > 1 else "replicate")
         assert not lp.strategy.recompute and lp.strategy.compression == "none"

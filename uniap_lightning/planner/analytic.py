@@ -207,6 +207,12 @@ def block_profile(seg: Segment, spec: ModelSpec, flops_per_s: float, index: int)
         tp_degrees=_tp_degrees(a, kv, f),
         tp_allreduces=2 * n_attn,
         activation_tp_fraction=max(0.0, min(1.0, split_units / act_units)),
+        # the sequence dimension: a block's attention splits over cp by heads (Ulysses) or blocks (ring); a
+        # decoder block with cross attention also carries the encoder's sequence, which this model does not split
+        sequence_length=None if seg.cross_attention else s,
+        attention_heads=a,
+        kv_heads=kv if kv != a else None,
+        sequence_parallel=True,
     )
 
 
@@ -229,6 +235,7 @@ def analytic_profile(spec: ModelSpec, cluster: Cluster) -> ModelProfile:
                 output_bytes=float(s0 * h0 * nbytes),
                 tp_degrees=_tp_degrees(spec.vocab if spec.vocab % 8 == 0 else 8, h0),
                 tp_allreduces=1,
+                sequence_length=s0,  # token by token (positions offset by the shard's start)
             )
         )
     else:
@@ -244,6 +251,7 @@ def analytic_profile(spec: ModelSpec, cluster: Cluster) -> ModelProfile:
                 output_bytes=float(s0 * h0 * nbytes),
                 tp_degrees=(1,),
                 tp_allreduces=0,
+                sequence_length=s0,  # patch by patch
             )
         )
     index = 0
@@ -279,6 +287,7 @@ def analytic_profile(spec: ModelSpec, cluster: Cluster) -> ModelProfile:
                 tp_degrees=_tp_degrees(spec.vocab if spec.vocab % 8 == 0 else 8, h1),
                 tp_allreduces=1,
                 activation_tp_fraction=0.9,
+                sequence_length=s1,  # logits and the loss token by token
             )
         )
     else:

@@ -13,7 +13,7 @@ from uniap_lightning.planner.fields import short
 GIB = 1024**3
 #: the most devices a cluster may have (planning enumerates the divisors of the device count)
 MAX_DEVICES = 1 << 24
-COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "p2p", "all_to_all")
 SCOPES = ("intra", "inter")
 #: Analytic cost of compressing and decompressing one gradient element where the cluster has no measured figure,
 #: in FLOP-times of the device (``seconds per element = value / flops_per_s``). These passes are memory-bound: an
@@ -73,6 +73,8 @@ class Cluster:
     #: (:data:`COMPRESSION_FLOP_EQUIVALENTS`); measured at setup (``profiling.collectives.measure_compression``)
     compression_ns_per_param: dict[str, float] = field(default_factory=dict)
     device: str = ""
+    #: whether the devices run ring attention (torch's ``context_parallel``: CUDA); Ulysses runs anywhere
+    ring_attention: bool = True
     rank_speed: tuple[float, ...] | None = None
     rank_memory_gib: tuple[float, ...] | None = None
     rank_device: tuple[str, ...] | None = None
@@ -89,6 +91,8 @@ class Cluster:
                              f" devices; at most {MAX_DEVICES:,} are planned for")
         if not isinstance(self.name, str):
             raise UniAPError(f"cluster name must be a string, got {short(self.name)}")
+        if not isinstance(self.ring_attention, bool):
+            raise UniAPError(f"cluster '{self.name}': ring_attention must be true or false, got {short(self.ring_attention)}")
         if not isinstance(self.device, str):
             raise UniAPError(f"cluster '{self.name}': device must be a string (the device's name), got {short(self.device)}")
         for key in ("memory_gib", "peak_tflops", "efficiency", "intra_bw_gbps", "inter_bw_gbps"):

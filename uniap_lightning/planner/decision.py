@@ -19,41 +19,71 @@ COMPRESSIONS = ("none", "bf16", "powersgd", "topk")
 # modes whose gradients are all-reduced whole, so a compressor can stand in for the all-reduce
 COMPRESSIBLE_DP_MODES = ("replicate", "zero1")
 DP_LABELS = {"replicate": "dp", "zero1": "z1dp", "zero2": "z2dp", "zero3": "fsdp"}
+#: how a layer's attention runs over a split sequence: "none" (cp = 1), Ulysses all-to-alls (any device) or ring
+#: attention (torch's context_parallel; CUDA)
+CP_METHODS = ("none", "ulysses", "ring")
+CP_LABELS = {"ulysses": "u", "ring": "r"}
 
 
 class Strategy(NamedTuple):
-    """One layer's intra-stage strategy: ``dp`` data-parallel copies x ``tp`` tensor-parallel ranks (``dp * tp`` is
-    the stage's device count, ``tp`` innermost); how the copies hold state (``dp_mode``: replicate / zero1 / zero2 /
-    zero3); whether the layer recomputes its activations in backward; how its gradients travel (``compression``,
-    replicate / zero1 only)."""
+    """One layer's intra-stage strategy on its stage's device grid ``dp x cp x tp`` (the stage's device count,
+    ``tp`` innermost): ``dp`` data-parallel copies, each sample's sequence split over ``cp`` context-parallel
+    ranks (attention by ``cp_method``), ``tp`` tensor-parallel ranks (``sp``: with sequence parallelism, the parts
+    tensor parallelism does not split run on sequence shards); how the copies hold state (``dp_mode``: replicate /
+    zero1 / zero2 / zero3, over the ``dp x cp`` ranks that hold the same weights); whether the layer recomputes its
+    activations in backward; how its gradients travel (``compression``, replicate / zero1 only)."""
 
     dp: int
     tp: int
     dp_mode: str = "replicate"
     recompute: bool = False
     compression: str = "none"
+    cp: int = 1
+    cp_method: str = "none"
+    sp: bool = False
 
     @classmethod
     def of(cls, dp: int, tp: int, dp_mode: str = "replicate", recompute: bool = False,
-           compression: str = "none") -> Strategy:
-        """The canonical record: one copy (``dp == 1``) has nothing to shard or compress."""
-        if dp == 1:
+           compression: str = "none", cp: int = 1, cp_method: str = "none", sp: bool = False) -> Strategy:
+        """The canonical record: one copy of the weights (``dp * cp == 1``) has nothing to shard or compress, one
+        sequence shard no attention method, one tensor-parallel rank no sequence parallelism."""
+        if dp * cp == 1:
             dp_mode, compression = "replicate", "none"
-        return cls(int(dp), int(tp), str(dp_mode), bool(recompute), str(compression))
+        if cp == 1:
+            cp_method = "none"
+        if tp == 1:
+            sp = False
+        return cls(int(dp), int(tp), str(dp_mode), bool(recompute), str(compression), int(cp), str(cp_method),
+                   bool(sp))
+
+    @property
+    def replicas(self) -> int:
+        """Ranks that hold the same weights and reduce their gradients together: ``dp x cp``."""
+        return self.dp * self.cp
+
+    @property
+    def layout(self) -> tuple[int, int]:
+        """How the layer's input and output are split over the stage: ``(dp, cp)`` (batch, then sequence); what
+        resharding between layers depends on."""
+        return (self.dp, self.cp)
 
     @property
     def shard(self) -> bool:
         """Parameters sharded over the data-parallel copies (ZeRO-3 / FSDP; version 1's ``shard``)."""
-        return self.dp > 1 and self.dp_mode == "zero3"
+        return self.replicas > 1 and self.dp_mode == "zero3"
 
     def label(self) -> str:
-        """``dp4xtp2``, ``fsdp8+rc``, ``dp2+powersgd``, ``single``."""
+        """``dp4xtp2``, ``fsdp8+rc``, ``dp2+powersgd``, ``dp2xcp2uxtp2+sp``, ``single``."""
         parts = []
-        if self.dp > 1:
+        if self.dp > 1 or (self.cp > 1 and self.dp_mode != "replicate"):
             parts.append(f"{DP_LABELS.get(self.dp_mode, self.dp_mode)}{self.dp}")
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}{CP_LABELS.get(self.cp_method, self.cp_method)}")
         if self.tp > 1:
             parts.append(f"tp{self.tp}")
         out = "x".join(parts) or "single"
+        if self.sp:
+            out += "+sp"
         if self.compression != "none":
             out += f"+{self.compression}"
         return out + ("+rc" if self.recompute else "")
@@ -66,7 +96,16 @@ class Strategy(NamedTuple):
             raise UniAPError(f"{where}: compression={self.compression!r} must be one of {COMPRESSIONS}")
         if not isinstance(self.recompute, bool):
             raise UniAPError(f"{where}: recompute must be true or false, got {self.recompute!r}")
-        if self.dp == 1 and (self.dp_mode != "replicate" or self.compression != "none"):
+        if self.cp_method not in CP_METHODS:
+            raise UniAPError(f"{where}: cp_method={self.cp_method!r} must be one of {CP_METHODS}")
+        if not isinstance(self.sp, bool):
+            raise UniAPError(f"{where}: sp must be true or false, got {self.sp!r}")
+        if (self.cp > 1) != (self.cp_method != "none"):
+            raise UniAPError(f"{where}: cp={self.cp} needs cp_method " + (
+                f"'ulysses' or 'ring', got {self.cp_method!r}" if self.cp > 1 else f"'none', got {self.cp_method!r}"))
+        if self.sp and self.tp == 1:
+            raise UniAPError(f"{where}: sp (sequence parallelism) needs tp > 1, got tp=1")
+        if self.replicas == 1 and (self.dp_mode != "replicate" or self.compression != "none"):
             raise UniAPError(
                 f"{where}: dp=1 has no data-parallel copies, so dp_mode must be 'replicate' and compression 'none' "
                 f"(got {self.dp_mode!r}, {self.compression!r})"

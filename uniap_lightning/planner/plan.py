@@ -37,8 +37,8 @@ from uniap_lightning.planner.decision import COMPRESSIBLE_DP_MODES, COMPRESSIONS
 
 __all__ = ["COMPRESSIBLE_DP_MODES", "COMPRESSIONS", "DP_MODES", "LayerPlan", "Plan", "StagePlan", "Strategy"]
 
-PLAN_FORMAT_VERSION = 3
-READABLE_FORMAT_VERSIONS = (1, 2, 3)
+PLAN_FORMAT_VERSION = 4
+READABLE_FORMAT_VERSIONS = (1, 2, 3, 4)
 #: pipeline schedules (torch.distributed.pipelining runs each): name -> (placement of chunks, allowed virtual stages)
 #: "loop": stage ``k`` on device group ``k % pp``; "v": stage ``k`` on ``k`` for ``k < pp``, else ``2 pp - 1 - k``
 SCHEDULE_LAYOUTS: dict[str, tuple[str, str]] = {
@@ -344,9 +344,9 @@ class Plan:
             if not first <= u <= last:
                 raise UniAPError(f"plan layer {u} ({lp.name}) says stage {lp.stage}, but that stage does not hold it")
             lp.check(f"plan layer {u} ({lp.name})")
-            dp, tp = lp.strategy.dp, lp.strategy.tp
-            if dp * tp != n:
-                raise UniAPError(f"plan layer {u} ({lp.name}): dp*tp = {dp}*{tp} != devices per stage {n}")
+            dp, cp, tp = lp.strategy.dp, lp.strategy.cp, lp.strategy.tp
+            if dp * cp * tp != n:
+                raise UniAPError(f"plan layer {u} ({lp.name}): dp*cp*tp = {dp}*{cp}*{tp} != devices per stage {n}")
             if mb % dp:
                 raise UniAPError(
                     f"plan layer {u} ({lp.name}): micro-batch size {mb} is not divisible by dp={dp}"
@@ -494,9 +494,15 @@ def _layer_from_dict(x: Any, u: int, version: int) -> LayerPlan:
     if version == 1:  # the version-1 shape: shard (a real boolean) instead of dp_mode
         shard = F.boolean(F.required(x, "shard", where), f"{where}: shard")
         return LayerPlan(name, stage, Strategy(d, t, "zero3" if shard and d > 1 else "replicate"))
+    # format 4 adds the sequence dimension; earlier files had none (cp 1, no sequence parallelism)
+    cp = F.integer(x.get("cp", 1), f"{where}: cp", low=1, high=F.MAX_COUNT) if version >= 4 else 1
     return LayerPlan(name, stage, Strategy(d, t, F.string(F.required(x, "dp_mode", where), f"{where}: dp_mode"),
                                            F.boolean(x.get("recompute", False), f"{where}: recompute"),
-                                           F.string(x.get("compression", "none"), f"{where}: compression")))
+                                           F.string(x.get("compression", "none"), f"{where}: compression"),
+                                           cp,
+                                           F.string(x.get("cp_method", "none"), f"{where}: cp_method")
+                                           if version >= 4 else "none",
+                                           F.boolean(x.get("sp", False), f"{where}: sp") if version >= 4 else False))
 
 
 def _numbers(value: Any, where: str, length: int, *, finite: bool = True) -> list[float]:

@@ -25,7 +25,11 @@ One record per layer of the chain, in order::
          "vector_params": 2048,         # elements in parameters with ndim < 2 (biases, norms)
          "backward_peak_bytes": 3.1e6,  # bytes per sample the backward adds at its peak (default 0)
          "weight_grad_fraction": 0.35,  # weight-gradient share of the backward (default: 0.5 with params, else 0)
-         "backward_split_overhead": 1.15  # split backward's time over one ordinary backward (default 1)
+         "backward_split_overhead": 1.15,  # split backward's time over one ordinary backward (default 1)
+         "sequence_length": 2048,       # tokens per sample along the sequence (absent: not split along it)
+         "attention_heads": 32,         # heads of attention across the sequence (0: token-wise layer)
+         "kv_heads": 8,                 # key/value heads (grouped-query attention; default attention_heads)
+         "sequence_parallel": true      # has a tensor-parallel plan with sequence parallelism (default false)
         }, ...]
     }
 
@@ -47,6 +51,17 @@ backward of the layer: the split walks the graph twice, so a zero-bubble schedul
 zero-bubble paper's assumption, and what a GPU's large kernels come close to).
 Readers of ``format_version`` 1 ignore fields they do not know, so a profile with them still loads in older
 versions (which then price zero-bubble schedules without them).
+
+The sequence fields (optional) say what the planner may split along the sequence. ``sequence_length`` is the
+tokens per sample of the layer's input: with it the layer may run with its sequence split over ``cp`` ranks
+(context parallelism, ``cp`` dividing it); without it, not. ``attention_heads`` 0 (the default) says the layer works
+token by token (embeddings, MLPs, norms, a per-token LM head and its loss: a split sequence costs it nothing);
+``a > 0`` says it holds attention over the whole sequence with ``a`` query heads and ``kv_heads`` key/value heads,
+which under context parallelism moves data: Ulysses (all-to-alls; ``a / tp`` divisible by ``cp``) or ring attention
+(where the cluster runs it). ``sequence_parallel`` says the layer's tensor-parallel plan has a
+sequence-parallel form (norms and dropout on sequence shards; Korthikanti et al. 2022): its activations that tensor
+parallelism alone does not split are then split too. All four are written by the analytic profiles and by adapters
+that declare them; readers of ``format_version`` 1 that predate them ignore them.
 
 When ``timings`` lists two or more micro-batch sizes, compute time for ``m`` samples is interpolated (and
 extrapolated) linearly between them instead of assuming ``m * forward_s``.
@@ -135,6 +150,14 @@ class LayerProfile:
     weight_grad_fraction: float | None = None
     #: the split backward's ``B + W`` time over one ordinary backward (> 0); None: not measured (1 is priced)
     backward_split_overhead: float | None = None
+    #: tokens per sample along the sequence; None: the layer is not split along it (see the module docstring)
+    sequence_length: int | None = None
+    #: query heads of attention across the sequence (0: the layer works token by token)
+    attention_heads: int = 0
+    #: key/value heads (grouped-query attention); None: ``attention_heads``
+    kv_heads: int | None = None
+    #: the layer's tensor-parallel plan has a sequence-parallel form
+    sequence_parallel: bool = False
 
     def powersgd_dims(self) -> tuple[float, float]:
         """``(matrix_dims, vector_params)``: the profiled values, else every tensor taken as a square matrix."""
@@ -232,8 +255,12 @@ class ModelProfile:
             d["overheads"] = [asdict(o) for o in lp.overheads]
             if not d["overheads"]:
                 del d["overheads"]
-            for key in ("matrix_dims", "vector_params", "weight_grad_fraction", "backward_split_overhead"):
+            for key in ("matrix_dims", "vector_params", "weight_grad_fraction", "backward_split_overhead",
+                        "sequence_length", "kv_heads"):
                 if d[key] is None:
+                    del d[key]
+            for key in ("attention_heads", "sequence_parallel"):  # written only where they say something
+                if not d[key]:
                     del d[key]
             if not d["backward_peak_bytes"]:
                 del d["backward_peak_bytes"]
@@ -374,7 +401,24 @@ def _layer_from_dict(item: Any, where: str) -> LayerProfile:
         weight_grad_fraction=wgrad,
         backward_split_overhead=(_number(item, "backward_split_overhead", where, positive=True)
                                  if item.get("backward_split_overhead") is not None else None),
+        **_sequence_fields(item, where),
     )
+
+
+def _sequence_fields(item: dict[str, Any], where: str) -> dict[str, Any]:
+    """The optional sequence fields (see the module docstring), checked against each other."""
+    out: dict[str, Any] = {}
+    for key in ("sequence_length", "attention_heads", "kv_heads"):
+        if item.get(key) is not None:
+            out[key] = _number(item, key, where, integer=True, positive=key != "attention_heads")
+    if item.get("sequence_parallel") is not None:
+        if not isinstance(item["sequence_parallel"], bool):
+            raise UniAPError(f"{where}.sequence_parallel must be true or false, got {short(item['sequence_parallel'])}")
+        out["sequence_parallel"] = item["sequence_parallel"]
+    heads, kv = out.get("attention_heads", 0), out.get("kv_heads")
+    if kv is not None and (heads == 0 or heads % kv):
+        raise UniAPError(f"{where}.kv_heads={kv} must divide attention_heads={heads} (grouped-query attention)")
+    return out
 
 
 def load_profile(path: str | Path) -> ModelProfile:

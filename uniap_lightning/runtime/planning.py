@@ -54,6 +54,7 @@ def local_cluster(*, nodes: int, devices_per_node: int, device_type: str) -> Clu
         intra_latency_us=50.0,
         inter_latency_us=100.0,
         device="cpu",
+        ring_attention=False,  # torch 2.13's context_parallel has no CPU attention rule
     )
 
 

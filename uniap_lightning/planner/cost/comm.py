@@ -1,7 +1,8 @@
 """Alpha-beta ring model of collectives (Thakur et al. 2005; NCCL's bus-bandwidth convention).
 
 ``all_reduce(S, p) = 2 (p - 1) alpha + 2 (p - 1) / p * S / bw``; all-gather and reduce-scatter of a full tensor
-of ``S`` bytes: ``(p - 1) alpha + (p - 1) / p * S / bw``; point-to-point: ``alpha + S / bw``. Each collective is
+of ``S`` bytes, and an all-to-all of ``S`` bytes held by each rank: ``(p - 1) alpha + (p - 1) / p * S / bw``;
+point-to-point: ``alpha + S / bw``. Each collective is
 priced with its own ``bw`` and ``alpha`` (:meth:`Cluster.bandwidth_bytes_per_s` / :meth:`Cluster.latency_s` with
 ``op=``), which depend on whether the group spans nodes and on the group size where the cluster carries measured
 ``collective_tables`` (e.g. gloo's reduce-scatter is an all-reduce of the whole tensor, several times slower per
@@ -38,6 +39,13 @@ def reduce_scatter_s(cluster: Cluster, nbytes: float, p: int, inter_node: bool) 
     if p <= 1 or nbytes <= 0:
         return 0.0
     return _ring(cluster, "reduce_scatter", nbytes, p, inter_node, 1)
+
+
+def all_to_all_s(cluster: Cluster, nbytes: float, p: int, inter_node: bool) -> float:
+    """All-to-all over ``p`` devices, each holding ``nbytes`` and keeping ``1 / p`` of it (pairwise exchanges)."""
+    if p <= 1 or nbytes <= 0:
+        return 0.0
+    return _ring(cluster, "all_to_all", nbytes, p, inter_node, 1)
 
 
 def p2p_s(cluster: Cluster, nbytes: float, inter_node: bool) -> float:

@@ -77,9 +77,9 @@ def evaluate(problem: Problem, plan: Plan, *, check_strategies: bool = True) -> 
         transient[g] = max(transient[g], terms.transient_bytes)  # one layer of the group runs its backward at once
         if u + 1 < len(strat):
             if stage_of[u + 1] == i:
-                reshard[i] += costs.reshard_s(u, s.dp, strat[u + 1].dp)
+                reshard[i] += costs.reshard_s(u, s.layout, strat[u + 1].layout)
             else:
-                boundary[i] = costs.boundary_s(u, s.dp, strat[u + 1].dp, i)
+                boundary[i] = costs.boundary_s(u, s.layout, strat[u + 1].layout, i)
     stage_time = [costs.stage_time_s(layer_time[i], reshard[i]) for i in range(S)]
     group_time = [sum(stage_time[k] for k in costs.stages_of(g)) for g in range(pp)]
     memory = [costs.group_memory_bytes(g, static, activation, transient[g]) for g in range(pp)]

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from uniap_lightning.planner.cluster import Cluster
-from uniap_lightning.planner.cost.comm import all_gather_s, all_reduce_s, reduce_scatter_s
+from uniap_lightning.planner.cost.comm import all_gather_s, all_reduce_s, all_to_all_s, p2p_s, reduce_scatter_s
 from uniap_lightning.planner.decision import COMPRESSIBLE_DP_MODES, DP_LABELS, DP_MODES, Strategy
 from uniap_lightning.planner.problem import TrainingConfig
 from uniap_lightning.planner.profile import LayerProfile
@@ -70,34 +70,67 @@ class Pricing:
 
 
 def strategies_for(
-    layer: LayerProfile, n: int, cluster: Cluster, micro_batch: int, *, compression: tuple[str, ...] = ("none",)
+    layer: LayerProfile, n: int, cluster: Cluster, micro_batch: int, *, compression: tuple[str, ...] = ("none",),
+    sequence: bool = True,
 ) -> list[Strategy]:
-    """Strategies with ``d * t = n`` that the layer allows on a stage of ``n`` devices (see :func:`_strategies`)."""
-    return list(_strategies(layer, n, cluster, micro_batch, tuple(compression)))
+    """Strategies with ``d * c * t = n`` that the layer allows on a stage of ``n`` devices (see
+    :func:`_strategies`); ``sequence=False`` leaves out context and sequence parallelism."""
+    return list(_strategies(layer, n, cluster, micro_batch, tuple(compression), sequence))
+
+
+def cp_methods(layer: LayerProfile, cp: int, t: int, cluster: Cluster) -> tuple[str, ...]:
+    """How ``layer`` may run with its sequence split over ``cp`` ranks (and ``t`` tensor-parallel ranks): none
+    without a ``sequence_length`` that ``cp`` divides; a token-wise layer (``attention_heads`` 0) needs no method
+    and is recorded as ``ulysses`` (it moves nothing); attention takes Ulysses where ``cp`` divides its heads per
+    tensor-parallel rank, ring attention where the cluster runs it and the sequence splits into ``2 cp``
+    load-balanced chunks (head and tail, for causal masks)."""
+    L = layer.sequence_length
+    if cp == 1:
+        return ("none",)
+    if L is None or L % cp:
+        return ()
+    a = layer.attention_heads
+    if a == 0:
+        return ("ulysses",)
+    out = []
+    if a % t == 0 and (a // t) % cp == 0:
+        out.append("ulysses")
+    if cluster.ring_attention and L % (2 * cp) == 0:
+        out.append("ring")
+    return tuple(out)
 
 
 @lru_cache(maxsize=100_000)
-def _strategies(layer: LayerProfile, n: int, cluster: Cluster, micro_batch: int, compression: tuple[str, ...]
-                ) -> tuple[Strategy, ...]:
-    """Strategies with ``d * t = n`` that the layer allows on a stage of ``n`` devices.
+def _strategies(layer: LayerProfile, n: int, cluster: Cluster, micro_batch: int, compression: tuple[str, ...],
+                sequence: bool = True) -> tuple[Strategy, ...]:
+    """Strategies with ``d * c * t = n`` that the layer allows on a stage of ``n`` devices.
 
     ``t`` must be a degree the layer supports and stay inside a node (aligned), and ``d`` must divide the
-    micro-batch. With ``d > 1`` every ``dp_mode``; compression (methods in ``compression`` besides "none") only for
-    replicate / zero1; recomputation on or off everywhere.
+    micro-batch. ``c`` (context parallelism) needs the layer's ``sequence_length`` and a method
+    (:func:`cp_methods`); sequence parallelism (``sp``) a layer with a sequence-parallel TP plan, ``t > 1`` and a
+    sequence ``c t`` divides. With ``d * c > 1`` every ``dp_mode``; compression (methods in ``compression``
+    besides "none") only for replicate / zero1; recomputation on or off everywhere.
     """
     dpn = cluster.devices_per_node
     out = []
     for t in layer.tp_degrees:
         if n % t or t > dpn or dpn % t:
             continue
-        d = n // t
-        if micro_batch % d:
-            continue
-        for mode in DP_MODES if d > 1 else ("replicate",):
-            comps = [m for m in compression if m != "none"] if d > 1 and mode in COMPRESSIBLE_DP_MODES else []
-            for comp in ("none", *comps):
-                for rec in (False, True):
-                    out.append(Strategy(d, t, mode, rec, comp))
+        for c in [c for c in range(1, n // t + 1) if (n // t) % c == 0] if sequence else [1]:
+            d = n // (t * c)
+            if micro_batch % d:
+                continue
+            L = layer.sequence_length
+            sps = (False, True) if sequence and t > 1 and layer.sequence_parallel and L and L % (c * t) == 0 \
+                else (False,)
+            for method in cp_methods(layer, c, t, cluster):
+                for mode in DP_MODES if d * c > 1 else ("replicate",):
+                    comps = ([m for m in compression if m != "none"]
+                             if d * c > 1 and mode in COMPRESSIBLE_DP_MODES else [])
+                    for comp in ("none", *comps):
+                        for sp in sps:
+                            for rec in (False, True):
+                                out.append(Strategy(d, t, mode, rec, comp, c, method, sp))
     return tuple(out)
 
 
@@ -121,10 +154,13 @@ def layer_cost(
 def _layer_cost(
     layer: LayerProfile, s: Strategy, pr: Pricing, cluster: Cluster, training: TrainingConfig, input_bytes: float
 ) -> LayerCost:
-    d, t = s.dp, s.tp
+    # d: ranks holding the same weights (data x context parallel: they reduce gradients and shard ZeRO state
+    # together); a rank computes samples / cp of each of its samples' tokens
+    d, t, cp = s.replicas, s.tp, s.cp
     mode = s.dp_mode if d > 1 else "replicate"
-    samples = pr.micro_batch / d
-    compute = layer.compute_s(samples) / t
+    samples = pr.micro_batch / s.dp
+    tokens = samples / cp  # per rank, in samples' worth of tokens (what token-wise costs scale with)
+    compute = layer.compute_s(tokens) / t
     # under a split backward (zero-bubble schedules) the backward takes ``split_overhead`` times as long (profiled,
     # else 1): the extra, and W, the weight-gradient share of that split backward (profiled, else the profile's
     # default), split by TP like compute
@@ -134,22 +170,26 @@ def _layer_cost(
     tp_comm = 0.0
     if t > 1:
         # measured (profile ``overheads``): all-reduces + unsplit compute + dispatch; else the ring formula
-        measured = layer.overhead_s("tp", t, samples)
+        measured = layer.overhead_s("tp", t, tokens)
         if measured is not None:
             tp_comm = max(measured, -0.5 * compute)
         elif layer.tp_allreduces:
-            tp_comm = 2 * layer.tp_allreduces * all_reduce_s(cluster, layer.output_bytes * samples, t, False)
-    comm = tp_comm
-    if s.recompute:  # the forward again in backward: its compute and its forward TP all-reduces
+            # (with sequence parallelism: an all-gather and a reduce-scatter of the same bytes)
+            tp_comm = 2 * layer.tp_allreduces * all_reduce_s(cluster, layer.output_bytes * tokens, t, False)
+    cp_comm = context_parallel_s(layer, s, tokens, cluster, compute)
+    comm = tp_comm + cp_comm
+    if s.recompute:  # the forward again in backward: its compute and its forward TP / CP communication
         compute += compute * layer.forward_fraction
-        comm += tp_comm / 2
+        comm += (tp_comm + cp_comm) / 2
     inter = dp_group_inter_node(cluster, pr.n)
     P = layer.params / t  # parameters on one rank after tensor parallelism
     w, g, o = training.weight_bytes, training.grad_bytes, training.optimizer_bytes
     sync = extra = 0.0
+    # measured overheads were timed with whole sequences: they stand for data parallelism alone
+    measured_ok = t == 1 and not inter and cp == 1
     if mode == "zero3":
         # measured inside a node for FSDP alone; FSDP x TP and groups across nodes use the formulas
-        measured = layer.overhead_s("fsdp", d, samples) if t == 1 and not inter else None
+        measured = layer.overhead_s("fsdp", d, samples) if measured_ok else None
         if measured is not None:
             comm += max(measured, 0.0)
         else:
@@ -159,7 +199,7 @@ def _layer_cost(
     elif mode == "zero2":
         # measured inside a node without TP (profile overhead "zero2": FSDP2's gather, reduce-scatter and per-call
         # work of one whole step); else the formulas
-        measured = layer.overhead_s("zero2", d, pr.micro_batch / d) if t == 1 and not inter else None
+        measured = layer.overhead_s("zero2", d, pr.micro_batch / d) if measured_ok else None
         if measured is not None:
             sync = max(measured, 0.0)
         else:
@@ -169,7 +209,7 @@ def _layer_cost(
         static = P * w + P * (w + o + g) / d + (P * g if pr.accumulate else 0.0)
     elif mode == "zero1":
         sync, extra = _gradient_sync(layer, s, P, d, inter, cluster, training, pr)
-        measured = layer.overhead_s("zero1", d, pr.micro_batch / d) if t == 1 and not inter else None
+        measured = layer.overhead_s("zero1", d, pr.micro_batch / d) if measured_ok else None
         if measured is not None and s.compression == "none":
             # measured (profile overhead "zero1"): the whole step's all-reduce, shard update and gather
             sync = max(measured, 0.0)
@@ -188,14 +228,15 @@ def _layer_cost(
     sync += cluster.optimizer_s_per_tensor * layer.param_tensors
     # a ZeRO-3 layer's gathered parameters: a full copy beside the shard it keeps (counted in static)
     transient = P * w if mode == "zero3" else 0.0
-    f = layer.activation_tp_fraction
-    act = layer.activation_bytes * samples * ((1 - f) + f / t)
+    # sequence parallelism splits what tensor parallelism alone leaves whole (norms, dropout, residuals)
+    f = 1.0 if s.sp else layer.activation_tp_fraction
+    act = layer.activation_bytes * tokens * ((1 - f) + f / t)
     # what the layer's backward adds at its peak (the gradients in and out, temporaries), split like activations
-    transient += layer.backward_peak_bytes * samples * ((1 - f) + f / t)
+    transient += layer.backward_peak_bytes * tokens * ((1 - f) + f / t)
     if s.recompute:
-        # keeps only its input (whole on every TP rank); its own activations live again while it recomputes
+        # keeps only its input (whole on every TP rank, split over CP); its activations live again while it recomputes
         transient += act
-        act = input_bytes * samples
+        act = input_bytes * tokens
     return LayerCost(compute + comm, compute, comm, sync, static, act, transient, weight_grad, split_extra)
 
 
@@ -210,7 +251,7 @@ def _gradient_sync(layer: LayerProfile, s: Strategy, P: float, d: int, inter: bo
     if method == "none":
         # measured inside a node without TP (profile overhead "dp": the runtime's own bucketed all-reduce beside
         # the step's last backward, waited for; on CPU ranks sharing cores it also slows that backward)
-        measured = layer.overhead_s("dp", d, pr.micro_batch / d) if s.tp == 1 and not inter else None
+        measured = layer.overhead_s("dp", d, pr.micro_batch / d) if s.tp == 1 and s.cp == 1 and not inter else None
         if measured is not None:
             return max(measured, 0.0), 0.0
         return all_reduce_s(cluster, P * training.grad_bytes, d, inter), 0.0
@@ -231,17 +272,53 @@ def _gradient_sync(layer: LayerProfile, s: Strategy, P: float, d: int, inter: bo
     return all_gather_s(cluster, 8 * k * d, d, inter) + work, P * 4 * (2 if pr.dgc else 1)
 
 
-def reshard_s(cluster: Cluster, out_bytes: float, micro_batch: int, d_from: int, d_to: int) -> float:
-    """Moving an activation (and, in backward, its gradient) from batch split ``d_from`` to ``d_to``.
+def context_parallel_s(layer: LayerProfile, s: Strategy, tokens: float, cluster: Cluster, compute_s: float) -> float:
+    """Per micro-batch (forward + backward), what a layer's attention moves with its sequence split over ``cp``
+    ranks (0 for a token-wise layer). ``H = output_bytes x tokens / t`` is a rank's share of the hidden states
+    (q and o), ``H kv / a`` of k and v.
 
-    Going to fewer slices all-gathers in forward; going to more slices is a local slice in forward and an
-    all-gather of the gradient in backward. Either way: one all-gather of ``out_bytes * b / min(d)`` over
-    ``max(d) / min(d)`` ranks, which sit inside one tensor-parallel block and so inside a node.
+    * Ulysses (Jacobs et al. 2023): forward, one all-to-all each for q, k, v (sequence to head shards) and one for
+      the output (back); backward the same four reversed.
+    * Ring attention (Liu et al. 2023): k and v blocks pass ``cp - 1`` times around the ring in forward; in backward
+      k, v and their gradients do. Each step overlaps a block's attention, so only what exceeds the layer's compute
+      is priced (an optimistic overlap with the whole layer: what a GPU run must confirm).
     """
-    if d_from == d_to:
+    cp, a = s.cp, layer.attention_heads
+    if cp == 1 or a == 0:
         return 0.0
-    lo, hi = min(d_from, d_to), max(d_from, d_to)
-    return all_gather_s(cluster, out_bytes * micro_batch / lo, hi // lo, False)
+    inter = cp * s.tp > cluster.devices_per_node  # the cp group (stride t) leaves a node
+    H = layer.output_bytes * tokens / s.tp
+    kv = H * (layer.kv_heads or a) / a
+    if s.cp_method == "ring":
+        steps = (cp - 1) * (p2p_s(cluster, 2 * kv, inter) + 2 * p2p_s(cluster, 2 * kv, inter))
+        return max(steps - compute_s, 0.0)
+    return 2 * (2 * all_to_all_s(cluster, H, cp, inter) + 2 * all_to_all_s(cluster, kv, cp, inter))
+
+
+def _layout(x: int | tuple[int, int]) -> tuple[int, int]:
+    return (x, 1) if isinstance(x, int) else (int(x[0]), int(x[1]))
+
+
+def reshard_s(cluster: Cluster, out_bytes: float, micro_batch: int, frm: int | tuple[int, int],
+              to: int | tuple[int, int]) -> float:
+    """Moving an activation (and, in backward, its gradient) from one layout to another: a layout is a
+    :attr:`Strategy.layout` ``(dp, cp)`` (the batch split over ``dp``, each sample's sequence over ``cp``) or a
+    batch split ``d`` alone (``(d, 1)``).
+
+    Batch splits only: going to fewer slices all-gathers in forward; going to more slices is a local slice in
+    forward and an all-gather of the gradient in backward. Either way: one all-gather of ``out_bytes * b / min(d)``
+    over ``max(d) / min(d)`` ranks, which sit inside one tensor-parallel block and so inside a node. With a
+    sequence split on either side, the pieces are first gathered to the layouts' common coarsening ``(gcd(d),
+    gcd(c))`` (``k`` pieces), each side paying one all-gather over its ``pieces / k`` ranks.
+    """
+    (d1, c1), (d2, c2) = _layout(frm), _layout(to)
+    if (d1, c1) == (d2, c2):
+        return 0.0
+    if c1 == c2 == 1:
+        lo, hi = min(d1, d2), max(d1, d2)
+        return all_gather_s(cluster, out_bytes * micro_batch / lo, hi // lo, False)
+    k = math.gcd(d1, d2) * math.gcd(c1, c2)
+    return sum(all_gather_s(cluster, out_bytes * micro_batch / k, x // k, False) for x in (d1 * c1, d2 * c2) if x > k)
 
 
 def boundary_inter_node(cluster: Cluster, n: int, group_a: int, group_b: int) -> bool:

@@ -103,8 +103,9 @@ class CandidateCosts:
         return layer_cost(self._costed[u], s, self.pricing, cluster=self.problem.cluster,
                           training=self.problem.training, input_bytes=inp)
 
-    def reshard_s(self, u: int, d_from: int, d_to: int) -> float:
-        """Between layer ``u`` (batch split ``d_from``) and ``u + 1`` (``d_to``) on one stage."""
+    def reshard_s(self, u: int, d_from, d_to) -> float:
+        """Between layer ``u`` (layout ``d_from``: a :attr:`Strategy.layout`, or a batch split) and ``u + 1``
+        (``d_to``) on one stage."""
         return reshard_s(self.problem.cluster, self.layers[u].output_bytes, self.b, d_from, d_to)
 
     def send_s(self, u: int, j: int) -> float:
@@ -301,7 +302,7 @@ def undominated(strategies: list[Strategy], costs: list[LayerCost], *, split_tim
     for j, (s, v) in enumerate(zip(strategies, vec)):
         dominated = False
         for i, (s2, v2) in enumerate(zip(strategies, vec)):
-            if i == j or s2.dp != s.dp:
+            if i == j or s2.layout != s.layout:
                 continue
             if all(a <= b for a, b in zip(v2, v)) and (v2 != v or i < j):
                 dominated = True

@@ -37,6 +37,8 @@ Program (terms: ``A`` time, ``S`` sync, ``W`` static, ``Act`` activation, ``G`` 
                m <= 1 + (U - 1)(1 - w).
   walk:        in_d + f_d = out_d + l_d;  in_d + f_d <= n_d;  n_d <= U y_d <= U (in_d + f_d);
                sum_{e not in S, d in S} tau[e,d] + f(S) >= y_d for every proper level subset S, d in S.
+               (beyond SUBSET_CUT_LEVELS levels, the same by a flow: one unit enters at the first level, each used
+               level consumes one, along arcs with tau > 0)
   junctions:   zeta[g,i,d,e] >= l_d[g,i] + f_e[g+1,i] - 1.
   boundaries:  o_j >= sum Out_gdj psi[g,j,d] + sum In_gd chi[...];  psi >= l_d[g,j] + eta[g,j] - 1;
                chi >= f_d[g,j+1] + mu[g,j] - 1 (or f_d[g+1,j+1] + beta[g,j] - 1).
@@ -67,6 +69,10 @@ from uniap_lightning.planner.solver.bounds import (chain_bottleneck_s, chain_syn
                                                   run_bottleneck_s)
 from uniap_lightning.planner.solver.decode import decode
 
+
+#: up to this many levels in a portion, connectivity is stated with one row per subset of levels (tight); beyond,
+#: with a flow (polynomial; layouts multiply with context parallelism)
+SUBSET_CUT_LEVELS = 4
 
 class GroupedMilp:
     """Builds (one method per constraint family, in the module docstring's order) and solves one candidate."""
@@ -102,9 +108,9 @@ class GroupedMilp:
             self.R.append(e - a + 1)
             self.K.append(t.strategies[a])
             self.cost.append(t.cost[a])
-            lv = sorted({s.dp for s in t.strategies[a]})
+            lv = sorted({s.layout for s in t.strategies[a]})
             self.levels.append(lv)
-            self.level_of.append([lv.index(s.dp) for s in t.strategies[a]])
+            self.level_of.append([lv.index(s.layout) for s in t.strategies[a]])
             self.first.append(a)  # every layer of a run has the same output, so run g's pair terms use layer a
         self.T = self.m.add_var("T")
         self.Y = self.m.add_var("Y")
@@ -241,12 +247,30 @@ class GroupedMilp:
                     m += into + fd <= nd, f"walk_visits[{g},{i},{d}]"
                     m += nd <= U * y[d], f"level_used[{g},{i},{d}]"
                     m += into + fd >= y[d], f"level_visited[{g},{i},{d}]"
-                for size in range(1, len(D)):
-                    for S in itertools.combinations(D, size):
-                        entering = mip.xsum(tau[e, d] for d in S for e in D if e not in S)
-                        start = mip.xsum(f[d] for d in S)
-                        for d in S:
-                            m += entering + start >= y[d], f"connected[{g},{i},{S},{d}]"
+                if len(D) <= SUBSET_CUT_LEVELS:
+                    for size in range(1, len(D)):
+                        for S in itertools.combinations(D, size):
+                            entering = mip.xsum(tau[e, d] for d in S for e in D if e not in S)
+                            start = mip.xsum(f[d] for d in S)
+                            for d in S:
+                                m += entering + start >= y[d], f"connected[{g},{i},{S},{d}]"
+                else:
+                    self._connected_by_flow(g, i, D, tau, f, y)
+
+    def _connected_by_flow(self, g: int, i: int, D: range, tau: dict, f: dict, y: dict) -> None:
+        """The same connectivity with ``O(|D|^2)`` rows instead of one per subset (layouts multiply with context
+        parallelism): one unit of flow enters at the first layer's level and every used level consumes one,
+        along level changes the walk makes. phi[d,e] <= |D| tau[d,e];  src_d <= |D| f_d;
+        src_d + sum_e phi[e,d] - sum_e phi[d,e] = y_d. A used level unreachable from the first one cannot be fed."""
+        m, big = self.m, len(D)
+        phi = {(d, e): m.add_var(f"phi[{g},{i},{d},{e}]", ub=big) for d in D for e in D if d != e}
+        for (d, e), x in phi.items():
+            m += x <= big * tau[d, e], f"flow_arc[{g},{i},{d},{e}]"
+        for d in D:
+            src = m.add_var(f"phi_src[{g},{i},{d}]", ub=big)
+            m += src <= big * f[d], f"flow_source[{g},{i},{d}]"
+            m += (src + mip.xsum(phi[e, d] for e in D if e != d) - mip.xsum(phi[d, e] for e in D if e != d)
+                  == y[d]), f"flow_use[{g},{i},{d}]"
 
     def _used(self) -> None:
         """sum_{k: G_k = x} n[g,i,k] <= R_g v[g,i,x] for every distinct transient size x > 0 of run g (gathered
