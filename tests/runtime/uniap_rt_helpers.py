@@ -147,11 +147,17 @@ def make_data(batch_size: int, n: int = N_SAMPLES, lm: bool = False, seed: int =
 
 def strategy(s: Any) -> Any:
     """The tests' shorthand for a layer's strategy: ``(dp, tp, shard)`` with a bool (True: zero3), or ``(dp, tp,
-    dp_mode, recompute, compression)``; a Strategy passes through."""
+    dp_mode, recompute, compression)``; a dict of ``Strategy.of`` arguments (``{"dp": 1, "tp": 1, "cp": 2}``: the
+    sequence over cp ranks, Ulysses unless ``cp_method`` says; ``"sp": True``); a Strategy passes through."""
     from uniap_lightning.planner.decision import Strategy
 
     if isinstance(s, Strategy):
         return s
+    if isinstance(s, dict):
+        kw = {"dp": 1, "tp": 1, **s}
+        if kw.get("cp", 1) > 1:
+            kw.setdefault("cp_method", "ulysses")
+        return Strategy.of(**kw)
     d, t, *rest = s
     if rest and isinstance(rest[0], bool):
         rest = ["zero3" if rest[0] else "replicate"]

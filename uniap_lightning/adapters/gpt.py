@@ -38,23 +38,6 @@ class Embedding(TokenPositionEmbedding):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
-        self._cp_group: Any = None
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self._cp_group is None:
-            return super().forward(ids)
-        from uniap_lightning.runtime.sequence import position_offset
-
-        start = position_offset(self._cp_group, ids.shape[1])  # this rank's piece of the sequence starts there
-        pos = torch.arange(start, start + ids.shape[1], device=ids.device)
-        return self.drop(self.wte(ids) + self.wpe(pos))
-
-    def uniap_cp_methods(self) -> list[str]:
-        return ["ulysses"]
-
-    def uniap_enable_cp(self, group: Any, *, method: str = "ulysses", counter: Any = None) -> None:
-        """Global absolute positions on a context-parallel rank holding a contiguous piece of each sequence."""
-        self._cp_group = group
 
 
 class Block(nn.Module):
@@ -111,6 +94,9 @@ class Block(nn.Module):
         from uniap_lightning.runtime.sequence_tp import sp_plan
 
         return sp_plan(norms=["ln_1", "ln_2"], colwise=["fc"], gathered=["q", "k", "v"], rowwise=["proj", "fc_proj"])
+
+    def uniap_sequence(self) -> dict[str, Any]:
+        return {"attention_heads": self.n_head, "kv_heads": self.n_head, "sequence_parallel": True}
 
     def uniap_cp_methods(self) -> list[str]:
         return ["ulysses"]

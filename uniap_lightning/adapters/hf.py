@@ -38,11 +38,29 @@ def _replicate() -> Any:
 
 
 class TokenPositionEmbedding(nn.Module):
-    """Token + learned position embedding (``wte``, ``wpe``, ``drop``); tensor parallel over the vocabulary."""
+    """Token + learned position embedding (``wte``, ``wpe``, ``drop``); tensor parallel over the vocabulary.
+
+    Under context parallelism (``uniap_enable_cp(group)``) its input is a contiguous piece of each sequence and
+    positions are global (``cp_rank x s/c`` onwards, :func:`uniap_lightning.runtime.sequence.position_offset`)."""
+
+    _cp_group: Any = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(ids.shape[1], device=ids.device)
+        from uniap_lightning.runtime.sequence import position_offset
+
+        start = position_offset(self._cp_group, ids.shape[1])
+        pos = torch.arange(start, start + ids.shape[1], device=ids.device)
         return self.drop(self.wte(ids) + self.wpe(pos))
+
+    def uniap_sequence(self) -> dict[str, Any]:
+        return {"attention_heads": 0}
+
+    def uniap_cp_methods(self) -> list[str]:
+        return ["ulysses"]
+
+    def uniap_enable_cp(self, group: Any, *, method: str = "ulysses", counter: Any = None) -> None:
+        """Global absolute positions on a context-parallel rank holding a contiguous piece of each sequence."""
+        self._cp_group = group
 
     def uniap_tp_degrees(self) -> list[int]:
         return _divisors_of_all(self.wte.num_embeddings)
@@ -84,6 +102,9 @@ class NormHead(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden))
 
+    def uniap_sequence(self) -> dict[str, Any]:
+        return {"attention_heads": 0}  # token-wise
+
     def uniap_tp_degrees(self) -> list[int]:
         return _divisors_of_all(self.lm_head.out_features)
 
@@ -109,6 +130,9 @@ class LlamaEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(ids)
+
+    def uniap_sequence(self) -> dict[str, Any]:
+        return {"attention_heads": 0}  # token-wise (rotary positions are the blocks')
 
     def uniap_tp_degrees(self) -> list[int]:
         return _divisors_of_all(self.embed_tokens.num_embeddings)
@@ -141,6 +165,23 @@ class LlamaBlockLayer(nn.Module):
 
     def uniap_tp_degrees(self) -> list[int]:
         return _divisors_of_all(*self._heads)
+
+    def uniap_sequence(self) -> dict[str, Any]:
+        return {"attention_heads": self._heads[0], "kv_heads": self._heads[1], "sequence_parallel": True}
+
+    def uniap_sp_plan(self, tp: int) -> dict[str, Any]:
+        from uniap_lightning.adapters.families.sequence_hf import llama_sp_plan
+
+        return llama_sp_plan(tp)
+
+    def uniap_cp_methods(self) -> list[str]:
+        return ["ulysses"]
+
+    def uniap_enable_cp(self, group: Any, *, method: str = "ulysses", counter: Any = None) -> None:
+        """Ulysses over ``group`` through transformers' attention interface (:mod:`.families.sequence_hf`)."""
+        from uniap_lightning.adapters.families.sequence_hf import enable_hf_ulysses
+
+        enable_hf_ulysses([self], group, counter=counter)
 
     def uniap_tp_plan(self, tp: int) -> dict[str, Any]:
         return {

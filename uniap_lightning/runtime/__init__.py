@@ -6,7 +6,8 @@ One concern per module, applied in this order by :func:`apply_plan`:
 2. :mod:`.stage` - keep this rank's layers, broadcast their initial weights, then per layer
    :func:`.tensor_parallel.apply_tp` *before* :func:`.data_parallel.apply_fsdp` (or replication), since FSDP2 must
    see the DTensor TP shards to build 2-D parameters;
-3. :mod:`.reshard` - activation re-layout between layers with different data-parallel degrees;
+3. :mod:`.reshard` - activation re-layout between layers with different layouts ``(dp, cp, tp)`` (batch and
+   sequence splits; context and sequence parallelism in :mod:`.sequence`, :mod:`.sequence_tp`);
 4. :mod:`.pipeline` - micro-batches through ``torch.distributed.pipelining`` schedules over the pipeline lanes.
 
 :mod:`.step` runs one training batch under Lightning's closure (with :mod:`.grads`: gradients kept apart and handed
@@ -28,6 +29,7 @@ from uniap_lightning.runtime.chain import Chain, UniAPModule, extract_chain
 from uniap_lightning.runtime.data_parallel import ReplicatedGrads
 from uniap_lightning.runtime.mesh import PlanMeshes, build_meshes
 from uniap_lightning.runtime.pipeline import PipelineRunner, check_schedule_runs
+from uniap_lightning.runtime.sequence import check_sequence_strategy
 from uniap_lightning.runtime.stage import StageModule, build_stages
 from uniap_lightning.runtime.zero import ZeroLayers
 from uniap_lightning.runtime.tensor_parallel import check_tp_supported
@@ -71,7 +73,9 @@ def check_plan_executable(plan: Plan, chain: Chain) -> None:
         )
     check_schedule_runs(plan)
     for u, lp in enumerate(plan.layers):
-        check_tp_supported(chain.layers[u], chain.names[u], lp.strategy.tp)
+        st = lp.strategy
+        check_tp_supported(chain.layers[u], chain.names[u], st.tp)
+        check_sequence_strategy(chain.layers[u], chain.names[u], cp=st.cp, cp_method=st.cp_method, tp=st.tp, sp=st.sp)
         reason = unsupported(plan.schedule, lp.strategy)
         if reason is not None:
             raise UniAPError(f"plan layer {chain.names[u]!r}: {reason}")

@@ -3,8 +3,10 @@
 Rank layout (see :mod:`uniap_lightning.planner.plan`): ``world = pp * n``; device group ``g`` owns ranks
 ``[g*n, (g+1)*n)`` and runs the plan's pipeline stages placed on it (``virtual_stages`` of them); the rank at
 position ``r`` inside its group is on pipeline *lane* ``r``, and lane ``r`` is the pipeline ``r, n+r, 2n+r, ...``.
-Inside a group a layer with strategy ``(dp, tp)`` sees the group's ranks as a ``(dp, tp)`` grid with ``tp``
-innermost.
+Inside a group a layer with strategy ``(dp, cp, tp)`` sees the group's ranks as a ``dp x cp x tp`` grid with
+``tp`` innermost, then ``cp``: its tensor-parallel mesh is the ``tp`` ranks of a row, its context-parallel group the
+``cp`` ranks of the same dp and tp index, and its *replica* mesh the ``dp x cp`` ranks of the same tp index (they hold
+the same weights: gradient averaging and ZeRO sharding run over it, as :attr:`Strategy.replicas` prices it).
 
 Every mesh is built as a *world* mesh with a leading ``pp`` dimension and then sliced, because
 ``init_device_mesh`` and ``new_group`` are collective over the whole world: each rank must create every group
@@ -15,7 +17,7 @@ the plan alone, keeps that true without any negotiation between ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from uniap_lightning.planner.plan import Plan
 
@@ -24,21 +26,40 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
-def layout_transitions(plan: Plan) -> list[tuple[int, int]]:
-    """Every ``(dp_from, dp_to)`` activation re-layout the plan needs, sorted; ``n`` is the stage-boundary layout
-    (every pipeline stage starts and ends in it)."""
-    n = plan.devices_per_stage
-    pairs: set[tuple[int, int]] = set()
+def layout_of(plan: Plan, u: int) -> tuple[int, int, int]:
+    """Layer ``u``'s activation layout ``(dp, cp, tp)`` (:mod:`.reshard`)."""
+    st = plan.layers[u].strategy
+    return (st.dp, st.cp, st.tp)
+
+
+def boundary_layout(plan: Plan) -> tuple[int, int, int]:
+    """Every pipeline stage starts and ends with the batch split over all ``n`` lanes, whole sequences."""
+    return (plan.devices_per_stage, 1, 1)
+
+
+def layout_transitions(plan: Plan) -> list[tuple[tuple[int, int, int], tuple[int, int, int]]]:
+    """Every ``(from, to)`` activation re-layout the plan needs (layouts ``(dp, cp, tp)``), sorted."""
+    edge = boundary_layout(plan)
+    pairs: set[tuple[tuple[int, int, int], tuple[int, int, int]]] = set()
     for stage in range(plan.num_stages):
-        current = n
+        current = edge
         for u in plan.layers_of_stage(stage):
-            dp = plan.layers[u].strategy.dp
-            if dp != current:
-                pairs.add((current, dp))
-            current = dp
-        if current != n:
-            pairs.add((current, n))
+            nxt = layout_of(plan, u)
+            if _pieces(nxt) != _pieces(current):
+                pairs.add((current, nxt))
+            current = nxt
+        if _pieces(current) != _pieces(edge):
+            pairs.add((current, edge))
     return sorted(pairs)
+
+
+def _pieces(layout: tuple[int, int, int]) -> tuple[int, ...]:
+    """What a layout means for activations: which piece each lane holds (layouts with cp 1 and the same dp hold
+    the same pieces whatever their tp)."""
+    from uniap_lightning.runtime.reshard import piece_of_lane
+
+    n = layout[0] * layout[1] * layout[2]
+    return tuple(x for lane in range(n) for x in piece_of_lane(lane, layout))
 
 
 @dataclass
@@ -49,8 +70,9 @@ class PlanMeshes:
     rank: int
     device_type: str
     world: DeviceMesh
-    grids: dict[tuple[int, int], DeviceMesh] = field(default_factory=dict)
-    regather_groups: dict[tuple[int, int], dist.ProcessGroup] = field(default_factory=dict)
+    grids: dict[tuple[int, int], DeviceMesh] = field(default_factory=dict)  # (replicas, tp) -> (pp, dp, tp) mesh
+    cp_groups: dict[tuple[int, int, int], dist.ProcessGroup] = field(default_factory=dict)  # (dp, cp, tp)
+    relayout_groups: dict[tuple[Any, ...], dist.ProcessGroup] = field(default_factory=dict)  # (layout, K)
 
     @property
     def n(self) -> int:
@@ -74,39 +96,54 @@ class PlanMeshes:
     def stage_group(self) -> dist.ProcessGroup:
         return self.world.get_group("stage")
 
-    def grid(self, dp: int, tp: int) -> DeviceMesh:
-        """The ``(dp, tp)`` mesh of this rank's stage (a 2-D slice of a ``(pp, dp, tp)`` world mesh)."""
-        return self.grids[(dp, tp)]["dp", "tp"]
+    def grid(self, replicas: int, tp: int) -> DeviceMesh:
+        """The ``(replicas, tp)`` mesh of this rank's stage (a 2-D slice of a ``(pp, dp, tp)`` world mesh whose
+        ``dp`` dimension holds the ``dp x cp`` replicas)."""
+        return self.grids[(replicas, tp)]["dp", "tp"]
 
-    def tp_mesh(self, dp: int, tp: int) -> DeviceMesh:
-        return self.grids[(dp, tp)]["tp"]
+    def tp_mesh(self, replicas: int, tp: int) -> DeviceMesh:
+        return self.grids[(replicas, tp)]["tp"]
 
-    def dp_mesh(self, dp: int, tp: int) -> DeviceMesh:
-        return self.grids[(dp, tp)]["dp"]
+    def dp_mesh(self, replicas: int, tp: int) -> DeviceMesh:
+        """The replica mesh: the ``dp x cp`` ranks with this rank's tensor-parallel index."""
+        return self.grids[(replicas, tp)]["dp"]
+
+    def cp_group(self, dp: int, cp: int, tp: int) -> dist.ProcessGroup:
+        """The ``cp`` ranks with this rank's dp and tp index (cp rank order = sequence piece order)."""
+        return self.cp_groups[(dp, cp, tp)]
 
     def chunk_index(self, dp: int) -> int:
         """Which of the ``dp`` batch chunks this rank holds in layout ``dp``."""
         return self.plan.batch_chunk_of_rank(self.rank, dp)
 
-    def regather_group(self, dp_a: int, dp_b: int) -> dist.ProcessGroup:
-        """Ranks that hold the same coarse chunk (``min`` layout) but different fine chunks (``max`` layout)."""
-        return self.regather_groups[(max(dp_a, dp_b), min(dp_a, dp_b))]
+    def relayout_group(self, layout: tuple[int, int, int], k: tuple[int, int]) -> dist.ProcessGroup:
+        """The lanes that gather ``layout``'s pieces into ``k`` pieces with this rank (:mod:`.reshard`)."""
+        return self.relayout_groups[(layout, k)]
 
 
 def build_meshes(plan: Plan, *, rank: int, device_type: str) -> PlanMeshes:
     """Create every mesh and group the plan needs (collective: all ranks call it with the same plan)."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    import torch.distributed as dist
+
+    from uniap_lightning.runtime.reshard import gather_classes, moves_of
+
     n = plan.devices_per_stage
     world = init_device_mesh(device_type, (plan.pp, n), mesh_dim_names=("pp", "stage"))
     meshes = PlanMeshes(plan=plan, rank=rank, device_type=device_type, world=world)
-    for dp, tp in sorted({(lp.strategy.dp, lp.strategy.tp) for lp in plan.layers}):
-        meshes.grids[(dp, tp)] = init_device_mesh(device_type, (plan.pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
-    for fine, coarse in sorted({(max(a, b), min(a, b)) for a, b in layout_transitions(plan)}):
-        mesh = init_device_mesh(
-            device_type,
-            (plan.pp, coarse, fine // coarse, n // fine),
-            mesh_dim_names=("pp", "coarse", "gather", "inner"),
-        )
-        meshes.regather_groups[(fine, coarse)] = mesh.get_group("gather")
+    for reps, tp in sorted({(lp.strategy.replicas, lp.strategy.tp) for lp in plan.layers}):
+        meshes.grids[(reps, tp)] = init_device_mesh(device_type, (plan.pp, reps, tp), mesh_dim_names=("pp", "dp", "tp"))
+    for dp, cp, tp in sorted({(lp.strategy.dp, lp.strategy.cp, lp.strategy.tp) for lp in plan.layers}):
+        if cp > 1:
+            mesh = init_device_mesh(device_type, (plan.pp, dp, cp, tp), mesh_dim_names=("pp", "dp", "cp", "tp"))
+            meshes.cp_groups[(dp, cp, tp)] = mesh.get_group("cp")
+    needed = sorted({m for a, b in layout_transitions(plan) for m in moves_of(a, b)})
+    for layout, k in needed:  # every rank creates every group, in this order (new_group is collective)
+        for g in range(plan.pp):
+            for lanes in gather_classes(layout, k):
+                ranks = [g * n + lane for lane in lanes]
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    meshes.relayout_groups[(layout, k)] = group
     return meshes

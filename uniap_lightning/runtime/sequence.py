@@ -31,14 +31,23 @@ Layers opt in with ``uniap_cp_methods() -> list[str]`` and ``uniap_enable_cp(gro
 (:func:`enable_context_parallel` calls it on every layer that has it). Sequence parallelism with TP is in
 :mod:`uniap_lightning.runtime.sequence_tp`.
 
-**Runtime contract** (mesh ``(dp, cp, tp)`` per stage, tp innermost). Setup, per layer: TP (``apply_tp``, or
-``sequence_tp.apply_sp``) -> :func:`enable_context_parallel` over the layer's cp group (after TP: it checks
-heads/tp) -> data parallelism over the dp x cp ranks of the same tp index. Per micro-batch: every rank of a
-cp group loads the same samples (cp is not a data dimension: the data loader's replica index is the dp rank);
-:func:`shard_causal_lm_batch` with the cp rank; the forward under :func:`padding_mask` when the batch has an
-attention mask; :func:`sequence_loss` (``scale=c`` with averaging, see above); the logged loss is
-:func:`global_loss`. Between pipeline stages the activations are ``[b, s/c, h]`` pieces: a stage sends its piece
-to the same cp rank of the next stage.
+**What the strategy runs** (``Trainer(strategy="uniap")`` with a plan whose layers have ``cp > 1`` and/or ``sp``).
+Each layer's ranks form a ``dp x cp x tp`` grid of its stage (tp innermost, :mod:`.mesh`). Setup, per layer: TP
+(``apply_tp``, or ``sequence_tp.apply_sp`` where ``sp``) -> :func:`enable_context_parallel` over the layer's cp group
+-> data parallelism over its ``dp x cp`` replicas. Activations move between layouts with :mod:`.reshard`: a stage
+starts and ends with whole sequences (the batch split over its ``n`` lanes), a cp layer gets its sequence piece
+(``[b, s/c, h]``). The loss runs where the last stage ends, on whole sequences, so the model's own loss (a causal LM
+shifting its labels inside) sees exactly what one process sees, padding (``-100`` labels) included; the logged loss
+is the one process's. Gradients follow the convention of :mod:`.reshard`, so averaging over the ``dp x cp``
+replicas (replicated or ZeRO) is exact without scaling the loss. :func:`sequence_loss` / :func:`shard_causal_lm_batch`
+(the loss on sequence shards, which saves gathering the logits) are tested building blocks the strategy does not
+use yet. :func:`check_sequence_strategy` refuses, before any process group work, what cannot run: ring attention
+(torch's ``torch.distributed.tensor.experimental.context_parallel`` is what a CUDA run would use; not built or tested
+here, and torch has no CPU rule for it), a layer that declares no sequence behaviour, heads that ``cp`` does not
+divide.
+
+Layers declare their sequence behaviour with ``uniap_sequence() -> {"attention_heads": a, "kv_heads": k,
+"sequence_parallel": bool}`` (``a`` 0: token-wise); profiles take these fields from it (:func:`sequence_info`).
 """
 
 from __future__ import annotations
@@ -55,7 +64,8 @@ from torch import nn
 
 from uniap_lightning.errors import UniAPError
 
-#: Context-parallel methods this module executes (ring attention needs SDPA sharding rules CPU lacks).
+#: Context-parallel methods this module executes (ring attention would be torch's
+#: ``torch.distributed.tensor.experimental.context_parallel``, CUDA only; not built here).
 CP_METHODS = ("ulysses",)
 IGNORE_INDEX = -100
 #: batch keys that are sequence-shaped (``[b, s, ...]``) and split along dim 1
@@ -306,3 +316,51 @@ def reduce_gradients(params: Iterable[nn.Parameter], group: Any, *, dp: int) -> 
     for g in grads:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
         offset += g.numel()
+
+
+# ---------------------------------------------------------------------------------------------- plan checks
+def sequence_info(layer: nn.Module) -> dict[str, Any] | None:
+    """What ``layer`` declares about the sequence (``uniap_sequence()``): ``attention_heads`` (0: token-wise),
+    ``kv_heads``, ``sequence_parallel``; ``None`` when it declares nothing (it is then never split along it)."""
+    hook = getattr(layer, "uniap_sequence", None)
+    if hook is None:
+        return None
+    info = dict(hook())
+    heads = int(info.get("attention_heads", 0))
+    return {"attention_heads": heads, "kv_heads": int(info.get("kv_heads") or heads) if heads else None,
+            "sequence_parallel": bool(info.get("sequence_parallel", hasattr(layer, "uniap_sp_plan")))}
+
+
+def check_sequence_strategy(layer: nn.Module, name: str, *, cp: int, cp_method: str, tp: int, sp: bool) -> None:
+    """Refuse, in one line, a layer strategy with context or sequence parallelism this runtime cannot execute
+    (needs only the plan and the layer: every rank fails alike, before any collective)."""
+    where = f"plan layer {name!r} ({type(layer).__name__})"
+    if sp and tp > 1 and not hasattr(layer, "uniap_sp_plan"):
+        raise UniAPError(f"{where}: sp=true needs a sequence-parallel tensor-parallel plan (uniap_sp_plan), which "
+                         "the layer does not have; use sp=false")
+    if cp == 1:
+        return
+    if cp_method == "ring":
+        raise UniAPError(
+            f"{where}: cp_method='ring' (ring attention) is not executable by this runtime (a CUDA run would use "
+            "torch.distributed.tensor.experimental.context_parallel, not built here; torch has no CPU rule for it); "
+            "use cp_method='ulysses' or cp=1")
+    if cp_method not in CP_METHODS:
+        raise UniAPError(f"{where}: cp_method={cp_method!r} is not executable; supported: {list(CP_METHODS)}")
+    info = sequence_info(layer)
+    cp_modules = [m for m in layer.modules() if hasattr(m, "uniap_enable_cp")]
+    if info is None and not cp_modules:
+        raise UniAPError(f"{where}: cp={cp} splits the sequence, but the layer declares no sequence behaviour "
+                         "(uniap_sequence() / uniap_enable_cp); use cp=1 for it")
+    heads = info["attention_heads"] if info is not None else 0
+    if heads == 0 and cp_modules and info is None:
+        raise UniAPError(f"{where}: cp={cp} needs the layer's attention heads (uniap_sequence()); use cp=1 for it")
+    if heads and not cp_modules:
+        raise UniAPError(f"{where}: cp={cp} needs its attention to run over the split sequence, which the layer "
+                         "does not support (no uniap_enable_cp); use cp=1 for it")
+    for m in cp_modules:
+        if cp_method not in m.uniap_cp_methods():
+            raise UniAPError(f"{where}: {type(m).__name__} supports context parallelism {m.uniap_cp_methods()}, "
+                             f"not {cp_method!r}")
+    if heads:
+        check_ulysses(heads=heads, cp=cp, tp=tp, name=where)

@@ -2,8 +2,10 @@
 layers, parallelize each, re-layout between them.
 
 The order of the techniques is fixed: (1) drop the layers of other device groups, (2) broadcast the local
-layers' initial weights from the group's first rank (ranks may have initialized differently), (3) tensor parallelism,
-(4) the layer's data-parallel mode (``replicate``, or ``zero1``/``zero2``/``zero3`` through FSDP2, see :mod:`.zero`).
+layers' initial weights from the group's first rank (ranks may have initialized differently), (3) tensor parallelism
+(``sp``: its sequence-parallel plan, :func:`.sequence_tp.apply_sp`), (3b) context parallelism over the layer's cp
+group (:func:`.sequence.enable_context_parallel`, after TP: it checks heads per TP rank), (4) the layer's
+data-parallel mode over its ``dp x cp`` replicas (``replicate``, or ``zero1``/``zero2``/``zero3`` through FSDP2, see :mod:`.zero`).
 TP comes before FSDP because FSDP2 shards whatever parameters it finds, and must find the DTensor TP shards to build
 2-D (dp x tp) parameters. A layer whose plan says ``recompute`` runs under non-reentrant activation checkpointing
 (:func:`torch.utils.checkpoint.checkpoint`) in :meth:`StageModule.forward`: nothing is wrapped, so parameter names
@@ -20,15 +22,18 @@ from torch.utils.checkpoint import checkpoint
 from uniap_lightning.planner.plan import Plan
 from uniap_lightning.runtime.chain import Chain
 from uniap_lightning.runtime.data_parallel import ReplicatedGrads
-from uniap_lightning.runtime.mesh import PlanMeshes
+from uniap_lightning.runtime.mesh import PlanMeshes, layout_of
 from uniap_lightning.runtime.payload import Spec, call_layer, flatten, spec_of, unflatten
-from uniap_lightning.runtime.reshard import relayout
+from uniap_lightning.runtime.reshard import Layout, relayout
+from uniap_lightning.runtime.sequence import enable_context_parallel
+from uniap_lightning.runtime.sequence_tp import apply_sp
 from uniap_lightning.runtime.tensor_parallel import apply_tp
 from uniap_lightning.runtime.zero import ZERO_MODES, ZeroLayers
 
 
 class StageModule(nn.Module):
-    """The local layers of one stage, with activation re-layouts between layers of different ``dp``.
+    """The local layers of one stage, with activation re-layouts between layers of different layouts
+    (``(dp, cp, tp)``, :mod:`.reshard`).
 
     Not attached to the LightningModule (its layers are, under their original names), so checkpoint keys and
     the optimizer's parameters stay those of the user's module.
@@ -39,28 +44,29 @@ class StageModule(nn.Module):
     ``out_spec``.
     """
 
-    def __init__(self, layers: list[nn.Module], dps: list[int], meshes: PlanMeshes, *, in_spec: Spec = None,
+    def __init__(self, layers: list[nn.Module], layouts: list[Layout | int], meshes: PlanMeshes, *, in_spec: Spec = None,
                  out_spec: Spec = None, recompute: list[bool] | None = None, zero: ZeroLayers | None = None) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
-        self.dps = dps
+        n = meshes.n
+        self.layouts = [(x, 1, n // x) if isinstance(x, int) else tuple(x) for x in layouts]
         self.meshes = meshes
         self.recompute = recompute or [False] * len(layers)  # per layer: activation checkpointing
         self.zero = zero if zero is not None else ZeroLayers()  # zero1/zero2 switches per micro-batch
         self.in_spec, self.out_spec = in_spec, out_spec
 
     def forward(self, *tensors: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        n = self.meshes.n
-        current = n
+        edge = (self.meshes.n, 1, 1)
+        current = edge
         x = unflatten(tensors, self.in_spec)
-        for layer, dp, again in zip(self.layers, self.dps, self.recompute):
-            x = relayout(x, current, dp, self.meshes)
-            current = dp
+        for layer, layout, again in zip(self.layers, self.layouts, self.recompute):
+            x = relayout(x, current, layout, self.meshes)
+            current = layout
             if again and torch.is_grad_enabled():
                 x = checkpoint(call_layer, layer, x, use_reentrant=False)
             else:
                 x = call_layer(layer, x)
-        x = relayout(x, current, n, self.meshes)
+        x = relayout(x, current, edge, self.meshes)
         self.out_spec = spec_of(x)
         flat = tuple(t.contiguous() for t in flatten(x))  # sent as is (an expanded tensor is not contiguous)
         return flat[0] if self.out_spec is None else flat
@@ -97,22 +103,25 @@ def build_stages(chain: Chain, plan: Plan, meshes: PlanMeshes) -> tuple[list[Sta
     zero = ZeroLayers()
     originals = [dict(layer.named_parameters()) for layer in layers]
     for u, layer in zip(indices, layers):
-        lp = plan.layers[u]
-        if lp.strategy.tp > 1:
-            apply_tp(layer, chain.names[u], meshes.tp_mesh(lp.strategy.dp, lp.strategy.tp))
-        if lp.strategy.dp == 1:
+        st = plan.layers[u].strategy
+        reps = st.replicas
+        if st.tp > 1:
+            (apply_sp if st.sp else apply_tp)(layer, chain.names[u], meshes.tp_mesh(reps, st.tp))
+        if st.cp > 1:
+            enable_context_parallel([layer], meshes.cp_group(st.dp, st.cp, st.tp), method=st.cp_method)
+        if reps == 1:
             continue
-        mesh = meshes.dp_mesh(lp.strategy.dp, lp.strategy.tp)
-        if lp.strategy.dp_mode in ZERO_MODES:
-            zero.add(layer, lp.strategy.dp_mode, mesh, replicated, mesh.get_group(), lp.strategy.dp, lp.strategy.compression)
+        mesh = meshes.dp_mesh(reps, st.tp)
+        if st.dp_mode in ZERO_MODES:
+            zero.add(layer, st.dp_mode, mesh, replicated, mesh.get_group(), reps, st.compression)
         else:
-            replicated.add(layer, mesh.get_group(), lp.strategy.dp, lp.strategy.compression)
+            replicated.add(layer, mesh.get_group(), reps, st.compression)
     repoint_aliases(chain.module, originals, layers)
     modules = []
     for k in plan.stages_of_group(group):
         us = plan.layers_of_stage(k)
         specs = {"in_spec": chain.spec_before(us[0]), "out_spec": chain.spec_after(us[-1])} if us else {}
-        modules.append(StageModule([chain.layers[u] for u in us], [plan.layers[u].strategy.dp for u in us], meshes,
+        modules.append(StageModule([chain.layers[u] for u in us], [layout_of(plan, u) for u in us], meshes,
                                    **specs, recompute=[plan.layers[u].strategy.recompute for u in us], zero=zero))
     return modules, replicated
 
