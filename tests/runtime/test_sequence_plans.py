@@ -37,6 +37,11 @@ def padded_lm_data(batch_size: int, n: int = 64, seed: int = 1) -> Any:
     return DataLoader(TensorDataset(ids, labels), batch_size=batch_size, drop_last=True)
 
 
+GPT = {"module": {"lm": "gpt"}}
+CP_SP = _plan([CP2, {"tp": 2, "sp": True}, CP2, CP2], microbatches=2)  # cp, then tp + sp, then cp again
+PLAIN = _plan([ONE] * 4)
+RING = _plan([{"cp": 2, "cp_method": "ring"}] * 4)
+
 TWO_RANKS = {
     "gpt_cp2": {"module": {"lm": "gpt"}, "plan": _plan([CP2] * 4)},
     "gpt_tp2_sp": {"module": {"lm": "gpt"}, "plan": _plan([{"tp": 2}, {"tp": 2, "sp": True}, {"tp": 2, "sp": True},
@@ -44,11 +49,62 @@ TWO_RANKS = {
     "gpt_cp2_padded": {"module": {"lm": "gpt"}, "plan": _plan([CP2] * 4),
                        "data": {"factory": "test_sequence_plans:padded_lm_data"}},
     "gpt_cp2_next_to_dp2": {"module": {"lm": "gpt"}, "plan": _plan([ONE, CP2, ONE, CP2], microbatches=2)},
+    "gpt_cp2_zero3_rc": {**GPT, "plan": _plan([{"cp": 2, "dp_mode": "zero3", "recompute": True}] * 4)},
+    "gpt_cp2_zero2_rc": {**GPT, "plan": _plan([{"cp": 2, "dp_mode": "zero2", "recompute": True}, CP2] * 2,
+                                              microbatches=2)},
     "llama_cp2": {"module": {"lm": "llama"}, "plan": _plan([CP2] * 4)},
+    # checkpoints: saved under cp/sp, resumed without them, and the other way round
+    "save_cp_sp": {**GPT, "plan": CP_SP, "epochs": 1, "save": "cp_sp.ckpt"},
+    "save_plain": {**GPT, "plan": PLAIN, "epochs": 1, "save": "plain.ckpt"},
+    "resume_cp_sp_as_plain": {**GPT, "plan": PLAIN, "epochs": 2, "resume": "cp_sp.ckpt"},
+    "resume_plain_as_cp_sp": {**GPT, "plan": CP_SP, "epochs": 2, "resume": "plain.ckpt"},
+    # last: a failing case ends the spawn's loop
+    "ring_refused": {**GPT, "plan": RING},
 }
+PARITY = [k for k in TWO_RANKS if not k.startswith(("save_", "resume_", "ring_"))]
 
 
-@pytest.mark.parametrize("name", list(TWO_RANKS))
+@pytest.mark.parametrize("name", PARITY)
 def test_two_ranks_match_one_process(spawn_cases: Any, name: str) -> None:
     results = spawn_cases(2, TWO_RANKS, "sequence_plans2")
     h.assert_close_to_reference(results, name, h.reference_for(TWO_RANKS[name]))
+
+
+@pytest.mark.parametrize("name", ["resume_cp_sp_as_plain", "resume_plain_as_cp_sp"])
+def test_checkpoint_resumes_across_sequence_plans(spawn_cases: Any, name: str) -> None:
+    """A checkpoint of the first epoch resumed under the other plan ends where one process ends after two."""
+    import torch
+
+    results = spawn_cases(2, TWO_RANKS, "sequence_plans2")
+    ref = h.reference({**GPT, "epochs": 2})
+    for r, res in enumerate(results):
+        assert "error" not in res[name], (r, res[name].get("traceback"))
+        torch.testing.assert_close(torch.tensor(res[name]["losses"]), torch.tensor(ref["losses"][4:]), rtol=1e-5,
+                                   atol=1e-7)
+    merged = h.merge_states(results, name)
+    assert set(merged) == set(ref["state"])
+    for k, v in ref["state"].items():
+        torch.testing.assert_close(merged[k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_ring_attention_is_refused_on_every_rank(spawn_cases: Any) -> None:
+    results = spawn_cases(2, TWO_RANKS, "sequence_plans2")
+    for r, res in enumerate(results):
+        err = res["ring_refused"].get("error", "")
+        assert err.startswith("UniAPError: ") and "cp_method='ring'" in err and "context_parallel" in err, (r, err)
+        assert "\n" not in err, err
+
+
+def test_heads_not_divisible_is_refused_before_any_collective() -> None:
+    """cp=2 over a GPT with 3 heads: one line naming the numbers, from the checks every rank runs alike."""
+    from uniap_lightning.adapters import CausalLMModule
+    from uniap_lightning.adapters.gpt import GPT, GPTConfig
+    from uniap_lightning.errors import UniAPError
+    from uniap_lightning.runtime import check_plan_executable, extract_chain
+
+    module = CausalLMModule(GPT(GPTConfig(vocab_size=h.VOCAB, block_size=h.SEQ, n_head=3, n_embd=24)).layers())
+    chain = extract_chain(module)
+    with pytest.raises(UniAPError, match=r"chain.1.*\(3 heads / tp=1 = 3\) divisible by cp=2; choose cp in \[1, 3\]"):
+        check_plan_executable(_plan([CP2] * 4), chain)
+    with pytest.raises(UniAPError, match="sp=true needs a sequence-parallel tensor-parallel plan"):
+        check_plan_executable(_plan([{"tp": 2, "sp": True}] + [{"tp": 2}] * 3), chain)
