@@ -16,6 +16,13 @@ Sources of the formulas (per sample, sequence length ``s``, hidden ``h``, heads 
   are not stored; only the softmax statistics (``4 a s`` bytes) are.
 * Parameters: attention ``h (h + 2 h_kv) + h^2`` (+ biases), MLP ``2 h f`` (``3 h f`` gated), norms.
 * Time: ``FLOPs / (peak * efficiency)`` of the cluster's device.
+* Mixture of experts (``experts`` E > 0; Shazeer et al. 2017, Fedus et al. 2021; Mixtral, Qwen2-MoE): the MLP is
+  a router (``h E`` parameters, ``2 s h E`` FLOPs), E experts of FFN size ``f_e = expert_ffn`` (parameters ``E``
+  times one MLP's: the block's ``expert_params``), of which each token runs ``top_k`` = k (FLOPs ``k`` times one
+  MLP's), and an optional shared expert of FFN size ``shared_expert_ffn`` run by every token (Qwen2-MoE, with its
+  ``h``-parameter sigmoid gate). Activations: ``3 s h`` as above, ``k (2 s h + 4 s f_e)`` (``6 s f_e`` gated) for
+  the routed copies (the dispatched input and the expert's intermediates), the shared expert like a dense MLP, and
+  the router's fp32 probabilities (``4 s E`` bytes).
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from typing import Any
 from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.profile import LayerProfile, ModelProfile
-from uniap_lightning.values import as_int, choice, flag, integer, text
+from uniap_lightning.values import as_int, choice, flag, integer, number, text
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 POW2 = (1, 2, 4, 8, 16, 32, 64)
@@ -71,6 +78,13 @@ class ModelSpec:
     bias: bool = True
     flash_attention: bool = False  # fused attention keeps no s x s matrices for backward (Dao et al. 2022)
     segments: tuple[Segment, ...] = ()
+    #: mixture of experts in every block (0: dense MLPs): experts, experts per token, each expert's FFN size (0:
+    #: ``ffn``), a shared expert every token runs (FFN size; 0: none), the capacity factor (None: dropless)
+    experts: int = 0
+    top_k: int = 1
+    expert_ffn: int = 0
+    shared_expert_ffn: int = 0
+    capacity_factor: float | None = None
     family: str = ""
     source: str = ""
 
@@ -123,12 +137,26 @@ class ModelSpec:
         integer(self.image_size, "image_size", low=1, high=LIMITS["image_size"], where=where)
         integer(self.patch_size, "patch_size", low=1, high=self.image_size, where=where, unit="at most image_size")
         integer(self.channels, "channels", low=1, high=LIMITS["channels"], where=where)
+        self._validate_experts(where)
+
+    def _validate_experts(self, where: str) -> None:
+        E = integer(self.experts, "experts", low=0, high=LIMITS["experts"], where=where)
+        for key in ("expert_ffn", "shared_expert_ffn"):
+            integer(getattr(self, key), key, low=0, high=LIMITS["ffn"], where=where)
+        if self.capacity_factor is not None:
+            number(self.capacity_factor, "capacity_factor", low=0, high=1e3, low_open=True, where=where,
+                   unit="or null: dropless")
+        if E:
+            integer(self.top_k, "top_k", low=1, high=E, where=where, unit="at most experts")
+        elif self.expert_ffn or self.shared_expert_ffn or self.capacity_factor is not None or self.top_k != 1:
+            raise UniAPError(f"{where}top_k, expert_ffn, shared_expert_ffn and capacity_factor describe a mixture "
+                             "of experts: they need experts > 0")
 
 
 #: the largest value each size may take: far above any published model (LLaMA-70B: 80 layers, hidden 8192), low
 #: enough that a typo (layers=100000000) is refused at once instead of building a profile no solver finishes
 LIMITS = {"layers": 100_000, "hidden": 2**20, "heads": 2**20, "ffn": 2**24, "seq_len": 2**24, "window": 2**24,
-          "vocab": 2**24, "num_classes": 2**24, "image_size": 2**16, "channels": 2**12}
+          "vocab": 2**24, "num_classes": 2**24, "image_size": 2**16, "channels": 2**12, "experts": 2**16}
 
 
 def _segments(raw: Any, name: Any) -> tuple[Segment, ...]:
@@ -183,13 +211,12 @@ def block_profile(seg: Segment, spec: ModelSpec, flops_per_s: float, index: int)
     h_kv = h // a * kv
     s_att = min(seg.window or s, s)
     nbytes = DTYPE_BYTES[spec.dtype]
-    mlp_mats = 3 if spec.gated_mlp else 2
     attn_flops = 2 * s * h * (h + 2 * h_kv) + 4 * s * s_att * h + 2 * s * h * h
     n_attn = 2 if seg.cross_attention else 1
-    fwd = n_attn * attn_flops + 2 * mlp_mats * s * h * f
     attn_params = h * (h + 2 * h_kv) + h * h + (4 * h if spec.bias else 0)
-    params = n_attn * attn_params + mlp_mats * h * f + (f + h if spec.bias else 0) + (n_attn + 1) * 2 * h
-    mlp_act = 3 * s * h + (6 if spec.gated_mlp else 4) * s * f
+    mlp_params, mlp_flops, mlp_act, expert_params, tp_sizes = _mlp(spec, s, h, f)
+    fwd = n_attn * attn_flops + mlp_flops
+    params = n_attn * attn_params + mlp_params + (n_attn + 1) * 2 * h
     # Korthikanti: 11 s h + 5 a s s_att; with fused (flash) attention the a s s_att score/softmax/dropout
     # tensors are recomputed in backward and only the softmax statistics (4 bytes x a x s) are kept.
     attn_act = 11 * s * h + (4 * a * s / scale_for(spec) if spec.flash_attention else 5 * a * s * s_att)
@@ -204,7 +231,7 @@ def block_profile(seg: Segment, spec: ModelSpec, flops_per_s: float, index: int)
         params=int(params),
         activation_bytes=float(act_units * scale),
         output_bytes=float(carried * s * h * nbytes),
-        tp_degrees=_tp_degrees(a, kv, f),
+        tp_degrees=_tp_degrees(a, kv, *tp_sizes),
         tp_allreduces=2 * n_attn,
         activation_tp_fraction=max(0.0, min(1.0, split_units / act_units)),
         # the sequence dimension: a block's attention splits over cp by heads (Ulysses) or blocks (ring); a
@@ -213,7 +240,36 @@ def block_profile(seg: Segment, spec: ModelSpec, flops_per_s: float, index: int)
         attention_heads=a,
         kv_heads=kv if kv != a else None,
         sequence_parallel=True,
+        experts=spec.experts,
+        top_k=spec.top_k if spec.experts else 1,
+        expert_params=int(expert_params),
+        capacity_factor=spec.capacity_factor if spec.experts else None,
     )
+
+
+def _mlp(spec: ModelSpec, s: int, h: int, f: int) -> tuple[float, float, float, float, tuple[int, ...]]:
+    """A block's MLP: ``(params, forward FLOPs, activation units, expert params, FFN sizes TP must divide)``, dense
+    or a mixture of experts (module docstring)."""
+    mats = 3 if spec.gated_mlp else 2
+    per_f = 6 if spec.gated_mlp else 4  # activation units per FFN unit and token
+
+    def dense(ffn: int) -> tuple[float, float]:  # params, FLOPs of one MLP of FFN size ``ffn``
+        return mats * h * ffn + (ffn + h if spec.bias else 0), 2 * mats * s * h * ffn
+
+    if not spec.experts:
+        p, fl = dense(f)
+        return p, fl, 3 * s * h + per_f * s * f, 0, (f,)
+    E, k, fe, fsh = spec.experts, spec.top_k, spec.expert_ffn or f, spec.shared_expert_ffn
+    pe, fle = dense(fe)
+    params, flops = h * E + E * pe, 2 * s * h * E + k * fle
+    act = 3 * s * h + k * (2 * s * h + per_f * s * fe) + 4 * s * E / scale_for(spec)
+    sizes: tuple[int, ...] = (fe,)
+    if fsh:
+        psh, flsh = dense(fsh)
+        params, flops = params + psh + h, flops + flsh + 2 * s * h  # and its sigmoid gate
+        act += 2 * s * h + per_f * s * fsh
+        sizes = (fe, fsh)
+    return params, flops, act, E * pe, sizes
 
 
 def analytic_profile(spec: ModelSpec, cluster: Cluster) -> ModelProfile:

@@ -19,7 +19,9 @@ with ``dp_mode`` and added ``recompute``, ``compression`` and the plan-level ``c
 added ``virtual_stages`` and the schedules beyond ``gpipe`` / ``1f1b`` (``stages`` then lists ``pp *
 virtual_stages`` pipeline stages in chain order, each with the ranks of the device group the schedule places it
 on; the estimate's per-stage lists are per device group, ``boundary_s`` per stage boundary). Versions 1 and 2 read
-as version 3 with ``virtual_stages = 1``.
+as version 3 with ``virtual_stages = 1``. Version 4 added the sequence dimension (``cp``, ``cp_method``, ``sp``) and
+expert parallelism (``ep``: a mixture-of-experts layer's experts split over ``ep`` of its ``dp * cp`` replicas) per
+layer; earlier versions read with ``cp = ep = 1``.
 """
 
 from __future__ import annotations
@@ -502,7 +504,10 @@ def _layer_from_dict(x: Any, u: int, version: int) -> LayerPlan:
                                            cp,
                                            F.string(x.get("cp_method", "none"), f"{where}: cp_method")
                                            if version >= 4 else "none",
-                                           F.boolean(x.get("sp", False), f"{where}: sp") if version >= 4 else False))
+                                           F.boolean(x.get("sp", False), f"{where}: sp") if version >= 4 else False,
+                                           # format 4 also carries expert parallelism; earlier files had none
+                                           F.integer(x.get("ep", 1), f"{where}: ep", low=1, high=F.MAX_COUNT)
+                                           if version >= 4 else 1))
 
 
 def _numbers(value: Any, where: str, length: int, *, finite: bool = True) -> list[float]:

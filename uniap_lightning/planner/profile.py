@@ -29,7 +29,11 @@ One record per layer of the chain, in order::
          "sequence_length": 2048,       # tokens per sample along the sequence (absent: not split along it)
          "attention_heads": 32,         # heads of attention across the sequence (0: token-wise layer)
          "kv_heads": 8,                 # key/value heads (grouped-query attention; default attention_heads)
-         "sequence_parallel": true      # has a tensor-parallel plan with sequence parallelism (default false)
+         "sequence_parallel": true,     # has a tensor-parallel plan with sequence parallelism (default false)
+         "experts": 8,                  # experts of a mixture-of-experts layer (absent or 0: a dense layer)
+         "top_k": 2,                    # experts each token is routed to (default 1)
+         "expert_params": 1409286144,   # parameters inside the experts (part of params; default 0)
+         "capacity_factor": 1.25        # tokens an expert takes over its balanced share (absent: dropless)
         }, ...]
     }
 
@@ -62,6 +66,15 @@ which under context parallelism moves data: Ulysses (all-to-alls; ``a / tp`` div
 sequence-parallel form (norms and dropout on sequence shards; Korthikanti et al. 2022): its activations that tensor
 parallelism alone does not split are then split too. All four are written by the analytic profiles and by adapters
 that declare them; readers of ``format_version`` 1 that predate them ignore them.
+
+The expert fields (optional) describe a mixture-of-experts layer (a router sends each token to ``top_k`` of
+``experts`` experts): with ``experts`` the planner may split the experts over ``ep`` data-parallel ranks (expert
+parallelism; ``ep`` divides ``experts``), which divides the ``expert_params`` (the parameters inside the experts,
+counted in ``params`` too; the router, attention and shared experts are the rest) and their gradients and optimizer
+state by ``ep`` and moves every routed token by all-to-all (dispatch and combine, forward and backward).
+``capacity_factor`` is the layer's expert capacity over a balanced share (GShard / Switch): the dispatch buffers
+hold that many times the routed tokens (absent: dropless, the routed tokens alone). Readers that predate them ignore
+them (and never split the experts).
 
 When ``timings`` lists two or more micro-batch sizes, compute time for ``m`` samples is interpolated (and
 extrapolated) linearly between them instead of assuming ``m * forward_s``.
@@ -158,6 +171,14 @@ class LayerProfile:
     kv_heads: int | None = None
     #: the layer's tensor-parallel plan has a sequence-parallel form
     sequence_parallel: bool = False
+    #: experts of a mixture-of-experts layer (0: a dense layer); each token goes to ``top_k`` of them
+    experts: int = 0
+    top_k: int = 1
+    #: parameters inside the experts (part of ``params``): what expert parallelism splits
+    expert_params: int = 0
+    #: expert capacity over a balanced share (dispatch buffers of ``capacity_factor`` x the routed tokens); None:
+    #: dropless
+    capacity_factor: float | None = None
 
     def powersgd_dims(self) -> tuple[float, float]:
         """``(matrix_dims, vector_params)``: the profiled values, else every tensor taken as a square matrix."""
@@ -256,12 +277,15 @@ class ModelProfile:
             if not d["overheads"]:
                 del d["overheads"]
             for key in ("matrix_dims", "vector_params", "weight_grad_fraction", "backward_split_overhead",
-                        "sequence_length", "kv_heads"):
+                        "sequence_length", "kv_heads", "capacity_factor"):
                 if d[key] is None:
                     del d[key]
-            for key in ("attention_heads", "sequence_parallel"):  # written only where they say something
+            # written only where they say something
+            for key in ("attention_heads", "sequence_parallel", "experts", "expert_params"):
                 if not d[key]:
                     del d[key]
+            if not lp.experts and d["top_k"] == 1:
+                del d["top_k"]
             if not d["backward_peak_bytes"]:
                 del d["backward_peak_bytes"]
             layers.append(d)
@@ -402,6 +426,7 @@ def _layer_from_dict(item: Any, where: str) -> LayerProfile:
         backward_split_overhead=(_number(item, "backward_split_overhead", where, positive=True)
                                  if item.get("backward_split_overhead") is not None else None),
         **_sequence_fields(item, where),
+        **_expert_fields(item, where),
     )
 
 
@@ -418,6 +443,26 @@ def _sequence_fields(item: dict[str, Any], where: str) -> dict[str, Any]:
     heads, kv = out.get("attention_heads", 0), out.get("kv_heads")
     if kv is not None and (heads == 0 or heads % kv):
         raise UniAPError(f"{where}.kv_heads={kv} must divide attention_heads={heads} (grouped-query attention)")
+    return out
+
+
+def _expert_fields(item: dict[str, Any], where: str) -> dict[str, Any]:
+    """The optional expert fields (see the module docstring), checked against each other and ``params``."""
+    out: dict[str, Any] = {}
+    for key in ("experts", "top_k", "expert_params"):
+        if item.get(key) is not None:
+            out[key] = _number(item, key, where, integer=True, positive=key == "top_k")
+    if item.get("capacity_factor") is not None:
+        out["capacity_factor"] = _number(item, "capacity_factor", where, positive=True)
+    experts = out.get("experts", 0)
+    if experts and out.get("top_k", 1) > experts:
+        raise UniAPError(f"{where}.top_k={out['top_k']} must be at most experts={experts}")
+    if out.get("expert_params", 0) > item["params"]:
+        raise UniAPError(f"{where}.expert_params={out['expert_params']} must be at most params={item['params']} "
+                         "(the experts' parameters are part of the layer's)")
+    if not experts and (out.get("expert_params") or "capacity_factor" in out or out.get("top_k", 1) != 1):
+        raise UniAPError(f"{where}: top_k, expert_params and capacity_factor need 'experts' > 0 (a mixture-of-experts "
+                         "layer)")
     return out
 
 

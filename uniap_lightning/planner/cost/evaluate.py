@@ -55,6 +55,7 @@ def evaluate(problem: Problem, plan: Plan, *, check_strategies: bool = True) -> 
     strat = [lp.strategy for lp in plan.layers]
     if check_strategies:
         for u, (lp, s) in enumerate(zip(costs.layers, strat)):
+            s.check(f"plan layer {u} ({lp.name})", experts=lp.experts)  # ep against the layer's experts
             if s not in strategies_for(lp, n, cl, b, compression=COMPRESSIONS):
                 raise UniAPError(
                     f"plan layer {u} ({lp.name}): strategy dp={s.dp} tp={s.tp} is not allowed here "

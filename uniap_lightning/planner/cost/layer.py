@@ -26,6 +26,24 @@ replaces the gradient all-reduce: bf16 halves its bytes; PowerSGD rank ``r`` all
 ``n x k`` matrix in two rounds and the vectors uncompressed; top-k all-gathers ``8 k`` bytes per rank (``k =
 ratio * P``, at least one per tensor). Each adds the cluster's compression compute per element and, for PowerSGD
 and top-k, an fp32 error-feedback buffer (``4 P`` bytes; PowerSGD also its factors) to ``static_bytes``.
+
+Expert parallelism (a mixture-of-experts layer with ``E`` experts, ``top_k`` = k, ``expert_params``, under
+``ep > 1``; ``P_e = expert_params / t``, ``X = output_bytes x tokens x k x cf / t``, ``cf`` the capacity factor or
+1 when dropless):
+
+===================  ===========================================================================================
+term                 with ``ep`` (``ep = 1``: the rows above with ``P``)
+===================  ===========================================================================================
+memory, time, sync   the table above twice: ``P - P_e`` held alike by the ``d`` replicas, and ``P_e / ep`` held
+                     alike by the ``d / ep`` ranks at the same place of every ep group (``replicate`` when
+                     ``d = ep``): ZeRO modes shard each part over its own group, gradients are reduced over it
+all-to-all           ``4 x all_to_all_s(X, ep)`` per micro-batch (dispatch and combine, forward and backward;
+                     ``(ep - 1) / ep`` of ``X`` leaves each rank), over the node links when ``ep t`` exceeds a
+                     node; recomputation runs the forward pair again
+compute              unchanged (balanced routing: each rank runs ``tokens x k`` expert rows, as without ``ep``)
+===================  ===========================================================================================
+
+Measured overheads (timed with whole experts) are not used under ``ep > 1``; compression is not combined with it.
 """
 
 from __future__ import annotations
@@ -109,7 +127,8 @@ def _strategies(layer: LayerProfile, n: int, cluster: Cluster, micro_batch: int,
     micro-batch. ``c`` (context parallelism) needs the layer's ``sequence_length`` and a method
     (:func:`cp_methods`); sequence parallelism (``sp``) a layer with a sequence-parallel TP plan, ``t > 1`` and a
     sequence ``c t`` divides. With ``d * c > 1`` every ``dp_mode``; compression (methods in ``compression``
-    besides "none") only for replicate / zero1; recomputation on or off everywhere.
+    besides "none") only for replicate / zero1; recomputation on or off everywhere. A mixture-of-experts layer
+    also takes every expert-parallel degree ``ep`` of :func:`expert_degrees` (uncompressed gradients only).
     """
     dpn = cluster.devices_per_node
     out = []
@@ -128,9 +147,11 @@ def _strategies(layer: LayerProfile, n: int, cluster: Cluster, micro_batch: int,
                     comps = ([m for m in compression if m != "none"]
                              if d * c > 1 and mode in COMPRESSIBLE_DP_MODES else [])
                     for comp in ("none", *comps):
-                        for sp in sps:
-                            for rec in (False, True):
-                                out.append(Strategy(d, t, mode, rec, comp, c, method, sp))
+                        # experts split over the replicas only with uncompressed gradients
+                        for ep in expert_degrees(layer, d * c) if comp == "none" else (1,):
+                            for sp in sps:
+                                for rec in (False, True):
+                                    out.append(Strategy(d, t, mode, rec, comp, c, method, sp, ep))
     return tuple(out)
 
 
@@ -181,12 +202,46 @@ def _layer_cost(
     if s.recompute:  # the forward again in backward: its compute and its forward TP / CP communication
         compute += compute * layer.forward_fraction
         comm += (tp_comm + cp_comm) / 2
+    ep_comm = expert_parallel_s(layer, s, tokens, cluster)
+    comm += ep_comm
+    if s.recompute:  # the forward's dispatch and combine again
+        comm += ep_comm / 2
     inter = dp_group_inter_node(cluster, pr.n)
     P = layer.params / t  # parameters on one rank after tensor parallelism
+    # measured overheads were timed with whole sequences and whole experts: they stand for data parallelism alone
+    measured_ok = t == 1 and not inter and cp == 1 and s.ep == 1
+    # the parameters every replica holds (all of them without expert parallelism), then the experts' share of
+    # each of the ``ep`` ranks, held alike by the ``d / ep`` ranks at the same place of every ep group
+    Pe = layer.expert_params / t if s.ep > 1 else 0.0
+    comm_s, sync, static, transient = _state(layer, s, mode, P - Pe, d, inter, measured_ok, samples, cluster,
+                                             training, pr)
+    if s.ep > 1:
+        de = d // s.ep
+        ec, es, est, etr = _state(layer, s, mode if de > 1 else "replicate", Pe / s.ep, de, inter, False, samples,
+                                  cluster, training, pr)
+        comm_s, sync, static, transient = comm_s + ec, sync + es, static + est, transient + etr
+    comm += comm_s
+    sync += cluster.optimizer_s_per_tensor * layer.param_tensors
+    # sequence parallelism splits what tensor parallelism alone leaves whole (norms, dropout, residuals)
+    f = 1.0 if s.sp else layer.activation_tp_fraction
+    act = layer.activation_bytes * tokens * ((1 - f) + f / t)
+    # what the layer's backward adds at its peak (the gradients in and out, temporaries), split like activations
+    transient += layer.backward_peak_bytes * tokens * ((1 - f) + f / t)
+    if s.recompute:
+        # keeps only its input (whole on every TP rank, split over CP); its activations live again while it recomputes
+        transient += act
+        act = input_bytes * tokens
+    return LayerCost(compute + comm, compute, comm, sync, static, act, transient, weight_grad, split_extra)
+
+
+
+def _state(layer: LayerProfile, s: Strategy, mode: str, P: float, d: int, inter: bool, measured_ok: bool,
+           samples: float, cluster: Cluster, training: TrainingConfig, pr: Pricing) -> tuple[float, ...]:
+    """``(comm_s, sync_s, static_bytes, transient_bytes)`` of ``P`` parameters per rank held alike by ``d`` ranks
+    under ``mode`` (the table in the module docstring): per micro-batch communication (ZeRO-3's gathers), the
+    per-step gradient reduction, gathers and optimizer update, the bytes held, and ZeRO-3's gathered copy."""
     w, g, o = training.weight_bytes, training.grad_bytes, training.optimizer_bytes
-    sync = extra = 0.0
-    # measured overheads were timed with whole sequences: they stand for data parallelism alone
-    measured_ok = t == 1 and not inter and cp == 1
+    comm = sync = extra = 0.0
     if mode == "zero3":
         # measured inside a node for FSDP alone; FSDP x TP and groups across nodes use the formulas
         measured = layer.overhead_s("fsdp", d, samples) if measured_ok else None
@@ -208,7 +263,7 @@ def _layer_cost(
         # FSDP2 keeps the parameter shard (what the optimizer updates) beside the gathered copy
         static = P * w + P * (w + o + g) / d + (P * g if pr.accumulate else 0.0)
     elif mode == "zero1":
-        sync, extra = _gradient_sync(layer, s, P, d, inter, cluster, training, pr)
+        sync, extra = _gradient_sync(layer, s, P, d, inter, cluster, training, pr, measured_ok)
         measured = layer.overhead_s("zero1", d, pr.micro_batch / d) if measured_ok else None
         if measured is not None and s.compression == "none":
             # measured (profile overhead "zero1"): the whole step's all-reduce, shard update and gather
@@ -219,29 +274,18 @@ def _layer_cost(
         # gradient the optimizer reads, and the all-reduce bucket the whole gradient travels through
         static = P * (w + g) + P * (w + g + o) / d + P * g + extra
     else:
-        sync, extra = _gradient_sync(layer, s, P, d, inter, cluster, training, pr) if d > 1 else (0.0, 0.0)
+        sync, extra = (_gradient_sync(layer, s, P, d, inter, cluster, training, pr, measured_ok) if d > 1
+                       else (0.0, 0.0))
         # the runtime's persistent all-reduce buckets hold one more copy of a replicated layer's gradients
         # (runtime.data_parallel.ReplicatedGrads)
         static = P * (w + g + o) + (P * g if d > 1 else 0.0) + extra
     # the optimizer updates the parameters this rank holds, once per iteration, after the gradient sync
     sync += cluster.optimizer_s_per_param * P / (1 if mode == "replicate" else d)
-    sync += cluster.optimizer_s_per_tensor * layer.param_tensors
     # a ZeRO-3 layer's gathered parameters: a full copy beside the shard it keeps (counted in static)
-    transient = P * w if mode == "zero3" else 0.0
-    # sequence parallelism splits what tensor parallelism alone leaves whole (norms, dropout, residuals)
-    f = 1.0 if s.sp else layer.activation_tp_fraction
-    act = layer.activation_bytes * tokens * ((1 - f) + f / t)
-    # what the layer's backward adds at its peak (the gradients in and out, temporaries), split like activations
-    transient += layer.backward_peak_bytes * tokens * ((1 - f) + f / t)
-    if s.recompute:
-        # keeps only its input (whole on every TP rank, split over CP); its activations live again while it recomputes
-        transient += act
-        act = input_bytes * tokens
-    return LayerCost(compute + comm, compute, comm, sync, static, act, transient, weight_grad, split_extra)
-
+    return comm, sync, static, (P * w if mode == "zero3" else 0.0)
 
 def _gradient_sync(layer: LayerProfile, s: Strategy, P: float, d: int, inter: bool, cluster: Cluster,
-                   training: TrainingConfig, pr: Pricing) -> tuple[float, float]:
+                   training: TrainingConfig, pr: Pricing, measured_ok: bool = True) -> tuple[float, float]:
     """Seconds of a replicate / zero1 layer's per-step gradient reduction and the bytes its compressor keeps
     (error feedback): all-reduce of ``P g`` bytes, or its compressed form. Top-k with DGC's momentum correction
     (``dgc_momentum > 0``) also keeps its fp32 momentum (``4 P`` more). Steady state: the run-time warm-up
@@ -251,7 +295,7 @@ def _gradient_sync(layer: LayerProfile, s: Strategy, P: float, d: int, inter: bo
     if method == "none":
         # measured inside a node without TP (profile overhead "dp": the runtime's own bucketed all-reduce beside
         # the step's last backward, waited for; on CPU ranks sharing cores it also slows that backward)
-        measured = layer.overhead_s("dp", d, pr.micro_batch / d) if s.tp == 1 and s.cp == 1 and not inter else None
+        measured = layer.overhead_s("dp", d, pr.micro_batch / d) if measured_ok else None
         if measured is not None:
             return max(measured, 0.0), 0.0
         return all_reduce_s(cluster, P * training.grad_bytes, d, inter), 0.0
@@ -293,6 +337,27 @@ def context_parallel_s(layer: LayerProfile, s: Strategy, tokens: float, cluster:
         steps = (cp - 1) * (p2p_s(cluster, 2 * kv, inter) + 2 * p2p_s(cluster, 2 * kv, inter))
         return max(steps - compute_s, 0.0)
     return 2 * (2 * all_to_all_s(cluster, H, cp, inter) + 2 * all_to_all_s(cluster, kv, cp, inter))
+
+
+def expert_parallel_s(layer: LayerProfile, s: Strategy, tokens: float, cluster: Cluster) -> float:
+    """Per micro-batch (forward + backward), what a mixture-of-experts layer's tokens move with its experts split
+    over ``ep`` ranks: four all-to-alls (dispatch and combine in forward, their reverses in backward) over the ep
+    group, each rank holding ``X = output_bytes x tokens x top_k x cf / t`` bytes (its hidden states once per
+    routed slot, ``cf`` the capacity factor or 1 when dropless, split over the tensor-parallel ranks) of which
+    ``(ep - 1) / ep`` leave it (balanced routing). An ep group is ``ep`` consecutive replicas (stride ``t``): it
+    leaves a node when ``ep t`` exceeds one."""
+    ep = s.ep
+    if ep == 1 or not layer.experts:
+        return 0.0
+    X = layer.output_bytes * tokens * layer.top_k * (layer.capacity_factor or 1.0) / s.tp
+    return 4 * all_to_all_s(cluster, X, ep, ep * s.tp > cluster.devices_per_node)
+
+
+def expert_degrees(layer: LayerProfile, replicas: int) -> tuple[int, ...]:
+    """The ``ep`` a layer may take with ``replicas`` ranks holding the same weights: 1, and for a
+    mixture-of-experts layer every divisor of ``replicas`` that divides its expert count."""
+    E = layer.experts
+    return (1,) + tuple(e for e in range(2, replicas + 1) if replicas % e == 0 and E % e == 0) if E else (1,)
 
 
 def _layout(x: int | tuple[int, int]) -> tuple[int, int]:
