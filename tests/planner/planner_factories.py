@@ -97,3 +97,27 @@ def forced_problem(seed: int, *, memory_gib: float, activation_scale: float, par
               for lp in base.model.layers]
     return Problem(ModelProfile("forced", layers), base.cluster, base.training, compression=base.compression,
                    compression_options=base.compression_options)
+
+
+def moe_problem(seed: int, *, num_layers: int, nodes: int, per_node: int, memory_gib: float, batch: int = 8,
+                schedule: str = "1f1b") -> Problem:
+    """:func:`random_problem` with mixture-of-experts layers: every odd layer holds 2, 4 or 8 experts (top-1 or
+    top-2, most of its parameters inside them, a capacity factor on some), and on odd seeds the cluster has a
+    measured all-to-all table, so expert parallelism has something to win (memory, gradient sync) and to pay."""
+    base = random_problem(seed, num_layers=num_layers, nodes=nodes, per_node=per_node, batch=batch,
+                          schedule=schedule, memory_gib=memory_gib)
+    rng = random.Random(10_000 + seed)
+    layers = []
+    for u, lp in enumerate(base.model.layers):
+        if u % 2:
+            E = rng.choice([2, 4, 8])
+            lp = replace(lp, experts=E, top_k=rng.choice([1, 2]), expert_params=int(lp.params * rng.uniform(0.6, 0.95)),
+                         capacity_factor=rng.choice([None, 1.25]))
+        layers.append(lp)
+    cluster = base.cluster
+    if seed % 2:
+        cluster = replace(cluster, collective_tables={"all_to_all": {
+            "intra": {2: {"bw_gbps": rng.uniform(1, 50), "latency_us": rng.uniform(5, 50)},
+                      4: {"bw_gbps": rng.uniform(1, 50), "latency_us": rng.uniform(5, 50)}},
+            "inter": {4: {"bw_gbps": rng.uniform(0.5, 5), "latency_us": rng.uniform(10, 100)}}}})
+    return Problem(ModelProfile("moe", layers), cluster, base.training)
