@@ -22,7 +22,7 @@ from uniap_lightning.planner.analytic import ModelSpec, analytic_profile
 from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.planner.config import cluster_from
 from uniap_lightning.planner.cost import evaluate
-from uniap_lightning.planner.cost.comm import all_gather_s, all_reduce_s, reduce_scatter_s
+from uniap_lightning.planner.cost.comm import all_gather_s, all_reduce_s, all_to_all_s, reduce_scatter_s
 from uniap_lightning.planner.cost.layer import Pricing, expert_parallel_s, layer_cost, strategies_for
 from uniap_lightning.planner.decision import Strategy
 from uniap_lightning.planner.plan import Plan
@@ -298,3 +298,20 @@ def test_uniap_plan_mixtral_picks_expert_parallelism(tmp_path):
     assert "+ep" in res.stdout
     layers = json.loads(out.read_text())["layers"]
     assert any(x["ep"] > 1 for x in layers) and all(8 % x["ep"] == 0 for x in layers)
+
+
+def test_setup_measurement_fits_all_to_all_and_the_planner_prices_with_it():
+    """``profiling.collectives`` times ``all_to_all_single`` like the other ops; its alpha-beta fit (each rank
+    keeps ``1 / p`` of its buffer) lands in the cluster's ``collective_tables`` and prices the expert all-to-alls."""
+    from uniap_lightning.profiling.collectives import _fit, apply_to_cluster
+
+    p, alpha, bw = 4, 30e-6, 5e9
+    sizes = (1 << 12, 1 << 22)
+    times = tuple((p - 1) * alpha + (p - 1) / p * s / bw for s in sizes)
+    got_bw, got_lat = _fit("all_to_all", p, sizes, times)
+    assert got_bw == pytest.approx(bw / 1e9, rel=1e-6) and got_lat == pytest.approx(alpha * 1e6, rel=1e-6)
+    base = Cluster(name="m", nodes=1, devices_per_node=4, memory_gib=8, peak_tflops=1)
+    measured = {"ops": {"all_to_all": {4: {"bw_gbps": got_bw, "latency_us": got_lat, "inter_node": False}}}}
+    cl = apply_to_cluster(base, measured)
+    assert all_to_all_s(cl, 1e8, 4, False) == pytest.approx(3 * alpha + 3 / 4 * 1e8 / bw, rel=1e-6)
+    assert all_to_all_s(cl, 1e8, 4, False) != pytest.approx(all_to_all_s(base, 1e8, 4, False))

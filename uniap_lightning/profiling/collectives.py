@@ -3,7 +3,8 @@
 Call :func:`measure_collectives` on every rank of an initialized ``torch.distributed`` process group. For each
 group size ``p`` (powers of two up to the world size; the first ``p`` consecutive ranks, so a group inside one
 node while ``p`` fits a node, and across nodes beyond) it times all-reduce, all-gather, reduce-scatter and
-point-to-point at two message sizes (median of ``repeats`` after a warm-up) and fits the alpha-beta model of
+point-to-point (and all-to-all: ``all_to_all_single`` with equal splits, what expert parallelism's dispatch and
+combine run) at two message sizes (median of ``repeats`` after a warm-up) and fits the alpha-beta model of
 :mod:`uniap_lightning.planner.cost.comm`: ``t(S) = k_lat * alpha + k_bw * S / bw``. Every op's fit becomes the cluster's
 ``collective_tables`` (:func:`apply_to_cluster`), so the planner prices each collective with its own measured
 figures; the all-reduce fit also fills ``bandwidth_tables`` and the flat latencies (display, older readers).
@@ -34,7 +35,7 @@ def _coefficients(op: str, p: int) -> tuple[float, float]:
     """(latency multiplier, bandwidth multiplier) of the ring model for one op over p ranks."""
     if op == "all_reduce":
         return 2 * (p - 1), 2 * (p - 1) / p
-    if op in ("all_gather", "reduce_scatter"):
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
         return p - 1, (p - 1) / p
     return 1.0, 1.0  # p2p
 
@@ -83,7 +84,8 @@ def measure_collectives(
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     sizes = [p for p in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if p <= world]
     groups = {p: dist.new_group(list(range(p))) for p in sizes}  # collective: every rank creates every group
-    ops: dict[str, dict[int, dict[str, float]]] = {"all_reduce": {}, "all_gather": {}, "reduce_scatter": {}, "p2p": {}}
+    ops: dict[str, dict[int, dict[str, float]]] = {"all_reduce": {}, "all_gather": {}, "reduce_scatter": {},
+                                                    "all_to_all": {}, "p2p": {}}
     for p in sizes:
         group = groups[p]
         member = rank < p
@@ -99,6 +101,8 @@ def measure_collectives(
                 ("all_reduce", lambda: dist.all_reduce(full, group=group)),
                 ("all_gather", lambda: _all_gather(gathered, own, group)),
                 ("reduce_scatter", lambda: _reduce_scatter(shard, full, group)),
+                # expert parallelism's dispatch / combine (runtime.experts): equal splits of the whole buffer
+                ("all_to_all", lambda: dist.all_to_all_single(gathered, full, group=group)),
             ):
                 # only the group's members time it, so the barrier is the group's (a world barrier that only
                 # some ranks reach would hang the others, which go on to the next group)
