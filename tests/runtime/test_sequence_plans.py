@@ -108,3 +108,40 @@ def test_heads_not_divisible_is_refused_before_any_collective() -> None:
         check_plan_executable(_plan([CP2] * 4), chain)
     with pytest.raises(UniAPError, match="sp=true needs a sequence-parallel tensor-parallel plan"):
         check_plan_executable(_plan([{"tp": 2, "sp": True}] + [{"tp": 2}] * 3), chain)
+
+
+def _plan4(strategies: list[Any], stages: list[int] | None = None, **kw: Any) -> Any:
+    return _plan(strategies, stages, world=4, **kw)
+
+
+FOUR_RANKS = {
+    "dp2_cp2": {**GPT, "plan": _plan4([{"dp": 2, "cp": 2}] * 4)},
+    "cp2_pp2": {**GPT, "plan": _plan4([CP2] * 4, [0, 0, 1, 1], pp=2, microbatches=2)},
+}
+FOUR_RANKS_SLOW = {
+    # (no sequence split) a vocabulary-parallel embedding replicated over dp: DTensor's replicated gradient is kept
+    # as the weight's shard (tensor_parallel.grads_like_params)
+    "dp2_tp2": {**GPT, "plan": _plan4([{"dp": 2, "tp": 2}] * 4)},
+    "cp2_tp2_sp": {**GPT, "plan": _plan4([{"cp": 2, "tp": 2}, {"cp": 2, "tp": 2, "sp": True},
+                                          {"cp": 2, "tp": 2, "sp": True}, {"cp": 2, "tp": 2}])},
+    # layouts (1, 2, 2) and (2, 2, 1) order the sequence pieces differently: the relayout gathers whole sequences
+    "cp2_tp2_next_to_dp2_cp2": {**GPT, "plan": _plan4([{"dp": 2, "cp": 2}, {"cp": 2, "tp": 2, "sp": True},
+                                                       {"dp": 4}, {"cp": 4}], microbatches=2)},
+    "dp2_cp2_zero3_rc": {**GPT, "plan": _plan4([{"dp": 2, "cp": 2, "dp_mode": "zero3", "recompute": True}] * 4)},
+    "cp2_tp2_zero2_rc": {**GPT, "plan": _plan4([{"cp": 2, "tp": 2, "dp_mode": "zero2", "recompute": True}] * 4)},
+    "llama_dp2_cp2_pp": {"module": {"lm": "llama"}, "plan": _plan4([{"dp": 1, "cp": 2}] * 4, [0, 1, 1, 1], pp=2,
+                                                                   microbatches=2)},
+}
+
+
+@pytest.mark.parametrize("name", list(FOUR_RANKS))
+def test_four_ranks_match_one_process(spawn_cases: Any, name: str) -> None:
+    results = spawn_cases(4, FOUR_RANKS, "sequence_plans4")
+    h.assert_close_to_reference(results, name, h.reference_for(FOUR_RANKS[name]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(FOUR_RANKS_SLOW))
+def test_four_ranks_more_sequence_plans(spawn_cases: Any, name: str) -> None:
+    results = spawn_cases(4, FOUR_RANKS_SLOW, "sequence_plans4_slow")
+    h.assert_close_to_reference(results, name, h.reference_for(FOUR_RANKS_SLOW[name]))

@@ -70,10 +70,13 @@ def apply_sp(layer: nn.Module, name: str, tp_mesh: DeviceMesh, *, plan: dict[str
     if plan is None and not hasattr(layer, "uniap_sp_plan"):
         raise UniAPError(f"layer '{name}' ({type(layer).__name__}) has no sequence-parallel plan (uniap_sp_plan)")
     check_tp_supported(layer, name, tp)
+    from uniap_lightning.runtime.tensor_parallel import grads_like_params
+
     parallelize_module(layer, tp_mesh, plan if plan is not None else layer.uniap_sp_plan(tp))
     for p in layer.parameters():
         if p.requires_grad and hasattr(p, "placements") and all(pl.is_replicate() for pl in p.placements):
             p.register_post_accumulate_grad_hook(_sum_partial_grad)
+    grads_like_params(layer)
 
 
 def _sum_partial_grad(p: Any) -> None:

@@ -110,3 +110,21 @@ def apply_tp(layer: nn.Module, name: str, tp_mesh: DeviceMesh) -> None:
         parallelize_module(layer, tp_mesh, plan[""])
     else:
         parallelize_module(layer, tp_mesh, plan)
+    grads_like_params(layer)
+
+
+def grads_like_params(layer: nn.Module) -> None:
+    """Keep each tensor-parallel weight's gradient in the weight's layout: DTensor hands a vocabulary-parallel
+    embedding (``Shard(0)`` weight) a *replicated* gradient, whose local tensor is then the whole gradient, not this
+    rank's shard (data-parallel buckets, clipping and checkpoints read local tensors). Keeping the shard is a local
+    slice."""
+    for p in layer.parameters():
+        if p.requires_grad and hasattr(p, "placements"):
+            p.register_post_accumulate_grad_hook(_grad_like_param)
+
+
+def _grad_like_param(p: Any) -> None:
+    grad = p.grad
+    if grad is not None and hasattr(grad, "placements") and tuple(grad.placements) != tuple(p.placements) and \
+            not any(pl.is_partial() for pl in grad.placements):
+        p.grad = grad.redistribute(placements=p.placements)
