@@ -264,3 +264,24 @@ def test_a_plan_whose_grid_does_not_cover_the_stage_is_refused():
     layer["cp"] = layer["cp"] * 2
     with pytest.raises(UniAPError, match=r"dp\*cp\*tp = .* != devices per stage"):
         Plan.from_dict(doc)
+
+
+def test_sequence_layouts_are_dropped_only_when_the_batch_can_take_every_rank():
+    """When every micro-batch splits over all the ranks a sequence split would use, data parallelism gives each
+    layer the same compute and memory without the attention's all-to-alls: the tables drop every cp > 1 strategy
+    (exact, see ``CostTables._drop_dominated_sequence_layouts``); with one sample per micro-batch they stay."""
+    wide = _sequence_problem(0, 3, 4, 40.0, ring=False, batch=8)
+    t = CostTables(wide, 1, 1, schedule="1f1b")
+    assert all(k.cp == 1 for ks in t.strategies for k in ks)
+    assert any(k.cp > 1 for ks in CostTables(wide, 1, 1, schedule="1f1b", prune=False).strategies for k in ks)
+    narrow = CostTables(_sequence_problem(0, 3, 4, 40.0, ring=False, batch=1), 1, 1, schedule="1f1b")
+    assert any(k.cp > 1 for ks in narrow.strategies for k in ks)
+
+
+def test_zero_bubble_schedules_refuse_zero_modes_over_context_ranks_too():
+    """The split backward's refusals (planner.schedule_rules) count the ranks holding the same weights, data and
+    context parallel: ZeRO-2 over cp ranks alone is refused like over data ranks."""
+    from uniap_lightning.planner.schedule_rules import unsupported
+
+    assert unsupported("zb_h1", Strategy(1, 1, "zero2", cp=2, cp_method="ulysses")) is not None
+    assert unsupported("zb_h1", Strategy(1, 1, "replicate", cp=2, cp_method="ulysses")) is None

@@ -113,12 +113,19 @@ def plan_renderables(plan: Plan, *, title: str | None = None) -> Group:
         stages.add_row(label, spans, ranks, strat, t, sync, mem)
 
     layers = Table(title="Per-layer strategy (consecutive equal layers folded)", title_justify="left")
-    for col in ("layers", "stage", "dp", "tp", "dp mode", "recompute", "compression"):
+    # the sequence columns only where some layer splits its sequence (context or sequence parallelism)
+    sequence = any(lp.strategy.cp > 1 or lp.strategy.sp for lp in plan.layers)
+    cols = ("layers", "stage", "dp", *(("cp", "cp method") if sequence else ()), "tp", *(("sp",) if sequence else ()),
+            "dp mode", "recompute", "compression")
+    for col in cols:
         layers.add_column(col)
     for a, b, lp in runs:
-        kind = "-" if lp.strategy.dp == 1 else DP_MODE_LABELS[lp.strategy.dp_mode]
-        layers.add_row(_range(names, a, b), str(lp.stage), str(lp.strategy.dp), str(lp.strategy.tp), kind,
-                       "yes" if lp.strategy.recompute else "-", lp.strategy.compression if lp.strategy.compression != "none" else "-")
+        s = lp.strategy
+        kind = "-" if s.replicas == 1 else DP_MODE_LABELS[s.dp_mode]
+        seq_cp = (str(s.cp), s.cp_method if s.cp > 1 else "-") if sequence else ()
+        seq_sp = ("yes" if s.sp else "-",) if sequence else ()
+        layers.add_row(_range(names, a, b), str(lp.stage), str(s.dp), *seq_cp, str(s.tp), *seq_sp, kind,
+                       "yes" if s.recompute else "-", s.compression if s.compression != "none" else "-")
 
     parts = [head, stages, layers]
     schedules = schedule_table(plan)

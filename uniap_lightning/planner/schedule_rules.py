@@ -30,7 +30,7 @@ _REFUSED: dict[str, str] = {
 def _features(strategy: Any) -> list[str]:
     """The features of a per-layer Strategy record that the rules name."""
     out = []
-    if strategy.dp > 1:
+    if strategy.replicas > 1:  # data and context-parallel ranks holding the same weights
         out.append(strategy.dp_mode)
     if strategy.tp > 1:
         out.append("tensor parallelism")

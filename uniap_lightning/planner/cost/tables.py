@@ -263,6 +263,37 @@ class CostTables(CandidateCosts):
             ks, cs = seen[key]
             self.strategies.append(ks)
             self.cost.append(cs)
+        if prune:
+            self._drop_dominated_sequence_layouts(split_time=problem.cluster.rank_speed is not None)
+
+    def _drop_dominated_sequence_layouts(self, *, split_time: bool) -> None:
+        """Drop every context-parallel strategy (``cp > 1``) when each one, in every layer, is dominated by a
+        strategy of the same layer that puts its ``dp x cp`` ranks on the batch instead (layout ``(dp cp, 1)``:
+        what happens whenever the micro-batch splits that far and attention only adds its all-to-alls).
+
+        Exact: map every layer's layout ``(d, c)`` to ``(d c, 1)``; each layer's terms do not grow (dominance), and
+        neither does any resharding, since between batch-only layouts it is one all-gather of ``S / min`` over
+        ``max / min`` ranks, no more than the gathers from the common coarsening ``k <= min`` that
+        :func:`~uniap_lightning.planner.cost.layer.reshard_s` charges a pair with a sequence split (larger pieces
+        over more ranks). Only all at once: a pair of two sequence layouts can cost less than its image."""
+        if not any(k.cp > 1 for ks in self.strategies for k in ks):
+            return
+        for ks, cs in zip(self.strategies, self.cost):
+            by_layout: dict[tuple[int, int], list[tuple[float, ...]]] = {}
+            for k, c in zip(ks, cs):
+                if k.cp == 1:
+                    by_layout.setdefault(k.layout, []).append(_vector(c, split_time))
+            for k, c in zip(ks, cs):
+                if k.cp == 1:
+                    continue
+                vec = _vector(c, split_time)
+                rivals = by_layout.get((k.dp * k.cp, 1), [])
+                if not any(all(a <= b for a, b in zip(r, vec)) for r in rivals):
+                    return  # some sequence split may pay: keep them all
+        for u, (ks, cs) in enumerate(zip(self.strategies, self.cost)):
+            keep = [j for j, k in enumerate(ks) if k.cp == 1]
+            self.strategies[u] = [ks[j] for j in keep]
+            self.cost[u] = [cs[j] for j in keep]
 
     @property
     def feasible_shape(self) -> bool:
@@ -294,19 +325,18 @@ def _vector(c: LayerCost, split_time: bool = False) -> tuple[float, ...]:
 
 
 def undominated(strategies: list[Strategy], costs: list[LayerCost], *, split_time: bool = False) -> list[int]:
-    """Indices of the strategies no other strategy with the same ``d`` dominates (ties: the first one stays).
-    ``split_time``: compare compute and communication separately (stages of different speeds scale only the
-    compute, so a smaller total alone does not dominate)."""
+    """Indices of the strategies no other strategy with the same layout ``(dp, cp)`` dominates (ties: the first one
+    stays). ``split_time``: compare compute and communication separately (stages of different speeds scale only
+    the compute, so a smaller total alone does not dominate)."""
     vec = [_vector(c, split_time) for c in costs]
+    groups: dict[tuple[int, int], list[int]] = {}
+    for j, s in enumerate(strategies):
+        groups.setdefault(s.layout, []).append(j)
     keep = []
-    for j, (s, v) in enumerate(zip(strategies, vec)):
-        dominated = False
-        for i, (s2, v2) in enumerate(zip(strategies, vec)):
-            if i == j or s2.layout != s.layout:
-                continue
-            if all(a <= b for a, b in zip(v2, v)) and (v2 != v or i < j):
-                dominated = True
-                break
-        if not dominated:
-            keep.append(j)
-    return keep
+    for members in groups.values():
+        for j in members:
+            v = vec[j]
+            if not any(i != j and all(a <= b for a, b in zip(vec[i], v)) and (vec[i] != v or i < j)
+                       for i in members):
+                keep.append(j)
+    return sorted(keep)
