@@ -110,6 +110,19 @@ def test_heads_not_divisible_is_refused_before_any_collective() -> None:
         check_plan_executable(_plan([{"tp": 2, "sp": True}] + [{"tp": 2}] * 3), chain)
 
 
+def test_sequence_length_the_plan_cannot_split_is_refused() -> None:
+    import torch
+
+    from uniap_lightning.errors import UniAPError
+    from uniap_lightning.runtime.sequence import check_sequence_length, sequence_multiple
+
+    plan = _plan4([{"cp": 2, "tp": 2, "sp": True}, {"dp": 4}, {"cp": 4}, {"cp": 2, "tp": 2}])
+    assert sequence_multiple(plan) == 4
+    check_sequence_length(plan, torch.zeros(8, 12, dtype=torch.long))
+    with pytest.raises(UniAPError, match="sequence length 6 is not divisible by 4.*pad sequences to a multiple of 4"):
+        check_sequence_length(plan, torch.zeros(8, 6, dtype=torch.long))
+
+
 def _plan4(strategies: list[Any], stages: list[int] | None = None, **kw: Any) -> Any:
     return _plan(strategies, stages, world=4, **kw)
 
@@ -145,3 +158,39 @@ def test_four_ranks_match_one_process(spawn_cases: Any, name: str) -> None:
 def test_four_ranks_more_sequence_plans(spawn_cases: Any, name: str) -> None:
     results = spawn_cases(4, FOUR_RANKS_SLOW, "sequence_plans4_slow")
     h.assert_close_to_reference(results, name, h.reference_for(FOUR_RANKS_SLOW[name]))
+
+
+# ---------------------------------------------------------------------------------------------- profiles
+def test_measured_profile_declares_the_sequence_and_the_planner_offers_cp_and_sp() -> None:
+    """The GPT and Llama chains' profiles carry sequence_length / heads / sequence_parallel from the adapters'
+    uniap_sequence(), so the search offers Ulysses cp and sp on their layers (and only cp 1 without them)."""
+    import torch
+
+    from uniap_lightning.planner.cost.layer import strategies_for
+    from uniap_lightning.planner.profile import ModelProfile
+    from uniap_lightning.profiling.module import profile_chain
+    from uniap_lightning.runtime import extract_chain
+    from uniap_lightning.runtime.planning import local_cluster
+    from uniap_lightning.runtime.tensor_parallel import tp_degrees
+
+    cluster = local_cluster(nodes=1, devices_per_node=4, device_type="cpu")
+    ids = torch.randint(0, h.VOCAB, (4, h.SEQ), generator=torch.Generator().manual_seed(0))
+    for kind, heads, kv in (("gpt", 4, 4), ("llama", 4, 2)):
+        chain = extract_chain(h.make_lm_module(kind))
+        prof = profile_chain(chain.layers, chain.names, ids, repeats=1, micro_batches=[4],
+                             tp_degrees=[tp_degrees(m) for m in chain.layers])
+        again = ModelProfile.from_dict(prof.to_dict())  # the fields survive the file format
+        emb, block, head = again.layers[0], again.layers[1], again.layers[3]
+        assert (emb.sequence_length, emb.attention_heads, emb.sequence_parallel) == (h.SEQ, 0, False), kind
+        assert (block.sequence_length, block.attention_heads, block.kv_heads, block.sequence_parallel) == \
+            (h.SEQ, heads, kv, True), kind
+        assert head.sequence_length == h.SEQ and head.attention_heads == 0
+        offered = strategies_for(block, 4, cluster, 8)
+        assert {(s.cp, s.cp_method) for s in offered} == {(1, "none"), (2, "ulysses"), (4, "ulysses")}, kind
+        assert any(s.sp and s.tp == 2 for s in offered) and not any(s.cp_method == "ring" for s in offered)
+    # a chain that declares nothing: no sequence fields, no cp
+    module = h.make_module()
+    chain = extract_chain(module)
+    prof = profile_chain(chain.layers, chain.names, torch.randn(4, h.IN), repeats=1, micro_batches=[4])
+    assert all(lp.sequence_length is None for lp in prof.layers)
+    assert {s.cp for s in strategies_for(prof.layers[1], 2, cluster, 8)} == {1}

@@ -36,7 +36,7 @@ def profile_chain(layers: Sequence[nn.Module], names: Sequence[str], sample_inpu
     reason = why_no_input or "no sample batch"
     if sample_input is not None:
         try:
-            return profile_layers(layers, names, sample_input, **options)
+            return with_sequence_fields(profile_layers(layers, names, sample_input, **options), layers, sample_input)
         except ProfilingUnavailable as err:
             reason = str(err)
     warnings.warn(
@@ -49,10 +49,47 @@ def profile_chain(layers: Sequence[nn.Module], names: Sequence[str], sample_inpu
     from uniap_lightning.runtime.payload import flatten, is_payload
 
     device_type = flatten(sample_input)[0].device.type if is_payload(sample_input) else "cpu"
-    return structural_profile(layers, names, sample_input, device_type=device_type, reason=reason, **kept)
+    return with_sequence_fields(
+        structural_profile(layers, names, sample_input, device_type=device_type, reason=reason, **kept),
+        layers, sample_input)
+
+
+def sample_sequence_length(sample_input: Any) -> int | None:
+    """The sample's tokens per sequence: dim 1 of its first tensor with two or more dimensions (``None``: none)."""
+    from uniap_lightning.runtime.payload import flatten, is_payload
+
+    if sample_input is None or not is_payload(sample_input):
+        return None
+    for t in flatten(sample_input):
+        if t.dim() >= 2:
+            return int(t.shape[1])
+    return None
+
+
+def with_sequence_fields(profile: ModelProfile, layers: Sequence[nn.Module], sample_input: Any) -> ModelProfile:
+    """The profile's sequence fields (``sequence_length``, ``attention_heads``, ``kv_heads``,
+    ``sequence_parallel``; :mod:`uniap_lightning.planner.profile`) from each layer's ``uniap_sequence()``
+    declaration (:func:`uniap_lightning.runtime.sequence.sequence_info`) and the sample's sequence length, so the
+    planner may split the sequence (cp) or run sequence parallelism (sp) on the layers that declare them. Layers
+    that declare nothing, or a sample without a sequence dimension, leave the fields out."""
+    from dataclasses import replace
+
+    from uniap_lightning.runtime.sequence import sequence_info
+
+    length = sample_sequence_length(sample_input)
+    if length is None:
+        return profile
+    out = []
+    for lp, layer in zip(profile.layers, layers, strict=True):
+        info = sequence_info(layer)
+        if info is not None:
+            lp = replace(lp, sequence_length=length, attention_heads=info["attention_heads"],
+                         kv_heads=info["kv_heads"], sequence_parallel=info["sequence_parallel"])
+        out.append(lp)
+    return replace(profile, layers=out)
 
 
 __all__ = [
     "NOMINAL_FLOPS", "ProfilingUnavailable", "default_micro_batches", "median_over_ranks", "profile_chain",
-    "profile_layers", "structural_profile", "structure_key", "training_state_kept",
+    "profile_layers", "structural_profile", "structure_key", "training_state_kept", "with_sequence_fields",
 ]

@@ -364,3 +364,30 @@ def check_sequence_strategy(layer: nn.Module, name: str, *, cp: int, cp_method: 
                              f"not {cp_method!r}")
     if heads:
         check_ulysses(heads=heads, cp=cp, tp=tp, name=where)
+
+
+def sequence_multiple(plan: Any) -> int:
+    """What every sequence's length must be a multiple of under ``plan``: the lcm over its layers of ``cp``
+    (``cp x tp`` where sequence parallelism splits each cp piece again)."""
+    import math
+
+    out = 1
+    for lp in plan.layers:
+        st = lp.strategy
+        out = math.lcm(out, st.cp * (st.tp if st.sp else 1))
+    return out
+
+
+def check_sequence_length(plan: Any, x: Any) -> None:
+    """Refuse, in one line and on every rank alike (all load the same batch), a batch whose sequences the plan's
+    context / sequence parallelism cannot split evenly."""
+    from uniap_lightning.runtime.payload import flatten, is_payload
+
+    multiple = sequence_multiple(plan)
+    if multiple == 1 or not is_payload(x):
+        return
+    seq = next((t for t in flatten(x) if t.dim() >= 2), None)
+    if seq is not None and seq.shape[1] % multiple:
+        raise UniAPError(
+            f"the batch's sequence length {seq.shape[1]} is not divisible by {multiple}, the pieces the plan's "
+            f"context / sequence parallelism splits each sequence into; pad sequences to a multiple of {multiple}")

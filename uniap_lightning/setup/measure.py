@@ -141,7 +141,7 @@ class Measurements:
             layers=chain.layers, names=chain.names, input_shape=input_shape(x), input_dtype=input_dtype(x),
             device=device_name(r.device), nodes=r.num_nodes, devices_per_node=r.devices_per_node,
             settings={"repeats": o.profile_repeats, "micro_batches": o.profile_micro_batches, "overheads": everywhere,
-                      "loss": loss_code(chain.loss_fn)},
+                      "loss": loss_code(chain.loss_fn), **_sequence_setting(chain)},
             precision=self.precision, tp_degrees=[tp_degrees(m) for m in chain.layers],
             tp_allreduces=[tp_allreduces(m) for m in chain.layers],
         )
@@ -281,3 +281,12 @@ def _int_group_sizes(measured: dict[str, Any]) -> dict[str, Any]:
     out = dict(measured)
     out["ops"] = {op: {int(p): rec for p, rec in recs.items()} for op, recs in measured["ops"].items()}
     return out
+
+
+def _sequence_setting(chain: Chain) -> dict[str, Any]:
+    """The layers' sequence declarations, in the profile's cache key only where some layer declares one (profiles
+    measured before the fields existed lack them; keys of chains that declare nothing stay as they were)."""
+    from uniap_lightning.runtime.sequence import sequence_info
+
+    infos = [sequence_info(m) for m in chain.layers]
+    return {"sequence": infos} if any(i is not None for i in infos) else {}
