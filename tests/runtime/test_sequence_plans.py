@@ -53,6 +53,7 @@ TWO_RANKS = {
     "gpt_cp2_zero2_rc": {**GPT, "plan": _plan([{"cp": 2, "dp_mode": "zero2", "recompute": True}, CP2] * 2,
                                               microbatches=2)},
     "llama_cp2": {"module": {"lm": "llama"}, "plan": _plan([CP2] * 4)},
+    "gpt2_cp2": {"module": {"lm": "gpt2"}, "plan": _plan([CP2, ONE, CP2, CP2], microbatches=2)},
     # checkpoints: saved under cp/sp, resumed without them, and the other way round
     "save_cp_sp": {**GPT, "plan": CP_SP, "epochs": 1, "save": "cp_sp.ckpt"},
     "save_plain": {**GPT, "plan": PLAIN, "epochs": 1, "save": "plain.ckpt"},

@@ -91,6 +91,23 @@ class GPT2BlockLayer(nn.Module):
         out = self.block(hidden)
         return out[0] if isinstance(out, tuple) else out
 
+    def uniap_sequence(self) -> dict[str, Any]:
+        heads = self.block.attn.num_heads
+        return {"attention_heads": heads, "kv_heads": heads, "sequence_parallel": False}
+
+    def uniap_cp_methods(self) -> list[str]:
+        return ["ulysses"]
+
+    def uniap_enable_cp(self, group: Any, *, method: str = "ulysses", counter: Any = None) -> None:
+        """Ulysses over ``group`` through transformers' attention interface (:mod:`.families.sequence_hf`)."""
+        import torch.distributed as dist
+
+        from uniap_lightning.adapters.families.sequence_hf import switch_attention
+        from uniap_lightning.runtime.sequence import check_ulysses
+
+        check_ulysses(heads=self.block.attn.num_heads, cp=dist.get_world_size(group), name="GPT2BlockLayer (ulysses)")
+        switch_attention(self.block.attn, group, counter=counter)
+
 
 class NormHead(nn.Module):
     """Final norm + LM head; tensor parallel over the vocabulary (logits gathered)."""

@@ -1,7 +1,7 @@
 """Ulysses context parallelism for Hugging Face decoders through transformers' ``AttentionInterface``.
 
-:func:`enable_hf_ulysses` switches the attention of a chain's decoder layers (today: the Llama chain of
-:func:`uniap_lightning.adapters.hf.llama_layers`) to the registered ``"uniap_ulysses"`` attention function, which
+:func:`enable_hf_ulysses` switches the attention of a chain's decoder layers (the Llama chain of
+:func:`uniap_lightning.adapters.hf.llama_layers`; GPT-2 blocks through :func:`switch_attention`) to the registered ``"uniap_ulysses"`` attention function, which
 runs :func:`uniap_lightning.runtime.sequence.ulysses_attention` over the group stored on each attention module, and
 gives the rotary embeddings global positions (``position_ids = cp_rank x s/c + arange(s/c)``, the slice
 :func:`~uniap_lightning.runtime.sequence.shard_causal_lm_batch` gives). Masks: causal, plus the key padding mask
@@ -82,12 +82,20 @@ def enable_hf_ulysses(layers: Iterable[nn.Module], group: Any | None, *, counter
         heads = attn.config.num_attention_heads
         tp = attn.q_proj.weight.device_mesh.size() if hasattr(attn.q_proj.weight, "device_mesh") else 1
         check_ulysses(heads=heads, cp=cp, tp=tp, name=f"{type(layer).__name__} (ulysses)")
-        attn.config._attn_implementation = ATTENTION_NAME
-        attn.uniap_cp_group, attn.uniap_cp_counter, attn.uniap_key_valid = group, counter, None
+        switch_attention(attn, group, counter=counter)
         if group is not None and not isinstance(layer.rotary, OffsetRotary):
             layer.rotary = OffsetRotary(layer.rotary, group)
         n += 1
     return n
+
+
+def switch_attention(attn: nn.Module, group: Any | None, *, counter: Any = None) -> None:
+    """Point a transformers attention module (one that calls ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``)
+    at :func:`ulysses_attention_forward` over ``group``. The config is the model's, shared by its layers: layers
+    without a group run the same function in one process (causal SDPA, as before)."""
+    register()
+    attn.config._attn_implementation = ATTENTION_NAME
+    attn.uniap_cp_group, attn.uniap_cp_counter, attn.uniap_key_valid = group, counter, None
 
 
 def llama_sp_plan(tp: int) -> dict[str, Any]:
