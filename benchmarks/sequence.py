@@ -57,30 +57,34 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=60.0)
     ap.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     args = ap.parse_args()
-    table = Table(title=f"{args.model} on {args.cluster}: with vs without the sequence dimension "
-                        f"({args.tokens:,} tokens per step; same cost model)")
-    for col in ("seq len", "batch", "without: plan", "ms", "GiB", "search s", "with: plan", "blocks", "ms", "GiB",
-                "search s", "speed-up"):
-        table.add_column(col, justify="left" if "plan" in col or col == "blocks" else "right")
+    table = Table(title=f"{args.model} on {args.cluster}: without the sequence dimension, with Ulysses only, with "
+                        f"Ulysses or ring ({args.tokens:,} tokens per step; same cost model)")
+    for col in ("seq len", "batch", "plan space", "plan", "blocks", "ms / step", "GiB / device", "search s",
+                "speed-up"):
+        table.add_column(col, justify="left" if col in ("plan space", "plan", "blocks") else "right")
     for length in map(int, args.lengths.split(",")):
         spec = {**load_group("model", args.model), "seq_len": length}
         batch = max(args.tokens // length, 1)
         problem = build_problem(model=spec, cluster=args.cluster, global_batch_size=batch)
-        cells = []
-        for prob in (_without_sequence(problem), problem):
+        variants = (("dp x tp, pp, ZeRO, rc", _without_sequence(problem)),
+                    ("+ sp, cp (Ulysses)", replace(problem, cluster=replace(problem.cluster, ring_attention=False))),
+                    ("+ sp, cp (Ulysses or ring)", replace(problem, cluster=replace(problem.cluster,
+                                                                                    ring_attention=True))))
+        base = None
+        for name, prob in variants:
             plan, wall, why = _solve(prob, args.time_limit)
             if plan is None:
-                cells.append(("does not fit" if "fit" in (why or "") else why, "-", "-", f"{wall:.1f}", None))
+                table.add_row(f"{length:,}", str(batch), name, "does not fit" if "fit" in (why or "") else why,
+                              "-", "-", "-", f"{wall:.1f}", "-")
                 continue
             est = plan.estimate
+            base = base or est.tpi_s
             status = "" if plan.solver.status == "optimal" else f" (gap {plan.solver.gap:.1%})"
-            cells.append((f"pp={plan.pp} c={plan.microbatches} {plan.schedule}", f"{est.tpi_s * 1e3:,.0f}",
-                          f"{max(est.stage_memory_bytes) / 2**30:.1f}", f"{wall:.1f}{status}", plan))
-        (a, at, am, aw, ap_), (b, bt, bm, bw, bp) = cells
-        speed = f"{ap_.estimate.tpi_s / bp.estimate.tpi_s:.2f}x" if ap_ is not None and bp is not None else "-"
-        table.add_row(f"{length:,}", str(batch), a, at, am, aw, b, _blocks(bp) if bp is not None else "-", bt, bm, bw,
-                      speed)
-    Console(width=260).print(table)
+            table.add_row(f"{length:,}", str(batch), name, f"pp={plan.pp} c={plan.microbatches} {plan.schedule}",
+                          _blocks(plan), f"{est.tpi_s * 1e3:,.0f}", f"{max(est.stage_memory_bytes) / 2**30:.1f}",
+                          f"{wall:.1f}{status}", f"{base / est.tpi_s:.2f}x")
+        table.add_section()
+    Console(width=200).print(table)
 
 
 if __name__ == "__main__":
