@@ -20,8 +20,9 @@ ONE = {"dp": 2}  # cp 1 on two ranks: the batch over both
 
 
 def _plan(strategies: list[Any], stages: list[int] | None = None, *, pp: int = 1, microbatches: int = 1,
-          world: int = 2) -> Any:
-    return h.make_plan(strategies, stages or [0] * 4, pp=pp, microbatches=microbatches, world=world, names=NAMES)
+          world: int = 2, batch: int = 16) -> Any:
+    return h.make_plan(strategies, stages or [0] * 4, pp=pp, microbatches=microbatches, world=world, names=NAMES,
+                       batch=batch)
 
 
 def padded_lm_data(batch_size: int, n: int = 64, seed: int = 1) -> Any:
@@ -53,6 +54,9 @@ TWO_RANKS = {
     "gpt_cp2_zero2_rc": {**GPT, "plan": _plan([{"cp": 2, "dp_mode": "zero2", "recompute": True}, CP2] * 2,
                                               microbatches=2)},
     "llama_cp2": {"module": {"lm": "llama"}, "plan": _plan([CP2] * 4)},
+    # one sample per micro-batch on two ranks (what makes cp worth it): both lanes hold the sample at the edges
+    "gpt_cp2_one_sample": {**GPT, "batch": 2, "plan": _plan([CP2, {"tp": 2}, CP2, {"tp": 2}], microbatches=2,
+                                                            batch=2)},
     "gpt2_cp2": {"module": {"lm": "gpt2"}, "plan": _plan([CP2, ONE, CP2, CP2], microbatches=2)},
     # checkpoints: saved under cp/sp, resumed without them, and the other way round
     "save_cp_sp": {**GPT, "plan": CP_SP, "epochs": 1, "save": "cp_sp.ckpt"},
@@ -130,6 +134,10 @@ def _plan4(strategies: list[Any], stages: list[int] | None = None, **kw: Any) ->
 
 FOUR_RANKS = {
     "dp2_cp2": {**GPT, "plan": _plan4([{"dp": 2, "cp": 2}] * 4)},
+    # two samples per micro-batch on four ranks: the edges hold one sample per pair of lanes
+    "dp2_cp2_two_samples": {**GPT, "batch": 4, "plan": _plan4([{"dp": 2, "cp": 2}, {"dp": 2, "tp": 2},
+                                                               {"cp": 4}, {"dp": 2, "cp": 2}], microbatches=2,
+                                                              batch=4)},
     "cp2_pp2": {**GPT, "plan": _plan4([CP2] * 4, [0, 0, 1, 1], pp=2, microbatches=2)},
 }
 FOUR_RANKS_SLOW = {

@@ -65,12 +65,6 @@ class Runtime:
 
 def check_plan_executable(plan: Plan, chain: Chain) -> None:
     """Checks that need only the plan and the chain (so every rank fails alike, before any collective)."""
-    if plan.micro_batch_size % plan.devices_per_stage:
-        raise UniAPError(
-            f"plan micro-batch size {plan.micro_batch_size} (global batch {plan.global_batch_size} / microbatches "
-            f"{plan.microbatches}) is not divisible by the {plan.devices_per_stage} devices per stage; stage "
-            "boundaries split every micro-batch over all devices of the stage"
-        )
     check_schedule_runs(plan)
     for u, lp in enumerate(plan.layers):
         st = lp.strategy

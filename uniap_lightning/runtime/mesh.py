@@ -33,8 +33,14 @@ def layout_of(plan: Plan, u: int) -> tuple[int, int, int]:
 
 
 def boundary_layout(plan: Plan) -> tuple[int, int, int]:
-    """Every pipeline stage starts and ends with the batch split over all ``n`` lanes, whole sequences."""
-    return (plan.devices_per_stage, 1, 1)
+    """The layout every stage starts and ends with: whole sequences, the micro-batch split over the ``n`` lanes
+    (``(n, 1, 1)``); a micro-batch smaller than ``n`` (one stage per device group: ``pp = 1``, what makes context
+    parallelism worth its all-to-alls) is split into ``g = gcd(b, n)`` chunks, each held by ``n / g`` lanes."""
+    import math
+
+    n = plan.devices_per_stage
+    g = math.gcd(plan.micro_batch_size, n)
+    return (g, 1, n // g)
 
 
 def layout_transitions(plan: Plan) -> list[tuple[tuple[int, int, int], tuple[int, int, int]]]:

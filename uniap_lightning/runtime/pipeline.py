@@ -2,7 +2,8 @@
 
 Each rank feeds its *lane's* share of the batch: the global batch (every rank loads the same one) is cut into
 ``c`` micro-batches of ``b`` samples, each micro-batch into ``n`` slices, and the rank at stage position ``r``
-takes slice ``r`` of every micro-batch. Lane ``r`` is a pipeline over ranks ``r, n+r, ...`` with its own
+takes slice ``r`` of every micro-batch (a micro-batch smaller than ``n``, with ``pp = 1``: ``g = gcd(b, n)`` slices,
+slice ``r // (n / g)``, so ``n / g`` lanes hold each; their equal losses average out in the global mean). Lane ``r`` is a pipeline over ranks ``r, n+r, ...`` with its own
 process group, so the ``n`` lanes run side by side.
 
 A rank runs every pipeline stage its device group holds (``virtual_stages`` of them, placed by the schedule: loop
@@ -94,20 +95,30 @@ def lane_slice(t: Any, plan: Plan, lane: int) -> Any:
 def _lane_slice_tensor(t: torch.Tensor, plan: Plan, lane: int) -> torch.Tensor:
     batch = t.shape[0]
     c, n = plan.microbatches, plan.devices_per_stage
-    if batch % (c * n):
+    g = _chunks_per_microbatch(plan)
+    if batch % (c * g):
         raise UniAPError(
-            f"batch of {batch} samples cannot be split into microbatches={c} x {n} devices per stage: "
-            f"the batch size must be a multiple of {c * n} (drop_last=True avoids a short last batch)"
+            f"batch of {batch} samples cannot be split into microbatches={c} x {g} devices per stage: "
+            f"the batch size must be a multiple of {c * g} (drop_last=True avoids a short last batch)"
         )
-    if n == 1:
+    if g == 1:
         return t
-    return t.reshape(c, n, batch // (c * n), *t.shape[1:])[:, lane].reshape(batch // n, *t.shape[1:])
+    return t.reshape(c, g, batch // (c * g), *t.shape[1:])[:, lane // (n // g)].reshape(batch // g, *t.shape[1:])
+
+
+def _chunks_per_microbatch(plan: Plan) -> int:
+    """How many slices a micro-batch is cut into at stage boundaries: ``n``, or ``gcd(b, n)`` for a micro-batch
+    smaller than that (each slice then held by ``n / g`` lanes; :func:`~.mesh.boundary_layout`)."""
+    import math
+
+    return math.gcd(plan.micro_batch_size, plan.devices_per_stage)
 
 
 def unslice(local: torch.Tensor, plan: Plan, gathered: list[torch.Tensor]) -> torch.Tensor:
     """Inverse of :func:`lane_slice` given every lane's part (in lane order)."""
     c, n = plan.microbatches, plan.devices_per_stage
-    parts = [g.reshape(c, g.shape[0] // c, *g.shape[1:]) for g in gathered]
+    g = _chunks_per_microbatch(plan)
+    parts = [g_.reshape(c, g_.shape[0] // c, *g_.shape[1:]) for g_ in gathered[::n // g]]
     return torch.stack(parts, dim=1).reshape(-1, *local.shape[1:])
 
 

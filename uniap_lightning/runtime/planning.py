@@ -110,7 +110,13 @@ def solve_plan(
     """Solve (or reuse from the cache) a plan; returns it and where it came from ("cache <path>" or "solver").
     ``compression``: the gradient compression methods the solver may choose per layer (always with "none"),
     ``compression_options`` their parameters (default: the plan defaults); ``pp``: the pipeline degrees to search
-    (``None``: all); ``on_solve()`` is called when the cache has no plan, before solving (e.g. to say so)."""
+    (``None``: all); ``on_solve()`` is called when the cache has no plan, before solving (e.g. to say so). Ring
+    attention is left out of the search (``cluster.ring_attention`` off) while the runtime cannot execute it
+    (:data:`uniap_lightning.runtime.sequence.CP_METHODS`)."""
+    from uniap_lightning.runtime.sequence import CP_METHODS
+
+    if cluster.ring_attention and "ring" not in CP_METHODS:  # the search offers only what this runtime executes
+        cluster = replace(cluster, ring_attention=False)
     key = cache_key(profile=profile, cluster=cluster, world_size=cluster.num_devices, training=training,
                     solver=solver, compression=compression, compression_options=compression_options, pp=pp)
     path = cache_dir / f"plan-{key}.json"

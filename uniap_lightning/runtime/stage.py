@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from uniap_lightning.planner.plan import Plan
 from uniap_lightning.runtime.chain import Chain
 from uniap_lightning.runtime.data_parallel import ReplicatedGrads
-from uniap_lightning.runtime.mesh import PlanMeshes, layout_of
+from uniap_lightning.runtime.mesh import PlanMeshes, boundary_layout, layout_of
 from uniap_lightning.runtime.payload import Spec, call_layer, flatten, spec_of, unflatten
 from uniap_lightning.runtime.reshard import Layout, relayout
 from uniap_lightning.runtime.sequence import enable_context_parallel
@@ -56,7 +56,7 @@ class StageModule(nn.Module):
         self.in_spec, self.out_spec = in_spec, out_spec
 
     def forward(self, *tensors: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        edge = (self.meshes.n, 1, 1)
+        edge = boundary_layout(self.meshes.plan)
         current = edge
         x = unflatten(tensors, self.in_spec)
         for layer, layout, again in zip(self.layers, self.layouts, self.recompute):
