@@ -63,10 +63,15 @@ TWO_RANKS = {
     "save_plain": {**GPT, "plan": PLAIN, "epochs": 1, "save": "plain.ckpt"},
     "resume_cp_sp_as_plain": {**GPT, "plan": PLAIN, "epochs": 2, "resume": "cp_sp.ckpt"},
     "resume_plain_as_cp_sp": {**GPT, "plan": CP_SP, "epochs": 2, "resume": "plain.ckpt"},
+    # no plan: the measured profile declares the sequence; one sample per step on one stage of two ranks leaves
+    # GPT-2's blocks (no tensor-parallel plan) nothing but cp 2 (the embedding and head may take tp 2 instead)
+    "solved_one_sample": {"module": {"lm": "gpt2"}, "batch": 1,
+                          "strategy": {"cache_dir": "uniap_cache", "profile_repeats": 1, "pp": 1,
+                                       "measure_cluster": False}},
     # last: a failing case ends the spawn's loop
     "ring_refused": {**GPT, "plan": RING},
 }
-PARITY = [k for k in TWO_RANKS if not k.startswith(("save_", "resume_", "ring_"))]
+PARITY = [k for k in TWO_RANKS if not k.startswith(("save_", "resume_", "ring_", "solved_"))]
 
 
 @pytest.mark.parametrize("name", PARITY)
@@ -90,6 +95,40 @@ def test_checkpoint_resumes_across_sequence_plans(spawn_cases: Any, name: str) -
     assert set(merged) == set(ref["state"])
     for k, v in ref["state"].items():
         torch.testing.assert_close(merged[k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_the_search_picks_cp_and_the_plan_runs(spawn_cases: Any) -> None:
+    """Trainer(strategy="uniap") without a plan: profile -> search -> a Ulysses plan -> one process's results."""
+    results = spawn_cases(2, TWO_RANKS, "sequence_plans2")
+    case = TWO_RANKS["solved_one_sample"]
+    h.assert_close_to_reference(results, "solved_one_sample", h.reference_for(case))
+    layers = results[0]["solved_one_sample"]["plan"]["layers"]
+    assert all(lp["cp"] == 2 and lp["cp_method"] == "ulysses" for lp in layers[1:3]), layers
+
+
+def test_the_runtime_search_leaves_ring_attention_out(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cluster that runs ring attention (CUDA's default) is searched without it: this runtime cannot run it."""
+    import dataclasses
+
+    import uniap_lightning.planner.solver as solver
+    from uniap_lightning.planner.problem import TrainingConfig
+    from uniap_lightning.planner.profile import LayerProfile, ModelProfile
+    from uniap_lightning.runtime.planning import local_cluster, solve_plan
+
+    seen = []
+
+    def fake_solve(problem: Any, **kw: Any) -> Any:
+        seen.append(problem.cluster.ring_attention)
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(solver, "solve", fake_solve)
+    cluster = dataclasses.replace(local_cluster(nodes=1, devices_per_node=2, device_type="cpu"), ring_attention=True)
+    layer = LayerProfile(name="a", forward_s=1e-3, backward_s=2e-3, params=10, activation_bytes=1.0, output_bytes=1.0,
+                         sequence_length=8, attention_heads=3)
+    with pytest.raises(RuntimeError, match="stop"):
+        solve_plan(profile=ModelProfile(model="m", layers=[layer]), cluster=cluster,
+                   training=TrainingConfig(global_batch_size=2), solver="highs", time_limit_s=5, cache_dir=tmp_path)
+    assert seen == [False]
 
 
 def test_ring_attention_is_refused_on_every_rank(spawn_cases: Any) -> None:
