@@ -57,6 +57,9 @@ TWO_RANKS = {
     # one sample per micro-batch on two ranks (what makes cp worth it): both lanes hold the sample at the edges
     "gpt_cp2_one_sample": {**GPT, "batch": 2, "plan": _plan([CP2, {"tp": 2}, CP2, {"tp": 2}], microbatches=2,
                                                             batch=2)},
+    "validate_cp2_one_sample": {**GPT, "batch": 2, "plan": _plan([CP2, {"tp": 2}, CP2, {"tp": 2}], microbatches=2,
+                                                                 batch=2), "validate_only": True,
+                                "limit_val_batches": 3},
     "gpt2_cp2": {"module": {"lm": "gpt2"}, "plan": _plan([CP2, ONE, CP2, CP2], microbatches=2)},
     # checkpoints: saved under cp/sp, resumed without them, and the other way round
     "save_cp_sp": {**GPT, "plan": CP_SP, "epochs": 1, "save": "cp_sp.ckpt"},
@@ -71,13 +74,25 @@ TWO_RANKS = {
     # last: a failing case ends the spawn's loop
     "ring_refused": {**GPT, "plan": RING},
 }
-PARITY = [k for k in TWO_RANKS if not k.startswith(("save_", "resume_", "ring_", "solved_"))]
+PARITY = [k for k in TWO_RANKS if not k.startswith(("save_", "resume_", "ring_", "solved_", "validate_"))]
 
 
 @pytest.mark.parametrize("name", PARITY)
 def test_two_ranks_match_one_process(spawn_cases: Any, name: str) -> None:
     results = spawn_cases(2, TWO_RANKS, "sequence_plans2")
     h.assert_close_to_reference(results, name, h.reference_for(TWO_RANKS[name]))
+
+
+def test_validation_loss_under_cp_matches_one_process(spawn_cases: Any) -> None:
+    import lightning.pytorch as pl
+
+    results = spawn_cases(2, TWO_RANKS, "sequence_plans2")
+    case = TWO_RANKS["validate_cp2_one_sample"]
+    trainer = pl.Trainer(devices=1, **h.trainer_kwargs(case))
+    ref = trainer.validate(h.make_module(**case["module"]), h.make_data(2, lm=True))[0]["val_loss"]
+    for res in results:
+        assert "error" not in res["validate_cp2_one_sample"], res["validate_cp2_one_sample"].get("traceback")
+        assert res["validate_cp2_one_sample"]["val_loss"] == pytest.approx(ref, rel=1e-5)
 
 
 @pytest.mark.parametrize("name", ["resume_cp_sp_as_plain", "resume_plain_as_cp_sp"])
