@@ -129,9 +129,8 @@ class PlanMeshes:
 
 def build_meshes(plan: Plan, *, rank: int, device_type: str) -> PlanMeshes:
     """Create every mesh and group the plan needs (collective: all ranks call it with the same plan)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
 
     from uniap_lightning.runtime.reshard import gather_classes, moves_of
 

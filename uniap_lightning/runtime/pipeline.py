@@ -3,8 +3,8 @@
 Each rank feeds its *lane's* share of the batch: the global batch (every rank loads the same one) is cut into
 ``c`` micro-batches of ``b`` samples, each micro-batch into ``n`` slices, and the rank at stage position ``r``
 takes slice ``r`` of every micro-batch (a micro-batch smaller than ``n``, with ``pp = 1``: ``g = gcd(b, n)`` slices,
-slice ``r // (n / g)``, so ``n / g`` lanes hold each; their equal losses average out in the global mean). Lane ``r`` is a pipeline over ranks ``r, n+r, ...`` with its own
-process group, so the ``n`` lanes run side by side.
+slice ``r // (n / g)``, so ``n / g`` lanes hold each; their equal losses average out in the global mean). Lane
+``r`` is a pipeline over ranks ``r, n+r, ...`` with its own process group, so the ``n`` lanes run side by side.
 
 A rank runs every pipeline stage its device group holds (``virtual_stages`` of them, placed by the schedule: loop
 or V), one ``PipelineStage`` each, through the plan's torch schedule class (:data:`SCHEDULE_CLASSES`). Evaluation

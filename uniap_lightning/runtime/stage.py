@@ -5,7 +5,8 @@ The order of the techniques is fixed: (1) drop the layers of other device groups
 layers' initial weights from the group's first rank (ranks may have initialized differently), (3) tensor parallelism
 (``sp``: its sequence-parallel plan, :func:`.sequence_tp.apply_sp`), (3b) context parallelism over the layer's cp
 group (:func:`.sequence.enable_context_parallel`, after TP: it checks heads per TP rank), (4) the layer's
-data-parallel mode over its ``dp x cp`` replicas (``replicate``, or ``zero1``/``zero2``/``zero3`` through FSDP2, see :mod:`.zero`).
+data-parallel mode over its ``dp x cp`` replicas (``replicate``, or ``zero1``/``zero2``/``zero3`` through FSDP2, see
+:mod:`.zero`).
 TP comes before FSDP because FSDP2 shards whatever parameters it finds, and must find the DTensor TP shards to build
 2-D (dp x tp) parameters. A layer whose plan says ``recompute`` runs under non-reentrant activation checkpointing
 (:func:`torch.utils.checkpoint.checkpoint`) in :meth:`StageModule.forward`: nothing is wrapped, so parameter names
@@ -44,8 +45,9 @@ class StageModule(nn.Module):
     ``out_spec``.
     """
 
-    def __init__(self, layers: list[nn.Module], layouts: list[Layout | int], meshes: PlanMeshes, *, in_spec: Spec = None,
-                 out_spec: Spec = None, recompute: list[bool] | None = None, zero: ZeroLayers | None = None) -> None:
+    def __init__(self, layers: list[nn.Module], layouts: list[Layout | int], meshes: PlanMeshes, *,
+                 in_spec: Spec = None, out_spec: Spec = None, recompute: list[bool] | None = None,
+                 zero: ZeroLayers | None = None) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
         n = meshes.n
