@@ -158,8 +158,8 @@ def test_a_measured_profile_splits_each_backward_and_leaves_the_other_fields_alo
     assert frac["block0"] == frac["block1"]  # identical layers pool their fractions (the median)
     over = {lp.name: lp.backward_split_overhead for lp in prof.layers}
     assert over["embed"] is None and over["act"] is None and over["frozen"] is None  # no split to price
-    for name in ("block0", "block1", "head"):  # a ratio of two timings of the same work: positive, not wild
-        assert 0.2 < over[name] < 5.0, (name, over[name])
+    for name in ("block0", "block1", "head"):  # a ratio of two timings (noisy on a shared host): positive, finite
+        assert backward_split.MIN_SPLIT_RATIO <= over[name] < float("inf"), (name, over[name])
     assert over["block0"] == over["block1"]
     split = prof.meta["backward_split"]
     assert split["micro_batch"] == ROWS and split["failed"] == {} and split["seconds"] > 0
@@ -229,6 +229,7 @@ class _FlopClock:
     """A Timer whose marks are the matrix-product flops counted so far: the split's halves in flops, exactly."""
 
     counter = _ProductFlops()
+    name = "flops"  # the split's fixed cost is cached per timer kind: in products it is none (the same products)
 
     def __init__(self, device: torch.device) -> None:
         pass
@@ -283,3 +284,21 @@ def test_the_overhead_field_round_trips_defaults_to_one_and_refuses_bad_values(t
         with pytest.raises(UniAPError, match=match):
             ModelProfile.from_dict(_doc(backward_split_overhead=value))
 
+
+def test_the_split_calls_fixed_cost_is_measured_once_and_left_out_of_each_layer(monkeypatch: pytest.MonkeyPatch):
+    """torch's split calls cost a fixed amount each (graph walks, Python) that a schedule pays once per stage: it is
+    measured once on a tiny layer and taken off every layer's ratio, so a tiny layer is not priced 3x slower split."""
+    monkeypatch.setattr(backward_split, "_CALL_S", {})
+    calls = []
+    real = backward_split.split_call_s
+
+    def counted(timer: Any, flush: Any, runs: int = 15) -> float:
+        calls.append(timer.name)
+        return real(timer, flush, runs)
+
+    monkeypatch.setattr(backward_split, "split_call_s", counted)
+    split = partial(measure_backward_split, first=False, context=nullcontext, flush=lambda: None, repeats=5)
+    small = split(nn.Linear(8, 8), torch.randn(4, 8))
+    split(nn.Linear(8, 8), torch.randn(4, 8))
+    assert len(backward_split._CALL_S) == 1 and backward_split._CALL_S["perf_counter"] >= 0.0
+    assert small.overhead is not None and backward_split.MIN_SPLIT_RATIO <= small.overhead < 2.0

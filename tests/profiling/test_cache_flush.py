@@ -18,6 +18,10 @@ def _chain() -> tuple[list[nn.Module], list[str]]:
 def test_flush_runs_before_every_timed_forward(monkeypatch) -> None:
     calls: list[int] = []
     monkeypatch.setattr(CacheFlush, "__call__", lambda self: calls.append(self.nbytes))
+    # the split calls' fixed cost, measured once per process (with its own flushes), as if already measured
+    from uniap_lightning.profiling import backward_split
+
+    monkeypatch.setattr(backward_split, "_CALL_S", {"perf_counter": 0.0})
     layers, names = _chain()
     profile = profile_layers(layers, names, torch.randn(8, 8), repeats=3, warmup=2, micro_batches=[4, 8])
     # per layer and size: the byte-counting run, one more warm-up run, then three timed runs; at the largest size

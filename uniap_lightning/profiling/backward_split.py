@@ -10,7 +10,10 @@ fresh forward (untimed) and the two halves, each timed from cold caches, after t
 The split is not free: two passes over the graph, the input half keeping what the weight half needs. The profile's
 ``backward_split_overhead`` is ``(B + W)`` over one ordinary backward of the same forward, timed in the same run
 (a fresh forward, then ``torch.autograd.backward`` from cold caches), so the cost model prices a split schedule's
-backward as it runs. On this project's CPU host a GPT-2 block's ratio was 1.1-1.3.
+backward as it runs. The two calls' own fixed cost (about 0.1-0.3 ms on this project's CPU host, measured once on a
+2 x 2 layer: :func:`split_call_s`) is taken off first: a schedule pays it once per stage, not once per layer, and
+counted per layer it made a chain of small ``Linear(512)`` layers look 3x slower split (1.1x measured in the
+schedule). On this project's CPU host a GPT-2 block's ratio was 1.1-1.3.
 
 One run per layer (:data:`SPLIT_RUNS`): the fraction is a ratio of two halves of one backward, and identical
 layers pool their fractions (the median, :mod:`.aggregate`'s rule). On this project's 2-core CPU host, shared with
@@ -108,4 +111,46 @@ def measure_backward_split(layer: nn.Module, x: Any, *, first: bool, repeats: in
             p.grad = g
     b, w, whole = statistics.median(b_s), statistics.median(w_s), statistics.median(whole_s)
     fraction = min(max(w / (b + w), 0.0), 1.0) if b + w > 0 else 0.0
-    return BackwardSplit(fraction, (b + w) / whole if whole > 0 and b + w > 0 else None)
+    if whole <= 0 or b + w <= 0:
+        return BackwardSplit(fraction, None)
+    # the split's fixed cost per call pair is paid once per pipeline stage, not per layer: take it off
+    split = max(b + w - split_call_s(timer, flush), whole * MIN_SPLIT_RATIO)
+    return BackwardSplit(fraction, split / whole)
+
+
+#: the smallest split-over-whole ratio reported (timer noise on tiny layers can push the difference below zero)
+MIN_SPLIT_RATIO = 0.5
+_CALL_S: dict[str, float] = {}
+
+
+def split_call_s(timer: Timer, flush: Callable[[], None], runs: int = 15) -> float:
+    """What a split backward costs beyond an ordinary one when the layer does (almost) nothing: torch's two
+    pipelining calls' own work (graph walks, hooks, Python), measured once per timer kind on a 2 x 2 linear layer
+    (median of ``runs``). Zero-bubble schedules pay it once per stage and micro-batch, so a layer's
+    ``backward_split_overhead`` leaves it out (a chain of many small layers would count it once per layer)."""
+    key = timer.name
+    if key not in _CALL_S:
+        from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+        layer = nn.Linear(2, 2)
+        params = list(layer.parameters())
+        extra = []
+        for _ in range(runs):
+            x = torch.randn(2, 2, requires_grad=True)
+            y = layer(x).clone()
+            flush()
+            timer.synchronize()
+            t0 = timer.mark()
+            _, groups = stage_backward_input([y], [torch.ones_like(y)], [x], iter(params))
+            stage_backward_weight(iter(params), groups)
+            t1 = timer.mark()
+            x = torch.randn(2, 2, requires_grad=True)
+            y = layer(x)
+            flush()
+            timer.synchronize()
+            t2 = timer.mark()
+            torch.autograd.backward([y], [torch.ones_like(y)])
+            t3 = timer.mark()
+            extra.append(timer.elapsed_s(t0, t1) - timer.elapsed_s(t2, t3))
+        _CALL_S[key] = max(statistics.median(extra), 0.0)
+    return _CALL_S[key]
