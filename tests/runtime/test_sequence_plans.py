@@ -203,6 +203,8 @@ FOUR_RANKS_SLOW = {
     # layouts (1, 2, 2) and (2, 2, 1) order the sequence pieces differently: the relayout gathers whole sequences
     "cp2_tp2_next_to_dp2_cp2": {**GPT, "plan": _plan4([{"dp": 2, "cp": 2}, {"cp": 2, "tp": 2, "sp": True},
                                                        {"dp": 4}, {"cp": 4}], microbatches=2)},
+    # (1, 4, 1) <-> (1, 2, 2): quarters gathered into halves on their lanes, halves cut into quarters (K = (1, 2))
+    "cp4_next_to_cp2_tp2": {**GPT, "plan": _plan4([{"cp": 4}, {"cp": 2, "tp": 2}, {"cp": 4}, {"cp": 2, "tp": 2}])},
     "dp2_cp2_zero3_rc": {**GPT, "plan": _plan4([{"dp": 2, "cp": 2, "dp_mode": "zero3", "recompute": True}] * 4)},
     "cp2_tp2_zero2_rc": {**GPT, "plan": _plan4([{"cp": 2, "tp": 2, "dp_mode": "zero2", "recompute": True}] * 4)},
     "llama_dp2_cp2_pp": {"module": {"lm": "llama"}, "plan": _plan4([{"dp": 1, "cp": 2}] * 4, [0, 1, 1, 1], pp=2,
@@ -257,3 +259,20 @@ def test_measured_profile_declares_the_sequence_and_the_planner_offers_cp_and_sp
     prof = profile_chain(chain.layers, chain.names, torch.randn(4, h.IN), repeats=1, micro_batches=[4])
     assert all(lp.sequence_length is None for lp in prof.layers)
     assert {s.cp for s in strategies_for(prof.layers[1], 2, cluster, 8)} == {1}
+
+
+# ---------------------------------------------------------------------------------------------- layouts
+def test_relayout_groups_and_common_pieces() -> None:
+    """Which pieces lanes hold, what a move gathers to, and who gathers together (no processes needed)."""
+    from uniap_lightning.runtime.reshard import common_pieces, gather_classes, moves_of, piece_of_lane
+
+    assert [piece_of_lane(r, (2, 2, 1)) for r in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [piece_of_lane(r, (1, 2, 2)) for r in range(4)] == [(0, 0), (0, 0), (0, 1), (0, 1)]
+    assert common_pieces((4, 1, 1), (2, 2, 1)) == (2, 1)  # batch pairs gathered, then cut along the sequence
+    assert common_pieces((1, 2, 2), (1, 4, 1)) == (1, 2)  # sequence halves stay on their lanes, cut in two
+    assert common_pieces((2, 2, 1), (1, 4, 1)) == (1, 1)  # lane 1: second half of sample 0, then a quarter of both
+    assert common_pieces((2, 2, 1), (1, 2, 2)) == (1, 1)  # halves sit on other lanes: whole sequences
+    assert gather_classes((4, 1, 1), (2, 1)) == [[0, 1], [2, 3]]
+    assert gather_classes((1, 2, 2), (1, 1)) == [[0, 2], [1, 3]]  # one lane per piece, same tp index
+    assert moves_of((4, 1, 1), (4, 1, 1)) == []
+    assert moves_of((2, 1, 2), (1, 1, 4)) == [((2, 1, 2), (1, 1))]  # a gather, no slice
