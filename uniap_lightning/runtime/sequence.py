@@ -20,9 +20,8 @@ losses *sum* to the one-process loss, and so do their gradients.
 samples (sum), the dp ranks different samples (average, as today). :func:`reduce_gradients` does exactly that over
 one group holding the dp x cp ranks of the layer. A runtime that keeps averaging over a group (divide by its
 size, as :class:`~uniap_lightning.runtime.data_parallel.ReplicatedGrads` does) gets the same result by averaging
-over the dp x cp group and multiplying the loss by ``c`` (:func:`sequence_loss` with ``scale=c``); FSDP
-sharded over the dp x cp ranks averages too, so it needs the same scale (not tested here). Both reductions above
-are tested against one process.
+over the dp x cp group and multiplying the loss by ``c`` (:func:`sequence_loss` with ``scale=c``). Both reductions
+are tested against one process. (The strategy needs neither: its loss sees whole sequences, see below.)
 
 **Positions.** Absolute positions are global: a layer in cp mode adds ``cp_rank x s/c`` to its local positions
 (:func:`position_offset`); :func:`shard_causal_lm_batch` slices ``position_ids`` for rotary models.
@@ -35,7 +34,8 @@ Layers opt in with ``uniap_cp_methods() -> list[str]`` and ``uniap_enable_cp(gro
 Each layer's ranks form a ``dp x cp x tp`` grid of its stage (tp innermost, :mod:`.mesh`). Setup, per layer: TP
 (``apply_tp``, or ``sequence_tp.apply_sp`` where ``sp``) -> :func:`enable_context_parallel` over the layer's cp group
 -> data parallelism over its ``dp x cp`` replicas. Activations move between layouts with :mod:`.reshard`: a stage
-starts and ends with whole sequences (the batch split over its ``n`` lanes), a cp layer gets its sequence piece
+starts and ends with whole sequences (the micro-batch split over its ``n`` lanes, or into ``gcd(b, n)`` chunks
+when smaller, :func:`~.mesh.boundary_layout`), a cp layer gets its sequence piece
 (``[b, s/c, h]``). The loss runs where the last stage ends, on whole sequences, so the model's own loss (a causal LM
 shifting its labels inside) sees exactly what one process sees, padding (``-100`` labels) included; the logged loss
 is the one process's. Gradients follow the convention of :mod:`.reshard`, so averaging over the ``dp x cp``
