@@ -35,6 +35,7 @@ from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.plan import Plan
 from uniap_lightning.runtime.mesh import PlanMeshes
 from uniap_lightning.runtime.payload import chunk, concat, flatten, is_payload, map_tensors, signature, unflatten
+from uniap_lightning.runtime.sequence import check_sequence_length
 from uniap_lightning.runtime.stage import StageModule
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -233,6 +234,7 @@ class PipelineRunner:
         The global mean loss is reduced in the background (see :class:`PendingLoss`): waiting for it right here
         would hold every rank until the slowest stage finishes its backward, a per-step barrier that hand-written
         pipeline code does not have."""
+        check_sequence_length(self.plan, x)  # every rank alike, before any stage waits on another
         self._loss_fn, self._loss_scale = loss_fn, scale
         lane = self.meshes.lane
         xs, ys = lane_slice(x, self.plan, lane), lane_slice(y, self.plan, lane)
@@ -264,6 +266,7 @@ class PipelineRunner:
 
     @torch.no_grad()
     def eval_step(self, x: Any, y: Any, loss_fn: LossFn) -> torch.Tensor:
+        check_sequence_length(self.plan, x)
         self._loss_fn, self._loss_scale = loss_fn, 1.0
         lane = self.meshes.lane
         xs, ys = lane_slice(x, self.plan, lane), lane_slice(y, self.plan, lane)
@@ -285,6 +288,7 @@ class PipelineRunner:
     @torch.no_grad()
     def predict_step(self, x: Any) -> Any:
         """The chain's output for the whole batch (a payload), on every rank."""
+        check_sequence_length(self.plan, x)
         xs = lane_slice(x, self.plan, self.meshes.lane)
         if self.plan.pp == 1:
             out = concat([self._output(self._run_local(*flatten(xm))) for xm in chunk(xs, self.plan.microbatches)])

@@ -82,9 +82,6 @@ class TrainStep:
 
             tensors = [t for part in (x, y) if is_payload(part) for t in flatten(part)]
             self.guard(lambda: check_same_batch(*tensors))
-            from uniap_lightning.runtime.sequence import check_sequence_length
-
-            check_sequence_length(rt.plan, x)
             self._batch_checked = True
         self.finish_loss()  # a previous batch that never reached on_train_batch_end (an exception in between)
         params = rt.local_parameters()
