@@ -82,7 +82,7 @@ def _plan_doc(schedule: str = "auto") -> dict[str, Any]:
 
     problem = _problem()
     problem = replace(problem, training=replace(problem.training, schedule=schedule))
-    return solve(problem, time_limit_s=30, baselines=False).to_dict()
+    return solve(problem, time_limit_s=120, baselines=False).to_dict()
 
 
 PLAN = _plan_doc()

@@ -42,7 +42,7 @@ def test_plan_validation_names_the_field(solved):
         (lambda d: d.update(pp=3), "pp=3 does not divide"),
         (lambda d: d.update(pp=4), "stages but pp=4"),
         (lambda d: d.update(schedule="zigzag"), "schedule"),
-        (lambda d: d["layers"][0].update(dp=3), "dp\\*tp"),
+        (lambda d: d["layers"][0].update(dp=3), "dp\\*cp\\*tp"),
         (lambda d: d.update(microbatches=5), "microbatches"),
         (lambda d: d.pop("layers"), "missing"),
     ]:

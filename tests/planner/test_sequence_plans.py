@@ -17,7 +17,7 @@ from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.cost import evaluate
 from uniap_lightning.planner.cost.comm import all_to_all_s
 from uniap_lightning.planner.cost.layer import Pricing, cp_methods, layer_cost, reshard_s, strategies_for
-from uniap_lightning.planner.cost.tables import CostTables
+from uniap_lightning.planner.cost.tables import CandidateCosts, CostTables
 from uniap_lightning.planner.decision import Strategy
 from uniap_lightning.planner.plan import Plan
 from uniap_lightning.planner.profile import LayerProfile
@@ -285,3 +285,18 @@ def test_zero_bubble_schedules_refuse_zero_modes_over_context_ranks_too():
 
     assert unsupported("zb_h1", Strategy(1, 1, "zero2", cp=2, cp_method="ulysses")) is not None
     assert unsupported("zb_h1", Strategy(1, 1, "replicate", cp=2, cp_method="ulysses")) is None
+
+
+def test_the_last_layer_gathers_whole_sequences_for_the_loss():
+    """The runtime computes the loss on whole sequences where the chain ends: a last layer with cp > 1 pays an
+    all-gather of its output over its cp ranks and keeps the gathered output; the same layer elsewhere does not."""
+    from uniap_lightning.planner.cost.comm import all_gather_s
+
+    problem = _repeated_sequence_problem(0, 40.0, ring=False)  # "ABBB": the last block equals the middle ones
+    t = CandidateCosts(problem, 1, 1, schedule="1f1b")
+    s = Strategy(1, 1, cp=4, cp_method="ulysses")
+    middle, last = t.terms(1, s), t.terms(3, s)
+    whole = problem.model.layers[3].output_bytes * t.b / s.dp
+    assert last.time_s - middle.time_s == pytest.approx(all_gather_s(problem.cluster, whole, 4, False))
+    assert last.activation_bytes - middle.activation_bytes == pytest.approx(whole)
+    assert t.terms(3, Strategy(4, 1)) == t.terms(1, Strategy(4, 1))

@@ -103,3 +103,23 @@ def test_dict_batch_with_labels_splits_by_default() -> None:
 
     with pytest.raises(UniAPError, match="expects \\(input, target\\) or a dict with 'labels'"):
         default_split_batch({"input_ids": torch.zeros(2, 3)})
+
+
+def test_a_plan_with_expert_parallelism_is_refused_before_any_process_group() -> None:
+    """The planner prices ep (expert parallelism) but the strategy does not run it yet: a pinned plan with ep > 1
+    is refused in one line instead of running every expert on every rank, past the memory the plan promised."""
+    import pytest
+
+    from uniap_lightning.errors import UniAPError
+    from uniap_lightning.planner.decision import Strategy
+    from uniap_lightning.planner.plan import Plan
+    from uniap_lightning.runtime import check_plan_executable
+
+    chain = extract_chain(_Sequential())
+    plan = Plan.from_assignment(stage_of_layer=[0, 0, 0], layer_names=chain.names, pp=1, microbatches=1,
+                                schedule="1f1b", global_batch_size=4, num_devices=2,
+                                strategies=[Strategy(2, 1), Strategy(2, 1, ep=2), Strategy(2, 1)])
+    with pytest.raises(UniAPError, match=r"plan layer 'net.1': ep=2 \(expert parallelism\) is planned but not yet "
+                                         r"executed") as err:
+        check_plan_executable(plan, chain)
+    assert "\n" not in str(err.value)

@@ -115,8 +115,9 @@ def plan_renderables(plan: Plan, *, title: str | None = None) -> Group:
     layers = Table(title="Per-layer strategy (consecutive equal layers folded)", title_justify="left")
     # the sequence columns only where some layer splits its sequence (context or sequence parallelism)
     sequence = any(lp.strategy.cp > 1 or lp.strategy.sp for lp in plan.layers)
+    experts = any(lp.strategy.ep > 1 for lp in plan.layers)  # and the expert column where some layer splits experts
     cols = ("layers", "stage", "dp", *(("cp", "cp method") if sequence else ()), "tp", *(("sp",) if sequence else ()),
-            "dp mode", "recompute", "compression")
+            *(("ep",) if experts else ()), "dp mode", "recompute", "compression")
     for col in cols:
         layers.add_column(col)
     for a, b, lp in runs:
@@ -124,7 +125,8 @@ def plan_renderables(plan: Plan, *, title: str | None = None) -> Group:
         kind = "-" if s.replicas == 1 else DP_MODE_LABELS[s.dp_mode]
         seq_cp = (str(s.cp), s.cp_method if s.cp > 1 else "-") if sequence else ()
         seq_sp = ("yes" if s.sp else "-",) if sequence else ()
-        layers.add_row(_range(names, a, b), str(lp.stage), str(s.dp), *seq_cp, str(s.tp), *seq_sp, kind,
+        ep = (str(s.ep) if s.ep > 1 else "-",) if experts else ()
+        layers.add_row(_range(names, a, b), str(lp.stage), str(s.dp), *seq_cp, str(s.tp), *seq_sp, *ep, kind,
                        "yes" if s.recompute else "-", s.compression if s.compression != "none" else "-")
 
     parts = [head, stages, layers]

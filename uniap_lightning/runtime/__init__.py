@@ -73,6 +73,12 @@ def check_plan_executable(plan: Plan, chain: Chain) -> None:
         reason = unsupported(plan.schedule, lp.strategy)
         if reason is not None:
             raise UniAPError(f"plan layer {chain.names[u]!r}: {reason}")
+        if st.ep > 1:
+            # the planner prices expert parallelism and runtime.experts runs it, but the strategy does not wire it
+            # into stages yet: running the layer with every expert on every rank would break the plan's memory
+            raise UniAPError(f"plan layer {chain.names[u]!r}: ep={st.ep} (expert parallelism) is planned but not yet "
+                             "executed by strategy='uniap'; plan with ep=1 for training (uniap plan shows ep for "
+                             "capacity planning)")
 
 
 def apply_plan(chain: Chain, plan: Plan, *, rank: int, device: torch.device) -> Runtime:

@@ -39,7 +39,7 @@ import copy
 from collections.abc import Callable
 from dataclasses import replace
 
-from uniap_lightning.planner.cost.comm import p2p_s
+from uniap_lightning.planner.cost.comm import all_gather_s, p2p_s
 from uniap_lightning.planner.cost.layer import (
     LayerCost,
     Pricing,
@@ -100,8 +100,21 @@ class CandidateCosts:
         """Layer ``u``'s terms under strategy ``s`` (cached across candidates by ``layer_cost``); its input is
         layer ``u - 1``'s output (the first layer's input, token ids, is taken as free)."""
         inp = self.layers[u - 1].output_bytes if u > 0 else 0.0
-        return layer_cost(self._costed[u], s, self.pricing, cluster=self.problem.cluster,
+        cost = layer_cost(self._costed[u], s, self.pricing, cluster=self.problem.cluster,
                           training=self.problem.training, input_bytes=inp)
+        if s.cp > 1 and u == len(self.layers) - 1:
+            cost = self._whole_sequences_for_the_loss(u, s, cost)
+        return cost
+
+    def _whole_sequences_for_the_loss(self, u: int, s: Strategy, cost: LayerCost) -> LayerCost:
+        """The loss runs on whole sequences where the chain ends (the model's own loss shifts its labels inside):
+        a last layer with its sequence split all-gathers its output over its ``cp`` ranks in forward (its gradient
+        is a local slice) and keeps the whole-sequence output for the loss's backward."""
+        cluster = self.problem.cluster
+        whole = self.layers[u].output_bytes * self.b / s.dp
+        gather = all_gather_s(cluster, whole, s.cp, s.cp * s.tp > cluster.devices_per_node)
+        return replace(cost, time_s=cost.time_s + gather, comm_s=cost.comm_s + gather,
+                       activation_bytes=cost.activation_bytes + whole)
 
     def reshard_s(self, u: int, d_from, d_to) -> float:
         """Between layer ``u`` (layout ``d_from``: a :attr:`Strategy.layout`, or a batch split) and ``u + 1``
@@ -249,8 +262,8 @@ class CostTables(CandidateCosts):
         for u, lp in enumerate(self.layers):
             if stop is not None and u % 512 == 511 and stop():
                 raise TabulationStopped(f"stopped after {u} of {len(self.layers)} layers")
-            # what terms(u, .) depends on: the layer but its name, and its input
-            key = (self._costed[u], self.layers[u - 1].output_bytes if u > 0 else 0.0)
+            # what terms(u, .) depends on: the layer but its name, its input, and whether the loss follows it
+            key = (self._costed[u], self.layers[u - 1].output_bytes if u > 0 else 0.0, u == len(self.layers) - 1)
             if key not in seen:
                 ks = strategies_for(lp, self.n, problem.cluster, self.b, compression=problem.compression)
                 if allowed is not None:
