@@ -132,9 +132,11 @@ def _check_corpus_fits(seq_len: int, batch: int, trainer: dict[str, Any]) -> Non
     train_tokens, val_tokens = corpus_tokens()
     windows = train_tokens // seq_len
     if windows < batch:
+        # (no sample at all: a smaller batch cannot help, only shorter sequences)
+        fix = (f"data.batch_size <= {windows:,} or " if windows else "") + f"data.seq_len <= {train_tokens // batch:,}"
         raise UniAPError(f"data.batch_size={batch} with sequences of {seq_len} tokens: the corpus's training split "
                          f"({train_tokens:,} tokens) gives {windows:,} samples of {seq_len} tokens, fewer than one "
-                         f"batch; use data.batch_size <= {windows:,} or data.seq_len <= {train_tokens // batch:,}")
+                         f"batch; use {fix}")
     batches = _limited(windows // batch, trainer.get("limit_train_batches"))
     if batches < 1:
         raise UniAPError(f"trainer.limit_train_batches={short(trainer.get('limit_train_batches'))} leaves no "
