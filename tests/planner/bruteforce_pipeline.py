@@ -121,3 +121,32 @@ def brute_force_all(problem: Problem) -> Plan | None:
                 if plan is not None and (best is None or plan.estimate.tpi_s < best.estimate.tpi_s):
                     best = plan
     return best
+
+
+def assert_milp_equals_brute_force(problem: Problem, pp: int, c: int, schedule: str, v: int) -> list | None:
+    """One candidate: the MILP (on the tables the search builds, with the schedule's refusals) reaches brute
+    force's optimum within 1e-6 and ``evaluate`` re-scores its plan to the objective; both agree when nothing fits
+    or the shape is unusable. Returns the MILP's strategies, or None when there is no plan."""
+    import pytest
+
+    from uniap_lightning.planner.cost.tables import CostTables
+    from uniap_lightning.planner.solver.parallel import solve_candidate
+
+    oracle = brute_force_candidate(problem, pp, c, schedule, v)
+    tables = CostTables(problem, pp, c, schedule=schedule, virtual_stages=v,
+                        allowed=lambda k: unsupported(schedule, k) is None)
+    where = f"pp={pp} c={c} {schedule} v={v}"
+    if not tables.feasible_shape:  # the search skips it too
+        assert oracle is None, where
+        return None
+    res = solve_candidate(tables, "cbc", 60.0, None)
+    if oracle is None:
+        assert res.objective_s is None, where
+        return None
+    assert res.status == "optimal", where
+    assert res.objective_s == pytest.approx(oracle.estimate.tpi_s, rel=1e-6, abs=1e-12), where
+    strategies = [tables.strategies[u][k] for u, k in enumerate(res.strategy_index)]
+    plan = problem.plan_for(stage_of_layer=res.stage_of_layer, pp=pp, microbatches=c, schedule=schedule,
+                            virtual_stages=v, strategies=strategies)
+    assert evaluate(problem, plan).tpi_s == pytest.approx(res.objective_s, rel=1e-9), where
+    return strategies

@@ -7,14 +7,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from bruteforce_pipeline import brute_force_all, brute_force_candidate
+from bruteforce_pipeline import assert_milp_equals_brute_force, brute_force_all
 from planner_factories import random_problem
 
-from uniap_lightning.planner.cost import evaluate
 from uniap_lightning.planner.cost.tables import CostTables
-from uniap_lightning.planner.schedule_rules import unsupported
 from uniap_lightning.planner.solver import search
-from uniap_lightning.planner.solver.parallel import solve_candidate
 
 # (seed, layers, nodes, devices per node, memory GiB): 2 and 4 devices, memory from loose to binding
 CASES = [(0, 5, 1, 2, 40.0), (1, 4, 1, 4, 40.0), (2, 5, 1, 2, 4.0), (3, 4, 2, 2, 4.0), (4, 6, 1, 2, 8.0),
@@ -47,23 +44,7 @@ def test_each_schedule_candidate_milp_equals_brute_force(case):
     seen = set()
     for pp, c, schedule, v in _candidates(problem):
         seen.add((schedule, v))
-        oracle = brute_force_candidate(problem, pp, c, schedule, v)
-        tables = CostTables(problem, pp, c, schedule=schedule, virtual_stages=v,
-                            allowed=lambda k, s=schedule: unsupported(s, k) is None)
-        where = f"pp={pp} c={c} {schedule} v={v}"
-        if not tables.feasible_shape:  # the search skips it too
-            assert oracle is None, where
-            continue
-        res = solve_candidate(tables, "cbc", 60.0, None)
-        if oracle is None:
-            assert res.objective_s is None, where
-            continue
-        assert res.status == "optimal", where
-        assert res.objective_s == pytest.approx(oracle.estimate.tpi_s, rel=1e-6, abs=1e-12), where
-        plan = problem.plan_for(stage_of_layer=res.stage_of_layer, pp=pp, microbatches=c, schedule=schedule,
-                                virtual_stages=v,
-                                strategies=[tables.strategies[u][k] for u, k in enumerate(res.strategy_index)])
-        assert evaluate(problem, plan).tpi_s == pytest.approx(res.objective_s, rel=1e-9), where
+        assert_milp_equals_brute_force(problem, pp, c, schedule, v)
     assert len(seen) >= 2  # more than GPipe/1F1B priced
 
 
