@@ -72,6 +72,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from uniap_lightning.errors import UniAPError
+from uniap_lightning.runtime.grads import all_reduce_flat
 
 if TYPE_CHECKING:
     from uniap_lightning.adapters.moe import ExpertFn
@@ -351,12 +352,4 @@ def reduce_gradients(module: nn.Module, groups: ExpertGroups) -> None:
         for p in params:  # the same tensors on every rank of the group, whatever this rank's routing touched
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(flat, group=group)
-        flat /= groups.data_size
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        all_reduce_flat([p.grad for p in params], group, groups.data_size)

@@ -49,6 +49,21 @@ def add_grads(stash: GradStash) -> None:
         p.grad = g if p.grad is None else p.grad + g
 
 
+def all_reduce_flat(grads: list[torch.Tensor], group: dist.ProcessGroup | None, divisor: float) -> None:
+    """Sum ``grads`` over ``group`` in one all-reduce of their concatenation (none when the group is missing or
+    has one rank), divide by ``divisor`` and write the result back in place."""
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(flat, group=group)
+    flat /= divisor
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
 def _copies(p: torch.Tensor, devices_per_stage: int) -> int:
     """How many ranks of the stage hold the same piece of ``p``'s gradient."""
     from torch.distributed.tensor import DTensor

@@ -305,17 +305,10 @@ def reduce_gradients(params: Iterable[nn.Parameter], group: Any, *, dp: int) -> 
     """Replicated weights' gradients over a group of the dp x cp ranks that hold them: sum, then ``/ dp`` (the
     cp ranks' losses add up to one sample's loss; dp ranks average as the data-parallel runtime does)."""
     from uniap_lightning.runtime.data_parallel import local_tensor
+    from uniap_lightning.runtime.grads import all_reduce_flat
 
-    grads = [local_tensor(p.grad) for p in params if p.grad is not None]  # a TP shard: its local piece
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    flat.div_(dp)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+    # a TP shard: its local piece
+    all_reduce_flat([local_tensor(p.grad) for p in params if p.grad is not None], group, dp)
 
 
 # ---------------------------------------------------------------------------------------------- plan checks
