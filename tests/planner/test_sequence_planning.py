@@ -281,3 +281,29 @@ def test_the_last_layer_gathers_whole_sequences_for_the_loss():
     assert last.time_s - middle.time_s == pytest.approx(all_gather_s(problem.cluster, whole, 4, False))
     assert last.activation_bytes - middle.activation_bytes == pytest.approx(whole)
     assert t.terms(3, Strategy(4, 1)) == t.terms(1, Strategy(4, 1))
+
+
+@pytest.mark.parametrize(("fields", "match"), [
+    ({"sequence_length": 0}, r"layers\[0\]\.sequence_length must be > 0, got 0"),
+    ({"sequence_length": "long"}, r"layers\[0\]\.sequence_length must be a finite number"),
+    ({"attention_heads": -1}, r"layers\[0\]\.attention_heads must be >= 0, got -1"),
+    ({"attention_heads": 8, "kv_heads": 3}, r"layers\[0\]\.kv_heads=3 must divide attention_heads=8"),
+    ({"kv_heads": 2}, r"layers\[0\]\.kv_heads=2 must divide attention_heads=0"),
+    ({"sequence_parallel": "yes"}, r"layers\[0\]\.sequence_parallel must be true or false"),
+])
+def test_bad_sequence_fields_in_a_profile_are_refused_in_one_line(fields, match):
+    from uniap_lightning.planner.profile import ModelProfile
+
+    layer = {"name": "b", "forward_s": 1e-3, "backward_s": 2e-3, "params": 10, "activation_bytes": 1.0,
+             "output_bytes": 1.0, "tp_degrees": [1], "tp_allreduces": 0, **fields}
+    with pytest.raises(UniAPError, match=match) as err:
+        ModelProfile.from_dict({"format_version": 1, "layers": [layer]})
+    assert "\n" not in str(err.value)
+
+
+def test_a_bad_ring_attention_flag_in_a_cluster_is_refused():
+    from uniap_lightning.planner.cluster import Cluster
+
+    with pytest.raises(UniAPError, match="ring_attention must be true or false"):
+        Cluster.from_dict({"name": "c", "nodes": 1, "devices_per_node": 2, "memory_gib": 8, "peak_tflops": 1,
+                           "ring_attention": "no"})
