@@ -3,6 +3,7 @@
     python benchmarks/planner.py [--repeats 3] [--quick] [--skip wall,quality,solvers]
     python benchmarks/planner.py --skip wall,quality,solvers --big 60         # every model on h100_32x8
     python benchmarks/planner.py --skip wall,quality,solvers --huge 300       # LLaMA-70B / 7B on h100_128x8
+    python benchmarks/planner.py --skip wall,quality,solvers --giant 60 [--models llama_7b]  # 8,192 devices
     python benchmarks/planner.py --skip wall,quality,solvers --quality-json after.json [--time-limit 60]
         [--models bert_huge,llama_13b --clusters h100_128x8]                  # a subset, with wall and CPU s
     python benchmarks/planner.py --compare before.json after.json
@@ -26,8 +27,14 @@ from rich.table import Table
 
 from uniap_lightning.planner.config import available, build_problem
 from uniap_lightning.errors import UniAPError
+from uniap_lightning.planner.plan import Plan
 from uniap_lightning.planner.solver import solve
 from uniap_lightning.planner.solver.baselines import BASELINES
+
+
+#: issue 24's clusters (8,192 devices; three device types): --giant and benchmarks/heterogeneous.py measure them,
+#: the all-pairs sections leave them out
+SCALE = ("h100_1024x8", "h100_a100_3type_24x8")
 
 
 def batch_for(cluster: str) -> int:
@@ -72,7 +79,7 @@ def quality_json(path: str, time_limit: float, models: list[str] | None = None,
 
     out: dict[str, dict] = {}
     for model in models or available("model"):
-        for cluster in clusters or available("cluster"):
+        for cluster in clusters or [c for c in available("cluster") if c not in SCALE]:
             prob = build_problem(model=model, cluster=cluster, global_batch_size=batch_for(cluster))
             t0, c0 = time.perf_counter(), cpu_s()
             try:
@@ -125,17 +132,40 @@ def compare(before_path: str, after_path: str, console: Console) -> None:
     console.print(table)
 
 
-def scale(clusters: list[str], models: list[str], limit: float, console: Console) -> None:
-    """Whole `uniap plan` per model on the big clusters: wall time, status and gap (one run each)."""
+def scale(clusters: list[str], models: list[str], limit: float, console: Console,
+          batch: int | None = None) -> None:
+    """Whole `uniap plan` per model on the big clusters, one run each: wall and CPU seconds (the command and its
+    solver workers), the solver's status and gap, and the plan's shape (read back from the plan file it wrote)."""
+    import tempfile
+    from pathlib import Path
+
     table = Table(title=f"`uniap plan` on the big clusters (time_limit={limit:g} s, one run each)")
-    for col in ("model", "cluster", "devices", "batch", "wall s", "solver line"):
+    for col in ("model", "cluster", "devices", "batch", "wall s", "CPU s", "status", "gap", "plan"):
         table.add_column(col)
     for cluster in clusters:
         for model in models:
-            b = batch_for(cluster)
-            wall, status = wall_time(model, cluster, b, 1, time_limit=limit)
-            table.add_row(model, cluster, str(cluster_devices(cluster)), str(b), f"{wall:.1f}", status)
-            console.print(f"  {model} on {cluster}: {wall:.1f} s {status}", style="dim")
+            b = batch or batch_for(cluster)
+            with tempfile.TemporaryDirectory() as tmp:
+                out = Path(tmp) / "plan.json"
+                c0, t0 = cpu_s(), time.perf_counter()
+                proc = subprocess.run(["uniap", "plan", f"model={model}", f"cluster={cluster}", f"batch_size={b}",
+                                       f"time_limit={limit:g}", f"out={out}"],
+                                      capture_output=True, text=True, check=False)
+                wall, cpu = time.perf_counter() - t0, cpu_s() - c0
+                status, gap, shape = "error", "-", proc.stderr.strip()[-60:]
+                if out.exists():
+                    plan = Plan.from_json(out)
+                    status, gap = plan.solver.status, f"{plan.solver.gap:.2%}"
+                    labels = sorted({lp.strategy.label() for lp in plan.layers})
+                    shape = (f"pp{plan.pp} c{plan.microbatches} {plan.schedule}"
+                             + (f" v{plan.virtual_stages}" if plan.virtual_stages > 1 else "")
+                             + f" {'/'.join(labels)}")
+                elif "no plan fits" in proc.stderr or "InfeasibleError" in proc.stderr:
+                    status, shape = "does not fit", "-"
+            table.add_row(model, cluster, str(cluster_devices(cluster)), str(b), f"{wall:.1f}", f"{cpu:.1f}",
+                          status, gap, shape)
+            console.print(f"  {model} on {cluster}: {wall:.1f} s wall, {cpu:.1f} s CPU, {status} {gap} {shape}",
+                          style="dim")
     console.print(table)
 
 
@@ -153,6 +183,8 @@ def main() -> None:
     ap.add_argument("--skip", default="", help="comma list of sections to skip: wall,quality,solvers")
     ap.add_argument("--big", type=float, default=None, help="every shipped model on h100_32x8 at this time limit")
     ap.add_argument("--huge", type=float, default=None, help="LLaMA-70B and LLaMA-7B on h100_128x8 at this limit")
+    ap.add_argument("--giant", type=float, default=None,
+                    help="every shipped model (or --models) on h100_1024x8, batch 16,384, at this time limit")
     ap.add_argument("--quality-json", default=None, help="write samples/s of every model x cluster to this file")
     ap.add_argument("--models", default=None, help="comma list: only these models in --quality-json")
     ap.add_argument("--clusters", default=None, help="comma list: only these clusters in --quality-json")
@@ -170,6 +202,8 @@ def main() -> None:
         scale(["h100_32x8"], available("model"), args.big, console)
     if args.huge is not None:
         scale(["h100_128x8"], ["llama_70b", "llama_7b"], args.huge, console)
+    if args.giant is not None:
+        scale(["h100_1024x8"], args.models.split(",") if args.models else available("model"), args.giant, console)
 
     if "wall" not in skip:
         cases = [("llama_7b", "a100_1x8"), ("bert_huge", "titanxp_2x4"), ("llama_13b", "h100_4x8"),
@@ -191,7 +225,8 @@ def main() -> None:
         table = Table(title="Plan quality: samples/s of the plan and its speed-up over each baseline (same cost model)")
         for col in ("model", "cluster", "batch", "plan", "samples/s", *BASELINES, "solve s", "status"):
             table.add_column(col)
-        clusters = [c for c in available("cluster") if not (args.quick and c == "h100_128x8")]
+        clusters = [c for c in available("cluster")
+                    if c not in SCALE and not (args.quick and c == "h100_128x8")]
         for model in [m for m in available("model")]:
             for cluster in clusters:
                 b = batch_for(cluster)

@@ -10,8 +10,11 @@ from uniap_lightning.errors import InfeasibleError
 from uniap_lightning.planner.solver import baseline_plans, solve
 
 BIG = {"h100_32x8", "h100_128x8"}
+# issue 24's planning-at-scale clusters: benchmarks/planner.py measures them; the slow run checks the plans here
+SCALE = {"h100_1024x8", "h100_a100_3type_24x8"}
 SLOW_PAIRS = {("llama_70b", "a100_v100_4x8")}  # about two minutes on 2 shared cores: the slow run has it
-PAIRS = [(m, c) for m in available("model") for c in available("cluster")]
+PAIRS = [(m, c) for m in available("model") for c in available("cluster") if c not in SCALE]
+SCALE_PAIRS = [(m, c) for m in available("model") for c in sorted(SCALE)]
 
 
 def _batch(cluster: str) -> int:
@@ -25,7 +28,8 @@ def _default_run(i: int, model: str, cluster: str) -> bool:
 
 @pytest.mark.parametrize(
     ("model", "cluster"),
-    [(m, c) if _default_run(i, m, c) else pytest.param(m, c, marks=pytest.mark.slow) for i, (m, c) in enumerate(PAIRS)],
+    [(m, c) if _default_run(i, m, c) else pytest.param(m, c, marks=pytest.mark.slow) for i, (m, c) in enumerate(PAIRS)]
+    + [pytest.param(m, c, marks=pytest.mark.slow) for m, c in SCALE_PAIRS],
 )
 def test_plan_never_worse_than_baselines(model, cluster):
     problem = build_problem(model=model, cluster=cluster, global_batch_size=_batch(cluster))
