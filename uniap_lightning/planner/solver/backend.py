@@ -63,10 +63,13 @@ class MilpResult:
 @contextmanager
 def no_gc() -> Iterator[None]:
     """python-mip's HiGHS backend frees models from cffi finalizers; a garbage-collection pass that runs one
-    while cffi holds its lock deadlocked a spawned process. Collect before, not during, a solve."""
+    while cffi holds its lock deadlocked a spawned process. Collect before, not during, a solve: once, on the
+    outermost entry (a pass costs 50 ms or more in a process holding torch, and ``solve`` nests ``search`` for
+    every baseline)."""
     enabled = gc.isenabled()
-    gc.collect()
-    gc.disable()
+    if enabled:
+        gc.collect()
+        gc.disable()
     try:
         yield
     finally:
