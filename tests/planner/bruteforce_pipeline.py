@@ -145,6 +145,10 @@ def assert_milp_equals_brute_force(problem: Problem, pp: int, c: int, schedule: 
         return None
     assert res.status == "optimal", where
     assert res.objective_s == pytest.approx(oracle.estimate.tpi_s, rel=1e-6, abs=1e-12), where
+    # the candidate's cheap bound (it prunes without a solve) never exceeds the optimum
+    from uniap_lightning.planner.solver.bounds import time_lower_bound_s
+
+    assert oracle.estimate.tpi_s >= time_lower_bound_s(tables) * (1 - 1e-9), where
     strategies = [tables.strategies[u][k] for u, k in enumerate(res.strategy_index)]
     plan = problem.plan_for(stage_of_layer=res.stage_of_layer, pp=pp, microbatches=c, schedule=schedule,
                             virtual_stages=v, strategies=strategies)

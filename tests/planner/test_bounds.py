@@ -20,7 +20,9 @@ from uniap_lightning.planner.solver import resolve_solver
 from uniap_lightning.planner.solver.bounds import (
     chain_bottleneck_s,
     chain_sync_floor_s,
+    group_sync_floor_s,
     partition_floor,
+    pigeonhole_floor,
     time_lower_bound_s,
 )
 from uniap_lightning.planner.solver.milp import GroupedMilp
@@ -150,3 +152,52 @@ def test_the_sync_floor_is_tight_on_repeated_blocks():
             T, Y = _bottleneck_and_sync(best)
             found += abs(t.tpi_s(0.0, 0.0, T, Y) - chain_sync_floor_s(t)) <= 1e-6 * chain_sync_floor_s(t)
     assert found > 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_group_floor_of_bottleneck_and_sync_holds_with_several_stages_per_device(seed):
+    """b_T T + Y >= group_sync_floor_s for random plans of looped and V schedules (v = 2, 3): each device group
+    holds whole layers' time and sync, wherever its v stages sit in the chain; and a plan that fits costs at least
+    the candidate's bound."""
+    problem = repeated_problem(seed, pattern="ABBBBBBBC", nodes=1, per_node=(2, 4)[seed % 2], schedule="auto",
+                               memory_gib=(8.0, 40.0)[seed % 2])
+    problem = replace(problem, training=replace(problem.training, max_virtual_stages=3))
+    rng = random.Random(seed)
+    L = problem.model.num_layers
+    checked = 0
+    for pp in problem.pp_candidates():
+        for c in problem.training.microbatch_candidates():
+            for schedule, v in problem.training.schedule_candidates(pp, c, L):
+                if v == 1:
+                    continue
+                t = CostTables(problem, pp, c, schedule=schedule, virtual_stages=v)
+                if not t.feasible_shape:
+                    continue
+                floor, bound = group_sync_floor_s(t), time_lower_bound_s(t)
+                options = [strategies_for(lp, t.n, problem.cluster, t.b, compression=problem.compression)
+                           for lp in problem.model.layers]
+                for _ in range(30):
+                    cuts = sorted(rng.sample(range(1, L), t.stages - 1))
+                    stage_of = [sum(u >= x for x in cuts) for u in range(L)]
+                    plan = problem.plan_for(stage_of_layer=stage_of, strategies=[rng.choice(o) for o in options],
+                                            pp=pp, microbatches=c, schedule=schedule, virtual_stages=v)
+                    plan = plan.with_report(estimate=evaluate(problem, plan))
+                    T, Y = _bottleneck_and_sync(plan)
+                    assert t.tpi_s(0.0, 0.0, T, Y) >= floor * (1 - REL), (pp, c, schedule, v, stage_of)
+                    if plan.estimate.feasible:
+                        assert plan.estimate.tpi_s >= bound * (1 - REL), (pp, c, schedule, v, stage_of)
+                    checked += 1
+    assert checked > 0
+
+
+def test_the_group_floor_is_the_pigeonhole_bound_from_below():
+    """pigeonhole_floor never exceeds the least largest group sum over every way to share the weights."""
+    rng = random.Random(1)
+    for _ in range(150):
+        w = [rng.uniform(0, 10) for _ in range(rng.randint(1, 7))]
+        g = rng.randint(1, 3)
+        exact = min(max(sum(x for x, a in zip(w, assign) if a == k) for k in range(g))
+                    for assign in itertools.product(range(g), repeat=len(w)))
+        assert pigeonhole_floor(w, g) <= exact * (1 + 1e-12) + 1e-15
+    # tight where it matters: 9 equal weights on 4 groups put 3 on one group
+    assert pigeonhole_floor([1.0] * 9, 4) == pytest.approx(3.0)

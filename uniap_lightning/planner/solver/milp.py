@@ -47,7 +47,8 @@ Program (terms: ``A`` time, ``S`` sync, ``W`` static, ``Act`` activation, ``G`` 
   sync:        Y >= sum S n  (per stage).
   memory:      sum W n + F_i sum Act n + gmax_i <= M_i  (stage i's smallest device);  gmax_i >= G v_G;  sum_{k: G_k = G} n_k <= U v_G.
   bottleneck:  T >= o_j;  T >= run_bottleneck_s(g), T >= chain_bottleneck_s;  (c - 1) T + Y >= chain_sync_floor_s
-               (valid inequalities, :mod:`.bounds`: some stage holds whole layers' time and sync at once).
+               and, with v > 1, >= group_sync_floor_s (valid inequalities, :mod:`.bounds`: some stage, some device
+               group, holds whole layers' time and sync at once).
 Objective: ``TPI = sum_i p_i + sum_j o_j + (c - 1) T + Y``.
 
 Any feasible assignment maps to one plan (an Euler walk over levels fixes the order inside each portion,
@@ -66,7 +67,7 @@ from uniap_lightning.planner.cluster import GIB
 from uniap_lightning.planner.cost.tables import CostTables
 from uniap_lightning.planner.solver.backend import MS, MilpResult, add_cutoff, beyond_cutoff, new_model, optimize
 from uniap_lightning.planner.solver.bounds import (chain_bottleneck_s, chain_sync_floor_s, group_floor_s,
-                                                  run_bottleneck_s)
+                                                  group_sync_floor_s, run_bottleneck_s)
 from uniap_lightning.planner.solver.decode import decode
 
 
@@ -404,6 +405,8 @@ class GroupedMilp:
             empty = self.t.stage_time_s(0.0) * self.t.v
             self.m += self.T >= (group_floor_s(self.t) + empty) * MS, "group_floor"
         self.m += self.t.tpi_s(0.0, 0.0, self.T, self.Y) >= chain_sync_floor_s(self.t) * MS, "chain_sync_floor"
+        if self.t.v > 1:  # with one stage per group the partition floor above is at least as strong
+            self.m += self.t.tpi_s(0.0, 0.0, self.T, self.Y) >= group_sync_floor_s(self.t) * MS, "group_sync_floor"
 
     # ----------------------------------------------------------------- solve
     def solve(self, *, time_limit_s: float, cutoff_s: float | None = None) -> MilpResult:
