@@ -37,6 +37,17 @@ def short(device: str) -> str:
     return parts[0] + (f"-{mem}" if mem else "")
 
 
+def per_type(plan) -> str:
+    """Layers and stages per device type, in rank order: ``H100-80 18 layers / 8 stages, A100-80 8 / 8, ...``."""
+    out: dict[str, list[int]] = {}
+    for i in range(plan.num_stages):
+        kind = short(plan.estimate.stage_device[plan.group_of_stage(i)])
+        acc = out.setdefault(kind, [0, 0])
+        acc[0] += len(plan.layers_of_stage(i))
+        acc[1] += 1
+    return ", ".join(f"{k} {n} layers / {s} stages" for k, (n, s) in out.items())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cluster", default="a100_v100_4x8")
@@ -52,7 +63,7 @@ def main() -> None:
     else:
         cases = DEFAULT.get(args.cluster) or [(m, batch) for m in available("model")]
     print(f"cluster {args.cluster} ({devices} devices), time_limit {args.time_limit:g} s")
-    print("| model | batch | plan (stages: layers on device type) | plan ms/iter | status (gap) | wall s | CPU s "
+    print("| model | batch | plan (layers and stages per device type) | plan ms/iter | status (gap) | wall s | CPU s "
           "| told all equal: its plan on the real pool | baselines on the real pool (ms; - = does not fit) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for model, b in cases:
@@ -72,8 +83,7 @@ def main() -> None:
         except InfeasibleError:
             nt = "nothing fits"
         bl = ", ".join(f"{k} {v * 1e3:,.0f}" if v is not None else f"{k} -" for k, v in plan.baselines.items())
-        split = " / ".join(f"{len(plan.layers_of_stage(i))} {short(plan.estimate.stage_device[plan.group_of_stage(i)])}"
-                           for i in range(plan.num_stages))
+        split = per_type(plan)
         s = plan.solver
         status = s.status + ("" if s.status == "optimal" else f" ({s.gap:.1%})")
         print(f"| {model} | {b} | pp={plan.pp} {plan.schedule}"
