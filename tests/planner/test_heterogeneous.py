@@ -148,3 +148,36 @@ def test_the_shipped_mixed_cluster_plans_and_names_device_kinds():
     naive = search(equal, time_limit_s=60)
     naive_real = evaluate(problem, naive)
     assert not naive_real.feasible or naive_real.tpi_s >= plan.estimate.tpi_s * (1 - 1e-9)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_re_solve_warm_started_from_the_running_plan_finds_the_same_optimum(seed):
+    """What the rebalance callback does when speeds change: solve(warm_start=running plan, baselines=False) returns
+    the cold solve's optimum (the warm start only prunes); a warm start the configuration rules out (another
+    schedule) or that no longer fits is ignored, never returned."""
+    from uniap_lightning.planner.solver import solve
+
+    base = repeated_problem(seed, pattern="ABBBBBC", nodes=1, per_node=4, memory_gib=(16.0, 40.0)[seed % 2])
+    running = solve(base, time_limit_s=60)
+    slowed = _hetero(base, seed)
+    cold = solve(slowed, time_limit_s=60)
+    warm = solve(slowed, time_limit_s=60, warm_start=running, baselines=False)
+    assert cold.solver.status == warm.solver.status == "optimal"
+    assert warm.estimate.tpi_s == pytest.approx(cold.estimate.tpi_s, rel=1e-9)
+    assert warm.estimate.tpi_s == pytest.approx(evaluate(slowed, warm).tpi_s, rel=1e-12)
+    assert warm.estimate.tpi_s <= evaluate(slowed, running).tpi_s * (1 + 1e-12) or not evaluate(slowed, running).feasible
+    # a running plan outside the search space (another pipeline degree, another schedule) is not handed back, even
+    # where it would be faster than anything inside
+    by_pp = {}
+    for p in slowed.pp_candidates():
+        try:
+            by_pp[p] = solve(slowed, time_limit_s=60, pp=[p], baselines=False)
+        except InfeasibleError:
+            pass
+    fastest = min(by_pp.values(), key=lambda pl: pl.estimate.tpi_s)
+    for p in set(by_pp) - {fastest.pp}:
+        assert solve(slowed, time_limit_s=60, pp=[p], warm_start=fastest, baselines=False).pp == p
+    assert len(by_pp) >= 2
+    pinned = replace(slowed, training=replace(slowed.training, schedule="gpipe"))
+    assert solve(pinned, time_limit_s=60, warm_start=replace(fastest, schedule="1f1b"),
+                 baselines=False).schedule == "gpipe"

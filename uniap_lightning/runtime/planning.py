@@ -106,11 +106,15 @@ def solve_plan(
     compression_options: dict[str, float] | None = None,
     pp: list[int] | None = None,
     on_solve: Any = None,
+    warm_start: Plan | None = None,
+    baselines: bool = True,
 ) -> tuple[Plan, str]:
     """Solve (or reuse from the cache) a plan; returns it and where it came from ("cache <path>" or "solver").
     ``compression``: the gradient compression methods the solver may choose per layer (always with "none"),
     ``compression_options`` their parameters (default: the plan defaults); ``pp``: the pipeline degrees to search
-    (``None``: all); ``on_solve()`` is called when the cache has no plan, before solving (e.g. to say so). Ring
+    (``None``: all); ``on_solve()`` is called when the cache has no plan, before solving (e.g. to say so);
+    ``warm_start`` (a running plan) and ``baselines=False`` make a re-solve faster without changing its optimum
+    (see :func:`uniap_lightning.planner.solver.solve`), so neither enters the cache key. Ring
     attention is left out of the search (``cluster.ring_attention`` off) while the runtime cannot execute it
     (:data:`uniap_lightning.runtime.sequence.CP_METHODS`)."""
     from uniap_lightning.runtime.sequence import CP_METHODS
@@ -135,7 +139,8 @@ def solve_plan(
                       compression_options=dict(compression_options or COMPRESSION_DEFAULTS))
     if on_solve is not None:
         on_solve()
-    plan = solve(problem, solver=solver, time_limit_s=time_limit_s, pp=pp)  # no cyclic GC while solving (see no_gc)
+    # no cyclic GC while solving (see no_gc)
+    plan = solve(problem, solver=solver, time_limit_s=time_limit_s, pp=pp, warm_start=warm_start, baselines=baselines)
     if not plan.model_fingerprint:
         plan = replace(plan, model_fingerprint=profile.fingerprint())
     try:  # a cache that cannot be written (read-only directory) means "don't cache", not a failed setup

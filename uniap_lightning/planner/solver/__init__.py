@@ -25,6 +25,7 @@ def solve(
     baselines: bool = True,
     progress: Callable[[str], None] | None = None,
     compression: str | list[str] | tuple[str, ...] | None = None,
+    warm_start: Plan | None = None,
 ) -> Plan:
     """Find the plan with the least predicted time per iteration that fits memory.
 
@@ -34,23 +35,41 @@ def solve(
     incumbents (so the plan is never worse than any of them) and reported in ``plan.baselines``.
     ``compression`` (None: the problem's own ``compression``) sets the gradient compression methods the solver may
     choose per layer: a method, "auto" (all), a list, or "none".
+    ``warm_start``: a plan for this model and device count (e.g. the one a job is running when its devices' speeds
+    change), re-scored on ``problem`` and, when it fits, used as the first incumbent: candidates that cannot beat it
+    are pruned without a solve and every solve gets it as a cutoff. The result stays exact; it is the same optimum,
+    found sooner.
     Raises :class:`~uniap_lightning.errors.InfeasibleError` when nothing fits, naming the memory shortfall.
     """
     if compression is not None:
         problem = replace(problem, compression=compression_methods(compression))
     with no_gc():
         return _solve(problem, solver=solver, time_limit_s=time_limit_s, pp=pp, baselines=baselines,
-                      progress=progress)
+                      progress=progress, warm_start=warm_start)
 
 
-def _solve(problem, *, solver, time_limit_s, pp, baselines, progress) -> Plan:
+def _in_search_space(problem: Problem, plan: Plan, pp: list[int] | None) -> bool:
+    """The search could return ``plan``: its pipeline degree, micro-batch count and schedule are among the
+    candidates (a warm start from outside them would hand back a plan the configuration rules out)."""
+    t = problem.training
+    return (plan.num_devices == problem.num_devices and plan.pp in (pp or problem.pp_candidates())
+            and plan.microbatches in t.microbatch_candidates()
+            and (plan.schedule, plan.virtual_stages) in t.schedule_candidates(plan.pp, plan.microbatches,
+                                                                              problem.model.num_layers))
+
+
+def _solve(problem, *, solver, time_limit_s, pp, baselines, progress, warm_start=None) -> Plan:
     deadline = Deadline.after(time_limit_s)
     base: dict[str, Plan | None] = {}
-    incumbent = None
+    feasible: list[Plan] = []
+    if warm_start is not None and _in_search_space(problem, warm_start, pp):
+        warm = warm_start.with_report(estimate=evaluate(problem, warm_start), solver=None, search=())
+        if warm.estimate.feasible:
+            feasible.append(warm)
     if baselines:
         base = baseline_plans(problem, solver=solver, deadline=deadline.share(0.5))
-        feasible = [p for p in base.values() if p is not None and p.estimate and p.estimate.feasible]
-        incumbent = min(feasible, key=lambda p: p.estimate.tpi_s, default=None)
+        feasible += [p for p in base.values() if p is not None and p.estimate and p.estimate.feasible]
+    incumbent = min(feasible, key=lambda p: p.estimate.tpi_s, default=None)
     plan = search(problem, solver=solver, deadline=deadline, pp=pp, incumbent=incumbent, progress=progress)
     # the incumbent may be a baseline object: give the caller its own copy of the estimate
     return plan.with_report(baselines={k: (v.estimate.tpi_s if v is not None else None) for k, v in base.items()},
