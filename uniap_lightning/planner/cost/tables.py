@@ -265,7 +265,7 @@ class CostTables(CandidateCosts):
             # what terms(u, .) depends on: the layer but its name, its input, and whether the loss follows it
             key = (self._costed[u], self.layers[u - 1].output_bytes if u > 0 else 0.0, u == len(self.layers) - 1)
             if key not in seen:
-                ks = strategies_for(lp, self.n, problem.cluster, self.b, compression=problem.compression)
+                ks = strategies_for(self._costed[u], self.n, problem.cluster, self.b, compression=problem.compression)
                 if allowed is not None:
                     ks = [k for k in ks if allowed(k)]
                 cs = [self.terms(u, k) for k in ks]
@@ -289,9 +289,11 @@ class CostTables(CandidateCosts):
         ``max / min`` ranks, no more than the gathers from the common coarsening ``k <= min`` that
         :func:`~uniap_lightning.planner.cost.layer.reshard_s` charges a pair with a sequence split (larger pieces
         over more ranks). Only all at once: a pair of two sequence layouts can cost less than its image."""
-        if not any(k.cp > 1 for ks in self.strategies for k in ks):
+        # identical layers share their lists (one entry per distinct layer, see __init__)
+        distinct = list({id(cs): (ks, cs) for ks, cs in zip(self.strategies, self.cost)}.values())
+        if not any(k.cp > 1 for ks, _ in distinct for k in ks):
             return
-        for ks, cs in zip(self.strategies, self.cost):
+        for ks, cs in distinct:
             by_layout: dict[tuple[int, int], list[tuple[float, ...]]] = {}
             for k, c in zip(ks, cs):
                 if k.cp == 1:
@@ -303,10 +305,12 @@ class CostTables(CandidateCosts):
                 rivals = by_layout.get((k.dp * k.cp, 1), [])
                 if not any(all(a <= b for a, b in zip(r, vec)) for r in rivals):
                     return  # some sequence split may pay: keep them all
-        for u, (ks, cs) in enumerate(zip(self.strategies, self.cost)):
-            keep = [j for j, k in enumerate(ks) if k.cp == 1]
-            self.strategies[u] = [ks[j] for j in keep]
-            self.cost[u] = [cs[j] for j in keep]
+        kept: dict[int, tuple[list[Strategy], list[LayerCost]]] = {}  # keyed by id: `distinct` keeps the lists alive
+        for u, (ks, cs) in enumerate(zip(list(self.strategies), list(self.cost))):
+            if id(cs) not in kept:
+                keep = [j for j, k in enumerate(ks) if k.cp == 1]
+                kept[id(cs)] = ([ks[j] for j in keep], [cs[j] for j in keep])
+            self.strategies[u], self.cost[u] = kept[id(cs)]
 
     @property
     def feasible_shape(self) -> bool:

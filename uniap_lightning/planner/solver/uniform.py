@@ -6,6 +6,7 @@ from collections.abc import Iterable
 
 from uniap_lightning.planner.cost.evaluate import evaluate
 from uniap_lightning.planner.cost.layer import Strategy, strategies_for
+from uniap_lightning.planner.cost.tables import costing_layers
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.plan import Plan
 from uniap_lightning.planner.problem import Problem
@@ -30,7 +31,8 @@ def uniform_plan(problem: Problem, pp: int, c: int, s: Strategy, schedule: str |
     layers = problem.model.layers
     if pp * virtual_stages > len(layers) or (pp > 1 and b % n):
         return None
-    if any(s not in strategies_for(lp, n, problem.cluster, b) for lp in layers):
+    distinct = {id(lp): lp for lp in costing_layers(problem.model)}.values()  # identical blocks: checked once
+    if any(s not in strategies_for(lp, n, problem.cluster, b) for lp in distinct):
         return None
     return problem.plan_for(stage_of_layer=even_split(len(layers), pp * virtual_stages), strategies=[s] * len(layers),
                             pp=pp, microbatches=c, schedule=schedule, virtual_stages=virtual_stages)
