@@ -225,6 +225,13 @@ def _layer_cost(
     # sequence parallelism splits what tensor parallelism alone leaves whole (norms, dropout, residuals)
     f = 1.0 if s.sp else layer.activation_tp_fraction
     act = layer.activation_bytes * tokens * ((1 - f) + f / t)
+    if s.sp:  # torch's ColwiseParallel(input_layouts=Shard(1)) saves the all-gathered input of each column-parallel
+        # projection whole (Megatron gathers it again in backward instead): one per TP all-reduce it replaces
+        act += (1 - 1 / t) * layer.tp_allreduces * layer.output_bytes * tokens
+    if cp > 1 and s.cp_method == "ulysses" and layer.attention_heads:
+        # attention's output is kept twice: head-sharded (saved by attention) and, after the all-to-all back,
+        # sequence-sharded (the output projection's input); the profile, one process, saw one
+        act += layer.output_bytes * tokens / t
     # what the layer's backward adds at its peak (the gradients in and out, temporaries), split like activations
     transient += layer.backward_peak_bytes * tokens * ((1 - f) + f / t)
     if s.recompute:
