@@ -23,6 +23,7 @@ from uniap_lightning.planner.solver.bounds import (
     group_sync_floor_s,
     partition_floor,
     pigeonhole_floor,
+    pigeonhole_floor_uneven,
     time_lower_bound_s,
 )
 from uniap_lightning.planner.solver.milp import GroupedMilp
@@ -162,6 +163,8 @@ def test_the_group_floor_of_bottleneck_and_sync_holds_with_several_stages_per_de
     problem = repeated_problem(seed, pattern="ABBBBBBBC", nodes=1, per_node=(2, 4)[seed % 2], schedule="auto",
                                memory_gib=(8.0, 40.0)[seed % 2])
     problem = replace(problem, training=replace(problem.training, max_virtual_stages=3))
+    if seed % 2:  # devices of different speeds: each group's layers priced at its own speed
+        problem = _hetero(problem, seed)
     rng = random.Random(seed)
     L = problem.model.num_layers
     checked = 0
@@ -201,3 +204,21 @@ def test_the_group_floor_is_the_pigeonhole_bound_from_below():
         assert pigeonhole_floor(w, g) <= exact * (1 + 1e-12) + 1e-15
     # tight where it matters: 9 equal weights on 4 groups put 3 on one group
     assert pigeonhole_floor([1.0] * 9, 4) == pytest.approx(3.0)
+
+
+def test_the_uneven_pigeonhole_floor_is_a_lower_bound_and_sees_a_slow_group():
+    """Groups that price items differently (a slowed node's group): the floor never exceeds the brute-force least
+    largest group sum, and equals pigeonhole_floor when every group prices alike."""
+    rng = random.Random(2)
+    for _ in range(150):
+        n = rng.randint(1, 6)
+        classes = [(rng.randint(1, 2), [rng.uniform(0, 10) for _ in range(n)])]
+        classes.append((rng.randint(1, 2), [w * rng.uniform(1.0, 3.0) for w in classes[0][1]]))
+        groups = [w for count, w in classes for _ in range(count)]
+        exact = min(max(sum(groups[g][u] for u in range(n) if assign[u] == g) for g in range(len(groups)))
+                    for assign in itertools.product(range(len(groups)), repeat=n))
+        assert pigeonhole_floor_uneven(classes) <= exact * (1 + 1e-12) + 1e-15
+    w = [rng.uniform(0, 5) for _ in range(9)]
+    assert pigeonhole_floor_uneven([(4, w)]) == pigeonhole_floor(w, 4)
+    # 4 equal items on one fast and one 3x slower group: the slow group takes at most 1, so the fast one 3
+    assert pigeonhole_floor_uneven([(1, [1.0] * 4), (1, [3.0] * 4)]) == pytest.approx(3.0)

@@ -53,21 +53,29 @@ def group_floor_s(t: CostTables) -> float:
 
 def group_sync_floor_s(t: CostTables) -> float:
     """A lower bound on ``tpi_s(0, 0, T, Y)`` (``b_T T + Y``: the bottleneck and the largest sync together) from the
-    device groups: :func:`pigeonhole_floor` of ``w_u = min_k tpi_s(0, 0, A_uk, S_uk)``, plus what a group pays for
-    its ``v`` empty stages.
+    device groups: :func:`pigeonhole_floor` of ``w_u(g) = min_k tpi_s(0, 0, A_uk(g), S_uk)`` (the layer's time at
+    group ``g``'s speed), plus what a group pays for its ``v`` empty stages.
 
     Proof. For every group ``g``, ``T >= P_g`` (its stages' summed times) and ``Y >= Sync_g`` (its layers' syncs),
-    so ``b_T T + Y >= b_T P_g + Sync_g >= b_T v stage_time_s(0) + sum_{u on g} w_u`` (``b_T >= 0``; a stage's time is
-    its slot overhead plus its layers' times plus resharding, ``>= 0``; ``A_uk`` at the fastest device's speed). The
-    largest group sum of ``w`` is at least the pigeonhole floor.
+    so ``b_T T + Y >= b_T P_g + Sync_g >= b_T v stage_time_s(0) + sum_{u on g} w_u(g)`` (``b_T >= 0``; a stage's time
+    is its slot overhead plus its layers' times plus resharding, ``>= 0``). The largest group sum of ``w`` is at
+    least the pigeonhole floor.
 
     Why it matters: :func:`chain_sync_floor_s` splits the chain into ``S = pp v`` contiguous stages, but with
     ``v > 1`` a group holds ``v`` of them; and the LP relaxation spreads layers fractionally over the groups (34
     layers on 8 groups: 4.25 each, when some group must hold 4 blocks and the head). LLaMA-7B on 8,192 devices,
     pp = 8, interleaved 1F1B with v = 3: the candidate's bound stayed at 695 ms after 120 s of branching, where its
-    plans cost 745 ms."""
-    w = [min(t.tpi_s(0.0, 0.0, t.fastest_layer_time_s(k), k.sync_s) for k in costs) for costs in t.cost]
-    return pigeonhole_floor(w, t.pp) + t.tpi_s(0.0, 0.0, t.stage_time_s(0.0) * t.v, 0.0)
+    plans cost 745 ms. On a heterogeneous cluster each group's layers are priced at its own speed (a slowed node's
+    group holds fewer)."""
+    classes: dict[float, list] = {}
+    for g in range(t.pp):
+        speed = t.stage_speed(t.stages_of(g)[0])
+        if speed not in classes:
+            classes[speed] = [0, [min(t.tpi_s(0.0, 0.0, t._time_at(k, speed), k.sync_s) for k in costs)
+                                  for costs in t.cost]]
+        classes[speed][0] += 1
+    return (pigeonhole_floor_uneven([(n, w) for n, w in classes.values()])
+            + t.tpi_s(0.0, 0.0, t.stage_time_s(0.0) * t.v, 0.0))
 
 
 def pigeonhole_floor(weights: list[float], groups: int) -> float:
@@ -81,6 +89,46 @@ def pigeonhole_floor(weights: list[float], groups: int) -> float:
         if len(top) < k * groups + 1:
             break
         best = max(best, sum(top[-(k + 1):]))
+    return best * (1 - 1e-12)
+
+
+def pigeonhole_floor_uneven(classes: list[tuple[int, list[float]]]) -> float:
+    """:func:`pigeonhole_floor` for groups that price the same item differently: ``classes`` holds ``(number of
+    groups, weight of every item on such a group)``; a lower bound on the largest group sum over every way to give
+    each item to one group.
+
+    For any set ``H`` of items and any ``X``: a group of class ``c`` that holds ``m`` items of ``H`` carries at least
+    the ``m`` smallest of its weights in ``H``, so with all sums ``<= X`` it holds at most ``cap_c(X)`` of them; if
+    the caps add up to fewer than ``|H|`` items, every assignment has a group above ``X``. ``H`` runs over the
+    ``h`` items heaviest on the fastest class, for every ``h``; the least ``X`` the caps allow is a prefix sum, found
+    by bisection. With one class this is :func:`pigeonhole_floor`."""
+    if len(classes) == 1:
+        return pigeonhole_floor(classes[0][1], classes[0][0])
+    items = len(classes[0][1])
+    order = sorted(range(items), key=lambda u: min(w[u] for _, w in classes), reverse=True)
+    best = 0.0
+    for h in range(1, items + 1):
+        chosen = order[:h]
+        prefixes = []
+        for count, w in classes:
+            acc, run = [], 0.0
+            for x in sorted(w[u] for u in chosen):
+                run += x
+                acc.append(run)
+            prefixes.append((count, acc))
+        values = sorted({x for _, acc in prefixes for x in acc})
+
+        def holds(X: float) -> bool:
+            return sum(count * bisect_right(acc, X) for count, acc in prefixes) >= h
+
+        lo, hi = 0, len(values) - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if holds(values[mid]):
+                hi = mid
+            else:
+                lo = mid + 1
+        best = max(best, values[lo])
     return best * (1 - 1e-12)
 
 

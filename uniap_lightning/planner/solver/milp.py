@@ -405,7 +405,8 @@ class GroupedMilp:
             empty = self.t.stage_time_s(0.0) * self.t.v
             self.m += self.T >= (group_floor_s(self.t) + empty) * MS, "group_floor"
         self.m += self.t.tpi_s(0.0, 0.0, self.T, self.Y) >= chain_sync_floor_s(self.t) * MS, "chain_sync_floor"
-        if self.t.v > 1:  # with one stage per group the partition floor above is at least as strong
+        # with one stage per group on equal devices the partition floor above is at least as strong
+        if self.t.v > 1 or self.t.problem.cluster.rank_speed is not None:
             self.m += self.t.tpi_s(0.0, 0.0, self.T, self.Y) >= group_sync_floor_s(self.t) * MS, "group_sync_floor"
 
     # ----------------------------------------------------------------- solve
