@@ -13,16 +13,19 @@ second step:
 
 - **static**: parameters, gradients, AdamW state and the all-reduce buckets, from the live tensors
   (:func:`uniap_lightning.runtime.zero.held_bytes`, as ``memory_modes.py`` part 1);
-- **kept**: bytes of the storages ops create from the chain's first layer's forward to its last layer's output
-  that are still alive then (what the forward keeps for backward; :class:`~uniap_lightning.profiling.memory.
-  LiveBytes`, as ``memory_modes.py`` part 2), without the chain's output (the loss's input, no layer's figure);
-- **peak**: the most such bytes from the last layer's output until the embedding's weight gradient is accumulated
-  (the backward's end), without the chain's output; gradients are allocated (zeros) before the forward, as after a
+- **kept**: bytes of the storages ops create from the stage's first layer's forward to the stage's output (after
+  its re-layout to the stage's edge, where the loss runs on whole sequences) that are still alive then (what the
+  forward keeps for backward; :class:`~uniap_lightning.profiling.memory.LiveBytes`, as ``memory_modes.py`` part 2),
+  without the output tensor's own bytes (the loss's input: a plan on whole sequences holds it too and no layer's
+  figure counts it; what more a cp-split last layer keeps, e.g. the whole sequences its output views, counts);
+- **peak**: the most such bytes from the stage's output until the embedding's weight gradient is accumulated
+  (the backward's end), without the output tensor; gradients are allocated (zeros) before the forward, as after a
   micro-batch before, so the backward accumulates into them in place (they are ``static``). The loss's forward
   and backward (log-softmax over the vocabulary) fall inside it; no layer's figure holds them.
 
-Predicted: the planner's terms for the same plan (:func:`uniap_lightning.planner.cost.layer.layer_cost`:
-``static_bytes``, ``activation_bytes`` summed over the layers; peak = kept + the largest ``transient_bytes``) from
+Predicted: the planner's terms for the same plan (``planner.cost.tables.CandidateCosts.terms``, i.e.
+:func:`uniap_lightning.planner.cost.layer.layer_cost` plus the whole-sequence output a cp-split last layer keeps
+for the loss: ``static_bytes``, ``activation_bytes`` summed over the layers; peak = kept + the largest ``transient_bytes``) from
 the project's own profile of these layers, measured as the strategy measures it: ``profiling.profile_layers`` on
 the full sequence, then ``measure_overheads`` / ``attach_overheads`` on the ranks for the share of activations
 tensor parallelism splits (``activation_tp_fraction``).
@@ -121,7 +124,7 @@ def _rank_run(rank: int, world: int, port: int, args: Any, out_dir: str) -> None
                 self.layers[0].register_forward_pre_hook(self._start)
                 for layer in self.layers:
                     layer.register_forward_hook(self._layer_end)
-                self.layers[-1].register_forward_hook(self._forward_end)
+                strategy.runtime.stage_modules[-1].register_forward_hook(self._stage_end)
                 wte = next(p for p in self.layers[0].parameters() if p.requires_grad)
                 wte.register_post_accumulate_grad_hook(self._backward_end)
 
@@ -141,11 +144,15 @@ def _rank_run(rank: int, world: int, port: int, args: Any, out_dir: str) -> None
                 if live is not None and "kept" not in probe:
                     probe.setdefault("by_layer", []).append(live.live)  # cumulative, outputs included
 
-            def _forward_end(self, _m: Any, _i: Any, out: Any) -> None:
+            def _stage_end(self, _m: Any, _i: Any, out: Any) -> None:
                 live = state.get("live")
                 if live is None or "kept" in probe:
                     return
-                state["out"] = out.untyped_storage().nbytes()
+                # after the re-layout to the stage's edge layout; its output is the loss's input, which a plan
+                # on whole sequences holds too and no layer's figure counts: its own bytes left out (not the
+                # storage it may view, e.g. a cp layer's all-gathered whole sequences)
+                outs = out if isinstance(out, tuple) else (out,)
+                state["out"] = sum(o.numel() * o.element_size() for o in outs)
                 probe["kept"] = live.live - state["out"]
                 live.reset_peak()
 
@@ -207,6 +214,7 @@ def run(args: Any) -> list[dict[str, Any]]:
             static = sum(a["params"] + a["gathered"] + a["optimizer"] for a in r["in_step"]) + grads + r["bucket"]
             peak = r["peak_raw"] - r["out"]  # without the chain's output (the loss's input)
             rows.append({"plan": name, "rank": rank, "static": static, "kept": r["kept"], "peak": peak,
+                         "out": r["out"],
                          "kept_by_layer": [b - a for a, b in zip([0] + r["by_layer"][:-1], r["by_layer"])],
                          "predicted_by_layer": r["predicted"].pop("by_layer"),
                          "predicted": r["predicted"]})
