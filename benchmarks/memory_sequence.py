@@ -8,7 +8,8 @@ The shipped GPT (``adapters.gpt``, 4 heads, AdamW) trained 2 steps by ``Trainer(
 on ``--world`` gloo processes with every layer pinned to one strategy, one micro-batch per step (``--batch``
 samples): ``dp2`` (the baseline: the batch over the ranks), ``cp2`` (each sample's sequence over the ranks, Ulysses),
 ``tp2`` (tensor parallelism without sequence parallelism), ``tp2_sp`` (the blocks with sequence parallelism; the
-embedding and head tp 2 without), ``cp2_rc`` (cp 2, every layer recomputed). Each rank and plan measures, in the
+embedding and head tp 2 without), ``cp2_rc`` (cp 2, every layer recomputed); with ``--world 4`` data parallelism
+over the other 2 (``dp2`` then means dp 4). Each rank and plan measures, in the
 second step:
 
 - **static**: parameters, gradients, AdamW state and the all-reduce buckets, from the live tensors
@@ -25,8 +26,8 @@ second step:
 
 Predicted: the planner's terms for the same plan (``planner.cost.tables.CandidateCosts.terms``, i.e.
 :func:`uniap_lightning.planner.cost.layer.layer_cost` plus the whole-sequence output a cp-split last layer keeps
-for the loss: ``static_bytes``, ``activation_bytes`` summed over the layers; peak = kept + the largest ``transient_bytes``) from
-the project's own profile of these layers, measured as the strategy measures it: ``profiling.profile_layers`` on
+for the loss: ``static_bytes``, ``activation_bytes`` summed over the layers; peak = kept + the largest
+``transient_bytes``) from the project's own profile of these layers, measured as the strategy measures it: ``profiling.profile_layers`` on
 the full sequence, then ``measure_overheads`` / ``attach_overheads`` on the ranks for the share of activations
 tensor parallelism splits (``activation_tp_fraction``).
 """
@@ -36,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import warnings
@@ -77,7 +79,8 @@ def _profile(args: Any, ids: torch.Tensor) -> Any:
     layers = gpt_layers(args)
     names = [f"chain.{i}" for i in range(len(layers))]
     profile = profile_layers(layers, names, ids, micro_batches=[args.batch], repeats=1,
-                             tp_degrees=[tp_degrees(m) for m in layers], tp_allreduces=[tp_allreduces(m) for m in layers])
+                             tp_degrees=[tp_degrees(m) for m in layers],
+                             tp_allreduces=[tp_allreduces(m) for m in layers])
     profile = with_sequence_fields(profile, layers, ids)
     split: dict[int, float] = {}
     overheads = measure_overheads(layers, names, ids, micro_batches=[args.batch], repeats=1, warmup=0,
@@ -205,7 +208,8 @@ def run(args: Any) -> list[dict[str, Any]]:
     out = tempfile.mkdtemp(prefix="uniap_memseq_")
     mp.start_processes(_rank_run, args=(args.world, _free_port(), args, out), nprocs=args.world,
                        start_method="spawn")
-    ranks = [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(args.world)]
+    ranks = [torch.load(Path(out) / f"rank{r}.pt", weights_only=True) for r in range(args.world)]
+    shutil.rmtree(out, ignore_errors=True)
     rows = []
     for name in args.plans:
         for rank, res in enumerate(ranks):

@@ -165,7 +165,8 @@ def test_sequence_parallelism_splits_what_tensor_parallelism_leaves_whole_at_the
     assert tp.activation_bytes == pytest.approx(ATTN.activation_bytes * samples * (0.25 + 0.75 / 2))
     # everything split, but the all-gathered inputs of the column-parallel projections (one per all-reduce) whole
     # (measured, benchmarks/memory_sequence.py)
-    assert sp.activation_bytes == pytest.approx(ATTN.activation_bytes * samples / 2 + 2 * ATTN.output_bytes * samples / 2)
+    whole = 2 * ATTN.output_bytes * samples / 2
+    assert sp.activation_bytes == pytest.approx(ATTN.activation_bytes * samples / 2 + whole)
 
 
 def test_the_methods_offered_follow_heads_sequence_and_cluster():
