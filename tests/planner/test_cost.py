@@ -253,3 +253,28 @@ def test_strategies_per_layer_cover_every_mode_and_the_allowed_compression():
     assert all(k.compression == "none" for k in ks if k.dp_mode in ("zero2", "zero3") or k.dp == 1)
     assert {k.recompute for k in ks} == {False, True}
     assert all(k.dp_mode == "replicate" for k in ks if k.dp == 1)
+
+
+@pytest.mark.parametrize("split_time", [False, True])
+def test_undominated_keeps_exactly_the_strategies_no_other_of_the_same_layout_dominates(split_time):
+    """The sorted, kept-only scan equals the definition (every pair compared), ties keeping the first index, on
+    random cost vectors with many exact ties and dominations."""
+    import random
+
+    from uniap_lightning.planner.cost.layer import LayerCost, Strategy
+    from uniap_lightning.planner.cost.tables import _vector, undominated
+
+    rng = random.Random(7)
+    for _ in range(60):
+        n = rng.randint(1, 40)
+        ks = [Strategy.of(dp=rng.choice([1, 2]), tp=1, recompute=bool(j % 2)) for j in range(n)]
+        cs = []
+        for _j in range(n):
+            v = [rng.choice([1.0, 2.0, 3.0]) for _ in range(7)]
+            cs.append(LayerCost(time_s=v[0] + v[1], compute_s=v[0], comm_s=v[1], sync_s=v[2], static_bytes=v[3],
+                                activation_bytes=v[4], transient_bytes=v[5], weight_grad_s=v[6] / 4))
+        vec = [_vector(c, split_time) for c in cs]
+        expected = [j for j in range(n) if not any(
+            i != j and ks[i].layout == ks[j].layout and all(a <= b for a, b in zip(vec[i], vec[j]))
+            and (vec[i] != vec[j] or i < j) for i in range(n))]
+        assert undominated(ks, cs, split_time=split_time) == expected

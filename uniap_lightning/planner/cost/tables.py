@@ -351,9 +351,12 @@ def undominated(strategies: list[Strategy], costs: list[LayerCost], *, split_tim
         groups.setdefault(s.layout, []).append(j)
     keep = []
     for members in groups.values():
-        for j in members:
+        # a dominating vector sorts no later (lexicographically, then by index for ties), and domination is
+        # transitive: comparing each vector with the ones kept so far is enough
+        kept: list[tuple[float, ...]] = []
+        for j in sorted(members, key=lambda m: (vec[m], m)):
             v = vec[j]
-            if not any(i != j and all(a <= b for a, b in zip(vec[i], v)) and (vec[i] != v or i < j)
-                       for i in members):
+            if not any(all(a <= b for a, b in zip(w, v)) for w in kept):
+                kept.append(v)
                 keep.append(j)
     return sorted(keep)
