@@ -22,7 +22,9 @@ second step:
 - **peak**: the most such bytes from the stage's output until the embedding's weight gradient is accumulated
   (the backward's end), without the output tensor; gradients are allocated (zeros) before the forward, as after a
   micro-batch before, so the backward accumulates into them in place (they are ``static``). The loss's forward
-  and backward (log-softmax over the vocabulary) fall inside it; no layer's figure holds them.
+  and backward (log-softmax over the vocabulary) fall inside it; no layer's figure holds them. The readings of kept
+  follow a barrier (:func:`_settle`); the peak cannot, so a collective's buffers that gloo's thread releases late
+  now and then raise it (measured: 1 rank in 20, by 256 KiB on the test's small case).
 
 Predicted: the planner's terms for the same plan (``planner.cost.tables.CandidateCosts.terms``, i.e.
 :func:`uniap_lightning.planner.cost.layer.layer_cost` plus the whole-sequence output a cp-split last layer keeps
@@ -35,6 +37,7 @@ tensor parallelism splits (``activation_tp_fraction``).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -86,6 +89,15 @@ def _profile(args: Any, ids: torch.Tensor) -> Any:
     overheads = measure_overheads(layers, names, ids, micro_batches=[args.batch], repeats=1, warmup=0,
                                   tp_split=split)
     return attach_overheads(profile, overheads, split)
+
+
+def _settle() -> None:
+    """Before reading live bytes: a finished collective's tensors are released by gloo's worker thread, racing this
+    one (a reading then holds them at random, measured: 1 run in 10 kept 384 KiB more); a barrier (it waits for every
+    earlier collective, then a round trip) lets that thread finish first."""
+    import torch.distributed as dist
+
+    dist.barrier()
 
 
 def _rank_run(rank: int, world: int, port: int, args: Any, out_dir: str) -> None:
@@ -145,6 +157,8 @@ def _rank_run(rank: int, world: int, port: int, args: Any, out_dir: str) -> None
             def _layer_end(self, *_: Any) -> None:
                 live = state.get("live")
                 if live is not None and "kept" not in probe:
+                    _settle()
+                    gc.collect()
                     probe.setdefault("by_layer", []).append(live.live)  # cumulative, outputs included
 
             def _stage_end(self, _m: Any, _i: Any, out: Any) -> None:
@@ -156,6 +170,12 @@ def _rank_run(rank: int, world: int, port: int, args: Any, out_dir: str) -> None
                 # storage it may view, e.g. a cp layer's all-gathered whole sequences)
                 outs = out if isinstance(out, tuple) else (out,)
                 state["out"] = sum(o.numel() * o.element_size() for o in outs)
+                # garbage in reference cycles (freed whenever Python's collector runs, which other threads' work
+                # moves) would make the figure vary from run to run: collected first, and its bytes recorded
+                _settle()
+                probe["uncollected"] = live.live
+                gc.collect()
+                probe["uncollected"] -= live.live
                 probe["kept"] = live.live - state["out"]
                 live.reset_peak()
 
@@ -218,7 +238,7 @@ def run(args: Any) -> list[dict[str, Any]]:
             static = sum(a["params"] + a["gathered"] + a["optimizer"] for a in r["in_step"]) + grads + r["bucket"]
             peak = r["peak_raw"] - r["out"]  # without the chain's output (the loss's input)
             rows.append({"plan": name, "rank": rank, "static": static, "kept": r["kept"], "peak": peak,
-                         "out": r["out"],
+                         "out": r["out"], "uncollected": r["uncollected"],
                          "kept_by_layer": [b - a for a, b in zip([0] + r["by_layer"][:-1], r["by_layer"])],
                          "predicted_by_layer": r["predicted"].pop("by_layer"),
                          "predicted": r["predicted"]})
