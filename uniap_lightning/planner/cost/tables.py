@@ -109,12 +109,15 @@ class CandidateCosts:
     def _whole_sequences_for_the_loss(self, u: int, s: Strategy, cost: LayerCost) -> LayerCost:
         """The loss runs on whole sequences where the chain ends (the model's own loss shifts its labels inside):
         a last layer with its sequence split all-gathers its output over its ``cp`` ranks in forward (its gradient
-        is a local slice) and keeps the whole-sequence output for the loss's backward."""
+        is a local slice) and keeps the whole-sequence output for the loss's backward. The loss's own input (this
+        rank's ``b / n`` samples, a view of it) every plan holds and no layer counts, so the layer adds the rest
+        (measured, ``benchmarks/memory_sequence.py``)."""
         cluster = self.problem.cluster
         whole = self.layers[u].output_bytes * self.b / s.dp
         gather = all_gather_s(cluster, whole, s.cp, s.cp * s.tp > cluster.devices_per_node)
+        kept = whole - self.layers[u].output_bytes * self.b / self.n
         return replace(cost, time_s=cost.time_s + gather, comm_s=cost.comm_s + gather,
-                       activation_bytes=cost.activation_bytes + whole)
+                       activation_bytes=cost.activation_bytes + kept)
 
     def reshard_s(self, u: int, d_from, d_to) -> float:
         """Between layer ``u`` (layout ``d_from``: a :attr:`Strategy.layout`, or a batch split) and ``u + 1``
