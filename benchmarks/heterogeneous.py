@@ -31,7 +31,9 @@ def cpu_s() -> float:
 
 
 def short(device: str) -> str:
-    """H100-SXM5-80GB -> H100-80; A100-SXM4-40GB -> A100-40; V100-SXM2-32GB -> V100-32."""
+    """H100-SXM5-80GB -> H100-80; A100-SXM4-40GB -> A100-40; a mixed stage: H100-80+A100-80+A100-40."""
+    if "+" in device:
+        return "+".join(short(d) for d in device.split("+"))
     parts = device.split("-")
     mem = next((p[:-2] for p in parts if p.endswith("GB")), "")
     return parts[0] + (f"-{mem}" if mem else "")
