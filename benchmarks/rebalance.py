@@ -9,7 +9,9 @@ solved, and profiled, with all devices equal). Each run, in the same ``--devices
 
 1. ``rebalance=True, rebalance_check_every=--check-every``: the step time before the switch (median of the
    window's steps after the first), after it (median of the steps after the one following the switch), the
-   one-off switch cost (checkpoint, rebuild, optimizers, in seconds) and the re-solve time;
+   one-off switch cost (checkpoint, rebuild, optimizers, in seconds), the re-solve time (warm-started from the
+   running plan, as the callback does) and the detection: steps and seconds from the slowdown (step 1) to the
+   check that switched, and one check's own cost;
    (steps right after a check, which carry its all-gather and any re-solve, are left out of "after");
 2. the ideal: a plan solved from the start on the cluster with the speeds the rebalance measured
    (``Cluster.with_rank_speed``), ``rebalance=False``: its median step time (steps after the first).
@@ -127,7 +129,15 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
             s = e["step"]  # before: steps 2..s (times[0 : s-1]); after: from step s+2 (s+1 warms up the new plan)
             # a check runs after this clock's hook, so its gather (and any re-solve) lands in the next step: skipped
             after = [t for i, t in enumerate(times) if i + 2 > s + 1 and (i + 2) % args.check_every != 1]
+            # detection: the slowdown starts at step 1 and the switch happens at check step s (steps after s
+            # - 1 healthy-looking steps); a check step carries the check's all-gather: its cost is that step's time
+            # over its neighbours' (checks before the switch, where nothing was re-solved)
+            check_steps = [i for i in range(len(times)) if (i + 2) % args.check_every == 1 and i + 2 < s]
+            plain = [t for i, t in enumerate(times[:s - 1]) if i not in check_steps]
+            check_cost = (statistics.median([times[i] for i in check_steps]) - statistics.median(plain)
+                          if check_steps and plain else None)
             row.update(before_s=statistics.median(times[:s - 1]), after_s=statistics.median(after),
+                       detect_steps=s - 1, detect_s=sum(times[:s - 1]), check_s=check_cost,
                        checks=len(strategy._rebalancer.checks),
                        switch_s=e["switch_s"], solve_s=e["solve_s"], predicted_gain=e["predicted_gain"],
                        speeds=e["speeds"], new_plan=e["new_plan"])
@@ -173,6 +183,11 @@ def main() -> None:
         print(f"| step time after the switch | {after * 1e3:.1f} ms ({before / after - 1:+.0%} steps/s) |")
         print(f"| step time of the ideal plan | {ideal * 1e3:.1f} ms |")
         print(f"| predicted gain | {_median(switched, 'predicted_gain'):+.0%} |")
+        print(f"| detection: steps (and seconds) from the slowdown to the switching check | "
+              f"{_median(switched, 'detect_steps'):.0f} ({_median(switched, 'detect_s'):.2f} s) |")
+        check = _median(switched, "check_s")
+        print(f"| a check's own cost (its all-gather; a check step over a plain one) | "
+              + (f"{check * 1e3:.1f} ms |" if check is not None else "- (no check before the switch) |"))
         print(f"| switch cost (checkpoint, rebuild, optimizers) | {_median(switched, 'switch_s'):.2f} s |")
         print(f"| re-solve (rank 0, others wait) | {_median(switched, 'solve_s'):.2f} s |")
     if args.out:
