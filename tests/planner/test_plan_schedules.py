@@ -8,7 +8,7 @@ import pytest
 
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.decision import Strategy
-from uniap_lightning.planner.plan import Plan
+from uniap_lightning.planner.plan import SCHEDULE_LAYOUTS, SCHEDULES, Plan, check_schedule
 
 NAMES = [f"l{u}" for u in range(8)]
 
@@ -76,3 +76,18 @@ def test_stages_must_sit_on_the_schedules_device_groups():
     doc["stages"] = doc["stages"][:2]
     with pytest.raises(UniAPError, match=r"plan has 2 stages but pp=2 x virtual_stages=2 = 4"):
         Plan.from_dict(doc)
+
+
+@pytest.mark.parametrize("schedule", [s for s in SCHEDULES if SCHEDULE_LAYOUTS[s][1] != "1"])
+def test_a_pinned_schedule_plans_with_its_own_virtual_stages(schedule):
+    """``uniap plan schedule=interleaved_1f1b`` (or any pinned schedule with virtual stages) plans with that
+    schedule; the baselines, built with one stage per group, fall back to 1F1B instead of refusing v=1."""
+    from uniap_lightning.planner.config import build_problem
+    from uniap_lightning.planner.solver import solve
+
+    problem = build_problem(model="bert_huge", cluster="titanxp_2x4", global_batch_size=32, schedule=schedule)
+    plan = solve(problem, pp=[2])
+    assert plan.schedule == schedule and plan.pp == 2
+    check_schedule(plan.schedule, plan.virtual_stages)
+    assert len(plan.stages) == plan.pp * plan.virtual_stages > plan.pp
+    assert plan.baselines and any(v is not None for v in plan.baselines.values())

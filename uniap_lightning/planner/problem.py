@@ -81,8 +81,12 @@ class TrainingConfig:
 
     @property
     def concrete_schedule(self) -> str:
-        """The schedule of plans built without a search over schedules (baselines, ``auto``'s default)."""
-        return "1f1b" if self.schedule == "auto" else self.schedule
+        """The schedule of plans built with one stage per device group and no search over schedules (the
+        baselines, a table's starting point): the pinned schedule where it runs with ``virtual_stages = 1``, else
+        1F1B (``auto``, and the multi-chunk schedules, whose plans the search builds with their own ``v``)."""
+        if self.schedule == "auto" or SCHEDULE_LAYOUTS[self.schedule][1] != "1":
+            return "1f1b"
+        return self.schedule
 
     def schedule_candidates(self, pp: int, c: int, num_layers: int) -> list[tuple[str, int]]:
         """The ``(schedule, virtual_stages)`` pairs the search prices for ``pp`` device groups and ``c``
