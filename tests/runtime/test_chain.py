@@ -105,9 +105,9 @@ def test_dict_batch_with_labels_splits_by_default() -> None:
         default_split_batch({"input_ids": torch.zeros(2, 3)})
 
 
-def test_a_plan_with_expert_parallelism_is_refused_before_any_process_group() -> None:
-    """The planner prices ep (expert parallelism) but the strategy does not run it yet: a pinned plan with ep > 1
-    is refused in one line instead of running every expert on every rank, past the memory the plan promised."""
+def test_a_plan_with_expert_parallelism_on_a_dense_layer_is_refused_before_any_process_group() -> None:
+    """The strategy runs ep (expert parallelism) on layers with experts it can split; a pinned plan with ep > 1 on
+    a layer without any is refused in one line (instead of running the layer unsplit, past the plan's memory)."""
     import pytest
 
     from uniap_lightning.errors import UniAPError
@@ -119,7 +119,7 @@ def test_a_plan_with_expert_parallelism_is_refused_before_any_process_group() ->
     plan = Plan.from_assignment(stage_of_layer=[0, 0, 0], layer_names=chain.names, pp=1, microbatches=1,
                                 schedule="1f1b", global_batch_size=4, num_devices=2,
                                 strategies=[Strategy(2, 1), Strategy(2, 1, ep=2), Strategy(2, 1)])
-    with pytest.raises(UniAPError, match=r"plan layer 'net.1': ep=2 \(expert parallelism\) is planned but not yet "
-                                         r"executed") as err:
+    with pytest.raises(UniAPError, match=r"plan layer 'net.1': ep=2 \(expert parallelism\) but the layer has no "
+                                         r"experts the runtime can split") as err:
         check_plan_executable(plan, chain)
     assert "\n" not in str(err.value)

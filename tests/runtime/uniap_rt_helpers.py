@@ -369,8 +369,14 @@ def _run_case(rank: int, world: int, case: dict[str, Any], out_dir: Path) -> dic
     from uniap_lightning.monitor import UniAPMonitor
 
     monitor = next((cb for cb in trainer.callbacks if isinstance(cb, UniAPMonitor)), None)
+    from uniap_lightning.runtime.data_parallel import local_tensor
+
+    shapes = {k: tuple(local_tensor(p).shape) for k, p in module.named_parameters()}  # this rank's pieces
+    runtime = strategy._runtime  # None where the fit stopped before setup
+    exchanges = [] if runtime is None else [(r.name, r.bytes_sent) for r in runtime.all_to_all.records]
     return {"losses": rec.losses, "state": full_local_state(module), "plan": strategy.plan.to_dict(),
-            "origin": strategy.plan_origin, "monitor": monitor.last if monitor is not None else None, **extra}
+            "origin": strategy.plan_origin, "monitor": monitor.last if monitor is not None else None,
+            "local_shapes": shapes, "all_to_all": exchanges, **extra}
 
 
 def worker(rank: int, world: int, port: int, cases: dict[str, dict[str, Any]], out_dir: str) -> None:

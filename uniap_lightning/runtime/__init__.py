@@ -27,6 +27,7 @@ from uniap_lightning.planner.plan import Plan
 from uniap_lightning.planner.schedule_rules import unsupported
 from uniap_lightning.runtime.chain import Chain, UniAPModule, extract_chain
 from uniap_lightning.runtime.data_parallel import ReplicatedGrads
+from uniap_lightning.runtime.experts import AllToAllCounter, check_expert_plan
 from uniap_lightning.runtime.mesh import PlanMeshes, build_meshes
 from uniap_lightning.runtime.pipeline import PipelineRunner, check_schedule_runs
 from uniap_lightning.runtime.sequence import check_sequence_strategy
@@ -58,6 +59,11 @@ class Runtime:
         return [p for p in self._params if p.requires_grad]
 
     @property
+    def all_to_all(self) -> AllToAllCounter:
+        """The all-to-alls of this rank's expert-parallel layers (:mod:`.experts`), in the order they ran."""
+        return self.stage_modules[0].all_to_all
+
+    @property
     def zero(self) -> ZeroLayers:
         """The ZeRO book of every local layer (the stage modules share it)."""
         return self.stage_modules[0].zero
@@ -74,11 +80,10 @@ def check_plan_executable(plan: Plan, chain: Chain) -> None:
         if reason is not None:
             raise UniAPError(f"plan layer {chain.names[u]!r}: {reason}")
         if st.ep > 1:
-            # the planner prices expert parallelism and runtime.experts runs it, but the strategy does not wire it
-            # into stages yet: running the layer with every expert on every rank would break the plan's memory
-            raise UniAPError(f"plan layer {chain.names[u]!r}: ep={st.ep} (expert parallelism) is planned but not yet "
-                             "executed by strategy='uniap'; plan with ep=1 for training (uniap plan shows ep for "
-                             "capacity planning)")
+            check_expert_plan(chain.layers[u], f"plan layer {chain.names[u]!r}", st.ep)
+            if st.tp > 1:
+                raise UniAPError(f"plan layer {chain.names[u]!r}: ep={st.ep} with tp={st.tp} in one layer is not "
+                                 "executed yet; plan expert parallelism with tp=1")
 
 
 def apply_plan(chain: Chain, plan: Plan, *, rank: int, device: torch.device) -> Runtime:

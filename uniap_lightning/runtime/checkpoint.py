@@ -24,15 +24,25 @@ def _options(**kw: Any) -> Any:
 
 
 def model_state(module: nn.Module) -> dict[str, Any]:
+    """The module's state dict for DCP; expert-parallel shards as ``DTensor`` s of the full experts."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    return get_model_state_dict(module, options=_options())
+    from uniap_lightning.runtime.experts import expert_shard_meshes, globalize_expert_state
+
+    state = get_model_state_dict(module, options=_options())
+    globalize_expert_state(state, expert_shard_meshes(module))
+    return state
 
 
 def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's flattened state dict for DCP; expert-parallel shards' states as ``DTensor`` s."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    return get_optimizer_state_dict(module, optimizer, options=_options())
+    from uniap_lightning.runtime.experts import expert_shard_meshes, globalize_expert_state
+
+    state = get_optimizer_state_dict(module, optimizer, options=_options())
+    globalize_expert_state(state, expert_shard_meshes(module), optimizer=True)
+    return state
 
 
 def check_dcp_metadata(folder: Path) -> None:
@@ -107,6 +117,7 @@ def load(path: Path, module: nn.Module, optimizers: list[torch.optim.Optimizer],
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     from uniap_lightning.runtime.checkpoint_safety import safe_load_planner
+    from uniap_lightning.runtime.experts import expert_shard_meshes, localize_expert_state
 
     metadata = checked_metadata(path)
     state: dict[str, Any] = {"state_dict": model_state(module)}
@@ -114,6 +125,10 @@ def load(path: Path, module: nn.Module, optimizers: list[torch.optim.Optimizer],
         state[f"optimizer_{i}"] = optimizer_state(module, opt)
     check_fits(path, metadata, state, strict=strict)
     dcp_read(state, path, planner=safe_load_planner())
+    meshes = expert_shard_meshes(module)
+    localize_expert_state(state["state_dict"], meshes)
+    for i in range(len(optimizers)):
+        localize_expert_state(state[f"optimizer_{i}"], meshes, optimizer=True)
     set_model_state_dict(module, state["state_dict"], options=_options(strict=strict))
     for i, opt in enumerate(optimizers):
         set_optimizer_state_dict(module, opt, state[f"optimizer_{i}"], options=_options())
@@ -185,8 +200,10 @@ def load_full_weights(state_dict: dict[str, Any], module: nn.Module, *, strict: 
     from uniap_lightning.errors import UniAPError
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
+    from uniap_lightning.runtime.experts import expert_shard_meshes, shard_expert_state
+
     where = f"checkpoint {path}" if path is not None else "the checkpoint"
-    local = model_state(module)
+    local = model_state(module)  # expert shards as DTensors of the full experts: shapes compare with full ones
     missing = sorted(set(local) - set(state_dict))
     if strict and missing:
         raise UniAPError(f"{where} lacks {len(missing)} weights of this model, e.g. {missing[:3]}")
@@ -197,6 +214,9 @@ def load_full_weights(state_dict: dict[str, Any], module: nn.Module, *, strict: 
     if shapes or bad:
         what = f"{len(shapes)} shapes differ (e.g. {'; '.join(shapes[:2])})" if shapes else f"{bad[:3]} are not tensors"
         raise UniAPError(f"{where} does not fit this model: {what}")
+    for key, mesh in expert_shard_meshes(module).items():  # this rank's experts of the full ones
+        if key in mine:
+            mine[key] = shard_expert_state(mine, [key], ep=mesh.size(), index=mesh.get_local_rank())[key]
     set_model_state_dict(module, mine, options=_options(full_state_dict=True, strict=False))
 
 
@@ -205,8 +225,12 @@ def full_local_state(module: nn.Module) -> dict[str, torch.Tensor]:
     """Unsharded CPU copies of this rank's state-dict entries (collective over each layer's mesh)."""
     from torch.distributed.tensor import DTensor
 
+    from uniap_lightning.runtime.experts import expert_shard_meshes, globalize_expert_state
+
+    state = module.state_dict(keep_vars=True)
+    globalize_expert_state(state, expert_shard_meshes(module))  # experts gathered over their ep mesh
     out = {}
-    for name, t in module.state_dict(keep_vars=True).items():
+    for name, t in state.items():
         full = t.full_tensor() if isinstance(t, DTensor) else t
         out[name] = full.detach().cpu().clone()
     return out

@@ -34,12 +34,14 @@ BUCKET_CAP_BYTES = 25 * 2**20
 FIRST_BUCKET_CAP_BYTES = 2**20
 
 
-def apply_fsdp(layer: nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: bool = True) -> None:
+def apply_fsdp(layer: nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: bool = True,
+               ignored: set[nn.Parameter] | None = None) -> None:
     """Shard the layer's parameters, gradients and optimizer states over ``dp_mesh`` (FSDP2); outputs that are
-    views of the gathered parameters are copied before FSDP2 frees them (:func:`own_outputs`)."""
+    views of the gathered parameters are copied before FSDP2 frees them (:func:`own_outputs`). ``ignored``:
+    parameters FSDP2 leaves alone (expert-parallel shards, whose gradients travel their own way)."""
     from torch.distributed.fsdp import fully_shard
 
-    fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored or None)
     own_outputs(layer)
 
 
@@ -99,7 +101,7 @@ class Bucket:
     """
 
     group: dist.ProcessGroup
-    size: int  # ranks in ``group``
+    size: int  # ranks in ``group``: the divisor of the sum (for expert shards: the layer's replicas, more ranks)
     params: list[nn.Parameter]
     buffer: torch.Tensor
     slots: list[torch.Tensor]  # parameter i's piece of ``buffer``, shaped as its local gradient
@@ -247,21 +249,31 @@ class ReplicatedGrads:
     _armed: bool = field(default=False, init=False, repr=False)
     _start: int | None = field(default=None, init=False, repr=False)  # the first compressed step, once known
 
-    def add(self, layer: nn.Module, group: dist.ProcessGroup, dp: int, compression: str = "none") -> None:
-        """Average ``layer``'s gradients over ``group`` (``dp`` ranks) each optimizer step, compressed as
-        ``compression`` says (``"none"``, ``"bf16"``, ``"powersgd"``, ``"topk"``; see :mod:`.compression`)."""
+    def add(self, layer: nn.Module, group: dist.ProcessGroup, dp: int, compression: str = "none", *,
+            exclude: set[nn.Parameter] | None = None) -> None:
+        """Average ``layer``'s gradients (but ``exclude``'s) over ``group`` (``dp`` ranks) each optimizer step,
+        compressed as ``compression`` says (``"none"``, ``"bf16"``, ``"powersgd"``, ``"topk"``; see
+        :mod:`.compression`)."""
+        skip = {id(p) for p in exclude or ()}
+        self.add_params([p for p in layer.parameters() if id(p) not in skip], group, dp, compression)
+
+    def add_params(self, params: list[nn.Parameter], group: dist.ProcessGroup, divisor: int,
+                   compression: str = "none") -> None:
+        """Sum ``params``' gradients over ``group`` each optimizer step and divide by ``divisor`` (the group's
+        size for replicated layers; the layer's replicas for expert shards, whose gradients already hold the
+        contributions of their ep group's tokens, summed over the ranks holding the same experts)."""
         make_compressor(compression, self.compression_options)  # an unknown method fails here, not mid-step
         if self.buckets:
             raise RuntimeError("ReplicatedGrads.add after the buckets were built (at the first step)")
         # a parameter shared by two layers (tied weights) gets one slot: its hook runs once per backward
         known = {id(p) for _, _, plist, *_ in self.groups for p in plist}
-        params = [p for p in layer.parameters() if p.requires_grad and id(p) not in known]
-        if dp > 1 and params:
-            for g, _, plist, *method in self.groups:
-                if g is group and (method[0] if method else "none") == compression:
+        params = [p for p in params if p.requires_grad and id(p) not in known]
+        if divisor > 1 and params:
+            for g, size, plist, *method in self.groups:
+                if g is group and size == divisor and (method[0] if method else "none") == compression:
                     plist.extend(params)
                     return
-            self.groups.append((group, dp, params, compression))
+            self.groups.append((group, divisor, params, compression))
 
     def buffer_bytes(self) -> int:
         """Bytes of the bucket buffers (the replicated gradients of this rank, once more; see the class doc)."""

@@ -232,11 +232,35 @@ class HFExperts(nn.Module):
         return torch.zeros_like(hidden).index_add(0, token_of, weighted.to(hidden.dtype))
 
 
+def _hf_experts(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(name, m) for name, m in module.named_modules() if type(m).__name__.endswith("Experts")
+            and not isinstance(m, HFExperts)
+            and isinstance(getattr(m, "gate_up_proj", None), nn.Parameter) and m.gate_up_proj.dim() == 3]
+
+
+def expert_counts(module: nn.Module) -> dict[str, int]:
+    """The MoE layers of ``module`` expert parallelism can split (own :class:`MoEMLP`-like modules and Hugging Face
+    stacked experts), by name, with their expert counts."""
+    found = {name: int(m.n_experts) for name, m in expert_modules(module)}
+    found.update({name: int(m.gate_up_proj.shape[0]) for name, m in _hf_experts(module)})
+    return found
+
+
+def check_expert_plan(layer: nn.Module, where: str, ep: int) -> None:
+    """Refuse, in one line, ``ep > 1`` on a layer whose experts the runtime cannot split."""
+    counts = expert_counts(layer)
+    if not counts:
+        raise UniAPError(f"{where}: ep={ep} (expert parallelism) but the layer has no experts the runtime can split "
+                         "(mixture-of-experts modules declaring uniap_expert_params, or Hugging Face stacked experts); "
+                         "plan it with ep=1")
+    for name, n in counts.items():
+        check_expert_degree(n, ep, f"{where} ({name or 'the layer'})")
+
+
 def wrap_hf_experts(module: nn.Module) -> int:
     """Replace every Hugging Face stacked-experts module of ``module`` by :class:`HFExperts` (same parameters,
     same names; all experts still here). Returns how many; :func:`apply_expert_parallel` then shards them."""
-    found = [(name, m) for name, m in module.named_modules() if type(m).__name__.endswith("Experts")
-             and isinstance(getattr(m, "gate_up_proj", None), nn.Parameter) and m.gate_up_proj.dim() == 3]
+    found = _hf_experts(module)
     for name, m in found:
         if getattr(m, "has_bias", False) or getattr(m, "is_transposed", False) or not getattr(m, "has_gate", True) \
                 or not getattr(m, "is_concatenated", True):
@@ -268,6 +292,60 @@ def shard_expert_state(state: dict[str, torch.Tensor], keys: Iterable[str], *, e
     if missing:
         raise UniAPError(f"expert state: the checkpoint has no entry {missing[0]!r} (expert parameters expected)")
     return {k: _shard(v, ep, index).clone() if k in keys else v for k, v in state.items()}
+
+
+def mark_expert_shards(module: nn.Module, ep_mesh: Any) -> list[nn.Parameter]:
+    """After :func:`apply_expert_parallel`: remember each MoE layer's ep mesh (``uniap_ep_mesh``, read by
+    :func:`expert_shard_meshes`) and each expert shard's degree (``uniap_ep``, read by the global gradient norm);
+    returns the shards."""
+    shards = []
+    for _, m in expert_modules(module):
+        m.uniap_ep_mesh = ep_mesh
+        for pname in m.uniap_expert_params:
+            p = getattr(m, pname)
+            p.uniap_ep = ep_mesh.size()
+            shards.append(p)
+    return shards
+
+
+def expert_shard_meshes(module: nn.Module) -> dict[str, Any]:
+    """State-dict name -> ep mesh of every expert shard of ``module`` (empty without expert parallelism)."""
+    return {f"{name}.{p}" if name else p: m.uniap_ep_mesh for name, m in expert_modules(module)
+            if getattr(m, "uniap_ep_mesh", None) is not None for p in m.uniap_expert_params}
+
+
+def _expert_entries(state: dict[str, Any], meshes: dict[str, Any], optimizer: bool) -> list[tuple[str, Any]]:
+    """``(key, ep mesh)`` of the entries of a (flattened) model or optimizer state dict that are expert shards."""
+    out = []
+    for key, value in state.items():
+        fqn = key
+        if optimizer:  # "state.<fqn>.<name>" (flatten_optimizer_state_dict); param_groups hold no tensors
+            if not key.startswith("state."):
+                continue
+            fqn = key[len("state."):].rpartition(".")[0]
+        if fqn in meshes and isinstance(value, torch.Tensor) and value.dim() > 0:
+            out.append((key, meshes[fqn]))
+    return out
+
+
+def globalize_expert_state(state: dict[str, Any], meshes: dict[str, Any], *, optimizer: bool = False) -> None:
+    """In place: every expert shard of a (flattened) model or optimizer state dict becomes a ``DTensor`` sharded on
+    dim 0 over its ep mesh, so distributed checkpoints hold the full experts (``[E, ...]``) and reshard them by name
+    to any ep degree, as FSDP and TP shards are (:func:`localize_expert_state` undoes it after a load)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    for key, mesh in _expert_entries(state, meshes, optimizer):
+        if not isinstance(state[key], DTensor):
+            state[key] = DTensor.from_local(state[key], mesh, [Shard(0)], run_check=False)
+
+
+def localize_expert_state(state: dict[str, Any], meshes: dict[str, Any], *, optimizer: bool = False) -> None:
+    """In place: the entries :func:`globalize_expert_state` wrapped, back to this rank's plain shards."""
+    from torch.distributed.tensor import DTensor
+
+    for key, _ in _expert_entries(state, meshes, optimizer):
+        if isinstance(state[key], DTensor):
+            state[key] = state[key].to_local()
 
 
 def merge_expert_states(states: Sequence[dict[str, torch.Tensor]], keys: Iterable[str]) -> dict[str, torch.Tensor]:

@@ -68,7 +68,7 @@ def _copies(p: torch.Tensor, devices_per_stage: int) -> int:
     """How many ranks of the stage hold the same piece of ``p``'s gradient."""
     from torch.distributed.tensor import DTensor
 
-    shards = 1
+    shards = getattr(p, "uniap_ep", 1)  # an expert shard: E / ep experts (runtime.experts.mark_expert_shards)
     if isinstance(p, DTensor):
         for dim, placement in enumerate(p.placements):
             # not `is_shard()`: FSDP2 x TP uses _StridedShard, which splits the tensor but is no `Shard`

@@ -6,7 +6,10 @@ position ``r`` inside its group is on pipeline *lane* ``r``, and lane ``r`` is t
 Inside a group a layer with strategy ``(dp, cp, tp)`` sees the group's ranks as a ``dp x cp x tp`` grid with
 ``tp`` innermost, then ``cp``: its tensor-parallel mesh is the ``tp`` ranks of a row, its context-parallel group the
 ``cp`` ranks of the same dp and tp index, and its *replica* mesh the ``dp x cp`` ranks of the same tp index (they hold
-the same weights: gradient averaging and ZeRO sharding run over it, as :attr:`Strategy.replicas` prices it).
+the same weights: gradient averaging and ZeRO sharding run over it, as :attr:`Strategy.replicas` prices it). A layer
+with expert parallelism ``ep`` splits those replicas into blocks of ``ep`` consecutive ones (its *ep* mesh, which
+splits the experts) and the ranks at the same position of every block (its *expert data* group, which holds the
+same experts and sums their gradients).
 
 Every mesh is built as a *world* mesh with a leading ``pp`` dimension and then sliced, because
 ``init_device_mesh`` and ``new_group`` are collective over the whole world: each rank must create every group
@@ -79,6 +82,7 @@ class PlanMeshes:
     grids: dict[tuple[int, int], DeviceMesh] = field(default_factory=dict)  # (replicas, tp) -> (pp, dp, tp) mesh
     cp_groups: dict[tuple[int, int, int], dist.ProcessGroup] = field(default_factory=dict)  # (dp, cp, tp)
     relayout_groups: dict[tuple[Any, ...], dist.ProcessGroup] = field(default_factory=dict)  # (layout, K)
+    expert_grids: dict[tuple[int, int, int], DeviceMesh] = field(default_factory=dict)  # (replicas, tp, ep)
 
     @property
     def n(self) -> int:
@@ -122,6 +126,16 @@ class PlanMeshes:
         """Which of the ``dp`` batch chunks this rank holds in layout ``dp``."""
         return self.plan.batch_chunk_of_rank(self.rank, dp)
 
+    def ep_mesh(self, replicas: int, tp: int, ep: int) -> DeviceMesh:
+        """The ``ep`` replicas that split a layer's experts with this rank (a consecutive block of the ``replicas``
+        with this rank's tensor-parallel index, as ``Strategy.ep`` plans it; its rank order is the experts')."""
+        return self.expert_grids[(replicas, tp, ep)]["ep"]
+
+    def expert_data_group(self, replicas: int, tp: int, ep: int) -> dist.ProcessGroup:
+        """The ``replicas / ep`` ranks that hold this rank's experts (same position in every ep block): expert
+        gradients are summed over them only."""
+        return self.expert_grids[(replicas, tp, ep)].get_group("edp")
+
     def relayout_group(self, layout: tuple[int, int, int], k: tuple[int, int]) -> dist.ProcessGroup:
         """The lanes that gather ``layout``'s pieces into ``k`` pieces with this rank (:mod:`.reshard`)."""
         return self.relayout_groups[(layout, k)]
@@ -139,6 +153,10 @@ def build_meshes(plan: Plan, *, rank: int, device_type: str) -> PlanMeshes:
     meshes = PlanMeshes(plan=plan, rank=rank, device_type=device_type, world=world)
     for reps, tp in sorted({(lp.strategy.replicas, lp.strategy.tp) for lp in plan.layers}):
         meshes.grids[(reps, tp)] = init_device_mesh(device_type, (plan.pp, reps, tp), mesh_dim_names=("pp", "dp", "tp"))
+    for reps, tp, ep in sorted({(lp.strategy.replicas, lp.strategy.tp, lp.strategy.ep) for lp in plan.layers}):
+        if ep > 1:  # the replicas dimension split into (replicas / ep) blocks of ep consecutive ranks
+            meshes.expert_grids[(reps, tp, ep)] = init_device_mesh(
+                device_type, (plan.pp, reps // ep, ep, tp), mesh_dim_names=("pp", "edp", "ep", "tp"))
     for dp, cp, tp in sorted({(lp.strategy.dp, lp.strategy.cp, lp.strategy.tp) for lp in plan.layers}):
         if cp > 1:
             mesh = init_device_mesh(device_type, (plan.pp, dp, cp, tp), mesh_dim_names=("pp", "dp", "cp", "tp"))

@@ -171,9 +171,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               key_valid: torch.Tensor | None = None, dropout_p: float = 0.0,
               scale: float | None = None) -> torch.Tensor:
     """SDPA over whole sequences (``[b, heads, s, d]``; k and v may have fewer heads, grouped-query attention),
-    causal and/or with a key padding mask ``key_valid`` (``[b, s]``, true for real tokens). A query that may see
-    no key (a padding position before the first real token) sees itself, so no row is empty (its output is
-    unused: its label is ignored)."""
+    causal (a decoder) or bidirectional (an encoder, ``causal=False``), with a key padding mask ``key_valid``
+    (``[b, s]``, true for real tokens): every query sees the real keys it may see, as Hugging Face's masks do,
+    padding queries included. A query that may see no key (a padding position before the first real token, a row
+    of padding) sees itself, so no row is empty (its output is unused: its label is ignored)."""
     if k.shape[1] != q.shape[1]:
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     if key_valid is None:
@@ -182,7 +183,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     allowed = key_valid.to(torch.bool)[:, None, None, :].expand(-1, 1, s, -1)
     if causal:
         allowed = allowed & torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
-    allowed = allowed | torch.eye(s, dtype=torch.bool, device=q.device)
+    allowed = allowed | (torch.eye(s, dtype=torch.bool, device=q.device) & ~allowed.any(-1, keepdim=True))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p, scale=scale)
 
 

@@ -6,7 +6,9 @@ layers' initial weights from the group's first rank (ranks may have initialized 
 (``sp``: its sequence-parallel plan, :func:`.sequence_tp.apply_sp`), (3b) context parallelism over the layer's cp
 group (:func:`.sequence.enable_context_parallel`, after TP: it checks heads per TP rank), (4) the layer's
 data-parallel mode over its ``dp x cp`` replicas (``replicate``, or ``zero1``/``zero2``/``zero3`` through FSDP2, see
-:mod:`.zero`).
+:mod:`.zero`); with ``ep > 1``, (3c) first the layer's experts split over its ep mesh (:func:`apply_ep`): the expert
+shards stay outside (4) (FSDP2 ignores them; replication skips them) and their gradients are summed over the ranks
+holding the same experts only.
 TP comes before FSDP because FSDP2 shards whatever parameters it finds, and must find the DTensor TP shards to build
 2-D (dp x tp) parameters. A layer whose plan says ``recompute`` runs under non-reentrant activation checkpointing
 (:func:`torch.utils.checkpoint.checkpoint`) in :meth:`StageModule.forward`: nothing is wrapped, so parameter names
@@ -23,6 +25,8 @@ from torch.utils.checkpoint import checkpoint
 from uniap_lightning.planner.plan import Plan
 from uniap_lightning.runtime.chain import Chain
 from uniap_lightning.runtime.data_parallel import ReplicatedGrads
+from uniap_lightning.runtime.experts import (AllToAllCounter, apply_expert_parallel, mark_expert_shards,
+                                             split_expert_params)
 from uniap_lightning.runtime.mesh import PlanMeshes, boundary_layout, layout_of
 from uniap_lightning.runtime.payload import Spec, call_layer, flatten, spec_of, unflatten
 from uniap_lightning.runtime.reshard import Layout, relayout
@@ -47,7 +51,7 @@ class StageModule(nn.Module):
 
     def __init__(self, layers: list[nn.Module], layouts: list[Layout | int], meshes: PlanMeshes, *,
                  in_spec: Spec = None, out_spec: Spec = None, recompute: list[bool] | None = None,
-                 zero: ZeroLayers | None = None) -> None:
+                 zero: ZeroLayers | None = None, all_to_all: AllToAllCounter | None = None) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
         n = meshes.n
@@ -55,6 +59,8 @@ class StageModule(nn.Module):
         self.meshes = meshes
         self.recompute = recompute or [False] * len(layers)  # per layer: activation checkpointing
         self.zero = zero if zero is not None else ZeroLayers()  # zero1/zero2 switches per micro-batch
+        #: the expert layers' all-to-alls (bytes sent, per exchange), shared by the stages of this rank
+        self.all_to_all = all_to_all if all_to_all is not None else AllToAllCounter()
         self.in_spec, self.out_spec = in_spec, out_spec
 
     def forward(self, *tensors: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
@@ -102,6 +108,7 @@ def build_stages(chain: Chain, plan: Plan, meshes: PlanMeshes) -> tuple[list[Sta
     layers = [chain.layers[u] for u in indices]
     broadcast_from_stage_leader(layers, meshes)
     replicated = ReplicatedGrads(compression_options=dict(plan.compression_options))
+    counter = AllToAllCounter()  # every expert layer of this rank records its all-to-alls there
     zero = ZeroLayers()
     originals = [dict(layer.named_parameters()) for layer in layers]
     for u, layer in zip(indices, layers):
@@ -114,18 +121,33 @@ def build_stages(chain: Chain, plan: Plan, meshes: PlanMeshes) -> tuple[list[Sta
         if reps == 1:
             continue
         mesh = meshes.dp_mesh(reps, st.tp)
+        expert = set(apply_ep(layer, meshes, reps, st.tp, st.ep, counter)) if st.ep > 1 else set()
+        if expert:  # summed over the ranks holding the same experts, divided by all replicas (runtime.experts)
+            replicated.add_params(split_expert_params(layer)[0], meshes.expert_data_group(reps, st.tp, st.ep), reps)
         if st.dp_mode in ZERO_MODES:
-            zero.add(layer, st.dp_mode, mesh, replicated, mesh.get_group(), reps, st.compression)
+            zero.add(layer, st.dp_mode, mesh, replicated, mesh.get_group(), reps, st.compression, ignored=expert)
         else:
-            replicated.add(layer, mesh.get_group(), reps, st.compression)
+            replicated.add(layer, mesh.get_group(), reps, st.compression, exclude=expert)
     repoint_aliases(chain.module, originals, layers)
     modules = []
     for k in plan.stages_of_group(group):
         us = plan.layers_of_stage(k)
         specs = {"in_spec": chain.spec_before(us[0]), "out_spec": chain.spec_after(us[-1])} if us else {}
         modules.append(StageModule([chain.layers[u] for u in us], [layout_of(plan, u) for u in us], meshes,
-                                   **specs, recompute=[plan.layers[u].strategy.recompute for u in us], zero=zero))
+                                   **specs, recompute=[plan.layers[u].strategy.recompute for u in us], zero=zero,
+                                   all_to_all=counter))
     return modules, replicated
+
+
+def apply_ep(layer: nn.Module, meshes: PlanMeshes, replicas: int, tp: int, ep: int,
+             counter: AllToAllCounter) -> list[nn.Parameter]:
+    """Keep this rank's ``E / ep`` experts of every MoE layer of ``layer``, route tokens over its ep mesh; capacity
+    and load-balancing statistics count every replica's tokens (the layer's data group), as one process does.
+    Returns the expert shards (marked for checkpoints and gradient norms, :mod:`.experts`)."""
+    ep_mesh = meshes.ep_mesh(replicas, tp, ep)
+    apply_expert_parallel(layer, ep_group=ep_mesh.get_group(), token_group=meshes.dp_mesh(replicas, tp).get_group(),
+                          counter=counter)
+    return mark_expert_shards(layer, ep_mesh)
 
 
 def repoint_aliases(root: nn.Module, originals: list[dict[str, nn.Parameter]], layers: list[nn.Module]) -> None:

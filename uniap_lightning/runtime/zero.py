@@ -101,12 +101,13 @@ class ZeroLayers:
     _to_finish: bool = field(default=False, init=False)  # a closing batch ran: zero1 gradients to hand to shards
 
     def add(self, layer: nn.Module, mode: str, dp_mesh: DeviceMesh, replicated: ReplicatedGrads, group: Any,
-            dp: int, compression: str = "none") -> None:
-        """Make ``layer`` an FSDP2 module in ``mode`` (``zero1``/``zero2``/``zero3``) over ``dp_mesh``."""
+            dp: int, compression: str = "none", *, ignored: set[nn.Parameter] | None = None) -> None:
+        """Make ``layer`` an FSDP2 module in ``mode`` (``zero1``/``zero2``/``zero3``) over ``dp_mesh``; ``ignored``
+        parameters (expert shards) stay plain, outside FSDP2."""
         if mode == "zero3":
-            apply_fsdp(layer, dp_mesh)
+            apply_fsdp(layer, dp_mesh, ignored=ignored)
             return
-        apply_fsdp(layer, dp_mesh, reshard_after_forward=False)
+        apply_fsdp(layer, dp_mesh, reshard_after_forward=False, ignored=ignored)
         entry = _Layer(layer, mode)
         self.layers.append(entry)
         layer.register_forward_hook(lambda m, args, out, e=entry: self._after_forward(e))
