@@ -2,8 +2,8 @@
 ``Trainer(strategy="uniap")``: 5 SGD steps match one process (loss and every parameter within 1e-5).
 
 Cases are pinned plans (``make_plan`` with dict strategies) over the plain GPT chain and the Hugging Face Llama
-chain (``uniap_rt_helpers.make_lm_module``); the 2-rank cases share one spawn, the 4-rank ones another (the heavier
-ones slow).
+chain (``uniap_rt_helpers.make_lm_module``), and Hugging Face BERT as users train it (``hf_models``: the model's own
+loss on padded dict batches); the 2-rank cases share one spawn, the 4-rank ones another (the heavier ones slow).
 """
 
 from __future__ import annotations
@@ -39,6 +39,18 @@ def padded_lm_data(batch_size: int, n: int = 64, seed: int = 1) -> Any:
 
 
 GPT = {"module": {"lm": "gpt"}}
+#: BERT's chain (``hf_models``): embedding, two encoder blocks, the head; right-padded batches (attention-mask zeros)
+BERT_NAMES = ["model.bert.embeddings", "model.bert.encoder.layer.0", "model.bert.encoder.layer.1"]
+
+
+def bert(family: str, strategies: list[Any], *, world: int = 2, **kw: Any) -> dict[str, Any]:
+    head = {"bert_mlm": "model.cls", "bert_tc": "model.classifier"}.get(family, "model.bert.pooler")
+    plan = h.make_plan(strategies, [0] * 4, pp=1, microbatches=kw.pop("microbatches", 1), world=world,
+                       names=[*BERT_NAMES, head])
+    return {"plan": plan, "module": {"factory": "hf_models:hf_module", "family": family},
+            "data": {"factory": "hf_models:hf_batches", "family": family}, **kw}
+
+
 CP_SP = _plan([CP2, {"tp": 2, "sp": True}, CP2, CP2], microbatches=2)  # cp, then tp + sp, then cp again
 PLAIN = _plan([ONE] * 4)
 RING = _plan([{"cp": 2, "cp_method": "ring"}] * 4)
@@ -61,6 +73,12 @@ TWO_RANKS = {
                                                                  batch=2), "validate_only": True,
                                 "limit_val_batches": 3},
     "gpt2_cp2": {"module": {"lm": "gpt2"}, "plan": _plan([CP2, ONE, CP2, CP2], microbatches=2)},
+    # BERT pretraining (the decoder tied to the word embeddings): bidirectional Ulysses with the padding mask
+    # gathered over the cp ranks, global absolute positions; the MLM head on sequence halves too
+    "bert_mlm_cp2": bert("bert_mlm", [CP2] * 4),
+    # post-norm sequence parallelism in the blocks, the vocabulary-parallel embedding, the head over the batch
+    "bert_mlm_tp2_sp": bert("bert_mlm", [{"tp": 2}, {"tp": 2, "sp": True}, {"tp": 2, "sp": True}, ONE],
+                            microbatches=2),
     # checkpoints: saved under cp/sp, resumed without them, and the other way round
     "save_cp_sp": {**GPT, "plan": CP_SP, "epochs": 1, "save": "cp_sp.ckpt"},
     "save_plain": {**GPT, "plan": PLAIN, "epochs": 1, "save": "plain.ckpt"},
@@ -209,6 +227,9 @@ FOUR_RANKS_SLOW = {
     "cp2_tp2_zero2_rc": {**GPT, "plan": _plan4([{"cp": 2, "tp": 2, "dp_mode": "zero2", "recompute": True}] * 4)},
     "llama_dp2_cp2_pp": {"module": {"lm": "llama"}, "plan": _plan4([{"dp": 1, "cp": 2}] * 4, [0, 1, 1, 1], pp=2,
                                                                    microbatches=2)},
+    "bert_mlm_dp2_cp2": bert("bert_mlm", [{"dp": 2, "cp": 2}] * 4, world=4),
+    # sequence classification pools the first token: the head (no sequence declaration) gets whole sequences
+    "bert_sc_dp2_cp2": bert("bert", [{"dp": 2, "cp": 2}] * 3 + [{"dp": 4}], world=4),
 }
 
 
@@ -259,6 +280,41 @@ def test_measured_profile_declares_the_sequence_and_the_planner_offers_cp_and_sp
     prof = profile_chain(chain.layers, chain.names, torch.randn(4, h.IN), repeats=1, micro_batches=[4])
     assert all(lp.sequence_length is None for lp in prof.layers)
     assert {s.cp for s in strategies_for(prof.layers[1], 2, cluster, 8)} == {1}
+
+
+def test_bert_profile_declares_the_sequence_and_the_planner_offers_cp_and_sp() -> None:
+    """BERT (Hugging Face, as users train it) from a measured profile: the blocks declare 4 heads and sequence
+    parallelism, the embedding and the masked-LM head are token-wise, so the search offers Ulysses cp and sp on
+    the blocks. The sequence classifier's pooler (first token) declares nothing: whole sequences only. Multiple
+    choice (``[batch, choices, seq]``) declares nothing anywhere."""
+    from hf_models import hf_batches, hf_module
+
+    from uniap_lightning.planner.cost.layer import strategies_for
+    from uniap_lightning.profiling.module import profile_chain
+    from uniap_lightning.runtime import extract_chain
+    from uniap_lightning.runtime.planning import local_cluster
+    from uniap_lightning.runtime.sequence import sequence_info
+    from uniap_lightning.runtime.tensor_parallel import tp_degrees
+
+    cluster = local_cluster(nodes=1, devices_per_node=4, device_type="cpu")
+    chain = extract_chain(hf_module("bert_mlm"))
+    batch = next(iter(hf_batches(4, "bert_mlm")))
+    sample = {k: batch[k] for k in ("input_ids", "attention_mask")}
+    prof = profile_chain(chain.layers, chain.names, sample, repeats=1, micro_batches=[4],
+                         tp_degrees=[tp_degrees(m) for m in chain.layers])
+    emb, block, head = prof.layers[0], prof.layers[1], prof.layers[3]
+    seq = sample["input_ids"].shape[1]
+    assert (emb.sequence_length, emb.attention_heads, emb.sequence_parallel) == (seq, 0, False)
+    assert (block.sequence_length, block.attention_heads, block.kv_heads, block.sequence_parallel) == \
+        (seq, 4, 4, True)
+    assert (head.sequence_length, head.attention_heads) == (seq, 0)
+    offered = strategies_for(block, 4, cluster, 8)
+    assert {(s.cp, s.cp_method) for s in offered} == {(1, "none"), (2, "ulysses"), (4, "ulysses")}
+    assert any(s.sp and s.tp == 2 for s in offered) and any(s.cp == 2 and s.tp == 2 for s in offered)
+    assert {s.cp for s in strategies_for(head, 4, cluster, 8)} == {1, 2, 4}
+    classifier = [sequence_info(m) for m in extract_chain(hf_module("bert")).layers]
+    assert classifier[1]["attention_heads"] == 4 and classifier[3] is None
+    assert all(sequence_info(m) is None for m in extract_chain(hf_module("bert_mc")).layers)
 
 
 # ---------------------------------------------------------------------------------------------- layouts

@@ -1,4 +1,4 @@
-"""Ulysses context parallelism for Hugging Face decoders through transformers' ``AttentionInterface``.
+"""Ulysses context parallelism for Hugging Face decoders and BERT through transformers' ``AttentionInterface``.
 
 :func:`enable_hf_ulysses` switches the attention of a chain's decoder layers (the Llama chain of
 :func:`uniap_lightning.adapters.hf.llama_layers`; GPT-2 blocks through :func:`switch_attention`) to the registered
@@ -8,12 +8,18 @@ the group stored on each attention module, and gives Llama's rotary embeddings g
 the :func:`~uniap_lightning.runtime.sequence.padding_mask` context sets (the chain passes no attention mask).
 Without a group (``group=None``) the same function runs the one-process attention, masks included.
 
-:func:`llama_sp_plan` is the Llama block's tensor-parallel plan with sequence parallelism (for
-:func:`uniap_lightning.runtime.sequence_tp.apply_sp`).
+:func:`enable_bert_ulysses` does the same for the BERT blocks of :mod:`.families.text`: bidirectional attention
+(BERT's ``is_causal`` is false) over the whole sequence with the key padding mask gathered over the cp group; each
+switched attention gets its own copy of the config, so blocks left at cp 1 keep the model's attention and masks.
+The embedding adds global absolute positions itself (``BertEmbed``).
+
+:func:`llama_sp_plan` and :func:`bert_sp_plan` are the Llama and BERT blocks' tensor-parallel plans with sequence
+parallelism (for :func:`uniap_lightning.runtime.sequence_tp.apply_sp`).
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 from typing import Any
 
@@ -89,11 +95,14 @@ def enable_hf_ulysses(layers: Iterable[nn.Module], group: Any | None, *, counter
     return n
 
 
-def switch_attention(attn: nn.Module, group: Any | None, *, counter: Any = None) -> None:
+def switch_attention(attn: nn.Module, group: Any | None, *, counter: Any = None, own_config: bool = False) -> None:
     """Point a transformers attention module (one that calls ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``)
     at :func:`ulysses_attention_forward` over ``group``. The config is the model's, shared by its layers: layers
-    without a group run the same function in one process (causal SDPA, as before)."""
+    without a group run the same function in one process (causal SDPA, as before). ``own_config``: switch a copy
+    of the config that only this module reads (the other layers keep the model's attention and masks)."""
     register()
+    if own_config:
+        attn.config = copy.copy(attn.config)
     attn.config._attn_implementation = ATTENTION_NAME
     attn.uniap_cp_group, attn.uniap_cp_counter, attn.uniap_key_valid = group, counter, None
 
@@ -122,4 +131,48 @@ def llama_sp_plan(tp: int) -> dict[str, Any]:
         "layer.mlp.gate_proj": gathered,
         "layer.mlp.up_proj": gathered,
         "layer.mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
+def enable_bert_ulysses(block: nn.Module, group: Any, *, counter: Any = None) -> None:
+    """Run a ``BertBlock``'s self-attention with Ulysses over ``group``: bidirectional, the padding mask of the
+    block's sequence piece gathered over the group (the block sets it with
+    :func:`~uniap_lightning.runtime.sequence.padding_mask` and passes no 4-D mask). Checks the heads per
+    tensor-parallel rank against the group size."""
+    import torch.distributed as dist
+
+    from uniap_lightning.runtime.sequence import check_ulysses
+
+    attn = block.layer.attention.self
+    weight = attn.query.weight
+    tp = weight.device_mesh.size() if hasattr(weight, "device_mesh") else 1
+    check_ulysses(heads=attn.num_attention_heads, cp=dist.get_world_size(group), tp=tp,
+                  name=f"{type(block).__name__} (ulysses)")
+    switch_attention(attn, group, counter=counter, own_config=True)
+
+
+def bert_sp_plan(tp: int) -> dict[str, Any]:
+    """Sequence parallelism for a ``BertBlock``. BERT is post-norm: each residual sum is normalized, so the
+    activations sequence-sharded over the tp ranks are the block's input, the two residual sums and the
+    LayerNorms' outputs (the next residual reads them: the norms hand their local pieces on). The boundary sits on
+    the ``BertLayer`` (the block's input is a dict; the 4-D padding mask is built for the whole sequence), query /
+    key / value share one all-gather of the input, the intermediate dense gathers the attention's output, and the
+    two output denses reduce-scatter."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+    from uniap_lightning.runtime.sequence_tp import sp_boundary
+
+    gathered = ColwiseParallel(input_layouts=Replicate())
+    return {
+        "layer": sp_boundary(),
+        "layer.attention.self": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "layer.attention.self.query": gathered,
+        "layer.attention.self.key": gathered,
+        "layer.attention.self.value": gathered,
+        "layer.attention.output.dense": RowwiseParallel(output_layouts=Shard(1)),
+        "layer.attention.output.LayerNorm": SequenceParallel(use_local_output=True),
+        "layer.intermediate.dense": ColwiseParallel(input_layouts=Shard(1)),
+        "layer.output.dense": RowwiseParallel(output_layouts=Shard(1)),
+        "layer.output.LayerNorm": SequenceParallel(use_local_output=True),
     }

@@ -135,12 +135,23 @@ def _token_loss(model: Any, logits: torch.Tensor, target: HFTarget) -> torch.Ten
 
 # ------------------------------------------------------------------------------------------------------ BERT
 class BertEmbed(View):
-    """input_ids (+ token_type_ids) -> hidden; the attention mask travels on."""
+    """input_ids (+ token_type_ids) -> hidden; the attention mask travels on. Under context parallelism
+    (:class:`BertSequenceEmbed`) its input is a contiguous piece of each sequence (token types sliced alike) and the
+    absolute positions are global: ``cp_rank x s/c + arange(s/c)``."""
+
+    _cp_group: Any = None
 
     def forward(self, d: Payload) -> dict[str, Any]:
         ids, types = d["input_ids"], d.get("token_type_ids")
         flat = ids.reshape(-1, ids.shape[-1])  # multiple choice: [batch, choices, seq] -> one row per choice
-        hidden = self.embeddings(input_ids=flat, token_type_ids=None if types is None else types.reshape(flat.shape))
+        pos = None
+        if self._cp_group is not None:
+            from uniap_lightning.runtime.sequence import position_offset
+
+            start = position_offset(self._cp_group, flat.shape[1])
+            pos = torch.arange(start, start + flat.shape[1], device=ids.device).unsqueeze(0)
+        hidden = self.embeddings(input_ids=flat, token_type_ids=None if types is None else types.reshape(flat.shape),
+                                 position_ids=pos)
         return {"hidden": hidden.reshape(*ids.shape, hidden.shape[-1]), "input_ids": None, "token_type_ids": None}
 
     def uniap_tp_degrees(self) -> list[int]:
@@ -158,6 +169,8 @@ class BertBlock(View):
     parallelism: query/key/value and the intermediate dense column-parallel, the two output denses row-parallel
     (the attention reshapes with ``-1`` heads, so each rank runs ``heads / tp`` whole heads)."""
 
+    _cp_group: Any = None
+
     def __init__(self, layer: nn.Module, config: Any) -> None:
         super().__init__(layer=layer)
         self.config = config
@@ -166,8 +179,15 @@ class BertBlock(View):
         shape = d["hidden"].shape  # [batch, (choices,) seq, hidden]
         hidden = d["hidden"].reshape(-1, *shape[-2:])
         mask = d.get("attention_mask")
-        mask = compat.bidirectional_mask(self.config, hidden, None if mask is None else mask.reshape(hidden.shape[:2]))
-        return {"hidden": _first(self.layer(hidden, attention_mask=mask)).reshape(shape)}
+        mask = None if mask is None else mask.reshape(hidden.shape[:2])
+        if self._cp_group is not None:  # Ulysses: this piece's padding mask, gathered over the group in attention
+            from uniap_lightning.runtime.sequence import padding_mask
+
+            with padding_mask([self.layer], None if mask is None else mask.bool()):
+                out = self.layer(hidden, attention_mask=None)
+        else:
+            out = self.layer(hidden, attention_mask=compat.bidirectional_mask(self.config, hidden, mask))
+        return {"hidden": _first(out).reshape(shape)}
 
     def uniap_tp_degrees(self) -> list[int]:
         if not compat.at_least(compat.BERT_HEADS_FROM_SHAPE):  # 4.x: a fixed number of heads per rank
@@ -181,6 +201,52 @@ class BertBlock(View):
 
     def uniap_tp_allreduces(self) -> int:
         return 2
+
+
+class BertSequenceEmbed(BertEmbed):
+    """:class:`BertEmbed` that may run on pieces of the sequence (every head but multiple choice, whose inputs are
+    ``[batch, choices, seq]``): token-wise, global positions under context parallelism."""
+
+    def uniap_sequence(self) -> dict[str, Any]:
+        return {"attention_heads": 0}
+
+    def uniap_cp_methods(self) -> list[str]:
+        return ["ulysses"]
+
+    def uniap_enable_cp(self, group: Any, *, method: str = "ulysses", counter: Any = None) -> None:
+        self._cp_group = group
+
+
+class BertSequenceBlock(BertBlock):
+    """:class:`BertBlock` with the sequence dimension (every head but multiple choice, transformers 5.x): Ulysses
+    context parallelism (bidirectional attention, :func:`~.sequence_hf.enable_bert_ulysses`) and sequence
+    parallelism with tensor parallelism (:func:`~.sequence_hf.bert_sp_plan`)."""
+
+    def uniap_sequence(self) -> dict[str, Any]:
+        heads = self.config.num_attention_heads
+        return {"attention_heads": heads, "kv_heads": heads, "sequence_parallel": True}
+
+    def uniap_sp_plan(self, tp: int) -> dict[str, Any]:
+        from uniap_lightning.adapters.families.sequence_hf import bert_sp_plan
+
+        return bert_sp_plan(tp)
+
+    def uniap_cp_methods(self) -> list[str]:
+        return ["ulysses"]
+
+    def uniap_enable_cp(self, group: Any, *, method: str = "ulysses", counter: Any = None) -> None:
+        from uniap_lightning.adapters.families.sequence_hf import enable_bert_ulysses
+
+        enable_bert_ulysses(self, group, counter=counter)
+        self._cp_group = group
+
+
+class BertTokenHead(TokenHead):
+    """BERT's token classification / question answering head: token-wise, so it may run on sequence pieces (its
+    logits are gathered into whole sequences before the loss)."""
+
+    def uniap_sequence(self) -> dict[str, Any]:
+        return {"attention_heads": 0}
 
 
 class BertClassifierHead(View):
@@ -199,6 +265,9 @@ class BertMLMHead(View):
 
     def forward(self, d: Payload) -> torch.Tensor:
         return self.predictions(d["hidden"])
+
+    def uniap_sequence(self) -> dict[str, Any]:
+        return {"attention_heads": 0}  # token-wise: its logits are gathered into whole sequences before the loss
 
 
 BERT_HEADS = ("BertForMaskedLM, BertForSequenceClassification, BertForTokenClassification, "
@@ -220,16 +289,20 @@ def bert_head(model: Any) -> Family:
         head = (BertClassifierHead(pooler=bert.pooler, dropout=model.dropout, classifier=model.classifier),
                 ["bert.pooler", "classifier"])
     elif kind == "token_classification" and _has(model, "dropout", "classifier"):
-        head = (TokenHead(out=model.classifier, dropout=model.dropout), ["classifier"])
+        head = (BertTokenHead(out=model.classifier, dropout=model.dropout), ["classifier"])
     elif kind == "question_answering" and _has(model, "qa_outputs"):
-        head = (TokenHead(out=model.qa_outputs), ["qa_outputs"])
+        head = (BertTokenHead(out=model.qa_outputs), ["qa_outputs"])
     else:
         raise _unsupported_head(model, BERT_HEADS)
+    # the sequence dimension (cp, sp): not for multiple choice ([batch, choices, seq]: dim 1 is not the sequence),
+    # nor on 4.x (BERT's attention reshapes with the configured number of heads and calls no attention interface)
+    sequence = kind != "multiple_choice" and compat.at_least(compat.BERT_HEADS_FROM_SHAPE)
+    embed_cls, block_cls = (BertSequenceEmbed, BertSequenceBlock) if sequence else (BertEmbed, BertBlock)
 
     def layers(model: Any) -> list[tuple[nn.Module, list[str]]]:
         return [
-            (BertEmbed(embeddings=bert.embeddings), ["bert.embeddings"]),
-            *[(BertBlock(layer, bert.config), [f"bert.encoder.layer.{i}"])
+            (embed_cls(embeddings=bert.embeddings), ["bert.embeddings"]),
+            *[(block_cls(layer, bert.config), [f"bert.encoder.layer.{i}"])
               for i, layer in enumerate(bert.encoder.layer)],
             head,
         ]
