@@ -82,7 +82,8 @@ def brute_force_candidate(problem: Problem, pp: int, c: int, schedule: str, v: i
                   for g in range(pp)]
         limits = [costs.memory_limit_bytes(group.index(g)) for g in range(pp)]
         T = group_time[0]
-        for x in group_time[1:] + [costs.shape.boundary_weight * o for o in bounds]:
+        for x in group_time[1:] + [costs.shape.boundary_weight * o for o in bounds] + \
+                [costs.shape.stage_weight * x for x in p]:
             T = np.maximum(T, x)
         Y = sync[0]
         for x in sync[1:]:

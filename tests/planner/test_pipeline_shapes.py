@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from torch_orders import torch_pipeline_order as torch_actions
+from uniap_lightning.planner.cost.torch_orders import torch_pipeline_order as torch_actions
 
 from uniap_lightning.planner.cost.pipeline import pipeline_shape, unusable
 from uniap_lightning.planner.cost.schedules import in_flight, simulate

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from tests.planner.torch_orders import torch_pipeline_order
+from uniap_lightning.planner.cost.torch_orders import torch_pipeline_order
 from uniap_lightning.planner.cost.schedules import (
     SCHEDULES,
     group_of_stage,
@@ -37,12 +37,16 @@ EQUAL_GAP = {
 RANDOM_GAP = {
     "gpipe": (-0.044, 0.0),
     "1f1b": (-0.002, 0.175),
-    "interleaved_1f1b": (-0.199, 0.135),
+    "interleaved_1f1b": (-0.036, 0.445),
     "zb_h1": (0.0, 0.15),
-    "interleaved_zb": (-0.144, 0.146),
-    "zb_v": (-0.083, 0.116),
-    "dualpipe_v": (-0.017, 0.076),
+    "interleaved_zb": (0.031, 0.457),
+    "zb_v": (0.021, 0.357),
+    "dualpipe_v": (0.016, 0.34),
 }
+# With several stages per group the forms price every chunk as long as its group's longest (T >= v p_k): torch's
+# orders assume equal chunks, and without that row the forms fell up to 20% under the simulation here and 30-44%
+# under it on the lopsided stages a search finds (a 133 ms chunk beside 9 ms ones); now they stay above it, by
+# as much as 45% on random stages, which the search avoids (its chosen plans: 0-3.5% over the simulation).
 
 
 def _grid(ps=(2, 3, 4, 8)):
@@ -159,3 +163,19 @@ def test_simulate_rejects_a_deadlock():
     order = {0: [("B", 0, 0), ("F", 0, 0)], 1: [("F", 0, 1), ("B", 0, 1)]}
     with pytest.raises(ValueError, match="deadlocks"):
         simulate(order, [1.0, 1.0], [1.0, 1.0], [0.0, 0.0], [0.0])
+
+
+def test_multi_chunk_forms_do_not_undercut_lopsided_stages(orders):
+    """Stages from 0.1 to 3.0 (a 30x spread, what an unconstrained search would pick to exploit a form): every
+    multi-chunk form stays at or above torch's order, but for -3.6% on the interleaved 1F1B's short rounds."""
+    rng = random.Random(7)
+    for (name, p, v, m), order in orders.items():
+        if v == 1 or m < p or p == 8:
+            continue
+        n = p * v
+        for _ in range(3):
+            f = [rng.uniform(0.1, 3.0) for _ in range(n)]
+            b = [x * rng.uniform(1.0, 2.0) for x in f]
+            w = [x * rng.uniform(0.3, 1.0) for x in f] if SCHEDULES[name].split_backward else [0.0] * n
+            o = [rng.choice((0.0, rng.uniform(0.0, 0.3))) for _ in range(n - 1)]
+            assert _gap(name, p, v, m, order, f, b, w, o) >= -0.036 - 1e-9, (name, p, v, m)

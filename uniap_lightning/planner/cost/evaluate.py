@@ -6,6 +6,8 @@ it returns, baselines are scored with it, and the brute-force oracle enumerates 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from uniap_lightning.planner.cost.layer import strategies_for
 from uniap_lightning.planner.cost.tables import CandidateCosts
 from uniap_lightning.errors import UniAPError
@@ -61,30 +63,12 @@ def evaluate(problem: Problem, plan: Plan, *, check_strategies: bool = True) -> 
                     f"plan layer {u} ({lp.name}): strategy dp={s.dp} tp={s.tp} is not allowed here "
                     f"(tp_degrees={list(lp.tp_degrees)}, devices per node={cl.devices_per_node}, micro-batch={b})"
                 )
-    S = plan.num_stages  # pipeline stages; device group g runs plan.stages_of_group(g)
-    layer_time, reshard, weight = [0.0] * S, [0.0] * S, [0.0] * S
-    sync, static, activation, transient = [0.0] * pp, [0.0] * S, [0.0] * S, [0.0] * pp
-    boundary = [0.0] * (S - 1)
-    stage_of = [lp.stage for lp in plan.layers]
-    for u, s in enumerate(strat):
-        i = stage_of[u]
-        g = costs.group_of(i)
-        terms = costs.terms(u, s)
-        layer_time[i] += costs.layer_time_s(i, terms)
-        weight[i] += costs.weight_time_s(i, terms)
-        sync[g] += terms.sync_s
-        static[i] += terms.static_bytes
-        activation[i] += terms.activation_bytes
-        transient[g] = max(transient[g], terms.transient_bytes)  # one layer of the group runs its backward at once
-        if u + 1 < len(strat):
-            if stage_of[u + 1] == i:
-                reshard[i] += costs.reshard_s(u, s.layout, strat[u + 1].layout)
-            else:
-                boundary[i] = costs.boundary_s(u, s.layout, strat[u + 1].layout, i)
-    stage_time = [costs.stage_time_s(layer_time[i], reshard[i]) for i in range(S)]
+    t = _stage_terms(costs, plan)
+    stage_time, boundary, weight, sync = t.stage_time_s, t.boundary_s, t.weight_s, t.sync_s
+    static, activation, transient = t.static_bytes, t.activation_bytes, t.transient_bytes
     group_time = [sum(stage_time[k] for k in costs.stages_of(g)) for g in range(pp)]
     memory = [costs.group_memory_bytes(g, static, activation, transient[g]) for g in range(pp)]
-    tpi = costs.tpi_s(sum(stage_time), sum(boundary), costs.bottleneck_s(group_time, boundary), max(sync),
+    tpi = costs.tpi_s(sum(stage_time), sum(boundary), costs.bottleneck_s(group_time, boundary, stage_time), max(sync),
                       sum(weight), max(weight))
     limits = [costs.memory_limit_bytes(costs.stages_of(g)[0]) for g in range(pp)]
     limit = min(limits)
@@ -101,3 +85,51 @@ def evaluate(problem: Problem, plan: Plan, *, check_strategies: bool = True) -> 
         stage_device=[cl.stage_device(costs.stage_ranks(costs.stages_of(g)[0])) for g in range(pp)]
         if cl.rank_device else None,
     )
+
+
+class StageTerms(NamedTuple):
+    """Per pipeline stage (chain order, ``pp * virtual_stages`` of them) what :func:`evaluate` sums: the stage's
+    time per micro-batch ``p_k`` and its weight-gradient part ``w_k``, static and activation bytes; per hand-off
+    ``o_j``; per device group the sync and the largest transient."""
+
+    stage_time_s: list[float]
+    weight_s: list[float]
+    static_bytes: list[float]
+    activation_bytes: list[float]
+    boundary_s: list[float]
+    sync_s: list[float]
+    transient_bytes: list[float]
+
+
+def _stage_terms(costs: CandidateCosts, plan: Plan) -> StageTerms:
+    pp, S = plan.pp, plan.num_stages  # pipeline stages; device group g runs plan.stages_of_group(g)
+    layer_time, reshard, weight = [0.0] * S, [0.0] * S, [0.0] * S
+    sync, static, activation, transient = [0.0] * pp, [0.0] * S, [0.0] * S, [0.0] * pp
+    boundary = [0.0] * (S - 1)
+    stage_of, strat = [lp.stage for lp in plan.layers], [lp.strategy for lp in plan.layers]
+    for u, s in enumerate(strat):
+        i = stage_of[u]
+        g = costs.group_of(i)
+        terms = costs.terms(u, s)
+        layer_time[i] += costs.layer_time_s(i, terms)
+        weight[i] += costs.weight_time_s(i, terms)
+        sync[g] += terms.sync_s
+        static[i] += terms.static_bytes
+        activation[i] += terms.activation_bytes
+        transient[g] = max(transient[g], terms.transient_bytes)  # one layer of the group runs its backward at once
+        if u + 1 < len(strat):
+            if stage_of[u + 1] == i:
+                reshard[i] += costs.reshard_s(u, s.layout, strat[u + 1].layout)
+            else:
+                boundary[i] = costs.boundary_s(u, s.layout, strat[u + 1].layout, i)
+    stage_time = [costs.stage_time_s(layer_time[i], reshard[i]) for i in range(S)]
+    return StageTerms(stage_time, weight, static, activation, boundary, sync, transient)
+
+
+def stage_terms(problem: Problem, plan: Plan) -> StageTerms:
+    """The per-stage numbers behind ``evaluate(problem, plan)`` (the plan picture draws its timeline from them)."""
+    plan.validate()
+    check_plan_matches(problem, plan)
+    costs = CandidateCosts(problem, plan.pp, plan.microbatches, schedule=plan.schedule,
+                           virtual_stages=plan.virtual_stages, compression_options=plan.compression_options)
+    return _stage_terms(costs, plan)

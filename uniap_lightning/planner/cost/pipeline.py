@@ -47,7 +47,10 @@ from uniap_lightning.planner.cost.schedules import SCHEDULES, in_flight
 class PipelineShape(NamedTuple):
     """A schedule's time per iteration as coefficients of linear terms (see
     :meth:`~uniap_lightning.planner.cost.tables.CandidateCosts.tpi_s`):
-    ``a_p sum p + a_w sum w + a_o sum o + b_T T + b_W max w + Y`` with ``T >= boundary_weight * o_j``."""
+    ``a_p sum p + a_w sum w + a_o sum o + b_T T + b_W max w + Y`` with ``T >= boundary_weight * o_j`` and, where
+    a device group runs several stages, ``T >= stage_weight * p_k`` (the orders assume a group's chunks of equal
+    time: a chunk over its share holds up the stages waiting on it, so the form prices every chunk of its group
+    as long as the longest one)."""
 
     a_p: float
     a_w: float
@@ -55,6 +58,7 @@ class PipelineShape(NamedTuple):
     b_T: float
     b_W: float = 0.0
     boundary_weight: float = 1.0
+    stage_weight: float = 0.0
 
 
 def pipeline_shape(schedule: str, pp: int, v: int, m: int) -> tuple[PipelineShape, list[int]]:
@@ -69,8 +73,8 @@ def pipeline_shape(schedule: str, pp: int, v: int, m: int) -> tuple[PipelineShap
     # trip crosses all of them); the V placement's turn stays on one device group, so it pays them once per v
     handoffs = 1.0 if SCHEDULES[schedule].placement == "loop" else 1 / v
     if schedule == "interleaved_1f1b":
-        return PipelineShape(1 / v, 0.0, handoffs, m - 1 / v), flight
-    return PipelineShape(1 / v, -2 / v + 2 / S, handoffs, m - 1 / v), flight
+        return PipelineShape(1 / v, 0.0, handoffs, m - 1 / v, stage_weight=v), flight
+    return PipelineShape(1 / v, -2 / v + 2 / S, handoffs, m - 1 / v, stage_weight=v if v > 1 else 0.0), flight
 
 
 def unusable(schedule: str, pp: int, v: int, m: int) -> str | None:

@@ -220,10 +220,11 @@ class CandidateCosts:
         ``activation`` per stage, ``transient`` the group's largest)."""
         return sum(self.stage_memory_bytes(k, static[k], activation[k]) for k in self.stages_of(group)) + transient
 
-    def bottleneck_s(self, group_times: list, boundaries: list):
-        """``T``: the largest device group's summed stage times and the largest hand-off (numbers only; the MILP
-        states the same with one row per term)."""
-        return max(list(group_times) + [self.shape.boundary_weight * o for o in boundaries])
+    def bottleneck_s(self, group_times: list, boundaries: list, stage_times: list = ()):
+        """``T``: the largest device group's summed stage times, the largest hand-off and, with several stages per
+        group, ``v`` times the longest stage (numbers only; the MILP states the same with one row per term)."""
+        return max(list(group_times) + [self.shape.boundary_weight * o for o in boundaries]
+                   + [self.shape.stage_weight * p for p in stage_times])
 
     def layer_memory_bytes(self, stage: int, cost: LayerCost) -> float:
         """One layer's share of :meth:`stage_memory_bytes` on ``stage``, without the transient term."""

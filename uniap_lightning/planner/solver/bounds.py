@@ -30,7 +30,9 @@ def time_lower_bound_s(t: CostTables) -> float:
     cheapest = [min(fast(k) for k in costs) for costs in t.cost]
     weights = sum(max(most_w(k) for k in costs) for costs in t.cost)
     floor = max(run_bottleneck_s(t, a, e) for a, e in t.runs())
-    peak = t.tpi_s(sum(cheapest), 0.0, max(max(cheapest), floor, group_floor_s(t)), 0.0, weights)
+    # T >= v p_k where a group runs several stages (PipelineShape.stage_weight): v times the chain's partition floor
+    chunked = t.shape.stage_weight * chain_bottleneck_s(t) if S > 1 else 0.0
+    peak = t.tpi_s(sum(cheapest), 0.0, max(max(cheapest), floor, group_floor_s(t), chunked), 0.0, weights)
     boundaries = 0.0
     if S > 1:
         smallest = min(range(len(t.layers) - 1), key=lambda u: t.layers[u].output_bytes)
@@ -146,19 +148,21 @@ def chain_sync_floor_s(t: CostTables) -> float:
     """A lower bound on ``tpi_s(0, 0, T, Y) = (c - 1) T + Y``, the part of the time per iteration that the
     bottleneck ``T`` and the largest sync ``Y`` make up.
 
-    Proof. For every stage ``i``, ``T >= p_i`` and ``Y >= sync_i`` (the same ``i`` for both), so
-    ``(c - 1) T + Y >= (c - 1) p_i + sync_i = tpi_s(0, 0, p_i, sync_i)``. That is linear in the stage's terms:
+    Proof. For every stage ``i``, ``T >= x p_i`` (``x = 1``, or ``v`` where a group runs several stages:
+    ``PipelineShape.stage_weight``) and ``Y >= sync_i`` (the same ``i`` for both), so
+    ``(c - 1) T + Y >= (c - 1) x p_i + sync_i = tpi_s(0, 0, x p_i, sync_i)``. That is linear in the stage's terms:
     ``p_i`` is the slot overhead plus its layers' times plus resharding (``>= 0``), ``sync_i`` its layers' syncs,
-    so it is at least ``tpi_s(0, 0, stage_time_s(0), 0) + sum_{u on i} w_u`` with
-    ``w_u = min_k tpi_s(0, 0, A_uk, S_uk)`` (``A_uk`` at the fastest device's speed). Maximizing over ``i`` and
+    so it is at least ``tpi_s(0, 0, x stage_time_s(0), 0) + sum_{u on i} w_u`` with
+    ``w_u = min_k tpi_s(0, 0, x A_uk, S_uk)`` (``A_uk`` at the fastest device's speed). Maximizing over ``i`` and
     minimizing over every split into ``P`` contiguous stages gives the bound: :func:`partition_floor` of ``w``.
 
     Why it matters: the LP relaxation spreads layers fractionally (34 layers on 16 stages: 2.125 each), so its
     ``Y`` is the sync of 2.125 layers when some stage must hold 3; this sees the 3 (BERT-Huge on 1024 devices: the
     candidate's LP bound went from 31.1 ms to its optimum's 34.9 ms).
     """
-    w = [min(t.tpi_s(0.0, 0.0, t.fastest_layer_time_s(k), k.sync_s) for k in costs) for costs in t.cost]
-    return partition_floor(w, t.stages) + t.tpi_s(0.0, 0.0, t.stage_time_s(0.0), 0.0)
+    x = max(1.0, t.shape.stage_weight)  # T >= x p_i: with several stages per group, x = v (PipelineShape)
+    w = [min(t.tpi_s(0.0, 0.0, x * t.fastest_layer_time_s(k), k.sync_s) for k in costs) for costs in t.cost]
+    return partition_floor(w, t.stages) + t.tpi_s(0.0, 0.0, x * t.stage_time_s(0.0), 0.0)
 
 
 def partition_floor(weights: list[float], parts: int) -> float:

@@ -42,11 +42,13 @@ Program (terms: ``A`` time, ``S`` sync, ``W`` static, ``Act`` activation, ``G`` 
   junctions:   zeta[g,i,d,e] >= l_d[g,i] + f_e[g+1,i] - 1.
   boundaries:  o_j >= sum Out_gdj psi[g,j,d] + sum In_gd chi[...];  psi >= l_d[g,j] + eta[g,j] - 1;
                chi >= f_d[g,j+1] + mu[g,j] - 1 (or f_d[g+1,j+1] + beta[g,j] - 1).
-  stage time:  p_i = sum A_i n + sum X tau + sum X zeta + H;  T >= p_i  (A_i: the layer's time at stage i's
-               speed, its slowest device's on a heterogeneous cluster).
+  stage time:  p_i = sum A_i n + sum X tau + sum X zeta + H;  T >= sum of p_i over a device group's stages and,
+               with v > 1 stages per group, T >= v p_i (every chunk priced as long as its group's longest: torch's
+               orders assume equal chunks) (A_i: the layer's time at stage i's speed, its slowest device's on a
+               heterogeneous cluster).
   sync:        Y >= sum S n  (per stage).
   memory:      sum W n + F_i sum Act n + gmax_i <= M_i  (stage i's smallest device);  gmax_i >= G v_G;  sum_{k: G_k = G} n_k <= U v_G.
-  bottleneck:  T >= o_j;  T >= run_bottleneck_s(g), T >= chain_bottleneck_s;  (c - 1) T + Y >= chain_sync_floor_s
+  bottleneck:  T >= o_j;  T >= run_bottleneck_s(g), T >= chain_bottleneck_s (times v, plus the slot, with v > 1);  (c - 1) T + Y >= chain_sync_floor_s
                and, with v > 1, >= group_sync_floor_s (valid inequalities, :mod:`.bounds`: some stage, some device
                group, holds whole layers' time and sync at once).
 Objective: ``TPI = sum_i p_i + sum_j o_j + (c - 1) T + Y``.
@@ -359,6 +361,9 @@ class GroupedMilp:
                 self.m += self.Wmax >= w, f"weight_max[{i}]"
         for grp in range(self.t.pp):
             self.m += self.T >= mip.xsum(self.p[i] for i in self.t.stages_of(grp)), f"bottleneck_group[{grp}]"
+        if self.t.shape.stage_weight:  # several stages per group: each priced as long as the group's longest
+            for i in range(self.P):
+                self.m += self.T >= self.t.shape.stage_weight * self.p[i], f"bottleneck_stage[{i}]"
 
     def _sync(self) -> None:
         """Y >= sum_{g,k} S_gk n[g,i,k] over each device group's stages i (the largest end-of-iteration sync)."""
@@ -401,6 +406,9 @@ class GroupedMilp:
                 self.m += self.T >= floor * MS, f"run_floor[{g}]"
         if self.P > 1:
             self.m += self.T >= chain_bottleneck_s(self.t) * MS, "chain_floor"
+            if self.t.shape.stage_weight:  # T >= v p_k, p_k >= its layers' partition floor + the slot overhead
+                chunk = chain_bottleneck_s(self.t) + self.t.stage_time_s(0.0)
+                self.m += self.T >= self.t.shape.stage_weight * chunk * MS, "chunk_floor"
             # a group pays its v stages' slot overhead beside its layers
             empty = self.t.stage_time_s(0.0) * self.t.v
             self.m += self.T >= (group_floor_s(self.t) + empty) * MS, "group_floor"

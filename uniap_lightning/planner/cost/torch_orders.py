@@ -1,4 +1,5 @@
-"""Torch's own pipeline action lists, built without processes (test helper; imports torch).
+"""Torch's own pipeline action lists, built without processes (imports torch when called, not at import: the
+planner stays torch-free; the tests check the schedule formulas against it and the plan picture draws it).
 
 ``torch_pipeline_order(name, p, v, m)`` constructs torch's real schedule class with stub stages (only the
 attributes the constructors read) and returns ``{group: [(kind, microbatch, stage), ...]}`` with kind in
@@ -8,8 +9,6 @@ lists micro-batch m for 1F1B), so their order is the one their ``_step_microbatc
 """
 
 from __future__ import annotations
-
-import pytest
 
 from uniap_lightning.planner.cost.schedules import SCHEDULES, group_of_stage, stages_of_group
 
@@ -67,9 +66,9 @@ def torch_pipeline_order(name: str, p: int, v: int, m: int) -> dict[int, list[tu
             for sub in a.sub_actions or (a,):
                 kind = kinds.get(sub.computation_type)
                 if kind is None:
-                    pytest.fail(f"torch action {sub!r} is not F/B/I/W: torch's schedule format changed")
+                    raise RuntimeError(f"torch action {sub!r} is not F/B/I/W: torch's schedule format changed")
                 if group_of_stage(sub.stage_index, p, v, info.placement) != g:
-                    pytest.fail(f"torch put stage {sub.stage_index} on group {g}: placement rule changed")
+                    raise RuntimeError(f"torch put stage {sub.stage_index} on group {g}: placement rule changed")
                 row.append((kind, sub.microbatch_index, sub.stage_index))
         out[g] = row
     return out
