@@ -228,6 +228,11 @@ FOUR_RANKS_SLOW = {
     "llama_dp2_cp2_pp": {"module": {"lm": "llama"}, "plan": _plan4([{"dp": 1, "cp": 2}] * 4, [0, 1, 1, 1], pp=2,
                                                                    microbatches=2)},
     "bert_mlm_dp2_cp2": bert("bert_mlm", [{"dp": 2, "cp": 2}] * 4, world=4),
+    # Ulysses over the heads each TP rank holds (4 heads / tp 2 / cp 2), sequence pieces cut again by sp
+    "bert_mlm_cp2_tp2_sp": bert("bert_mlm", [{"cp": 2, "tp": 2}, {"cp": 2, "tp": 2, "sp": True},
+                                             {"cp": 2, "tp": 2, "sp": True}, {"cp": 2, "dp": 2}], world=4),
+    # token classification on sequence quarters (the head too; its logits gathered into whole sequences)
+    "bert_tc_cp4": bert("bert_tc", [{"cp": 4}] * 4, world=4),
     # sequence classification pools the first token: the head (no sequence declaration) gets whole sequences
     "bert_sc_dp2_cp2": bert("bert", [{"dp": 2, "cp": 2}] * 3 + [{"dp": 4}], world=4),
 }
