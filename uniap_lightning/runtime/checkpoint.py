@@ -5,7 +5,9 @@ weights and ``optimizer_<i>.state.<fqn>.<key>`` / ``optimizer_<i>.param_groups.<
 (``flatten_optimizer_state_dict=True``; the nested form loses param-group hyper-parameters on some pipeline
 stages). Since layers of other stages are ``nn.Identity`` on a rank, keys are disjoint across stages, and DCP
 reshards DTensor (FSDP / TP) shards by name on load: a checkpoint saved under one plan loads under any other
-plan, on any number of processes.
+plan, on any number of processes. Expert-parallel shards (plain tensors holding ``E / ep`` experts) are handed to DCP
+as DTensors sharded on dim 0 over their ep mesh (:func:`~.experts.globalize_expert_state`), so a checkpoint holds the
+full experts and their optimizer states and loads under any ep degree.
 """
 
 from __future__ import annotations

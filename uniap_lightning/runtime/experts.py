@@ -24,8 +24,11 @@ sizes at runtime). With balanced routing a rank sends ``b s k h (ep-1)/ep`` elem
 Gradients: an expert held by a rank receives the gradient of every token rank of its ep group through the
 backward all-to-alls, so expert gradients are summed only over the ranks holding the *same* experts
 (``ExpertLayout.expert_data_groups``); every other parameter over all data ranks; both divided by the number of
-data ranks (:func:`reduce_gradients`). Checkpoints: :func:`shard_expert_state` / :func:`merge_expert_states` convert
-a one-process state dict to an ep rank's and back.
+data ranks (:func:`reduce_gradients`; under ``strategy="uniap"`` the replicated-gradient buckets do the same,
+``runtime/stage.py``). Checkpoints: :func:`shard_expert_state` / :func:`merge_expert_states` convert a one-process
+state dict to an ep rank's and back; distributed checkpoints see the shards as DTensors of the full experts
+(:func:`globalize_expert_state`). Data parallelism without ep (:func:`apply_global_routing`) still counts routing
+over the data ranks' tokens, so it matches one process as ep does.
 
 Findings, Hugging Face (transformers 5.25, ``modeling_{mixtral,qwen2_moe,olmoe}.py``): what expert parallelism replaces:
 
@@ -142,8 +145,10 @@ class ExpertParallel:
     """Runs one rank's share of an MoE layer's experts (implements ``adapters.moe.ExpertsComm``)."""
 
     def __init__(self, n_experts: int, *, ep_group: Any, token_group: Any, counter: AllToAllCounter) -> None:
+        """``ep_group=None``: every expert here (no all-to-all), routing counted over ``token_group`` only."""
         self.ep_group, self.token_group, self.counter = ep_group, token_group, counter
-        self.ep, self.ep_index = dist.get_world_size(ep_group), dist.get_rank(ep_group)
+        self.ep = 1 if ep_group is None else dist.get_world_size(ep_group)
+        self.ep_index = 0 if ep_group is None else dist.get_rank(ep_group)
         check_expert_degree(n_experts, self.ep)
         self.n_experts, self.local = n_experts, n_experts // self.ep
         self.offset = self.ep_index * self.local
@@ -157,6 +162,8 @@ class ExpertParallel:
         return torch.stack(parts)
 
     def run_experts(self, rows: torch.Tensor, rows_per_expert: torch.Tensor, expert_fn: ExpertFn) -> torch.Tensor:
+        if self.ep_group is None:
+            return torch.cat([expert_fn(e, r) for e, r in enumerate(rows.split(rows_per_expert.tolist()))])
         ep, local = self.ep, self.local
         send_counts = rows_per_expert.view(ep, local)  # [destination rank, its local expert]
         recv_counts = torch.empty_like(send_counts)  # [source rank, my local expert]
@@ -200,6 +207,18 @@ def apply_expert_parallel(module: nn.Module, *, ep_group: Any, token_group: Any,
             setattr(m, pname, nn.Parameter(_shard(full.detach(), ep, index).clone(), full.requires_grad))
         m.experts_comm = comm
     return counter
+
+
+def apply_global_routing(module: nn.Module, token_group: Any) -> int:
+    """Every MoE layer of ``module`` keeps all its experts but counts capacity and load-balancing statistics over
+    the tokens of ``token_group`` (the layer's data ranks), so data parallelism without ep matches one process on
+    the concatenated batch too (one ``[k, E]`` all-gather per layer and micro-batch). Returns the layers changed.
+    Hugging Face experts are left as they are: dropless, with the auxiliary loss outside the layer."""
+    layers = expert_modules(module)
+    for _, m in layers:
+        m.experts_comm = ExpertParallel(m.n_experts, ep_group=None, token_group=token_group,
+                                        counter=AllToAllCounter())
+    return len(layers)
 
 
 class HFExperts(nn.Module):

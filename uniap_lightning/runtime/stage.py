@@ -25,8 +25,8 @@ from torch.utils.checkpoint import checkpoint
 from uniap_lightning.planner.plan import Plan
 from uniap_lightning.runtime.chain import Chain
 from uniap_lightning.runtime.data_parallel import ReplicatedGrads
-from uniap_lightning.runtime.experts import (AllToAllCounter, apply_expert_parallel, mark_expert_shards,
-                                             split_expert_params)
+from uniap_lightning.runtime.experts import (AllToAllCounter, apply_expert_parallel, apply_global_routing,
+                                             mark_expert_shards, split_expert_params)
 from uniap_lightning.runtime.mesh import PlanMeshes, boundary_layout, layout_of
 from uniap_lightning.runtime.payload import Spec, call_layer, flatten, spec_of, unflatten
 from uniap_lightning.runtime.reshard import Layout, relayout
@@ -122,6 +122,8 @@ def build_stages(chain: Chain, plan: Plan, meshes: PlanMeshes) -> tuple[list[Sta
             continue
         mesh = meshes.dp_mesh(reps, st.tp)
         expert = set(apply_ep(layer, meshes, reps, st.tp, st.ep, counter)) if st.ep > 1 else set()
+        if st.ep == 1:  # experts replicated: still route by the global batch's counts, as one process does
+            apply_global_routing(layer, mesh.get_group())
         if expert:  # summed over the ranks holding the same experts, divided by all replicas (runtime.experts)
             replicated.add_params(split_expert_params(layer)[0], meshes.expert_data_group(reps, st.tp, st.ep), reps)
         if st.dp_mode in ZERO_MODES:
