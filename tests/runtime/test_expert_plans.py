@@ -113,3 +113,38 @@ def test_the_consolidated_export_of_an_ep2_run_holds_every_expert(spawned: tuple
     assert full["chain.1.moe.w_in"].shape == (4, 32, 128)
     for k, v in merged.items():
         torch.testing.assert_close(full[k], v, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------ 4 processes
+CASES4 = {
+    # ep groups (0, 1), (2, 3); ranks 0 and 2 (1 and 3) hold the same experts and sum their gradients
+    "ep2_dp4": _case(_plan({"ep": 2}, world=4)),
+    # one expert per rank: the same-experts group is one rank (no gradient collective for experts)
+    "ep4_dp4": _case(_plan({"ep": 4}, world=4)),
+    # two pipeline stages of two ranks, one MoE block each, experts split over each stage's two ranks
+    "ep2_pp2": _case(_plan({"ep": 2}, world=4, pp=2)),
+    # ZeRO on the parts that are not experts: FSDP2 shards attention, norms and router, ignores the expert shards
+    "ep2_zero3": _case(_plan({"ep": 2, "dp_mode": "zero3"}, world=4, edges={"dp_mode": "zero2"})),
+    "ep4_zero2": _case(_plan({"ep": 4, "dp_mode": "zero2"}, world=4, edges={"dp_mode": "zero1"})),
+    # recomputation: the backward runs the blocks' forward again, all-to-alls included
+    "ep2_recompute": _case(_plan({"ep": 2, "recompute": True}, world=4)),
+}
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return h.spawn(4, CASES4, tmp_path_factory.mktemp("expert_plans4"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES4))
+def test_expert_parallel_mixes_on_four_processes_match_one_process(four: list[dict[str, Any]], name: str) -> None:
+    """ep with dp=4 (two same-experts pairs, or ep=4), with pp=2, with ZeRO-1/2/3 on the rest, with recomputation."""
+    h.assert_close_to_reference(four, name, h.reference_for(CASES4[name]))
+    ep = CASES4[name]["plan"].layers[1].strategy.ep
+    for res in four:
+        shapes = res[name]["local_shapes"]
+        w_in = shapes.get("chain.1.moe.w_in", shapes.get("chain.2.moe.w_in"))
+        assert w_in == (4 // ep, 32, 128)
+        if name == "ep2_zero3" and "chain.1.moe.router.weight" in shapes:  # FSDP2 shards the router over 4
+            assert shapes["chain.1.moe.router.weight"] == (1, 32)
