@@ -4,7 +4,10 @@ A case is a dict with ``kind``:
 - ``"train"``: a chain trained ``steps`` SGD steps on a dp x cp x tp mesh (``dp``, ``cp``, ``tp``); ``sp``: sequence
   parallelism in the TP blocks; ``padded``: a batch with attention-mask zeros and ignored labels; ``average``: the
   loss scaled by cp and gradients averaged over dp x cp; ``model: "llama"``: the Hugging Face Llama chain (else
-  the plain GPT). Every rank also trains the one-process reference itself and reports the largest differences.
+  the plain GPT); ``model: "bert"``: Hugging Face BERT's masked-LM chain on padded batches (left and right padding,
+  token types), the loss on sequence pieces (:func:`~uniap_lightning.runtime.sequence.shard_token_batch`) against
+  the model's own loss in one process. Every rank also trains the one-process reference itself and reports the
+  largest differences.
 - ``"bytes"``: the elements one Ulysses forward and backward send; ``"sp_comms"``: the collectives of one
   sequence-parallel block; ``"bad_heads"``: the error for heads not divisible by cp.
 """
@@ -109,7 +112,96 @@ def _groups(dp: int, cp: int, tp: int) -> tuple[Any, Any, Any]:
     return mesh["cp"].get_group(), replica, mesh["tp"]
 
 
+def _bert() -> Any:
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    return BertForMaskedLM(BertConfig(
+        vocab_size=VOCAB, hidden_size=EMBD, num_hidden_layers=2, num_attention_heads=HEADS, intermediate_size=64,
+        max_position_embeddings=SEQ, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=0,
+        initializer_range=0.2))  # sharp attention: positions and the padding mask matter
+
+
+def _bert_batches(steps: int) -> list[dict[str, torch.Tensor]]:
+    """Masked-LM batches: row 0 left-padded by 5, row 1 right-padded by 3; token type 1 on the second half (so it
+    differs between the cp pieces); about a third of the real tokens labelled, at least one per row."""
+    g = torch.Generator().manual_seed(2)
+    out = []
+    for _ in range(steps):
+        mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+        mask[0, :5] = 0
+        mask[1, -3:] = 0
+        ids = torch.randint(1, VOCAB, (BATCH, SEQ), generator=g) * mask
+        chosen = (torch.rand(BATCH, SEQ, generator=g) < 0.35) & (mask == 1)
+        chosen[:, 6] = True
+        types = (torch.arange(SEQ) >= SEQ // 2).long().expand(BATCH, SEQ) * mask
+        out.append({"input_ids": ids, "attention_mask": mask, "token_type_ids": types,
+                    "labels": ids.masked_fill(~chosen, -100)})
+    return out
+
+
+def train_bert(case: dict[str, Any]) -> dict[str, Any]:
+    """BERT's masked-LM chain on dp x cp x tp ranks (sp: :func:`bert_sp_plan` in the blocks), the loss on each
+    rank's sequence piece, against the model's own loss in one process (averaged over the dp slices)."""
+    from uniap_lightning.adapters.families.sequence_hf import bert_sp_plan
+    from uniap_lightning.adapters.families.text import bert_layers
+    from uniap_lightning.runtime.payload import call_layer
+    from uniap_lightning.runtime.sequence import (enable_context_parallel, global_loss, reduce_gradients,
+                                                  sequence_loss, shard_token_batch)
+    from uniap_lightning.runtime.sequence_tp import apply_sp
+    from uniap_lightning.runtime.tensor_parallel import apply_tp
+
+    dp, cp, tp = case.get("dp", 1), case.get("cp", 1), case.get("tp", 1)
+    batches = _bert_batches(case.get("steps", 5))
+    model, reference = _bert(), _bert()
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    ref_losses = []
+    for batch in batches:
+        loss = sum(reference(**{k: v.chunk(dp)[i] for k, v in batch.items()}).loss for i in range(dp)) / dp
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ref_losses.append(float(loss.detach()))
+    ref_state = {k: v.detach().clone() for k, v in reference.state_dict().items()}
+
+    cp_group, replica_group, tp_mesh = _groups(dp, cp, tp)
+    rank = dist.get_rank()
+    dp_rank, cp_rank = rank // (cp * tp), (rank // tp) % cp
+    layers = [layer for layer, _ in bert_layers(model)]
+    for i, block in enumerate(layers[1:-1]):
+        if tp > 1 and case.get("sp"):
+            apply_sp(block, f"blocks.{i}", tp_mesh, plan=bert_sp_plan(tp))
+        elif tp > 1:
+            apply_tp(block, f"blocks.{i}", tp_mesh)
+    if cp > 1:
+        enable_context_parallel(layers, cp_group)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for batch in batches:
+        shard = shard_token_batch({k: v.chunk(dp)[dp_rank] for k, v in batch.items()}, cp_rank, cp)
+        x: Any = {k: shard[k] for k in ("input_ids", "attention_mask", "token_type_ids")}
+        for layer in layers:
+            x = call_layer(layer, x)
+        loss = sequence_loss(x, shard["labels"], cp_group)
+        opt.zero_grad()
+        loss.backward()
+        reduce_gradients(model.parameters(), replica_group, dp=dp)
+        opt.step()
+        reported = global_loss(loss, cp_group)
+        dist.all_reduce(reported, group=replica_group)
+        losses.append(float(reported) / (dp * cp))
+    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach() for k, v in model.state_dict().items()}
+    return {
+        "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+        "param_diff": max(float((state[k] - ref_state[k]).abs().max()) for k in ref_state),
+        "moved": max(float((ref_state[k] - v).abs().max()) for k, v in _bert().state_dict().items()),
+        "losses": losses,
+    }
+
+
 def train(case: dict[str, Any]) -> dict[str, Any]:
+    if case.get("model") == "bert":
+        return train_bert(case)
     from uniap_lightning.runtime.sequence import (enable_context_parallel, global_loss, padding_mask,
                                                   reduce_gradients, sequence_loss, shard_causal_lm_batch)
     from uniap_lightning.runtime.sequence_tp import apply_sp

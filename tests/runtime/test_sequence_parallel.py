@@ -28,6 +28,8 @@ TWO_RANKS = {
     "llama_cp2": {"kind": "train", "cp": 2, "model": "llama"},
     "llama_cp2_padded": {"kind": "train", "cp": 2, "model": "llama", "padded": True},
     "llama_sp_tp2": {"kind": "train", "tp": 2, "sp": True, "model": "llama"},
+    # BERT masked LM, left- and right-padded, the loss on sequence pieces (labels split with their tokens)
+    "bert_cp2_padded": {"kind": "train", "cp": 2, "model": "bert"},
     "bytes": {"kind": "bytes"},
     "sp_comms": {"kind": "sp_comms"},
     "sp_comms_llama": {"kind": "sp_comms", "model": "llama"},
@@ -39,6 +41,7 @@ FOUR_RANKS = {
     "tp2_cp2": {"kind": "train", "tp": 2, "cp": 2},
     "sp_tp2_cp2_padded": {"kind": "train", "tp": 2, "cp": 2, "sp": True, "padded": True},
     "llama_sp_tp2_cp2": {"kind": "train", "tp": 2, "cp": 2, "sp": True, "model": "llama"},
+    "bert_sp_tp2_cp2": {"kind": "train", "tp": 2, "cp": 2, "sp": True, "model": "bert"},
 }
 
 

@@ -294,9 +294,10 @@ def test_bert_profile_declares_the_sequence_and_the_planner_offers_cp_and_sp() -
     choice (``[batch, choices, seq]``) declares nothing anywhere."""
     from hf_models import hf_batches, hf_module
 
+    from uniap_lightning.errors import UniAPError
     from uniap_lightning.planner.cost.layer import strategies_for
     from uniap_lightning.profiling.module import profile_chain
-    from uniap_lightning.runtime import extract_chain
+    from uniap_lightning.runtime import check_plan_executable, extract_chain
     from uniap_lightning.runtime.planning import local_cluster
     from uniap_lightning.runtime.sequence import sequence_info
     from uniap_lightning.runtime.tensor_parallel import tp_degrees
@@ -317,9 +318,39 @@ def test_bert_profile_declares_the_sequence_and_the_planner_offers_cp_and_sp() -
     assert {(s.cp, s.cp_method) for s in offered} == {(1, "none"), (2, "ulysses"), (4, "ulysses")}
     assert any(s.sp and s.tp == 2 for s in offered) and any(s.cp == 2 and s.tp == 2 for s in offered)
     assert {s.cp for s in strategies_for(head, 4, cluster, 8)} == {1, 2, 4}
-    classifier = [sequence_info(m) for m in extract_chain(hf_module("bert")).layers]
-    assert classifier[1]["attention_heads"] == 4 and classifier[3] is None
+    classifier = extract_chain(hf_module("bert"))
+    infos = [sequence_info(m) for m in classifier.layers]
+    assert infos[1]["attention_heads"] == 4 and infos[3] is None
+    with pytest.raises(UniAPError, match=r"model.bert.pooler.*declares no sequence behaviour"):
+        check_plan_executable(bert("bert", [CP2] * 4)["plan"], classifier)
     assert all(sequence_info(m) is None for m in extract_chain(hf_module("bert_mc")).layers)
+
+
+def test_encoder_batches_split_with_their_labels_and_attention_is_bidirectional() -> None:
+    """BERT's pieces: labels stay with their tokens (nothing shifted), token types split alike; bidirectional
+    attention with a key padding mask is what Hugging Face's masks give (padding queries see the real keys, not
+    themselves); a row of padding sees itself (no empty softmax)."""
+    import torch
+    import torch.nn.functional as F
+
+    from uniap_lightning.runtime import sequence as sq
+
+    ids = torch.arange(12).reshape(2, 6)
+    batch = {"input_ids": ids, "labels": ids.masked_fill(ids % 3 == 0, -100), "token_type_ids": (ids >= 3).long(),
+             "global_scale": torch.ones(2)}
+    parts = [sq.shard_token_batch(batch, r, 2) for r in range(2)]
+    assert parts[1]["input_ids"].tolist() == [[3, 4, 5], [9, 10, 11]]
+    assert parts[1]["labels"].tolist() == [[-100, 4, 5], [-100, 10, 11]]
+    assert parts[0]["token_type_ids"].tolist() == [[0, 0, 0], [1, 1, 1]] and parts[1]["global_scale"].shape == (2,)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 2, 6, 4, generator=g) for _ in range(3))
+    valid = torch.ones(3, 6, dtype=torch.bool)
+    valid[0, :2] = valid[1, -3:] = False
+    valid[2] = False
+    out = sq.attention(q, k, v, causal=False, key_valid=valid)
+    expected = F.scaled_dot_product_attention(q[:2], k[:2], v[:2], attn_mask=valid[:2, None, None, :])
+    torch.testing.assert_close(out[:2], expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out[2], v[2], rtol=1e-6, atol=1e-6)  # each padding query sees only itself
 
 
 # ---------------------------------------------------------------------------------------------- layouts

@@ -11,9 +11,10 @@ tensor-parallel rank) divisible by ``c``.
 
 **Batches and losses.** :func:`shard_causal_lm_batch` shifts causal-LM labels over the whole sequence *before*
 splitting (so no (token, next token) pair straddles two ranks) and gives a cp rank its slice of every
-sequence-shaped tensor. :func:`sequence_loss` returns this rank's share of the one-process mean: the local sum
-of the token losses over the global count of counted tokens (all-reduced over the cp group), so the cp ranks'
-losses *sum* to the one-process loss, and so do their gradients.
+sequence-shaped tensor; :func:`shard_token_batch` splits an encoder's batch (masked LM, token classification:
+labels stay with their tokens). :func:`sequence_loss` returns this rank's share of the one-process mean: the
+local sum of the token losses over the global count of counted tokens (all-reduced over the cp group), so the cp
+ranks' losses *sum* to the one-process loss, and so do their gradients.
 
 **Gradient reduction.** A weight replicated over data (dp) and context (cp) ranks gets the gradient
 ``(1/dp) x sum over the dp x cp ranks`` of the local gradients: the cp ranks see different tokens of the same
@@ -39,9 +40,9 @@ when smaller, :func:`~.mesh.boundary_layout`), a cp layer gets its sequence piec
 (``[b, s/c, h]``). The loss runs where the last stage ends, on whole sequences, so the model's own loss (a causal LM
 shifting its labels inside) sees exactly what one process sees, padding (``-100`` labels) included; the logged loss
 is the one process's. Gradients follow the convention of :mod:`.reshard`, so averaging over the ``dp x cp``
-replicas (replicated or ZeRO) is exact without scaling the loss. :func:`sequence_loss` / :func:`shard_causal_lm_batch`
-(the loss on sequence shards, which saves gathering the logits) are tested building blocks the strategy does not
-use yet. :func:`check_sequence_strategy` refuses, before any process group work, what cannot run: ring attention
+replicas (replicated or ZeRO) is exact without scaling the loss. :func:`sequence_loss` with
+:func:`shard_causal_lm_batch` / :func:`shard_token_batch` (the loss on sequence shards, which saves gathering the
+logits; tested against one process for GPT, Llama and BERT) are building blocks the strategy does not use yet. :func:`check_sequence_strategy` refuses, before any process group work, what cannot run: ring attention
 (torch's ``torch.distributed.tensor.experimental.context_parallel`` is what a CUDA run would use; not built or tested
 here, and torch has no CPU rule for it), a layer that declares no sequence behaviour, heads that ``cp`` does not
 divide.
@@ -69,7 +70,7 @@ from uniap_lightning.errors import UniAPError
 CP_METHODS = ("ulysses",)
 IGNORE_INDEX = -100
 #: batch keys that are sequence-shaped (``[b, s, ...]``) and split along dim 1
-SEQUENCE_KEYS = ("input_ids", "labels", "targets", "attention_mask", "position_ids")
+SEQUENCE_KEYS = ("input_ids", "labels", "targets", "attention_mask", "position_ids", "token_type_ids")
 
 
 @dataclass
@@ -278,6 +279,15 @@ def shard_causal_lm_batch(batch: Mapping[str, torch.Tensor], rank: int, cp: int,
     if "position_ids" not in full:
         full["position_ids"] = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
     return {k: split_sequence(v, rank, cp, name=k) if k in SEQUENCE_KEYS else v for k, v in full.items()}
+
+
+def shard_token_batch(batch: Mapping[str, torch.Tensor], rank: int, cp: int) -> dict[str, torch.Tensor]:
+    """A cp rank's piece of an encoder batch whose loss is per token (masked LM, token classification): every
+    sequence-shaped entry (``input_ids``, ``attention_mask``, ``token_type_ids``, ``labels``, ...) is split along
+    the sequence as it is. A token's label stays with the token (nothing is shifted), so :func:`sequence_loss` on
+    the pieces is exactly the one-process loss. (A loss on a pooled token, sequence classification, needs whole
+    sequences: it has no per-piece form.)"""
+    return {k: split_sequence(v, rank, cp, name=k) if k in SEQUENCE_KEYS else v for k, v in batch.items()}
 
 
 def sequence_loss(logits: torch.Tensor, targets: torch.Tensor, group: Any | None, *, scale: float = 1.0,
