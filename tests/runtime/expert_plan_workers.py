@@ -23,3 +23,11 @@ def moe_module(momentum: float = 0.0, **cfg: Any) -> Any:
 
     torch.manual_seed(0)
     return SGDMoE(MoEGPT(MoEGPTConfig(**{**eh.BASE, **cfg})).layers())
+
+
+def hf_moe_module(family: str) -> Any:
+    """``mixtral``, ``qwen2_moe`` or ``olmoe`` (E=4, k=2, no auxiliary loss in ``.loss``: ``output_router_logits``
+    is off by default) as users write it: ``self.model(**batch).loss``, SGD with momentum."""
+    from hf_models import HFModule
+
+    return HFModule(eh.hf_model(family))

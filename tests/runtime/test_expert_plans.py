@@ -1,12 +1,15 @@
 """Plans with expert parallelism (``Strategy.ep``) run under ``Trainer(strategy=UniAPStrategy(plan=...))``: the tiny
 MoE GPT of :mod:`uniap_lightning.adapters.moe` matches one process (loss and parameters within 1e-5 after 5 steps)
-with a capacity that drops no token (``capacity_factor = E / k``), and checkpoints hold the full experts.
+with a capacity that drops no token (``capacity_factor = E / k``), checkpoints hold the full experts, and tiny Hugging
+Face Mixtral / Qwen2-MoE / OLMoE models train through the zero-glue path (``self.model(**batch).loss``) likewise.
 
-The two-process cases share one spawn (:data:`CASES2`); the four-process mixes share another (:data:`CASES4`).
+The default two-process cases share one spawn (:data:`CASES2`); the four-process mixes (:data:`CASES4`) and the other
+two Hugging Face families (:data:`HF_SLOW`) are ``slow``, one spawn each.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +17,8 @@ import pytest
 import torch
 
 import uniap_rt_helpers as h
+
+HAS_HF = importlib.util.find_spec("transformers") is not None  # the [hf] extra
 
 NAMES = ["chain.0", "chain.1", "chain.2", "chain.3"]  # embedding, two MoE blocks, head
 NO_DROP = {"capacity_factor": 2.0}  # = E / k: an expert can take every token
@@ -35,6 +40,16 @@ def _case(plan: Any, **extra: Any) -> dict[str, Any]:
     return {"module": MODULE, "data": DATA, "steps": 5, "plan": plan, **extra}
 
 
+HF_NAMES = ["model.model.embed_tokens", "model.model.layers.0", "model.model.layers.1", "model.model.norm"]
+
+
+def _hf_case(family: str) -> dict[str, Any]:
+    edge, block = {"dp": 2}, {"dp": 2, "ep": 2}
+    plan = h.make_plan([edge, block, block, edge], [0, 0, 0, 0], pp=1, microbatches=1, world=2, names=HF_NAMES)
+    return {"module": {"factory": "expert_plan_workers:hf_moe_module", "family": family},
+            "data": {"factory": "hf_models:hf_batches", "family": "llama"}, "steps": 5, "plan": plan}
+
+
 MOMENTUM = {"factory": "expert_plan_workers:moe_module", "momentum": 0.9, **NO_DROP}
 EP1, EP2 = _plan({}), _plan({"ep": 2})
 CASES2 = {
@@ -46,6 +61,7 @@ CASES2 = {
     "save_ep1": {"module": MOMENTUM, "data": DATA, "epochs": 1, "plan": EP1, "save": "ep1.ckpt"},
     "resume_ep2": {"module": MOMENTUM, "data": DATA, "epochs": 2, "plan": EP2, "resume": "ep1.ckpt",
                    "export": "ep2_full.pt"},
+    **({"hf_mixtral": _hf_case("mixtral")} if HAS_HF else {}),
 }
 
 
@@ -62,7 +78,7 @@ def two(spawned: tuple[list[dict[str, Any]], Path]) -> list[dict[str, Any]]:
 
 def test_ep2_plan_matches_one_process(two: list[dict[str, Any]]) -> None:
     """ep=2 over the two data ranks: each holds 2 of the 4 experts of each block (replicated embedding and head);
-    the expert shards' gradients are not all-reduced (each is held by one rank), divided by the 2 replicas."""
+    each expert shard is held by one rank, so its gradient is only divided by the 2 replicas, not exchanged."""
     h.assert_close_to_reference(two, "ep2", h.reference_for(CASES2["ep2"]))
 
 
@@ -148,3 +164,35 @@ def test_expert_parallel_mixes_on_four_processes_match_one_process(four: list[di
         assert w_in == (4 // ep, 32, 128)
         if name == "ep2_zero3" and "chain.1.moe.router.weight" in shapes:  # FSDP2 shards the router over 4
             assert shapes["chain.1.moe.router.weight"] == (1, 32)
+
+
+# ------------------------------------------------------------------------------------------------ Hugging Face
+HF_SLOW = {f"hf_{family}": _hf_case(family) for family in ("qwen2_moe", "olmoe")}  # the same path as Mixtral's
+
+
+@pytest.fixture(scope="module")
+def hf_two(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return h.spawn(2, HF_SLOW, tmp_path_factory.mktemp("expert_plans_hf"))
+
+
+def _check_hf(results: list[dict[str, Any]], name: str, case: dict[str, Any]) -> None:
+    h.assert_close_to_reference(results, name, h.reference_for(case))
+    for res in results:
+        shapes = res[name]["local_shapes"]
+        assert shapes["model.model.layers.0.mlp.experts.gate_up_proj"][0] == 2
+        assert shapes["model.model.layers.1.mlp.experts.down_proj"][0] == 2
+
+
+@pytest.mark.skipif(not HAS_HF, reason="needs the [hf] extra (transformers)")
+def test_hugging_face_mixtral_with_ep2_matches_one_process(two: list[dict[str, Any]]) -> None:
+    """Zero glue: ``self.model(**batch).loss`` of a tiny Mixtral under a pinned ep=2 plan (its stacked
+    ``mlp.experts`` split 2 + 2, padded batches) ends where one process does."""
+    _check_hf(two, "hf_mixtral", CASES2["hf_mixtral"])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_HF, reason="needs the [hf] extra (transformers)")
+@pytest.mark.parametrize("name", list(HF_SLOW))
+def test_hugging_face_moe_with_ep2_matches_one_process(hf_two: list[dict[str, Any]], name: str) -> None:
+    """Qwen2-MoE (with its replicated shared expert) and OLMoE, as Mixtral above."""
+    _check_hf(hf_two, name, HF_SLOW[name])
