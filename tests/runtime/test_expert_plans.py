@@ -55,6 +55,10 @@ EP1, EP2 = _plan({}), _plan({"ep": 2})
 CASES2 = {
     "ep2": _case(EP2),
     "dp2": _case(EP1),
+    # capacity 0.5 drops about half the assignments: counted over both ranks' tokens, the same ones as one process
+    "ep2_drops": {**_case(EP2), "module": {**MODULE, "capacity_factor": 0.5}},
+    # clipping by the global norm (each expert shard counted once) and an accumulation window of two batches
+    "ep2_clip_accumulate": _case(EP2, clip=0.05, accumulate=2),
     # checkpoints across expert-parallel degrees (SGD with momentum: the expert shards' optimizer state travels too)
     "save_ep2": {"module": MOMENTUM, "data": DATA, "epochs": 1, "plan": EP2, "save": "ep2.ckpt"},
     "resume_ep1": {"module": MOMENTUM, "data": DATA, "epochs": 2, "plan": EP1, "resume": "ep2.ckpt"},
@@ -90,6 +94,19 @@ def test_dp2_without_ep_routes_by_the_global_batch(two: list[dict[str, Any]]) ->
     for res in two:
         assert res["dp2"]["local_shapes"]["chain.1.moe.w_in"] == (4, 32, 128)
         assert res["dp2"]["all_to_all"] == []
+
+
+def test_ep2_with_dropped_tokens_drops_what_one_process_drops(two: list[dict[str, Any]]) -> None:
+    """What happens when tokens are dropped (capacity factor 0.5, ``ceil(0.5 * N * k / E)`` assignments per expert
+    over the global batch): a dropped slot adds nothing (the token keeps its residual and its other slot); capacity is
+    counted over both ranks' tokens in one process's order, so the drops and the run equal one process's."""
+    h.assert_close_to_reference(two, "ep2_drops", h.reference_for(CASES2["ep2_drops"]))
+
+
+def test_ep2_clips_by_the_global_norm_and_accumulates(two: list[dict[str, Any]]) -> None:
+    """``gradient_clip_val`` (small enough to clip every step) sums each expert shard's squares once, and expert
+    gradients accumulate over a window of two batches before their reduction."""
+    h.assert_close_to_reference(two, "ep2_clip_accumulate", h.reference_for(CASES2["ep2_clip_accumulate"]))
 
 
 def test_ep2_plan_splits_the_experts_and_exchanges_tokens(two: list[dict[str, Any]]) -> None:
