@@ -43,9 +43,11 @@ GPT = {"module": {"lm": "gpt"}}
 BERT_NAMES = ["model.bert.embeddings", "model.bert.encoder.layer.0", "model.bert.encoder.layer.1"]
 
 
-def bert(family: str, strategies: list[Any], *, world: int = 2, **kw: Any) -> dict[str, Any]:
+def bert(family: str, strategies: list[Any], stages: list[int] | None = None, *, world: int = 2,
+         **kw: Any) -> dict[str, Any]:
     head = {"bert_mlm": "model.cls", "bert_tc": "model.classifier"}.get(family, "model.bert.pooler")
-    plan = h.make_plan(strategies, [0] * 4, pp=1, microbatches=kw.pop("microbatches", 1), world=world,
+    stages = stages or [0] * 4
+    plan = h.make_plan(strategies, stages, pp=max(stages) + 1, microbatches=kw.pop("microbatches", 1), world=world,
                        names=[*BERT_NAMES, head])
     return {"plan": plan, "module": {"factory": "hf_models:hf_module", "family": family},
             "data": {"factory": "hf_models:hf_batches", "family": family}, **kw}
@@ -74,8 +76,9 @@ TWO_RANKS = {
                                 "limit_val_batches": 3},
     "gpt2_cp2": {"module": {"lm": "gpt2"}, "plan": _plan([CP2, ONE, CP2, CP2], microbatches=2)},
     # BERT pretraining (the decoder tied to the word embeddings): bidirectional Ulysses with the padding mask
-    # gathered over the cp ranks, global absolute positions; the MLM head on sequence halves too
-    "bert_mlm_cp2": bert("bert_mlm", [CP2] * 4),
+    # gathered over the cp ranks, global absolute positions
+    # the MLM head on sequence halves too: its loss on the pieces (sequence.piece_loss), validation as well
+    "bert_mlm_cp2": bert("bert_mlm", [CP2] * 4, limit_val_batches=2),
     # post-norm sequence parallelism in the blocks, the vocabulary-parallel embedding, the head over the batch
     "bert_mlm_tp2_sp": bert("bert_mlm", [{"tp": 2}, {"tp": 2, "sp": True}, {"tp": 2, "sp": True}, ONE],
                             microbatches=2),
@@ -111,6 +114,14 @@ def test_validation_loss_under_cp_matches_one_process(spawn_cases: Any) -> None:
     for res in results:
         assert "error" not in res["validate_cp2_one_sample"], res["validate_cp2_one_sample"].get("traceback")
         assert res["validate_cp2_one_sample"]["val_loss"] == pytest.approx(ref, rel=1e-5)
+
+
+def test_bert_validation_loss_on_sequence_pieces_matches_one_process(spawn_cases: Any) -> None:
+    results = spawn_cases(2, TWO_RANKS, "sequence_plans2")
+    ref = h.reference_for(TWO_RANKS["bert_mlm_cp2"])
+    for res in results:
+        assert "error" not in res["bert_mlm_cp2"], res["bert_mlm_cp2"].get("traceback")
+        assert res["bert_mlm_cp2"]["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-5)
 
 
 @pytest.mark.parametrize("name", ["resume_cp_sp_as_plain", "resume_plain_as_cp_sp"])
@@ -231,6 +242,8 @@ FOUR_RANKS_SLOW = {
     # Ulysses over the heads each TP rank holds (4 heads / tp 2 / cp 2), sequence pieces cut again by sp
     "bert_mlm_cp2_tp2_sp": bert("bert_mlm", [{"cp": 2, "tp": 2}, {"cp": 2, "tp": 2, "sp": True},
                                              {"cp": 2, "tp": 2, "sp": True}, {"cp": 2, "dp": 2}], world=4),
+    # two pipeline stages of cp2 lanes: the last stage's loss on its pieces under the 1F1B schedule
+    "bert_mlm_cp2_pp2": bert("bert_mlm", [{"dp": 1, "cp": 2}] * 4, [0, 0, 1, 1], world=4, microbatches=2),
     # token classification on sequence quarters (the head too; its logits gathered into whole sequences)
     "bert_tc_cp4": bert("bert_tc", [{"cp": 4}] * 4, world=4),
     # sequence classification pools the first token: the head (no sequence declaration) gets whole sequences
@@ -351,6 +364,29 @@ def test_encoder_batches_split_with_their_labels_and_attention_is_bidirectional(
     expected = F.scaled_dot_product_attention(q[:2], k[:2], v[:2], attn_mask=valid[:2, None, None, :])
     torch.testing.assert_close(out[:2], expected, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(out[2], v[2], rtol=1e-6, atol=1e-6)  # each padding query sees only itself
+
+
+def test_a_per_token_loss_runs_on_the_last_layers_sequence_pieces() -> None:
+    """piece_loss: lane r of the last layer's (dp 2, cp 2, tp 1) layout gets batch chunk r // 2 and sequence piece
+    r % 2 of every micro-batch's labels (the scale rows with the batch), and its loss counts c times; a loss that
+    is not per token, or a last layer with cp 1, keeps whole sequences (None)."""
+    import torch
+
+    from uniap_lightning.runtime.sequence import piece_loss
+
+    def loss(out: Any, target: Any) -> Any:
+        return out.sum() * target["global_scale"][0]
+
+    loss.uniap_sequence_loss = "token"  # type: ignore[attr-defined]
+    plan = _plan4([{"dp": 4}] * 3 + [{"dp": 2, "cp": 2}], microbatches=2, batch=8)
+    y = {"labels": torch.arange(64).reshape(8, 8), "global_scale": torch.full((8,), 0.5)}
+    fn, targets = piece_loss(plan, loss, y, 3)
+    assert [t["labels"].tolist() for t in targets] == [[[20, 21, 22, 23], [28, 29, 30, 31]],
+                                                       [[52, 53, 54, 55], [60, 61, 62, 63]]]
+    assert [t["global_scale"].shape for t in targets] == [(2,), (2,)]
+    assert float(fn(torch.ones(2, 4, 3), targets[0])) == 2 * 24 * 0.5
+    assert piece_loss(_plan4([{"dp": 4}] * 4, microbatches=2, batch=8), loss, y, 3) is None
+    assert piece_loss(plan, lambda out, target: out.sum(), y, 3) is None
 
 
 # ---------------------------------------------------------------------------------------------- layouts

@@ -179,6 +179,7 @@ def pretrained_chain(module: nn.Module, attribute: str, model: Any) -> Any:
             )
         return target_loss(model, output, HFTarget(target["labels"], target["global_scale"]))
 
+    loss_fn.uniap_sequence_loss = getattr(target_loss, "uniap_sequence_loss", None)  # type: ignore[attr-defined]
     return Chain(module=module, layers=layers, names=names, loss_fn=loss_fn, split_batch=_split_for(family, model),
                  parts=parts, ties=ties)
 

@@ -240,7 +240,7 @@ class PipelineRunner:
         xs, ys = lane_slice(x, self.plan, lane), lane_slice(y, self.plan, lane)
         c = self.plan.microbatches
         losses: list[torch.Tensor] = []
-        self._targets = self._chunks(ys)
+        self._targets = self._loss_targets(loss_fn, y, ys)
         if self.plan.pp == 1:
             for xm, ym in zip(chunk(xs, c), self._targets):
                 loss = self._scaled_loss(self._run_local(*flatten(xm)), ym)
@@ -257,6 +257,19 @@ class PipelineRunner:
             self._targets = []
         return self._pending_mean([loss.detach() / self._loss_scale for loss in losses])
 
+    def _loss_targets(self, loss_fn: LossFn, y: Any, ys: Any) -> list[Any]:
+        """This step's targets per micro-batch; a per-token loss runs on the last layer's sequence pieces where it
+        splits the sequence (:func:`~.sequence.piece_loss`: the last stage then keeps its output in pieces)."""
+        from uniap_lightning.runtime.sequence import piece_loss
+
+        piece = piece_loss(self.plan, loss_fn, y, self.meshes.lane) if self.is_last else None
+        if self.is_last:
+            self.last_module.keep_layout = piece is not None
+        if piece is None:
+            return self._chunks(ys)
+        self._loss_fn = piece[0]
+        return piece[1]
+
     def _chunks(self, ys: Any) -> list[Any]:
         c = self.plan.microbatches
         return [None] * c if ys is None else chunk(ys, c)
@@ -272,7 +285,7 @@ class PipelineRunner:
         xs, ys = lane_slice(x, self.plan, lane), lane_slice(y, self.plan, lane)
         c = self.plan.microbatches
         losses: list[torch.Tensor] = []
-        self._targets = self._chunks(ys)
+        self._targets = self._loss_targets(loss_fn, y, ys)
         try:
             if self.plan.pp == 1:
                 losses = [self._scaled_loss(self._run_local(*flatten(xm)), ym)
@@ -289,6 +302,8 @@ class PipelineRunner:
     def predict_step(self, x: Any) -> Any:
         """The chain's output for the whole batch (a payload), on every rank."""
         check_sequence_length(self.plan, x)
+        if self.is_last:
+            self.last_module.keep_layout = False  # predictions are whole sequences
         xs = lane_slice(x, self.plan, self.meshes.lane)
         if self.plan.pp == 1:
             out = concat([self._output(self._run_local(*flatten(xm))) for xm in chunk(xs, self.plan.microbatches)])

@@ -40,9 +40,13 @@ when smaller, :func:`~.mesh.boundary_layout`), a cp layer gets its sequence piec
 (``[b, s/c, h]``). The loss runs where the last stage ends, on whole sequences, so the model's own loss (a causal LM
 shifting its labels inside) sees exactly what one process sees, padding (``-100`` labels) included; the logged loss
 is the one process's. Gradients follow the convention of :mod:`.reshard`, so averaging over the ``dp x cp``
-replicas (replicated or ZeRO) is exact without scaling the loss. :func:`sequence_loss` with
-:func:`shard_causal_lm_batch` / :func:`shard_token_batch` (the loss on sequence shards, which saves gathering the
-logits; tested against one process for GPT, Llama and BERT) are building blocks the strategy does not use yet. :func:`check_sequence_strategy` refuses, before any process group work, what cannot run: ring attention
+replicas (replicated or ZeRO) is exact without scaling the loss. One exception saves the all-gather of the logits:
+a per-token loss whose labels stay with their tokens (Hugging Face masked LM and token classification) runs on the
+sequence pieces a cp last layer leaves (:func:`piece_loss`; the last stage keeps its last layout). Causal LMs still
+gather (their labels shift across piece boundaries inside the model's loss); :func:`sequence_loss` with
+:func:`shard_causal_lm_batch` / :func:`shard_token_batch` are the building blocks of the loss on pieces, tested
+against one process for GPT, Llama and BERT. :func:`check_sequence_strategy` refuses, before any process group
+work, what cannot run: ring attention
 (torch's ``torch.distributed.tensor.experimental.context_parallel`` is what a CUDA run would use; not built or tested
 here, and torch has no CPU rule for it), a layer that declares no sequence behaviour, heads that ``cp`` does not
 divide.
@@ -309,6 +313,44 @@ def global_loss(local: torch.Tensor, group: Any | None, *, scale: float = 1.0) -
     if group is not None:
         dist.all_reduce(out, group=group)
     return out / scale
+
+
+def piece_loss(plan: Any, loss_fn: Any, y: Any, lane: int) -> tuple[Any, list[Any]] | None:
+    """The loss on the sequence pieces the chain's last layer leaves, where that is exact: ``(loss, targets per
+    micro-batch)`` for this lane of the last stage, or ``None`` (the output is gathered into whole sequences first).
+
+    Exact where the loss is per token with labels that stay with their tokens (``loss_fn.uniap_sequence_loss ==
+    "token"``: Hugging Face masked LM and token classification, whose loss sums the labelled tokens' losses times
+    the whole batch's scale, :class:`~uniap_lightning.adapters.auto.HFTarget`) and the last layer splits the
+    sequence (``cp > 1``). Lane ``r`` of layout ``(d, c, t)`` holds batch chunk ``r // (c t)`` of ``d`` and sequence
+    piece ``(r // t) % c`` of every micro-batch; its target is the same piece of the whole batch's labels (every
+    rank loads the whole batch), and its loss is multiplied by ``c``: the lanes' losses then average to the
+    one-process loss (each piece's share counts ``c x`` in a mean over ``c`` pieces), and the gradient a lane holds
+    for its piece is ``d c`` times the global loss's, the convention of :mod:`.reshard`. What this saves: the
+    all-gather of the logits (``b s V`` per micro-batch) into whole sequences."""
+    from uniap_lightning.runtime.mesh import layout_of
+    from uniap_lightning.runtime.payload import chunk
+
+    if y is None or getattr(loss_fn, "uniap_sequence_loss", None) != "token":
+        return None
+    d, c, t = layout_of(plan, len(plan.layers) - 1)
+    if c == 1:
+        return None
+    pd, pc = lane // (c * t), (lane // t) % c
+
+    def piece(target: Any) -> Any:
+        part = chunk(target, d)[pd]
+        if isinstance(part, torch.Tensor):
+            return split_sequence(part, pc, c, name="labels")
+        if isinstance(part, dict) and "labels" in part:
+            return {**part, "labels": split_sequence(part["labels"], pc, c, name="labels")}
+        raise UniAPError(f"a per-token loss on sequence pieces needs tensor or dict targets with 'labels', got "
+                         f"{type(part).__name__}")
+
+    def loss(output: Any, target: Any) -> torch.Tensor:
+        return loss_fn(output, target) * c
+
+    return loss, [piece(ym) for ym in chunk(y, plan.microbatches)]
 
 
 @torch.no_grad()

@@ -62,6 +62,8 @@ class StageModule(nn.Module):
         #: the expert layers' all-to-alls (bytes sent, per exchange), shared by the stages of this rank
         self.all_to_all = all_to_all if all_to_all is not None else AllToAllCounter()
         self.in_spec, self.out_spec = in_spec, out_spec
+        # the last stage under a loss on sequence pieces (pipeline: sequence.piece_loss) keeps its last layout
+        self.keep_layout = False
 
     def forward(self, *tensors: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         edge = boundary_layout(self.meshes.plan)
@@ -74,7 +76,8 @@ class StageModule(nn.Module):
                 x = checkpoint(call_layer, layer, x, use_reentrant=False)
             else:
                 x = call_layer(layer, x)
-        x = relayout(x, current, edge, self.meshes)
+        if not self.keep_layout:
+            x = relayout(x, current, edge, self.meshes)
         self.out_spec = spec_of(x)
         flat = tuple(t.contiguous() for t in flatten(x))  # sent as is (an expanded tensor is not contiguous)
         return flat[0] if self.out_spec is None else flat

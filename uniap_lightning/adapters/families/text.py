@@ -133,6 +133,10 @@ def _token_loss(model: Any, logits: torch.Tensor, target: HFTarget) -> torch.Ten
     return token_loss(logits, target.labels, target)
 
 
+# labels stay with their tokens: exact on the sequence pieces a context-parallel head leaves (sequence.piece_loss)
+_token_loss.uniap_sequence_loss = "token"  # type: ignore[attr-defined]
+
+
 # ------------------------------------------------------------------------------------------------------ BERT
 class BertEmbed(View):
     """input_ids (+ token_type_ids) -> hidden; the attention mask travels on. Under context parallelism
