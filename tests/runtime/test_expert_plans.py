@@ -162,11 +162,17 @@ CASES4 = {
     # recomputation: the backward runs the blocks' forward again, all-to-alls included
     "ep2_recompute": _case(_plan({"ep": 2, "recompute": True}, world=4)),
 }
+#: Qwen2-MoE with ep=2 x tp=2 in the same layers (dp=2): attention and shared expert tensor-parallel, the stacked
+#: experts split over the two ranks of each tensor-parallel index
+HF_EP_TP = {**_hf_case("qwen2_moe"),
+            "plan": h.make_plan([{"dp": 2, "tp": 2}, {"dp": 2, "tp": 2, "ep": 2}, {"dp": 2, "tp": 2, "ep": 2},
+                                 {"dp": 4}], [0, 0, 0, 0], pp=1, microbatches=1, world=4, names=HF_NAMES)}
 
 
 @pytest.fixture(scope="module")
 def four(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return h.spawn(4, CASES4, tmp_path_factory.mktemp("expert_plans4"))
+    cases = {**CASES4, **({"hf_qwen2_moe_ep2_tp2": HF_EP_TP} if HAS_HF else {})}
+    return h.spawn(4, cases, tmp_path_factory.mktemp("expert_plans4"))
 
 
 @pytest.mark.slow
@@ -213,3 +219,14 @@ def test_hugging_face_mixtral_with_ep2_matches_one_process(two: list[dict[str, A
 def test_hugging_face_moe_with_ep2_matches_one_process(hf_two: list[dict[str, Any]], name: str) -> None:
     """Qwen2-MoE (with its replicated shared expert) and OLMoE, as Mixtral above."""
     _check_hf(hf_two, name, HF_SLOW[name])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_HF, reason="needs the [hf] extra (transformers)")
+def test_qwen2_moe_with_ep_and_tp_in_the_same_layers_matches_one_process(four: list[dict[str, Any]]) -> None:
+    """ep=2 x tp=2 x dp=2 on four processes: the attention and the shared expert are tensor-parallel (DTensor
+    shards), the routed experts split over the ep ranks of each tensor-parallel index (both tp ranks of an ep rank
+    hold the same experts and see the same tokens)."""
+    _check_hf(four, "hf_qwen2_moe_ep2_tp2", HF_EP_TP)
+    for res in four:
+        assert res["hf_qwen2_moe_ep2_tp2"]["local_shapes"]["model.model.layers.0.self_attn.q_proj.weight"] == (16, 32)

@@ -81,9 +81,6 @@ def check_plan_executable(plan: Plan, chain: Chain) -> None:
             raise UniAPError(f"plan layer {chain.names[u]!r}: {reason}")
         if st.ep > 1:
             check_expert_plan(chain.layers[u], f"plan layer {chain.names[u]!r}", st.ep)
-            if st.tp > 1:
-                raise UniAPError(f"plan layer {chain.names[u]!r}: ep={st.ep} with tp={st.tp} in one layer is not "
-                                 "executed yet; plan expert parallelism with tp=1")
 
 
 def apply_plan(chain: Chain, plan: Plan, *, rank: int, device: torch.device) -> Runtime:
