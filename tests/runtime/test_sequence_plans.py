@@ -387,6 +387,20 @@ def test_a_per_token_loss_runs_on_the_last_layers_sequence_pieces() -> None:
     assert float(fn(torch.ones(2, 4, 3), targets[0])) == 2 * 24 * 0.5
     assert piece_loss(_plan4([{"dp": 4}] * 4, microbatches=2, batch=8), loss, y, 3) is None
     assert piece_loss(plan, lambda out, target: out.sum(), y, 3) is None
+    # a causal LM's next-token mean (CausalLMModule.uniap_loss): labels shifted before the split, each piece's
+    # summed cross-entropy over its chunk's count; the c pieces of a chunk add up to c x the chunk's mean
+    module = h.make_lm_module("gpt")
+    g = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, 5, (8, 8), generator=g)
+    labels[1, 2:5] = labels[6, 0] = -100
+    logits = torch.randn(8, 8, 5, generator=g)
+    for lane in range(4):
+        pieces = [piece_loss(plan, module.uniap_loss, labels, r) for r in (lane - lane % 2, lane - lane % 2 + 1)]
+        pd = lane // 2
+        for m in range(2):
+            rows = slice(4 * m + 2 * pd, 4 * m + 2 * pd + 2)
+            total = sum(fn(logits[rows, 4 * k:4 * k + 4], targets[m]) for k, (fn, targets) in enumerate(pieces))
+            torch.testing.assert_close(total / 2, module.uniap_loss(logits[rows], labels[rows]))
 
 
 # ---------------------------------------------------------------------------------------------- layouts

@@ -41,11 +41,12 @@ when smaller, :func:`~.mesh.boundary_layout`), a cp layer gets its sequence piec
 shifting its labels inside) sees exactly what one process sees, padding (``-100`` labels) included; the logged loss
 is the one process's. Gradients follow the convention of :mod:`.reshard`, so averaging over the ``dp x cp``
 replicas (replicated or ZeRO) is exact without scaling the loss. One exception saves the all-gather of the logits:
-a per-token loss whose labels stay with their tokens (Hugging Face masked LM and token classification) runs on the
-sequence pieces a cp last layer leaves (:func:`piece_loss`; the last stage keeps its last layout). Causal LMs still
-gather (their labels shift across piece boundaries inside the model's loss); :func:`sequence_loss` with
-:func:`shard_causal_lm_batch` / :func:`shard_token_batch` are the building blocks of the loss on pieces, tested
-against one process for GPT, Llama and BERT. :func:`check_sequence_strategy` refuses, before any process group
+a loss that declares a per-token form runs on the sequence pieces a cp last layer leaves (:func:`piece_loss`; the
+last stage keeps its last layout): Hugging Face masked LM and token classification (labels stay with their tokens)
+and ``CausalLMModule``'s next-token loss (labels shifted over whole sequences first). Hugging Face causal LMs, whose
+loss shifts inside, still gather. :func:`sequence_loss` with :func:`shard_causal_lm_batch` /
+:func:`shard_token_batch` are the same building blocks outside the strategy, tested against one process for GPT,
+Llama and BERT. :func:`check_sequence_strategy` refuses, before any process group
 work, what cannot run: ring attention
 (torch's ``torch.distributed.tensor.experimental.context_parallel`` is what a CUDA run would use; not built or tested
 here, and torch has no CPU rule for it), a layer that declares no sequence behaviour, heads that ``cp`` does not
@@ -319,27 +320,48 @@ def piece_loss(plan: Any, loss_fn: Any, y: Any, lane: int) -> tuple[Any, list[An
     """The loss on the sequence pieces the chain's last layer leaves, where that is exact: ``(loss, targets per
     micro-batch)`` for this lane of the last stage, or ``None`` (the output is gathered into whole sequences first).
 
-    Exact where the loss is per token with labels that stay with their tokens (``loss_fn.uniap_sequence_loss ==
-    "token"``: Hugging Face masked LM and token classification, whose loss sums the labelled tokens' losses times
-    the whole batch's scale, :class:`~uniap_lightning.adapters.auto.HFTarget`) and the last layer splits the
-    sequence (``cp > 1``). Lane ``r`` of layout ``(d, c, t)`` holds batch chunk ``r // (c t)`` of ``d`` and sequence
-    piece ``(r // t) % c`` of every micro-batch; its target is the same piece of the whole batch's labels (every
-    rank loads the whole batch), and its loss is multiplied by ``c``: the lanes' losses then average to the
-    one-process loss (each piece's share counts ``c x`` in a mean over ``c`` pieces), and the gradient a lane holds
-    for its piece is ``d c`` times the global loss's, the convention of :mod:`.reshard`. What this saves: the
-    all-gather of the logits (``b s V`` per micro-batch) into whole sequences."""
+    The loss declares its form (``loss_fn.uniap_sequence_loss``), and the last layer must split the sequence
+    (``cp > 1``). Lane ``r`` of layout ``(d, c, t)`` holds batch chunk ``r // (c t)`` of ``d`` and sequence piece
+    ``(r // t) % c`` of every micro-batch; its targets come from the whole batch (every rank loads it):
+
+    * ``"token"``: labels that stay with their tokens, a loss that sums the labelled tokens' losses times the whole
+      batch's scale (Hugging Face masked LM and token classification, :class:`~uniap_lightning.adapters.auto.HFTarget`):
+      the loss itself on the piece of the labels, times ``c``.
+    * ``"next_token"``: a causal LM's mean next-token cross-entropy over the lane's samples (``-100`` ignored;
+      ``CausalLMModule.uniap_loss``): labels shifted over the whole sequence *before* the split (no (token, next
+      token) pair straddles two pieces), the piece's summed cross-entropy over the chunk's count of targets, times
+      ``c``.
+
+    With the factor ``c`` the lanes' losses average to the global loss (each piece's share counts ``c x`` in a mean
+    over ``c`` pieces), and the gradient a lane holds for its piece is ``d c`` times the global loss's, the
+    convention of :mod:`.reshard`. What this saves: the all-gather of the logits (``b s V`` per micro-batch) into
+    whole sequences."""
     from uniap_lightning.runtime.mesh import layout_of
     from uniap_lightning.runtime.payload import chunk
 
-    if y is None or getattr(loss_fn, "uniap_sequence_loss", None) != "token":
+    mode = getattr(loss_fn, "uniap_sequence_loss", None)
+    if y is None or mode not in ("token", "next_token"):
         return None
     d, c, t = layout_of(plan, len(plan.layers) - 1)
     if c == 1:
         return None
     pd, pc = lane // (c * t), (lane // t) % c
+    parts = [chunk(ym, d)[pd] for ym in chunk(y, plan.microbatches)]
+    if mode == "next_token":
+        if not isinstance(y, torch.Tensor):
+            raise UniAPError(f"a next-token loss on sequence pieces needs a tensor of labels, got {type(y).__name__}")
+        shifted = [shift_labels(part) for part in parts]
+        targets = [(split_sequence(sh, pc, c, name="labels"), (sh != IGNORE_INDEX).sum()) for sh in shifted]
 
-    def piece(target: Any) -> Any:
-        part = chunk(target, d)[pd]
+        def next_token(output: torch.Tensor, target: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            labels, count = target
+            total = F.cross_entropy(output.reshape(-1, output.shape[-1]), labels.reshape(-1),
+                                    ignore_index=IGNORE_INDEX, reduction="sum")
+            return total * c / count
+
+        return next_token, targets
+
+    def piece(part: Any) -> Any:
         if isinstance(part, torch.Tensor):
             return split_sequence(part, pc, c, name="labels")
         if isinstance(part, dict) and "labels" in part:
@@ -347,10 +369,10 @@ def piece_loss(plan: Any, loss_fn: Any, y: Any, lane: int) -> tuple[Any, list[An
         raise UniAPError(f"a per-token loss on sequence pieces needs tensor or dict targets with 'labels', got "
                          f"{type(part).__name__}")
 
-    def loss(output: Any, target: Any) -> torch.Tensor:
+    def token(output: Any, target: Any) -> torch.Tensor:
         return loss_fn(output, target) * c
 
-    return loss, [piece(ym) for ym in chunk(y, plan.microbatches)]
+    return token, [piece(part) for part in parts]
 
 
 @torch.no_grad()
