@@ -79,6 +79,10 @@ TWO_RANKS = {
     # gathered over the cp ranks, global absolute positions
     # the MLM head on sequence halves too: its loss on the pieces (sequence.piece_loss), validation as well
     "bert_mlm_cp2": bert("bert_mlm", [CP2] * 4, limit_val_batches=2),
+    # ZeRO-3 and recomputation on the cp blocks (the recomputed forward sets the padding mask again), ZeRO-2 head
+    "bert_mlm_cp2_zero3_rc": bert("bert_mlm", [CP2, {"cp": 2, "dp_mode": "zero3", "recompute": True},
+                                               {"cp": 2, "dp_mode": "zero3", "recompute": True},
+                                               {"cp": 2, "dp_mode": "zero2"}], microbatches=2),
     # post-norm sequence parallelism in the blocks, the vocabulary-parallel embedding, the head over the batch
     "bert_mlm_tp2_sp": bert("bert_mlm", [{"tp": 2}, {"tp": 2, "sp": True}, {"tp": 2, "sp": True}, ONE],
                             microbatches=2),
