@@ -13,7 +13,10 @@ all-to-all, expert gradients summed over the ``devices / N`` ranks holding the s
 Per run: the step time is the median over the steps after ``--warmup`` of the slowest rank's wall time from
 ``on_train_batch_start`` to ``on_train_batch_end`` (forward, backward, gradient reduction; the optimizer step is in
 between); the table gives the median over ``--repeats`` runs (runs interleave plans: repeat 1 of every plan, then
-repeat 2, ...), and the spread (min-max of the runs). Also per rank: expert parameters held, and the all-to-all
+repeat 2, ...), and the spread (min-max of the runs). Also per rank: expert parameters held; the MoE blocks'
+static bytes after the last step (parameters, gradients, AdamW state and gradient buckets, from the live tensors;
+the largest rank) next to the planner's ``static_bytes`` for them (``planner.cost.layer.layer_cost`` on a profile
+with the blocks' ``params``, ``expert_params``, ``experts``); and the all-to-all
 bytes this rank sent per step (counted at runtime, ``Runtime.all_to_all``) next to the balanced-routing formula
 ``4 x L x b_local s k h (ep - 1) / ep x 4 bytes`` (dispatch, combine and their two backward exchanges per layer).
 """
@@ -44,14 +47,14 @@ def _port() -> int:
 def _module(args: argparse.Namespace) -> Any:
     from uniap_lightning.adapters.moe import MoECausalLMModule, MoEGPT, MoEGPTConfig
 
-    class SGDMoE(MoECausalLMModule):
-        def configure_optimizers(self) -> Any:
-            return torch.optim.SGD(self.parameters(), lr=0.05)
+    class AdamMoE(MoECausalLMModule):
+        def configure_optimizers(self) -> Any:  # fp32 AdamW: 4 + 4 + 8 bytes per parameter, the planner's default
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
     torch.manual_seed(0)
     cfg = MoEGPTConfig(vocab_size=256, block_size=args.seq, n_layer=args.layers, n_head=4, n_embd=args.hidden,
                        n_experts=args.experts, top_k=2, capacity_factor=None)
-    return SGDMoE(MoEGPT(cfg).layers())
+    return AdamMoE(MoEGPT(cfg).layers())
 
 
 def _data(args: argparse.Namespace) -> Any:
@@ -111,7 +114,54 @@ def _run(name: str, args: argparse.Namespace, world: int) -> dict[str, Any]:
 
     expert_params = sum(getattr(m, p).numel() for _, m in expert_modules(module) for p in m.uniap_expert_params)
     return {"step_s": statistics.median(times[args.warmup:]), "a2a_bytes": statistics.median(sent[args.warmup:]),
-            "expert_params": expert_params}
+            "expert_params": expert_params, "static": _static_bytes(strategy, trainer.optimizers),
+            "predicted": _predicted_static(name, args, world)}
+
+
+def _static_bytes(strategy: Any, optimizers: list[Any]) -> int:
+    """This rank's bytes for the MoE blocks after the last step, from the live tensors: parameters, gradients,
+    optimizer state (:func:`~uniap_lightning.runtime.zero.held_bytes`) and their slots in the gradient buckets."""
+    from uniap_lightning.runtime.data_parallel import local_tensor
+    from uniap_lightning.runtime.experts import split_expert_params
+    from uniap_lightning.runtime.zero import held_bytes
+
+    rt = strategy.runtime
+    from uniap_lightning.adapters.moe import MoEBlock
+
+    blocks = [layer for layer in rt.chain.layers if isinstance(layer, MoEBlock)]  # (FSDP2 renames the class)
+    total = 0
+    for layer in blocks:
+        held = held_bytes(layer, optimizers)
+        total += held["params"] + held["gathered"] + held["grads"] + held["unsharded_grads"] + held["optimizer"]
+        if hasattr(layer, "_get_fsdp_state"):  # held_bytes reads FSDP2's records only: add the ignored expert shards
+            for p in split_expert_params(layer)[0]:
+                states = [v for opt in optimizers for v in opt.state.get(p, {}).values()
+                          if isinstance(v, torch.Tensor) and v.numel() > 1]
+                total += sum(t.numel() * t.element_size() for t in [p, *([p.grad] if p.grad is not None else []),
+                                                                     *states])
+    mine = {id(p) for layer in blocks for p in layer.parameters()}
+    for b in rt.replicated.buckets:  # zero1 buckets hold FSDP2's unsharded parameters: not counted (no zero1 here)
+        total += sum(local_tensor(p).numel() * b.buffer.element_size() for p in b.params if id(p) in mine)
+    return total
+
+
+def _predicted_static(name: str, args: argparse.Namespace, world: int) -> float:
+    """The planner's ``static_bytes`` of the MoE blocks under the plan (``planner.cost.layer.layer_cost``)."""
+    from uniap_lightning.planner.config import cluster_from
+    from uniap_lightning.planner.cost.layer import Pricing, layer_cost
+    from uniap_lightning.planner.decision import Strategy
+    from uniap_lightning.planner.problem import TrainingConfig
+    from uniap_lightning.planner.profile import LayerProfile
+
+    block = _module(args).chain[1]
+    expert = sum(getattr(block.moe, p).numel() for p in block.moe.uniap_expert_params)
+    lp = LayerProfile(name="block", forward_s=1e-3, backward_s=2e-3, params=sum(p.numel() for p in block.parameters()),
+                      activation_bytes=0.0, output_bytes=0.0, param_tensors=len(list(block.parameters())),
+                      experts=args.experts, top_k=2, expert_params=expert)
+    ep, mode = PLANS[name]
+    cost = layer_cost(lp, Strategy.of(world, 1, mode, ep=ep), Pricing(args.batch, world),
+                      cluster=cluster_from("local_cpu"), training=TrainingConfig(global_batch_size=args.batch))
+    return cost.static_bytes * args.layers
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
@@ -154,15 +204,17 @@ def main() -> None:
     print(f"tiny MoE GPT: {args.layers} MoE blocks, hidden {args.hidden}, {args.experts} experts top-2, dropless; "
           f"batch {args.batch} x {args.seq} tokens; {world} CPU processes (gloo, 1 thread each); "
           f"median of {args.repeats} runs of the median step ({args.steps} steps, {args.warmup} warm-up)")
-    print("| plan | expert params / rank | step ms: median (min-max of runs) | all-to-all MiB sent / rank / step "
-          "(counted, rank 0) | balanced formula MiB |")
-    print("|---|---|---|---|---|")
+    print("| plan | expert params / rank | MoE blocks' static MiB / rank: measured / predicted (ratio) | step ms: "
+          "median (min-max of runs) | all-to-all MiB sent / rank / step (counted, rank 0) | balanced formula MiB |")
+    print("|---|---|---|---|---|---|")
     for name in args.plans:
         runs = ranks[0][name]
         steps_ms = [1e3 * r["step_s"] for r in runs]
         a2a = statistics.median(r["a2a_bytes"] for r in runs) / 2**20
         ep = PLANS[name][0]
-        print(f"| {name} | {runs[0]['expert_params']:,} | {statistics.median(steps_ms):.1f} "
+        static, predicted = max(r[name][0]["static"] for r in ranks) / 2**20, runs[0]["predicted"] / 2**20
+        print(f"| {name} | {runs[0]['expert_params']:,} | {static:.2f} / {predicted:.2f} ({static / predicted:.3f}) "
+              f"| {statistics.median(steps_ms):.1f} "
               f"({min(steps_ms):.1f}-{max(steps_ms):.1f}) | {a2a:.3f} | {_formula_bytes(args, ep, world) / 2**20:.3f} |")
 
 

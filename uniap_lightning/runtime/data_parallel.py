@@ -248,6 +248,10 @@ class ReplicatedGrads:
     _next: int = field(default=0, init=False, repr=False)  # index of the next bucket to launch
     _armed: bool = field(default=False, init=False, repr=False)
     _start: int | None = field(default=None, init=False, repr=False)  # the first compressed step, once known
+    #: ``(parameters, divisor)`` whose reduction group is this rank alone (expert shards with ep = replicas): no
+    #: bucket and no collective, the window's gradient is only divided, at :meth:`finish` of a closing batch
+    local: list[tuple[list[nn.Parameter], int]] = field(default_factory=list, init=False)
+    _divide: bool = field(default=False, init=False, repr=False)
 
     def add(self, layer: nn.Module, group: dist.ProcessGroup, dp: int, compression: str = "none", *,
             exclude: set[nn.Parameter] | None = None) -> None:
@@ -274,6 +278,15 @@ class ReplicatedGrads:
                     plist.extend(params)
                     return
             self.groups.append((group, divisor, params, compression))
+
+    def add_divided(self, params: list[nn.Parameter], divisor: int) -> None:
+        """Divide ``params``' gradients by ``divisor`` once per optimizer step, with no collective: parameters no
+        other rank holds (expert shards with ``ep`` = replicas; their gradient already has every rank's tokens)."""
+        if self.buckets:
+            raise RuntimeError("ReplicatedGrads.add_divided after the buckets were built (at the first step)")
+        params = [p for p in params if p.requires_grad]
+        if divisor > 1 and params:
+            self.local.append((params, divisor))
 
     def buffer_bytes(self) -> int:
         """Bytes of the bucket buffers (the replicated gradients of this rank, once more; see the class doc)."""
@@ -326,7 +339,7 @@ class ReplicatedGrads:
         """Reduce during the coming forward/backward, in which each parameter accumulates ``backward_passes``
         gradients (one per micro-batch). ``previous``: gradients that ``.grad`` will hold *in addition* once
         Lightning's backward is done (the accumulation window's earlier batches), to include in the average."""
-        if not self.groups:
+        if not self.groups and not self.local:
             return
         if not self.buckets:
             self._build()
@@ -366,6 +379,7 @@ class ReplicatedGrads:
         if not self._armed:
             return
         self._armed = False
+        self._divide = bool(self.local)
         with torch.no_grad():
             for b in self.buckets[self._next :]:
                 for i, done in enumerate(b.filled):
@@ -384,6 +398,13 @@ class ReplicatedGrads:
         for b in self.buckets:
             if b.work is not None:
                 b.write_back()
+        if self._divide:  # after Lightning's backward: ``.grad`` holds the whole window's gradient
+            self._divide = False
+            with torch.no_grad():
+                for params, divisor in self.local:
+                    for p in params:
+                        if p.grad is not None and p.requires_grad:
+                            local_tensor(p.grad).div_(divisor)
 
     def build(self) -> None:
         """Build the buckets now (else at the first armed step), e.g. to restore the compressors' state."""

@@ -127,7 +127,9 @@ def build_stages(chain: Chain, plan: Plan, meshes: PlanMeshes) -> tuple[list[Sta
         expert = set(apply_ep(layer, meshes, reps, st.tp, st.ep, counter)) if st.ep > 1 else set()
         if st.ep == 1:  # experts replicated: still route by the global batch's counts, as one process does
             apply_global_routing(layer, mesh.get_group())
-        if expert:  # summed over the ranks holding the same experts, divided by all replicas (runtime.experts)
+        if expert and reps == st.ep:  # each expert shard on one rank of the replicas: nothing to sum
+            replicated.add_divided(split_expert_params(layer)[0], reps)
+        elif expert:  # summed over the ranks holding the same experts, divided by all replicas (runtime.experts)
             replicated.add_params(split_expert_params(layer)[0], meshes.expert_data_group(reps, st.tp, st.ep), reps)
         if st.dp_mode in ZERO_MODES:
             zero.add(layer, st.dp_mode, mesh, replicated, mesh.get_group(), reps, st.compression, ignored=expert)
