@@ -45,7 +45,8 @@ BERT_NAMES = ["model.bert.embeddings", "model.bert.encoder.layer.0", "model.bert
 
 def bert(family: str, strategies: list[Any], stages: list[int] | None = None, *, world: int = 2,
          **kw: Any) -> dict[str, Any]:
-    head = {"bert_mlm": "model.cls", "bert_tc": "model.classifier"}.get(family, "model.bert.pooler")
+    head = {"bert_mlm": "model.cls", "bert_tc": "model.classifier", "bert_qa": "model.qa_outputs"}.get(
+        family, "model.bert.pooler")
     stages = stages or [0] * 4
     plan = h.make_plan(strategies, stages, pp=max(stages) + 1, microbatches=kw.pop("microbatches", 1), world=world,
                        names=[*BERT_NAMES, head])
@@ -250,6 +251,8 @@ FOUR_RANKS_SLOW = {
     "bert_mlm_cp2_pp2": bert("bert_mlm", [{"dp": 1, "cp": 2}] * 4, [0, 0, 1, 1], world=4, microbatches=2),
     # token classification on sequence quarters (the head too; its logits gathered into whole sequences)
     "bert_tc_cp4": bert("bert_tc", [{"cp": 4}] * 4, world=4),
+    # question answering: a token-wise head on sequence halves, its loss (start / end positions) on whole sequences
+    "bert_qa_dp2_cp2": bert("bert_qa", [{"dp": 2, "cp": 2}] * 4, world=4),
     # sequence classification pools the first token: the head (no sequence declaration) gets whole sequences
     "bert_sc_dp2_cp2": bert("bert", [{"dp": 2, "cp": 2}] * 3 + [{"dp": 4}], world=4),
 }
