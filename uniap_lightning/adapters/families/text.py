@@ -246,8 +246,9 @@ class BertSequenceBlock(BertBlock):
 
 
 class BertTokenHead(TokenHead):
-    """BERT's token classification / question answering head: token-wise, so it may run on sequence pieces (its
-    logits are gathered into whole sequences before the loss)."""
+    """BERT's token classification / question answering head: token-wise, so it may run on sequence pieces (token
+    classification's loss then runs on the pieces too, ``sequence.piece_loss``; question answering's logits are
+    gathered into whole sequences for its loss over start / end positions)."""
 
     def uniap_sequence(self) -> dict[str, Any]:
         return {"attention_heads": 0}
@@ -271,7 +272,7 @@ class BertMLMHead(View):
         return self.predictions(d["hidden"])
 
     def uniap_sequence(self) -> dict[str, Any]:
-        return {"attention_heads": 0}  # token-wise: its logits are gathered into whole sequences before the loss
+        return {"attention_heads": 0}  # token-wise: under cp its loss runs on the pieces (sequence.piece_loss)
 
 
 BERT_HEADS = ("BertForMaskedLM, BertForSequenceClassification, BertForTokenClassification, "
@@ -299,7 +300,7 @@ def bert_head(model: Any) -> Family:
     else:
         raise _unsupported_head(model, BERT_HEADS)
     # the sequence dimension (cp, sp): not for multiple choice ([batch, choices, seq]: dim 1 is not the sequence),
-    # nor on 4.x (BERT's attention reshapes with the configured number of heads and calls no attention interface)
+    # nor before transformers 5.0 (no tensor-parallel plan there either; Ulysses and sp are tested on 5.x only)
     sequence = kind != "multiple_choice" and compat.at_least(compat.BERT_HEADS_FROM_SHAPE)
     embed_cls, block_cls = (BertSequenceEmbed, BertSequenceBlock) if sequence else (BertEmbed, BertBlock)
 
