@@ -4,8 +4,8 @@
 :func:`uniap_lightning.adapters.hf.llama_layers`; GPT-2 blocks through :func:`switch_attention`) to the registered
 ``"uniap_ulysses"`` attention function, which runs :func:`uniap_lightning.runtime.sequence.ulysses_attention` over
 the group stored on each attention module, and gives Llama's rotary embeddings global positions
-(``position_ids = cp_rank x s/c + arange(s/c)``, the slice :func:`~uniap_lightning.runtime.sequence.shard_causal_lm_batch`
-gives). Masks: causal, plus the key padding mask
+(``position_ids = cp_rank x s/c + arange(s/c)``, the slice
+:func:`~uniap_lightning.runtime.sequence.shard_causal_lm_batch` gives). Masks: causal, plus the key padding mask
 the :func:`~uniap_lightning.runtime.sequence.padding_mask` context sets (the chain passes no attention mask).
 Without a group (``group=None``) the same function runs the one-process attention, masks included.
 
