@@ -291,6 +291,14 @@ def sp_comms(case: dict[str, Any]) -> dict[str, Any]:
         block = _llama()[1]
         apply_sp(block, "layers.1", mesh, plan=llama_sp_plan(mesh.size()))
         norms = [block.layer.input_layernorm.weight, block.layer.post_attention_layernorm.weight]
+    elif case.get("model") == "bert":  # post-norm: the norms after each residual sum, a dict in and out
+        from uniap_lightning.adapters.families.sequence_hf import bert_sp_plan
+        from uniap_lightning.adapters.families.text import bert_layers
+
+        block = bert_layers(_bert())[1][0]
+        apply_sp(block, "bert.encoder.layer.0", mesh, plan=bert_sp_plan(mesh.size()))
+        out = block.layer.output
+        norms = [block.layer.attention.output.LayerNorm.weight, out.LayerNorm.bias, out.dense.bias]
     else:
         block = _model().blocks[0]
         apply_sp(block, "blocks.0", mesh)
@@ -298,7 +306,7 @@ def sp_comms(case: dict[str, Any]) -> dict[str, Any]:
     x = torch.randn(BATCH, SEQ, EMBD, requires_grad=True)
     forward, backward = CommDebugMode(), CommDebugMode()
     with forward:
-        y = block(x)
+        y = block({"hidden": x})["hidden"] if case.get("model") == "bert" else block(x)
     with backward:
         y.sum().backward()
     ops = [{str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items()} for mode in (forward, backward)]

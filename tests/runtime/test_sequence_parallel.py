@@ -33,6 +33,7 @@ TWO_RANKS = {
     "bytes": {"kind": "bytes"},
     "sp_comms": {"kind": "sp_comms"},
     "sp_comms_llama": {"kind": "sp_comms", "model": "llama"},
+    "sp_comms_bert": {"kind": "sp_comms", "model": "bert"},
     "bad_heads": {"kind": "bad_heads"},
 }
 FOUR_RANKS = {
@@ -78,13 +79,13 @@ def test_ulysses_moves_the_formula_elements(two_ranks: list[dict[str, Any]]) -> 
         assert len(set(r["by_call"])) == 1
 
 
-@pytest.mark.parametrize(("name", "norm_params"), [("sp_comms", 4), ("sp_comms_llama", 2)])
+@pytest.mark.parametrize(("name", "norm_params"), [("sp_comms", 4), ("sp_comms_llama", 2), ("sp_comms_bert", 4)])
 def test_sequence_parallel_block_gathers_and_scatters_twice_per_pass(two_ranks: list[dict[str, Any]], name: str,
                                                                      norm_params: int) -> None:
     # Megatron's 2 all-gathers + 2 reduce-scatters per pass (q, k and v share one gather), plus the boundary:
     # the replicated output is all-gathered in the forward, the input's gradient in the backward; and the norm
     # weights' gradients summed over the group (DTensor leaves them partial): GPT's 2 LayerNorms have weight and
-    # bias, Llama's 2 RMSNorms a weight
+    # bias, Llama's 2 RMSNorms a weight; BERT (post-norm: the norms after the residual sums) is GPT's count
     for r in _ok(two_ranks, name):
         assert r["forward"] == {"all_gather_into_tensor": 3, "reduce_scatter_tensor": 2}
         assert r["backward"] == {"all_gather_into_tensor": 3, "reduce_scatter_tensor": 2, "all_reduce": norm_params}
