@@ -38,7 +38,32 @@ def padded_lm_data(batch_size: int, n: int = 64, seed: int = 1) -> Any:
     return DataLoader(TensorDataset(ids, labels), batch_size=batch_size, drop_last=True)
 
 
+def gpt_loss_on_pieces() -> Any:
+    """The plain GPT (``make_lm_module("gpt")``'s) whose loss declares its next-token form
+    (``uniap_sequence_loss``), so the strategy computes it on each cp rank's sequence piece
+    (``sequence.piece_loss``) instead of gathering the logits."""
+    import torch
+
+    from uniap_lightning.adapters import CausalLMModule
+    from uniap_lightning.adapters.gpt import GPT, GPTConfig
+
+    class PiecesLM(CausalLMModule):
+        def uniap_loss(self, logits: Any, labels: Any) -> Any:
+            return super().uniap_loss(logits, labels)
+
+        uniap_loss.uniap_sequence_loss = "next_token"  # type: ignore[attr-defined]
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    torch.manual_seed(0)
+    return PiecesLM(GPT(GPTConfig(vocab_size=h.VOCAB, block_size=h.SEQ, n_layer=2, n_head=4, n_embd=32)).layers())
+
+
 GPT = {"module": {"lm": "gpt"}}
+#: the GPT whose next-token loss runs on the sequence pieces, on padded LM data
+GPT_PIECES = {"module": {"factory": "test_sequence_plans:gpt_loss_on_pieces"},
+              "data": {"factory": "test_sequence_plans:padded_lm_data"}}
 #: BERT's chain (``hf_models``): embedding, two encoder blocks, the head; right-padded batches (attention-mask zeros)
 BERT_NAMES = ["model.bert.embeddings", "model.bert.encoder.layer.0", "model.bert.encoder.layer.1"]
 
@@ -64,6 +89,9 @@ TWO_RANKS = {
                                                            {"tp": 2}])},
     "gpt_cp2_padded": {"module": {"lm": "gpt"}, "plan": _plan([CP2] * 4),
                        "data": {"factory": "test_sequence_plans:padded_lm_data"}},
+    # the next-token loss on each rank's sequence half (labels shifted over whole sequences first), validation too
+    "gpt_cp2_loss_on_pieces": {**GPT_PIECES, "plan": _plan([ONE, CP2, CP2, CP2], microbatches=2),
+                               "limit_val_batches": 2},
     "gpt_cp2_next_to_dp2": {"module": {"lm": "gpt"}, "plan": _plan([ONE, CP2, ONE, CP2], microbatches=2)},
     "gpt_cp2_zero3_rc": {**GPT, "plan": _plan([{"cp": 2, "dp_mode": "zero3", "recompute": True}] * 4)},
     "gpt_cp2_zero2_rc": {**GPT, "plan": _plan([{"cp": 2, "dp_mode": "zero2", "recompute": True}, CP2] * 2,
@@ -121,12 +149,13 @@ def test_validation_loss_under_cp_matches_one_process(spawn_cases: Any) -> None:
         assert res["validate_cp2_one_sample"]["val_loss"] == pytest.approx(ref, rel=1e-5)
 
 
-def test_bert_validation_loss_on_sequence_pieces_matches_one_process(spawn_cases: Any) -> None:
+@pytest.mark.parametrize("name", ["bert_mlm_cp2", "gpt_cp2_loss_on_pieces"])
+def test_validation_loss_on_sequence_pieces_matches_one_process(spawn_cases: Any, name: str) -> None:
     results = spawn_cases(2, TWO_RANKS, "sequence_plans2")
-    ref = h.reference_for(TWO_RANKS["bert_mlm_cp2"])
+    ref = h.reference_for(TWO_RANKS[name])
     for res in results:
-        assert "error" not in res["bert_mlm_cp2"], res["bert_mlm_cp2"].get("traceback")
-        assert res["bert_mlm_cp2"]["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-5)
+        assert "error" not in res[name], res[name].get("traceback")
+        assert res[name]["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-5)
 
 
 @pytest.mark.parametrize("name", ["resume_cp_sp_as_plain", "resume_plain_as_cp_sp"])
@@ -243,6 +272,9 @@ FOUR_RANKS_SLOW = {
     "cp2_tp2_zero2_rc": {**GPT, "plan": _plan4([{"cp": 2, "tp": 2, "dp_mode": "zero2", "recompute": True}] * 4)},
     "llama_dp2_cp2_pp": {"module": {"lm": "llama"}, "plan": _plan4([{"dp": 1, "cp": 2}] * 4, [0, 1, 1, 1], pp=2,
                                                                    microbatches=2)},
+    # the next-token loss on pieces: the head dp 2 x cp 2, and tp 2 lanes holding the same piece (cp 2 x tp 2)
+    "gpt_dp2_cp2_loss_on_pieces": {**GPT_PIECES, "plan": _plan4([{"dp": 2, "cp": 2}] * 4, microbatches=2)},
+    "gpt_cp2_tp2_loss_on_pieces": {**GPT_PIECES, "plan": _plan4([{"cp": 2, "tp": 2}] * 4)},
     "bert_mlm_dp2_cp2": bert("bert_mlm", [{"dp": 2, "cp": 2}] * 4, world=4),
     # Ulysses over the heads each TP rank holds (4 heads / tp 2 / cp 2), sequence pieces cut again by sp
     "bert_mlm_cp2_tp2_sp": bert("bert_mlm", [{"cp": 2, "tp": 2}, {"cp": 2, "tp": 2, "sp": True},
@@ -394,9 +426,11 @@ def test_a_per_token_loss_runs_on_the_last_layers_sequence_pieces() -> None:
     assert float(fn(torch.ones(2, 4, 3), targets[0])) == 2 * 24 * 0.5
     assert piece_loss(_plan4([{"dp": 4}] * 4, microbatches=2, batch=8), loss, y, 3) is None
     assert piece_loss(plan, lambda out, target: out.sum(), y, 3) is None
-    # a causal LM's next-token mean (CausalLMModule.uniap_loss): labels shifted before the split, each piece's
-    # summed cross-entropy over its chunk's count; the c pieces of a chunk add up to c x the chunk's mean
-    module = h.make_lm_module("gpt")
+    # a causal LM's next-token mean (CausalLMModule.uniap_loss, declared): labels shifted before the split, each
+    # piece's summed cross-entropy over its chunk's count; the c pieces of a chunk add up to c x the chunk's mean.
+    # Undeclared (CausalLMModule as shipped: the planner prices the gather before the loss), whole sequences.
+    assert piece_loss(plan, h.make_lm_module("gpt").uniap_loss, torch.zeros(8, 8, dtype=torch.long), 3) is None
+    module = gpt_loss_on_pieces()
     g = torch.Generator().manual_seed(0)
     labels = torch.randint(0, 5, (8, 8), generator=g)
     labels[1, 2:5] = labels[6, 0] = -100

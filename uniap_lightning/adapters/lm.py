@@ -39,10 +39,6 @@ class CausalLMModule(pl.LightningModule):
         """Mean cross-entropy of each position's logits against the next token."""
         return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
 
-    # under a context-parallel head the strategy computes this loss on each rank's sequence piece
-    # (runtime.sequence.piece_loss: the same mean, labels shifted over whole sequences first)
-    uniap_loss.uniap_sequence_loss = "next_token"  # type: ignore[attr-defined]
-
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         ids, labels = self.uniap_split_batch(batch)
         loss = self.uniap_loss(self(ids), labels)

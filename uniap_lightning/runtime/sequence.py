@@ -42,15 +42,15 @@ shifting its labels inside) sees exactly what one process sees, padding (``-100`
 is the one process's. Gradients follow the convention of :mod:`.reshard`, so averaging over the ``dp x cp``
 replicas (replicated or ZeRO) is exact without scaling the loss. One exception saves the all-gather of the logits:
 a loss that declares a per-token form runs on the sequence pieces a cp last layer leaves (:func:`piece_loss`; the
-last stage keeps its last layout): Hugging Face masked LM and token classification (labels stay with their tokens)
-and ``CausalLMModule``'s next-token loss (labels shifted over whole sequences first). Hugging Face causal LMs, whose
-loss shifts inside, still gather. :func:`sequence_loss` with :func:`shard_causal_lm_batch` /
-:func:`shard_token_batch` are the same building blocks outside the strategy, tested against one process for GPT,
-Llama and BERT. :func:`check_sequence_strategy` refuses, before any process group
-work, what cannot run: ring attention
-(torch's ``torch.distributed.tensor.experimental.context_parallel`` is what a CUDA run would use; not built or tested
-here, and torch has no CPU rule for it), a layer that declares no sequence behaviour, heads that ``cp`` does not
-divide.
+last stage keeps its last layout): Hugging Face masked LM and token classification (labels stay with their tokens),
+and a ``CausalLMModule`` whose ``uniap_loss`` declares ``uniap_sequence_loss = "next_token"`` (labels shifted over
+whole sequences first; opt-in: the planner still prices the gather before the loss for every cp last layer, so the
+shipped module keeps it and predicted memory stays measured memory). Hugging Face causal LMs still gather.
+:func:`sequence_loss` with :func:`shard_causal_lm_batch` / :func:`shard_token_batch` are the same building blocks
+outside the strategy, tested against one process for GPT, Llama and BERT. :func:`check_sequence_strategy` refuses,
+before any process group work, what cannot run: ring attention (torch's
+``torch.distributed.tensor.experimental.context_parallel`` is what a CUDA run would use; not built or tested here,
+and torch has no CPU rule for it), a layer that declares no sequence behaviour, heads that ``cp`` does not divide.
 
 Layers declare their sequence behaviour with ``uniap_sequence() -> {"attention_heads": a, "kv_heads": k,
 "sequence_parallel": bool}`` (``a`` 0: token-wise); profiles take these fields from it (:func:`sequence_info`).
@@ -327,10 +327,10 @@ def piece_loss(plan: Any, loss_fn: Any, y: Any, lane: int) -> tuple[Any, list[An
     * ``"token"``: labels that stay with their tokens, a loss that sums the labelled tokens' losses times the whole
       batch's scale (Hugging Face masked LM and token classification, :class:`~uniap_lightning.adapters.auto.HFTarget`):
       the loss itself on the piece of the labels, times ``c``.
-    * ``"next_token"``: a causal LM's mean next-token cross-entropy over the lane's samples (``-100`` ignored;
-      ``CausalLMModule.uniap_loss``): labels shifted over the whole sequence *before* the split (no (token, next
-      token) pair straddles two pieces), the piece's summed cross-entropy over the chunk's count of targets, times
-      ``c``.
+    * ``"next_token"``: a causal LM's mean next-token cross-entropy over the lane's samples (``-100`` ignored; a
+      ``CausalLMModule.uniap_loss`` that declares it): labels shifted over the whole sequence *before* the split (no
+      (token, next token) pair straddles two pieces), the piece's summed cross-entropy over the chunk's count of
+      targets, times ``c``.
 
     With the factor ``c`` the lanes' losses average to the global loss (each piece's share counts ``c x`` in a mean
     over ``c`` pieces), and the gradient a lane holds for its piece is ``d c`` times the global loss's, the
