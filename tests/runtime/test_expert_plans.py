@@ -127,11 +127,23 @@ def test_a_checkpoint_resumes_across_expert_parallel_degrees(two: list[dict[str,
     """Saved at ep=2 (each rank holds 2 of 4 experts) and resumed at ep=1 (every rank all 4), and the reverse:
     the checkpoint holds the full experts and their momentum, so the resumed run ends where one uninterrupted
     process does (the losses after the resume too)."""
-    ref = h.reference_for({k: v for k, v in CASES2[name].items() if k != "resume"})
-    for res in two:
+    _check_resumed(two, name, CASES2[name])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["resume_dp4", "resume_ep2_zero2"])
+def test_a_checkpoint_resumes_across_zero_sharded_experts(four: list[dict[str, Any]], name: str) -> None:
+    """Saved with the expert shards ZeRO-3-sharded over the ranks holding the same experts, resumed with every
+    expert whole on every rank, and the reverse (into ZeRO-2): the same end as one uninterrupted process."""
+    _check_resumed(four, name, ZERO_CKPT[name])
+
+
+def _check_resumed(results: list[dict[str, Any]], name: str, case: dict[str, Any]) -> None:
+    ref = h.reference_for({k: v for k, v in case.items() if k != "resume"})
+    for res in results:
         assert "error" not in res[name], res[name].get("traceback")
         assert res[name]["losses"] == pytest.approx(ref["losses"][4:], rel=1e-5)  # the second epoch's four
-    merged = h.merge_states(two, name)
+    merged = h.merge_states(results, name)
     assert sorted(merged) == sorted(ref["state"])
     for k, v in ref["state"].items():
         torch.testing.assert_close(merged[k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
@@ -157,10 +169,23 @@ CASES4 = {
     # two pipeline stages of two ranks, one MoE block each, experts split over each stage's two ranks
     "ep2_pp2": _case(_plan({"ep": 2}, world=4, pp=2)),
     # ZeRO on the parts that are not experts: FSDP2 shards attention, norms and router, ignores the expert shards
+    # ZeRO: FSDP2 shards attention and norms over the 4 replicas and the expert shards over the 2 ranks holding
+    # the same experts (an FSDP2 unit per MoE module; gradients divided by all 4 replicas); the router stays whole
     "ep2_zero3": _case(_plan({"ep": 2, "dp_mode": "zero3"}, world=4, edges={"dp_mode": "zero2"})),
+    "ep2_zero2": _case(_plan({"ep": 2, "dp_mode": "zero2"}, world=4)),
+    "ep2_zero1": _case(_plan({"ep": 2, "dp_mode": "zero1"}, world=4)),
     "ep4_zero2": _case(_plan({"ep": 4, "dp_mode": "zero2"}, world=4, edges={"dp_mode": "zero1"})),
     # recomputation: the backward runs the blocks' forward again, all-to-alls included
     "ep2_recompute": _case(_plan({"ep": 2, "recompute": True}, world=4)),
+}
+#: checkpoints between ZeRO-sharded expert shards and whole ones (SGD with momentum)
+ZERO_CKPT = {
+    "save_ep2_zero3": {"module": MOMENTUM, "data": DATA, "epochs": 1, "save": "z3.ckpt",
+                       "plan": _plan({"ep": 2, "dp_mode": "zero3"}, world=4)},
+    "resume_dp4": {"module": MOMENTUM, "data": DATA, "epochs": 2, "resume": "z3.ckpt", "plan": _plan({}, world=4)},
+    "save_dp4": {"module": MOMENTUM, "data": DATA, "epochs": 1, "save": "dp4.ckpt", "plan": _plan({}, world=4)},
+    "resume_ep2_zero2": {"module": MOMENTUM, "data": DATA, "epochs": 2, "resume": "dp4.ckpt",
+                         "plan": _plan({"ep": 2, "dp_mode": "zero2"}, world=4)},
 }
 #: Qwen2-MoE with ep=2 x tp=2 in the same layers (dp=2): attention and shared expert tensor-parallel, the stacked
 #: experts split over the two ranks of each tensor-parallel index
@@ -171,7 +196,7 @@ HF_EP_TP = {**_hf_case("qwen2_moe"),
 
 @pytest.fixture(scope="module")
 def four(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    cases = {**CASES4, **({"hf_qwen2_moe_ep2_tp2": HF_EP_TP} if HAS_HF else {})}
+    cases = {**CASES4, **ZERO_CKPT, **({"hf_qwen2_moe_ep2_tp2": HF_EP_TP} if HAS_HF else {})}
     return h.spawn(4, cases, tmp_path_factory.mktemp("expert_plans4"))
 
 
@@ -180,13 +205,16 @@ def four(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 def test_expert_parallel_mixes_on_four_processes_match_one_process(four: list[dict[str, Any]], name: str) -> None:
     """ep with dp=4 (two same-experts pairs, or ep=4), with pp=2, with ZeRO-1/2/3 on the rest, with recomputation."""
     h.assert_close_to_reference(four, name, h.reference_for(CASES4[name]))
-    ep = CASES4[name]["plan"].layers[1].strategy.ep
+    st = CASES4[name]["plan"].layers[1].strategy
+    zero = st.dp_mode != "replicate"
     for res in four:
         shapes = res[name]["local_shapes"]
         w_in = shapes.get("chain.1.moe.w_in", shapes.get("chain.2.moe.w_in"))
-        assert w_in == (4 // ep, 32, 128)
-        if name == "ep2_zero3" and "chain.1.moe.router.weight" in shapes:  # FSDP2 shards the router over 4
-            assert shapes["chain.1.moe.router.weight"] == (1, 32)
+        assert w_in == (4 // st.ep // (st.replicas // st.ep if zero else 1), 32, 128)  # ZeRO: over the same-experts
+        if zero and "chain.1.moe.router.weight" in shapes:
+            assert shapes["chain.1.q.weight"] == (32 // 4, 32)  # attention: over the 4 replicas
+            # the router: whole next to an experts' FSDP2 unit (FSDP2 leaves a nested unit's subtree alone)
+            assert shapes["chain.1.moe.router.weight"] == ((4, 32) if st.replicas > st.ep else (1, 32))
 
 
 # ------------------------------------------------------------------------------------------------ Hugging Face

@@ -216,9 +216,9 @@ def load_full_weights(state_dict: dict[str, Any], module: nn.Module, *, strict: 
     if shapes or bad:
         what = f"{len(shapes)} shapes differ (e.g. {'; '.join(shapes[:2])})" if shapes else f"{bad[:3]} are not tensors"
         raise UniAPError(f"{where} does not fit this model: {what}")
-    for key, mesh in expert_shard_meshes(module).items():  # this rank's experts of the full ones
+    for key, (layout, _) in expert_shard_meshes(module).items():  # this rank's ep block of the full experts
         if key in mine:
-            mine[key] = shard_expert_state(mine, [key], ep=mesh.size(), index=mesh.get_local_rank())[key]
+            mine[key] = shard_expert_state(mine, [key], ep=layout.size(0), index=layout.get_local_rank(0))[key]
     set_model_state_dict(module, mine, options=_options(full_state_dict=True, strict=False))
 
 

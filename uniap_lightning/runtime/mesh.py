@@ -83,6 +83,9 @@ class PlanMeshes:
     cp_groups: dict[tuple[int, int, int], dist.ProcessGroup] = field(default_factory=dict)  # (dp, cp, tp)
     relayout_groups: dict[tuple[Any, ...], dist.ProcessGroup] = field(default_factory=dict)  # (layout, K)
     expert_grids: dict[tuple[int, int, int], DeviceMesh] = field(default_factory=dict)  # (replicas, tp, ep)
+    #: the same ranks as ``expert_grids`` with ``ep`` before ``edp``: an expert's place in the full ``[E, ...]``
+    #: tensor is its ep block, then its ZeRO shard inside the block (checkpoints, :mod:`.experts`)
+    expert_layouts: dict[tuple[int, int, int], DeviceMesh] = field(default_factory=dict)
 
     @property
     def n(self) -> int:
@@ -136,6 +139,14 @@ class PlanMeshes:
         gradients are summed over them only."""
         return self.expert_grids[(replicas, tp, ep)].get_group("edp")
 
+    def expert_data_mesh(self, replicas: int, tp: int, ep: int) -> DeviceMesh:
+        """The ranks holding this rank's experts, as a mesh (ZeRO over them shards the expert shards further)."""
+        return self.expert_grids[(replicas, tp, ep)]["edp"]
+
+    def expert_layout(self, replicas: int, tp: int, ep: int) -> DeviceMesh:
+        """The ``(ep, edp)`` mesh of this rank's experts: dim 0 splits the experts, dim 1 holds the same ones."""
+        return self.expert_layouts[(replicas, tp, ep)]["ep", "edp"]
+
     def relayout_group(self, layout: tuple[int, int, int], k: tuple[int, int]) -> dist.ProcessGroup:
         """The lanes that gather ``layout``'s pieces into ``k`` pieces with this rank (:mod:`.reshard`)."""
         return self.relayout_groups[(layout, k)]
@@ -143,8 +154,9 @@ class PlanMeshes:
 
 def build_meshes(plan: Plan, *, rank: int, device_type: str) -> PlanMeshes:
     """Create every mesh and group the plan needs (collective: all ranks call it with the same plan)."""
+    import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     from uniap_lightning.runtime.reshard import gather_classes, moves_of
 
@@ -157,6 +169,9 @@ def build_meshes(plan: Plan, *, rank: int, device_type: str) -> PlanMeshes:
         if ep > 1:  # the replicas dimension split into (replicas / ep) blocks of ep consecutive ranks
             meshes.expert_grids[(reps, tp, ep)] = init_device_mesh(
                 device_type, (plan.pp, reps // ep, ep, tp), mesh_dim_names=("pp", "edp", "ep", "tp"))
+            ranks = torch.arange(plan.pp * n).reshape(plan.pp, reps // ep, ep, tp).permute(0, 2, 1, 3)
+            meshes.expert_layouts[(reps, tp, ep)] = DeviceMesh(device_type, ranks,
+                                                               mesh_dim_names=("pp", "ep", "edp", "tp"))
     for dp, cp, tp in sorted({(lp.strategy.dp, lp.strategy.cp, lp.strategy.tp) for lp in plan.layers}):
         if cp > 1:
             mesh = init_device_mesh(device_type, (plan.pp, dp, cp, tp), mesh_dim_names=("pp", "dp", "cp", "tp"))

@@ -17,6 +17,8 @@ stay the user's.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -26,7 +28,7 @@ from uniap_lightning.planner.plan import Plan
 from uniap_lightning.runtime.chain import Chain
 from uniap_lightning.runtime.data_parallel import ReplicatedGrads
 from uniap_lightning.runtime.experts import (AllToAllCounter, apply_expert_parallel, apply_global_routing,
-                                             mark_expert_shards, split_expert_params)
+                                             expert_modules, mark_expert_shards, split_expert_params)
 from uniap_lightning.runtime.mesh import PlanMeshes, boundary_layout, layout_of
 from uniap_lightning.runtime.payload import Spec, call_layer, flatten, spec_of, unflatten
 from uniap_lightning.runtime.reshard import Layout, relayout
@@ -124,17 +126,19 @@ def build_stages(chain: Chain, plan: Plan, meshes: PlanMeshes) -> tuple[list[Sta
         if reps == 1:
             continue
         mesh = meshes.dp_mesh(reps, st.tp)
-        expert = set(apply_ep(layer, meshes, reps, st.tp, st.ep, counter)) if st.ep > 1 else set()
-        if st.ep == 1:  # experts replicated: still route by the global batch's counts, as one process does
+        expert: set[nn.Parameter] = set()
+        if st.ep > 1:
+            apply_ep(layer, meshes, reps, st.tp, st.ep, counter)
+            expert = reduce_experts(layer, st, meshes, replicated, zero)
+        else:  # experts replicated: still route by the global batch's counts, as one process does
             apply_global_routing(layer, mesh.get_group())
-        if expert and reps == st.ep:  # each expert shard on one rank of the replicas: nothing to sum
-            replicated.add_divided(split_expert_params(layer)[0], reps)
-        elif expert:  # summed over the ranks holding the same experts, divided by all replicas (runtime.experts)
-            replicated.add_params(split_expert_params(layer)[0], meshes.expert_data_group(reps, st.tp, st.ep), reps)
         if st.dp_mode in ZERO_MODES:
             zero.add(layer, st.dp_mode, mesh, replicated, mesh.get_group(), reps, st.compression, ignored=expert)
         else:
             replicated.add(layer, mesh.get_group(), reps, st.compression, exclude=expert)
+        if st.ep > 1:
+            finish_expert_zero(layer, st, mesh.get_group(), replicated)
+            mark_expert_shards(layer, meshes.expert_layout(reps, st.tp, st.ep))  # (ZeRO replaced the parameters)
     repoint_aliases(chain.module, originals, layers)
     modules = []
     for k in plan.stages_of_group(group):
@@ -146,15 +150,56 @@ def build_stages(chain: Chain, plan: Plan, meshes: PlanMeshes) -> tuple[list[Sta
     return modules, replicated
 
 
-def apply_ep(layer: nn.Module, meshes: PlanMeshes, replicas: int, tp: int, ep: int,
-             counter: AllToAllCounter) -> list[nn.Parameter]:
+def apply_ep(layer: nn.Module, meshes: PlanMeshes, replicas: int, tp: int, ep: int, counter: AllToAllCounter) -> None:
     """Keep this rank's ``E / ep`` experts of every MoE layer of ``layer``, route tokens over its ep mesh; capacity
-    and load-balancing statistics count every replica's tokens (the layer's data group), as one process does.
-    Returns the expert shards (marked for checkpoints and gradient norms, :mod:`.experts`)."""
+    and load-balancing statistics count every replica's tokens (the layer's data group), as one process does."""
     ep_mesh = meshes.ep_mesh(replicas, tp, ep)
     apply_expert_parallel(layer, ep_group=ep_mesh.get_group(), token_group=meshes.dp_mesh(replicas, tp).get_group(),
                           counter=counter)
-    return mark_expert_shards(layer, ep_mesh)
+
+
+def reduce_experts(layer: nn.Module, st: Any, meshes: PlanMeshes, replicated: ReplicatedGrads,
+                   zero: ZeroLayers) -> set[nn.Parameter]:
+    """How the expert shards of an ``ep > 1`` layer hold state and reduce gradients over the ``replicas / ep`` ranks
+    holding the same experts (as the planner prices them): each shard's gradient already sums its ep group's tokens
+    (the backward all-to-alls), so it is summed over those ranks only and divided by all ``replicas``. ``ep =
+    replicas``: one rank, nothing to sum. ``replicate``: a bucket over them. ZeRO modes: each MoE module becomes an
+    FSDP2 unit of its own over them, ignoring the rest of the module (the router: the layer's unit, built after,
+    leaves a nested unit's subtree alone, so it stays whole, see :func:`finish_expert_zero`). Returns the shards the
+    layer's own data parallelism must leave out."""
+    reps, tp, ep = st.replicas, st.tp, st.ep
+    shards = split_expert_params(layer)[0]
+    if reps == ep:
+        replicated.add_divided(shards, reps)
+        return set(shards)
+    if st.dp_mode not in ZERO_MODES:
+        replicated.add_params(shards, meshes.expert_data_group(reps, tp, ep), reps)
+        return set(shards)
+    edp = meshes.expert_data_mesh(reps, tp, ep)
+    for _, m in expert_modules(layer):
+        mine = {id(getattr(m, p)) for p in m.uniap_expert_params}
+        rest = {p for p in m.parameters() if id(p) not in mine}
+        zero.add(m, st.dp_mode, edp, replicated, edp.get_group(), reps, ignored=rest)  # (zero1: buckets / reps)
+    return set()
+
+
+def finish_expert_zero(layer: nn.Module, st: Any, group: Any, replicated: ReplicatedGrads) -> None:
+    """After the layer's own data parallelism, for MoE modules that are FSDP2 units of their own (ZeRO, see
+    :func:`reduce_experts`): zero2/zero3 reduce-scatters average over the ``replicas / ep`` ranks holding the same
+    experts, so the window's gradient is divided by ``ep`` more (FSDP2's own divide factor needs a premultiplied
+    sum, which gloo lacks). Parameters the unit ignores, which the layer's unit does not take either (FSDP2 leaves
+    a nested unit's subtree alone: the router, ``E x h``), stay whole on every replica and are averaged."""
+    from torch.distributed.tensor import DTensor
+
+    for _, m in expert_modules(layer):
+        if not hasattr(m, "_get_fsdp_state"):
+            continue
+        experts = set(m.uniap_expert_params)
+        orphans = [p for name, p in m.named_parameters() if name.split(".")[0] not in experts
+                   and not isinstance(p, DTensor)]
+        replicated.add_params(orphans, group, st.replicas)
+        if st.dp_mode in ("zero2", "zero3"):
+            replicated.add_divided([getattr(m, name) for name in m.uniap_expert_params], st.ep)
 
 
 def repoint_aliases(root: nn.Module, originals: list[dict[str, nn.Parameter]], layers: list[nn.Module]) -> None:
