@@ -24,6 +24,7 @@ from uniap_lightning.planner.solver.bounds import (
     partition_floor,
     pigeonhole_floor,
     pigeonhole_floor_uneven,
+    staged_partition_floor,
     time_lower_bound_s,
 )
 from uniap_lightning.planner.solver.milp import GroupedMilp
@@ -222,3 +223,20 @@ def test_the_uneven_pigeonhole_floor_is_a_lower_bound_and_sees_a_slow_group():
     assert pigeonhole_floor_uneven([(4, w)]) == pigeonhole_floor(w, 4)
     # 4 equal items on one fast and one 3x slower group: the slow group takes at most 1, so the fast one 3
     assert pigeonhole_floor_uneven([(1, [1.0] * 4), (1, [3.0] * 4)]) == pytest.approx(3.0)
+
+
+def test_the_staged_partition_floor_is_the_least_largest_part_from_below():
+    """Each part prices the layers its own way (a slow stage's layers cost more): the floor equals the brute-force
+    least largest part over every split into contiguous parts in order (empty parts allowed), from below."""
+    rng = random.Random(11)
+    for _ in range(200):
+        L, P = rng.randint(1, 7), rng.randint(1, 4)
+        speeds = [rng.choice((1.0, 0.5, 0.3)) for _ in range(P)]
+        base = [rng.uniform(0.0, 3.0) for _ in range(L)]
+        weights = [[b / s for b in base] for s in speeds]
+        best = math.inf
+        for cuts in itertools.combinations_with_replacement(range(L + 1), P - 1):
+            edges = (0, *cuts, L)
+            best = min(best, max(sum(weights[i][edges[i]:edges[i + 1]]) for i in range(P)))
+        got = staged_partition_floor(weights)
+        assert got <= best + 1e-12 and got >= best * (1 - 1e-9), (got, best)

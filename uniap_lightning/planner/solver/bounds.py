@@ -136,12 +136,59 @@ def pigeonhole_floor_uneven(classes: list[tuple[int, list[float]]]) -> float:
 
 def chain_bottleneck_s(t: CostTables) -> float:
     """A lower bound on the largest stage's layer time: the least, over splits of the chain into ``P`` contiguous
-    stages, of the largest stage sum of each layer's cheapest time (:func:`partition_floor`; each layer at the
-    fastest device's speed, a lower bound on any stage).
+    stages, of the largest stage sum of each layer's cheapest time (:func:`partition_floor`; where devices differ,
+    each stage prices its layers at its own devices' speed: :func:`staged_partition_floor`).
 
     Unlike the LP relaxation, which can put a fraction of a block next to the embedding or the head, this sees
     that whole layers share stages."""
+    if t.problem.cluster.rank_speed is not None:  # each stage at its own devices' speed
+        return staged_partition_floor(_per_stage(t, lambda k, speed: t._time_at(k, speed)))
     return partition_floor([min(t.fastest_layer_time_s(k) for k in costs) for costs in t.cost], t.stages)
+
+
+def _per_stage(t: CostTables, price) -> list[list[float]]:
+    """Per pipeline stage, each layer's least ``price(cost, speed)`` over its strategies at that stage's speed (the
+    lists are shared between stages of one speed)."""
+    by_speed: dict[float, list[float]] = {}
+    out = []
+    for i in range(t.stages):
+        speed = t.stage_speed(i)
+        if speed not in by_speed:
+            by_speed[speed] = [min(price(k, speed) for k in costs) for costs in t.cost]
+        out.append(by_speed[speed])
+    return out
+
+
+def staged_partition_floor(weights: list[list[float]]) -> float:
+    """The least ``C`` such that the chain splits into ``len(weights)`` contiguous parts in order, part ``i``
+    pricing layer ``u`` at ``weights[i][u] >= 0``, with every part's sum at most ``C`` (parts may be empty: a
+    relaxation, so a lower bound), from below. Filling each part as far as it goes is optimal for a given ``C`` (by
+    induction, the greedy split ends each part no earlier than any feasible split does), so bisection on ``C``
+    with that test; returns a refuted value times ``1 - 1e-12``."""
+    L = len(weights[0]) if weights else 0
+
+    def fits(limit: float) -> bool:
+        u = 0
+        for w in weights:
+            acc = 0.0
+            while u < L and acc + w[u] <= limit:
+                acc += w[u]
+                u += 1
+            if u == L:
+                return True
+        return u == L
+
+    hi = max(sum(w) for w in weights) if weights else 0.0
+    lo = 0.0
+    if hi <= 0.0 or fits(0.0):
+        return 0.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid
+    return lo * (1 - 1e-12)
 
 
 def chain_sync_floor_s(t: CostTables) -> float:
@@ -153,16 +200,21 @@ def chain_sync_floor_s(t: CostTables) -> float:
     ``(c - 1) T + Y >= (c - 1) x p_i + sync_i = tpi_s(0, 0, x p_i, sync_i)``. That is linear in the stage's terms:
     ``p_i`` is the slot overhead plus its layers' times plus resharding (``>= 0``), ``sync_i`` its layers' syncs,
     so it is at least ``tpi_s(0, 0, x stage_time_s(0), 0) + sum_{u on i} w_u`` with
-    ``w_u = min_k tpi_s(0, 0, x A_uk, S_uk)`` (``A_uk`` at the fastest device's speed). Maximizing over ``i`` and
-    minimizing over every split into ``P`` contiguous stages gives the bound: :func:`partition_floor` of ``w``.
+    ``w_u = min_k tpi_s(0, 0, x A_uk, S_uk)`` (``A_uk`` at the stage's speed: the fastest device's on equal
+    devices). Maximizing over ``i`` and minimizing over every split into ``P`` contiguous stages gives the bound:
+    :func:`partition_floor` of ``w`` (:func:`staged_partition_floor` where stages differ in speed).
 
     Why it matters: the LP relaxation spreads layers fractionally (34 layers on 16 stages: 2.125 each), so its
     ``Y`` is the sync of 2.125 layers when some stage must hold 3; this sees the 3 (BERT-Huge on 1024 devices: the
     candidate's LP bound went from 31.1 ms to its optimum's 34.9 ms).
     """
     x = max(1.0, t.shape.stage_weight)  # T >= x p_i: with several stages per group, x = v (PipelineShape)
+    empty = t.tpi_s(0.0, 0.0, x * t.stage_time_s(0.0), 0.0)
+    if t.problem.cluster.rank_speed is not None:  # A_uk at stage i's own speed: staged_partition_floor
+        price = lambda k, speed: t.tpi_s(0.0, 0.0, x * t._time_at(k, speed), k.sync_s)  # noqa: E731
+        return staged_partition_floor(_per_stage(t, price)) + empty
     w = [min(t.tpi_s(0.0, 0.0, x * t.fastest_layer_time_s(k), k.sync_s) for k in costs) for costs in t.cost]
-    return partition_floor(w, t.stages) + t.tpi_s(0.0, 0.0, x * t.stage_time_s(0.0), 0.0)
+    return partition_floor(w, t.stages) + empty
 
 
 def partition_floor(weights: list[float], parts: int) -> float:
