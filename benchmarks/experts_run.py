@@ -123,40 +123,13 @@ def _run(name: str, args: argparse.Namespace, world: int) -> dict[str, Any]:
 
 def _static_bytes(strategy: Any, optimizers: list[Any]) -> int:
     """This rank's bytes for the MoE blocks after the last step, from the live tensors: parameters, gradients,
-    optimizer state (:func:`~uniap_lightning.runtime.zero.held_bytes`) and their slots in the gradient buckets."""
-    from uniap_lightning.runtime.data_parallel import local_tensor
-    from uniap_lightning.runtime.experts import expert_modules
-    from uniap_lightning.runtime.zero import fsdp_params, held_bytes
+    optimizer state and their gradient-bucket slots (:func:`~uniap_lightning.runtime.zero.state_bytes`)."""
+    from uniap_lightning.adapters.moe import MoEBlock
+    from uniap_lightning.runtime.zero import state_bytes
 
     rt = strategy.runtime
-    from uniap_lightning.adapters.moe import MoEBlock
-
     blocks = [layer for layer in rt.chain.layers if isinstance(layer, MoEBlock)]  # (FSDP2 renames the class)
-    total = 0
-    for layer in blocks:
-        if not hasattr(layer, "_get_fsdp_state"):
-            held = held_bytes(layer, optimizers)
-            total += held["params"] + held["grads"] + held["optimizer"]
-            continue
-        # ZeRO: held_bytes reads an FSDP2 unit's own records: the layer's, the experts' units (ep with replicas /
-        # ep > 1), and whatever no unit holds (expert shards FSDP2 ignores, the router next to an experts' unit)
-        units = [layer] + [m for _, m in expert_modules(layer) if hasattr(m, "_get_fsdp_state")]
-        owned = set()
-        for unit in units:
-            held = held_bytes(unit, optimizers)
-            total += held["params"] + held["gathered"] + held["grads"] + held["unsharded_grads"] + held["optimizer"]
-            owned |= {id(fp.sharded_param) for fp in fsdp_params(unit)}
-        for p in layer.parameters():
-            if id(p) in owned:
-                continue
-            states = [v for opt in optimizers for v in opt.state.get(p, {}).values()
-                      if isinstance(v, torch.Tensor) and v.numel() > 1]
-            grads = [p.grad] if p.grad is not None else []
-            total += sum(local_tensor(t).numel() * t.element_size() for t in [p, *grads, *states])
-    mine = {id(p) for layer in blocks for p in layer.parameters()}
-    for b in rt.replicated.buckets:  # zero1 buckets hold FSDP2's unsharded parameters: not counted (no zero1 here)
-        total += sum(local_tensor(p).numel() * b.buffer.element_size() for p in b.params if id(p) in mine)
-    return total
+    return sum(state_bytes(layer, optimizers, rt.replicated.buckets) for layer in blocks)
 
 
 def _predicted_static(name: str, args: argparse.Namespace, world: int) -> float:

@@ -52,8 +52,13 @@ def _hf_case(family: str) -> dict[str, Any]:
 
 MOMENTUM = {"factory": "expert_plan_workers:moe_module", "momentum": 0.9, **NO_DROP}
 EP1, EP2 = _plan({}), _plan({"ep": 2})
+def _memory(tag: str) -> dict[str, Any]:
+    """The MoE GPT (plain SGD) recording the bytes each rank holds for its MoE blocks (``expert_plan_workers``)."""
+    return {"factory": "expert_plan_workers:moe_module", "memory_tag": tag, **NO_DROP}
+
+
 CASES2 = {
-    "ep2": _case(EP2),
+    "ep2": {**_case(EP2), "module": _memory("ep2")},
     "dp2": _case(EP1),
     # capacity 0.5 drops about half the assignments: counted over both ranks' tokens, the same ones as one process
     "ep2_drops": {**_case(EP2), "module": {**MODULE, "capacity_factor": 0.5}},
@@ -163,15 +168,16 @@ def test_the_consolidated_export_of_an_ep2_run_holds_every_expert(spawned: tuple
 # ------------------------------------------------------------------------------------------------ 4 processes
 CASES4 = {
     # ep groups (0, 1), (2, 3); ranks 0 and 2 (1 and 3) hold the same experts and sum their gradients
-    "ep2_dp4": _case(_plan({"ep": 2}, world=4)),
+    "ep2_dp4": {**_case(_plan({"ep": 2}, world=4)), "module": _memory("ep2_dp4")},
     # one expert per rank: the same-experts group is one rank (no gradient collective for experts)
-    "ep4_dp4": _case(_plan({"ep": 4}, world=4)),
+    "ep4_dp4": {**_case(_plan({"ep": 4}, world=4)), "module": _memory("ep4_dp4")},
     # two pipeline stages of two ranks, one MoE block each, experts split over each stage's two ranks
     "ep2_pp2": _case(_plan({"ep": 2}, world=4, pp=2)),
     # ZeRO on the parts that are not experts: FSDP2 shards attention, norms and router, ignores the expert shards
     # ZeRO: FSDP2 shards attention and norms over the 4 replicas and the expert shards over the 2 ranks holding
     # the same experts (an FSDP2 unit per MoE module; gradients divided by all 4 replicas); the router stays whole
-    "ep2_zero3": _case(_plan({"ep": 2, "dp_mode": "zero3"}, world=4, edges={"dp_mode": "zero2"})),
+    "ep2_zero3": {**_case(_plan({"ep": 2, "dp_mode": "zero3"}, world=4, edges={"dp_mode": "zero2"})),
+                  "module": _memory("ep2_zero3")},
     "ep2_zero2": _case(_plan({"ep": 2, "dp_mode": "zero2"}, world=4)),
     "ep2_zero1": _case(_plan({"ep": 2, "dp_mode": "zero1"}, world=4)),
     "ep4_zero2": _case(_plan({"ep": 4, "dp_mode": "zero2"}, world=4, edges={"dp_mode": "zero1"})),
@@ -195,9 +201,61 @@ HF_EP_TP = {**_hf_case("qwen2_moe"),
 
 
 @pytest.fixture(scope="module")
-def four(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def spawned4(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], Path]:
     cases = {**CASES4, **ZERO_CKPT, **({"hf_qwen2_moe_ep2_tp2": HF_EP_TP} if HAS_HF else {})}
-    return h.spawn(4, cases, tmp_path_factory.mktemp("expert_plans4"))
+    out = tmp_path_factory.mktemp("expert_plans4")
+    return h.spawn(4, cases, out), out
+
+
+@pytest.fixture(scope="module")
+def four(spawned4: tuple[list[dict[str, Any]], Path]) -> list[dict[str, Any]]:
+    return spawned4[0]
+
+
+def _predicted_static_bytes(plan: Any) -> float:
+    """The planner's ``static_bytes`` for the two MoE blocks under ``plan`` (fp32 weights and gradients, plain SGD:
+    no optimizer state), from a profile of the block's parameter counts."""
+    from expert_plan_workers import moe_module
+
+    from uniap_lightning.planner.config import cluster_from
+    from uniap_lightning.planner.cost.layer import Pricing, layer_cost
+    from uniap_lightning.planner.problem import TrainingConfig
+    from uniap_lightning.planner.profile import LayerProfile
+
+    block = moe_module(**NO_DROP).chain[1]
+    expert = sum(getattr(block.moe, p).numel() for p in block.moe.uniap_expert_params)
+    params = list(block.parameters())
+    lp = LayerProfile(name="block", forward_s=1e-3, backward_s=2e-3, params=sum(p.numel() for p in params),
+                      activation_bytes=0.0, output_bytes=0.0, param_tensors=len(params), experts=4, top_k=2,
+                      expert_params=expert)
+    st = plan.layers[1].strategy
+    training = TrainingConfig(global_batch_size=plan.global_batch_size, optimizer_bytes=0)
+    cost = layer_cost(lp, st, Pricing(plan.global_batch_size, plan.num_devices), cluster=cluster_from("local_cpu"),
+                      training=training)
+    return 2 * cost.static_bytes
+
+
+def _check_memory(out: Path, tag: str, plan: Any, world: int) -> list[float]:
+    predicted = _predicted_static_bytes(plan)
+    ratios = [torch.load(out / f"memory_{tag}_rank{r}.pt", weights_only=True) / predicted for r in range(world)]
+    assert all(abs(r - 1) < 0.05 for r in ratios), (tag, ratios)  # the issue asks 15%; the router alone differs
+    return ratios
+
+
+def test_ep2_memory_per_rank_equals_the_planners(spawned: tuple[list[dict[str, Any]], Path]) -> None:
+    """The bytes each rank holds for the MoE blocks after training (parameters, gradients, bucket slots; live
+    tensors) equal the planner's ``static_bytes`` for ep=2: the expert shards count once per rank, whole."""
+    assert _check_memory(spawned[1], "ep2", EP2, 2) == pytest.approx([1.0, 1.0], abs=1e-9)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tag", ["ep2_dp4", "ep4_dp4", "ep2_zero3"])
+def test_four_process_ep_memory_per_rank_matches_the_planners(spawned4: tuple[list[dict[str, Any]], Path],
+                                                              tag: str) -> None:
+    """ep2 x dp4 (expert buckets over the same-experts pairs), ep4 (no expert bucket: one rank holds each shard),
+    ep2 with ZeRO-3 (expert shards sharded over the same-experts pairs): the first two equal the planner's, ZeRO-3
+    is 1.7% above (the router, whole next to the experts' FSDP2 unit, which the planner shards over the replicas)."""
+    _check_memory(spawned4[1], tag, CASES4[tag]["plan"], 4)
 
 
 @pytest.mark.slow

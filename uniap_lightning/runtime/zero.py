@@ -249,3 +249,30 @@ def held_bytes(layer: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dic
                 if isinstance(v, torch.Tensor) and v.numel() > 1:
                     out["optimizer"] += _storage_bytes(v, seen)
     return out
+
+
+def state_bytes(layer: nn.Module, optimizers: list[torch.optim.Optimizer], buckets: list[Any] = ()) -> int:
+    """Bytes this rank holds for ``layer``'s training state right now: :func:`held_bytes` of every FSDP2 unit in
+    it (the layer's, and nested ones: expert shards under ZeRO, :mod:`.stage`), plus parameters no unit holds
+    (gradients and optimizer states with them; expert shards FSDP2 ignores, a replicated layer), plus their slots in
+    the gradient ``buckets`` (:class:`~.data_parallel.Bucket`: each parameter's gradient once more)."""
+    units = [m for m in layer.modules() if hasattr(m, "_get_fsdp_state")]
+    owned: set[int] = set()
+    total = 0
+    for unit in units:
+        held = held_bytes(unit, optimizers)
+        total += held["params"] + held["gathered"] + held["grads"] + held["unsharded_grads"] + held["optimizer"]
+        owned |= {id(fp.sharded_param) for fp in fsdp_params(unit)}
+    mine = list(layer.parameters())
+    for p in mine:
+        if id(p) in owned:
+            continue
+        states = [v for opt in optimizers for v in opt.state.get(p, {}).values()
+                  if isinstance(v, torch.Tensor) and v.numel() > 1]
+        grads = [p.grad] if p.grad is not None else []
+        total += sum(local_tensor(t).numel() * local_tensor(t).element_size() for t in [p, *grads, *states])
+    ids = {id(p) for p in mine}
+    for b in buckets:
+        total += sum(local_tensor(p).numel() * b.buffer.element_size() for p in b.params if id(p) in ids)
+    return total
+
