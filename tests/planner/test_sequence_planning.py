@@ -289,6 +289,26 @@ def test_the_last_layer_gathers_whole_sequences_for_the_loss():
     assert last.activation_bytes - middle.activation_bytes == pytest.approx(whole - loss_input)
     assert whole - loss_input > 0
     assert t.terms(3, Strategy(4, 1)) == t.terms(1, Strategy(4, 1))
+    # a loss that runs on the sequence pieces (the profile's loss_on_pieces) gathers nothing: the last block then
+    # costs what a middle one does
+    layers = list(problem.model.layers)
+    layers[3] = replace(layers[3], loss_on_pieces=True)
+    pieces = replace(problem, model=replace(problem.model, layers=layers))
+    tp = CandidateCosts(pieces, 1, 1, schedule="1f1b")
+    assert tp.terms(3, s) == tp.terms(1, s)
+
+
+def test_loss_on_pieces_round_trips_and_older_profiles_read_without_it(tmp_path):
+    from uniap_lightning.planner.profile import load_profile, save_profile
+
+    problem = _repeated_sequence_problem(0, 40.0, ring=False)
+    layers = list(problem.model.layers)
+    layers[-1] = replace(layers[-1], loss_on_pieces=True)
+    model = replace(problem.model, layers=layers)
+    save_profile(model, tmp_path / "p.json")
+    loaded = load_profile(tmp_path / "p.json")
+    assert loaded.layers[-1].loss_on_pieces and not loaded.layers[0].loss_on_pieces
+    assert "loss_on_pieces" not in model.to_dict()["layers"][0]  # written only where it says something
 
 
 @pytest.mark.parametrize(("fields", "match"), [
@@ -298,6 +318,7 @@ def test_the_last_layer_gathers_whole_sequences_for_the_loss():
     ({"attention_heads": 8, "kv_heads": 3}, r"layers\[0\]\.kv_heads=3 must divide attention_heads=8"),
     ({"kv_heads": 2}, r"layers\[0\]\.kv_heads=2 must divide attention_heads=0"),
     ({"sequence_parallel": "yes"}, r"layers\[0\]\.sequence_parallel must be true or false"),
+    ({"loss_on_pieces": 1}, r"layers\[0\]\.loss_on_pieces must be true or false"),
 ])
 def test_bad_sequence_fields_in_a_profile_are_refused_in_one_line(fields, match):
     from uniap_lightning.planner.profile import ModelProfile

@@ -311,7 +311,7 @@ def test_measured_profile_declares_the_sequence_and_the_planner_offers_cp_and_sp
 
     from uniap_lightning.planner.cost.layer import strategies_for
     from uniap_lightning.planner.profile import ModelProfile
-    from uniap_lightning.profiling.module import profile_chain
+    from uniap_lightning.profiling.module import profile_chain, with_sequence_fields
     from uniap_lightning.runtime import extract_chain
     from uniap_lightning.runtime.planning import local_cluster
     from uniap_lightning.runtime.tensor_parallel import tp_degrees
@@ -328,6 +328,8 @@ def test_measured_profile_declares_the_sequence_and_the_planner_offers_cp_and_sp
         assert (block.sequence_length, block.attention_heads, block.kv_heads, block.sequence_parallel) == \
             (h.SEQ, heads, kv, True), kind
         assert head.sequence_length == h.SEQ and head.attention_heads == 0
+        # the default causal-LM loss shifts labels inside: whole sequences, the gather stays priced
+        assert not with_sequence_fields(prof, chain.layers, ids, chain.loss_fn).layers[3].loss_on_pieces
         offered = strategies_for(block, 4, cluster, 8)
         assert {(s.cp, s.cp_method) for s in offered} == {(1, "none"), (2, "ulysses"), (4, "ulysses")}, kind
         assert any(s.sp and s.tp == 2 for s in offered) and not any(s.cp_method == "ring" for s in offered)
@@ -348,7 +350,7 @@ def test_bert_profile_declares_the_sequence_and_the_planner_offers_cp_and_sp() -
 
     from uniap_lightning.errors import UniAPError
     from uniap_lightning.planner.cost.layer import strategies_for
-    from uniap_lightning.profiling.module import profile_chain
+    from uniap_lightning.profiling.module import profile_chain, with_sequence_fields
     from uniap_lightning.runtime import check_plan_executable, extract_chain
     from uniap_lightning.runtime.planning import local_cluster
     from uniap_lightning.runtime.sequence import sequence_info
@@ -370,6 +372,9 @@ def test_bert_profile_declares_the_sequence_and_the_planner_offers_cp_and_sp() -
     assert {(s.cp, s.cp_method) for s in offered} == {(1, "none"), (2, "ulysses"), (4, "ulysses")}
     assert any(s.sp and s.tp == 2 for s in offered) and any(s.cp == 2 and s.tp == 2 for s in offered)
     assert {s.cp for s in strategies_for(head, 4, cluster, 8)} == {1, 2, 4}
+    # the masked-LM loss is per token: it runs on the pieces, and the profile tells the planner (no gather priced)
+    assert not head.loss_on_pieces
+    assert with_sequence_fields(prof, chain.layers, sample, chain.loss_fn).layers[3].loss_on_pieces
     classifier = extract_chain(hf_module("bert"))
     infos = [sequence_info(m) for m in classifier.layers]
     assert infos[1]["attention_heads"] == 4 and infos[3] is None

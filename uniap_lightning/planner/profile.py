@@ -30,6 +30,7 @@ One record per layer of the chain, in order::
          "attention_heads": 32,         # heads of attention across the sequence (0: token-wise layer)
          "kv_heads": 8,                 # key/value heads (grouped-query attention; default attention_heads)
          "sequence_parallel": true,     # has a tensor-parallel plan with sequence parallelism (default false)
+         "loss_on_pieces": true,        # last layer: the loss runs on sequence pieces, no gather (default false)
          "experts": 8,                  # experts of a mixture-of-experts layer (absent or 0: a dense layer)
          "top_k": 2,                    # experts each token is routed to (default 1)
          "expert_params": 1409286144,   # parameters inside the experts (part of params; default 0)
@@ -65,7 +66,10 @@ which under context parallelism moves data: Ulysses (all-to-alls; ``a / tp`` div
 (where the cluster runs it). ``sequence_parallel`` says the layer's tensor-parallel plan has a
 sequence-parallel form (norms and dropout on sequence shards; Korthikanti et al. 2022): its activations that tensor
 parallelism alone does not split are then split too. All four are written by the analytic profiles and by adapters
-that declare them; readers of ``format_version`` 1 that predate them ignore them.
+that declare them; readers of ``format_version`` 1 that predate them ignore them. ``loss_on_pieces`` (the last
+layer only) says the chain's loss runs on the sequence pieces a split last layer leaves (a per-token loss, or a
+next-token loss with labels shifted before the split: ``uniap_sequence_loss``), so a plan that splits the last
+layer's sequence pays no all-gather of its output into whole sequences before the loss; absent, it does.
 
 The expert fields (optional) describe a mixture-of-experts layer (a router sends each token to ``top_k`` of
 ``experts`` experts): with ``experts`` the planner may split the experts over ``ep`` data-parallel ranks (expert
@@ -171,6 +175,9 @@ class LayerProfile:
     kv_heads: int | None = None
     #: the layer's tensor-parallel plan has a sequence-parallel form
     sequence_parallel: bool = False
+    #: the chain's last layer only: the loss runs on its sequence pieces where it splits the sequence (no gather
+    #: into whole sequences before the loss; the runtime's ``piece_loss``)
+    loss_on_pieces: bool = False
     #: experts of a mixture-of-experts layer (0: a dense layer); each token goes to ``top_k`` of them
     experts: int = 0
     top_k: int = 1
@@ -281,7 +288,7 @@ class ModelProfile:
                 if d[key] is None:
                     del d[key]
             # written only where they say something
-            for key in ("attention_heads", "sequence_parallel", "experts", "expert_params"):
+            for key in ("attention_heads", "sequence_parallel", "loss_on_pieces", "experts", "expert_params"):
                 if not d[key]:
                     del d[key]
             if not lp.experts and d["top_k"] == 1:
@@ -436,10 +443,11 @@ def _sequence_fields(item: dict[str, Any], where: str) -> dict[str, Any]:
     for key in ("sequence_length", "attention_heads", "kv_heads"):
         if item.get(key) is not None:
             out[key] = _number(item, key, where, integer=True, positive=key != "attention_heads")
-    if item.get("sequence_parallel") is not None:
-        if not isinstance(item["sequence_parallel"], bool):
-            raise UniAPError(f"{where}.sequence_parallel must be true or false, got {short(item['sequence_parallel'])}")
-        out["sequence_parallel"] = item["sequence_parallel"]
+    for key in ("sequence_parallel", "loss_on_pieces"):
+        if item.get(key) is not None:
+            if not isinstance(item[key], bool):
+                raise UniAPError(f"{where}.{key} must be true or false, got {short(item[key])}")
+            out[key] = item[key]
     heads, kv = out.get("attention_heads", 0), out.get("kv_heads")
     if kv is not None and (heads == 0 or heads % kv):
         raise UniAPError(f"{where}.kv_heads={kv} must divide attention_heads={heads} (grouped-query attention)")

@@ -36,7 +36,8 @@ def profile_chain(layers: Sequence[nn.Module], names: Sequence[str], sample_inpu
     reason = why_no_input or "no sample batch"
     if sample_input is not None:
         try:
-            return with_sequence_fields(profile_layers(layers, names, sample_input, **options), layers, sample_input)
+            return with_sequence_fields(profile_layers(layers, names, sample_input, **options), layers, sample_input,
+                                        options.get("loss_fn"))
         except ProfilingUnavailable as err:
             reason = str(err)
     warnings.warn(
@@ -51,7 +52,7 @@ def profile_chain(layers: Sequence[nn.Module], names: Sequence[str], sample_inpu
     device_type = flatten(sample_input)[0].device.type if is_payload(sample_input) else "cpu"
     return with_sequence_fields(
         structural_profile(layers, names, sample_input, device_type=device_type, reason=reason, **kept),
-        layers, sample_input)
+        layers, sample_input, options.get("loss_fn"))
 
 
 def sample_sequence_length(sample_input: Any) -> int | None:
@@ -66,12 +67,15 @@ def sample_sequence_length(sample_input: Any) -> int | None:
     return None
 
 
-def with_sequence_fields(profile: ModelProfile, layers: Sequence[nn.Module], sample_input: Any) -> ModelProfile:
+def with_sequence_fields(profile: ModelProfile, layers: Sequence[nn.Module], sample_input: Any,
+                         loss_fn: Any = None) -> ModelProfile:
     """The profile's sequence fields (``sequence_length``, ``attention_heads``, ``kv_heads``,
     ``sequence_parallel``; :mod:`uniap_lightning.planner.profile`) from each layer's ``uniap_sequence()``
     declaration (:func:`uniap_lightning.runtime.sequence.sequence_info`) and the sample's sequence length, so the
     planner may split the sequence (cp) or run sequence parallelism (sp) on the layers that declare them. Layers
-    that declare nothing, or a sample without a sequence dimension, leave the fields out."""
+    that declare nothing, or a sample without a sequence dimension, leave the fields out. A ``loss_fn`` that
+    declares its sequence form (``uniap_sequence_loss``: "token" or "next_token", the runtime's ``piece_loss``)
+    marks the last layer ``loss_on_pieces`` when that layer may split the sequence."""
     from dataclasses import replace
 
     from uniap_lightning.runtime.sequence import sequence_info
@@ -86,6 +90,9 @@ def with_sequence_fields(profile: ModelProfile, layers: Sequence[nn.Module], sam
             lp = replace(lp, sequence_length=length, attention_heads=info["attention_heads"],
                          kv_heads=info["kv_heads"], sequence_parallel=info["sequence_parallel"])
         out.append(lp)
+    if out and out[-1].sequence_length is not None and \
+            getattr(loss_fn, "uniap_sequence_loss", None) in ("token", "next_token"):
+        out[-1] = replace(out[-1], loss_on_pieces=True)
     return replace(profile, layers=out)
 
 

@@ -102,12 +102,13 @@ class CandidateCosts:
         inp = self.layers[u - 1].output_bytes if u > 0 else 0.0
         cost = layer_cost(self._costed[u], s, self.pricing, cluster=self.problem.cluster,
                           training=self.problem.training, input_bytes=inp)
-        if s.cp > 1 and u == len(self.layers) - 1:
+        if s.cp > 1 and u == len(self.layers) - 1 and not self.layers[u].loss_on_pieces:
             cost = self._whole_sequences_for_the_loss(u, s, cost)
         return cost
 
     def _whole_sequences_for_the_loss(self, u: int, s: Strategy, cost: LayerCost) -> LayerCost:
-        """The loss runs on whole sequences where the chain ends (the model's own loss shifts its labels inside):
+        """The loss runs on whole sequences where the chain ends (the model's own loss shifts its labels inside;
+        not where the profile says ``loss_on_pieces``: the loss then runs on each rank's piece):
         a last layer with its sequence split all-gathers its output over its ``cp`` ranks in forward (its gradient
         is a local slice) and keeps the whole-sequence output for the loss's backward. The loss's own input (this
         rank's ``b / n`` samples, a view of it) every plan holds and no layer counts, so the layer adds the rest
