@@ -60,6 +60,8 @@ def _memory(tag: str) -> dict[str, Any]:
 CASES2 = {
     "ep2": {**_case(EP2), "module": _memory("ep2")},
     "dp2": _case(EP1),
+    # validation runs the experts' all-to-alls without gradients
+    "ep2_eval": {**_case(EP2, limit_val_batches=2), "epochs": 1},
     # capacity 0.5 drops about half the assignments: counted over both ranks' tokens, the same ones as one process
     "ep2_drops": {**_case(EP2), "module": {**MODULE, "capacity_factor": 0.5}},
     # clipping by the global norm (each expert shard counted once) and an accumulation window of two batches
@@ -99,6 +101,15 @@ def test_dp2_without_ep_routes_by_the_global_batch(two: list[dict[str, Any]]) ->
     for res in two:
         assert res["dp2"]["local_shapes"]["chain.1.moe.w_in"] == (4, 32, 128)
         assert res["dp2"]["all_to_all"] == []
+
+
+def test_ep2_validation_matches_one_process(two: list[dict[str, Any]]) -> None:
+    """The validation loop at the end of the epoch (no gradients; capacity and auxiliary loss over both ranks'
+    tokens) under ep=2: the same validation loss as one process, and training goes on to match it too."""
+    h.assert_close_to_reference(two, "ep2_eval", h.reference_for(CASES2["ep2_eval"]))
+    ref = h.reference_for(CASES2["ep2_eval"])
+    for res in two:
+        assert res["ep2_eval"]["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-5)
 
 
 def test_ep2_with_dropped_tokens_drops_what_one_process_drops(two: list[dict[str, Any]]) -> None:
