@@ -195,6 +195,11 @@ CASES4 = {
     # recomputation: the backward runs the blocks' forward again, all-to-alls included
     "ep2_recompute": _case(_plan({"ep": 2, "recompute": True}, world=4)),
 }
+#: Mixtral (dropless, no batch statistics: routing per micro-batch is one process's) on 2 stages x 2 ranks with 2
+#: micro-batches under 1F1B: the all-to-alls of one micro-batch's backward interleave with another's forward
+HF_PP = {**_hf_case("mixtral"),
+         "plan": h.make_plan([{"dp": 2}, {"dp": 2, "ep": 2}, {"dp": 2, "ep": 2}, {"dp": 2}], [0, 0, 1, 1], pp=2,
+                             microbatches=2, world=4, names=HF_NAMES)}
 #: checkpoints between ZeRO-sharded expert shards and whole ones (SGD with momentum)
 ZERO_CKPT = {
     "save_ep2_zero3": {"module": MOMENTUM, "data": DATA, "epochs": 1, "save": "z3.ckpt",
@@ -213,7 +218,8 @@ HF_EP_TP = {**_hf_case("qwen2_moe"),
 
 @pytest.fixture(scope="module")
 def spawned4(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], Path]:
-    cases = {**CASES4, **ZERO_CKPT, **({"hf_qwen2_moe_ep2_tp2": HF_EP_TP} if HAS_HF else {})}
+    cases = {**CASES4, **ZERO_CKPT,
+             **({"hf_qwen2_moe_ep2_tp2": HF_EP_TP, "hf_mixtral_ep2_pp2": HF_PP} if HAS_HF else {})}
     out = tmp_path_factory.mktemp("expert_plans4")
     return h.spawn(4, cases, out), out
 
@@ -327,3 +333,13 @@ def test_qwen2_moe_with_ep_and_tp_in_the_same_layers_matches_one_process(four: l
     _check_hf(four, "hf_qwen2_moe_ep2_tp2", HF_EP_TP)
     for res in four:
         assert res["hf_qwen2_moe_ep2_tp2"]["local_shapes"]["model.model.layers.0.self_attn.q_proj.weight"] == (16, 32)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_HF, reason="needs the [hf] extra (transformers)")
+def test_mixtral_with_ep_over_two_pipeline_stages_and_micro_batches_matches_one_process(
+        four: list[dict[str, Any]]) -> None:
+    """pp=2 x dp=2 with ep=2 in each stage's MoE block, 2 micro-batches (1F1B): Hugging Face routing has no batch
+    statistics (dropless, no auxiliary loss in ``.loss`` by default), so micro-batching keeps one process's result."""
+    h.assert_close_to_reference(four, "hf_mixtral_ep2_pp2", h.reference_for(HF_PP))
+
