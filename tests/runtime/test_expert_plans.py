@@ -87,6 +87,21 @@ def two(spawned: tuple[list[dict[str, Any]], Path]) -> list[dict[str, Any]]:
     return spawned[0]
 
 
+def test_ep_not_dividing_the_experts_is_refused_in_one_line_before_any_process_group() -> None:
+    """Three experts cannot split over ep=2: one ``UniAPError`` line naming the layer, from the plan and the chain
+    alone (every rank fails alike, before any collective)."""
+    from expert_plan_workers import moe_module
+
+    from uniap_lightning.errors import UniAPError
+    from uniap_lightning.runtime import check_plan_executable, extract_chain
+
+    chain = extract_chain(moe_module(n_experts=3, top_k=2))
+    with pytest.raises(UniAPError, match=r"plan layer 'chain.1' \(moe\): expert parallelism ep=2 must divide the "
+                                         r"number of experts E=3") as err:
+        check_plan_executable(EP2, chain)
+    assert "\n" not in str(err.value)
+
+
 def test_ep2_plan_matches_one_process(two: list[dict[str, Any]]) -> None:
     """ep=2 over the two data ranks: each holds 2 of the 4 experts of each block (replicated embedding and head);
     each expert shard is held by one rank, so its gradient is only divided by the 2 replicas, not exchanged."""

@@ -5,7 +5,8 @@ One concern per module, applied in this order by :func:`apply_plan`:
 1. :mod:`.mesh` - every device mesh and process group of the plan (collective, same order on every rank);
 2. :mod:`.stage` - keep this rank's layers, broadcast their initial weights, then per layer
    :func:`.tensor_parallel.apply_tp` *before* :func:`.data_parallel.apply_fsdp` (or replication), since FSDP2 must
-   see the DTensor TP shards to build 2-D parameters;
+   see the DTensor TP shards to build 2-D parameters; a layer with ``ep > 1`` keeps its share of the experts
+   (:mod:`.experts`) before its data parallelism, which then leaves the expert shards to their own reduction;
 3. :mod:`.reshard` - activation re-layout between layers with different layouts ``(dp, cp, tp)`` (batch and
    sequence splits; context and sequence parallelism in :mod:`.sequence`, :mod:`.sequence_tp`);
 4. :mod:`.pipeline` - micro-batches through ``torch.distributed.pipelining`` schedules over the pipeline lanes.
