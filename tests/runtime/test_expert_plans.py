@@ -72,7 +72,7 @@ CASES2 = {
     "save_ep1": {"module": MOMENTUM, "data": DATA, "epochs": 1, "plan": EP1, "save": "ep1.ckpt"},
     "resume_ep2": {"module": MOMENTUM, "data": DATA, "epochs": 2, "plan": EP2, "resume": "ep1.ckpt",
                    "export": "ep2_full.pt"},
-    **({"hf_mixtral": _hf_case("mixtral")} if HAS_HF else {}),
+    **({"hf_mixtral": {**_hf_case("mixtral"), "export": "mixtral_hf", "export_format": "hf"}} if HAS_HF else {}),
 }
 
 
@@ -329,6 +329,22 @@ def test_hugging_face_mixtral_with_ep2_matches_one_process(two: list[dict[str, A
     """Zero glue: ``self.model(**batch).loss`` of a tiny Mixtral under a pinned ep=2 plan (its stacked
     ``mlp.experts`` split 2 + 2, padded batches) ends where one process does."""
     _check_hf(two, "hf_mixtral", CASES2["hf_mixtral"])
+
+
+@pytest.mark.skipif(not HAS_HF, reason="needs the [hf] extra (transformers)")
+def test_mixtral_trained_with_ep2_exports_a_hugging_face_folder_with_every_expert(
+        spawned: tuple[list[dict[str, Any]], Path]) -> None:
+    """``save_consolidated(format="hf")`` after the ep=2 run: ``MixtralForCausalLM.from_pretrained`` loads all 4
+    experts of each layer, equal to the trained ones."""
+    from transformers import MixtralForCausalLM
+
+    two, out = spawned
+    model = MixtralForCausalLM.from_pretrained(out / "mixtral_hf")
+    merged = h.merge_states(two, "hf_mixtral")
+    loaded = model.state_dict()
+    assert loaded["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 4
+    for k, v in merged.items():
+        torch.testing.assert_close(loaded[k.removeprefix("model.")], v, rtol=0, atol=0, msg=lambda m, k=k: f"{k}: {m}")
 
 
 @pytest.mark.slow
