@@ -87,6 +87,26 @@ def two(spawned: tuple[list[dict[str, Any]], Path]) -> list[dict[str, Any]]:
     return spawned[0]
 
 
+def test_expert_profile_fields_of_the_moe_gpt_and_mixtral_layers() -> None:
+    """What a profile needs for the planner to price ep (``experts``, ``top_k``, ``expert_params``,
+    ``capacity_factor``), read from the chain's layers; nothing for dense ones."""
+    from expert_plan_workers import moe_module
+
+    from uniap_lightning.runtime import extract_chain
+    from uniap_lightning.runtime.experts import expert_profile_fields
+
+    layers = extract_chain(moe_module(**NO_DROP)).layers
+    h_, ffn = 32, 128
+    assert expert_profile_fields(layers[1]) == {"experts": 4, "top_k": 2, "capacity_factor": 2.0,
+                                                "expert_params": 4 * (h_ * ffn + ffn + ffn * h_ + h_)}
+    assert expert_profile_fields(layers[0]) == {} and expert_profile_fields(layers[3]) == {}
+    if HAS_HF:
+        from expert_plan_workers import hf_moe_module
+
+        block = extract_chain(hf_moe_module("mixtral")).layers[1]
+        assert expert_profile_fields(block) == {"experts": 4, "top_k": 2, "expert_params": 4 * 3 * 32 * 64}
+
+
 def test_ep_not_dividing_the_experts_is_refused_in_one_line_before_any_process_group() -> None:
     """Three experts cannot split over ep=2: one ``UniAPError`` line naming the layer, from the plan and the chain
     alone (every rank fails alike, before any collective)."""

@@ -265,6 +265,33 @@ def expert_counts(module: nn.Module) -> dict[str, int]:
     return found
 
 
+def expert_profile_fields(layer: nn.Module) -> dict[str, Any]:
+    """The expert fields of a layer's profile entry (``planner/profile.py``: ``experts``, ``top_k``,
+    ``expert_params``, and ``capacity_factor`` where the layer drops tokens), so the planner can price ``ep`` for it;
+    ``{}`` for a dense layer. Own MoE modules report their own; Hugging Face stacked experts take ``top_k`` from the
+    router beside them (``mlp.gate``) and are dropless."""
+    own = [m for _, m in expert_modules(layer)]
+    hf = [(name, m) for name, m in _hf_experts(layer)]
+    if not own and not hf:
+        return {}
+    counts = {int(m.n_experts) for m in own} | {int(m.gate_up_proj.shape[0]) for _, m in hf}
+    if len(counts) != 1:
+        raise UniAPError(f"a layer with mixture-of-experts modules of different expert counts {sorted(counts)}: "
+                         "split the chain so each layer has one kind")
+    params = sum(getattr(m, p).numel() for m in own for p in m.uniap_expert_params)
+    params += sum(m.gate_up_proj.numel() + m.down_proj.numel() for _, m in hf)
+    top_k = {int(m.top_k) for m in own}
+    for name, _ in hf:
+        parent = layer.get_submodule(name.rpartition(".")[0]) if "." in name else layer
+        router = getattr(parent, "gate", None)
+        top_k.add(int(getattr(router, "top_k", 1)))
+    out: dict[str, Any] = {"experts": counts.pop(), "top_k": max(top_k), "expert_params": int(params)}
+    factors = {m.capacity_factor for m in own if m.capacity_factor is not None}
+    if factors:
+        out["capacity_factor"] = float(max(factors))
+    return out
+
+
 def check_expert_plan(layer: nn.Module, where: str, ep: int) -> None:
     """Refuse, in one line, ``ep > 1`` on a layer whose experts the runtime cannot split."""
     counts = expert_counts(layer)
