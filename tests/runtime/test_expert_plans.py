@@ -10,6 +10,7 @@ two Hugging Face families (:data:`HF_SLOW`) are ``slow``, one spawn each.
 from __future__ import annotations
 
 import importlib.util
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +106,33 @@ def test_expert_profile_fields_of_the_moe_gpt_and_mixtral_layers() -> None:
 
         block = extract_chain(hf_moe_module("mixtral")).layers[1]
         assert expert_profile_fields(block) == {"experts": 4, "top_k": 2, "expert_params": 4 * 3 * 32 * 64}
+
+
+def test_a_measured_profile_carries_the_expert_fields_and_the_planner_offers_ep() -> None:
+    """``strategy='uniap'`` without a pinned plan: the profile measured at setup carries each MoE layer's expert
+    fields, so the search may split its experts (ep 2 or 4 of 4 replicas); dense layers stay at ep 1."""
+    from expert_plan_workers import moe_module
+
+    from uniap_lightning.planner.cost.layer import strategies_for
+    from uniap_lightning.planner.profile import ModelProfile
+    from uniap_lightning.profiling.module import profile_chain
+    from uniap_lightning.runtime import extract_chain
+    from uniap_lightning.runtime.planning import local_cluster
+
+    import expert_parallel_helpers as eh
+
+    chain = extract_chain(moe_module(**NO_DROP))
+    ids = torch.randint(0, eh.VOCAB, (4, eh.SEQ), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # measured, not the structural fallback
+        prof = profile_chain(chain.layers, chain.names, ids, repeats=1, micro_batches=[4])
+    prof = ModelProfile.from_dict(prof.to_dict())  # the fields survive the file format
+    block, head = prof.layers[1], prof.layers[-1]
+    assert (block.experts, block.top_k, block.capacity_factor) == (4, 2, 2.0) and 0 < block.expert_params < block.params
+    assert head.experts == 0
+    cluster = local_cluster(nodes=1, devices_per_node=4, device_type="cpu")
+    assert {s.ep for s in strategies_for(block, 4, cluster, 8) if s.dp == 4} == {1, 2, 4}
+    assert {s.ep for s in strategies_for(head, 4, cluster, 8)} == {1}
 
 
 def test_ep_not_dividing_the_experts_is_refused_in_one_line_before_any_process_group() -> None:

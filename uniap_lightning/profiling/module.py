@@ -36,8 +36,9 @@ def profile_chain(layers: Sequence[nn.Module], names: Sequence[str], sample_inpu
     reason = why_no_input or "no sample batch"
     if sample_input is not None:
         try:
-            return with_sequence_fields(profile_layers(layers, names, sample_input, **options), layers, sample_input,
-                                        options.get("loss_fn"))
+            measured = profile_layers(layers, names, sample_input, **options)
+            return with_expert_fields(with_sequence_fields(measured, layers, sample_input, options.get("loss_fn")),
+                                      layers)
         except ProfilingUnavailable as err:
             reason = str(err)
     warnings.warn(
@@ -50,9 +51,9 @@ def profile_chain(layers: Sequence[nn.Module], names: Sequence[str], sample_inpu
     from uniap_lightning.runtime.payload import flatten, is_payload
 
     device_type = flatten(sample_input)[0].device.type if is_payload(sample_input) else "cpu"
-    return with_sequence_fields(
+    return with_expert_fields(with_sequence_fields(
         structural_profile(layers, names, sample_input, device_type=device_type, reason=reason, **kept),
-        layers, sample_input, options.get("loss_fn"))
+        layers, sample_input, options.get("loss_fn")), layers)
 
 
 def sample_sequence_length(sample_input: Any) -> int | None:
@@ -96,7 +97,24 @@ def with_sequence_fields(profile: ModelProfile, layers: Sequence[nn.Module], sam
     return replace(profile, layers=out)
 
 
+def with_expert_fields(profile: ModelProfile, layers: Sequence[nn.Module]) -> ModelProfile:
+    """The profile's expert fields (``experts``, ``top_k``, ``expert_params``, ``capacity_factor``;
+    :mod:`uniap_lightning.planner.profile`) from each layer's mixture-of-experts modules
+    (:func:`uniap_lightning.runtime.experts.expert_profile_fields`: the project's own MoE and Hugging Face's stacked
+    experts), so the planner may split their experts (``ep``). Dense layers keep none."""
+    from dataclasses import replace
+
+    from uniap_lightning.runtime.experts import expert_profile_fields
+
+    out = []
+    for lp, layer in zip(profile.layers, layers, strict=True):
+        fields = expert_profile_fields(layer)
+        out.append(replace(lp, **fields) if fields else lp)
+    return replace(profile, layers=out)
+
+
 __all__ = [
     "NOMINAL_FLOPS", "ProfilingUnavailable", "default_micro_batches", "median_over_ranks", "profile_chain",
-    "profile_layers", "structural_profile", "structure_key", "training_state_kept", "with_sequence_fields",
+    "profile_layers", "structural_profile", "structure_key", "training_state_kept", "with_expert_fields",
+    "with_sequence_fields",
 ]
