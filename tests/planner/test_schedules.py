@@ -139,6 +139,16 @@ def test_shape_on_equal_stages(orders):
     print("equal stages, (min, max) relative gap:", {k: (round(a, 4), round(b, 4)) for k, (a, b) in worst.items()})
 
 
+def _random_stages(rng, name, n, low, high):
+    """Forward times in [low, high], backward 1-2x, weight gradients 0.3-1x (split schedules), hand-offs 0 or up to
+    0.3: (f, b, w, o) for ``n`` stages, drawn in this order."""
+    f = [rng.uniform(low, high) for _ in range(n)]
+    b = [x * rng.uniform(1.0, 2.0) for x in f]
+    w = [x * rng.uniform(0.3, 1.0) for x in f] if SCHEDULES[name].split_backward else [0.0] * n
+    o = [rng.choice((0.0, rng.uniform(0.0, 0.3))) for _ in range(n - 1)]
+    return f, b, w, o
+
+
 def test_shape_on_random_stages(orders):
     rng = random.Random(25)
     worst = {}
@@ -147,11 +157,7 @@ def test_shape_on_random_stages(orders):
             continue
         n = p * v
         for _ in range(3):
-            f = [rng.uniform(0.5, 1.5) for _ in range(n)]
-            b = [x * rng.uniform(1.0, 2.0) for x in f]
-            w = [x * rng.uniform(0.3, 1.0) for x in f] if SCHEDULES[name].split_backward else [0.0] * n
-            o = [rng.choice((0.0, rng.uniform(0.0, 0.3))) for _ in range(n - 1)]
-            gap = _gap(name, p, v, m, order, f, b, w, o)
+            gap = _gap(name, p, v, m, order, *_random_stages(rng, name, n, 0.5, 1.5))
             lo, hi = RANDOM_GAP[name]
             assert lo - 1e-9 <= gap <= hi + 1e-9, (name, p, v, m, gap)
             w_lo, w_hi = worst.get(name, (0.0, 0.0))
@@ -174,8 +180,5 @@ def test_multi_chunk_forms_do_not_undercut_lopsided_stages(orders):
             continue
         n = p * v
         for _ in range(3):
-            f = [rng.uniform(0.1, 3.0) for _ in range(n)]
-            b = [x * rng.uniform(1.0, 2.0) for x in f]
-            w = [x * rng.uniform(0.3, 1.0) for x in f] if SCHEDULES[name].split_backward else [0.0] * n
-            o = [rng.choice((0.0, rng.uniform(0.0, 0.3))) for _ in range(n - 1)]
-            assert _gap(name, p, v, m, order, f, b, w, o) >= -0.036 - 1e-9, (name, p, v, m)
+            gap = _gap(name, p, v, m, order, *_random_stages(rng, name, n, 0.1, 3.0))
+            assert gap >= -0.036 - 1e-9, (name, p, v, m)

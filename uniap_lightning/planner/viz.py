@@ -53,12 +53,10 @@ def label_key(labels) -> list[str]:
 def _order(plan: Plan) -> dict[int, list[tuple[str, int, int]]]:
     """Each device group's computation actions, as the runtime runs them: torch's own order for the schedule
     (1F1B below ``pp`` micro-batches runs as GPipe, as in the runtime)."""
-    from uniap_lightning.planner.cost import torch_orders
+    from uniap_lightning.planner.cost.torch_orders import torch_pipeline_order
 
     p, v, m = plan.pp, plan.virtual_stages, plan.microbatches
-    if plan.schedule in ("gpipe", "1f1b"):
-        return torch_orders._single_order("gpipe" if plan.schedule == "gpipe" or m < p else "1f1b", p, m)
-    return torch_orders.torch_pipeline_order(plan.schedule, p, v, m)
+    return torch_pipeline_order("gpipe" if plan.schedule == "1f1b" and m < p else plan.schedule, p, v, m)
 
 
 def pipeline_timeline(plan: Plan, problem: Problem, forward_share: float = 1 / 3) -> list[Block]:

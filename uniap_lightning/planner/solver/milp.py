@@ -405,9 +405,10 @@ class GroupedMilp:
             if e > a and floor < float("inf"):
                 self.m += self.T >= floor * MS, f"run_floor[{g}]"
         if self.P > 1:
-            self.m += self.T >= chain_bottleneck_s(self.t) * MS, "chain_floor"
+            chain = chain_bottleneck_s(self.t)
+            self.m += self.T >= chain * MS, "chain_floor"
             if self.t.shape.stage_weight:  # T >= v p_k, p_k >= its layers' partition floor + the slot overhead
-                chunk = chain_bottleneck_s(self.t) + self.t.stage_time_s(0.0)
+                chunk = chain + self.t.stage_time_s(0.0)
                 self.m += self.T >= self.t.shape.stage_weight * chunk * MS, "chunk_floor"
             # a group pays its v stages' slot overhead beside its layers
             empty = self.t.stage_time_s(0.0) * self.t.v
