@@ -37,20 +37,12 @@ def _replicate() -> Any:
     return Replicate()
 
 
-class TokenPositionEmbedding(nn.Module):
-    """Token + learned position embedding (``wte``, ``wpe``, ``drop``); tensor parallel over the vocabulary.
-
-    Under context parallelism (``uniap_enable_cp(group)``) its input is a contiguous piece of each sequence and
-    positions are global (``cp_rank x s/c`` onwards, :func:`uniap_lightning.runtime.sequence.position_offset`)."""
+class GlobalPositions:
+    """Mixin of a token-wise layer with absolute positions: it declares itself token-wise (``uniap_sequence``) and,
+    under context parallelism, keeps the group so its ``forward`` can number positions globally
+    (:func:`uniap_lightning.runtime.sequence.position_offset`)."""
 
     _cp_group: Any = None
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        from uniap_lightning.runtime.sequence import position_offset
-
-        start = position_offset(self._cp_group, ids.shape[1])
-        pos = torch.arange(start, start + ids.shape[1], device=ids.device)
-        return self.drop(self.wte(ids) + self.wpe(pos))
 
     def uniap_sequence(self) -> dict[str, Any]:
         return {"attention_heads": 0}
@@ -59,8 +51,21 @@ class TokenPositionEmbedding(nn.Module):
         return ["ulysses"]
 
     def uniap_enable_cp(self, group: Any, *, method: str = "ulysses", counter: Any = None) -> None:
-        """Global absolute positions on a context-parallel rank holding a contiguous piece of each sequence."""
         self._cp_group = group
+
+
+class TokenPositionEmbedding(GlobalPositions, nn.Module):
+    """Token + learned position embedding (``wte``, ``wpe``, ``drop``); tensor parallel over the vocabulary.
+
+    Under context parallelism (``uniap_enable_cp(group)``) its input is a contiguous piece of each sequence and
+    positions are global (``cp_rank x s/c`` onwards, :func:`uniap_lightning.runtime.sequence.position_offset`)."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        from uniap_lightning.runtime.sequence import position_offset
+
+        start = position_offset(self._cp_group, ids.shape[1])
+        pos = torch.arange(start, start + ids.shape[1], device=ids.device)
+        return self.drop(self.wte(ids) + self.wpe(pos))
 
     def uniap_tp_degrees(self) -> list[int]:
         return _divisors_of_all(self.wte.num_embeddings)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from uniap_lightning.adapters.auto import Family, HFTarget, count_next_tokens, count_tokens, register
+from uniap_lightning.adapters.hf import GlobalPositions
 from uniap_lightning.adapters.families import compat
 from uniap_lightning.adapters.families.common import (
     View,
@@ -207,18 +208,9 @@ class BertBlock(View):
         return 2
 
 
-class BertSequenceEmbed(BertEmbed):
+class BertSequenceEmbed(GlobalPositions, BertEmbed):
     """:class:`BertEmbed` that may run on pieces of the sequence (every head but multiple choice, whose inputs are
     ``[batch, choices, seq]``): token-wise, global positions under context parallelism."""
-
-    def uniap_sequence(self) -> dict[str, Any]:
-        return {"attention_heads": 0}
-
-    def uniap_cp_methods(self) -> list[str]:
-        return ["ulysses"]
-
-    def uniap_enable_cp(self, group: Any, *, method: str = "ulysses", counter: Any = None) -> None:
-        self._cp_group = group
 
 
 class BertSequenceBlock(BertBlock):
