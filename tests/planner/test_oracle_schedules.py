@@ -16,6 +16,12 @@ from uniap_lightning.planner.solver import search
 # (seed, layers, nodes, devices per node, memory GiB): 2 and 4 devices, memory from loose to binding
 CASES = [(0, 5, 1, 2, 40.0), (1, 4, 1, 4, 40.0), (2, 5, 1, 2, 4.0), (3, 4, 2, 2, 4.0), (4, 6, 1, 2, 8.0),
          (5, 4, 1, 4, 1.0)]
+#: the default run checks two shapes (loose memory on 2 devices, binding memory on 2 x 2); the rest run with -m slow
+DEFAULT_CASES = {0, 3}
+
+
+def _cases(cases):
+    return [c if c[0] in DEFAULT_CASES else pytest.param(c, marks=pytest.mark.slow) for c in cases]
 
 
 def _problem(seed, layers, nodes, per_node, memory, schedule="auto"):
@@ -38,7 +44,7 @@ def _candidates(problem):
                 yield pp, c, schedule, v
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"seed{c[0]}-L{c[1]}-{c[2]}x{c[3]}-{c[4]}G")
+@pytest.mark.parametrize("case", _cases(CASES), ids=lambda c: f"seed{c[0]}-L{c[1]}-{c[2]}x{c[3]}-{c[4]}G")
 def test_each_schedule_candidate_milp_equals_brute_force(case):
     problem = _problem(*case)
     seen = set()
@@ -48,7 +54,7 @@ def test_each_schedule_candidate_milp_equals_brute_force(case):
     assert len(seen) >= 2  # more than GPipe/1F1B priced
 
 
-@pytest.mark.parametrize("case", CASES[:4], ids=lambda c: f"seed{c[0]}")
+@pytest.mark.parametrize("case", _cases(CASES[:4]), ids=lambda c: f"seed{c[0]}")
 def test_auto_search_finds_the_best_schedule(case):
     problem = _problem(*case)
     oracle = brute_force_all(problem)

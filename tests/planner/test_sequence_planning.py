@@ -61,7 +61,8 @@ def _candidates(problem):
 
 
 @pytest.mark.parametrize("cut_levels", [milp_module.SUBSET_CUT_LEVELS, 1], ids=["subsets", "flow"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"seed{c[0]}-L{c[1]}-n{c[2]}-{c[3]}G-ring{int(c[4])}")
+@pytest.mark.parametrize("case", [c if c[0] in (1, 3) else pytest.param(c, marks=pytest.mark.slow) for c in CASES],
+                         ids=lambda c: f"seed{c[0]}-L{c[1]}-n{c[2]}-{c[3]}G-ring{int(c[4])}")
 def test_milp_equals_brute_force_with_cp_and_sp(case, cut_levels, monkeypatch):
     monkeypatch.setattr(milp_module, "SUBSET_CUT_LEVELS", cut_levels)
     seed, layers, per_node, memory, ring = case
@@ -74,12 +75,14 @@ def test_milp_equals_brute_force_with_cp_and_sp(case, cut_levels, monkeypatch):
     assert compared >= 1
 
 
-# (larger tp choices make the brute force too large: seeds 0 and 1 draw blocks with tp 1 or 4)
+# (larger tp choices make the brute force too large: seeds 0 and 1 draw blocks with tp 1 or 4; the default run
+# checks seed 0 with the subset cuts, -m slow the rest)
 REPEATED = [(seed, memory, ring) for seed in (0, 1) for memory, ring in ((0.6, False), (1.5, True), (4.0, False), (1.5, False))]
 
 
-@pytest.mark.parametrize("cut_levels", [milp_module.SUBSET_CUT_LEVELS, 1], ids=["subsets", "flow"])
-@pytest.mark.parametrize("case", REPEATED, ids=lambda c: f"seed{c[0]}-{c[1]}G-ring{int(c[2])}")
+@pytest.mark.parametrize("cut_levels", [milp_module.SUBSET_CUT_LEVELS, pytest.param(1, marks=pytest.mark.slow)],
+                         ids=["subsets", "flow"])
+@pytest.mark.parametrize("case", [c if c[0] == 0 else pytest.param(c, marks=pytest.mark.slow) for c in REPEATED], ids=lambda c: f"seed{c[0]}-{c[1]}G-ring{int(c[2])}")
 def test_milp_equals_brute_force_on_runs_of_identical_blocks(case, cut_levels, monkeypatch):
     monkeypatch.setattr(milp_module, "SUBSET_CUT_LEVELS", cut_levels)
     seed, memory, ring = case
