@@ -100,3 +100,39 @@ def test_a_huge_chain_that_fits_nowhere_answers_within_the_time_limit():
     problem = random_problem(0, num_layers=10_000, nodes=2, per_node=4, batch=64, memory_gib=1.0)
     with pytest.raises(UniAPError, match="time limit ran out|no plan fits"):
         solve(problem, solver="cbc", time_limit_s=2.0)
+
+
+def test_a_hard_candidate_goes_back_into_the_queue_and_cannot_starve_the_rest(monkeypatch):
+    """The candidate with the best bound plays a hard MILP: any solve shorter than 150 s ends without a solution.
+    Its first solve gets a slice (a tenth of the 1,000 s search), runs out, and the candidate goes back into the
+    queue with twice the time; every other candidate is solved (or pruned) before its second turn, and the search
+    still ends exact, with the plan of a search where nothing was hard."""
+    from uniap_lightning.planner.solver import parallel
+    from uniap_lightning.planner.solver.backend import MilpResult
+    from uniap_lightning.planner.solver.search import search
+
+    problem = random_problem(3, num_layers=6, nodes=2, per_node=2, memory_gib=40.0)
+    expected = search(problem, solver="cbc", time_limit_s=120, workers=1)
+    assert expected.solver.status == "optimal"
+    real, calls = parallel.solve_candidate, []
+    hard: list[tuple] = []
+
+    def solve(tables, solver, time_limit_s, cutoff_s):
+        key = (tables.pp, tables.c, tables.schedule, tables.v)
+        if not hard:
+            hard.append(key)  # the first handed out: the best bound
+        calls.append((key, time_limit_s))
+        if key == hard[0] and time_limit_s < 150:
+            return MilpResult("no_solution", None, None, None, None, 0.0, time_limit_s, 1, 1)
+        return real(tables, solver, time_limit_s, cutoff_s)
+
+    monkeypatch.setattr(parallel, "solve_candidate", solve)
+    plan = search(problem, solver="cbc", time_limit_s=1000, workers=1)
+    assert plan.solver.status == "optimal" and plan.solver.gap == 0.0
+    assert plan.estimate.tpi_s == pytest.approx(expected.estimate.tpi_s, rel=1e-9)
+    turns = [i for i, (key, _) in enumerate(calls) if key == hard[0]]
+    assert len(turns) == 2 and calls[turns[0]][1] == pytest.approx(100, rel=0.01)
+    assert calls[turns[1]][1] >= 150  # twice the slice, or what was left when it was the last one
+    assert turns[1] == len(calls) - 1 and len(calls) > 2  # the others ran in between
+    record = next(r for r in plan.search if (r["pp"], r["microbatches"], r["schedule"], r["virtual_stages"]) == hard[0])
+    assert record["resolves"] == 1

@@ -586,6 +586,8 @@ def _search_from_dict(records: Any) -> list[dict[str, Any]]:
             r["virtual_stages"] = F.integer(r["virtual_stages"], f"{w}.virtual_stages", low=1, high=F.MAX_COUNT)
         if "schedule" in r:
             r["schedule"] = F.string(r["schedule"], f"{w}.schedule")
+        if "resolves" in r:
+            r["resolves"] = F.integer(r["resolves"], f"{w}.resolves", low=0, high=F.MAX_COUNT)
         for key in ("tpi_s", "bound_s", "memory_bound_bytes", "solve_s", "bubble_s"):
             if key in r:
                 r[key] = F.optional_number(r[key], f"{w}.{key}", finite=False)

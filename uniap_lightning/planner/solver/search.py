@@ -28,6 +28,10 @@ from uniap_lightning.planner.solver.backend import Deadline, no_gc, now_s, solve
 from uniap_lightning.planner.solver.uniform import best_uniform
 
 SOLVERS = ("auto", "cbc", "highs", "gurobi")
+#: a candidate's first solve gets this share of the search's time (at least SLICE_MIN_S) while other candidates
+#: wait; one that runs out goes back into the queue, behind the candidates tried fewer times, with twice the time
+SLICE_FRACTION = 0.1
+SLICE_MIN_S = 2.0
 Progress = Callable[[str], None]
 
 
@@ -211,13 +215,18 @@ def search(
     open_bounds: list[float] = [0.0] if cut_short else []  # candidates never tabulated: nothing is known of them
     pool = Pool(worker_count(workers, problem.num_devices, problem.model.num_layers, len(cands)))
     queue = list(cands)
-    pending: dict = {}  # future -> (candidate, trace record)
+    pending: dict = {}  # future -> (candidate, trace record, cutoff, whether the solve was given a time slice)
+    records: dict[int, dict] = {}  # id(candidate) -> its trace record (one per candidate, also when re-solved)
+    slices: dict[int, float] = {}  # id(candidate) -> the time slice of its next solve
+    first_slice = max(SLICE_MIN_S, SLICE_FRACTION * deadline.remaining_s())
     try:
         while queue or pending:
             while queue and len(pending) < pool.size:  # hand out candidates, best bound first
                 cand = queue.pop(0)
-                record = {**cand.record, "outcome": "", "tpi_s": None, "bound_s": cand.bound_s}
-                trace.append(record)
+                record = records.get(id(cand))
+                if record is None:
+                    record = records[id(cand)] = {**cand.record, "outcome": "", "tpi_s": None, "bound_s": cand.bound_s}
+                    trace.append(record)
                 if best is not None and cand.bound_s >= best.estimate.tpi_s * (1 - 1e-9):
                     pruned += 1
                     record["outcome"] = "pruned by bound"
@@ -226,30 +235,45 @@ def search(
                 if remaining <= 0:
                     all_optimal = False
                     open_bounds.append(cand.bound_s)
-                    record["outcome"] = "not solved (time limit)"
+                    # (a candidate back in the queue keeps what its last solve found: "feasible", "no_solution")
+                    record["outcome"] = record["outcome"] or "not solved (time limit)"
                     continue
+                # a time slice while other candidates wait, so one hard candidate cannot starve the rest; the
+                # last ones get what is left
+                limit = min(remaining, slices.setdefault(id(cand), first_slice)) if queue else remaining
                 cutoff = best.estimate.tpi_s if best else None
-                pending[pool.submit(cand.tables, name, remaining, cutoff)] = (cand, record, cutoff)
+                pending[pool.submit(cand.tables, name, limit, cutoff)] = (cand, record, cutoff, limit < remaining)
             if not pending:
                 continue
             done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
             for fut in done:
-                cand, record, cutoff = pending.pop(fut)
+                cand, record, cutoff, sliced = pending.pop(fut)
                 try:
                     res = fut.result()
                 except Exception:  # noqa: BLE001 - a worker that died (memory, signal): solve it here instead
                     res = solve_candidate(cand.tables, name, max(deadline.remaining_s(), 0.0), cutoff)
+                    sliced = False
                 solved += 1
                 say(f"{cand.label()}: {res.status} in {res.solve_s:.2f} s "
                     f"({res.num_vars} vars, {res.num_constrs} rows)"
                     + (f", {res.objective_s * 1e3:.3f} ms" if res.objective_s is not None else ""))
                 record.update(outcome=res.status if res.status != "infeasible" else "no better plan (infeasible)",
-                              tpi_s=res.objective_s, solve_s=res.solve_s)
+                              tpi_s=res.objective_s, solve_s=record.get("solve_s", 0.0) + res.solve_s)
                 if res.bound_s is not None:
-                    record["bound_s"] = max(cand.bound_s, res.bound_s)
-                if res.status not in ("optimal", "infeasible"):
+                    cand.bound_s = max(cand.bound_s, res.bound_s)
+                    record["bound_s"] = cand.bound_s
+                unfinished = res.status not in ("optimal", "infeasible")
+                if unfinished and sliced and deadline.remaining_s() > 0:
+                    # its slice ran out: back into the queue behind every candidate not tried as often (by bound
+                    # among those tried as often), with twice the time next turn
+                    slices[id(cand)] = 2 * slices[id(cand)]
+                    record["resolves"] = record.get("resolves", 0) + 1
+                    queue.append(cand)
+                    queue.sort(key=lambda cd: (records[id(cd)].get("resolves", 0) if id(cd) in records else 0,
+                                               cd.bound_s))
+                elif unfinished:
                     all_optimal = False
-                    open_bounds.append(max(cand.bound_s, res.bound_s if res.bound_s is not None else 0.0))
+                    open_bounds.append(cand.bound_s)
                 if res.stage_of_layer is None:
                     continue
                 plan = _from_milp(problem, cand, res.stage_of_layer, res.strategy_index)
