@@ -230,8 +230,13 @@ def run(args: Any) -> list[dict[str, Any]]:
                        start_method="spawn")
     ranks = [torch.load(Path(out) / f"rank{r}.pt", weights_only=True) for r in range(args.world)]
     shutil.rmtree(out, ignore_errors=True)
+    return rows_of(ranks, args.plans)
+
+
+def rows_of(ranks: list[dict[str, Any]], plans: list[str]) -> list[dict[str, Any]]:
+    """One row per plan and rank from the ranks' probe results (``memory_experts.py`` reads them too)."""
     rows = []
-    for name in args.plans:
+    for name in plans:
         for rank, res in enumerate(ranks):
             r = res[name]
             grads = sum(a["grads"] + a["unsharded_grads"] for a in r["in_step"])

@@ -14,14 +14,33 @@ import torch
 import expert_parallel_helpers as eh
 
 
-def moe_module(momentum: float = 0.0, memory_tag: str | None = None, **cfg: Any) -> Any:
+def moe_module(momentum: float = 0.0, memory_tag: str | None = None, switch_at: int | None = None,
+               switch_to: dict[str, Any] | None = None, **cfg: Any) -> Any:
     """``memory_tag``: at the end of training each rank writes ``memory_<tag>_rank<r>.pt`` in the working directory
-    (the run's output folder): the bytes it holds for the MoE blocks (:func:`uniap_lightning.runtime.zero.state_bytes`)."""
+    (the run's output folder): the bytes it holds for the MoE blocks (:func:`uniap_lightning.runtime.zero.state_bytes`).
+    ``switch_at``: under ``UniAPStrategy(rebalance=True)``, at the end of that batch the run switches to the plan of
+    ``switch_to`` (the MoE blocks' strategy, e.g. ``{"ep": 1}``, data-parallel over every rank) by the path a
+    re-plan takes (:func:`uniap_lightning.rebalance.switch.switch_plan`, then the rebalancer times the new stage);
+    nothing happens in a single process."""
     from uniap_lightning.adapters.moe import MoEBlock, MoECausalLMModule, MoEGPT, MoEGPTConfig
 
     class SGDMoE(MoECausalLMModule):
         def configure_optimizers(self) -> Any:
             return torch.optim.SGD(self.parameters(), lr=0.1, momentum=momentum)
+
+        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+            rebalancer = getattr(self.trainer.strategy, "_rebalancer", None)
+            if batch_idx != switch_at or rebalancer is None:
+                return
+            import uniap_rt_helpers as h
+            from uniap_lightning.rebalance.switch import switch_plan
+
+            strategy, world = self.trainer.strategy, self.trainer.world_size
+            edge, blocks = {"dp": world}, {"dp": world, **(switch_to or {})}
+            plan = h.make_plan([edge, blocks, blocks, edge], [0, 0, 0, 0], pp=1, microbatches=1, world=world,
+                               names=[f"chain.{i}" for i in range(4)])
+            switch_plan(strategy, self.trainer, plan, rebalancer.pristine)
+            rebalancer.attach(strategy)
 
         def on_train_end(self) -> None:
             if memory_tag is None or not hasattr(self.trainer.strategy, "runtime"):

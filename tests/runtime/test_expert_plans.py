@@ -58,6 +58,8 @@ def _memory(tag: str) -> dict[str, Any]:
     return {"factory": "expert_plan_workers:moe_module", "memory_tag": tag, **NO_DROP}
 
 
+#: two CPU processes, for what rebalance=True measures and solves at setup beside a pinned plan
+CPU2 = {"name": "cpu2", "nodes": 1, "devices_per_node": 2, "memory_gib": 4, "peak_tflops": 0.01}
 CASES2 = {
     "ep2": {**_case(EP2), "module": _memory("ep2")},
     "dp2": _case(EP1),
@@ -74,6 +76,16 @@ CASES2 = {
     "resume_ep2": {"module": MOMENTUM, "data": DATA, "epochs": 2, "plan": EP2, "resume": "ep1.ckpt",
                    "export": "ep2_full.pt"},
     **({"hf_mixtral": {**_hf_case("mixtral"), "export": "mixtral_hf", "export_format": "hf"}} if HAS_HF else {}),
+    # two micro-batches per step: routing, capacity and the auxiliary loss per micro-batch (as Megatron and
+    # DeepSpeed-MoE), each over both ranks' share of it; without drops and with them (capacity 0.5)
+    # a plan switch inside the fit (the path rebalance=True takes after a re-plan) from ep2 to ep1 after 3 of 6
+    # steps, and back: the experts' shards and their momentum travel through the switch's checkpoint
+    **{f"switch_{a}_to_{b}": {"module": {**MOMENTUM, "switch_at": 2, "switch_to": {"ep": int(b[2])}}, "data": DATA,
+                              "steps": 6, "plan": _plan({"ep": int(a[2])}),
+                              "strategy": {"rebalance": True, "rebalance_check_every": 1000, "cluster": CPU2}}
+       for a, b in (("ep2", "ep1"), ("ep1", "ep2"))},
+    "ep2_micro2": _case(_plan({"ep": 2}, microbatches=2)),
+    "ep2_micro2_drops": {**_case(_plan({"ep": 2}, microbatches=2)), "module": {**MODULE, "capacity_factor": 0.5}},
 }
 
 
@@ -199,6 +211,76 @@ def test_ep2_plan_splits_the_experts_and_exchanges_tokens(two: list[dict[str, An
         assert names.count("dispatch") == names.count("combine") == 2 * 5  # two MoE blocks, five steps
         assert names.count("dispatch.grad") == names.count("combine.grad") == 2 * 5
         assert sum(b for name, b in res["ep2"]["all_to_all"] if name == "dispatch") > 0
+
+
+def _memory_bench() -> Any:
+    import importlib.util
+    import sys
+
+    if "memory_experts" not in sys.modules:  # spawned ranks import it by this name (sys.path holds its folder)
+        path = Path(__file__).resolve().parents[2] / "benchmarks" / "memory_experts.py"
+        spec = importlib.util.spec_from_file_location("memory_experts", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["memory_experts"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["memory_experts"]
+
+
+def test_ep_activations_and_static_bytes_per_rank_match_the_planner() -> None:
+    """``benchmarks/memory_experts.py``'s smallest case (issue 23): the MoE GPT with capacity factor 1.0 (tokens
+    dropped, unevenly over the ranks) under ep1 and ep2 on 2 gloo ranks. Per rank, the planner's activations (its
+    one-process profile of the layers) are within 15% of what the forward keeps (measured: 0.97-1.02), its backward
+    peak within 15% (0.88-0.93: the profile's backward peak errs high), its static bytes within 1% (1.000); the
+    experts' static bytes halve under ep2."""
+    from argparse import Namespace
+
+    args = Namespace(world=2, layers=2, width=64, seq=64, batch=4, experts=4, capacities=[1.0], plans=["ep1", "ep2"])
+    rows = _memory_bench().run(args)
+    assert [(r["plan"], r["rank"]) for r in rows] == [("ep1", 0), ("ep1", 1), ("ep2", 0), ("ep2", 1)]
+    for r in rows:
+        p = r["predicted"]
+        assert r["kept"] > 0 and abs(r["kept"] / p["kept"] - 1) <= 0.15, r
+        assert abs(r["peak"] / p["peak"] - 1) <= 0.15, r
+        assert abs(r["static"] / p["static"] - 1) <= 0.01, r
+    assert rows[2]["static"] < 0.6 * rows[0]["static"]
+
+
+def accumulated_reference(case: dict[str, Any]) -> dict[str, Any]:
+    """One process that runs the plan's micro-batches one after the other and accumulates their gradients (Lightning's
+    ``accumulate_grad_batches``): a micro-batch ``j`` of the plan is the global batch's ``j``-th ``1 / c`` (each rank
+    its share of it, ``pipeline.lane_slice``), so the loader with batch ``B / c`` gives the same micro-batches.
+    Lightning records each micro-batch's loss divided by ``c``: a step's loss (their mean) is their sum."""
+    c = case["plan"].microbatches
+    ref = dict(h.reference_for({**case, "batch": case.get("batch", 16) // c, "accumulate": c}))
+    ref["losses"] = torch.tensor(ref["losses"]).view(-1, c).sum(1).tolist()
+    ref.pop("train_loss", None)  # the last micro-batch's, not the step's
+    return ref
+
+
+@pytest.mark.parametrize("name", ["ep2_micro2", "ep2_micro2_drops"])
+def test_ep2_with_two_micro_batches_matches_one_process_accumulating_them(two: list[dict[str, Any]],
+                                                                          name: str) -> None:
+    """Two micro-batches per step: the own MoE routes each micro-batch by itself (capacity ``ceil(cf N k / E)`` of
+    the micro-batch's ``N`` tokens over both ranks, the auxiliary loss's statistics over them), as Megatron and
+    DeepSpeed-MoE do, so the run equals one process that accumulates the same micro-batches (not one process on the
+    whole batch: with drops, or through the auxiliary loss, the two differ)."""
+    ref = accumulated_reference(CASES2[name])
+    h.assert_close_to_reference(two, name, ref)
+    if name.endswith("drops"):  # one process on the whole batch drops other tokens (dropless: 1e-5 apart, aux only)
+        whole = h.reference_for(CASES2[name])["state"]
+        assert max((whole[k] - v).abs().max().item() for k, v in ref["state"].items()) > 1e-4
+
+
+@pytest.mark.parametrize("name", ["switch_ep2_to_ep1", "switch_ep1_to_ep2"])
+def test_a_plan_switch_across_expert_parallel_degrees_keeps_uninterrupted_training(two: list[dict[str, Any]],
+                                                                                  name: str) -> None:
+    """``rebalance=True``'s in-fit switch (:func:`uniap_lightning.rebalance.switch.switch_plan`) between plans that
+    differ in ep: the distributed checkpoint it writes holds the full experts and their momentum (DTensors over the
+    ep mesh), the new plan loads its own shards, and the run ends where one uninterrupted process does."""
+    h.assert_close_to_reference(two, name, h.reference_for(CASES2[name]))
+    ep_after = CASES2[name]["module"]["switch_to"]["ep"]
+    for res in two:
+        assert res[name]["local_shapes"]["chain.1.moe.w_in"] == (4 // ep_after, 32, 128)
 
 
 @pytest.mark.parametrize("name", ["resume_ep1", "resume_ep2"])
