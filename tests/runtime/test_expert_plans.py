@@ -147,6 +147,47 @@ def test_a_measured_profile_carries_the_expert_fields_and_the_planner_offers_ep(
     assert {s.ep for s in strategies_for(head, 4, cluster, 8)} == {1}
 
 
+def test_ep_with_cp_is_neither_planned_nor_run() -> None:
+    """Expert parallelism over context-parallel replicas is not executable (capacity counts whole sequences' tokens
+    in data-rank order; the auxiliary loss would count on every sequence piece): the planner offers ``ep > 1`` only
+    with ``cp = 1``, the MoE block declares no sequence behaviour (so its profile never lets the planner split its
+    sequence), and a pinned plan with cp2 x ep2 on the MoE blocks is refused in one line from the plan and the chain
+    alone (before any process group)."""
+    from dataclasses import replace
+
+    from expert_plan_workers import moe_module
+
+    from uniap_lightning.errors import UniAPError
+    from uniap_lightning.planner.cost.layer import strategies_for
+    from uniap_lightning.profiling.module import with_expert_fields, with_sequence_fields
+    from uniap_lightning.profiling.structural import structural_profile
+    from uniap_lightning.runtime import check_plan_executable, extract_chain
+    from uniap_lightning.runtime.planning import local_cluster
+
+    import expert_parallel_helpers as eh
+
+    chain = extract_chain(moe_module(**NO_DROP))
+    ids = torch.randint(0, eh.VOCAB, (4, eh.SEQ), generator=torch.Generator().manual_seed(0))
+    prof = with_expert_fields(with_sequence_fields(structural_profile(chain.layers, chain.names, ids), chain.layers,
+                                                   ids), chain.layers)
+    cluster = local_cluster(nodes=1, devices_per_node=4, device_type="cpu")
+    block = prof.layers[1]
+    assert block.experts == 4 and block.sequence_length is None and prof.layers[0].sequence_length == eh.SEQ
+    assert {s.cp for s in strategies_for(block, 4, cluster, 8)} == {1}
+    # a layer with both experts and a sequence to split (an analytic profile): ep only on whole sequences
+    both = replace(block, sequence_length=eh.SEQ, attention_heads=4, kv_heads=4)
+    offered = strategies_for(both, 4, cluster, 8)
+    assert {s.cp for s in offered} == {1, 2, 4} and {s.ep for s in offered if s.cp == 1} == {1, 2, 4}
+    assert {s.ep for s in offered if s.cp > 1} == {1}
+    cp_ep = {"dp": 1, "cp": 2, "ep": 2}
+    plan = h.make_plan([{"dp": 1, "cp": 2}, cp_ep, cp_ep, {"dp": 1, "cp": 2}], [0, 0, 0, 0], pp=1, microbatches=1,
+                       world=2, names=NAMES)
+    with pytest.raises(UniAPError, match=r"plan layer 'chain.1' \(MoEBlock\): cp=2 needs the layer's attention "
+                                         r"heads") as err:
+        check_plan_executable(plan, chain)
+    assert "\n" not in str(err.value)
+
+
 def test_ep_not_dividing_the_experts_is_refused_in_one_line_before_any_process_group() -> None:
     """Three experts cannot split over ep=2: one ``UniAPError`` line naming the layer, from the plan and the chain
     alone (every rank fails alike, before any collective)."""

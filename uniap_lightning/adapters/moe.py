@@ -195,7 +195,12 @@ class MoEBlock(Block):
         layer_aux = layer_aux.expand(x.shape[0])
         return x + y, layer_aux if aux is None else aux + layer_aux
 
-    # tensor, sequence and context parallelism of the attention next to experts are not wired yet
+    # tensor, sequence and context parallelism of the attention next to experts are not wired yet: capacity counts
+    # tokens in data-rank order (a split sequence would reorder them) and the auxiliary loss would be counted on
+    # every sequence piece. The block declares no sequence behaviour, so profiles carry no sequence fields for it and
+    # the planner never splits its sequence (Block's declaration would let it choose a cp the runtime refuses).
+    uniap_sequence = None
+
     def uniap_tp_degrees(self) -> list[int]:
         return [1]
 
