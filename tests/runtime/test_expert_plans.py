@@ -58,6 +58,7 @@ def _memory(tag: str) -> dict[str, Any]:
     return {"factory": "expert_plan_workers:moe_module", "memory_tag": tag, **NO_DROP}
 
 
+CP2 = {"dp": 1, "cp": 2}
 #: two CPU processes, for what rebalance=True measures and solves at setup beside a pinned plan
 CPU2 = {"name": "cpu2", "nodes": 1, "devices_per_node": 2, "memory_gib": 4, "peak_tflops": 0.01}
 CASES2 = {
@@ -84,6 +85,10 @@ CASES2 = {
                               "steps": 6, "plan": _plan({"ep": int(a[2])}),
                               "strategy": {"rebalance": True, "rebalance_check_every": 1000, "cluster": CPU2}}
        for a, b in (("ep2", "ep1"), ("ep1", "ep2"))},
+    # Ulysses cp 2 in every layer (the batch whole on both ranks, each sequence split), the experts over the 2
+    # replicas (dropless: a split sequence reorders the router's tokens, which decides drops)
+    "cp2_ep2": _case(h.make_plan([CP2, {**CP2, "ep": 2}, {**CP2, "ep": 2}, CP2], [0, 0, 0, 0], pp=1, microbatches=1,
+                                 world=2, names=NAMES)),
     "ep2_micro2": _case(_plan({"ep": 2}, microbatches=2)),
     "ep2_micro2_drops": {**_case(_plan({"ep": 2}, microbatches=2)), "module": {**MODULE, "capacity_factor": 0.5}},
 }
@@ -147,14 +152,12 @@ def test_a_measured_profile_carries_the_expert_fields_and_the_planner_offers_ep(
     assert {s.ep for s in strategies_for(head, 4, cluster, 8)} == {1}
 
 
-def test_ep_with_cp_is_neither_planned_nor_run() -> None:
-    """Expert parallelism over context-parallel replicas is not executable (capacity counts whole sequences' tokens
-    in data-rank order; the auxiliary loss would count on every sequence piece): the planner offers ``ep > 1`` only
-    with ``cp = 1``, the MoE block declares no sequence behaviour (so its profile never lets the planner split its
-    sequence), and a pinned plan with cp2 x ep2 on the MoE blocks is refused in one line from the plan and the chain
-    alone (before any process group)."""
-    from dataclasses import replace
-
+def test_the_planner_splits_the_sequence_of_dropless_moe_blocks_only() -> None:
+    """A dropless MoE block (``capacity_factor >= E / k``) declares its attention, so its profile has the sequence
+    fields and the planner offers Ulysses cp with every ep over the ``dp x cp`` replicas (the ``cp2_ep*`` parity
+    cases run such plans). A block that may drop tokens declares nothing (a split sequence hands the router its
+    tokens in another order than one process, which decides the drops): no cp is offered, and a pinned cp plan
+    is refused in one line from the plan and the chain alone (before any process group)."""
     from expert_plan_workers import moe_module
 
     from uniap_lightning.errors import UniAPError
@@ -166,25 +169,23 @@ def test_ep_with_cp_is_neither_planned_nor_run() -> None:
 
     import expert_parallel_helpers as eh
 
-    chain = extract_chain(moe_module(**NO_DROP))
     ids = torch.randint(0, eh.VOCAB, (4, eh.SEQ), generator=torch.Generator().manual_seed(0))
-    prof = with_expert_fields(with_sequence_fields(structural_profile(chain.layers, chain.names, ids), chain.layers,
-                                                   ids), chain.layers)
     cluster = local_cluster(nodes=1, devices_per_node=4, device_type="cpu")
-    block = prof.layers[1]
-    assert block.experts == 4 and block.sequence_length is None and prof.layers[0].sequence_length == eh.SEQ
-    assert {s.cp for s in strategies_for(block, 4, cluster, 8)} == {1}
-    # a layer with both experts and a sequence to split (an analytic profile): ep only on whole sequences
-    both = replace(block, sequence_length=eh.SEQ, attention_heads=4, kv_heads=4)
-    offered = strategies_for(both, 4, cluster, 8)
-    assert {s.cp for s in offered} == {1, 2, 4} and {s.ep for s in offered if s.cp == 1} == {1, 2, 4}
-    assert {s.ep for s in offered if s.cp > 1} == {1}
-    cp_ep = {"dp": 1, "cp": 2, "ep": 2}
-    plan = h.make_plan([{"dp": 1, "cp": 2}, cp_ep, cp_ep, {"dp": 1, "cp": 2}], [0, 0, 0, 0], pp=1, microbatches=1,
-                       world=2, names=NAMES)
+    offered = {}
+    for name, cf in (("dropless", 2.0), ("drops", 1.25)):
+        chain = extract_chain(moe_module(capacity_factor=cf))
+        prof = with_expert_fields(with_sequence_fields(structural_profile(chain.layers, chain.names, ids),
+                                                       chain.layers, ids), chain.layers)
+        assert prof.layers[1].experts == 4
+        offered[name] = {(s.cp, s.ep) for s in strategies_for(prof.layers[1], 4, cluster, 8)}
+    assert {(2, 1), (2, 2), (4, 4), (1, 4)} <= offered["dropless"]
+    assert offered["drops"] == {(1, 1), (1, 2), (1, 4)}
+    cp_ep = {**CP2, "ep": 2}
+    plan = h.make_plan([CP2, cp_ep, cp_ep, CP2], [0, 0, 0, 0], pp=1, microbatches=1, world=2, names=NAMES)
+    check_plan_executable(plan, extract_chain(moe_module(**NO_DROP)))
     with pytest.raises(UniAPError, match=r"plan layer 'chain.1' \(MoEBlock\): cp=2 needs the layer's attention "
                                          r"heads") as err:
-        check_plan_executable(plan, chain)
+        check_plan_executable(plan, extract_chain(moe_module(capacity_factor=1.25)))
     assert "\n" not in str(err.value)
 
 
@@ -226,6 +227,18 @@ def test_ep2_validation_matches_one_process(two: list[dict[str, Any]]) -> None:
     ref = h.reference_for(CASES2["ep2_eval"])
     for res in two:
         assert res["ep2_eval"]["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-5)
+
+
+def test_ulysses_cp2_with_ep2_matches_one_process(two: list[dict[str, Any]]) -> None:
+    """Every layer with its sequence split over the 2 ranks (Ulysses attention in the MoE blocks), the experts split
+    over the same 2 replicas: each rank routes its sequence pieces' tokens (capacity and the auxiliary loss's
+    expert fractions counted over both ranks' tokens; each piece's auxiliary term per token, so the loss's mean over
+    the gathered whole sequences is one process's); dropless, the run equals one process."""
+    h.assert_close_to_reference(two, "cp2_ep2", h.reference_for(CASES2["cp2_ep2"]))
+    for res in two:
+        assert [lp["cp"] for lp in res["cp2_ep2"]["plan"]["layers"]] == [2, 2, 2, 2]
+        assert res["cp2_ep2"]["local_shapes"]["chain.1.moe.w_in"] == (2, 32, 128)
+        assert any(name == "dispatch" and b > 0 for name, b in res["cp2_ep2"]["all_to_all"])
 
 
 def test_ep2_with_dropped_tokens_drops_what_one_process_drops(two: list[dict[str, Any]]) -> None:
@@ -378,6 +391,11 @@ CASES4 = {
     "ep2_zero2": _case(_plan({"ep": 2, "dp_mode": "zero2"}, world=4)),
     "ep2_zero1": _case(_plan({"ep": 2, "dp_mode": "zero1"}, world=4)),
     "ep4_zero2": _case(_plan({"ep": 4, "dp_mode": "zero2"}, world=4, edges={"dp_mode": "zero1"})),
+    # dp 2 x cp 2 (Ulysses) with the experts over 2 or all 4 of the dp x cp replicas (ep groups: consecutive
+    # replicas of the layer's replica mesh, as the planner's Strategy.ep says); the embedding and head dp 4
+    # (the hidden states and the per-token auxiliary loss re-laid out between (4, 1) and (2, 2))
+    **{f"cp2_ep{ep}_dp2": _case(_plan({"dp": 2, "cp": 2, "ep": ep}, world=4, edges={"dp": 4}))
+       for ep in (2, 4)},
     # recomputation: the backward runs the blocks' forward again, all-to-alls included
     "ep2_recompute": _case(_plan({"ep": 2, "recompute": True}, world=4)),
 }
@@ -464,7 +482,8 @@ def test_four_process_ep_memory_per_rank_matches_the_planners(spawned4: tuple[li
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES4))
 def test_expert_parallel_mixes_on_four_processes_match_one_process(four: list[dict[str, Any]], name: str) -> None:
-    """ep with dp=4 (two same-experts pairs, or ep=4), with pp=2, with ZeRO-1/2/3 on the rest, with recomputation."""
+    """ep with dp=4 (two same-experts pairs, or ep=4), with dp 2 x cp 2 (Ulysses), with pp=2, with ZeRO-1/2/3 on the
+    rest, with recomputation."""
     h.assert_close_to_reference(four, name, h.reference_for(CASES4[name]))
     st = CASES4[name]["plan"].layers[1].strategy
     zero = st.dp_mode != "replicate"

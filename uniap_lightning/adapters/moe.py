@@ -19,8 +19,8 @@ The mixture of experts (:class:`MoEMLP`), per token of the flattened ``[B*T, h]`
 
 How the auxiliary loss reaches the training loss through a chain (a pipeline stage can only carry tensors with the
 batch on dim 0, see :mod:`uniap_lightning.runtime.payload`): each ``MoEBlock`` returns the tuple
-``(hidden, aux)`` where ``aux`` is a ``[B]`` tensor, the running sum of the blocks' auxiliary losses broadcast over
-the batch (a block taking a plain tensor starts it). ``MoEHead`` returns ``(logits, aux)`` and
+``(hidden, aux)`` where ``aux`` is a ``[B, T]`` tensor, the running sum of the blocks' auxiliary losses broadcast
+over the tokens (a block taking a plain tensor starts it). ``MoEHead`` returns ``(logits, aux)`` and
 :meth:`MoECausalLMModule.uniap_loss` adds ``aux.mean()`` to the cross-entropy. Micro-batches split and join
 ``aux`` like any other tensor; each micro-batch's loss carries the auxiliary loss of its own routing.
 
@@ -131,6 +131,11 @@ class MoEMLP(nn.Module):
         #: assignments dropped by capacity in the last forward (a 0-dim tensor; for tests and monitoring)
         self.last_dropped: torch.Tensor | None = None
 
+    @property
+    def dropless(self) -> bool:
+        """No assignment can be dropped: no capacity, or one of at least every token (``cf >= E / k``)."""
+        return self.capacity_factor is None or self.capacity_factor * self.top_k >= self.n_experts
+
     def _experts(self) -> ExpertFn:
         """``expert_fn(e, x)`` of this call: each stacked weight cut into its experts once, so the backward stacks
         their gradients into one full-size tensor (indexing ``w[e]`` per expert built E full-size zero-padded
@@ -179,7 +184,12 @@ class MoEMLP(nn.Module):
 class MoEBlock(Block):
     """:class:`.gpt.Block`'s attention, then a mixture of experts in place of the dense MLP.
 
-    ``x`` or ``(x, aux)`` -> ``(x, aux)``; ``aux [B]`` accumulates the auxiliary losses (see the module docstring).
+    ``x`` or ``(x, aux)`` -> ``(x, aux)``; ``aux [B, T]`` accumulates the auxiliary losses (see the module docstring).
+
+    Context parallelism (Ulysses, :class:`.gpt.Block`'s) only where the experts drop nothing (``capacity_factor``
+    ``None`` or ``>= E / k``): a split sequence hands the router its tokens in another order than one process, which
+    decides who is dropped. Otherwise the block declares no sequence behaviour, so profiles carry no sequence fields
+    for it and the planner never splits its sequence. Tensor and sequence parallelism next to experts: not wired.
     """
 
     def __init__(self, cfg: MoEGPTConfig) -> None:
@@ -188,18 +198,19 @@ class MoEBlock(Block):
         c = cfg.n_embd
         self.moe = MoEMLP(c, 4 * c, cfg.n_experts, top_k=cfg.top_k, capacity_factor=cfg.capacity_factor,
                           aux_loss_coef=cfg.aux_loss_coef, renormalize_gates=cfg.renormalize_gates)
+        if not self.moe.dropless:
+            self.uniap_sequence = None  # (shadows the method: sequence_info reads None as "declares nothing")
 
     def forward(self, x: torch.Tensor, aux: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         x = x + self._attention(self.ln_1(x))
         y, layer_aux = self.moe(self.ln_2(x))
-        layer_aux = layer_aux.expand(x.shape[0])
+        # per token ([B, T]): under context parallelism each rank's piece carries its own term (the router's mean
+        # probabilities over its tokens) and the mean over the whole sequences, gathered for the loss, is one process's
+        layer_aux = layer_aux.expand(x.shape[:2])
         return x + y, layer_aux if aux is None else aux + layer_aux
 
-    # tensor, sequence and context parallelism of the attention next to experts are not wired yet: capacity counts
-    # tokens in data-rank order (a split sequence would reorder them) and the auxiliary loss would be counted on
-    # every sequence piece. The block declares no sequence behaviour, so profiles carry no sequence fields for it and
-    # the planner never splits its sequence (Block's declaration would let it choose a cp the runtime refuses).
-    uniap_sequence = None
+    def uniap_sequence(self) -> dict[str, Any]:
+        return {**super().uniap_sequence(), "sequence_parallel": False}
 
     def uniap_tp_degrees(self) -> list[int]:
         return [1]
@@ -208,10 +219,10 @@ class MoEBlock(Block):
         raise UniAPError("MoEBlock: sequence parallelism is not supported next to experts yet (use tp=1)")
 
     def uniap_cp_methods(self) -> list[str]:
-        return []
+        return ["ulysses"] if self.moe.dropless else []
 
     def uniap_cp_degrees(self, tp: int = 1) -> list[int]:
-        return [1]
+        return super().uniap_cp_degrees(tp) if self.moe.dropless else [1]
 
 
 class MoEHead(NormHead):
@@ -223,7 +234,7 @@ class MoEHead(NormHead):
 
 
 class MoEGPT(nn.Module):
-    """Token ids ``[B, T]`` -> ``(logits [B, T, vocab], aux [B])``."""
+    """Token ids ``[B, T]`` -> ``(logits [B, T, vocab], aux [B, T])``."""
 
     def __init__(self, cfg: MoEGPTConfig) -> None:
         super().__init__()

@@ -128,9 +128,8 @@ def _strategies(layer: LayerProfile, n: int, cluster: Cluster, micro_batch: int,
     (:func:`cp_methods`); sequence parallelism (``sp``) a layer with a sequence-parallel TP plan, ``t > 1`` and a
     sequence ``c t`` divides. With ``d * c > 1`` every ``dp_mode``; compression (methods in ``compression``
     besides "none") only for replicate / zero1; recomputation on or off everywhere. A mixture-of-experts layer
-    also takes every expert-parallel degree ``ep`` of :func:`expert_degrees` (uncompressed gradients only, and
-    without context parallelism: the runtime's routing counts capacity over whole sequences in data-rank order,
-    so ``ep`` over ``dp x cp`` replicas is not executable).
+    also takes every expert-parallel degree ``ep`` of :func:`expert_degrees` over its ``d x c`` replicas
+    (uncompressed gradients only).
     """
     dpn = cluster.devices_per_node
     out = []
@@ -149,8 +148,8 @@ def _strategies(layer: LayerProfile, n: int, cluster: Cluster, micro_batch: int,
                     comps = ([m for m in compression if m != "none"]
                              if d * c > 1 and mode in COMPRESSIBLE_DP_MODES else [])
                     for comp in ("none", *comps):
-                        # experts split over the replicas only with uncompressed gradients and whole sequences
-                        for ep in expert_degrees(layer, d) if comp == "none" and c == 1 else (1,):
+                        # experts split over the replicas only with uncompressed gradients
+                        for ep in expert_degrees(layer, d * c) if comp == "none" else (1,):
                             for sp in sps:
                                 for rec in (False, True):
                                     out.append(Strategy(d, t, mode, rec, comp, c, method, sp, ep))
