@@ -8,8 +8,11 @@ Execution (per MoE layer, :class:`ExpertParallel` installed as ``MoEMLP.experts_
    capacity is counted over the global tokens of each expert and the drop decision is the one a single process
    makes on the concatenated batch (token ranks in order). The token group is the layer's data-parallel group
    (which contains the ep group, as in Megatron and DeepSpeed-MoE); its ranks, in ascending global rank (the
-   order ``dist.new_group`` gives them), must hold the batch's chunks in that order. ``token_group=None`` keeps
-   everything local: capacity ``ceil(cf * N_local * k / E)`` and the load-balancing statistics over this rank's
+   order ``dist.new_group`` gives them), must hold the batch's chunks in that order. Under context parallelism it is
+   the layer's ``dp x cp`` replicas, each holding sequence pieces: their tokens are not in one process's order, so
+   only dropless layers split their sequence (``adapters.moe.MoEBlock``). Each call routes what it is given: under
+   several micro-batches, each micro-batch on its own (one process accumulating them is the reference).
+   ``token_group=None`` keeps everything local: capacity ``ceil(cf * N_local * k / E)`` and the load-balancing statistics over this rank's
    tokens only, i.e. each rank behaves as one process run on its own batch (what Megatron does by default); with
    no drops the two differ only in the auxiliary loss's statistics;
 2. *dispatch*: the kept assignments, sorted by expert, are sent with ``all_to_all_single`` (split sizes = rows
