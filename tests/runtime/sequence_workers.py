@@ -6,7 +6,7 @@ A case is a dict with ``kind``:
   loss scaled by cp and gradients averaged over dp x cp; ``model: "llama"``: the Hugging Face Llama chain (else
   the plain GPT); ``model: "bert"``: Hugging Face BERT's masked-LM chain on padded batches (left and right padding,
   token types), the loss on sequence pieces (:func:`~uniap_lightning.runtime.sequence.shard_token_batch`) against
-  the model's own loss in one process. Every rank also trains the one-process reference itself and reports the
+  the model's own loss in one process; ``method: "ring"``: ring attention instead of Ulysses. Every rank also trains the one-process reference itself and reports the
   largest differences.
 - ``"bytes"``: the elements one Ulysses forward and backward send; ``"sp_comms"``: the collectives of one
   sequence-parallel block; ``"bad_heads"``: the error for heads not divisible by cp.
@@ -174,7 +174,7 @@ def train_bert(case: dict[str, Any]) -> dict[str, Any]:
         elif tp > 1:
             apply_tp(block, f"blocks.{i}", tp_mesh)
     if cp > 1:
-        enable_context_parallel(layers, cp_group)
+        enable_context_parallel(layers, cp_group, method=case.get("method", "ulysses"))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for batch in batches:
@@ -233,9 +233,9 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
     if cp > 1 and llama:
         from uniap_lightning.adapters.families.sequence_hf import enable_hf_ulysses
 
-        enable_hf_ulysses(model.layers(), cp_group)
+        enable_hf_ulysses(model.layers(), cp_group, method=case.get("method", "ulysses"))
     elif cp > 1:
-        enable_context_parallel(model.layers(), cp_group)
+        enable_context_parallel(model.layers(), cp_group, method=case.get("method", "ulysses"))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for batch in batches:

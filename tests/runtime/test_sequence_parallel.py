@@ -30,6 +30,10 @@ TWO_RANKS = {
     "llama_sp_tp2": {"kind": "train", "tp": 2, "sp": True, "model": "llama"},
     # BERT masked LM, left- and right-padded, the loss on sequence pieces (labels split with their tokens)
     "bert_cp2_padded": {"kind": "train", "cp": 2, "model": "bert"},
+    # ring attention (runtime/ring.py) in the same chains: GPT and Llama (grouped-query) with padding, BERT
+    "ring_cp2_padded": {"kind": "train", "cp": 2, "padded": True, "method": "ring"},
+    "llama_ring_cp2_padded": {"kind": "train", "cp": 2, "model": "llama", "padded": True, "method": "ring"},
+    "bert_ring_cp2_padded": {"kind": "train", "cp": 2, "model": "bert", "method": "ring"},
     "bytes": {"kind": "bytes"},
     "sp_comms": {"kind": "sp_comms"},
     "sp_comms_llama": {"kind": "sp_comms", "model": "llama"},

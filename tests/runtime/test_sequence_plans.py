@@ -81,7 +81,8 @@ def bert(family: str, strategies: list[Any], stages: list[int] | None = None, *,
 
 CP_SP = _plan([CP2, {"tp": 2, "sp": True}, CP2, CP2], microbatches=2)  # cp, then tp + sp, then cp again
 PLAIN = _plan([ONE] * 4)
-RING = _plan([{"cp": 2, "cp_method": "ring"}] * 4)
+RING2 = {"cp": 2, "cp_method": "ring"}
+RING = _plan([RING2] * 4)
 
 TWO_RANKS = {
     "gpt_cp2": {"module": {"lm": "gpt"}, "plan": _plan([CP2] * 4)},
@@ -125,8 +126,11 @@ TWO_RANKS = {
     "solved_one_sample": {"module": {"lm": "gpt2"}, "batch": 1,
                           "strategy": {"cache_dir": "uniap_cache", "profile_repeats": 1, "pp": 1,
                                        "measure_cluster": False}},
-    # last: a failing case ends the spawn's loop
-    "ring_refused": {**GPT, "plan": RING},
+    # ring attention (runtime/ring.py): GPT on labels with padding, Llama (grouped-query k/v passed compact), BERT
+    # (bidirectional, the key padding mask, right-padded batches), ring next to dp 2
+    "gpt_cp2_ring_padded": {**GPT, "plan": RING, "data": {"factory": "test_sequence_plans:padded_lm_data"}},
+    "llama_cp2_ring": {"module": {"lm": "llama"}, "plan": _plan([RING2, RING2, ONE, RING2], microbatches=2)},
+    "bert_mlm_cp2_ring": bert("bert_mlm", [RING2] * 4),
 }
 PARITY = [k for k in TWO_RANKS if not k.startswith(("save_", "resume_", "ring_", "solved_", "validate_"))]
 
@@ -184,8 +188,10 @@ def test_the_search_picks_cp_and_the_plan_runs(spawn_cases: Any) -> None:
     assert all(lp["cp"] == 2 and lp["cp_method"] == "ulysses" for lp in layers[1:3]), layers
 
 
-def test_the_runtime_search_leaves_ring_attention_out(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A cluster that runs ring attention (CUDA's default) is searched without it: this runtime cannot run it."""
+@pytest.mark.parametrize("ring", [True, False])
+def test_the_runtime_search_offers_ring_attention_as_the_cluster_says(tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+                                                                      ring: bool) -> None:
+    """Ring attention runs on any device: the measured CPU cluster offers it, a cluster that turns it off not."""
     import dataclasses
 
     import uniap_lightning.planner.solver as solver
@@ -200,21 +206,15 @@ def test_the_runtime_search_leaves_ring_attention_out(tmp_path: Any, monkeypatch
         raise RuntimeError("stop")
 
     monkeypatch.setattr(solver, "solve", fake_solve)
-    cluster = dataclasses.replace(local_cluster(nodes=1, devices_per_node=2, device_type="cpu"), ring_attention=True)
+    cluster = local_cluster(nodes=1, devices_per_node=2, device_type="cpu")
+    assert cluster.ring_attention
+    cluster = dataclasses.replace(cluster, ring_attention=ring)
     layer = LayerProfile(name="a", forward_s=1e-3, backward_s=2e-3, params=10, activation_bytes=1.0, output_bytes=1.0,
                          sequence_length=8, attention_heads=3)
     with pytest.raises(RuntimeError, match="stop"):
         solve_plan(profile=ModelProfile(model="m", layers=[layer]), cluster=cluster,
                    training=TrainingConfig(global_batch_size=2), solver="highs", time_limit_s=5, cache_dir=tmp_path)
-    assert seen == [False]
-
-
-def test_ring_attention_is_refused_on_every_rank(spawn_cases: Any) -> None:
-    results = spawn_cases(2, TWO_RANKS, "sequence_plans2")
-    for r, res in enumerate(results):
-        err = res["ring_refused"].get("error", "")
-        assert err.startswith("UniAPError: ") and "cp_method='ring'" in err and "context_parallel" in err, (r, err)
-        assert "\n" not in err, err
+    assert seen == [ring]
 
 
 def test_heads_not_divisible_is_refused_before_any_collective() -> None:
@@ -287,6 +287,9 @@ FOUR_RANKS_SLOW = {
     "bert_qa_dp2_cp2": bert("bert_qa", [{"dp": 2, "cp": 2}] * 4, world=4),
     # sequence classification pools the first token: the head (no sequence declaration) gets whole sequences
     "bert_sc_dp2_cp2": bert("bert", [{"dp": 2, "cp": 2}] * 3 + [{"dp": 4}], world=4),
+    # ring attention: dp 2 x cp 2, and cp 2 x tp 2 (ring over the heads each TP rank holds)
+    "gpt_ring_dp2_cp2": {**GPT, "plan": _plan4([{"dp": 2, **RING2}] * 4)},
+    "gpt_ring_cp2_tp2": {**GPT, "plan": _plan4([{"tp": 2, **RING2}] * 4)},
 }
 
 

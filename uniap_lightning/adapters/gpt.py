@@ -5,9 +5,10 @@
 heads are reshaped with ``-1``, so column-parallel q/k/v give each tensor-parallel rank ``n_head / tp`` whole
 heads (a fused QKV weight would split across q, k and v instead).
 
-The sequence dimension (:mod:`uniap_lightning.runtime.sequence`): ``Block.uniap_enable_cp(group)`` runs its
-attention with Ulysses over a context-parallel group and ``Embedding.uniap_enable_cp(group)`` gives it global
-positions; ``Block.uniap_sp_plan(tp)`` is the tensor-parallel plan with sequence parallelism.
+The sequence dimension (:mod:`uniap_lightning.runtime.sequence`): ``Block.uniap_enable_cp(group, method=...)``
+runs its attention with Ulysses or ring attention (:mod:`uniap_lightning.runtime.ring`) over a context-parallel
+group and ``Embedding.uniap_enable_cp(group)`` gives it global positions; ``Block.uniap_sp_plan(tp)`` is the
+tensor-parallel plan with sequence parallelism.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from uniap_lightning.adapters.hf import NormHead, TokenPositionEmbedding, _colwise, _divisors_of_all, _replicate, _rowwise
+from uniap_lightning.errors import UniAPError
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class Block(nn.Module):
         self.uniap_key_valid: torch.Tensor | None = None
         self._cp_group: Any = None
         self._cp_counter: Any = None
+        self._cp_method = "ulysses"
 
     def _attention(self, x: torch.Tensor) -> torch.Tensor:
         from uniap_lightning.runtime.sequence_tp import replicate_sequence
@@ -71,6 +74,13 @@ class Block(nn.Module):
 
         if self._cp_group is None:
             return attention(q, k, v, causal=True, key_valid=self.uniap_key_valid, dropout_p=dropout_p)
+        if self._cp_method == "ring":
+            from uniap_lightning.runtime.ring import ring_attention
+
+            if dropout_p:
+                raise UniAPError(f"GPT Block: ring attention does not run attention dropout (p={dropout_p})")
+            return ring_attention(q, k, v, self._cp_group, causal=True, key_valid=self.uniap_key_valid,
+                                  counter=self._cp_counter)
         return ulysses_attention(q, k, v, self._cp_group, causal=True, key_valid=self.uniap_key_valid,
                                  dropout_p=dropout_p, counter=self._cp_counter)
 
@@ -99,22 +109,28 @@ class Block(nn.Module):
         return {"attention_heads": self.n_head, "kv_heads": self.n_head, "sequence_parallel": True}
 
     def uniap_cp_methods(self) -> list[str]:
-        return ["ulysses"]
+        return ["ulysses", "ring"]
+
+    def uniap_attention_dropout(self) -> float:
+        return self.dropout
 
     def uniap_cp_degrees(self, tp: int = 1) -> list[int]:
         """Ulysses degrees possible at tensor-parallel degree ``tp``: divisors of the heads per TP rank."""
         return _divisors_of_all(self.n_head // tp) if self.n_head % tp == 0 else []
 
     def uniap_enable_cp(self, group: Any, *, method: str = "ulysses", counter: Any = None) -> None:
-        """Run attention with Ulysses over ``group`` (the inputs are this rank's contiguous sequence pieces);
-        ``counter`` (a ``sequence.AllToAllCounter``) counts the all-to-all elements."""
+        """Run attention with Ulysses or ring attention (``method``) over ``group`` (the inputs are this rank's
+        contiguous sequence pieces); ``counter`` (a ``sequence.AllToAllCounter``) counts the elements sent."""
         import torch.distributed as dist
 
-        from uniap_lightning.runtime.sequence import check_ulysses
+        from uniap_lightning.runtime.sequence import CP_METHODS, check_ulysses
 
-        tp = self.q.weight.device_mesh.size() if hasattr(self.q.weight, "device_mesh") else 1
-        check_ulysses(heads=self.n_head, cp=dist.get_world_size(group), tp=tp, name="GPT Block (ulysses)")
-        self._cp_group, self._cp_counter = group, counter
+        if method not in CP_METHODS:
+            raise UniAPError(f"GPT Block: context-parallel method {method!r} is not one of {list(CP_METHODS)}")
+        if method == "ulysses":
+            tp = self.q.weight.device_mesh.size() if hasattr(self.q.weight, "device_mesh") else 1
+            check_ulysses(heads=self.n_head, cp=dist.get_world_size(group), tp=tp, name="GPT Block (ulysses)")
+        self._cp_group, self._cp_counter, self._cp_method = group, counter, method
 
 
 class GPT(nn.Module):

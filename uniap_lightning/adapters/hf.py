@@ -48,7 +48,7 @@ class GlobalPositions:
         return {"attention_heads": 0}
 
     def uniap_cp_methods(self) -> list[str]:
-        return ["ulysses"]
+        return ["ulysses", "ring"]  # token-wise: either method's contiguous pieces
 
     def uniap_enable_cp(self, group: Any, *, method: str = "ulysses", counter: Any = None) -> None:
         self._cp_group = group
@@ -101,17 +101,19 @@ class GPT2BlockLayer(nn.Module):
         return {"attention_heads": heads, "kv_heads": heads, "sequence_parallel": False}
 
     def uniap_cp_methods(self) -> list[str]:
-        return ["ulysses"]
+        return ["ulysses", "ring"]
 
     def uniap_enable_cp(self, group: Any, *, method: str = "ulysses", counter: Any = None) -> None:
-        """Ulysses over ``group`` through transformers' attention interface (:mod:`.families.sequence_hf`)."""
+        """Ulysses or ring attention over ``group`` (transformers' attention interface, :mod:`.families.sequence_hf`)."""
         import torch.distributed as dist
 
         from uniap_lightning.adapters.families.sequence_hf import switch_attention
         from uniap_lightning.runtime.sequence import check_ulysses
 
-        check_ulysses(heads=self.block.attn.num_heads, cp=dist.get_world_size(group), name="GPT2BlockLayer (ulysses)")
-        switch_attention(self.block.attn, group, counter=counter)
+        if method == "ulysses":
+            check_ulysses(heads=self.block.attn.num_heads, cp=dist.get_world_size(group),
+                          name="GPT2BlockLayer (ulysses)")
+        switch_attention(self.block.attn, group, counter=counter, method=method)
 
 
 class NormHead(nn.Module):
@@ -197,13 +199,13 @@ class LlamaBlockLayer(nn.Module):
         return llama_sp_plan(tp)
 
     def uniap_cp_methods(self) -> list[str]:
-        return ["ulysses"]
+        return ["ulysses", "ring"]
 
     def uniap_enable_cp(self, group: Any, *, method: str = "ulysses", counter: Any = None) -> None:
-        """Ulysses over ``group`` through transformers' attention interface (:mod:`.families.sequence_hf`)."""
+        """Ulysses or ring attention over ``group`` (transformers' attention interface, :mod:`.families.sequence_hf`)."""
         from uniap_lightning.adapters.families.sequence_hf import enable_hf_ulysses
 
-        enable_hf_ulysses([self], group, counter=counter)
+        enable_hf_ulysses([self], group, counter=counter, method=method)
 
     def uniap_tp_plan(self, tp: int) -> dict[str, Any]:
         return {

@@ -73,7 +73,8 @@ class Cluster:
     #: (:data:`COMPRESSION_FLOP_EQUIVALENTS`); measured at setup (``profiling.collectives.measure_compression``)
     compression_ns_per_param: dict[str, float] = field(default_factory=dict)
     device: str = ""
-    #: whether the devices run ring attention (torch's ``context_parallel``: CUDA); Ulysses runs anywhere
+    #: whether the planner may choose ring attention (the runtime's own, :mod:`uniap_lightning.runtime.ring`, runs on
+    #: any device; a cluster file may turn it off); Ulysses runs anywhere
     ring_attention: bool = True
     rank_speed: tuple[float, ...] | None = None
     rank_memory_gib: tuple[float, ...] | None = None

@@ -53,8 +53,7 @@ def local_cluster(*, nodes: int, devices_per_node: int, device_type: str) -> Clu
         inter_bw_gbps=1.0,
         intra_latency_us=50.0,
         inter_latency_us=100.0,
-        device="cpu",
-        ring_attention=False,  # torch 2.13's context_parallel has no CPU attention rule
+        device="cpu",  # ring attention (runtime/ring.py) runs here too: ring_attention keeps its default
     )
 
 
@@ -115,8 +114,8 @@ def solve_plan(
     (``None``: all); ``on_solve()`` is called when the cache has no plan, before solving (e.g. to say so);
     ``warm_start`` (a running plan) and ``baselines=False`` make a re-solve faster without changing its optimum
     (see :func:`uniap_lightning.planner.solver.solve`), so neither enters the cache key. Ring
-    attention is left out of the search (``cluster.ring_attention`` off) while the runtime cannot execute it
-    (:data:`uniap_lightning.runtime.sequence.CP_METHODS`)."""
+    attention is searched where ``cluster.ring_attention`` says so and this runtime executes it
+    (:data:`uniap_lightning.runtime.sequence.CP_METHODS`; it does on every device, :mod:`.ring`)."""
     from uniap_lightning.runtime.sequence import CP_METHODS
 
     if cluster.ring_attention and "ring" not in CP_METHODS:  # the search offers only what this runtime executes

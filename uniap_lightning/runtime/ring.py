@@ -8,7 +8,8 @@ with no visible key included: such a row sees itself, as there).
 
 **Forward.** k and v go round the ring in ``c - 1`` steps (``batch_isend_irecv`` to rank ``r+1``, from ``r-1``;
 the next transfer is posted before this block is computed, so they overlap). Each block's scores are merged into
-the running output with the log-sum-exp (online softmax; accumulators in float32, float64 for float64 inputs); the LSE is saved.
+the running output with the log-sum-exp (online softmax; accumulators in float32, float64 for float64 inputs);
+the LSE is saved.
 
 **Backward** (flash-style): each block's probabilities are recomputed from the saved LSE,
 ``D = rowsum(dout * out)``, ``ds = p (dp - D)``; k, v *and* the dk / dv accumulators go round the ring, so after
@@ -50,7 +51,7 @@ def check_ring(*, seq_len: int | None, cp: int, causal: bool = True, name: str =
 
 
 def zigzag_owner(chunk: int, cp: int) -> int:
-    """The rank that holds query chunk ``chunk`` (of ``2 cp``) in the balanced layout: ``r`` holds ``r``, ``2cp-1-r``."""
+    """The rank holding query chunk ``chunk`` (of ``2 cp``) in the balanced layout: ``r`` holds ``r``, ``2cp-1-r``."""
     return chunk if chunk < cp else 2 * cp - 1 - chunk
 
 

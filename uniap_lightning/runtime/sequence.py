@@ -48,9 +48,13 @@ whole sequences first; opt-in: the planner still prices the gather before the lo
 shipped module keeps it and predicted memory stays measured memory). Hugging Face causal LMs still gather.
 :func:`sequence_loss` with :func:`shard_causal_lm_batch` / :func:`shard_token_batch` are the same building blocks
 outside the strategy, tested against one process for GPT, Llama and BERT. :func:`check_sequence_strategy` refuses,
-before any process group work, what cannot run: ring attention (torch's
-``torch.distributed.tensor.experimental.context_parallel`` is what a CUDA run would use; not built or tested here,
-and torch has no CPU rule for it), a layer that declares no sequence behaviour, heads that ``cp`` does not divide.
+before any process group work, what cannot run: a layer that declares no sequence behaviour, Ulysses heads that
+``cp`` does not divide, ring attention with attention dropout.
+
+**Ring attention** (``cp_method="ring"``, :mod:`.ring`): the same contiguous pieces and contract as Ulysses
+(:func:`~.ring.ring_attention`), k / v passed round the cp group instead of heads exchanged, so no heads
+condition; causal load balance moves only q (``s`` must be a multiple of ``2 cp``, :func:`sequence_multiple`).
+Our own implementation (plain matmuls, any device); torch's CUDA-only ``context_parallel`` is not used.
 
 Layers declare their sequence behaviour with ``uniap_sequence() -> {"attention_heads": a, "kv_heads": k,
 "sequence_parallel": bool}`` (``a`` 0: token-wise); profiles take these fields from it (:func:`sequence_info`).
@@ -70,9 +74,8 @@ from torch import nn
 
 from uniap_lightning.errors import UniAPError
 
-#: Context-parallel methods this module executes (ring attention would be torch's
-#: ``torch.distributed.tensor.experimental.context_parallel``, CUDA only; not built here).
-CP_METHODS = ("ulysses",)
+#: Context-parallel methods this runtime executes (ring: :mod:`uniap_lightning.runtime.ring`, any device).
+CP_METHODS = ("ulysses", "ring")
 IGNORE_INDEX = -100
 #: batch keys that are sequence-shaped (``[b, s, ...]``) and split along dim 1
 SEQUENCE_KEYS = ("input_ids", "labels", "targets", "attention_mask", "position_ids", "token_type_ids")
@@ -408,11 +411,6 @@ def check_sequence_strategy(layer: nn.Module, name: str, *, cp: int, cp_method: 
                          "the layer does not have; use sp=false")
     if cp == 1:
         return
-    if cp_method == "ring":
-        raise UniAPError(
-            f"{where}: cp_method='ring' (ring attention) is not executable by this runtime (a CUDA run would use "
-            "torch.distributed.tensor.experimental.context_parallel, not built here; torch has no CPU rule for it); "
-            "use cp_method='ulysses' or cp=1")
     if cp_method not in CP_METHODS:
         raise UniAPError(f"{where}: cp_method={cp_method!r} is not executable; supported: {list(CP_METHODS)}")
     info = sequence_info(layer)
@@ -430,19 +428,44 @@ def check_sequence_strategy(layer: nn.Module, name: str, *, cp: int, cp_method: 
         if cp_method not in m.uniap_cp_methods():
             raise UniAPError(f"{where}: {type(m).__name__} supports context parallelism {m.uniap_cp_methods()}, "
                              f"not {cp_method!r}")
-    if heads:
+    if cp_method == "ring":
+        dropout = attention_dropout(layer)
+        if dropout > 0:
+            raise UniAPError(f"{where}: ring attention does not run attention dropout (p={dropout}); set the "
+                             "model's attention dropout to 0 or use cp_method='ulysses'")
+    elif heads:
         check_ulysses(heads=heads, cp=cp, tp=tp, name=where)
+
+
+#: config fields that hold a Hugging Face attention's dropout probability (Llama, GPT-2, BERT)
+ATTENTION_DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
+
+
+def attention_dropout(layer: nn.Module) -> float:
+    """The largest attention-dropout probability a layer's modules declare: ``uniap_attention_dropout()``, or a
+    Hugging Face attention's config (:data:`ATTENTION_DROPOUT_KEYS`) on modules switched with ``uniap_enable_cp``."""
+    found = [0.0]
+    for m in layer.modules():
+        hook = getattr(m, "uniap_attention_dropout", None)
+        if callable(hook):
+            found.append(float(hook()))
+        config = getattr(m, "config", None)
+        if config is not None and type(m).__name__.endswith("Attention"):
+            found += [float(v) for key in ATTENTION_DROPOUT_KEYS
+                      if isinstance(v := getattr(config, key, None), (int, float))]
+    return max(found)
 
 
 def sequence_multiple(plan: Any) -> int:
     """What every sequence's length must be a multiple of under ``plan``: the lcm over its layers of ``cp``
-    (``cp x tp`` where sequence parallelism splits each cp piece again)."""
+    (``cp x tp`` where sequence parallelism splits each cp piece again; ``2 cp`` for ring attention's halves)."""
     import math
 
     out = 1
     for lp in plan.layers:
         st = lp.strategy
-        out = math.lcm(out, st.cp * (st.tp if st.sp else 1))
+        ring = 2 if st.cp > 1 and getattr(st, "cp_method", "ulysses") == "ring" else 1
+        out = math.lcm(out, st.cp * ring * (st.tp if st.sp else 1))
     return out
 
 

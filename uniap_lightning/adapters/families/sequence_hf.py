@@ -1,4 +1,4 @@
-"""Ulysses context parallelism for Hugging Face decoders and BERT through transformers' ``AttentionInterface``.
+"""Ulysses and ring context parallelism for Hugging Face decoders and BERT through transformers' ``AttentionInterface``.
 
 :func:`enable_hf_ulysses` switches the attention of a chain's decoder layers (the Llama chain of
 :func:`uniap_lightning.adapters.hf.llama_layers`; GPT-2 blocks through :func:`switch_attention`) to the registered
@@ -7,7 +7,10 @@ the group stored on each attention module, and gives Llama's rotary embeddings g
 (``position_ids = cp_rank x s/c + arange(s/c)``, the slice
 :func:`~uniap_lightning.runtime.sequence.shard_causal_lm_batch` gives). Masks: causal, plus the key padding mask
 the :func:`~uniap_lightning.runtime.sequence.padding_mask` context sets (the chain passes no attention mask).
-Without a group (``group=None``) the same function runs the one-process attention, masks included.
+Without a group (``group=None``) the same function runs the one-process attention, masks included. The function
+dispatches on the attention module's ``uniap_cp_method``: ``"ulysses"`` (the default) or ``"ring"``
+(:func:`uniap_lightning.runtime.ring.ring_attention`: same pieces, same masks, no heads condition, no attention
+dropout); every ``enable_*`` function and :func:`switch_attention` take ``method``.
 
 :func:`enable_bert_ulysses` does the same for the BERT blocks of :mod:`.families.text`: bidirectional attention
 (BERT's ``is_causal`` is false) over the whole sequence with the key padding mask gathered over the cp group; each
@@ -35,7 +38,8 @@ ATTENTION_NAME = "uniap_ulysses"
 def ulysses_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                               attention_mask: torch.Tensor | None, dropout: float = 0.0,
                               scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function signature: q/k/v ``[b, heads, s/c, d]`` -> ``([b, s/c, heads, d], None)``."""
+    """transformers' attention-function signature: q/k/v ``[b, heads, s/c, d]`` -> ``([b, s/c, heads, d], None)``;
+    Ulysses or ring attention over the module's group (``module.uniap_cp_method``)."""
     from uniap_lightning.runtime.sequence import attention, ulysses_attention
 
     if attention_mask is not None:
@@ -45,6 +49,14 @@ def ulysses_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
     causal = bool(getattr(module, "is_causal", True))
     if group is None:
         out = attention(query, key, value, causal=causal, key_valid=key_valid, dropout_p=dropout, scale=scaling)
+    elif getattr(module, "uniap_cp_method", "ulysses") == "ring":
+        from uniap_lightning.runtime.ring import ring_attention
+
+        if dropout:
+            raise UniAPError(f"{ATTENTION_NAME} attention: ring attention does not run attention dropout "
+                             f"(p={dropout}); set the model's attention dropout to 0 or use Ulysses")
+        out = ring_attention(query, key, value, group, causal=causal, key_valid=key_valid, scale=scaling,
+                             counter=getattr(module, "uniap_cp_counter", None))
     else:
         out = ulysses_attention(query, key, value, group, causal=causal, key_valid=key_valid, dropout_p=dropout,
                                 scale=scaling, counter=getattr(module, "uniap_cp_counter", None))
@@ -71,9 +83,11 @@ class OffsetRotary(nn.Module):
         return self.rotary(hidden, pos + position_offset(self.group, hidden.shape[1]))
 
 
-def enable_hf_ulysses(layers: Iterable[nn.Module], group: Any | None, *, counter: Any = None) -> int:
-    """Run the decoder layers' attention with Ulysses over ``group`` (``None``: one process, same function);
-    returns how many layers switched. Checks heads (and key/value heads) against the group size up front."""
+def enable_hf_ulysses(layers: Iterable[nn.Module], group: Any | None, *, counter: Any = None,
+                      method: str = "ulysses") -> int:
+    """Run the decoder layers' attention with Ulysses (or ``method="ring"``: ring attention) over ``group``
+    (``None``: one process, same function); returns how many layers switched. Ulysses: checks heads (and key/value
+    heads) against the group size up front."""
     import torch.distributed as dist
 
     from uniap_lightning.adapters.hf import LlamaBlockLayer
@@ -88,24 +102,32 @@ def enable_hf_ulysses(layers: Iterable[nn.Module], group: Any | None, *, counter
         attn = layer.layer.self_attn
         heads = attn.config.num_attention_heads
         tp = attn.q_proj.weight.device_mesh.size() if hasattr(attn.q_proj.weight, "device_mesh") else 1
-        check_ulysses(heads=heads, cp=cp, tp=tp, name=f"{type(layer).__name__} (ulysses)")
-        switch_attention(attn, group, counter=counter)
+        if method == "ulysses":
+            check_ulysses(heads=heads, cp=cp, tp=tp, name=f"{type(layer).__name__} (ulysses)")
+        switch_attention(attn, group, counter=counter, method=method)
         if group is not None and not isinstance(layer.rotary, OffsetRotary):
             layer.rotary = OffsetRotary(layer.rotary, group)
         n += 1
     return n
 
 
-def switch_attention(attn: nn.Module, group: Any | None, *, counter: Any = None, own_config: bool = False) -> None:
+def switch_attention(attn: nn.Module, group: Any | None, *, counter: Any = None, own_config: bool = False,
+                     method: str = "ulysses") -> None:
     """Point a transformers attention module (one that calls ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``)
     at :func:`ulysses_attention_forward` over ``group``. The config is the model's, shared by its layers: layers
     without a group run the same function in one process (causal SDPA, as before). ``own_config``: switch a copy
-    of the config that only this module reads (the other layers keep the model's attention and masks)."""
+    of the config that only this module reads (the other layers keep the model's attention and masks). ``method``:
+    ``"ulysses"`` or ``"ring"``."""
+    from uniap_lightning.runtime.sequence import CP_METHODS
+
+    if method not in CP_METHODS:
+        raise UniAPError(f"{ATTENTION_NAME}: context-parallel method {method!r} is not one of {list(CP_METHODS)}")
     register()
     if own_config:
         attn.config = copy.copy(attn.config)
     attn.config._attn_implementation = ATTENTION_NAME
     attn.uniap_cp_group, attn.uniap_cp_counter, attn.uniap_key_valid = group, counter, None
+    attn.uniap_cp_method = method
 
 
 def llama_sp_plan(tp: int) -> dict[str, Any]:
@@ -135,8 +157,9 @@ def llama_sp_plan(tp: int) -> dict[str, Any]:
     }
 
 
-def enable_bert_ulysses(block: nn.Module, group: Any, *, counter: Any = None) -> None:
-    """Run a ``BertBlock``'s self-attention with Ulysses over ``group``: bidirectional, the padding mask of the
+def enable_bert_ulysses(block: nn.Module, group: Any, *, counter: Any = None, method: str = "ulysses") -> None:
+    """Run a ``BertBlock``'s self-attention with Ulysses (or ``method="ring"``) over ``group``: bidirectional, the
+    padding mask of the
     block's sequence piece gathered over the group (the block sets it with
     :func:`~uniap_lightning.runtime.sequence.padding_mask` and passes no 4-D mask). Checks the heads per
     tensor-parallel rank against the group size."""
@@ -147,9 +170,10 @@ def enable_bert_ulysses(block: nn.Module, group: Any, *, counter: Any = None) ->
     attn = block.layer.attention.self
     weight = attn.query.weight
     tp = weight.device_mesh.size() if hasattr(weight, "device_mesh") else 1
-    check_ulysses(heads=attn.num_attention_heads, cp=dist.get_world_size(group), tp=tp,
-                  name=f"{type(block).__name__} (ulysses)")
-    switch_attention(attn, group, counter=counter, own_config=True)
+    if method == "ulysses":
+        check_ulysses(heads=attn.num_attention_heads, cp=dist.get_world_size(group), tp=tp,
+                      name=f"{type(block).__name__} (ulysses)")
+    switch_attention(attn, group, counter=counter, own_config=True, method=method)
 
 
 def bert_sp_plan(tp: int) -> dict[str, Any]:

@@ -228,12 +228,12 @@ class BertSequenceBlock(BertBlock):
         return bert_sp_plan(tp)
 
     def uniap_cp_methods(self) -> list[str]:
-        return ["ulysses"]
+        return ["ulysses", "ring"]
 
     def uniap_enable_cp(self, group: Any, *, method: str = "ulysses", counter: Any = None) -> None:
         from uniap_lightning.adapters.families.sequence_hf import enable_bert_ulysses
 
-        enable_bert_ulysses(self, group, counter=counter)
+        enable_bert_ulysses(self, group, counter=counter, method=method)
         self._cp_group = group
 
 

@@ -331,9 +331,12 @@ def context_parallel_s(layer: LayerProfile, s: Strategy, tokens: float, cluster:
 
     * Ulysses (Jacobs et al. 2023): forward, one all-to-all each for q, k, v (sequence to head shards) and one for
       the output (back); backward the same four reversed.
-    * Ring attention (Liu et al. 2023): k and v blocks pass ``cp - 1`` times around the ring in forward; in backward
-      k, v and their gradients do. Each step overlaps a block's attention, so only what exceeds the layer's compute
-      is priced (an optimistic overlap with the whole layer: what a GPU run must confirm).
+    * Ring attention (Liu et al. 2023; :mod:`uniap_lightning.runtime.ring`): k and v blocks pass ``cp - 1`` times
+      around the ring in forward; in backward k and v do again, and their gradients ``cp`` times (home to their
+      owner). Each step overlaps a block's attention, so only what exceeds the layer's compute is priced (an
+      optimistic overlap with the whole layer). The causal load balance moves q and the output (forward), the
+      output's gradient and dq (backward) between the contiguous and the head-and-tail layouts: 4 all-to-alls of
+      ``H`` that nothing overlaps (priced for every ring layer: a profile does not say whether it is causal).
     """
     cp, a = s.cp, layer.attention_heads
     if cp == 1 or a == 0:
@@ -342,9 +345,15 @@ def context_parallel_s(layer: LayerProfile, s: Strategy, tokens: float, cluster:
     H = layer.output_bytes * tokens / s.tp
     kv = H * (layer.kv_heads or a) / a
     if s.cp_method == "ring":
-        steps = (cp - 1) * (p2p_s(cluster, 2 * kv, inter) + 2 * p2p_s(cluster, 2 * kv, inter))
-        return max(steps - compute_s, 0.0)
+        return ring_attention_s(cluster, H, kv, cp, inter, compute_s)
     return 2 * (2 * all_to_all_s(cluster, H, cp, inter) + 2 * all_to_all_s(cluster, kv, cp, inter))
+
+
+def ring_attention_s(cluster: Cluster, H: float, kv: float, cp: int, inter: bool, compute_s: float) -> float:
+    """Ring attention's exposed time per micro-batch (see :func:`context_parallel_s`): k / v and dk / dv ring steps
+    beyond the layer's compute, plus the 4 all-to-alls of the causal load balance."""
+    steps = 2 * (cp - 1) * p2p_s(cluster, 2 * kv, inter) + cp * p2p_s(cluster, 2 * kv, inter)
+    return max(steps - compute_s, 0.0) + 4 * all_to_all_s(cluster, H, cp, inter)
 
 
 def expert_parallel_s(layer: LayerProfile, s: Strategy, tokens: float, cluster: Cluster) -> float:
