@@ -413,6 +413,11 @@ ZERO_CKPT = {
     "resume_ep2_zero2": {"module": MOMENTUM, "data": DATA, "epochs": 2, "resume": "dp4.ckpt",
                          "plan": _plan({"ep": 2, "dp_mode": "zero2"}, world=4)},
 }
+#: the own MoE (its routing has batch statistics) on 2 stages x 2 ranks with ep=2 and 2 micro-batches under 1F1B,
+#: dropless and with drops: per micro-batch routing, against one process accumulating the micro-batches
+MICRO4 = {f"ep2_pp2_micro2{tag}": {**_case(_plan({"ep": 2}, world=4, pp=2, microbatches=2)),
+                                   "module": {**MODULE, **cfg}}
+          for tag, cfg in (("", {}), ("_drops", {"capacity_factor": 0.5}))}
 #: Qwen2-MoE with ep=2 x tp=2 in the same layers (dp=2): attention and shared expert tensor-parallel, the stacked
 #: experts split over the two ranks of each tensor-parallel index
 HF_EP_TP = {**_hf_case("qwen2_moe"),
@@ -422,7 +427,7 @@ HF_EP_TP = {**_hf_case("qwen2_moe"),
 
 @pytest.fixture(scope="module")
 def spawned4(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], Path]:
-    cases = {**CASES4, **ZERO_CKPT,
+    cases = {**CASES4, **ZERO_CKPT, **MICRO4,
              **({"hf_qwen2_moe_ep2_tp2": HF_EP_TP, "hf_mixtral_ep2_pp2": HF_PP} if HAS_HF else {})}
     out = tmp_path_factory.mktemp("expert_plans4")
     return h.spawn(4, cases, out), out
@@ -495,6 +500,15 @@ def test_expert_parallel_mixes_on_four_processes_match_one_process(four: list[di
             assert shapes["chain.1.q.weight"] == (32 // 4, 32)  # attention: over the 4 replicas
             # the router: whole next to an experts' FSDP2 unit (FSDP2 leaves a nested unit's subtree alone)
             assert shapes["chain.1.moe.router.weight"] == ((4, 32) if st.replicas > st.ep else (1, 32))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MICRO4))
+def test_ep2_over_two_pipeline_stages_with_two_micro_batches_matches_one_process_accumulating_them(
+        four: list[dict[str, Any]], name: str) -> None:
+    """pp=2 x dp=2, ep=2 in each stage's MoE block, 2 micro-batches (1F1B: one micro-batch's all-to-alls interleave
+    with the other's): each micro-batch routed on its own, as one process accumulating them (see the 2-rank test)."""
+    h.assert_close_to_reference(four, name, accumulated_reference(MICRO4[name]))
 
 
 # ------------------------------------------------------------------------------------------------ Hugging Face
