@@ -5,7 +5,7 @@ sequence piece with :func:`~uniap_lightning.runtime.sequence.attention` on the w
 the reference itself, same seed): the output piece and the q / k / v gradient pieces, plus the elements the
 counter saw against :func:`~uniap_lightning.runtime.ring.ring_elements`; ``kind: "chain_bytes"``: the same count
 for a GPT or Llama chain switched to ring by ``enable_context_parallel``. Keys: ``causal``, ``padded`` (row 0
-left-padded, row 1 all padding, row 2 right-padded), ``kv_heads`` (< 4: grouped-query), ``seq``, ``dtype``
+left-padded, row 1 all padding, row 2 right-padded), ``kv_heads`` (< 4: grouped-query), ``seq``, ``fused`` (``False``: the matmul path), ``dtype``
 (``"float64"``: the ring's accumulators follow, so it must match to rounding).
 """
 
@@ -56,7 +56,8 @@ def layer(case: dict[str, Any]) -> dict[str, Any]:
     local = [piece(t).clone().requires_grad_() for t in (q, k, v)]
     counter = AllToAllCounter()
     out = ring_attention(*local, dist.group.WORLD, causal=causal,
-                         key_valid=split_sequence(valid, r, c) if padded else None, counter=counter)
+                         key_valid=split_sequence(valid, r, c) if padded else None, counter=counter,
+                         fused=case.get("fused"))
     out.backward(piece(dout))
     diffs = {"out": float((out.detach() - piece(ref.detach())).abs().max())}
     for name, mine, whole in zip("qkv", local, full, strict=True):

@@ -3,7 +3,8 @@
 The layer-level cases of each world size share one spawn (:mod:`ring_workers`): causal and bidirectional, with and
 without key padding (a row of padding and left padding longer than a cp piece: rows that see no key see
 themselves, as in :func:`~uniap_lightning.runtime.sequence.attention`), grouped-query k/v; output and q / k / v
-gradients within 1e-5 in float32, to rounding in float64; the elements sent equal :func:`ring_elements`. Strategy
+gradients within 1e-5 in float32, to rounding in float64, both per-block paths (torch's CPU flash kernel and plain
+matmuls); the elements sent equal :func:`ring_elements`. Strategy
 parity (GPT, Llama, BERT under ``cp_method: ring``) is in ``test_sequence_plans.py`` and the building-block parity
 in ``test_sequence_parallel.py`` (their shared spawns); here the plan checks and the planner's offer.
 """
@@ -25,6 +26,9 @@ LAYER = {
     "bidirectional": {"kind": "layer", "causal": False},
     "bidirectional_padded_mqa": {"kind": "layer", "causal": False, "padded": True, "kv_heads": 1},
     "causal_padded_float64": {"kind": "layer", "padded": True, "kv_heads": 2, "dtype": "float64"},
+    # the plain-matmul blocks (what a non-CPU device runs) instead of torch's CPU flash kernel
+    "causal_padded_gqa_matmul": {"kind": "layer", "padded": True, "kv_heads": 2, "fused": False},
+    "bidirectional_padded_matmul": {"kind": "layer", "causal": False, "padded": True, "fused": False},
 }
 #: 2 ranks also: the chains the strategy switches (enable_context_parallel, method="ring") run ring, their elements
 CHAINS = {"gpt_chain_bytes": {"kind": "chain_bytes"}, "llama_chain_bytes": {"kind": "chain_bytes", "model": "llama"}}

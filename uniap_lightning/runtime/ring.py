@@ -26,8 +26,11 @@ contiguous. Needs the local piece length even (``s % 2c == 0``).
 ``(c-1)`` transfers of k and v, plus (causal) q and the output through the zigzag exchange; backward ``(c-1)``
 transfers of k, v and ``c`` of dk, dv, plus ``dout`` and ``dq``. :func:`ring_elements` is the formula.
 
-Attention dropout is not supported (refused when the plan is checked). The per-block math is plain float32
-matmuls on every device; no fused kernel is called (none was run here: CPU only).
+Attention dropout is not supported (refused when the plan is checked). Per block, on CPU: torch's flash kernel
+(``_scaled_dot_product_flash_attention_for_cpu`` and its backward, which take the whole row's LSE and output: the
+flash-style recomputation above); elsewhere, or with ``fused=False``: plain matmuls in the accumulators' dtype
+(the reference, tested equal). No CUDA kernel is called: a GPU runs the matmul path (not run here: no multi-GPU
+machine).
 """
 
 from __future__ import annotations
@@ -164,6 +167,40 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor |
     return s if mask is None else s.masked_fill(~mask, float("-inf"))
 
 
+def _additive(mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
+    return None if mask is None else torch.zeros(mask.shape, dtype=like.dtype, device=like.device).masked_fill(
+        ~mask, float("-inf"))
+
+
+def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                   fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's softmax(q k^T) v and its log-sum-exp (``-inf`` where the block hides every key of a row)."""
+    if fused:  # torch's CPU flash kernel; it reports lse 0 for a row it sees no key of
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.contiguous(), k, v, 0.0, False, attn_mask=_additive(mask, q), scale=scale)
+        if mask is not None:
+            lse = lse.masked_fill(~mask.any(-1).expand_as(lse), float("-inf"))
+        return o, lse
+    s = _scores(q, k, scale, mask)
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.matmul(torch.exp(s - lse[..., None]).nan_to_num(0.0), v), lse
+
+
+def _block_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor, big_d: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                    fused: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One block's share of dq, dk, dv, its probabilities recomputed from the whole row's ``lse`` (``out``: the
+    whole attention output, ``big_d = rowsum(do * out)``)."""
+    if fused:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do.contiguous(), q.contiguous(), k, v, out.contiguous(), lse.contiguous(), 0.0, False,
+            attn_mask=_additive(mask, q), scale=scale)
+    p = torch.exp(_scores(q, k, scale, mask) - lse[..., None]).nan_to_num(0.0)
+    ds = p * (torch.matmul(do, v.transpose(-1, -2)) - big_d[..., None])
+    return (torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale,
+            torch.matmul(p.transpose(-1, -2), do))
+
+
 class _Plan:
     """Which keys of kv piece ``p`` each local query chunk sees (positions global)."""
 
@@ -197,7 +234,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, causal: bool,
                 key_valid: torch.Tensor | None, row_empty: torch.Tensor | None, scale: float,
-                counter: Any) -> torch.Tensor:
+                counter: Any, fused: bool) -> torch.Tensor:
         c, r = dist.get_world_size(group), dist.get_rank(group)
         zig = causal and c > 1
         qz = zigzag(q, group, counter=counter) if zig else q
@@ -215,33 +252,32 @@ class _RingAttention(torch.autograd.Function):
             for off, qpos, kpos, n_keys in plan.blocks(p):
                 sl = slice(off, off + len(qpos))
                 mask = _block_mask(qpos, kpos, causal, key_valid, row_empty)
-                s = _scores(qf[:, :, sl], kb[:, :, :n_keys], scale, mask)
-                block_lse = torch.logsumexp(s, dim=-1)
+                o, block_lse = _block_forward(qf[:, :, sl], kb[:, :, :n_keys], vb[:, :, :n_keys], mask, scale, fused)
                 new_lse = torch.logaddexp(lse[:, :, sl], block_lse)
                 old = torch.exp(lse[:, :, sl] - new_lse).nan_to_num(0.0)  # -inf - -inf: nothing seen yet
-                pb = torch.exp(s - new_lse[..., None]).nan_to_num(0.0)
-                acc[:, :, sl] = acc[:, :, sl] * old[..., None] + torch.matmul(pb, vb[:, :, :n_keys])
+                new = torch.exp(block_lse - new_lse).nan_to_num(0.0)
+                acc[:, :, sl] = acc[:, :, sl] * old[..., None] + o * new[..., None]
                 lse[:, :, sl] = new_lse
             if pending is not None:
                 kv = _Ring.wait(pending)
         out = acc.to(q.dtype)
         ctx.save_for_backward(qz, k, v, out, lse)
-        ctx.group, ctx.causal, ctx.key_valid, ctx.row_empty, ctx.scale, ctx.counter = (
-            group, causal, key_valid, row_empty, scale, counter)
+        ctx.group, ctx.causal, ctx.key_valid, ctx.row_empty, ctx.scale, ctx.counter, ctx.fused = (
+            group, causal, key_valid, row_empty, scale, counter, fused)
         return zigzag(out, group, inverse=True, counter=counter) if zig else out
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:
         qz, k, v, out, lse = ctx.saved_tensors
-        group, causal, key_valid, row_empty, scale, counter = (
-            ctx.group, ctx.causal, ctx.key_valid, ctx.row_empty, ctx.scale, ctx.counter)
+        group, causal, key_valid, row_empty, scale, counter, fused = (
+            ctx.group, ctx.causal, ctx.key_valid, ctx.row_empty, ctx.scale, ctx.counter, ctx.fused)
         c, r = dist.get_world_size(group), dist.get_rank(group)
         zig = causal and c > 1
         doutz = zigzag(dout, group, counter=counter, backward=True) if zig else dout
         plan = _Plan(c, r, qz.shape[2], causal, qz.device)
         heads, kv_heads, acc_dtype = qz.shape[1], k.shape[1], lse.dtype
-        qf, do = qz.to(acc_dtype), doutz.to(acc_dtype)
-        big_d = (do * out.to(acc_dtype)).sum(-1)  # D = rowsum(dout * out)
+        qf, do, outf = qz.to(acc_dtype), doutz.to(acc_dtype), out.to(acc_dtype)
+        big_d = (do * outf).sum(-1)  # D = rowsum(dout * out)
         dq = torch.zeros_like(qf)
         ring = _Ring(group, counter, backward=True)
         kv = [k, v]
@@ -256,13 +292,11 @@ class _RingAttention(torch.autograd.Function):
             for off, qpos, kpos, n_keys in plan.blocks(p):
                 sl = slice(off, off + len(qpos))
                 mask = _block_mask(qpos, kpos, causal, key_valid, row_empty)
-                s = _scores(qf[:, :, sl], kb[:, :, :n_keys], scale, mask)
-                pb = torch.exp(s - lse[:, :, sl, None]).nan_to_num(0.0)
-                dv[:, :, :n_keys] += torch.matmul(pb.transpose(-1, -2), do[:, :, sl])
-                dp = torch.matmul(do[:, :, sl], vb[:, :, :n_keys].transpose(-1, -2))
-                ds = pb * (dp - big_d[:, :, sl, None])
-                dq[:, :, sl] += torch.matmul(ds, kb[:, :, :n_keys]) * scale
-                dk[:, :, :n_keys] += torch.matmul(ds.transpose(-1, -2), qf[:, :, sl]) * scale
+                bq, bk, bv = _block_backward(do[:, :, sl], qf[:, :, sl], kb[:, :, :n_keys], vb[:, :, :n_keys],
+                                             outf[:, :, sl], lse[:, :, sl], big_d[:, :, sl], mask, scale, fused)
+                dq[:, :, sl] += bq
+                dk[:, :, :n_keys] += bk
+                dv[:, :, :n_keys] += bv
             if heads != kv_heads:  # grouped-query: the compact gradient
                 dk, dv = (t.view(t.shape[0], kv_heads, heads // kv_heads, *t.shape[2:]).sum(2) for t in (dk, dv))
             grads = [grads[0] + dk, grads[1] + dv]
@@ -274,15 +308,17 @@ class _RingAttention(torch.autograd.Function):
         dq = dq.to(qz.dtype)
         if zig:
             dq = zigzag(dq, group, inverse=True, counter=counter, backward=True)
-        return dq, grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None, None, None, None
+        return dq, grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, *, causal: bool = True,
                    key_valid: torch.Tensor | None = None, scale: float | None = None,
-                   counter: Any = None) -> torch.Tensor:
+                   counter: Any = None, fused: bool | None = None) -> torch.Tensor:
     """:func:`~.sequence.attention` over the whole sequence for q / k / v given as this rank's contiguous sequence
     piece (``[b, heads, s/c, d]``; k / v may have fewer heads); ``key_valid`` is this rank's ``[b, s/c]`` piece of
-    the key padding mask. Returns this rank's piece of the output. Exact in float32 (see the module docstring)."""
+    the key padding mask. Returns this rank's piece of the output. Exact in float32 (see the module docstring).
+    ``fused``: each block through torch's CPU flash kernel (default on CPU) or plain matmuls (``False``; the only
+    choice on other devices)."""
     from uniap_lightning.runtime.sequence import attention, gather_sequence
 
     c = dist.get_world_size(group)
@@ -298,4 +334,5 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any
         full_valid = gather_sequence(key_valid.to(torch.bool), group)
         seen = full_valid.cummax(dim=1).values if causal else full_valid.any(1, keepdim=True).expand_as(full_valid)
         row_empty = ~seen
-    return _RingAttention.apply(q, k, v, group, causal, full_valid, row_empty, scale, counter)
+    fused = q.device.type == "cpu" if fused is None else fused and q.device.type == "cpu"
+    return _RingAttention.apply(q, k, v, group, causal, full_valid, row_empty, scale, counter, fused)
