@@ -5,8 +5,9 @@ sequence piece with :func:`~uniap_lightning.runtime.sequence.attention` on the w
 the reference itself, same seed): the output piece and the q / k / v gradient pieces, plus the elements the
 counter saw against :func:`~uniap_lightning.runtime.ring.ring_elements`; ``kind: "chain_bytes"``: the same count
 for a GPT or Llama chain switched to ring by ``enable_context_parallel``. Keys: ``causal``, ``padded`` (row 0
-left-padded, row 1 all padding, row 2 right-padded), ``kv_heads`` (< 4: grouped-query), ``seq``, ``fused`` (``False``: the matmul path), ``dtype``
-(``"float64"``: the ring's accumulators follow, so it must match to rounding).
+left-padded, row 1 all padding, row 2 right-padded), ``kv_heads`` (< 4: grouped-query), ``seq``, ``fused``
+(``False``: the matmul path), ``dtype`` (``"float64"``: the ring's accumulators follow, so it must match to
+rounding).
 """
 
 from __future__ import annotations
