@@ -20,7 +20,7 @@ COMPRESSIONS = ("none", "bf16", "powersgd", "topk")
 COMPRESSIBLE_DP_MODES = ("replicate", "zero1")
 DP_LABELS = {"replicate": "dp", "zero1": "z1dp", "zero2": "z2dp", "zero3": "fsdp"}
 #: how a layer's attention runs over a split sequence: "none" (cp = 1), Ulysses all-to-alls (any device) or ring
-#: attention (torch's context_parallel; CUDA)
+#: attention (``runtime/ring.py``; any device)
 CP_METHODS = ("none", "ulysses", "ring")
 CP_LABELS = {"ulysses": "u", "ring": "r"}
 ZERO_LABELS = {"zero1": "z1", "zero2": "z2", "zero3": "fsdp"}

@@ -54,7 +54,8 @@ before any process group work, what cannot run: a layer that declares no sequenc
 **Ring attention** (``cp_method="ring"``, :mod:`.ring`): the same contiguous pieces and contract as Ulysses
 (:func:`~.ring.ring_attention`), k / v passed round the cp group instead of heads exchanged, so no heads
 condition; causal load balance moves only q (``s`` must be a multiple of ``2 cp``, :func:`sequence_multiple`).
-Our own implementation (plain matmuls, any device); torch's CUDA-only ``context_parallel`` is not used.
+Our own implementation (any device: torch's CPU flash kernel per block on CPU, plain matmuls elsewhere); torch's
+CUDA-only ``context_parallel`` is not used.
 
 Layers declare their sequence behaviour with ``uniap_sequence() -> {"attention_heads": a, "kv_heads": k,
 "sequence_parallel": bool}`` (``a`` 0: token-wise); profiles take these fields from it (:func:`sequence_info`).
