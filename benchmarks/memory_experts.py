@@ -8,8 +8,10 @@
 trained 2 steps by ``Trainer(strategy=UniAPStrategy(plan=...))`` on ``--world`` gloo processes, one micro-batch of
 ``--batch`` samples per step, every layer data-parallel over all ranks (``replicate``); the MoE blocks add ``ep``:
 ``ep1`` (every expert on every rank; routing counted over all ranks' tokens), ``ep2``, ``ep4`` (``E / ep`` experts
-per rank, tokens moved by all-to-all; with ``--world 4``, ``ep2`` is ep 2 x dp 2). ``--capacity``: the capacity
-factors to run (``none``: dropless), one run of every plan each.
+per rank, tokens moved by all-to-all; with ``--world 4``, ``ep2`` is ep 2 x dp 2); ``cp2_ep2``: every layer's
+sequence over 2 ranks (Ulysses; dp over the others), the experts over 2 of the ``dp x cp`` replicas (dropless
+capacities only: a block that may drop tokens does not split its sequence). ``--capacity``: the capacity factors to
+run (``none``: dropless), one run of every plan each.
 
 Measured and predicted exactly as ``memory_sequence.py`` does (this script runs its per-rank probe with the MoE GPT
 in place of the GPT): **static** (parameters, gradients, AdamW state, buckets, from the live tensors), **kept**
@@ -34,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import memory_sequence as ms  # noqa: E402  (the probe, the prediction and the table)
 
-PLANS = ("ep1", "ep2", "ep4")
+PLANS = ("ep1", "ep2", "ep4", "cp2_ep2")
 
 
 def moe_layers(args: Any) -> list[torch.nn.Module]:
@@ -52,6 +54,10 @@ def ep_strategies(name: str, world: int, n: int) -> list[Any]:
 
     if name not in PLANS:
         raise SystemExit(f"unknown plan {name!r}: one of {', '.join(PLANS)}")
+    if name == "cp2_ep2":  # every layer's sequence over 2 ranks (Ulysses), data parallelism over the others
+        cp = {"cp": 2, "cp_method": "ulysses"}
+        return [Strategy.of(world // 2, 1, **cp)] + [Strategy.of(world // 2, 1, ep=2, **cp)] * (n - 2) + \
+            [Strategy.of(world // 2, 1, **cp)]
     ep = int(name[2:])
     if world % ep:
         raise SystemExit(f"plan {name} needs --world divisible by {ep}")
