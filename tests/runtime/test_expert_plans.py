@@ -2,9 +2,12 @@
 MoE GPT of :mod:`uniap_lightning.adapters.moe` matches one process (loss and parameters within 1e-5 after 5 steps)
 with a capacity that drops no token (``capacity_factor = E / k``), checkpoints hold the full experts, and tiny Hugging
 Face Mixtral / Qwen2-MoE / OLMoE models train through the zero-glue path (``self.model(**batch).loss``) likewise.
+Also: ep with Ulysses cp (dropless blocks), several micro-batches (against one process accumulating them), plan
+switches across ep degrees inside the fit (``rebalance=True``'s path), and memory per rank against the planner
+(``benchmarks/memory_experts.py``).
 
-The default two-process cases share one spawn (:data:`CASES2`); the four-process mixes (:data:`CASES4`) and the other
-two Hugging Face families (:data:`HF_SLOW`) are ``slow``, one spawn each.
+The default two-process cases share one spawn (:data:`CASES2`); the four-process mixes (:data:`CASES4`,
+:data:`MICRO4`) and the other two Hugging Face families (:data:`HF_SLOW`) are ``slow``, one spawn each.
 """
 
 from __future__ import annotations
