@@ -128,8 +128,8 @@ def test_bad_degrees_are_refused_in_one_line() -> None:
         sq.check_ulysses(heads=8, cp=3, tp=2)
     with pytest.raises(UniAPError, match="sequence length 7 is not divisible by cp=2"):
         sq.split_sequence(torch.zeros(1, 7), 0, 2)
-    with pytest.raises(UniAPError, match="'ring' is not executable here"):
-        sq.enable_context_parallel([], None, method="ring")
+    with pytest.raises(UniAPError, match="'zigzag' is not executable here"):
+        sq.enable_context_parallel([], None, method="zigzag")
 
 
 def test_masked_attention_without_padding_is_plain_causal_sdpa() -> None:
