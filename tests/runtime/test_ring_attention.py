@@ -183,3 +183,16 @@ def test_ring_pricing_adds_the_load_balance_all_to_alls() -> None:
     assert context_parallel_s(layer, s, 8, cluster, 0.0) == pytest.approx(steps + a2a)
     assert context_parallel_s(layer, s, 8, cluster, 1e9) == pytest.approx(a2a)  # the ring steps hide, not these
     assert context_parallel_s(replace(layer, attention_heads=0), s, 8, cluster, 0.0) == 0.0
+
+
+def test_the_search_leaves_ring_out_for_a_model_with_attention_dropout() -> None:
+    from uniap_lightning.adapters import CausalLMModule
+    from uniap_lightning.adapters.gpt import GPT, GPTConfig
+    from uniap_lightning.runtime import extract_chain
+    from uniap_lightning.runtime.planning import local_cluster
+    from uniap_lightning.setup import _without_ring_if_dropout
+
+    cluster = local_cluster(nodes=1, devices_per_node=2, device_type="cpu")
+    for dropout, ring_kept in ((0.0, True), (0.1, False)):
+        chain = extract_chain(CausalLMModule(GPT(GPTConfig(vocab_size=16, block_size=8, dropout=dropout)).layers()))
+        assert _without_ring_if_dropout(cluster, chain).ring_attention is ring_kept

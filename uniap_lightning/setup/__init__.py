@@ -92,6 +92,7 @@ def run_setup(chain: Chain, trainer: pl.Trainer, *, ranks: Ranks, options: Setup
         _check_pipeline_degrees(options.pp, ranks.world_size, len(chain.layers))
         if cluster is None:
             cluster = m.cluster()
+        cluster = _without_ring_if_dropout(cluster, chain)
         premeasured = None
         if options.profile_path is None and options.measure_cluster and ranks.distributed:
             premeasured = m.profile_everywhere(chain, sample)
@@ -145,6 +146,18 @@ def _pinned(m: Measurements, chain: Chain, sample: Sample, fitting: bool) -> Dec
     check_plan_matches(plan, chain.names, world_size=m.ranks.world_size, profile=profile,
                        global_batch_size=sample.global_batch_size if fitting else None)
     return plan, "pinned", profile, m.report
+
+
+def _without_ring_if_dropout(cluster: Cluster, chain: Chain) -> Cluster:
+    """The cluster to search: without ring attention where a layer's attention has dropout (ring runs none, and the
+    plan check would refuse it)."""
+    from dataclasses import replace
+
+    from uniap_lightning.runtime.sequence import attention_dropout
+
+    if cluster.ring_attention and any(attention_dropout(layer) > 0 for layer in chain.layers):
+        return replace(cluster, ring_attention=False)
+    return cluster
 
 
 def _solve(m: Measurements, chain: Chain, sample: Sample, cluster: Cluster | None,
