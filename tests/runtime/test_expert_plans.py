@@ -399,6 +399,8 @@ CASES4 = {
     # (the hidden states and the per-token auxiliary loss re-laid out between (4, 1) and (2, 2))
     **{f"cp2_ep{ep}_dp2": _case(_plan({"dp": 2, "cp": 2, "ep": ep}, world=4, edges={"dp": 4}))
        for ep in (2, 4)},
+    # the same with ring attention (load-balanced inside the attention; the experts see contiguous pieces)
+    "ring_cp2_ep2_dp2": _case(_plan({"dp": 2, "cp": 2, "cp_method": "ring", "ep": 2}, world=4, edges={"dp": 4})),
     # recomputation: the backward runs the blocks' forward again, all-to-alls included
     "ep2_recompute": _case(_plan({"ep": 2, "recompute": True}, world=4)),
 }

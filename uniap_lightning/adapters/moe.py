@@ -186,7 +186,7 @@ class MoEBlock(Block):
 
     ``x`` or ``(x, aux)`` -> ``(x, aux)``; ``aux [B, T]`` accumulates the auxiliary losses (see the module docstring).
 
-    Context parallelism (Ulysses, :class:`.gpt.Block`'s) only where the experts drop nothing (``capacity_factor``
+    Context parallelism (:class:`.gpt.Block`'s Ulysses or ring attention) only where the experts drop nothing (``capacity_factor``
     ``None`` or ``>= E / k``): a split sequence hands the router its tokens in another order than one process, which
     decides who is dropped. Otherwise the block declares no sequence behaviour, so profiles carry no sequence fields
     for it and the planner never splits its sequence. Tensor and sequence parallelism next to experts: not wired.
@@ -219,7 +219,7 @@ class MoEBlock(Block):
         raise UniAPError("MoEBlock: sequence parallelism is not supported next to experts yet (use tp=1)")
 
     def uniap_cp_methods(self) -> list[str]:
-        return ["ulysses"] if self.moe.dropless else []
+        return super().uniap_cp_methods() if self.moe.dropless else []
 
     def uniap_cp_degrees(self, tp: int = 1) -> list[int]:
         return super().uniap_cp_degrees(tp) if self.moe.dropless else [1]
