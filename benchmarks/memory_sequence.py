@@ -52,7 +52,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memory_modes import _free_port, _mb, gpt_layers  # noqa: E402  (the same model and helpers)
 
-PLANS = ("dp2", "cp2", "tp2", "tp2_sp", "cp2_rc")
+PLANS = ("dp2", "cp2", "tp2", "tp2_sp", "cp2_rc", "cp2_ring")
 
 
 def plan_strategies(name: str, world: int, n: int) -> list[Any]:
@@ -65,6 +65,8 @@ def plan_strategies(name: str, world: int, n: int) -> list[Any]:
         return [Strategy.of(world, 1)] * n
     if name in ("cp2", "cp2_rc"):
         return [Strategy.of(d, 1, recompute=name == "cp2_rc", cp=2, cp_method="ulysses")] * n
+    if name == "cp2_ring":  # ring attention (runtime/ring.py)
+        return [Strategy.of(d, 1, cp=2, cp_method="ring")] * n
     if name == "tp2":
         return [Strategy.of(d, 2)] * n
     if name == "tp2_sp":  # sequence parallelism in the blocks (the embedding and head have no sp plan)

@@ -229,9 +229,11 @@ def _layer_cost(
     if s.sp:  # torch's ColwiseParallel(input_layouts=Shard(1)) saves the all-gathered input of each column-parallel
         # projection whole (Megatron gathers it again in backward instead): one per TP all-reduce it replaces
         act += (1 - 1 / t) * layer.tp_allreduces * layer.output_bytes * tokens
-    if cp > 1 and s.cp_method == "ulysses" and layer.attention_heads:
+    if cp > 1 and layer.attention_heads:
         # attention's output is kept twice: head-sharded (saved by attention) and, after the all-to-all back,
-        # sequence-sharded (the output projection's input); the profile, one process, saw one
+        # sequence-sharded (the output projection's input); the profile, one process, saw one. Ring attention
+        # keeps as much (its output in the load-balanced layout, saved for backward, besides the projection's
+        # input; measured, benchmarks/memory_sequence.py cp2_ring)
         act += layer.output_bytes * tokens / t
     # what the layer's backward adds at its peak (the gradients in and out, temporaries), split like activations
     transient += layer.backward_peak_bytes * tokens * ((1 - f) + f / t)
