@@ -103,8 +103,7 @@ def zigzag(x: torch.Tensor, group: Any, *, inverse: bool = False, counter: Any =
     # the all-to-all's buffers: for each peer, its chunks in chunk order
     send = sorted(send_chunks, key=lambda t: (t[0], t[1]))
     recv = sorted(recv_chunks)
-    moved = lambda t: t.movedim(2, 0).contiguous()  # noqa: E731  chunks along dim 0 for the flat exchange
-    inp = torch.cat([moved(part) for _, _, part in send], dim=0)
+    inp = torch.cat([part.movedim(2, 0) for _, _, part in send], dim=0)  # chunks along dim 0: a flat exchange
     out = torch.empty_like(inp)
     in_split = [half * sum(p == peer for p, _, _ in send) for peer in range(c)]
     out_split = [half * sum(p == peer for p, _ in recv) for peer in range(c)]
@@ -206,20 +205,17 @@ class _Plan:
 
     def __init__(self, c: int, r: int, n_local: int, causal: bool, device: torch.device) -> None:
         self.causal, self.device = causal, device
-        if causal and c > 1:
-            half = n_local // 2
-            self.q_chunks = [(r * half, half), ((2 * c - 1 - r) * half, half)]  # (start, length) in the output
-            self.q_starts = [j * half for j in (r, 2 * c - 1 - r)]
-        else:
-            self.q_chunks = [(0, n_local)]
-            self.q_starts = [r * n_local]
+        half = n_local // 2
+        # (global position of the first query, number of queries) of each local query chunk, in local order
+        self.q_chunks = ([(j * half, half) for j in (r, 2 * c - 1 - r)] if causal and c > 1
+                         else [(r * n_local, n_local)])
         self.n_local = n_local
 
     def blocks(self, p: int) -> list[tuple[int, torch.Tensor, torch.Tensor, int]]:
         """``(local query offset, query positions, key positions, number of keys)`` of the blocks against piece p."""
         out, off = [], 0
         k0 = p * self.n_local
-        for (_, length), q0 in zip(self.q_chunks, self.q_starts, strict=True):
+        for q0, length in self.q_chunks:
             n_keys = self.n_local
             if self.causal:
                 n_keys = min(self.n_local, q0 + length - k0)  # keys after the chunk's last query are masked
