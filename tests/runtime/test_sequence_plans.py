@@ -291,6 +291,10 @@ FOUR_RANKS_SLOW = {
     # ring attention: dp 2 x cp 2, and cp 2 x tp 2 (ring over the heads each TP rank holds)
     "gpt_ring_dp2_cp2": {**GPT, "plan": _plan4([{"dp": 2, **RING2}] * 4)},
     "gpt_ring_cp2_tp2": {**GPT, "plan": _plan4([{"tp": 2, **RING2}] * 4)},
+    # sequence parallelism in the blocks, ring over the pieces' heads; BERT (bidirectional, padding) next to dp 2
+    "gpt_ring_cp2_tp2_sp": {**GPT, "plan": _plan4([{"tp": 2, **RING2}, {"tp": 2, "sp": True, **RING2},
+                                                   {"tp": 2, "sp": True, **RING2}, {"tp": 2, **RING2}])},
+    "bert_mlm_ring_dp2_cp2": bert("bert_mlm", [{"dp": 2, **RING2}] * 4, world=4),
 }
 
 
