@@ -295,6 +295,10 @@ FOUR_RANKS_SLOW = {
     "gpt_ring_cp2_tp2_sp": {**GPT, "plan": _plan4([{"tp": 2, **RING2}, {"tp": 2, "sp": True, **RING2},
                                                    {"tp": 2, "sp": True, **RING2}, {"tp": 2, **RING2}])},
     "bert_mlm_ring_dp2_cp2": bert("bert_mlm", [{"dp": 2, **RING2}] * 4, world=4),
+    # ZeRO-3 and recomputation (the recomputed forward runs the ring again), two pipeline stages of ring lanes
+    "gpt_ring_dp2_cp2_zero3_rc": {**GPT, "plan": _plan4([{"dp": 2, **RING2, "dp_mode": "zero3", "recompute": True}]
+                                                        * 4)},
+    "gpt_ring_cp2_pp2": {**GPT, "plan": _plan4([RING2] * 4, [0, 0, 1, 1], pp=2, microbatches=2)},
 }
 
 
