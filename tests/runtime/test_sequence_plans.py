@@ -79,6 +79,22 @@ def bert(family: str, strategies: list[Any], stages: list[int] | None = None, *,
             "data": {"factory": "hf_models:hf_batches", "family": family}, **kw}
 
 
+#: GPT-2 and Llama as users train them (``hf_models``: ``self.model(**batch).loss``, right-padded batches): embedding,
+#: two decoder blocks, the final norm + LM head
+DECODER_NAMES = {"gpt2": ["transformer.wte", "transformer.h.0", "transformer.h.1", "transformer.ln_f"],
+                 "llama": ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm"]}
+
+
+def decoder(family: str, strategies: list[Any], stages: list[int] | None = None, *, world: int = 2,
+            **kw: Any) -> dict[str, Any]:
+    names = DECODER_NAMES[family.split("_")[0]]
+    stages = stages or [0] * 4
+    plan = h.make_plan(strategies, stages, pp=max(stages) + 1, microbatches=kw.pop("microbatches", 1), world=world,
+                       names=[f"model.{n}" for n in names])
+    return {"plan": plan, "module": {"factory": "hf_models:hf_module", "family": family},
+            "data": {"factory": "hf_models:hf_batches", "family": family}, **kw}
+
+
 CP_SP = _plan([CP2, {"tp": 2, "sp": True}, CP2, CP2], microbatches=2)  # cp, then tp + sp, then cp again
 PLAIN = _plan([ONE] * 4)
 RING2 = {"cp": 2, "cp_method": "ring"}
@@ -131,6 +147,13 @@ TWO_RANKS = {
     "gpt_cp2_ring_padded": {**GPT, "plan": RING, "data": {"factory": "test_sequence_plans:padded_lm_data"}},
     "llama_cp2_ring": {"module": {"lm": "llama"}, "plan": _plan([RING2, RING2, ONE, RING2], microbatches=2)},
     "bert_mlm_cp2_ring": bert("bert_mlm", [RING2] * 4),
+    # GPT-2 and Llama through the zero-glue path (the model's own causal loss on the gathered logits): Ulysses cp
+    # (global learned / rotary positions, grouped-query k/v), ring next to dp 2, Llama's blocks with tp 2 + sp
+    "hf_gpt2_cp2": decoder("gpt2", [CP2] * 4),
+    "hf_llama_cp2": decoder("llama", [CP2, CP2, CP2, ONE], microbatches=2),
+    "hf_llama_ring_next_to_dp2": decoder("llama", [ONE, RING2, RING2, RING2], microbatches=2),
+    "hf_llama_tp2_sp": decoder("llama", [{"tp": 2}, {"tp": 2, "sp": True}, {"tp": 2, "sp": True}, ONE],
+                               microbatches=2),
 }
 PARITY = [k for k in TWO_RANKS if not k.startswith(("save_", "resume_", "ring_", "solved_", "validate_"))]
 
@@ -299,6 +322,14 @@ FOUR_RANKS_SLOW = {
     "gpt_ring_dp2_cp2_zero3_rc": {**GPT, "plan": _plan4([{"dp": 2, **RING2, "dp_mode": "zero3", "recompute": True}]
                                                         * 4)},
     "gpt_ring_cp2_pp2": {**GPT, "plan": _plan4([RING2] * 4, [0, 0, 1, 1], pp=2, microbatches=2)},
+    # GPT-2 and Llama through the zero-glue path: dp 2 x cp 2; Llama's blocks cp 2 x tp 2 + sp; two pipeline stages
+    # of cp 2 lanes with ZeRO-3 and recomputation; a token classifier (its head on whole sequences) next to cp 2
+    "hf_gpt2_dp2_cp2": decoder("gpt2", [{"dp": 2, "cp": 2}] * 4, world=4),
+    "hf_llama_cp2_tp2_sp": decoder("llama", [{"cp": 2, "tp": 2}, {"cp": 2, "tp": 2, "sp": True},
+                                             {"cp": 2, "tp": 2, "sp": True}, {"dp": 4}], world=4, microbatches=2),
+    "hf_llama_cp2_pp2_zero3_rc": decoder("llama", [{"cp": 2}] + [{"cp": 2, "dp_mode": "zero3", "recompute": True}] * 3,
+                                         [0, 0, 1, 1], world=4, microbatches=2),
+    "hf_llama_tc_dp2_cp2": decoder("llama_tc", [{"dp": 2, "cp": 2}] * 3 + [{"dp": 4}], world=4),
 }
 
 
@@ -396,6 +427,44 @@ def test_bert_profile_declares_the_sequence_and_the_planner_offers_cp_and_sp() -
     with pytest.raises(UniAPError, match=r"model.bert.pooler.*declares no sequence behaviour"):
         check_plan_executable(bert("bert", [CP2] * 4)["plan"], classifier)
     assert all(sequence_info(m) is None for m in extract_chain(hf_module("bert_mc")).layers)
+
+
+def test_decoder_profiles_declare_the_sequence_and_the_planner_offers_cp_and_sp() -> None:
+    """GPT-2 and Llama as users train them (``self.model(**batch).loss``) from a measured profile: the blocks
+    declare their heads (Llama's grouped-query k/v; sequence parallelism where a tensor-parallel plan exists), the
+    embedding and the LM head are token-wise, so the search offers cp (Ulysses, ring) and Llama's sp. The sequence
+    classifiers (their embedding finds each row's last real token) declare nothing: whole sequences only."""
+    from hf_models import hf_batches, hf_module
+
+    from uniap_lightning.errors import UniAPError
+    from uniap_lightning.planner.cost.layer import strategies_for
+    from uniap_lightning.profiling.module import profile_chain
+    from uniap_lightning.runtime import check_plan_executable, extract_chain
+    from uniap_lightning.runtime.planning import local_cluster
+    from uniap_lightning.runtime.sequence import sequence_info
+    from uniap_lightning.runtime.tensor_parallel import tp_degrees
+
+    cluster = local_cluster(nodes=1, devices_per_node=4, device_type="cpu")
+    for family, heads, kv, sp in (("gpt2", 2, 2, False), ("llama", 4, 2, True)):
+        chain = extract_chain(hf_module(family))
+        batch = next(iter(hf_batches(4, family)))
+        sample = {k: batch[k] for k in ("input_ids", "attention_mask")}
+        prof = profile_chain(chain.layers, chain.names, sample, repeats=1, micro_batches=[4],
+                             tp_degrees=[tp_degrees(m) for m in chain.layers])
+        emb, block, head = prof.layers[0], prof.layers[1], prof.layers[3]
+        seq = sample["input_ids"].shape[1]
+        assert (emb.sequence_length, emb.attention_heads) == (seq, 0)
+        assert (block.sequence_length, block.attention_heads, block.kv_heads, block.sequence_parallel) == \
+            (seq, heads, kv, sp), family
+        assert (head.sequence_length, head.attention_heads) == (seq, 0)
+        offered = strategies_for(block, 4, cluster, 8)
+        assert {(2, "ulysses"), (2, "ring")} <= {(s.cp, s.cp_method) for s in offered}, family
+        assert any(s.sp for s in offered) == sp
+    for family in ("gpt2_sc", "llama_sc"):
+        classifier = extract_chain(hf_module(family))
+        assert all(sequence_info(m) is None for m in classifier.layers)
+    with pytest.raises(UniAPError, match=r"declares no sequence behaviour"):
+        check_plan_executable(decoder("llama_sc", [CP2] * 4)["plan"], extract_chain(hf_module("llama_sc")))
 
 
 def test_encoder_batches_split_with_their_labels_and_attention_is_bidirectional() -> None:

@@ -313,9 +313,17 @@ def bert_layers(model: Any) -> list[tuple[nn.Module, list[str]]]:
 
 # ------------------------------------------------------------------------------------------------------ GPT-2
 class GPT2Embed(View):
+    """Token + learned position embedding; under context parallelism (:class:`GPT2SequenceEmbed`) its input is a
+    contiguous piece of each sequence and the positions are global (``cp_rank x s/c`` onwards)."""
+
+    _cp_group: Any = None
+
     def forward(self, d: Payload) -> dict[str, Any]:
+        from uniap_lightning.runtime.sequence import position_offset
+
         ids = d["input_ids"]
-        pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+        start = position_offset(self._cp_group, ids.shape[1])
+        pos = torch.arange(start, start + ids.shape[1], device=ids.device).unsqueeze(0)
         return {"hidden": self.drop(self.wte(ids) + self.wpe(pos)), "input_ids": None, **_pool_index(self, ids)}
 
 
@@ -327,8 +335,74 @@ class GPT2Block(View):
         super().__init__(block=block)
         self.config = config
 
+    _cp_group: Any = None
+
     def forward(self, d: Payload) -> dict[str, torch.Tensor]:
+        if self._cp_group is not None:  # Ulysses / ring: causal over the whole sequence, this piece's padding mask
+            with _key_padding(self.block, d):
+                return {"hidden": _first(self.block(d["hidden"], attention_mask=None))}
         return {"hidden": _first(self.block(d["hidden"], attention_mask=_causal_mask(self.config, d)))}
+
+
+def _key_padding(module: nn.Module, d: Payload) -> Any:
+    """The key padding mask of this rank's sequence piece for the switched attention of ``module``
+    (:func:`uniap_lightning.runtime.sequence.padding_mask`; gathered over the cp group inside attention)."""
+    from uniap_lightning.runtime.sequence import padding_mask
+
+    mask = d.get("attention_mask")
+    return padding_mask([module], None if mask is None else mask.bool())
+
+
+class _DecoderSequence:
+    """The sequence hooks of a zero-glue decoder block (GPT-2, Llama) over its attention module ``_attention()``:
+    Ulysses (heads per tensor-parallel rank divisible by cp) or ring attention over the context-parallel group
+    (:func:`~.sequence_hf.switch_attention` on a copy of the config, so blocks left at cp 1 keep the model's
+    attention and masks)."""
+
+    _cp_group: Any = None
+
+    def _attention(self) -> nn.Module:
+        raise NotImplementedError
+
+    def _heads(self) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def uniap_cp_methods(self) -> list[str]:
+        return ["ulysses", "ring"]
+
+    def uniap_enable_cp(self, group: Any, *, method: str = "ulysses", counter: Any = None) -> None:
+        import torch.distributed as dist
+
+        from uniap_lightning.adapters.families.sequence_hf import switch_attention
+        from uniap_lightning.runtime.sequence import check_ulysses
+
+        attn = self._attention()
+        if method == "ulysses":
+            weight = next((getattr(attn, n).weight for n in ("q_proj", "c_attn") if hasattr(attn, n)), None)
+            tp = weight.device_mesh.size() if hasattr(weight, "device_mesh") else 1
+            check_ulysses(heads=self._heads()[0], cp=dist.get_world_size(group), tp=tp,
+                          name=f"{type(self).__name__} (ulysses)")
+        switch_attention(attn, group, counter=counter, own_config=True, method=method)
+        self._cp_group = group
+
+
+class GPT2SequenceEmbed(GlobalPositions, GPT2Embed):
+    """:class:`GPT2Embed` that may run on pieces of the sequence (token-wise; global positions under cp)."""
+
+
+class GPT2SequenceBlock(_DecoderSequence, GPT2Block):
+    """:class:`GPT2Block` with the sequence dimension: Ulysses or ring context parallelism (no sequence
+    parallelism: GPT-2 has no tensor-parallel plan here)."""
+
+    def _attention(self) -> nn.Module:
+        return self.block.attn
+
+    def _heads(self) -> tuple[int, int]:
+        return self.config.n_head, self.config.n_head
+
+    def uniap_sequence(self) -> dict[str, Any]:
+        heads = self.config.n_head
+        return {"attention_heads": heads, "kv_heads": heads, "sequence_parallel": False}
 
 
 def _causal_mask(config: Any, d: Payload) -> Any:
@@ -338,7 +412,11 @@ def _causal_mask(config: Any, d: Payload) -> Any:
 
 
 class NormLMHead(View):
-    """Final norm + LM head; tensor parallel over the vocabulary (logits gathered)."""
+    """Final norm + LM head; tensor parallel over the vocabulary (logits gathered). Token-wise: under context
+    parallelism it may run on sequence pieces (the model's own causal loss then sees the gathered logits)."""
+
+    def uniap_sequence(self) -> dict[str, Any]:
+        return {"attention_heads": 0}
 
     def forward(self, d: Payload) -> torch.Tensor:
         return self.lm_head(self.norm(d["hidden"]))
@@ -381,14 +459,15 @@ def gpt2_head(model: Any) -> Family:
     if not isinstance(t, nn.Module):
         raise _unsupported_head(model, GPT2_HEADS)
     head = _decoder_head(model, kind, t.ln_f, "transformer", "ln_f", GPT2_HEADS, "classifier")
-    embed = GPT2Embed(wte=t.wte, wpe=t.wpe, drop=t.drop)
+    embed_cls, block_cls = (GPT2SequenceEmbed, GPT2SequenceBlock) if _decoder_sequence(kind) else (GPT2Embed, GPT2Block)
+    embed = embed_cls(wte=t.wte, wpe=t.wpe, drop=t.drop)
     if kind == "sequence_classification":
         embed = _pooled(embed, model.config)
 
     def layers(model: Any) -> list[tuple[nn.Module, list[str]]]:
         return [
             (embed, ["transformer.wte", "transformer.wpe"]),
-            *[(GPT2Block(b, t.config), [f"transformer.h.{i}"]) for i, b in enumerate(t.h)],
+            *[(block_cls(b, t.config), [f"transformer.h.{i}"]) for i, b in enumerate(t.h)],
             head,
         ]
 
@@ -426,8 +505,19 @@ class LlamaBlock(View):
         self.config = config
         self.rotary = LlamaRotaryEmbedding(config=config)
 
+    _cp_group: Any = None
+
     def forward(self, d: Payload) -> dict[str, torch.Tensor]:
+        from uniap_lightning.runtime.sequence import position_offset
+
         hidden = d["hidden"]
+        if self._cp_group is not None:  # a piece of each sequence: global rotary positions, switched attention
+            start = position_offset(self._cp_group, hidden.shape[1])
+            pos = torch.arange(start, start + hidden.shape[1], device=hidden.device).unsqueeze(0)
+            with _key_padding(self.layer, d):
+                out = self.layer(hidden, attention_mask=None, position_ids=pos,
+                                 position_embeddings=self.rotary(hidden, pos))
+            return {"hidden": _first(out)}
         pos = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         out = self.layer(hidden, attention_mask=_causal_mask(self.config, d), position_ids=pos,
                          position_embeddings=self.rotary(hidden, pos))
@@ -446,6 +536,40 @@ class LlamaBlock(View):
         return 2
 
 
+class LlamaSequenceEmbed(GlobalPositions, LlamaEmbed):
+    """:class:`LlamaEmbed` that may run on pieces of the sequence (token-wise; the rotary positions are the
+    blocks')."""
+
+
+class LlamaSequenceBlock(_DecoderSequence, LlamaBlock):
+    """:class:`LlamaBlock` with the sequence dimension: Ulysses or ring context parallelism (grouped-query k/v),
+    global rotary positions under cp, and sequence parallelism with tensor parallelism
+    (:func:`~.sequence_hf.llama_sp_plan`: the decoder layer is the boundary, as in the ``hf_layers`` chain)."""
+
+    def _attention(self) -> nn.Module:
+        return self.layer.self_attn
+
+    def _heads(self) -> tuple[int, int]:
+        return self.config.num_attention_heads, self.config.num_key_value_heads
+
+    def uniap_sequence(self) -> dict[str, Any]:
+        heads, kv = self._heads()
+        return {"attention_heads": heads, "kv_heads": kv, "sequence_parallel": True}
+
+    def uniap_sp_plan(self, tp: int) -> dict[str, Any]:
+        from uniap_lightning.adapters.families.sequence_hf import llama_sp_plan
+
+        return llama_sp_plan(tp)
+
+
+def _decoder_sequence(kind: str | None) -> bool:
+    """Whether a decoder's zero-glue chain declares the sequence dimension: its causal LM, token classification and
+    question answering heads (not the sequence classifier: its embedding finds each row's last real token on whole
+    sequences), on transformers 5.x (where cp and sp are tested)."""
+    return kind in ("causal_lm", "token_classification", "question_answering") and compat.at_least(
+        compat.BERT_HEADS_FROM_SHAPE)
+
+
 LLAMA_HEADS = ("LlamaForCausalLM, LlamaForSequenceClassification, LlamaForTokenClassification and "
                "LlamaForQuestionAnswering")
 
@@ -459,14 +583,16 @@ def llama_head(model: Any) -> Family:
     if not isinstance(m, nn.Module) or not _has(m, "embed_tokens", "norm"):
         raise _unsupported_head(model, LLAMA_HEADS)
     head = _decoder_head(model, kind, m.norm, prefix, "norm", LLAMA_HEADS, "score")
-    embed = LlamaEmbed(embed_tokens=m.embed_tokens)
+    sequence = _decoder_sequence(kind)
+    embed = (LlamaSequenceEmbed if sequence else LlamaEmbed)(embed_tokens=m.embed_tokens)
+    block_cls = LlamaSequenceBlock if sequence else LlamaBlock
     if kind == "sequence_classification":
         embed = _pooled(embed, model.config)
 
     def layers(model: Any) -> list[tuple[nn.Module, list[str]]]:
         return [
             (embed, [f"{prefix}.embed_tokens"]),
-            *[(LlamaBlock(layer, m.config), [f"{prefix}.layers.{i}"]) for i, layer in enumerate(m.layers)],
+            *[(block_cls(layer, m.config), [f"{prefix}.layers.{i}"]) for i, layer in enumerate(m.layers)],
             head,
         ]
 
