@@ -98,9 +98,10 @@ def hf_module(family: str, lr: float = 0.1) -> HFModule:
     return HFModule(build(family), lr=lr)
 
 
-def hf_batches(batch_size: int, family: str, n: int = 32, seed: int = 1) -> Any:
-    """Dict batches as Hugging Face users have them; text with right padding of varying length (labels -100 where
-    padded), so micro-batches hold different numbers of real tokens."""
+def hf_batches(batch_size: int, family: str, n: int = 32, seed: int = 1, left: bool = False) -> Any:
+    """Dict batches as Hugging Face users have them; text with right padding (``left``: left padding, as decoders
+    are batched for generation) of varying length (labels -100 where padded), so micro-batches hold different
+    numbers of real tokens."""
     from torch.utils.data import DataLoader
 
     g = torch.Generator().manual_seed(seed)
@@ -119,8 +120,8 @@ def hf_batches(batch_size: int, family: str, n: int = 32, seed: int = 1) -> Any:
             continue
         length = int(torch.randint(2, SEQ + 1, (), generator=g))
         ids = torch.randint(1, VOCAB, (SEQ,), generator=g)
-        mask = (torch.arange(SEQ) < length).long()
-        ids = ids * mask  # PAD = 0 after the end
+        mask = (torch.arange(SEQ) >= SEQ - length if left else torch.arange(SEQ) < length).long()
+        ids = ids * mask  # PAD = 0 after the end (before the start with left padding)
         if family.endswith("_tc"):  # a label per real token, some real tokens unlabelled too
             labels = torch.randint(0, 3, (SEQ,), generator=g)
             unlabelled = (mask == 0) | (torch.rand(SEQ, generator=g) < 0.2)

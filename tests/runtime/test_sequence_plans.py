@@ -154,6 +154,14 @@ TWO_RANKS = {
     "hf_llama_ring_next_to_dp2": decoder("llama", [ONE, RING2, RING2, RING2], microbatches=2),
     "hf_llama_tp2_sp": decoder("llama", [{"tp": 2}, {"tp": 2, "sp": True}, {"tp": 2, "sp": True}, ONE],
                                microbatches=2),
+    # left padding (rows whose first keys are all padding, on one cp rank's whole piece): Llama with Ulysses and
+    # with ring, BERT's masked LM with Ulysses
+    "hf_llama_cp2_left_padded": {**decoder("llama", [CP2] * 4),
+                                 "data": {"factory": "hf_models:hf_batches", "family": "llama", "left": True}},
+    "hf_llama_ring_left_padded": {**decoder("llama", [RING2] * 4),
+                                  "data": {"factory": "hf_models:hf_batches", "family": "llama", "left": True}},
+    "bert_mlm_cp2_left_padded": {**bert("bert_mlm", [CP2] * 4),
+                                 "data": {"factory": "hf_models:hf_batches", "family": "bert_mlm", "left": True}},
 }
 PARITY = [k for k in TWO_RANKS if not k.startswith(("save_", "resume_", "ring_", "solved_", "validate_"))]
 
