@@ -198,3 +198,32 @@ def test_the_search_leaves_ring_out_for_a_model_with_attention_dropout() -> None
     for dropout, ring_kept in ((0.0, True), (0.1, False)):
         chain = extract_chain(CausalLMModule(GPT(GPTConfig(vocab_size=16, block_size=8, dropout=dropout)).layers()))
         assert _without_ring_if_dropout(cluster, chain).ring_attention is ring_kept
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_matmul_path_computes_long_blocks_in_row_chunks_exactly(monkeypatch, causal) -> None:
+    """The plain-matmul block (every device but CPU) bounds its scores to ``MATMUL_SCORE_ELEMENTS`` by taking the
+    query rows in chunks: with a budget of a few rows, forward, LSE and dq/dk/dv equal the one-chunk results
+    (key padding with a row that sees no key, causal diagonal)."""
+    import torch
+
+    from uniap_lightning.runtime import ring
+
+    g = torch.Generator().manual_seed(0)
+    b, h, n, d = 2, 3, 12, 4
+    q, k, v, do = (torch.randn(b, h, n, d, generator=g, dtype=torch.float64) for _ in range(4))
+    pos = torch.arange(n)
+    key_valid = torch.ones(b, n, dtype=torch.bool)
+    key_valid[1, :7] = False
+    row_empty = torch.zeros(b, n, dtype=torch.bool)
+    row_empty[1, :7] = causal  # causal: rows 0..6 of sample 1 see no valid key
+    mask = ring._block_mask(pos, pos, causal, key_valid, row_empty)
+    whole = ring._block_forward(q, k, v, mask, 0.5, False)
+    big_d = (do * whole[0]).sum(-1)
+    whole_grads = ring._block_backward(do, q, k, v, whole[0], whole[1], big_d, mask, 0.5, False)
+    monkeypatch.setattr(ring, "MATMUL_SCORE_ELEMENTS", b * h * n * 5)  # 5 rows at a time: chunks 5, 5, 2
+    assert [sl.stop for sl in ring._row_chunks(q, n)] == [5, 10, 12]
+    chunked = ring._block_forward(q, k, v, mask, 0.5, False)
+    chunked_grads = ring._block_backward(do, q, k, v, whole[0], whole[1], big_d, mask, 0.5, False)
+    for a, c in zip((*whole, *whole_grads), (*chunked, *chunked_grads)):
+        assert torch.allclose(a, c, atol=1e-12, equal_nan=True)

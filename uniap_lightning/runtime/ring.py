@@ -171,6 +171,24 @@ def _additive(mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | N
         ~mask, float("-inf"))
 
 
+#: the plain-matmul path computes a block's scores this many elements at a time at most (query rows in chunks:
+#: softmax is per row, so chunking is exact); it bounds the transient memory of long blocks (a 32k x 32k block of
+#: 32 heads would otherwise take 128 GiB of float32 scores)
+MATMUL_SCORE_ELEMENTS = 1 << 26
+
+
+def _row_chunks(q: torch.Tensor, n_keys: int) -> list[slice]:
+    """Query-row slices whose ``[b, heads, rows, n_keys]`` scores stay within :data:`MATMUL_SCORE_ELEMENTS`."""
+    per_row = max(q.shape[0] * q.shape[1] * n_keys, 1)
+    rows = max(MATMUL_SCORE_ELEMENTS // per_row, 1)
+    return [slice(i, min(i + rows, q.shape[2])) for i in range(0, q.shape[2], rows)]
+
+
+def _rows(mask: torch.Tensor | None, sl: slice) -> torch.Tensor | None:
+    """The query rows ``sl`` of a block mask (one broadcast row, e.g. a key padding mask alone, stays as it is)."""
+    return None if mask is None or mask.shape[2] == 1 else mask[:, :, sl]
+
+
 def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
                    fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """One block's softmax(q k^T) v and its log-sum-exp (``-inf`` where the block hides every key of a row)."""
@@ -180,9 +198,13 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
         if mask is not None:
             lse = lse.masked_fill(~mask.any(-1).expand_as(lse), float("-inf"))
         return o, lse
-    s = _scores(q, k, scale, mask)
-    lse = torch.logsumexp(s, dim=-1)
-    return torch.matmul(torch.exp(s - lse[..., None]).nan_to_num(0.0), v), lse
+    outs, lses = [], []
+    for sl in _row_chunks(q, k.shape[2]):
+        s = _scores(q[:, :, sl], k, scale, _rows(mask, sl))
+        lse = torch.logsumexp(s, dim=-1)
+        outs.append(torch.matmul(torch.exp(s - lse[..., None]).nan_to_num(0.0), v))
+        lses.append(lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
 def _block_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -194,10 +216,14 @@ def _block_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             do.contiguous(), q.contiguous(), k, v, out.contiguous(), lse.contiguous(), 0.0, False,
             attn_mask=_additive(mask, q), scale=scale)
-    p = torch.exp(_scores(q, k, scale, mask) - lse[..., None]).nan_to_num(0.0)
-    ds = p * (torch.matmul(do, v.transpose(-1, -2)) - big_d[..., None])
-    return (torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale,
-            torch.matmul(p.transpose(-1, -2), do))
+    dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for sl in _row_chunks(q, k.shape[2]):
+        p = torch.exp(_scores(q[:, :, sl], k, scale, _rows(mask, sl)) - lse[:, :, sl, None]).nan_to_num(0.0)
+        ds = p * (torch.matmul(do[:, :, sl], v.transpose(-1, -2)) - big_d[:, :, sl, None])
+        dq[:, :, sl] = torch.matmul(ds, k) * scale
+        dk += torch.matmul(ds.transpose(-1, -2), q[:, :, sl]) * scale
+        dv += torch.matmul(p.transpose(-1, -2), do[:, :, sl])
+    return dq, dk, dv
 
 
 class _Plan:
