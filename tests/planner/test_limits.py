@@ -131,7 +131,7 @@ def test_a_hard_candidate_goes_back_into_the_queue_and_cannot_starve_the_rest(mo
     assert plan.solver.status == "optimal" and plan.solver.gap == 0.0
     assert plan.estimate.tpi_s == pytest.approx(expected.estimate.tpi_s, rel=1e-9)
     turns = [i for i, (key, _) in enumerate(calls) if key == hard[0]]
-    assert len(turns) == 2 and calls[turns[0]][1] == pytest.approx(100, rel=0.01)
+    assert len(turns) == 2 and 90 <= calls[turns[0]][1] <= 100  # a tenth of what is left of the 1,000 s
     assert calls[turns[1]][1] >= 150  # twice the slice, or what was left when it was the last one
     assert turns[1] == len(calls) - 1 and len(calls) > 2  # the others ran in between
     record = next(r for r in plan.search if (r["pp"], r["microbatches"], r["schedule"], r["virtual_stages"]) == hard[0])
