@@ -31,3 +31,14 @@ def test_without_transformers_the_keys_still_build(monkeypatch: pytest.MonkeyPat
 
     monkeypatch.setattr(importlib.metadata, "version", version)
     assert "transformers" not in cache.versions()
+
+
+def test_the_profiler_revision_is_part_of_the_key(monkeypatch):
+    """Entries cached by a profiler that recorded fewer fields (before the sequence and expert fields) get another
+    key, so they are measured again rather than read without those fields."""
+    from uniap_lightning.profiling import cache
+
+    now = cache.versions()
+    assert now["profiler"] == cache.PROFILER_REVISION
+    monkeypatch.setattr(cache, "PROFILER_REVISION", "1")
+    assert cache.versions() != now

@@ -32,10 +32,16 @@ def default_profile_cache_dir() -> Path:
     return (Path(base) if base else Path.home() / ".cache" / "uniap-lightning") / "profiles"
 
 
+#: what the profiler measures and records, revised when a release would otherwise reuse entries that lack fields
+#: the planner now needs (2: the sequence fields, ``loss_on_pieces`` and the mixture-of-experts fields; entries
+#: cached before them are measured again instead of hiding cp / sp / ep from the search)
+PROFILER_REVISION = "2"
+
+
 def versions() -> dict[str, str]:
     import torch
 
-    out = {"torch": torch.__version__}
+    out = {"torch": torch.__version__, "profiler": PROFILER_REVISION}
     try:
         import lightning
 
