@@ -29,7 +29,8 @@ transfers of k, v and ``c`` of dk, dv, plus ``dout`` and ``dq``. :func:`ring_ele
 Attention dropout is not supported (refused when the plan is checked). Per block, on CPU: torch's flash kernel
 (``_scaled_dot_product_flash_attention_for_cpu`` and its backward, which take the whole row's LSE and output: the
 flash-style recomputation above); elsewhere, or with ``fused=False``: plain matmuls in the accumulators' dtype
-(the reference, tested equal). No CUDA kernel is called: a GPU runs the matmul path (not run here: no multi-GPU
+(the reference, tested equal), taking query rows in chunks so a block's scores stay within
+:data:`MATMUL_SCORE_ELEMENTS`. No CUDA kernel is called: a GPU runs the matmul path (not run here: no multi-GPU
 machine).
 """
 
