@@ -26,7 +26,6 @@ the balanced ``tokens x k`` the planner assumes (and a capacity factor caps it):
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -135,14 +134,7 @@ def main() -> None:
     args.capacities = [None if c == "none" else float(c) for c in args.capacity.split(",") if c]
     if args.batch % args.world:
         sys.exit("--world must divide --batch")
-    rows = run(args)
-    text = table(rows, args)
-    print(text)
-    if args.markdown:
-        args.markdown.write_text(text + "\n")
-    if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "args": {k: str(v) for k, v in vars(args).items()}},
-                                        indent=1))
+    ms.report(run(args), args, table)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import shutil
 import sys
@@ -282,14 +281,19 @@ def main() -> None:
     args.plans = [p for p in args.plans.split(",") if p]
     if args.world % 2 or args.batch % args.world:
         sys.exit("--world must be even and divide --batch")
-    rows = run(args)
-    text = table(rows, args)
+    report(run(args), args, table)
+
+
+def report(rows: list[dict[str, Any]], args: Any, tabulate: Any) -> None:
+    """Print the table of ``rows`` and write it (``--markdown``) and the rows (``--json``) atomically."""
+    from uniap_lightning.files import write_json_atomic, write_text_atomic
+
+    text = tabulate(rows, args)
     print(text)
     if args.markdown:
-        args.markdown.write_text(text + "\n")
+        write_text_atomic(args.markdown, text + "\n")
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "args": {k: str(v) for k, v in vars(args).items()}},
-                                        indent=1))
+        write_json_atomic(args.json, {"rows": rows, "args": {k: str(v) for k, v in vars(args).items()}})
 
 
 if __name__ == "__main__":
