@@ -12,14 +12,11 @@ rounding).
 
 from __future__ import annotations
 
-import os
-import traceback
-from pathlib import Path
 from typing import Any
 
+import sequence_workers
 import torch
 import torch.distributed as dist
-
 from uniap_lightning.runtime.ring import ring_attention, ring_elements
 
 BATCH, HEADS, HEAD_DIM = 3, 4, 8
@@ -93,16 +90,4 @@ KINDS = {"layer": layer, "chain_bytes": chain_bytes}
 
 
 def worker(rank: int, world: int, port: int, cases: dict[str, dict[str, Any]], out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
-                      LOCAL_RANK=str(rank), GLOO_SOCKET_IFNAME="lo")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    results: dict[str, Any] = {}
-    for name, case in cases.items():
-        try:
-            results[name] = KINDS[case["kind"]](case)
-        except Exception as err:  # recorded, so the test names the failing case
-            results[name] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
-            break  # the process group may be unusable after a failure
-    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    dist.destroy_process_group()
+    sequence_workers.worker(rank, world, port, cases, out_dir, kinds=KINDS)

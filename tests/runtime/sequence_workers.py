@@ -328,7 +328,11 @@ def bad_heads(case: dict[str, Any]) -> dict[str, Any]:
 KINDS = {"train": train, "bytes": count_bytes, "sp_comms": sp_comms, "bad_heads": bad_heads}
 
 
-def worker(rank: int, world: int, port: int, cases: dict[str, dict[str, Any]], out_dir: str) -> None:
+def worker(rank: int, world: int, port: int, cases: dict[str, dict[str, Any]], out_dir: str,
+           kinds: dict[str, Any] | None = None) -> None:
+    """Run every case with ``kinds[case["kind"]]`` (default :data:`KINDS`) in one gloo group; results (or the first
+    failure) saved per rank."""
+    kinds = KINDS if kinds is None else kinds
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
                       LOCAL_RANK=str(rank), GLOO_SOCKET_IFNAME="lo")
     torch.set_num_threads(1)
@@ -336,7 +340,7 @@ def worker(rank: int, world: int, port: int, cases: dict[str, dict[str, Any]], o
     results: dict[str, Any] = {}
     for name, case in cases.items():
         try:
-            results[name] = KINDS[case["kind"]](case)
+            results[name] = kinds[case["kind"]](case)
         except Exception as err:  # recorded, so the test names the failing case
             results[name] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
             break  # the process group may be unusable after a failure
