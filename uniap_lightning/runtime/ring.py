@@ -77,14 +77,8 @@ def ring_elements(*, rank: int, cp: int, batch: int, seq_len: int, heads: int, k
 
 # ---------------------------------------------------------------------------------------------- exchanges
 def _count(counter: Any, n: int, *, backward: bool) -> None:
-    if counter is None or n == 0:
-        return
-    if backward:
-        counter.backward_elements += n
-    else:
-        counter.forward_elements += n
-        counter.calls += 1
-        counter.by_call.append(n)
+    if counter is not None and n:
+        counter.add(n, backward=backward)
 
 
 def zigzag(x: torch.Tensor, group: Any, *, inverse: bool = False, counter: Any = None,

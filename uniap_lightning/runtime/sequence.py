@@ -95,6 +95,15 @@ class AllToAllCounter:
         self.forward_elements = self.backward_elements = self.calls = 0
         self.by_call.clear()
 
+    def add(self, n: int, *, backward: bool) -> None:
+        """Count ``n`` elements sent by one exchange (a forward one also as a call)."""
+        if backward:
+            self.backward_elements += n
+        else:
+            self.forward_elements += n
+            self.calls += 1
+            self.by_call.append(n)
+
 
 def ulysses_elements(*, seq_len: int, batch: int, hidden: int, cp: int) -> float:
     """Elements one Ulysses attention forward sends per rank: ``4 s b h (c-1)/c^2`` (q, k, v in, output back)."""
@@ -141,13 +150,7 @@ def _exchange(x: torch.Tensor, group: Any, counter: AllToAllCounter | None, *, b
     dist.all_to_all_single(out, x, group=group)
     if counter is not None:
         c = dist.get_world_size(group)
-        sent = x.numel() * (c - 1) // c
-        if backward:
-            counter.backward_elements += sent
-        else:
-            counter.forward_elements += sent
-            counter.calls += 1
-            counter.by_call.append(sent)
+        counter.add(x.numel() * (c - 1) // c, backward=backward)
     return out
 
 
