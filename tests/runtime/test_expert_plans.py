@@ -270,19 +270,6 @@ def test_ep2_plan_splits_the_experts_and_exchanges_tokens(two: list[dict[str, An
         assert sum(b for name, b in res["ep2"]["all_to_all"] if name == "dispatch") > 0
 
 
-def _memory_bench() -> Any:
-    import importlib.util
-    import sys
-
-    if "memory_experts" not in sys.modules:  # spawned ranks import it by this name (sys.path holds its folder)
-        path = Path(__file__).resolve().parents[2] / "benchmarks" / "memory_experts.py"
-        spec = importlib.util.spec_from_file_location("memory_experts", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["memory_experts"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["memory_experts"]
-
-
 def test_ep_activations_and_static_bytes_per_rank_match_the_planner() -> None:
     """``benchmarks/memory_experts.py``'s smallest case (issue 23): the MoE GPT with capacity factor 1.0 (tokens
     dropped, unevenly over the ranks) under ep1 and ep2 on 2 gloo ranks. Per rank, the planner's activations (its
@@ -292,7 +279,7 @@ def test_ep_activations_and_static_bytes_per_rank_match_the_planner() -> None:
     from argparse import Namespace
 
     args = Namespace(world=2, layers=2, width=64, seq=64, batch=4, experts=4, capacities=[1.0], plans=["ep1", "ep2"])
-    rows = _memory_bench().run(args)
+    rows = h.benchmark("memory_experts").run(args)
     assert [(r["plan"], r["rank"]) for r in rows] == [("ep1", 0), ("ep1", 1), ("ep2", 0), ("ep2", 1)]
     for r in rows:
         p = r["predicted"]

@@ -6,27 +6,14 @@ gradients, AdamW, buckets) within 1%; each block's activations within 1%."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from argparse import Namespace
-from pathlib import Path
-from typing import Any
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "memory_sequence.py"
-
-
-def _bench() -> Any:
-    if "memory_sequence" not in sys.modules:  # spawned ranks import it by this name (sys.path holds its folder)
-        spec = importlib.util.spec_from_file_location("memory_sequence", BENCH)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["memory_sequence"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["memory_sequence"]
+import uniap_rt_helpers as h
 
 
 def test_cp2_activations_and_static_bytes_per_rank_match_the_planner() -> None:
     args = Namespace(world=2, layers=2, width=64, seq=128, batch=2, plans=["cp2", "cp2_ring"])
-    rows = _bench().run(args)
+    rows = h.benchmark("memory_sequence").run(args)
     assert [(r["plan"], r["rank"]) for r in rows] == [("cp2", 0), ("cp2", 1), ("cp2_ring", 0), ("cp2_ring", 1)]
     for r in rows:
         p = r["predicted"]

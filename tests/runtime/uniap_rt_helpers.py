@@ -36,6 +36,21 @@ N_SAMPLES = 64
 NAMES = ["net.0", "net.1", "net.2", "net.3"]
 
 
+def benchmark(name: str) -> Any:
+    """The script ``benchmarks/<name>.py`` as module ``name`` (spawned ranks import it by that name: the
+    benchmarks folder is on their path), loaded once."""
+    import importlib.util
+    import sys
+
+    if name not in sys.modules:
+        path = Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
