@@ -53,6 +53,9 @@ class Candidate:
     tables: CostTables  # priced under the candidate's schedule and virtual stages (tables.schedule, tables.v)
     bound_s: float
     warm: Plan | None = None
+    trace_record: dict | None = None  # its record in the search trace, once handed out (one, also when solved again)
+    slice_s: float | None = None  # the time slice of its next solve
+    resolves: int = 0  # how often its slice ran out and it went back into the queue
 
     @property
     def record(self) -> dict:
@@ -216,17 +219,15 @@ def search(
     pool = Pool(worker_count(workers, problem.num_devices, problem.model.num_layers, len(cands)))
     queue = list(cands)
     pending: dict = {}  # future -> (candidate, trace record, cutoff, whether the solve was given a time slice)
-    records: dict[int, dict] = {}  # id(candidate) -> its trace record (one per candidate, also when re-solved)
-    slices: dict[int, float] = {}  # id(candidate) -> the time slice of its next solve
     first_slice = max(SLICE_MIN_S, SLICE_FRACTION * deadline.remaining_s())
     try:
         while queue or pending:
             while queue and len(pending) < pool.size:  # hand out candidates, best bound first
                 cand = queue.pop(0)
-                record = records.get(id(cand))
-                if record is None:
-                    record = records[id(cand)] = {**cand.record, "outcome": "", "tpi_s": None, "bound_s": cand.bound_s}
-                    trace.append(record)
+                if cand.trace_record is None:
+                    cand.trace_record = {**cand.record, "outcome": "", "tpi_s": None, "bound_s": cand.bound_s}
+                    trace.append(cand.trace_record)
+                record = cand.trace_record
                 if best is not None and cand.bound_s >= best.estimate.tpi_s * (1 - 1e-9):
                     pruned += 1
                     record["outcome"] = "pruned by bound"
@@ -240,7 +241,8 @@ def search(
                     continue
                 # a time slice while other candidates wait, so one hard candidate cannot starve the rest; the
                 # last ones get what is left
-                limit = min(remaining, slices.setdefault(id(cand), first_slice)) if queue else remaining
+                cand.slice_s = cand.slice_s or first_slice
+                limit = min(remaining, cand.slice_s) if queue else remaining
                 cutoff = best.estimate.tpi_s if best else None
                 pending[pool.submit(cand.tables, name, limit, cutoff)] = (cand, record, cutoff, limit < remaining)
             if not pending:
@@ -266,11 +268,11 @@ def search(
                 if unfinished and sliced and deadline.remaining_s() > 0:
                     # its slice ran out: back into the queue behind every candidate not tried as often (by bound
                     # among those tried as often), with twice the time next turn
-                    slices[id(cand)] = 2 * slices[id(cand)]
-                    record["resolves"] = record.get("resolves", 0) + 1
+                    cand.slice_s *= 2
+                    cand.resolves += 1
+                    record["resolves"] = cand.resolves
                     queue.append(cand)
-                    queue.sort(key=lambda cd: (records[id(cd)].get("resolves", 0) if id(cd) in records else 0,
-                                               cd.bound_s))
+                    queue.sort(key=lambda cd: (cd.resolves, cd.bound_s))
                 elif unfinished:
                     all_optimal = False
                     open_bounds.append(cand.bound_s)
