@@ -13,6 +13,8 @@ non-padding token (``last``) from the first layer, which alone sees ``input_ids`
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -338,28 +340,31 @@ class GPT2Block(View):
     _cp_group: Any = None
 
     def forward(self, d: Payload) -> dict[str, torch.Tensor]:
-        if self._cp_group is not None:  # Ulysses / ring: causal over the whole sequence, this piece's padding mask
-            with _key_padding(self.block, d):
-                return {"hidden": _first(self.block(d["hidden"], attention_mask=None))}
-        return {"hidden": _first(self.block(d["hidden"], attention_mask=_causal_mask(self.config, d)))}
+        with _attention_masks(self, self.block, d) as mask:
+            return {"hidden": _first(self.block(d["hidden"], attention_mask=mask))}
 
 
-def _key_padding(module: nn.Module, d: Payload) -> Any:
-    """The key padding mask of this rank's sequence piece for the switched attention of ``module``
-    (:func:`uniap_lightning.runtime.sequence.padding_mask`; gathered over the cp group inside attention)."""
+@contextmanager
+def _attention_masks(block: Any, module: nn.Module, d: Payload) -> Iterator[Any]:
+    """The ``attention_mask`` a decoder block passes ``module``: the causal + padding mask of whole sequences, or
+    under context parallelism (``block._cp_group``) none, the switched attention being causal over the whole
+    sequence with this piece's key padding mask (gathered over the cp group inside attention,
+    :func:`uniap_lightning.runtime.sequence.padding_mask`) set for the call."""
     from uniap_lightning.runtime.sequence import padding_mask
 
+    if block._cp_group is None:
+        yield _causal_mask(block.config, d)
+        return
     mask = d.get("attention_mask")
-    return padding_mask([module], None if mask is None else mask.bool())
+    with padding_mask([module], None if mask is None else mask.bool()):
+        yield None
 
 
 class _DecoderSequence:
     """The sequence hooks of a zero-glue decoder block (GPT-2, Llama) over its attention module ``_attention()``:
     Ulysses (heads per tensor-parallel rank divisible by cp) or ring attention over the context-parallel group
     (:func:`~.sequence_hf.switch_attention` on a copy of the config, so blocks left at cp 1 keep the model's
-    attention and masks)."""
-
-    _cp_group: Any = None
+    attention and masks); the block's ``forward`` then reads ``_cp_group``."""
 
     def _attention(self) -> nn.Module:
         raise NotImplementedError
@@ -511,16 +516,11 @@ class LlamaBlock(View):
         from uniap_lightning.runtime.sequence import position_offset
 
         hidden = d["hidden"]
-        if self._cp_group is not None:  # a piece of each sequence: global rotary positions, switched attention
-            start = position_offset(self._cp_group, hidden.shape[1])
-            pos = torch.arange(start, start + hidden.shape[1], device=hidden.device).unsqueeze(0)
-            with _key_padding(self.layer, d):
-                out = self.layer(hidden, attention_mask=None, position_ids=pos,
-                                 position_embeddings=self.rotary(hidden, pos))
-            return {"hidden": _first(out)}
-        pos = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        out = self.layer(hidden, attention_mask=_causal_mask(self.config, d), position_ids=pos,
-                         position_embeddings=self.rotary(hidden, pos))
+        start = position_offset(self._cp_group, hidden.shape[1])  # global rotary positions under cp
+        pos = torch.arange(start, start + hidden.shape[1], device=hidden.device).unsqueeze(0)
+        with _attention_masks(self, self.layer, d) as mask:
+            out = self.layer(hidden, attention_mask=mask, position_ids=pos,
+                             position_embeddings=self.rotary(hidden, pos))
         return {"hidden": _first(out)}
 
     def uniap_tp_degrees(self) -> list[int]:
