@@ -114,12 +114,8 @@ def solve_plan(
     (``None``: all); ``on_solve()`` is called when the cache has no plan, before solving (e.g. to say so);
     ``warm_start`` (a running plan) and ``baselines=False`` make a re-solve faster without changing its optimum
     (see :func:`uniap_lightning.planner.solver.solve`), so neither enters the cache key. Ring
-    attention is searched where ``cluster.ring_attention`` says so and this runtime executes it
-    (:data:`uniap_lightning.runtime.sequence.CP_METHODS`; it does on every device, :mod:`.ring`)."""
-    from uniap_lightning.runtime.sequence import CP_METHODS
-
-    if cluster.ring_attention and "ring" not in CP_METHODS:  # the search offers only what this runtime executes
-        cluster = replace(cluster, ring_attention=False)
+    attention is searched where ``cluster.ring_attention`` says so (the runtime runs it on every device,
+    :mod:`.ring`)."""
     key = cache_key(profile=profile, cluster=cluster, world_size=cluster.num_devices, training=training,
                     solver=solver, compression=compression, compression_options=compression_options, pp=pp)
     path = cache_dir / f"plan-{key}.json"
