@@ -105,15 +105,10 @@ class GPT2BlockLayer(nn.Module):
 
     def uniap_enable_cp(self, group: Any, *, method: str = "ulysses", counter: Any = None) -> None:
         """Ulysses or ring attention over ``group`` (transformers' attention interface, :mod:`.families.sequence_hf`)."""
-        import torch.distributed as dist
-
         from uniap_lightning.adapters.families.sequence_hf import switch_attention
-        from uniap_lightning.runtime.sequence import check_ulysses
 
-        if method == "ulysses":
-            check_ulysses(heads=self.block.attn.num_heads, cp=dist.get_world_size(group),
-                          name="GPT2BlockLayer (ulysses)")
-        switch_attention(self.block.attn, group, counter=counter, method=method)
+        switch_attention(self.block.attn, group, counter=counter, method=method, heads=self.block.attn.num_heads,
+                         name="GPT2BlockLayer")
 
 
 class NormHead(nn.Module):

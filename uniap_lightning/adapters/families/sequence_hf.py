@@ -88,23 +88,15 @@ def enable_hf_ulysses(layers: Iterable[nn.Module], group: Any | None, *, counter
     """Run the decoder layers' attention with Ulysses (or ``method="ring"``: ring attention) over ``group``
     (``None``: one process, same function); returns how many layers switched. Ulysses: checks heads (and key/value
     heads) against the group size up front."""
-    import torch.distributed as dist
-
     from uniap_lightning.adapters.hf import LlamaBlockLayer
-    from uniap_lightning.runtime.sequence import check_ulysses
 
-    register()
-    cp = 1 if group is None else dist.get_world_size(group)
     n = 0
     for layer in layers:
         if not isinstance(layer, LlamaBlockLayer):
             continue
         attn = layer.layer.self_attn
-        heads = attn.config.num_attention_heads
-        tp = attn.q_proj.weight.device_mesh.size() if hasattr(attn.q_proj.weight, "device_mesh") else 1
-        if method == "ulysses":
-            check_ulysses(heads=heads, cp=cp, tp=tp, name=f"{type(layer).__name__} (ulysses)")
-        switch_attention(attn, group, counter=counter, method=method)
+        switch_attention(attn, group, counter=counter, method=method, heads=attn.config.num_attention_heads,
+                         name=type(layer).__name__)
         if group is not None and not isinstance(layer.rotary, OffsetRotary):
             layer.rotary = OffsetRotary(layer.rotary, group)
         n += 1
@@ -112,16 +104,23 @@ def enable_hf_ulysses(layers: Iterable[nn.Module], group: Any | None, *, counter
 
 
 def switch_attention(attn: nn.Module, group: Any | None, *, counter: Any = None, own_config: bool = False,
-                     method: str = "ulysses") -> None:
+                     method: str = "ulysses", heads: int | None = None, name: str = "attention") -> None:
     """Point a transformers attention module (one that calls ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``)
     at :func:`ulysses_attention_forward` over ``group``. The config is the model's, shared by its layers: layers
     without a group run the same function in one process (causal SDPA, as before). ``own_config``: switch a copy
     of the config that only this module reads (the other layers keep the model's attention and masks). ``method``:
-    ``"ulysses"`` or ``"ring"``."""
-    from uniap_lightning.runtime.sequence import CP_METHODS
+    ``"ulysses"`` or ``"ring"``; Ulysses first checks ``heads`` (per tensor-parallel rank: the module's sharded
+    weights say the tp degree) against the group size, naming ``name``."""
+    import torch.distributed as dist
+
+    from uniap_lightning.runtime.sequence import CP_METHODS, check_ulysses
 
     if method not in CP_METHODS:
         raise UniAPError(f"{ATTENTION_NAME}: context-parallel method {method!r} is not one of {list(CP_METHODS)}")
+    if method == "ulysses" and heads is not None:
+        tp = next((p.device_mesh.size() for p in attn.parameters() if hasattr(p, "device_mesh")), 1)
+        check_ulysses(heads=heads, cp=1 if group is None else dist.get_world_size(group), tp=tp,
+                      name=f"{name} (ulysses)")
     register()
     if own_config:
         attn.config = copy.copy(attn.config)
@@ -163,17 +162,9 @@ def enable_bert_ulysses(block: nn.Module, group: Any, *, counter: Any = None, me
     block's sequence piece gathered over the group (the block sets it with
     :func:`~uniap_lightning.runtime.sequence.padding_mask` and passes no 4-D mask). Checks the heads per
     tensor-parallel rank against the group size."""
-    import torch.distributed as dist
-
-    from uniap_lightning.runtime.sequence import check_ulysses
-
     attn = block.layer.attention.self
-    weight = attn.query.weight
-    tp = weight.device_mesh.size() if hasattr(weight, "device_mesh") else 1
-    if method == "ulysses":
-        check_ulysses(heads=attn.num_attention_heads, cp=dist.get_world_size(group), tp=tp,
-                      name=f"{type(block).__name__} (ulysses)")
-    switch_attention(attn, group, counter=counter, own_config=True, method=method)
+    switch_attention(attn, group, counter=counter, own_config=True, method=method, heads=attn.num_attention_heads,
+                     name=type(block).__name__)
 
 
 def bert_sp_plan(tp: int) -> dict[str, Any]:

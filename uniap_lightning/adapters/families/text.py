@@ -376,18 +376,10 @@ class _DecoderSequence:
         return ["ulysses", "ring"]
 
     def uniap_enable_cp(self, group: Any, *, method: str = "ulysses", counter: Any = None) -> None:
-        import torch.distributed as dist
-
         from uniap_lightning.adapters.families.sequence_hf import switch_attention
-        from uniap_lightning.runtime.sequence import check_ulysses
 
-        attn = self._attention()
-        if method == "ulysses":
-            weight = next((getattr(attn, n).weight for n in ("q_proj", "c_attn") if hasattr(attn, n)), None)
-            tp = weight.device_mesh.size() if hasattr(weight, "device_mesh") else 1
-            check_ulysses(heads=self._heads()[0], cp=dist.get_world_size(group), tp=tp,
-                          name=f"{type(self).__name__} (ulysses)")
-        switch_attention(attn, group, counter=counter, own_config=True, method=method)
+        switch_attention(self._attention(), group, counter=counter, own_config=True, method=method,
+                         heads=self._heads()[0], name=type(self).__name__)
         self._cp_group = group
 
 
