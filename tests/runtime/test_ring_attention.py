@@ -97,6 +97,8 @@ def test_the_counter_formula_and_the_balanced_layout() -> None:
 
 
 def test_ring_length_and_dropout_are_refused_in_one_line() -> None:
+    import torch
+
     from uniap_lightning.adapters.gpt import GPT, GPTConfig
     from uniap_lightning.runtime.sequence import check_sequence_strategy
 
@@ -113,6 +115,9 @@ def test_ring_length_and_dropout_are_refused_in_one_line() -> None:
     with pytest.raises(UniAPError, match=r"ring attention does not run attention dropout \(p=0.1\)") as err:
         check_sequence_strategy(dropping, "b", cp=2, cp_method="ring", tp=1, sp=False)
     assert "\n" not in str(err.value)
+    x = torch.zeros(1, 2, 4, 8)  # the attention itself refuses it too, before any exchange
+    with pytest.raises(UniAPError, match=r"ring attention does not run attention dropout \(p=0.1\)"):
+        ring.ring_attention(x, x, x, None, dropout_p=0.1)
 
 
 def test_hf_attention_dropout_is_found_in_the_config() -> None:

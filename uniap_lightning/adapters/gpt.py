@@ -77,10 +77,8 @@ class Block(nn.Module):
         if self._cp_method == "ring":
             from uniap_lightning.runtime.ring import ring_attention
 
-            if dropout_p:
-                raise UniAPError(f"GPT Block: ring attention does not run attention dropout (p={dropout_p})")
             return ring_attention(q, k, v, self._cp_group, causal=True, key_valid=self.uniap_key_valid,
-                                  counter=self._cp_counter)
+                                  counter=self._cp_counter, dropout_p=dropout_p)
         return ulysses_attention(q, k, v, self._cp_group, causal=True, key_valid=self.uniap_key_valid,
                                  dropout_p=dropout_p, counter=self._cp_counter)
 

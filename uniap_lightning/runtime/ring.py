@@ -330,14 +330,17 @@ class _RingAttention(torch.autograd.Function):
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, *, causal: bool = True,
                    key_valid: torch.Tensor | None = None, scale: float | None = None,
-                   counter: Any = None, fused: bool | None = None) -> torch.Tensor:
+                   counter: Any = None, fused: bool | None = None, dropout_p: float = 0.0) -> torch.Tensor:
     """:func:`~.sequence.attention` over the whole sequence for q / k / v given as this rank's contiguous sequence
     piece (``[b, heads, s/c, d]``; k / v may have fewer heads); ``key_valid`` is this rank's ``[b, s/c]`` piece of
     the key padding mask. Returns this rank's piece of the output. Exact in float32 (see the module docstring).
     ``fused``: each block through torch's CPU flash kernel (default on CPU) or plain matmuls (``False``; the only
-    choice on other devices)."""
+    choice on other devices). ``dropout_p`` (the caller's attention dropout) must be 0: ring attention runs none."""
     from uniap_lightning.runtime.sequence import attention, gather_sequence
 
+    if dropout_p:
+        raise UniAPError(f"ring attention does not run attention dropout (p={dropout_p}); set the model's attention "
+                         "dropout to 0 or use Ulysses")
     c = dist.get_world_size(group)
     if c == 1:
         return attention(q, k, v, causal=causal, key_valid=key_valid, scale=scale)

@@ -52,11 +52,8 @@ def ulysses_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
     elif getattr(module, "uniap_cp_method", "ulysses") == "ring":
         from uniap_lightning.runtime.ring import ring_attention
 
-        if dropout:
-            raise UniAPError(f"{ATTENTION_NAME} attention: ring attention does not run attention dropout "
-                             f"(p={dropout}); set the model's attention dropout to 0 or use Ulysses")
         out = ring_attention(query, key, value, group, causal=causal, key_valid=key_valid, scale=scaling,
-                             counter=getattr(module, "uniap_cp_counter", None))
+                             counter=getattr(module, "uniap_cp_counter", None), dropout_p=dropout)
     else:
         out = ulysses_attention(query, key, value, group, causal=causal, key_valid=key_valid, dropout_p=dropout,
                                 scale=scaling, counter=getattr(module, "uniap_cp_counter", None))
