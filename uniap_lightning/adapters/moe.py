@@ -198,8 +198,6 @@ class MoEBlock(Block):
         c = cfg.n_embd
         self.moe = MoEMLP(c, 4 * c, cfg.n_experts, top_k=cfg.top_k, capacity_factor=cfg.capacity_factor,
                           aux_loss_coef=cfg.aux_loss_coef, renormalize_gates=cfg.renormalize_gates)
-        if not self.moe.dropless:
-            self.uniap_sequence = None  # (shadows the method: sequence_info reads None as "declares nothing")
 
     def forward(self, x: torch.Tensor, aux: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         x = x + self._attention(self.ln_1(x))
@@ -209,8 +207,9 @@ class MoEBlock(Block):
         layer_aux = layer_aux.expand(x.shape[:2])
         return x + y, layer_aux if aux is None else aux + layer_aux
 
-    def uniap_sequence(self) -> dict[str, Any]:
-        return {**super().uniap_sequence(), "sequence_parallel": False}
+    def uniap_sequence(self) -> dict[str, Any] | None:
+        """Block's attention heads, no sequence parallelism; nothing where the experts may drop tokens."""
+        return {**super().uniap_sequence(), "sequence_parallel": False} if self.moe.dropless else None
 
     def uniap_tp_degrees(self) -> list[int]:
         return [1]

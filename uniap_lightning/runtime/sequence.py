@@ -58,7 +58,8 @@ Our own implementation (any device: torch's CPU flash kernel per block on CPU, p
 CUDA-only ``context_parallel`` is not used.
 
 Layers declare their sequence behaviour with ``uniap_sequence() -> {"attention_heads": a, "kv_heads": k,
-"sequence_parallel": bool}`` (``a`` 0: token-wise); profiles take these fields from it (:func:`sequence_info`).
+"sequence_parallel": bool}`` (``a`` 0: token-wise; ``None``: nothing); profiles take these fields from it
+(:func:`sequence_info`).
 """
 
 from __future__ import annotations
@@ -396,11 +397,13 @@ def reduce_gradients(params: Iterable[nn.Parameter], group: Any, *, dp: int) -> 
 # ---------------------------------------------------------------------------------------------- plan checks
 def sequence_info(layer: nn.Module) -> dict[str, Any] | None:
     """What ``layer`` declares about the sequence (``uniap_sequence()``): ``attention_heads`` (0: token-wise),
-    ``kv_heads``, ``sequence_parallel``; ``None`` when it declares nothing (it is then never split along it)."""
+    ``kv_heads``, ``sequence_parallel``; ``None`` when it declares nothing, no hook or a hook returning ``None``
+    (it is then never split along it)."""
     hook = getattr(layer, "uniap_sequence", None)
-    if hook is None:
+    declared = None if hook is None else hook()
+    if declared is None:
         return None
-    info = dict(hook())
+    info = dict(declared)
     heads = int(info.get("attention_heads", 0))
     return {"attention_heads": heads, "kv_heads": int(info.get("kv_heads") or heads) if heads else None,
             "sequence_parallel": bool(info.get("sequence_parallel", hasattr(layer, "uniap_sp_plan")))}
