@@ -186,9 +186,9 @@ class MoEBlock(Block):
 
     ``x`` or ``(x, aux)`` -> ``(x, aux)``; ``aux [B, T]`` accumulates the auxiliary losses (see the module docstring).
 
-    Context parallelism (:class:`.gpt.Block`'s Ulysses or ring attention) only where the experts drop nothing (``capacity_factor``
-    ``None`` or ``>= E / k``): a split sequence hands the router its tokens in another order than one process, which
-    decides who is dropped. Otherwise the block declares no sequence behaviour, so profiles carry no sequence fields
+    Context parallelism (:class:`.gpt.Block`'s Ulysses or ring attention) only where the experts drop nothing
+    (``capacity_factor`` ``None`` or ``>= E / k``): a split sequence hands the router its tokens in another order
+    than one process, which decides who is dropped. Otherwise the block declares no sequence behaviour, so profiles carry no sequence fields
     for it and the planner never splits its sequence. Tensor and sequence parallelism next to experts: not wired.
     """
 

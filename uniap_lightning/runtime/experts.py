@@ -12,8 +12,8 @@ Execution (per MoE layer, :class:`ExpertParallel` installed as ``MoEMLP.experts_
    the layer's ``dp x cp`` replicas, each holding sequence pieces: their tokens are not in one process's order, so
    only dropless layers split their sequence (``adapters.moe.MoEBlock``). Each call routes what it is given: under
    several micro-batches, each micro-batch on its own (one process accumulating them is the reference).
-   ``token_group=None`` keeps everything local: capacity ``ceil(cf * N_local * k / E)`` and the load-balancing statistics over this rank's
-   tokens only, i.e. each rank behaves as one process run on its own batch (what Megatron does by default); with
+   ``token_group=None`` keeps everything local: capacity ``ceil(cf * N_local * k / E)`` and the load-balancing
+   statistics over this rank's tokens only, i.e. each rank behaves as one process run on its own batch (what Megatron does by default); with
    no drops the two differ only in the auxiliary loss's statistics;
 2. *dispatch*: the kept assignments, sorted by expert, are sent with ``all_to_all_single`` (split sizes = rows
    per destination rank; a ``[ep, E/ep]`` count exchange goes first so receivers know the splits);
