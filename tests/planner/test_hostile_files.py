@@ -277,6 +277,10 @@ def test_a_v1_shard_must_be_a_json_boolean(plan_doc: dict[str, Any], tmp_path: P
     (lambda d: d["solver"].update(solved="3"), r"plan solver.solved must be an integer"),
     (lambda d: d.update(baselines={"ddp": "fast"}), r"plan baselines.ddp must be a number"),
     (lambda d: d.update(search=[{"pp": 1}]), r"plan search\[0\] is missing the field 'microbatches'"),
+    (lambda d: d.update(search=[{"pp": 1, "microbatches": 1, "outcome": "feasible", "resolves": -1}]),
+     r"plan search\[0\].resolves must be >= 0, got -1"),
+    (lambda d: d.update(search=[{"pp": 1, "microbatches": 1, "outcome": "feasible", "resolves": "2"}]),
+     r"plan search\[0\].resolves must be an integer"),
     (lambda d: d.update(compression_options={"powersgd_rank": True}), r"powersgd_rank must be an integer >= 1"),
 ])
 def test_plan_fields_must_have_their_json_types(plan_doc: dict[str, Any], edit: Callable, match: str) -> None:
