@@ -11,9 +11,10 @@ from dataclasses import replace
 
 import pytest
 from bruteforce import brute_force
-from planner_factories import random_problem, repeated_problem
+from planner_factories import forced_problem, random_problem, repeated_problem
 
 from uniap_lightning.planner.cost import evaluate
+from uniap_lightning.planner.cost.evaluate import stage_terms
 from uniap_lightning.planner.cost.layer import strategies_for
 from uniap_lightning.planner.cost.tables import CostTables
 from uniap_lightning.planner.solver import resolve_solver
@@ -21,9 +22,13 @@ from uniap_lightning.planner.solver.bounds import (
     chain_bottleneck_s,
     chain_sync_floor_s,
     group_sync_floor_s,
+    memory_chain_floor_s,
+    memory_chain_sync_floor_s,
+    memory_partition_floor,
     partition_floor,
     pigeonhole_floor,
     pigeonhole_floor_uneven,
+    stage_memory_allowance_bytes,
     staged_partition_floor,
     time_lower_bound_s,
 )
@@ -112,8 +117,19 @@ def test_floors_hold_for_random_plans_of_every_candidate(seed):
                 assert T >= chain * (1 - REL)
             if plan.estimate.feasible:  # the run floors count memory: they bound the plans that fit
                 assert plan.estimate.tpi_s >= bound * (1 - REL)
+                _assert_memory_floors(problem, t, plan)
             checked += 1
     assert checked > 0
+
+
+def _assert_memory_floors(problem, t, plan) -> None:
+    """A plan that fits memory holds the memory-aware floors and the candidate's bound that includes them."""
+    terms = stage_terms(problem, plan)
+    groups = [sum(terms.stage_time_s[k] for k in t.stages_of(g)) for g in range(t.pp)]
+    T = t.bottleneck_s(groups, terms.boundary_s, terms.stage_time_s)
+    assert max(terms.stage_time_s) >= t.stage_time_s(memory_chain_floor_s(t)) * (1 - REL), [lp.stage for lp in plan.layers]
+    assert t.tpi_s(0.0, 0.0, T, max(terms.sync_s)) >= memory_chain_sync_floor_s(t) * (1 - REL), [lp.stage for lp in plan.layers]
+    assert plan.estimate.tpi_s >= time_lower_bound_s(t, memory=True) * (1 - REL), [lp.stage for lp in plan.layers]
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -134,6 +150,7 @@ def test_floors_never_cut_off_a_candidates_brute_force_optimum(seed):
         floor = chain_sync_floor_s(t)
         assert t.tpi_s(0.0, 0.0, T, Y) >= floor * (1 - REL), (t.pp, t.c)
         assert best.estimate.tpi_s >= time_lower_bound_s(t) * (1 - REL), (t.pp, t.c)
+        _assert_memory_floors(problem, t, best)
         res = GroupedMilp(t, solver=SOLVER).solve(time_limit_s=60)
         assert res.status == "optimal" and res.objective_s == pytest.approx(best.estimate.tpi_s, rel=1e-6), (t.pp, t.c)
     assert checked > 0
@@ -190,6 +207,7 @@ def test_the_group_floor_of_bottleneck_and_sync_holds_with_several_stages_per_de
                     assert t.tpi_s(0.0, 0.0, T, Y) >= floor * (1 - REL), (pp, c, schedule, v, stage_of)
                     if plan.estimate.feasible:
                         assert plan.estimate.tpi_s >= bound * (1 - REL), (pp, c, schedule, v, stage_of)
+                        _assert_memory_floors(problem, t, plan)
                     checked += 1
     assert checked > 0
 
@@ -240,3 +258,116 @@ def test_the_staged_partition_floor_is_the_least_largest_part_from_below():
             best = min(best, max(sum(weights[i][edges[i]:edges[i + 1]]) for i in range(P)))
         got = staged_partition_floor(weights)
         assert got <= best + 1e-12 and got >= best * (1 - 1e-9), (got, best)
+
+
+def _least_largest_part(t, price) -> float:
+    """Brute force of what :func:`memory_partition_floor` computes: over every split of the chain into the
+    candidate's stages in order (empty parts allowed) and every strategy of every layer, with each stage's layers
+    within its allowance, the least largest stage price."""
+    S, L = t.stages, len(t.layers)
+    allowance = [stage_memory_allowance_bytes(t, i) for i in range(S)]
+    best = math.inf
+    for cuts in itertools.combinations_with_replacement(range(L + 1), S - 1):
+        edges = (0, *cuts, L)
+        worst = 0.0
+        for i in range(S):
+            least = math.inf
+            for ks in itertools.product(*(t.cost[u] for u in range(edges[i], edges[i + 1]))):
+                memory = sum(t.layer_memory_bytes(i, k) for k in ks) + max((k.transient_bytes for k in ks), default=0)
+                if memory <= allowance[i]:
+                    least = min(least, sum(price(t.stage_speed(i), k) for k in ks))
+            worst = max(worst, least)
+        best = min(best, worst)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_memory_partition_floor_is_the_brute_force_least_largest_stage(seed):
+    """The greedy split with exact strategy mixes equals brute force over splits and strategies, on chains whose
+    memory forces recomputation or sharding (and ``inf`` exactly when nothing fits)."""
+    problem = forced_problem(seed, memory_gib=(0.5, 1.0, 2.0)[seed % 3], activation_scale=40.0, param_scale=0.2,
+                             num_layers=4, per_node=2)
+    problem = replace(problem, training=replace(problem.training, schedule="auto", max_virtual_stages=2))
+    checked = 0
+    for pp in problem.pp_candidates():
+        for c in problem.training.microbatch_candidates():
+            for schedule, v in problem.training.schedule_candidates(pp, c, problem.model.num_layers):
+                t = CostTables(problem, pp, c, schedule=schedule, virtual_stages=v)
+                if not t.feasible_shape:
+                    continue
+                price = lambda speed, k: t._time_at(k, speed)  # noqa: E731
+                exact, got = _least_largest_part(t, price), memory_partition_floor(t, price)
+                if exact == math.inf:
+                    assert got == math.inf
+                else:
+                    assert exact * (1 - 1e-6) <= got <= exact * (1 + 1e-12), (pp, c, schedule, v, got, exact)
+                checked += 1
+    assert checked > 0
+
+
+def test_the_memory_floors_see_what_memory_forces():
+    """Not vacuous: on chains whose activations do not all fit, some candidate's memory-aware floor is above the
+    plain one, and some candidate's brute-force optimum meets the memory-aware bound of bottleneck and sync."""
+    above = tight = 0
+    for seed in (1, 3, 5):
+        problem = repeated_problem(seed, pattern="ABBBBBC", nodes=1, per_node=2, memory_gib=4.0)
+        for t in _candidates(problem):
+            if t.pp == 1 or memory_chain_floor_s(t) == math.inf:
+                continue
+            above += memory_chain_floor_s(t) > chain_bottleneck_s(t) * (1 + 1e-6)
+            best = brute_force(problem, candidate=(t.pp, t.c))
+            if best is None:
+                continue
+            _assert_memory_floors(problem, t, best)
+            T, Y = _bottleneck_and_sync(best)
+            floor = memory_chain_sync_floor_s(t)
+            tight += abs(t.tpi_s(0.0, 0.0, T, Y) - floor) <= 1e-6 * floor and floor > chain_sync_floor_s(t) * (1 + 1e-6)
+    assert above > 0 and tight > 0, (above, tight)
+
+
+def test_the_search_tightens_a_candidates_bound_with_memory_before_solving_it():
+    """The memory-aware floors join a candidate's bound when it reaches the front of the queue (they cost too much
+    to compute for every candidate up front): some candidate's recorded bound is above its cheap one, no recorded
+    bound is above what the candidate's own optimum costs, and the search still finds the brute-force optimum."""
+    from uniap_lightning.planner.solver.search import search
+
+    problem = repeated_problem(1, pattern="ABBBBBC", nodes=1, per_node=2, memory_gib=4.0)
+    plan = search(problem, solver=SOLVER, time_limit_s=60, workers=1)
+    oracle = brute_force(problem)
+    assert plan.solver.status == "optimal"
+    assert plan.estimate.tpi_s == pytest.approx(oracle.estimate.tpi_s, rel=1e-6)
+    tightened = 0
+    for record in plan.search:
+        if record["bound_s"] is None:  # does not fit (memory_lower_bound_bytes): never queued
+            continue
+        t = CostTables(problem, record["pp"], record["microbatches"])
+        assert record["bound_s"] >= time_lower_bound_s(t, memory=True) * (1 - 1e-12), record
+        tightened += time_lower_bound_s(t, memory=True) > time_lower_bound_s(t) * (1 + 1e-9)
+        own = brute_force(problem, candidate=(record["pp"], record["microbatches"]))
+        if own is not None:
+            assert record["bound_s"] <= own.estimate.tpi_s * (1 + 1e-9), record
+    assert tightened > 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_memory_floors_hold_for_the_brute_force_optimum_with_several_stages_per_device(seed):
+    """Looped and V schedules (v = 2, 3), memory tight: a device group's stages share its memory, so each stage's
+    allowance is what the others leave at least; every candidate's brute-force optimum (numpy oracle, which
+    shares nothing with the bounds) holds both memory-aware floors and the bound that includes them."""
+    from bruteforce_pipeline import brute_force_candidate
+
+    problem = repeated_problem(seed, pattern="ABBBBC", nodes=1, per_node=2, schedule="auto",
+                               memory_gib=(4.0, 3.0, 4.0, 6.0)[seed])
+    problem = replace(problem, training=replace(problem.training, max_virtual_stages=3))
+    checked = 0
+    for pp in problem.pp_candidates():
+        for c in problem.training.microbatch_candidates():
+            for schedule, v in problem.training.schedule_candidates(pp, c, problem.model.num_layers):
+                if v == 1:
+                    continue
+                t = CostTables(problem, pp, c, schedule=schedule, virtual_stages=v)
+                best = brute_force_candidate(problem, pp, c, schedule, v) if t.feasible_shape else None
+                if best is not None:
+                    _assert_memory_floors(problem, t, best)
+                    checked += 1
+    assert checked > 0

@@ -154,6 +154,7 @@ class CandidateCosts:
         self.stages = self.pp * virtual_stages  # pipeline stages, in chain order
         self.shape, self._in_flight = pipeline_shape(schedule, self.pp, virtual_stages, self.c)
         self._group = [group_of_stage(k, self.pp, virtual_stages, schedule) for k in range(self.stages)]
+        self.bound_cache: dict = {}  # what solver.bounds derives from this table under this schedule, once
 
     def with_schedule(self, schedule: str, virtual_stages: int) -> CandidateCosts:
         """The same candidate's terms under another schedule (a shallow copy: the per-layer tables are shared)."""

@@ -10,6 +10,7 @@ search, the plan carries the remaining MIP gap.
 
 from __future__ import annotations
 
+from bisect import insort
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
@@ -55,6 +56,7 @@ class Candidate:
     warm: Plan | None = None
     trace_record: dict | None = None  # its record in the search trace, once handed out (one, also when solved again)
     slice_s: float | None = None  # the time slice of its next solve
+    refined: bool = False  # its bound holds the memory-aware floors (computed when it first reaches the front)
     resolves: int = 0  # how often its slice ran out and it went back into the queue
 
     @property
@@ -66,6 +68,11 @@ class Candidate:
     def label(self) -> str:
         t = self.tables
         return f"pp={self.pp} c={self.c} {t.schedule}" + (f" v={t.v}" if t.v > 1 else "")
+
+
+def _order(cand: Candidate) -> tuple[int, float]:
+    """The queue's order: candidates tried fewer times first, then by bound."""
+    return cand.resolves, cand.bound_s
 
 
 def _candidates(
@@ -228,6 +235,12 @@ def search(
                     cand.trace_record = {**cand.record, "outcome": "", "tpi_s": None, "bound_s": cand.bound_s}
                     trace.append(cand.trace_record)
                 record = cand.trace_record
+                if not cand.refined:  # the memory-aware floors, for the candidates that get this far only
+                    cand.refined = True
+                    cand.bound_s = record["bound_s"] = max(cand.bound_s, time_lower_bound_s(cand.tables, memory=True))
+                    if queue and _order(queue[0]) < _order(cand):  # no longer the most promising: back in order
+                        insort(queue, cand, key=_order)
+                        continue
                 if best is not None and cand.bound_s >= best.estimate.tpi_s * (1 - 1e-9):
                     pruned += 1
                     record["outcome"] = "pruned by bound"
@@ -271,8 +284,7 @@ def search(
                     cand.slice_s *= 2
                     cand.resolves += 1
                     record["resolves"] = cand.resolves
-                    queue.append(cand)
-                    queue.sort(key=lambda cd: (cd.resolves, cd.bound_s))
+                    insort(queue, cand, key=_order)
                 elif unfinished:
                     all_optimal = False
                     open_bounds.append(cand.bound_s)
