@@ -21,6 +21,8 @@ from uniap_lightning.planner.solver import resolve_solver
 from uniap_lightning.planner.solver.bounds import (
     chain_bottleneck_s,
     chain_sync_floor_s,
+    cheapest_stage_sum_s,
+    group_stage_floor_s,
     group_sync_floor_s,
     memory_chain_floor_s,
     memory_chain_sync_floor_s,
@@ -129,6 +131,9 @@ def _assert_memory_floors(problem, t, plan) -> None:
     T = t.bottleneck_s(groups, terms.boundary_s, terms.stage_time_s)
     assert max(terms.stage_time_s) >= t.stage_time_s(memory_chain_floor_s(t)) * (1 - REL), [lp.stage for lp in plan.layers]
     assert t.tpi_s(0.0, 0.0, T, max(terms.sync_s)) >= memory_chain_sync_floor_s(t) * (1 - REL), [lp.stage for lp in plan.layers]
+    assert t.tpi_s(0.0, 0.0, T, max(terms.sync_s)) >= group_stage_floor_s(t) * (1 - REL), [lp.stage for lp in plan.layers]
+    floor = t.tpi_s(cheapest_stage_sum_s(t), 0.0, 0.0, 0.0) + group_stage_floor_s(t, stage_sum=True)
+    assert t.tpi_s(sum(terms.stage_time_s), 0.0, T, max(terms.sync_s)) >= floor * (1 - REL), [lp.stage for lp in plan.layers]
     assert plan.estimate.tpi_s >= time_lower_bound_s(t, memory=True) * (1 - REL), [lp.stage for lp in plan.layers]
 
 

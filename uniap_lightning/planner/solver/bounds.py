@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_right
 
 from uniap_lightning.planner.cost.tables import CostTables
@@ -35,7 +36,7 @@ def time_lower_bound_s(t: CostTables, *, memory: bool = False) -> float:
     floor = max(run_bottleneck_s(t, a, e) for a, e in t.runs())
     # T >= v p_k where a group runs several stages (PipelineShape.stage_weight): v times the chain's partition floor
     chunked = t.shape.stage_weight * chain_bottleneck_s(t) if S > 1 else 0.0
-    sync_floor = max(chain_sync_floor_s(t), group_sync_floor_s(t))
+    sync_floor = max(chain_sync_floor_s(t), group_sync_floor_s(t), group_stage_floor_s(t))
     if memory:  # T >= x p_k with x = max(1, stage_weight): one stage per group, or v times the longest stage
         if memory_chain_floor_s(t) == float("inf"):
             return float("inf")
@@ -48,7 +49,8 @@ def time_lower_bound_s(t: CostTables, *, memory: bool = False) -> float:
         boundaries = (S - 1) * min(t.send_s(smallest, j) for j in range(S - 1))
     empty = t.stage_time_s(0.0)
     # chain_sync_floor_s already holds the empty stage's share of the bottleneck
-    combined = t.tpi_s(sum(cheapest) + S * empty, boundaries, 0.0, 0.0, weights) + sync_floor
+    combined = t.tpi_s(sum(cheapest) + S * empty, boundaries, 0.0, 0.0, weights) + max(
+        sync_floor, group_stage_floor_s(t, stage_sum=True))
     return max(max(spread, peak) + t.tpi_s(S * empty, boundaries, v * empty, 0.0), combined)
 
 
@@ -241,8 +243,8 @@ def memory_chain_sync_floor_s(t: CostTables) -> float:
 
 
 def _memory_floors(t: CostTables) -> tuple[float, float]:
-    """Both memory-aware floors, computed once per table (they take a tenth of a second on an 82-layer chain over
-    32 stages, so the search computes them for the candidates it is about to solve, not for all)."""
+    """The memory-aware floors, computed once per table (they take a tenth of a second or more on an 82-layer
+    chain over 32 stages, so the search computes them for the candidates it is about to solve, not for all)."""
     cached = t.bound_cache.get("memory_floors")
     if cached is None:
         x = max(1.0, t.shape.stage_weight)
@@ -251,6 +253,169 @@ def _memory_floors(t: CostTables) -> tuple[float, float]:
         sync_floor = memory_partition_floor(t, lambda speed, k: t.tpi_s(0.0, 0.0, x * t._time_at(k, speed), k.sync_s))
         cached = t.bound_cache["memory_floors"] = (time_floor, sync_floor + empty)
     return cached
+
+
+def group_stage_floor_s(t: CostTables, *, stage_sum: bool = False) -> float:
+    """Whole layers on the stages of each device group: a lower bound on ``b_T T + Y``, or with ``stage_sum`` on
+    ``a_p sum_i p_i + b_T T + Y`` beyond ``a_p`` :func:`cheapest_stage_sum_s` (so ``tpi_s(cheapest_stage_sum_s,
+    0, 0, 0)`` plus it bounds ``tpi_s(sum p, 0, T, Y)``). The largest of :func:`run_group_stage_floor_s` over the
+    runs of two or more interchangeable layers. Both are MILP rows: the LP relaxation meets each on its own."""
+    key = ("group_stage_floor", stage_sum)
+    cached = t.bound_cache.get(key)
+    if cached is None:
+        cached = t.bound_cache[key] = max(
+            (run_group_stage_floor_s(t, a, e, stage_sum=stage_sum) for a, e in t.runs() if e > a), default=0.0)
+    return cached
+
+
+def cheapest_stage_sum_s(t: CostTables) -> float:
+    """What every plan's ``sum_i p_i`` holds at least: each layer at its cheapest time on the fastest device and
+    every stage's slot."""
+    return sum(min(t.fastest_layer_time_s(k) for k in costs) for costs in t.cost) + t.stages * t.stage_time_s(0.0)
+
+
+#: run_group_stage_floor_s enumerates the splits of a group's layers over its stages up to this many per count
+GROUP_SPLITS = 200
+
+
+def run_group_stage_floor_s(t: CostTables, first: int, last: int, *, stage_sum: bool = False) -> float:
+    """A lower bound on ``a_p sum_i p_i + b_T T + Y - a_p cheapest_stage_sum_s`` (``a_p`` taken as 0 without
+    ``stage_sum``: then on ``b_T T + Y``) from the run ``first..last`` of ``R`` interchangeable layers and the
+    chain's first and last layer (on the first and last stage in every plan).
+
+    Proof. Let ``x = max(1, stage_weight)``: ``T >= x p_k`` for every stage ``k`` (``x = v`` with ``v`` stages per
+    group) and ``Y >= sync_g``, the summed sync of group ``g``'s layers, so for every group ``g``: ``a_p sum_i p_i
+    + b_T T + Y >= a_p (sum of the other groups' layers' cheapest times + every slot) + [a_p sum_{k in g} A_k +
+    b_T x (slot + max_k A_k) + sync_g]`` (``A_k``: stage ``k``'s layer time; resharding ``>= 0``; ``a_p, b_T >=
+    0``). For a split ``x_k`` of ``X`` run layers over the group's stages (each end layer where it sits) the
+    bracket's least over strategies is exact from each stage's (time, sync) staircase: for every candidate largest
+    time ``theta``, each stage's least ``a_p A + S`` within it (memory and other runs' layers left out, which only
+    lowers it). ``phi_g(X)``, the least over splits less ``a_p`` times those layers' cheapest times, bounds the
+    left side less ``a_p cheapest_stage_sum_s`` (beyond :data:`GROUP_SPLITS` splits per count, the weaker ``b_T T
+    >= mean_k b_T x p_k``, which needs no split). It holds for every group, so for the largest; the groups hold all
+    ``R``: the bound is the least ``C`` with ``sum_g max{X : phi_g(X) <= C} >= R`` (``phi_g`` grows with ``X``;
+    beyond the counts computed a group is taken to hold any number, which only lowers the bound).
+
+    Why it matters: :func:`group_sync_floor_s` spreads ``T`` over a group's summed stage times, but with ``v``
+    stages per group ``T >= v max_k p_k``: seven blocks on a group of two stages put four on one of them, eight
+    blocks' time. Qwen-MoE on 8,192 devices (pp 4, interleaved 1F1B, v 2, 24 blocks): the group holding the LM
+    head takes fewer blocks, so another takes seven."""
+    S, L, R = t.stages, len(t.layers), last - first + 1
+    lo, hi = max(0, S - L + first), min(last, S - 1)
+    bT, x, a_p = t.shape.b_T, max(1.0, t.shape.stage_weight), t.shape.a_p if stage_sum else 0.0
+    slot = t.tpi_s(0.0, 0.0, x * t.stage_time_s(0.0), 0.0)
+    least: dict[tuple, float] = {}
+
+    def g(u: int, k: int, mu: float) -> float:  # min over u's strategies of (mu + a_p) A_u(k) + S_u, less a_p A_min
+        key = (u if u in (0, L - 1) else first, t.stage_speed(k), mu)
+        if key not in least:
+            least[key] = (min((mu + a_p) * t._time_at(c, key[1]) + c.sync_s for c in t.cost[key[0]])
+                          - a_p * cheapest(key[0]))
+        return least[key]
+
+    def cheapest(u: int) -> float:  # what time_lower_bound_s counts for the layer in a_p sum p
+        return min(t.fastest_layer_time_s(c) for c in t.cost[u])
+
+    ends = {}  # stage -> the end layer it holds
+    if first > 0:
+        ends[0] = [0]
+    if last < L - 1:
+        ends.setdefault(S - 1, []).append(L - 1)
+
+    fronts: dict[tuple, list[tuple[float, float]]] = {}
+
+    def front(k: int, n: int) -> list[tuple[float, float]]:
+        """(time, sync) staircase of stage k holding n run layers (and its ends), memory left out."""
+        key = (t.stage_speed(k), n, tuple(ends.get(k, [])))
+        if key not in fronts:
+            speed = key[0]
+            if n == 0:
+                pts = [(0.0, 0.0)]
+                for u in ends.get(k, []):
+                    pts = _staircase([(a + t._time_at(c, speed), b + c.sync_s) for a, b in pts for c in t.cost[u]])
+            else:
+                prev = front(k, n - 1)
+                pts = _staircase([(a + t._time_at(c, speed), b + c.sync_s) for a, b in prev for c in t.cost[first]])
+            fronts[key] = pts
+        return fronts[key]
+
+    def bound(stages: list[int], split: tuple[int, ...]) -> float:
+        """min over strategies of b_T x max_k A_k + sum_k S_k for this split: for each candidate largest stage
+        time theta, each stage's least sync within it (exact; memory left out)."""
+        stairs = [front(k, n) for k, n in zip(stages, split)]
+        best = math.inf
+        for theta in sorted({a for st in stairs for a, _ in st}):
+            total = 0.0
+            for st in stairs:
+                within = [a_p * a + b for a, b in st if a <= theta]
+                if not within:
+                    break
+                total += min(within)
+            else:
+                best = min(best, bT * x * theta + total)
+        excess = sum(split) * cheapest(first) + sum(cheapest(u) for k in stages for u in ends.get(k, []))
+        return best - a_p * excess
+
+    groups = [[k for k in t.stages_of(grp) if lo <= k <= hi or k in ends] for grp in range(t.pp)]
+    reach = [[k for k in mine if lo <= k <= hi] for mine in groups]
+    spread = -(-R // max(1, sum(1 for r in reach if r)))  # an even share: computed counts go past it
+    phis = []
+    for mine, reachable in zip(groups, reach):
+        outside = [k for k in mine if k not in reachable]  # hold an end but none of the run
+        if not mine:  # holds neither the run nor an end here
+            phis.append([slot])
+            continue
+        phi = []
+        for X in range(0, min(R, 2 * spread + 2) + 1):
+            if X and not reachable:
+                break
+            stages = reachable + outside
+            n = len(reachable)
+            if n and math.comb(X + n - 1, n - 1) > GROUP_SPLITS:  # the same with x p_k >= the group's mean
+                mu = bT * x / max(1, len(stages))
+                val = (X * min(g(first, k, mu) for k in reachable)
+                       + sum(g(u, k, mu) for k in stages for u in ends.get(k, [])))
+            else:
+                val = min((bound(stages, split + (0,) * len(outside)) for split in _splits(X, n)), default=0.0)
+            phi.append(slot + val)
+        phis.append(phi)
+
+    def holds(C: float) -> bool:
+        total = 0
+        for phi in phis:
+            if phi[0] > C:
+                return False
+            if phi[-1] <= C and 1 < len(phi) <= R:  # beyond the counts computed: any number
+                total += R
+            else:
+                total += max(X for X, v in enumerate(phi) if v <= C)
+        return total >= R
+
+    values = sorted({v for phi in phis for v in phi})
+    if not values or not holds(values[-1]):
+        return 0.0  # no bound rather than a wrong one (every group is empty of the run: cannot happen)
+    lo_i, hi_i = 0, len(values) - 1
+    while lo_i < hi_i:
+        mid = (lo_i + hi_i) // 2
+        if holds(values[mid]):
+            hi_i = mid
+        else:
+            lo_i = mid + 1
+    return values[lo_i] * (1 - 1e-9)
+
+
+def _splits(X: int, n: int):
+    """Every way to write ``X`` as ``n`` ordered non-negative parts."""
+    if n == 0:
+        if X == 0:
+            yield ()
+        return
+    if n == 1:
+        yield (X,)
+        return
+    for first in range(X + 1):
+        for rest in _splits(X - first, n - 1):
+            yield (first, *rest)
 
 
 def stage_memory_allowance_bytes(t: CostTables, stage: int) -> float:
@@ -291,9 +456,10 @@ FLOOR_WORK = 50_000
 
 def memory_partition_floor(t: CostTables, price) -> float:
     """A lower bound on ``max_i sum_{u on i} price(speed_i, k_u)`` over the plans of ``t`` that fit memory
-    (``price >= 0``; ``speed_i``: :meth:`~CostTables.stage_speed`): the least ``C`` such that the chain splits into the ``S`` stages in order (parts may be empty: a
-    relaxation) with each stage's layers at some strategies whose summed price is at most ``C`` and whose memory
-    (static plus in-flight activations, plus the largest transient) fits :func:`stage_memory_allowance_bytes`.
+    (``price >= 0``; ``speed_i``: :meth:`~CostTables.stage_speed`): the least ``C`` such that the chain splits into
+    the ``S`` stages in order (parts may be empty: a relaxation) with each stage's layers at some strategies whose
+    summed price is at most ``C`` and whose memory (static plus in-flight activations, plus the largest transient)
+    fits :func:`stage_memory_allowance_bytes`.
     ``inf`` when no ``C`` does (nothing fits).
 
     Unlike :func:`chain_bottleneck_s`, which takes every layer at its cheapest strategy, this sees that a stage

@@ -49,9 +49,11 @@ Program (terms: ``A`` time, ``S`` sync, ``W`` static, ``Act`` activation, ``G`` 
   sync:        Y >= sum S n  (per stage).
   memory:      sum W n + F_i sum Act n + gmax_i <= M_i  (stage i's smallest device);  gmax_i >= G v_G;  sum_{k: G_k = G} n_k <= U v_G.
   bottleneck:  T >= o_j;  T >= run_bottleneck_s(g), T >= chain_bottleneck_s (times v, plus the slot, with v > 1);  (c - 1) T + Y >= chain_sync_floor_s
-               and, with v > 1, >= group_sync_floor_s; both chain floors again where memory decides strategies
-               (memory_chain_floor_s, memory_chain_sync_floor_s) (valid inequalities, :mod:`.bounds`: some stage,
-               some device group, holds whole layers' time and sync at once).
+               and, with v > 1, >= group_sync_floor_s; (c - 1) T + Y, and with a_p sum p, >= group_stage_floor_s
+               (whole layers on a group's stages, the busiest priced v times);
+               the chain floors again where memory decides strategies (memory_chain_floor_s,
+               memory_chain_sync_floor_s) (valid inequalities, :mod:`.bounds`: some stage, some device group, holds whole layers' time and
+               sync at once).
 Objective: ``TPI = sum_i p_i + sum_j o_j + (c - 1) T + Y``.
 
 Any feasible assignment maps to one plan (an Euler walk over levels fixes the order inside each portion,
@@ -61,6 +63,7 @@ Any feasible assignment maps to one plan (an Euler walk over levels fixes the or
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections import defaultdict
 
@@ -69,9 +72,9 @@ import mip
 from uniap_lightning.planner.cluster import GIB
 from uniap_lightning.planner.cost.tables import CostTables
 from uniap_lightning.planner.solver.backend import MS, MilpResult, add_cutoff, beyond_cutoff, new_model, optimize
-from uniap_lightning.planner.solver.bounds import (chain_bottleneck_s, chain_sync_floor_s, group_floor_s,
-                                                  group_sync_floor_s, memory_chain_floor_s,
-                                                  memory_chain_sync_floor_s, run_bottleneck_s)
+from uniap_lightning.planner.solver.bounds import (chain_bottleneck_s, chain_sync_floor_s, cheapest_stage_sum_s,
+                                                  group_floor_s, group_stage_floor_s, group_sync_floor_s,
+                                                  memory_chain_floor_s, memory_chain_sync_floor_s, run_bottleneck_s)
 from uniap_lightning.planner.solver.decode import decode
 
 
@@ -419,10 +422,19 @@ class GroupedMilp:
         # the same two floors where memory decides strategies (a stage that cannot keep its blocks' activations
         # must recompute one): T >= x (p_k's memory-aware floor + the slot), x = v with several stages per group
         memory_floor, memory_sync_floor = memory_chain_floor_s(self.t), memory_chain_sync_floor_s(self.t)
-        if memory_floor < float("inf"):
+        if math.isfinite(memory_floor):  # inf: nothing fits (the solver finds that out itself)
             x = max(1.0, self.t.shape.stage_weight)
             self.m += self.T >= x * self.t.stage_time_s(memory_floor) * MS, "memory_chain_floor"
+        if math.isfinite(memory_sync_floor):
             self.m += self.t.tpi_s(0.0, 0.0, self.T, self.Y) >= memory_sync_floor * MS, "memory_chain_sync_floor"
+        # whole layers of each run on each device group's stages, the busiest stage priced x times
+        floor = group_stage_floor_s(self.t)
+        if math.isfinite(floor):
+            self.m += self.t.tpi_s(0.0, 0.0, self.T, self.Y) >= floor * MS, "group_stage_floor"
+        floor = (self.t.tpi_s(cheapest_stage_sum_s(self.t), 0.0, 0.0, 0.0)
+                 + group_stage_floor_s(self.t, stage_sum=True))
+        if math.isfinite(floor):
+            self.m += self.t.tpi_s(mip.xsum(self.p), 0.0, self.T, self.Y) >= floor * MS, "group_stage_sum_floor"
         # with one stage per group on equal devices the partition floor above is at least as strong
         if self.t.v > 1 or self.t.problem.cluster.rank_speed is not None:
             self.m += self.t.tpi_s(0.0, 0.0, self.T, self.Y) >= group_sync_floor_s(self.t) * MS, "group_sync_floor"
