@@ -134,7 +134,7 @@ def _assert_memory_floors(problem, t, plan) -> None:
     assert t.tpi_s(0.0, 0.0, T, max(terms.sync_s)) >= group_stage_floor_s(t) * (1 - REL), [lp.stage for lp in plan.layers]
     floor = t.tpi_s(cheapest_stage_sum_s(t), 0.0, 0.0, 0.0) + group_stage_floor_s(t, stage_sum=True)
     assert t.tpi_s(sum(terms.stage_time_s), 0.0, T, max(terms.sync_s)) >= floor * (1 - REL), [lp.stage for lp in plan.layers]
-    assert plan.estimate.tpi_s >= time_lower_bound_s(t, memory=True) * (1 - REL), [lp.stage for lp in plan.layers]
+    assert plan.estimate.tpi_s >= time_lower_bound_s(t, refined=True) * (1 - REL), [lp.stage for lp in plan.layers]
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -346,8 +346,8 @@ def test_the_search_tightens_a_candidates_bound_with_memory_before_solving_it():
         if record["bound_s"] is None:  # does not fit (memory_lower_bound_bytes): never queued
             continue
         t = CostTables(problem, record["pp"], record["microbatches"])
-        assert record["bound_s"] >= time_lower_bound_s(t, memory=True) * (1 - 1e-12), record
-        tightened += time_lower_bound_s(t, memory=True) > time_lower_bound_s(t) * (1 + 1e-9)
+        assert record["bound_s"] >= time_lower_bound_s(t, refined=True) * (1 - 1e-12), record
+        tightened += time_lower_bound_s(t, refined=True) > time_lower_bound_s(t) * (1 + 1e-9)
         own = brute_force(problem, candidate=(record["pp"], record["microbatches"]))
         if own is not None:
             assert record["bound_s"] <= own.estimate.tpi_s * (1 + 1e-9), record

@@ -8,11 +8,12 @@ from bisect import bisect_right
 from uniap_lightning.planner.cost.tables import CostTables
 
 
-def time_lower_bound_s(t: CostTables, *, memory: bool = False) -> float:
-    """A valid lower bound on the candidate's TPI, from per-layer minima (no solver); with ``memory``, also from
-    the memory-aware floors :func:`memory_chain_floor_s` and :func:`memory_chain_sync_floor_s` (tighter where
-    memory forces slower strategies; about a tenth of a second on a large chain, so the search asks for it only
-    for the candidates it is about to solve; ``inf`` when they show that nothing fits).
+def time_lower_bound_s(t: CostTables, *, refined: bool = False) -> float:
+    """A valid lower bound on the candidate's TPI, from per-layer minima (no solver); ``refined`` adds the floors
+    that take a tenth of a second or so on a large chain, so the search asks for them only for the candidates it is
+    about to solve: the memory-aware :func:`memory_chain_floor_s` and :func:`memory_chain_sync_floor_s` (tighter
+    where memory forces slower strategies; ``inf`` when they show that nothing fits) and
+    :func:`group_stage_floor_s` (whole layers on a device group's stages).
 
     ``tpi_s`` is linear in (sum of stage times, sum of weight-gradient times, sum of hand-offs, bottleneck, largest
     weight-gradient time, largest sync), with a non-negative coefficient on all but the weight-gradient sum
@@ -36,12 +37,14 @@ def time_lower_bound_s(t: CostTables, *, memory: bool = False) -> float:
     floor = max(run_bottleneck_s(t, a, e) for a, e in t.runs())
     # T >= v p_k where a group runs several stages (PipelineShape.stage_weight): v times the chain's partition floor
     chunked = t.shape.stage_weight * chain_bottleneck_s(t) if S > 1 else 0.0
-    sync_floor = max(chain_sync_floor_s(t), group_sync_floor_s(t), group_stage_floor_s(t))
-    if memory:  # T >= x p_k with x = max(1, stage_weight): one stage per group, or v times the longest stage
+    sync_floor = max(chain_sync_floor_s(t), group_sync_floor_s(t))
+    stage_sum_floor = 0.0
+    if refined:  # T >= x p_k with x = max(1, stage_weight): one stage per group, or v times the longest stage
         if memory_chain_floor_s(t) == float("inf"):
             return float("inf")
         chunked = max(chunked, max(1.0, t.shape.stage_weight) * memory_chain_floor_s(t))
-        sync_floor = max(sync_floor, memory_chain_sync_floor_s(t))
+        sync_floor = max(sync_floor, memory_chain_sync_floor_s(t), group_stage_floor_s(t))
+        stage_sum_floor = group_stage_floor_s(t, stage_sum=True)
     peak = t.tpi_s(sum(cheapest), 0.0, max(max(cheapest), floor, group_floor_s(t), chunked), 0.0, weights)
     boundaries = 0.0
     if S > 1:
@@ -49,8 +52,7 @@ def time_lower_bound_s(t: CostTables, *, memory: bool = False) -> float:
         boundaries = (S - 1) * min(t.send_s(smallest, j) for j in range(S - 1))
     empty = t.stage_time_s(0.0)
     # chain_sync_floor_s already holds the empty stage's share of the bottleneck
-    combined = t.tpi_s(sum(cheapest) + S * empty, boundaries, 0.0, 0.0, weights) + max(
-        sync_floor, group_stage_floor_s(t, stage_sum=True))
+    combined = t.tpi_s(sum(cheapest) + S * empty, boundaries, 0.0, 0.0, weights) + max(sync_floor, stage_sum_floor)
     return max(max(spread, peak) + t.tpi_s(S * empty, boundaries, v * empty, 0.0), combined)
 
 
@@ -260,6 +262,8 @@ def group_stage_floor_s(t: CostTables, *, stage_sum: bool = False) -> float:
     ``a_p sum_i p_i + b_T T + Y`` beyond ``a_p`` :func:`cheapest_stage_sum_s` (so ``tpi_s(cheapest_stage_sum_s,
     0, 0, 0)`` plus it bounds ``tpi_s(sum p, 0, T, Y)``). The largest of :func:`run_group_stage_floor_s` over the
     runs of two or more interchangeable layers. Both are MILP rows: the LP relaxation meets each on its own."""
+    if t.v == 1:  # one stage per group: its best mix is each layer's own, which group_sync_floor_s already sees
+        return 0.0
     key = ("group_stage_floor", stage_sum)
     cached = t.bound_cache.get(key)
     if cached is None:
@@ -302,19 +306,24 @@ def run_group_stage_floor_s(t: CostTables, first: int, last: int, *, stage_sum: 
     head takes fewer blocks, so another takes seven."""
     S, L, R = t.stages, len(t.layers), last - first + 1
     lo, hi = max(0, S - L + first), min(last, S - 1)
+    speed_of = [t.stage_speed(k) for k in range(S)]
     bT, x, a_p = t.shape.b_T, max(1.0, t.shape.stage_weight), t.shape.a_p if stage_sum else 0.0
     slot = t.tpi_s(0.0, 0.0, x * t.stage_time_s(0.0), 0.0)
     least: dict[tuple, float] = {}
 
     def g(u: int, k: int, mu: float) -> float:  # min over u's strategies of (mu + a_p) A_u(k) + S_u, less a_p A_min
-        key = (u if u in (0, L - 1) else first, t.stage_speed(k), mu)
+        key = (u if u in (0, L - 1) else first, speed_of[k], mu)
         if key not in least:
             least[key] = (min((mu + a_p) * t._time_at(c, key[1]) + c.sync_s for c in t.cost[key[0]])
                           - a_p * cheapest(key[0]))
         return least[key]
 
+    fastest: dict[int, float] = {}
+
     def cheapest(u: int) -> float:  # what time_lower_bound_s counts for the layer in a_p sum p
-        return min(t.fastest_layer_time_s(c) for c in t.cost[u])
+        if u not in fastest:
+            fastest[u] = min(t.fastest_layer_time_s(c) for c in t.cost[u])
+        return fastest[u]
 
     ends = {}  # stage -> the end layer it holds
     if first > 0:
@@ -326,7 +335,7 @@ def run_group_stage_floor_s(t: CostTables, first: int, last: int, *, stage_sum: 
 
     def front(k: int, n: int) -> list[tuple[float, float]]:
         """(time, sync) staircase of stage k holding n run layers (and its ends), memory left out."""
-        key = (t.stage_speed(k), n, tuple(ends.get(k, [])))
+        key = (speed_of[k], n, tuple(ends.get(k, [])))
         if key not in fronts:
             speed = key[0]
             if n == 0:
@@ -339,18 +348,32 @@ def run_group_stage_floor_s(t: CostTables, first: int, last: int, *, stage_sum: 
             fronts[key] = pts
         return fronts[key]
 
+    prefix: dict[tuple, tuple[list[float], list[float]]] = {}
+
+    def least_within(k: int, n: int) -> tuple[list[float], list[float]]:
+        """Stage k's staircase times (rising) and the least a_p A + S among the points up to each."""
+        key = (speed_of[k], n, tuple(ends.get(k, [])))
+        if key not in prefix:
+            st = front(k, n)
+            run, acc = math.inf, []
+            for a, b in st:
+                run = min(run, a_p * a + b)
+                acc.append(run)
+            prefix[key] = ([a for a, _ in st], acc)
+        return prefix[key]
+
     def bound(stages: list[int], split: tuple[int, ...]) -> float:
-        """min over strategies of b_T x max_k A_k + sum_k S_k for this split: for each candidate largest stage
-        time theta, each stage's least sync within it (exact; memory left out)."""
-        stairs = [front(k, n) for k, n in zip(stages, split)]
+        """min over strategies of b_T x max_k A_k + sum_k (a_p A_k + S_k) for this split: for each candidate
+        largest stage time theta, each stage's least a_p A + S within it (exact; memory left out)."""
+        stairs = [least_within(k, n) for k, n in zip(stages, split)]
         best = math.inf
-        for theta in sorted({a for st in stairs for a, _ in st}):
+        for theta in sorted({a for times, _ in stairs for a in times}):
             total = 0.0
-            for st in stairs:
-                within = [a_p * a + b for a, b in st if a <= theta]
-                if not within:
+            for times, acc in stairs:
+                i = bisect_right(times, theta) - 1
+                if i < 0:
                     break
-                total += min(within)
+                total += acc[i]
             else:
                 best = min(best, bT * x * theta + total)
         excess = sum(split) * cheapest(first) + sum(cheapest(u) for k in stages for u in ends.get(k, []))
@@ -360,12 +383,17 @@ def run_group_stage_floor_s(t: CostTables, first: int, last: int, *, stage_sum: 
     reach = [[k for k in mine if lo <= k <= hi] for mine in groups]
     spread = -(-R // max(1, sum(1 for r in reach if r)))  # an even share: computed counts go past it
     phis = []
+    alike: dict[tuple, list[float]] = {}  # groups whose stages price alike (speed, ends, reach) share phi
     for mine, reachable in zip(groups, reach):
         outside = [k for k in mine if k not in reachable]  # hold an end but none of the run
         if not mine:  # holds neither the run nor an end here
             phis.append([slot])
             continue
-        phi = []
+        sig = tuple((speed_of[k], tuple(ends.get(k, [])), k in reachable) for k in reachable + outside)
+        if sig in alike:
+            phis.append(alike[sig])
+            continue
+        phi = alike[sig] = []
         for X in range(0, min(R, 2 * spread + 2) + 1):
             if X and not reachable:
                 break

@@ -56,7 +56,7 @@ class Candidate:
     warm: Plan | None = None
     trace_record: dict | None = None  # its record in the search trace, once handed out (one, also when solved again)
     slice_s: float | None = None  # the time slice of its next solve
-    refined: bool = False  # its bound holds the memory-aware floors (computed when it first reaches the front)
+    refined: bool = False  # its bound holds the refined floors (computed when it first reaches the front)
     resolves: int = 0  # how often its slice ran out and it went back into the queue
 
     @property
@@ -235,9 +235,9 @@ def search(
                     cand.trace_record = {**cand.record, "outcome": "", "tpi_s": None, "bound_s": cand.bound_s}
                     trace.append(cand.trace_record)
                 record = cand.trace_record
-                if not cand.refined:  # the memory-aware floors, for the candidates that get this far only
+                if not cand.refined:  # the costlier floors, for the candidates that get this far only
                     cand.refined = True
-                    cand.bound_s = record["bound_s"] = max(cand.bound_s, time_lower_bound_s(cand.tables, memory=True))
+                    cand.bound_s = record["bound_s"] = max(cand.bound_s, time_lower_bound_s(cand.tables, refined=True))
                     if queue and _order(queue[0]) < _order(cand):  # no longer the most promising: back in order
                         insort(queue, cand, key=_order)
                         continue
