@@ -136,3 +136,49 @@ def test_a_hard_candidate_goes_back_into_the_queue_and_cannot_starve_the_rest(mo
     assert turns[1] == len(calls) - 1 and len(calls) > 2  # the others ran in between
     record = next(r for r in plan.search if (r["pp"], r["microbatches"], r["schedule"], r["virtual_stages"]) == hard[0])
     assert record["resolves"] == 1
+
+
+def test_a_candidate_whose_refined_bound_falls_behind_waits_its_turn(monkeypatch):
+    """The refined floors are computed when a candidate first reaches the front of the queue; if its bound then
+    falls behind the next candidate's, it goes back in bound order instead of being solved first. Played with a
+    refined bound just behind the second candidate's that is still below the first's own optimum (so still a lower
+    bound): the second is solved first, and the search ends exact with the plan of an unhindered search."""
+    import importlib
+
+    from bruteforce import brute_force
+
+    from uniap_lightning.planner.solver import parallel
+    from uniap_lightning.planner.solver.search import search
+
+    search_module = importlib.import_module("uniap_lightning.planner.solver.search")
+    problem = random_problem(3, num_layers=6, nodes=2, per_node=2, memory_gib=40.0)
+    expected = search(problem, solver="cbc", time_limit_s=120, workers=1)
+    real_bound, real_solve = search_module.time_lower_bound_s, parallel.solve_candidate
+    trace: list[dict] = []
+    cands, _ = search_module._candidates(problem, None, None, trace, search_module.Deadline.after(60))
+    cands.sort(key=lambda cd: cd.bound_s)
+    first, second = cands[0], cands[1]
+    key = lambda t: (t.pp, t.c, t.schedule, t.v)  # noqa: E731
+    behind = second.bound_s * (1 + 1e-9)
+    own = brute_force(problem, candidate=(first.pp, first.c))
+    assert own is not None and own.estimate.tpi_s > behind  # the played bound is a true lower bound
+    order: list[tuple] = []
+
+    def bound(tables, *, refined=False):
+        if refined and key(tables) == key(first.tables):
+            return max(real_bound(tables, refined=True), behind)
+        return real_bound(tables, refined=refined)
+
+    def solve(tables, solver, time_limit_s, cutoff_s):
+        order.append(key(tables))
+        return real_solve(tables, solver, time_limit_s, cutoff_s)
+
+    monkeypatch.setattr(search_module, "time_lower_bound_s", bound)
+    monkeypatch.setattr(parallel, "solve_candidate", solve)
+    plan = search(problem, solver="cbc", time_limit_s=120, workers=1)
+    assert plan.solver.status == "optimal"
+    assert plan.estimate.tpi_s == pytest.approx(expected.estimate.tpi_s, rel=1e-9)
+    assert order[0] == key(second.tables)  # the first went back behind the second
+    record = next(r for r in plan.search if (r["pp"], r["microbatches"], r["schedule"], r["virtual_stages"])
+                  == key(first.tables))
+    assert record["bound_s"] >= behind
