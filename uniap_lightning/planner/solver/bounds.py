@@ -40,8 +40,8 @@ def time_lower_bound_s(t: CostTables, *, refined: bool = False) -> float:
     sync_floor = max(chain_sync_floor_s(t), group_sync_floor_s(t))
     stage_sum_floor = 0.0
     if refined:  # T >= x p_k with x = max(1, stage_weight): one stage per group, or v times the longest stage
-        if memory_chain_floor_s(t) == float("inf"):
-            return float("inf")
+        if math.isinf(memory_chain_floor_s(t)):
+            return math.inf
         chunked = max(chunked, max(1.0, t.shape.stage_weight) * memory_chain_floor_s(t))
         sync_floor = max(sync_floor, memory_chain_sync_floor_s(t), group_stage_floor_s(t))
         stage_sum_floor = group_stage_floor_s(t, stage_sum=True)
@@ -135,14 +135,7 @@ def pigeonhole_floor_uneven(classes: list[tuple[int, list[float]]]) -> float:
         def holds(X: float) -> bool:
             return sum(count * bisect_right(acc, X) for count, acc in prefixes) >= h
 
-        lo, hi = 0, len(values) - 1
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if holds(values[mid]):
-                hi = mid
-            else:
-                lo = mid + 1
-        best = max(best, values[lo])
+        best = max(best, _least_holding(values, holds))
     return best * (1 - 1e-12)
 
 
@@ -422,14 +415,7 @@ def run_group_stage_floor_s(t: CostTables, first: int, last: int, *, stage_sum: 
     values = sorted({v for phi in phis for v in phi})
     if not values or not holds(values[-1]):
         return 0.0  # no bound rather than a wrong one (every group is empty of the run: cannot happen)
-    lo_i, hi_i = 0, len(values) - 1
-    while lo_i < hi_i:
-        mid = (lo_i + hi_i) // 2
-        if holds(values[mid]):
-            hi_i = mid
-        else:
-            lo_i = mid + 1
-    return values[lo_i] * (1 - 1e-9)
+    return _least_holding(values, holds) * (1 - 1e-9)
 
 
 def _splits(X: int, n: int):
@@ -587,10 +573,7 @@ def _pareto(points: list[tuple[float, float, float]]) -> list[tuple[float, float
 def _staircase(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
     """The (price, memory) points no other beats in both, by rising price; beyond :data:`FRONT_POINTS`, runs of
     neighbours become their componentwise minimum (the first's price, the last's memory)."""
-    out: list[tuple[float, float]] = []
-    for a, m in sorted(points):
-        if not out or m < out[-1][1]:
-            out.append((a, m))
+    out = _frontier(points)
     if len(out) > FRONT_POINTS:
         step = -(-len(out) // FRONT_POINTS)
         out = [(out[j][0], out[min(j + step, len(out)) - 1][1]) for j in range(0, len(out), step)]
@@ -658,14 +641,20 @@ def run_bottleneck_s(t: CostTables, first: int, last: int) -> float:
 
     if not fits(values[-1]):
         return float("inf")
-    lo_i, hi_i = 0, len(values) - 1
-    while lo_i < hi_i:
-        mid = (lo_i + hi_i) // 2
-        if fits(values[mid]):
-            hi_i = mid
+    return _least_holding(values, fits)
+
+
+def _least_holding(values: list[float], holds) -> float:
+    """The least of the sorted ``values`` for which ``holds`` (monotone: false, then true) is true; the last
+    must hold."""
+    lo, hi = 0, len(values) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if holds(values[mid]):
+            hi = mid
         else:
-            lo_i = mid + 1
-    return values[lo_i]
+            lo = mid + 1
+    return values[lo]
 
 
 def _least_time(opts: list[tuple[float, float]], x: int, limit: float) -> float:

@@ -52,8 +52,8 @@ Program (terms: ``A`` time, ``S`` sync, ``W`` static, ``Act`` activation, ``G`` 
                and, with v > 1, >= group_sync_floor_s; (c - 1) T + Y, and with a_p sum p, >= group_stage_floor_s
                (whole layers on a group's stages, the busiest priced v times);
                the chain floors again where memory decides strategies (memory_chain_floor_s,
-               memory_chain_sync_floor_s) (valid inequalities, :mod:`.bounds`: some stage, some device group, holds whole layers' time and
-               sync at once).
+               memory_chain_sync_floor_s) (valid inequalities, :mod:`.bounds`: some stage, some device group,
+               holds whole layers' time and sync at once).
 Objective: ``TPI = sum_i p_i + sum_j o_j + (c - 1) T + Y``.
 
 Any feasible assignment maps to one plan (an Euler walk over levels fixes the order inside each portion,
