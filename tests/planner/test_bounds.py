@@ -21,8 +21,6 @@ from uniap_lightning.planner.solver import resolve_solver
 from uniap_lightning.planner.solver.bounds import (
     chain_bottleneck_s,
     chain_sync_floor_s,
-    cheapest_stage_sum_s,
-    group_stage_floor_s,
     group_sync_floor_s,
     memory_chain_floor_s,
     memory_chain_sync_floor_s,
@@ -34,6 +32,8 @@ from uniap_lightning.planner.solver.bounds import (
     staged_partition_floor,
     time_lower_bound_s,
 )
+from uniap_lightning.planner.solver.group_floor import (GroupMemoryFloor, cheapest_stage_sum_s, group_memory_floor_s,
+                                                       group_stage_floor_s, run_group_stage_floor_s)
 from uniap_lightning.planner.solver.milp import GroupedMilp
 
 REL = 1e-9
@@ -135,6 +135,9 @@ def _assert_memory_floors(problem, t, plan) -> None:
     floor = t.tpi_s(cheapest_stage_sum_s(t), 0.0, 0.0, 0.0) + group_stage_floor_s(t, stage_sum=True)
     assert t.tpi_s(sum(terms.stage_time_s), 0.0, T, max(terms.sync_s)) >= floor * (1 - REL), [lp.stage for lp in plan.layers]
     assert plan.estimate.tpi_s >= time_lower_bound_s(t, refined=True) * (1 - REL), [lp.stage for lp in plan.layers]
+    # each device group's memory (computed on demand, then part of the floors above)
+    assert t.tpi_s(0.0, 0.0, T, max(terms.sync_s)) >= group_memory_floor_s(t) * (1 - REL), [lp.stage for lp in plan.layers]
+    assert plan.estimate.tpi_s >= time_lower_bound_s(t, refined=True, group_memory=True) * (1 - REL)
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -376,3 +379,117 @@ def test_the_memory_floors_hold_for_the_brute_force_optimum_with_several_stages_
                     _assert_memory_floors(problem, t, best)
                     checked += 1
     assert checked > 0
+
+
+def _group_value_brute(t, program, grp, reachable, outside, X) -> float:
+    """The least ``b_T x max_k A_k + sum_k (a_p A_k + S_k)`` (ms) over every way the group's stages hold ``X`` run
+    layers (each stage a multiset of strategies) and their end layers, within the group's memory: brute force."""
+    first, R = program.first, program.last - program.first + 1
+    stages = reachable + outside
+    per_stage = []  # per stage: {count: [(time, sync, static, activation, transient)]}
+    for k in stages:
+        ends = [[(t.layer_time_s(k, c), c.sync_s, c.static_bytes, c.activation_bytes, c.transient_bytes)
+                 for c in t.cost[u]] for u in program.ends.get(k, [])]
+        run = [(t.layer_time_s(k, c), c.sync_s, c.static_bytes, c.activation_bytes, c.transient_bytes)
+               for c in t.cost[first]]
+        options = {}
+        for n in range(0, min(X, R) + 1 if k in reachable else 1):
+            if n == 0 and k in reachable and program.must_hold(k):
+                continue
+            combos = []
+            for mix in itertools.combinations_with_replacement(run, n):
+                for tail in itertools.product(*ends):
+                    items = list(mix) + list(tail)
+                    combos.append((sum(i[0] for i in items), sum(i[1] for i in items), sum(i[2] for i in items),
+                                   sum(i[3] for i in items), max((i[4] for i in items), default=0.0)))
+            options[n] = combos
+        per_stage.append(options)
+    best = math.inf
+    limit = t.memory_limit_bytes(min(t.stages_of(grp))) * (1 + 1e-9)
+    for counts in itertools.product(*[list(o) for o in per_stage]):
+        if sum(counts) != X:
+            continue
+        for pick in itertools.product(*[o[n] for o, n in zip(per_stage, counts)]):
+            static, act = [0.0] * t.stages, [0.0] * t.stages
+            for k, p in zip(stages, pick):
+                static[k], act[k] = p[2], p[3]
+            if t.group_memory_bytes(grp, static, act, max(p[4] for p in pick)) > limit:
+                continue
+            best = min(best, program.weight * max(p[0] for p in pick) * 1e3
+                       + sum(program.a_p * p[0] + p[1] for p in pick) * 1e3)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_group_memory_program_is_the_brute_force_least_value(seed):
+    """A device group's program (counts per stage and strategy, the group's memory shared by its stages) equals
+    brute force over every split of X run layers over its stages and every strategy mix, end layers included; and
+    inf exactly when nothing fits."""
+    problem = forced_problem(seed, memory_gib=(0.5, 1.0, 2.0, 1.0)[seed], activation_scale=40.0, param_scale=0.2,
+                             num_layers=3, per_node=2)
+    layers = [problem.model.layers[0]] + [problem.model.layers[1]] * 4 + [problem.model.layers[2]]
+    problem = replace(problem, model=replace(problem.model, layers=[replace(lp, name=f"L{u}") for u, lp in enumerate(layers)]),
+                      training=replace(problem.training, schedule="auto", max_virtual_stages=2))
+    checked = 0
+    for pp in problem.pp_candidates():
+        for c in problem.training.microbatch_candidates():
+            for schedule, v in problem.training.schedule_candidates(pp, c, problem.model.num_layers):
+                if v == 1:
+                    continue
+                t = CostTables(problem, pp, c, schedule=schedule, virtual_stages=v)
+                if not t.feasible_shape:
+                    continue
+                a, e = next((a, e) for a, e in t.runs() if e > a)
+                L, S = len(t.layers), t.stages
+                ends = {0: [0]} if a > 0 else {}
+                if e < L - 1:
+                    ends.setdefault(S - 1, []).append(L - 1)
+                lo, hi = max(0, S - L + a), min(e, S - 1)
+                for a_p in (0.0, t.shape.a_p):
+                    program = GroupMemoryFloor(t, a, e, ends, t.shape.b_T * max(1.0, t.shape.stage_weight), a_p)
+                    for grp in range(t.pp):
+                        mine = [k for k in t.stages_of(grp) if lo <= k <= hi or k in ends]
+                        reachable = [k for k in mine if lo <= k <= hi]
+                        outside = [k for k in mine if k not in reachable]
+                        for X in range(0, 4):
+                            got = program.value_ms(grp, reachable, outside, X)
+                            exact = _group_value_brute(t, program, grp, reachable, outside, X)
+                            if exact == math.inf:
+                                assert got == math.inf, (pp, c, schedule, grp, X, got)
+                            else:
+                                assert got == pytest.approx(exact, rel=1e-7), (pp, c, schedule, grp, X)
+                            checked += 1
+    assert checked > 0
+
+
+def test_each_groups_memory_raises_the_group_floor_and_the_milp_keeps_the_optimum():
+    """Not vacuous: where a group's stages cannot all take their fastest mix within the memory they share, the
+    floor with memory is above the one without (on some candidate) and below the brute-force optimum's b_T T + Y;
+    the MILP, which gets it as a row once computed, still finds that optimum."""
+    from bruteforce_pipeline import brute_force_candidate
+
+    above = 0
+    for seed in range(4):
+        problem = repeated_problem(seed, pattern="ABBBBC", nodes=1, per_node=2, schedule="auto",
+                                   memory_gib=(4.0, 3.0, 4.0, 6.0)[seed])
+        problem = replace(problem, training=replace(problem.training, max_virtual_stages=3))
+        for pp in problem.pp_candidates():
+            for c in problem.training.microbatch_candidates():
+                for schedule, v in problem.training.schedule_candidates(pp, c, problem.model.num_layers):
+                    if v == 1:
+                        continue
+                    t = CostTables(problem, pp, c, schedule=schedule, virtual_stages=v)
+                    if not t.feasible_shape:
+                        continue
+                    without = max((run_group_stage_floor_s(t, a, e, memory=False) for a, e in t.runs() if e > a),
+                                  default=0.0)
+                    with_memory = group_memory_floor_s(t)
+                    assert with_memory >= without * (1 - 1e-6)
+                    above += with_memory > without * (1 + 1e-6)
+                    best = brute_force_candidate(problem, pp, c, schedule, v)
+                    if best is None:
+                        continue
+                    res = GroupedMilp(t, solver=SOLVER).solve(time_limit_s=60)
+                    assert res.status == "optimal", (pp, c, schedule, v)
+                    assert res.objective_s == pytest.approx(best.estimate.tpi_s, rel=1e-6), (pp, c, schedule, v)
+    assert above > 0

@@ -164,10 +164,10 @@ def test_a_candidate_whose_refined_bound_falls_behind_waits_its_turn(monkeypatch
     assert own is not None and own.estimate.tpi_s > behind  # the played bound is a true lower bound
     order: list[tuple] = []
 
-    def bound(tables, *, refined=False):
+    def bound(tables, *, refined=False, group_memory=False):
         if refined and key(tables) == key(first.tables):
-            return max(real_bound(tables, refined=True), behind)
-        return real_bound(tables, refined=refined)
+            return max(real_bound(tables, refined=True, group_memory=group_memory), behind)
+        return real_bound(tables, refined=refined, group_memory=group_memory)
 
     def solve(tables, solver, time_limit_s, cutoff_s):
         order.append(key(tables))

@@ -6,14 +6,18 @@ import math
 from bisect import bisect_right
 
 from uniap_lightning.planner.cost.tables import CostTables
+from uniap_lightning.planner.solver.fronts import frontier, least_holding, staircase
+from uniap_lightning.planner.solver.group_floor import group_memory_floor_s, group_stage_floor_s
 
 
-def time_lower_bound_s(t: CostTables, *, refined: bool = False) -> float:
+def time_lower_bound_s(t: CostTables, *, refined: bool = False, group_memory: bool = False) -> float:
     """A valid lower bound on the candidate's TPI, from per-layer minima (no solver); ``refined`` adds the floors
     that take a tenth of a second or so on a large chain, so the search asks for them only for the candidates it is
     about to solve: the memory-aware :func:`memory_chain_floor_s` and :func:`memory_chain_sync_floor_s` (tighter
     where memory forces slower strategies; ``inf`` when they show that nothing fits) and
-    :func:`group_stage_floor_s` (whole layers on a device group's stages).
+    :func:`group_stage_floor_s` (whole layers on a device group's stages); ``group_memory`` adds
+    :func:`group_memory_floor_s` (the same within each group's memory: up to seconds, for a candidate whose first
+    solve did not close it).
 
     ``tpi_s`` is linear in (sum of stage times, sum of weight-gradient times, sum of hand-offs, bottleneck, largest
     weight-gradient time, largest sync), with a non-negative coefficient on all but the weight-gradient sum
@@ -45,6 +49,9 @@ def time_lower_bound_s(t: CostTables, *, refined: bool = False) -> float:
         chunked = max(chunked, max(1.0, t.shape.stage_weight) * memory_chain_floor_s(t))
         sync_floor = max(sync_floor, memory_chain_sync_floor_s(t), group_stage_floor_s(t))
         stage_sum_floor = group_stage_floor_s(t, stage_sum=True)
+    if group_memory:
+        sync_floor = max(sync_floor, group_memory_floor_s(t))
+        stage_sum_floor = max(stage_sum_floor, group_memory_floor_s(t))
     peak = t.tpi_s(sum(cheapest), 0.0, max(max(cheapest), floor, group_floor_s(t), chunked), 0.0, weights)
     boundaries = 0.0
     if S > 1:
@@ -135,7 +142,7 @@ def pigeonhole_floor_uneven(classes: list[tuple[int, list[float]]]) -> float:
         def holds(X: float) -> bool:
             return sum(count * bisect_right(acc, X) for count, acc in prefixes) >= h
 
-        best = max(best, _least_holding(values, holds))
+        best = max(best, least_holding(values, holds))
     return best * (1 - 1e-12)
 
 
@@ -250,188 +257,6 @@ def _memory_floors(t: CostTables) -> tuple[float, float]:
     return cached
 
 
-def group_stage_floor_s(t: CostTables, *, stage_sum: bool = False) -> float:
-    """Whole layers on the stages of each device group: a lower bound on ``b_T T + Y``, or with ``stage_sum`` on
-    ``a_p sum_i p_i + b_T T + Y`` beyond ``a_p`` :func:`cheapest_stage_sum_s` (so ``tpi_s(cheapest_stage_sum_s,
-    0, 0, 0)`` plus it bounds ``tpi_s(sum p, 0, T, Y)``). The largest of :func:`run_group_stage_floor_s` over the
-    runs of two or more interchangeable layers. Both are MILP rows: the LP relaxation meets each on its own."""
-    if t.v == 1:  # one stage per group: its best mix is each layer's own, which group_sync_floor_s already sees
-        return 0.0
-    key = ("group_stage_floor", stage_sum)
-    cached = t.bound_cache.get(key)
-    if cached is None:
-        cached = t.bound_cache[key] = max(
-            (run_group_stage_floor_s(t, a, e, stage_sum=stage_sum) for a, e in t.runs() if e > a), default=0.0)
-    return cached
-
-
-def cheapest_stage_sum_s(t: CostTables) -> float:
-    """What every plan's ``sum_i p_i`` holds at least: each layer at its cheapest time on the fastest device and
-    every stage's slot."""
-    return sum(min(t.fastest_layer_time_s(k) for k in costs) for costs in t.cost) + t.stages * t.stage_time_s(0.0)
-
-
-#: run_group_stage_floor_s enumerates the splits of a group's layers over its stages up to this many per count
-GROUP_SPLITS = 200
-
-
-def run_group_stage_floor_s(t: CostTables, first: int, last: int, *, stage_sum: bool = False) -> float:
-    """A lower bound on ``a_p sum_i p_i + b_T T + Y - a_p cheapest_stage_sum_s`` (``a_p`` taken as 0 without
-    ``stage_sum``: then on ``b_T T + Y``) from the run ``first..last`` of ``R`` interchangeable layers and the
-    chain's first and last layer (on the first and last stage in every plan).
-
-    Proof. Let ``x = max(1, stage_weight)``: ``T >= x p_k`` for every stage ``k`` (``x = v`` with ``v`` stages per
-    group) and ``Y >= sync_g``, the summed sync of group ``g``'s layers, so for every group ``g``: ``a_p sum_i p_i
-    + b_T T + Y >= a_p (sum of the other groups' layers' cheapest times + every slot) + [a_p sum_{k in g} A_k +
-    b_T x (slot + max_k A_k) + sync_g]`` (``A_k``: stage ``k``'s layer time; resharding ``>= 0``; ``a_p, b_T >=
-    0``). For a split ``x_k`` of ``X`` run layers over the group's stages (each end layer where it sits) the
-    bracket's least over strategies is exact from each stage's (time, sync) staircase: for every candidate largest
-    time ``theta``, each stage's least ``a_p A + S`` within it (memory and other runs' layers left out, which only
-    lowers it). ``phi_g(X)``, the least over splits less ``a_p`` times those layers' cheapest times, bounds the
-    left side less ``a_p cheapest_stage_sum_s`` (beyond :data:`GROUP_SPLITS` splits per count, the weaker ``b_T T
-    >= mean_k b_T x p_k``, which needs no split). It holds for every group, so for the largest; the groups hold all
-    ``R``: the bound is the least ``C`` with ``sum_g max{X : phi_g(X) <= C} >= R`` (``phi_g`` grows with ``X``;
-    beyond the counts computed a group is taken to hold any number, which only lowers the bound).
-
-    Why it matters: :func:`group_sync_floor_s` spreads ``T`` over a group's summed stage times, but with ``v``
-    stages per group ``T >= v max_k p_k``: seven blocks on a group of two stages put four on one of them, eight
-    blocks' time. Qwen-MoE on 8,192 devices (pp 4, interleaved 1F1B, v 2, 24 blocks): the group holding the LM
-    head takes fewer blocks, so another takes seven."""
-    S, L, R = t.stages, len(t.layers), last - first + 1
-    lo, hi = max(0, S - L + first), min(last, S - 1)
-    speed_of = [t.stage_speed(k) for k in range(S)]
-    bT, x, a_p = t.shape.b_T, max(1.0, t.shape.stage_weight), t.shape.a_p if stage_sum else 0.0
-    slot = t.tpi_s(0.0, 0.0, x * t.stage_time_s(0.0), 0.0)
-    least: dict[tuple, float] = {}
-
-    def g(u: int, k: int, mu: float) -> float:  # min over u's strategies of (mu + a_p) A_u(k) + S_u, less a_p A_min
-        key = (u if u in (0, L - 1) else first, speed_of[k], mu)
-        if key not in least:
-            least[key] = (min((mu + a_p) * t._time_at(c, key[1]) + c.sync_s for c in t.cost[key[0]])
-                          - a_p * cheapest(key[0]))
-        return least[key]
-
-    fastest: dict[int, float] = {}
-
-    def cheapest(u: int) -> float:  # what time_lower_bound_s counts for the layer in a_p sum p
-        if u not in fastest:
-            fastest[u] = min(t.fastest_layer_time_s(c) for c in t.cost[u])
-        return fastest[u]
-
-    ends = {}  # stage -> the end layer it holds
-    if first > 0:
-        ends[0] = [0]
-    if last < L - 1:
-        ends.setdefault(S - 1, []).append(L - 1)
-
-    fronts: dict[tuple, list[tuple[float, float]]] = {}
-
-    def front(k: int, n: int) -> list[tuple[float, float]]:
-        """(time, sync) staircase of stage k holding n run layers (and its ends), memory left out."""
-        key = (speed_of[k], n, tuple(ends.get(k, [])))
-        if key not in fronts:
-            speed = key[0]
-            if n == 0:
-                pts = [(0.0, 0.0)]
-                for u in ends.get(k, []):
-                    pts = _staircase([(a + t._time_at(c, speed), b + c.sync_s) for a, b in pts for c in t.cost[u]])
-            else:
-                prev = front(k, n - 1)
-                pts = _staircase([(a + t._time_at(c, speed), b + c.sync_s) for a, b in prev for c in t.cost[first]])
-            fronts[key] = pts
-        return fronts[key]
-
-    prefix: dict[tuple, tuple[list[float], list[float]]] = {}
-
-    def least_within(k: int, n: int) -> tuple[list[float], list[float]]:
-        """Stage k's staircase times (rising) and the least a_p A + S among the points up to each."""
-        key = (speed_of[k], n, tuple(ends.get(k, [])))
-        if key not in prefix:
-            st = front(k, n)
-            run, acc = math.inf, []
-            for a, b in st:
-                run = min(run, a_p * a + b)
-                acc.append(run)
-            prefix[key] = ([a for a, _ in st], acc)
-        return prefix[key]
-
-    def bound(stages: list[int], split: tuple[int, ...]) -> float:
-        """min over strategies of b_T x max_k A_k + sum_k (a_p A_k + S_k) for this split: for each candidate
-        largest stage time theta, each stage's least a_p A + S within it (exact; memory left out)."""
-        stairs = [least_within(k, n) for k, n in zip(stages, split)]
-        best = math.inf
-        for theta in sorted({a for times, _ in stairs for a in times}):
-            total = 0.0
-            for times, acc in stairs:
-                i = bisect_right(times, theta) - 1
-                if i < 0:
-                    break
-                total += acc[i]
-            else:
-                best = min(best, bT * x * theta + total)
-        excess = sum(split) * cheapest(first) + sum(cheapest(u) for k in stages for u in ends.get(k, []))
-        return best - a_p * excess
-
-    groups = [[k for k in t.stages_of(grp) if lo <= k <= hi or k in ends] for grp in range(t.pp)]
-    reach = [[k for k in mine if lo <= k <= hi] for mine in groups]
-    spread = -(-R // max(1, sum(1 for r in reach if r)))  # an even share: computed counts go past it
-    phis = []
-    alike: dict[tuple, list[float]] = {}  # groups whose stages price alike (speed, ends, reach) share phi
-    for mine, reachable in zip(groups, reach):
-        outside = [k for k in mine if k not in reachable]  # hold an end but none of the run
-        if not mine:  # holds neither the run nor an end here
-            phis.append([slot])
-            continue
-        sig = tuple((speed_of[k], tuple(ends.get(k, [])), k in reachable) for k in reachable + outside)
-        if sig in alike:
-            phis.append(alike[sig])
-            continue
-        phi = alike[sig] = []
-        for X in range(0, min(R, 2 * spread + 2) + 1):
-            if X and not reachable:
-                break
-            stages = reachable + outside
-            n = len(reachable)
-            if n and math.comb(X + n - 1, n - 1) > GROUP_SPLITS:  # the same with x p_k >= the group's mean
-                mu = bT * x / max(1, len(stages))
-                val = (X * min(g(first, k, mu) for k in reachable)
-                       + sum(g(u, k, mu) for k in stages for u in ends.get(k, [])))
-            else:
-                val = min((bound(stages, split + (0,) * len(outside)) for split in _splits(X, n)), default=0.0)
-            phi.append(slot + val)
-        phis.append(phi)
-
-    def holds(C: float) -> bool:
-        total = 0
-        for phi in phis:
-            if phi[0] > C:
-                return False
-            if phi[-1] <= C and 1 < len(phi) <= R:  # beyond the counts computed: any number
-                total += R
-            else:
-                total += max(X for X, v in enumerate(phi) if v <= C)
-        return total >= R
-
-    values = sorted({v for phi in phis for v in phi})
-    if not values or not holds(values[-1]):
-        return 0.0  # no bound rather than a wrong one (every group is empty of the run: cannot happen)
-    return _least_holding(values, holds) * (1 - 1e-9)
-
-
-def _splits(X: int, n: int):
-    """Every way to write ``X`` as ``n`` ordered non-negative parts."""
-    if n == 0:
-        if X == 0:
-            yield ()
-        return
-    if n == 1:
-        yield (X,)
-        return
-    for first in range(X + 1):
-        for rest in _splits(X - first, n - 1):
-            yield (first, *rest)
-
-
 def stage_memory_allowance_bytes(t: CostTables, stage: int) -> float:
     """The most memory stage ``stage``'s layers may take in a plan that fits: its device group's usable memory less
     what each other stage of the group holds at least (every stage holds a layer; stage ``j`` can hold layers
@@ -460,9 +285,6 @@ def _layer_kinds(t: CostTables) -> list[int]:
     return kinds
 
 
-#: a stage's front of strategy mixes keeps at most this many (price, memory) points per largest transient; beyond,
-#: neighbours merge into their componentwise minimum (optimistic, so the floor stays a lower bound)
-FRONT_POINTS = 24
 #: front points one floor may grow in all before it settles for the floor without memory (the work stays bounded
 #: on chains with many layers per stage, where the memory floor adds little to the MILP's own relaxation)
 FLOOR_WORK = 50_000
@@ -485,7 +307,7 @@ def memory_partition_floor(t: CostTables, price) -> float:
     (a stage's least price and memory only grow with its layers, so by induction the greedy ends every stage no
     earlier than any feasible split does). Whether a run of layers fits: the Pareto front of (price, memory) over
     its strategy mixes within ``C`` and the allowance, per largest transient, grown a layer at a time; exact while
-    a front has at most :data:`FRONT_POINTS` points (a few layers per stage, where integrality matters), optimistic
+    a front has at most :data:`~.fronts.FRONT_POINTS` points (a few layers per stage, where integrality matters), optimistic
     beyond (merged points dominate every mix they replace, so a run that fits is never refused). ``C`` is
     bracketed from the floor without memory upwards and bisected to a relative 1e-5; returns a refuted value times
     ``1 - 1e-12``, or the floor without memory where the fronts would grow beyond :data:`FLOOR_WORK` points."""
@@ -525,7 +347,7 @@ def memory_partition_floor(t: CostTables, price) -> float:
                     raise _OutOfWork
                 if not grown:
                     break
-                fronts = {top: _staircase(points) for top, points in grown.items()}
+                fronts = {top: staircase(points) for top, points in grown.items()}
                 u += 1
             if u == L:
                 return True
@@ -567,16 +389,6 @@ def _pareto(points: list[tuple[float, float, float]]) -> list[tuple[float, float
     for p in sorted(set(points)):
         if not any(q[1] <= p[1] and q[2] <= p[2] for q in out):
             out.append(p)
-    return out
-
-
-def _staircase(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The (price, memory) points no other beats in both, by rising price; beyond :data:`FRONT_POINTS`, runs of
-    neighbours become their componentwise minimum (the first's price, the last's memory)."""
-    out = _frontier(points)
-    if len(out) > FRONT_POINTS:
-        step = -(-len(out) // FRONT_POINTS)
-        out = [(out[j][0], out[min(j + step, len(out)) - 1][1]) for j in range(0, len(out), step)]
     return out
 
 
@@ -641,25 +453,12 @@ def run_bottleneck_s(t: CostTables, first: int, last: int) -> float:
 
     if not fits(values[-1]):
         return float("inf")
-    return _least_holding(values, fits)
-
-
-def _least_holding(values: list[float], holds) -> float:
-    """The least of the sorted ``values`` for which ``holds`` (monotone: false, then true) is true; the last
-    must hold."""
-    lo, hi = 0, len(values) - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if holds(values[mid]):
-            hi = mid
-        else:
-            lo = mid + 1
-    return values[lo]
+    return least_holding(values, fits)
 
 
 def _least_time(opts: list[tuple[float, float]], x: int, limit: float) -> float:
     """min sum a_k n_k  s.t.  sum n_k = x, sum m_k n_k <= limit, n >= 0 (fractional): at most two strategies."""
-    opts = _frontier(opts)
+    opts = frontier(opts)
     best = float("inf")
     for a1, m1 in opts:
         if x * m1 <= limit:
@@ -670,15 +469,6 @@ def _least_time(opts: list[tuple[float, float]], x: int, limit: float) -> float:
                 n2 = min(x, (limit - x * m1) / (m2 - m1))
                 best = min(best, a1 * (x - n2) + a2 * n2)
     return best
-
-
-def _frontier(opts: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The (time, memory) pairs no other pair beats in both: the only ones an optimal mix uses."""
-    out: list[tuple[float, float]] = []
-    for a, m in sorted(set(opts)):
-        if not out or m < out[-1][1]:
-            out.append((a, m))
-    return out
 
 
 def memory_lower_bound_bytes(t: CostTables) -> float:

@@ -50,7 +50,8 @@ Program (terms: ``A`` time, ``S`` sync, ``W`` static, ``Act`` activation, ``G`` 
   memory:      sum W n + F_i sum Act n + gmax_i <= M_i  (stage i's smallest device);  gmax_i >= G v_G;  sum_{k: G_k = G} n_k <= U v_G.
   bottleneck:  T >= o_j;  T >= run_bottleneck_s(g), T >= chain_bottleneck_s (times v, plus the slot, with v > 1);  (c - 1) T + Y >= chain_sync_floor_s
                and, with v > 1, >= group_sync_floor_s; (c - 1) T + Y, and with a_p sum p, >= group_stage_floor_s
-               (whole layers on a group's stages, the busiest priced v times);
+               (whole layers on a group's stages, the busiest priced v times; within each group's memory once the
+               search has computed group_memory_floor_s for the tables);
                the chain floors again where memory decides strategies (memory_chain_floor_s,
                memory_chain_sync_floor_s) (valid inequalities, :mod:`.bounds`: some stage, some device group,
                holds whole layers' time and sync at once).
@@ -72,9 +73,10 @@ import mip
 from uniap_lightning.planner.cluster import GIB
 from uniap_lightning.planner.cost.tables import CostTables
 from uniap_lightning.planner.solver.backend import MS, MilpResult, add_cutoff, beyond_cutoff, new_model, optimize
-from uniap_lightning.planner.solver.bounds import (chain_bottleneck_s, chain_sync_floor_s, cheapest_stage_sum_s,
-                                                  group_floor_s, group_stage_floor_s, group_sync_floor_s,
-                                                  memory_chain_floor_s, memory_chain_sync_floor_s, run_bottleneck_s)
+from uniap_lightning.planner.solver.bounds import (chain_bottleneck_s, chain_sync_floor_s, group_floor_s,
+                                                  group_sync_floor_s, memory_chain_floor_s, memory_chain_sync_floor_s,
+                                                  run_bottleneck_s)
+from uniap_lightning.planner.solver.group_floor import cheapest_stage_sum_s, group_stage_floor_s
 from uniap_lightning.planner.solver.decode import decode
 
 

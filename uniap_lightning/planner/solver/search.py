@@ -57,6 +57,7 @@ class Candidate:
     trace_record: dict | None = None  # its record in the search trace, once handed out (one, also when solved again)
     slice_s: float | None = None  # the time slice of its next solve
     refined: bool = False  # its bound holds the refined floors (computed when it first reaches the front)
+    group_memory: bool = False  # ... and each device group's memory (when it first comes back after a slice ran out)
     resolves: int = 0  # how often its slice ran out and it went back into the queue
 
     @property
@@ -235,9 +236,12 @@ def search(
                     cand.trace_record = {**cand.record, "outcome": "", "tpi_s": None, "bound_s": cand.bound_s}
                     trace.append(cand.trace_record)
                 record = cand.trace_record
-                if not cand.refined:  # the costlier floors, for the candidates that get this far only
-                    cand.refined = True
-                    cand.bound_s = record["bound_s"] = max(cand.bound_s, time_lower_bound_s(cand.tables, refined=True))
+                # the costlier floors, for the candidates that get this far only; the costliest (seconds) for those
+                # a first slice did not close (its MILP, built again, gets them as rows)
+                if not cand.refined or (cand.resolves and not cand.group_memory):
+                    cand.refined, cand.group_memory = True, cand.resolves > 0
+                    floor = time_lower_bound_s(cand.tables, refined=True, group_memory=cand.group_memory)
+                    cand.bound_s = record["bound_s"] = max(cand.bound_s, floor)
                     if queue and _order(queue[0]) < _order(cand):  # no longer the most promising: back in order
                         insort(queue, cand, key=_order)
                         continue

@@ -1,0 +1,370 @@
+"""Whole layers on each device group's stages: the floor of ``b_T T + Y`` (and of ``a_p sum p + b_T T + Y``) from
+how many of a run's interchangeable layers each group holds, where a group runs ``v`` stages and shares its memory
+among them (:func:`group_stage_floor_s`, a row of every candidate's MILP and part of its refined bound).
+
+Per group and count ``X``, the least of ``b_T x max_k A_k + sum_k (a_p A_k + S_k)`` first without memory, exactly
+from each stage's (time, sync) staircase; then, where the group's memory decides which mixes fit, exactly with it by
+a small integer program over the group's own stages (:class:`GroupMemoryFloor`). A pigeonhole over the groups turns
+these into the floor."""
+
+from __future__ import annotations
+
+import math
+import time
+from bisect import bisect_right
+
+import mip
+
+from uniap_lightning.planner.cluster import GIB
+from uniap_lightning.planner.cost.tables import CostTables
+from uniap_lightning.planner.solver.backend import MS, new_model, no_gc, solver_available
+from uniap_lightning.planner.solver.fronts import least_holding, staircase
+
+
+def group_stage_floor_s(t: CostTables, *, stage_sum: bool = False) -> float:
+    """Whole layers on the stages of each device group: a lower bound on ``b_T T + Y``, or with ``stage_sum`` on
+    ``a_p sum_i p_i + b_T T + Y`` beyond ``a_p`` :func:`cheapest_stage_sum_s` (so ``tpi_s(cheapest_stage_sum_s,
+    0, 0, 0)`` plus it bounds ``tpi_s(sum p, 0, T, Y)``). The largest of :func:`run_group_stage_floor_s` over the
+    runs of two or more interchangeable layers, memory left out (hundredths of a second), raised to
+    :func:`group_memory_floor_s` where the search computed it for these tables. Both are MILP rows: the LP
+    relaxation meets each on its own."""
+    if t.v == 1:  # one stage per group: its best mix is each layer's own, which group_sync_floor_s already sees
+        return 0.0
+    key = ("group_stage_floor", stage_sum)
+    cached = t.bound_cache.get(key)
+    if cached is None:
+        cached = t.bound_cache[key] = max(
+            (run_group_stage_floor_s(t, a, e, stage_sum=stage_sum, memory=False) for a, e in t.runs() if e > a),
+            default=0.0)
+    # with memory, b_T T + Y alone: a_p sum p >= a_p cheapest_stage_sum_s makes it a floor of the stage_sum form too
+    return max(cached, group_memory_floor_s(t, compute=False))
+
+
+def group_memory_floor_s(t: CostTables, *, compute: bool = True) -> float:
+    """:func:`run_group_stage_floor_s` with each group's memory (a lower bound on ``b_T T + Y``), the largest over
+    the runs; computed once per tables (up to :data:`MEMORY_BUDGET_S` a run), and only where ``compute`` (the search
+    asks for it for a candidate its first time slice did not close; 0 until then)."""
+    if t.v == 1:
+        return 0.0
+    cached = t.bound_cache.get("group_memory_floor")
+    if cached is None:
+        if not compute:
+            return 0.0
+        with no_gc():  # one collection before the group programs, none during them
+            cached = t.bound_cache["group_memory_floor"] = max(
+                (run_group_stage_floor_s(t, a, e) for a, e in t.runs() if e > a), default=0.0)
+    return cached
+
+
+def cheapest_stage_sum_s(t: CostTables) -> float:
+    """What every plan's ``sum_i p_i`` holds at least: each layer at its cheapest time on the fastest device and
+    every stage's slot."""
+    return sum(min(t.fastest_layer_time_s(k) for k in costs) for costs in t.cost) + t.stages * t.stage_time_s(0.0)
+
+
+#: run_group_stage_floor_s enumerates the splits of a group's layers over its stages up to this many per count
+GROUP_SPLITS = 200
+
+
+def run_group_stage_floor_s(t: CostTables, first: int, last: int, *, stage_sum: bool = False,
+                            memory: bool = True) -> float:
+    """A lower bound on ``a_p sum_i p_i + b_T T + Y - a_p cheapest_stage_sum_s`` (``a_p`` taken as 0 without
+    ``stage_sum``: then on ``b_T T + Y``) from the run ``first..last`` of ``R`` interchangeable layers and the
+    chain's first and last layer (on the first and last stage in every plan).
+
+    Proof. Let ``x = max(1, stage_weight)``: ``T >= x p_k`` for every stage ``k`` (``x = v`` with ``v`` stages per
+    group) and ``Y >= sync_g``, the summed sync of group ``g``'s layers, so for every group ``g``: ``a_p sum_i p_i
+    + b_T T + Y >= a_p (sum of the other groups' layers' cheapest times + every slot) + [a_p sum_{k in g} A_k +
+    b_T x (slot + max_k A_k) + sync_g]`` (``A_k``: stage ``k``'s layer time; resharding ``>= 0``; ``a_p, b_T >=
+    0``). For a split ``x_k`` of ``X`` run layers over the group's stages (each end layer where it sits) the
+    bracket's least over strategies is exact from each stage's (time, sync) staircase: for every candidate largest
+    time ``theta``, each stage's least ``a_p A + S`` within it (memory and other runs' layers left out, which only
+    lowers it). ``phi_g(X)``, the least over splits less ``a_p`` times those layers' cheapest times, bounds the
+    left side less ``a_p cheapest_stage_sum_s`` (beyond :data:`GROUP_SPLITS` splits per count, the weaker ``b_T T
+    >= mean_k b_T x p_k``, which needs no split). It holds for every group, so for the largest; the groups hold all
+    ``R``: the bound is the least ``C`` with ``sum_g max{X : phi_g(X) <= C} >= R`` (``phi_g`` grows with ``X``;
+    beyond the counts computed a group is taken to hold any number, which only lowers the bound).
+
+    Why it matters: :func:`group_sync_floor_s` spreads ``T`` over a group's summed stage times, but with ``v``
+    stages per group ``T >= v max_k p_k``: seven blocks on a group of two stages put four on one of them, eight
+    blocks' time. Qwen-MoE on 8,192 devices (pp 4, interleaved 1F1B, v 2, 24 blocks): the group holding the LM
+    head takes fewer blocks, so another takes seven."""
+    S, L, R = t.stages, len(t.layers), last - first + 1
+    lo, hi = max(0, S - L + first), min(last, S - 1)
+    speed_of = [t.stage_speed(k) for k in range(S)]
+    bT, x, a_p = t.shape.b_T, max(1.0, t.shape.stage_weight), t.shape.a_p if stage_sum else 0.0
+    slot = t.tpi_s(0.0, 0.0, x * t.stage_time_s(0.0), 0.0)
+    least: dict[tuple, float] = {}
+
+    def g(u: int, k: int, mu: float) -> float:  # min over u's strategies of (mu + a_p) A_u(k) + S_u, less a_p A_min
+        key = (u if u in (0, L - 1) else first, speed_of[k], mu)
+        if key not in least:
+            least[key] = (min((mu + a_p) * t._time_at(c, key[1]) + c.sync_s for c in t.cost[key[0]])
+                          - a_p * cheapest(key[0]))
+        return least[key]
+
+    fastest: dict[int, float] = {}
+
+    def cheapest(u: int) -> float:  # what time_lower_bound_s counts for the layer in a_p sum p
+        if u not in fastest:
+            fastest[u] = min(t.fastest_layer_time_s(c) for c in t.cost[u])
+        return fastest[u]
+
+    ends = {}  # stage -> the end layer it holds
+    if first > 0:
+        ends[0] = [0]
+    if last < L - 1:
+        ends.setdefault(S - 1, []).append(L - 1)
+
+    fronts: dict[tuple, list[tuple[float, float]]] = {}
+
+    def front(k: int, n: int) -> list[tuple[float, float]]:
+        """(time, sync) staircase of stage k holding n run layers (and its ends), memory left out."""
+        key = (speed_of[k], n, tuple(ends.get(k, [])))
+        if key not in fronts:
+            speed = key[0]
+            if n == 0:
+                pts = [(0.0, 0.0)]
+                for u in ends.get(k, []):
+                    pts = staircase([(a + t._time_at(c, speed), b + c.sync_s) for a, b in pts for c in t.cost[u]])
+            else:
+                prev = front(k, n - 1)
+                pts = staircase([(a + t._time_at(c, speed), b + c.sync_s) for a, b in prev for c in t.cost[first]])
+            fronts[key] = pts
+        return fronts[key]
+
+    prefix: dict[tuple, tuple[list[float], list[float]]] = {}
+
+    def least_within(k: int, n: int) -> tuple[list[float], list[float]]:
+        """Stage k's staircase times (rising) and the least a_p A + S among the points up to each."""
+        key = (speed_of[k], n, tuple(ends.get(k, [])))
+        if key not in prefix:
+            st = front(k, n)
+            run, acc = math.inf, []
+            for a, b in st:
+                run = min(run, a_p * a + b)
+                acc.append(run)
+            prefix[key] = ([a for a, _ in st], acc)
+        return prefix[key]
+
+    def bound(stages: list[int], split: tuple[int, ...]) -> float:
+        """min over strategies of b_T x max_k A_k + sum_k (a_p A_k + S_k) for this split: for each candidate
+        largest stage time theta, each stage's least a_p A + S within it (exact; memory left out)."""
+        stairs = [least_within(k, n) for k, n in zip(stages, split)]
+        best = math.inf
+        for theta in sorted({a for times, _ in stairs for a in times}):
+            total = 0.0
+            for times, acc in stairs:
+                i = bisect_right(times, theta) - 1
+                if i < 0:
+                    break
+                total += acc[i]
+            else:
+                best = min(best, bT * x * theta + total)
+        excess = sum(split) * cheapest(first) + sum(cheapest(u) for k in stages for u in ends.get(k, []))
+        return best - a_p * excess
+
+    groups = [[k for k in t.stages_of(grp) if lo <= k <= hi or k in ends] for grp in range(t.pp)]
+    reach = [[k for k in mine if lo <= k <= hi] for mine in groups]
+    spread = -(-R // max(1, sum(1 for r in reach if r)))  # an even share: computed counts go past it
+    phis, members = [], []
+    alike: dict[tuple, list[float]] = {}  # groups whose stages price alike (speed, ends, reach) share phi
+    for grp, (mine, reachable) in enumerate(zip(groups, reach)):
+        outside = [k for k in mine if k not in reachable]  # hold an end but none of the run
+        members.append((grp, reachable, outside))
+        if not mine:  # holds neither the run nor an end here
+            phis.append([slot])
+            continue
+        sig = tuple((speed_of[k], tuple(ends.get(k, [])), k in reachable) for k in reachable + outside)
+        if sig in alike:
+            phis.append(alike[sig])
+            continue
+        phi = alike[sig] = []
+        for X in range(0, min(R, 2 * spread + 2) + 1):
+            if X and not reachable:
+                break
+            stages = reachable + outside
+            n = len(reachable)
+            if n and math.comb(X + n - 1, n - 1) > GROUP_SPLITS:  # the same with x p_k >= the group's mean
+                mu = bT * x / max(1, len(stages))
+                val = (X * min(g(first, k, mu) for k in reachable)
+                       + sum(g(u, k, mu) for k in stages for u in ends.get(k, [])))
+            else:
+                val = min((bound(stages, split + (0,) * len(outside)) for split in _splits(X, n)), default=0.0)
+            phi.append(slot + val)
+        phis.append(phi)
+
+    def holds(C: float) -> bool:
+        total = 0
+        for phi in phis:
+            if phi[0] > C:
+                return False
+            if phi[-1] <= C and 1 < len(phi) <= R:  # beyond the counts computed: any number
+                total += R
+            else:
+                total += max(X for X, v in enumerate(phi) if v <= C)
+        return total >= R
+
+    values = sorted({v for phi in phis for v in phi})
+    if not values or not holds(values[-1]):
+        return 0.0  # no bound rather than a wrong one (every group is empty of the run: cannot happen)
+    free = least_holding(values, holds)
+    if not memory:
+        return free * (1 - 1e-9)
+
+    # each group's memory raises its value at the count it holds at that floor (exact, or the solver's bound), and
+    # at one more (only whether it stays within the first count's largest value matters: a cutoff); counts below keep
+    # the value without memory, counts above the raised value of the one more (phi_g grows with X)
+    program = GroupMemoryFloor(t, first, last, ends, bT * x, a_p)
+    excess = lambda i, X: X * cheapest(first) + sum(cheapest(u) for k in members[i][1] + members[i][2]  # noqa: E731
+                                                    for u in ends.get(k, []))
+    least = [sum(program.must_hold(k) for k in reachable) for _, reachable, _ in members]  # below: phi_g = inf
+    held = {i: max(X for X, v in enumerate(phi) if v <= free) for i, phi in enumerate(phis)
+            if members[i][1] and max(X for X, v in enumerate(phi) if v <= free) >= max(1, least[i])}
+    raised = [list(phi) for phi in phis]
+    for i, X in held.items():
+        ms = program.value_ms(*members[i], X)
+        if ms is not None:
+            raised[i][X] = max(raised[i][X], slot + ms / MS - a_p * excess(i, X))
+    # every group holding its count costs at most the largest raised value: past it, no count matters here
+    cutoff = max((raised[i][X] for i, X in held.items()), default=math.inf)
+    for i, X in held.items():
+        if X + 1 >= len(raised[i]):
+            continue
+        ms = program.value_ms(*members[i], X + 1, cutoff_ms=(cutoff - slot + a_p * excess(i, X + 1)) * MS)
+        if ms is not None:
+            raised[i][X + 1] = max(raised[i][X + 1], min(cutoff, slot + ms / MS - a_p * excess(i, X + 1)))
+        for Y in range(X + 2, len(raised[i])):
+            raised[i][Y] = max(raised[i][Y], raised[i][X + 1])
+    phis[:] = raised
+    values = sorted({v for phi in phis for v in phi})
+    return least_holding(values, holds) * (1 - 1e-7)
+
+
+def _splits(X: int, n: int):
+    """Every way to write ``X`` as ``n`` ordered non-negative parts."""
+    if n == 0:
+        if X == 0:
+            yield ()
+        return
+    if n == 1:
+        yield (X,)
+        return
+    for first in range(X + 1):
+        for rest in _splits(X - first, n - 1):
+            yield (first, *rest)
+
+
+#: the group programs' work limits: branch-and-bound nodes per solve (a solve the limit stops gives its bound, still a
+#: lower bound) and seconds per floor (past them, counts keep the value without memory)
+MEMORY_NODES = 50
+MEMORY_BUDGET_S = 3.0
+
+
+class GroupMemoryFloor:
+    """Per device group and count ``X``: the least ``b_T x max_k A_k + sum_k (a_p A_k + S_k)`` (milliseconds) over the
+    ways the group's stages hold ``X`` layers of the run ``first..last`` and the chain's end layers where they sit,
+    *within the group's memory* (``sum_k (static_k + in_flight(k) activation_k) + the largest transient <= M``, the
+    formula of :meth:`~CostTables.group_memory_bytes`).
+
+    A small integer program: ``n[k, s]`` layers with strategy ``s`` on stage ``k``, a binary per end layer's strategy,
+    ``theta >= A_k``, a binary per transient size (``gmax`` at least each size in use). A stage that can hold run
+    layers only holds one at least (the chain is split into non-empty stages); other runs' layers are left out
+    (dropping layers only lowers the value). Exact when solved; when :data:`MEMORY_NODES` stops it first, its bound.
+
+    Why it matters: each stage's own allowance (what the group's other stages leave it at least) lets every stage
+    take its fastest mix at once; together they may not fit. Qwen-MoE on 8,192 devices (pp 4, interleaved 1F1B,
+    v 2): seven blocks on a group cost 628 ms of ``b_T T + Y`` without memory and 644 ms with it."""
+
+    def __init__(self, t: CostTables, first: int, last: int, ends: dict[int, list[int]], weight: float,
+                 a_p: float) -> None:
+        self.t, self.first, self.last, self.ends, self.weight, self.a_p = t, first, last, ends, weight, a_p
+        self.solver = "highs" if solver_available("highs") else "cbc"
+        self.spent_s = 0.0
+        self.memo: dict[tuple, float | None] = {}
+
+    def must_hold(self, k: int) -> bool:
+        """Stage k can hold layers of the run only (no end layer is there): it holds one at least."""
+        t, S, L = self.t, self.t.stages, len(self.t.layers)
+        return k not in self.ends and all(self.first <= u <= self.last for u in range(k, L - S + k + 1))
+
+    def value_ms(self, grp: int, reachable: list[int], outside: list[int], X: int,
+                 cutoff_ms: float = math.inf) -> float | None:
+        """A lower bound on the group's least value in milliseconds, exact where the program is solved (``inf``:
+        nothing fits; ``cutoff_ms`` where nothing is below it); None once :data:`MEMORY_BUDGET_S` is spent."""
+        t = self.t
+        key = (tuple((t.in_flight(k), t.stage_speed(k), tuple(self.ends.get(k, [])), k in reachable,
+                      self.must_hold(k)) for k in reachable + outside),
+               t.memory_limit_bytes(min(t.stages_of(grp))), X, cutoff_ms)
+        if key not in self.memo:
+            if self.spent_s >= MEMORY_BUDGET_S:
+                return None
+            start = time.perf_counter()
+            with no_gc():  # python-mip frees models from cffi finalizers: a collection inside a solve can deadlock
+                self.memo[key] = self._solve(grp, reachable, outside, X, cutoff_ms)
+            self.spent_s += time.perf_counter() - start
+        return self.memo[key]
+
+    def _options(self, k: int, u: int) -> list:
+        """Layer u's strategies on stage k that no other beats in time, sync, memory and transient bytes at once
+        (swapping a beaten one for its better keeps a plan within memory and costs no more)."""
+        t = self.t
+        price = [(t.layer_time_s(k, c), c.sync_s, t.layer_memory_bytes(k, c), c.transient_bytes) for c in t.cost[u]]
+        keep = []
+        for j, p in enumerate(price):
+            beaten = any(q != p and all(a <= b for a, b in zip(q, p)) for q in price)
+            if not beaten and p not in [price[i] for i in keep]:
+                keep.append(j)
+        return [t.cost[u][j] for j in keep]
+
+    def _solve(self, grp: int, reachable: list[int], outside: list[int], X: int, cutoff_ms: float) -> float:
+        t, R = self.t, self.last - self.first + 1
+        m = new_model(self.solver)
+        theta = m.add_var("theta")
+        objective = self.weight * theta
+        static, activation = [0.0] * t.stages, [0.0] * t.stages
+        by_size: dict[float, list] = {}
+        count = []
+        for k in reachable + outside:
+            chosen = []  # (cost, variable)
+            if k in reachable:
+                costs = self._options(k, self.first)
+                n = [m.add_var(f"n[{k},{s}]", ub=R, var_type=mip.INTEGER) for s in range(len(costs))]
+                chosen += list(zip(costs, n))
+                count += n
+                if self.must_hold(k):
+                    m += mip.xsum(n) >= 1, f"non_empty[{k}]"
+            for u in self.ends.get(k, []):
+                costs = self._options(k, u)
+                e = [m.add_var(f"end[{k},{u},{s}]", var_type=mip.BINARY) for s in range(len(costs))]
+                m += mip.xsum(e) == 1, f"end_placed[{k},{u}]"
+                chosen += list(zip(costs, e))
+            busy = mip.xsum(t.layer_time_s(k, c) * MS * v for c, v in chosen)
+            m += theta >= busy, f"longest[{k}]"
+            objective += self.a_p * busy + mip.xsum(c.sync_s * MS * v for c, v in chosen if c.sync_s > 0)
+            static[k] = mip.xsum(c.static_bytes / GIB * v for c, v in chosen)
+            activation[k] = mip.xsum(c.activation_bytes / GIB * v for c, v in chosen)
+            for c, v in chosen:
+                if c.transient_bytes > 0:
+                    by_size.setdefault(c.transient_bytes / GIB, []).append(v)
+        m += mip.xsum(count) == X, "count"
+        gmax = m.add_var("gmax")
+        for j, (size, vs) in enumerate(by_size.items()):
+            used = m.add_var(f"used[{j}]", var_type=mip.BINARY)
+            m += mip.xsum(vs) <= (R + len(self.ends)) * used, f"size_used[{j}]"
+            m += gmax >= size * used, f"largest_transient[{j}]"
+        limit = t.memory_limit_bytes(min(t.stages_of(grp))) * (1 + 1e-9) / GIB
+        m += t.group_memory_bytes(grp, static, activation, gmax) <= limit, "memory"
+        m.objective = mip.minimize(objective)
+        if cutoff_ms < math.inf:
+            m.cutoff = cutoff_ms * (1 + 1e-9)
+        if self.solver == "highs":  # only the bound counts here: no time on primal heuristics
+            m.solver._set_double_option_value("mip_heuristic_effort", 0.0)
+        status = m.optimize(max_nodes=MEMORY_NODES, max_seconds=MEMORY_BUDGET_S * 4)
+        solved = status == mip.OptimizationStatus.OPTIMAL and m.num_solutions > 0
+        if solved and m.objective_value <= cutoff_ms:
+            return m.objective_value
+        if solved or status in (mip.OptimizationStatus.INFEASIBLE, mip.OptimizationStatus.INT_INFEASIBLE):
+            return cutoff_ms  # nothing below the cutoff (inf without one: nothing fits)
+        bound = m.objective_bound
+        return min(bound, cutoff_ms) if bound is not None and -1e20 < bound < 1e20 else None
