@@ -360,7 +360,7 @@ class GroupMemoryFloor:
             m.cutoff = cutoff_ms * (1 + 1e-9)
         if self.solver == "highs":  # only the bound counts here: no time on primal heuristics
             m.solver._set_double_option_value("mip_heuristic_effort", 0.0)
-        status = m.optimize(max_nodes=MEMORY_NODES, max_seconds=MEMORY_BUDGET_S * 4)
+        status = m.optimize(max_nodes=MEMORY_NODES, max_seconds=max(0.05, MEMORY_BUDGET_S - self.spent_s))
         solved = status == mip.OptimizationStatus.OPTIMAL and m.num_solutions > 0
         if solved and m.objective_value <= cutoff_ms:
             return m.objective_value
