@@ -299,10 +299,10 @@ class GroupMemoryFloor:
         if key not in self.memo:
             if self.spent_s >= MEMORY_BUDGET_S:
                 return None
-            start = time.perf_counter()
             with no_gc():  # python-mip frees models from cffi finalizers: a collection inside a solve can deadlock
+                start = time.perf_counter()  # (the collection before it is not the program's time)
                 self.memo[key] = self._solve(grp, reachable, outside, X, cutoff_ms)
-            self.spent_s += time.perf_counter() - start
+                self.spent_s += time.perf_counter() - start
         return self.memo[key]
 
     def _options(self, k: int, u: int) -> list:
