@@ -381,6 +381,17 @@ def test_the_memory_floors_hold_for_the_brute_force_optimum_with_several_stages_
     assert checked > 0
 
 
+def _multi_stage_tables(problem):
+    """Every candidate of ``problem`` with several stages per device group whose shape is feasible."""
+    for pp in problem.pp_candidates():
+        for c in problem.training.microbatch_candidates():
+            for schedule, v in problem.training.schedule_candidates(pp, c, problem.model.num_layers):
+                if v > 1:
+                    t = CostTables(problem, pp, c, schedule=schedule, virtual_stages=v)
+                    if t.feasible_shape:
+                        yield pp, c, schedule, v, t
+
+
 def _group_value_brute(t, program, grp, reachable, outside, X) -> float:
     """The least ``b_T x max_k A_k + sum_k (a_p A_k + S_k)`` (ms) over every way the group's stages hold ``X`` run
     layers (each stage a multiset of strategies) and their end layers, within the group's memory: brute force."""
@@ -434,35 +445,28 @@ def test_the_group_memory_program_is_the_brute_force_least_value(seed, monkeypat
     problem = replace(problem, model=replace(problem.model, layers=[replace(lp, name=f"L{u}") for u, lp in enumerate(layers)]),
                       training=replace(problem.training, schedule="auto", max_virtual_stages=2))
     checked = 0
-    for pp in problem.pp_candidates():
-        for c in problem.training.microbatch_candidates():
-            for schedule, v in problem.training.schedule_candidates(pp, c, problem.model.num_layers):
-                if v == 1:
-                    continue
-                t = CostTables(problem, pp, c, schedule=schedule, virtual_stages=v)
-                if not t.feasible_shape:
-                    continue
-                a, e = next((a, e) for a, e in t.runs() if e > a)
-                L, S = len(t.layers), t.stages
-                ends = {0: [0]} if a > 0 else {}
-                if e < L - 1:
-                    ends.setdefault(S - 1, []).append(L - 1)
-                lo, hi = max(0, S - L + a), min(e, S - 1)
-                for a_p in (0.0, t.shape.a_p):
-                    program = GroupMemoryFloor(t, a, e, ends, t.shape.b_T * max(1.0, t.shape.stage_weight), a_p)
-                    for grp in range(t.pp):
-                        mine = [k for k in t.stages_of(grp) if lo <= k <= hi or k in ends]
-                        reachable = [k for k in mine if lo <= k <= hi]
-                        outside = [k for k in mine if k not in reachable]
-                        for X in range(0, 4):
-                            got = program.value_ms(grp, reachable, outside, X)
-                            assert got is not None, (pp, c, schedule, grp, X)
-                            exact = _group_value_brute(t, program, grp, reachable, outside, X)
-                            if exact == math.inf:
-                                assert got == math.inf, (pp, c, schedule, grp, X, got)
-                            else:
-                                assert got == pytest.approx(exact, rel=1e-7), (pp, c, schedule, grp, X)
-                            checked += 1
+    for pp, c, schedule, v, t in _multi_stage_tables(problem):
+        a, e = next((a, e) for a, e in t.runs() if e > a)
+        L, S = len(t.layers), t.stages
+        ends = {0: [0]} if a > 0 else {}
+        if e < L - 1:
+            ends.setdefault(S - 1, []).append(L - 1)
+        lo, hi = max(0, S - L + a), min(e, S - 1)
+        for a_p in (0.0, t.shape.a_p):
+            program = GroupMemoryFloor(t, a, e, ends, t.shape.b_T * max(1.0, t.shape.stage_weight), a_p)
+            for grp in range(t.pp):
+                mine = [k for k in t.stages_of(grp) if lo <= k <= hi or k in ends]
+                reachable = [k for k in mine if lo <= k <= hi]
+                outside = [k for k in mine if k not in reachable]
+                for X in range(0, 4):
+                    got = program.value_ms(grp, reachable, outside, X)
+                    assert got is not None, (pp, c, schedule, grp, X)
+                    exact = _group_value_brute(t, program, grp, reachable, outside, X)
+                    if exact == math.inf:
+                        assert got == math.inf, (pp, c, schedule, grp, X, got)
+                    else:
+                        assert got == pytest.approx(exact, rel=1e-7), (pp, c, schedule, grp, X)
+                    checked += 1
     assert checked > 0
 
 
@@ -477,23 +481,16 @@ def test_each_groups_memory_raises_the_group_floor_and_the_milp_keeps_the_optimu
         problem = repeated_problem(seed, pattern="ABBBBC", nodes=1, per_node=2, schedule="auto",
                                    memory_gib=(4.0, 3.0, 4.0, 6.0)[seed])
         problem = replace(problem, training=replace(problem.training, max_virtual_stages=3))
-        for pp in problem.pp_candidates():
-            for c in problem.training.microbatch_candidates():
-                for schedule, v in problem.training.schedule_candidates(pp, c, problem.model.num_layers):
-                    if v == 1:
-                        continue
-                    t = CostTables(problem, pp, c, schedule=schedule, virtual_stages=v)
-                    if not t.feasible_shape:
-                        continue
-                    without = max((run_group_stage_floor_s(t, a, e, memory=False) for a, e in t.runs() if e > a),
-                                  default=0.0)
-                    with_memory = group_memory_floor_s(t)
-                    assert with_memory >= without * (1 - 1e-6)
-                    above += with_memory > without * (1 + 1e-6)
-                    best = brute_force_candidate(problem, pp, c, schedule, v)
-                    if best is None:
-                        continue
-                    res = GroupedMilp(t, solver=SOLVER).solve(time_limit_s=60)
-                    assert res.status == "optimal", (pp, c, schedule, v)
-                    assert res.objective_s == pytest.approx(best.estimate.tpi_s, rel=1e-6), (pp, c, schedule, v)
+        for pp, c, schedule, v, t in _multi_stage_tables(problem):
+            without = max((run_group_stage_floor_s(t, a, e, memory=False) for a, e in t.runs() if e > a),
+                          default=0.0)
+            with_memory = group_memory_floor_s(t)
+            assert with_memory >= without * (1 - 1e-6)
+            above += with_memory > without * (1 + 1e-6)
+            best = brute_force_candidate(problem, pp, c, schedule, v)
+            if best is None:
+                continue
+            res = GroupedMilp(t, solver=SOLVER).solve(time_limit_s=60)
+            assert res.status == "optimal", (pp, c, schedule, v)
+            assert res.objective_s == pytest.approx(best.estimate.tpi_s, rel=1e-6), (pp, c, schedule, v)
     assert above > 0
