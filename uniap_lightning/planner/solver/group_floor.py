@@ -277,9 +277,10 @@ class GroupMemoryFloor:
     v 2): seven blocks on a group cost 628 ms of ``b_T T + Y`` without memory and 644 ms with it."""
 
     def __init__(self, t: CostTables, first: int, last: int, ends: dict[int, list[int]], weight: float,
-                 a_p: float) -> None:
+                 a_p: float, *, budget_s: float | None = None) -> None:
         self.t, self.first, self.last, self.ends, self.weight, self.a_p = t, first, last, ends, weight, a_p
         self.solver = "highs" if solver_available("highs") else "cbc"
+        self.budget_s = MEMORY_BUDGET_S if budget_s is None else budget_s
         self.spent_s = 0.0
         self.memo: dict[tuple, float | None] = {}
 
@@ -292,16 +293,25 @@ class GroupMemoryFloor:
                  cutoff_ms: float = math.inf) -> float | None:
         """A lower bound on the group's least value in milliseconds, exact where the program is solved (``inf``:
         nothing fits; ``cutoff_ms`` where nothing is below it); None once :data:`MEMORY_BUDGET_S` is spent."""
+        return self._value(grp, reachable, outside, X, None, cutoff_ms)
+
+    def split_value_ms(self, grp: int, reachable: list[int], outside: list[int], counts: tuple[int, ...],
+                       cutoff_ms: float = math.inf) -> float | None:
+        """The same with the count on each stage of ``reachable`` fixed (``counts``, in that order): the least
+        over the mixes holding exactly that split (:mod:`.group_splits`)."""
+        return self._value(grp, reachable, outside, sum(counts), tuple(counts), cutoff_ms)
+
+    def _value(self, grp, reachable, outside, X, counts, cutoff_ms) -> float | None:
         t = self.t
         key = (tuple((t.in_flight(k), t.stage_speed(k), tuple(self.ends.get(k, [])), k in reachable,
                       self.must_hold(k)) for k in reachable + outside),
-               t.memory_limit_bytes(min(t.stages_of(grp))), X, cutoff_ms)
+               t.memory_limit_bytes(min(t.stages_of(grp))), X, counts, cutoff_ms)
         if key not in self.memo:
-            if self.spent_s >= MEMORY_BUDGET_S:
+            if self.spent_s >= self.budget_s:
                 return None
             with no_gc():  # python-mip frees models from cffi finalizers: a collection inside a solve can deadlock
                 start = time.perf_counter()  # (the collection before it is not the program's time)
-                self.memo[key] = self._solve(grp, reachable, outside, X, cutoff_ms)
+                self.memo[key] = self._solve(grp, reachable, outside, X, cutoff_ms, counts)
                 self.spent_s += time.perf_counter() - start
         return self.memo[key]
 
@@ -317,7 +327,8 @@ class GroupMemoryFloor:
                 keep.append(j)
         return [t.cost[u][j] for j in keep]
 
-    def _solve(self, grp: int, reachable: list[int], outside: list[int], X: int, cutoff_ms: float) -> float:
+    def _solve(self, grp: int, reachable: list[int], outside: list[int], X: int, cutoff_ms: float,
+               counts: tuple[int, ...] | None = None) -> float:
         t, R = self.t, self.last - self.first + 1
         m = new_model(self.solver)
         theta = m.add_var("theta")
@@ -332,7 +343,9 @@ class GroupMemoryFloor:
                 n = [m.add_var(f"n[{k},{s}]", ub=R, var_type=mip.INTEGER) for s in range(len(costs))]
                 chosen += list(zip(costs, n))
                 count += n
-                if self.must_hold(k):
+                if counts is not None:
+                    m += mip.xsum(n) == counts[reachable.index(k)], f"split[{k}]"
+                elif self.must_hold(k):
                     m += mip.xsum(n) >= 1, f"non_empty[{k}]"
             for u in self.ends.get(k, []):
                 costs = self._options(k, u)
@@ -360,7 +373,7 @@ class GroupMemoryFloor:
             m.cutoff = cutoff_ms * (1 + 1e-9)
         if self.solver == "highs":  # only the bound counts here: no time on primal heuristics
             m.solver._set_double_option_value("mip_heuristic_effort", 0.0)
-        status = m.optimize(max_nodes=MEMORY_NODES, max_seconds=max(0.05, MEMORY_BUDGET_S - self.spent_s))
+        status = m.optimize(max_nodes=MEMORY_NODES, max_seconds=max(0.05, self.budget_s - self.spent_s))
         solved = status == mip.OptimizationStatus.OPTIMAL and m.num_solutions > 0
         if solved and m.objective_value <= cutoff_ms:
             return m.objective_value

@@ -55,6 +55,9 @@ Program (terms: ``A`` time, ``S`` sync, ``W`` static, ``Act`` activation, ``G`` 
                the chain floors again where memory decides strategies (memory_chain_floor_s,
                memory_chain_sync_floor_s) (valid inequalities, :mod:`.bounds`: some stage, some device group,
                holds whole layers' time and sync at once).
+  splits:      once the search has computed them for a cutoff at least the solve's (:mod:`.group_splits`):
+               sum_s w[h,s] = 1, m[g,i] = sum_s s_i w[h,s] over the stages i of device group h (binary w, one per
+               split of run g's layers over h's stages that can still beat the cutoff).
 Objective: ``TPI = sum_i p_i + sum_j o_j + (c - 1) T + Y``.
 
 Any feasible assignment maps to one plan (an Euler walk over levels fixes the order inside each portion,
@@ -77,6 +80,7 @@ from uniap_lightning.planner.solver.bounds import (chain_bottleneck_s, chain_syn
                                                   group_sync_floor_s, memory_chain_floor_s, memory_chain_sync_floor_s,
                                                   run_bottleneck_s)
 from uniap_lightning.planner.solver.group_floor import cheapest_stage_sum_s, group_stage_floor_s
+from uniap_lightning.planner.solver.group_splits import SplitTable, split_table
 from uniap_lightning.planner.solver.decode import decode
 
 
@@ -441,11 +445,28 @@ class GroupedMilp:
         if self.t.v > 1 or self.t.problem.cluster.rank_speed is not None:
             self.m += self.t.tpi_s(0.0, 0.0, self.T, self.Y) >= group_sync_floor_s(self.t) * MS, "group_sync_floor"
 
+    def _splits(self, table: SplitTable) -> None:
+        """sum_s w[h,s] = 1 and m[g,i] = sum_s s_i w[h,s] for each stage i of group h's entry (run g): the run's
+        counts on the group's stages are one of the splits that can beat the cutoff (:mod:`.group_splits`)."""
+        for gs in table.groups:
+            w = [self.m.add_var(f"split[{gs.run},{gs.group},{j}]", var_type=mip.BINARY)
+                 for j in range(len(gs.splits))]
+            self.m += mip.xsum(w) == 1, f"one_split[{gs.run},{gs.group}]"
+            for pos, i in enumerate(gs.stages):
+                count = mip.xsum(self.n[gs.run, i].values())
+                self.m += count == mip.xsum(s[pos] * v for s, v in zip(gs.splits, w)), f"split_count[{gs.run},{i}]"
+
     # ----------------------------------------------------------------- solve
     def solve(self, *, time_limit_s: float, cutoff_s: float | None = None) -> MilpResult:
         """Optimize within ``time_limit_s``; only plans better than ``cutoff_s`` are of interest."""
         if cutoff_s is not None:
             add_cutoff(self.m, self.tpi, cutoff_s)
+        table = split_table(self.t, cutoff_s)
+        if table is not None and table.hopeless:  # some group holds no split that beats the cutoff
+            return MilpResult("infeasible", None, cutoff_s, None, None, self.build_s, 0.0, self.m.num_cols,
+                              self.m.num_rows)
+        if table is not None:
+            self._splits(table)
         name, objective_s, bound_s, solve_s = optimize(self.m, time_limit_s)
         if beyond_cutoff(name, objective_s, cutoff_s):
             name, objective_s, bound_s = "infeasible", None, max(bound_s or 0.0, cutoff_s)

@@ -24,6 +24,7 @@ from uniap_lightning.planner.plan import Plan, SolverInfo
 from uniap_lightning.planner.problem import Problem
 from uniap_lightning.planner.schedule_rules import SPLIT_BACKWARD, unsupported
 from uniap_lightning.planner.solver.bounds import least_memory_bytes, memory_lower_bound_bytes, time_lower_bound_s
+from uniap_lightning.planner.solver.group_splits import SPLIT_BUDGET_S, split_floor_s, surviving_splits
 from uniap_lightning.planner.solver.parallel import Pool, solve_candidate, worker_count
 from uniap_lightning.planner.solver.backend import Deadline, no_gc, now_s, solver_available
 from uniap_lightning.planner.solver.uniform import best_uniform
@@ -59,6 +60,7 @@ class Candidate:
     refined: bool = False  # its bound holds the refined floors (computed when it first reaches the front)
     group_memory: bool = False  # ... and each device group's memory (when it first comes back after a slice ran out)
     resolves: int = 0  # how often its slice ran out and it went back into the queue
+    split_cutoff_s: float = float("inf")  # the incumbent its group splits were computed for (group_splits)
 
     @property
     def record(self) -> dict:
@@ -245,6 +247,13 @@ def search(
                     if queue and _order(queue[0]) < _order(cand):  # no longer the most promising: back in order
                         insort(queue, cand, key=_order)
                         continue
+                # and, for one a slice did not close, each device group's splits that can still beat the incumbent
+                # (again when the incumbent improved): its MILP gets them as rows; none for some group: pruned
+                if cand.resolves and best is not None and best.estimate.tpi_s < cand.split_cutoff_s * (1 - 1e-9):
+                    cand.split_cutoff_s = best.estimate.tpi_s
+                    table = surviving_splits(cand.tables, cand.split_cutoff_s,
+                                             budget_s=min(SPLIT_BUDGET_S, 0.25 * deadline.remaining_s()))
+                    cand.bound_s = record["bound_s"] = max(cand.bound_s, split_floor_s(table))
                 if best is not None and cand.bound_s >= best.estimate.tpi_s * (1 - 1e-9):
                     pruned += 1
                     record["outcome"] = "pruned by bound"
