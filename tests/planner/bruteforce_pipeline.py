@@ -29,8 +29,10 @@ def _axis(values, u: int, ndim: int) -> np.ndarray:
     return np.asarray(values, dtype=float).reshape(shape)
 
 
-def brute_force_candidate(problem: Problem, pp: int, c: int, schedule: str, v: int) -> Plan | None:
-    """The best plan of one candidate, or None when nothing fits (or the shape is unusable)."""
+def brute_force_candidate(problem: Problem, pp: int, c: int, schedule: str, v: int,
+                          per_split: dict | None = None) -> Plan | None:
+    """The best plan of one candidate, or None when nothing fits (or the shape is unusable). ``per_split``, when
+    given, receives each split's (``stage_of`` tuple) least TPI among the assignments that fit."""
     layers = problem.model.layers
     L, S = len(layers), pp * v
     n = problem.num_devices // pp
@@ -100,6 +102,8 @@ def brute_force_candidate(problem: Problem, pp: int, c: int, schedule: str, v: i
             continue
         masked = np.where(ok, tpi, np.inf)
         flat = int(np.argmin(masked))
+        if per_split is not None:
+            per_split[tuple(stage_of)] = float(masked.flat[flat])
         if masked.flat[flat] < best_tpi:
             best_tpi = float(masked.flat[flat])
             idx = np.unravel_index(flat, shape)

@@ -66,11 +66,12 @@ def surviving_splits(t: CostTables, cutoff_s: float, *, budget_s: float | None =
     over the group's stages that a plan with ``TPI < cutoff_s`` can have; cached in ``t.bound_cache`` (the MILP
     reads it from there, also in a worker process).
 
-    Proof that a dropped split holds no such plan. ``TPI >= a_p sum_i p_i + b_T T + Y`` (the other terms are
-    ``>= 0``), ``p_k >=`` its layers' times plus the slot, ``T >= x p_k`` for every stage ``k`` (``x = max(1,
+    Proof that a dropped split holds no such plan. ``TPI >= a_p sum_i p_i + a_w W + b_T T + Y`` (the other terms
+    are ``>= 0``; ``a_w <= 0``, zero-bubble schedules only, and the weight-gradient sum ``W`` is at most every
+    layer's largest at the slowest device's speed), ``p_k >=`` its layers' times plus the slot, ``T >= x p_k`` for every stage ``k`` (``x = max(1,
     stage_weight)``), ``Y >=`` the group's summed sync. So a plan whose group ``g`` holds counts ``s`` of the run on
-    its stages has ``TPI >= a_p (cheapest_stage_sum_s - the cheapest times of g's counted layers) + b_T x slot +
-    phi_g(s)``, where ``phi_g(s)`` is the least ``b_T x max_k A_k + sum_k (a_p A_k + S_k)`` over the group's
+    its stages has ``TPI >= a_p (cheapest_stage_sum_s - the cheapest times of g's counted layers) + a_w W_max +
+    b_T x slot + phi_g(s)``, where ``phi_g(s)`` is the least ``b_T x max_k A_k + sum_k (a_p A_k + S_k)`` over the group's
     strategy mixes holding ``s`` (and its end layers) within the group's memory (other runs' layers left out: only
     lower). :class:`~.group_floor.GroupMemoryFloor` solves it exactly (or gives its bound when its node limit stops
     it: also a floor). ``phi_g`` grows with every count, so the enumeration climbs each stage's count from its least
@@ -81,7 +82,11 @@ def surviving_splits(t: CostTables, cutoff_s: float, *, budget_s: float | None =
     x = max(1.0, t.shape.stage_weight)
     a_p = t.shape.a_p
     slot_term = t.tpi_s(0.0, 0.0, x * t.stage_time_s(0.0), 0.0)
-    everything = t.tpi_s(cheapest_stage_sum_s(t), 0.0, 0.0, 0.0)  # a_p sum of every layer's cheapest + slots
+    # a_p times every layer's cheapest time and every slot; zero-bubble schedules subtract the weight-gradient sum
+    # (a_w < 0): at most every layer's largest, at the slowest device's speed
+    slowest = min(t.stage_speed(k) for k in range(S))
+    weights = sum(max(c.weight_grad_s for c in costs) / slowest for costs in t.cost)
+    everything = t.tpi_s(cheapest_stage_sum_s(t), 0.0, 0.0, 0.0) + min(0.0, t.shape.a_w) * weights
     cheapest = {}
 
     def cheap(u: int) -> float:
