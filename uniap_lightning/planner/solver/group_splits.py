@@ -98,16 +98,15 @@ def surviving_splits(t: CostTables, cutoff_s: float, *, budget_s: float | None =
     runs = sorted((r for r, (a, e) in enumerate(t.runs()) if e > a), key=lambda r: t.runs()[r][0] - t.runs()[r][1])
     with no_gc():
         for r in runs:
-            left = budget - (time.perf_counter() - start)
-            if left <= 0:
+            if time.perf_counter() >= start + budget:
                 break
-            found += _run_splits(t, r, cutoff_s, left, everything, slot_term, cheap)
+            found += _run_splits(t, r, cutoff_s, start + budget, everything, slot_term, cheap)
     table = SplitTable(cutoff_s, tuple(found))
     t.bound_cache["group_splits"] = table
     return table
 
 
-def _run_splits(t: CostTables, r: int, cutoff_s: float, budget_s: float, everything: float, slot_term: float,
+def _run_splits(t: CostTables, r: int, cutoff_s: float, until: float, everything: float, slot_term: float,
                 cheap) -> list[GroupSplits]:
     """:func:`surviving_splits` for run ``r``: (1) per group, the splits whose value without memory keeps them
     (monotone climb, cheap); (2) the largest count each group can hold within its memory (the count-level program,
@@ -125,7 +124,8 @@ def _run_splits(t: CostTables, r: int, cutoff_s: float, budget_s: float, everyth
         ends.setdefault(S - 1, []).append(L - 1)
     x = max(1.0, t.shape.stage_weight)
     a_p = t.shape.a_p
-    program = GroupMemoryFloor(t, first, last, ends, t.shape.b_T * x, a_p, budget_s=budget_s)
+    program = GroupMemoryFloor(t, first, last, ends, t.shape.b_T * x, a_p,
+                               budget_s=max(0.0, until - time.perf_counter()))
     free = _FreeValue(t, first, ends, t.shape.b_T * x, a_p)
     info, xmax = {}, {}
     for grp in range(t.pp):
@@ -140,8 +140,13 @@ def _run_splits(t: CostTables, r: int, cutoff_s: float, budget_s: float, everyth
             return (cutoff_s * (1 + 1e-9) - (everything - a_p * (X * cheap(first) + held) + slot_term)) * MS
 
         least = [1 if program.must_hold(k) else 0 for k in reachable]
-        cands = _climb(lambda s, rc=reachable, out=outside, cut=cut_ms: free.value_ms(rc, out, s) < cut(sum(s)),
-                       least, R, limit=4 * MAX_GROUP_SPLITS)
+
+        def free_keep(split, rc=reachable, out=outside, cut=cut_ms) -> bool | None:
+            if time.perf_counter() > until:
+                return None
+            return free.value_ms(rc, out, split) < cut(sum(split))
+
+        cands = _climb(free_keep, least, R, limit=4 * MAX_GROUP_SPLITS)
         xmax[grp] = R
         if cands is None:  # too many to price: no rows for this group
             continue
