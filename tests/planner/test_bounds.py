@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import pytest
 from bruteforce import brute_force
+from bruteforce_groups import group_value_brute
 from planner_factories import forced_problem, random_problem, repeated_problem
 
 from uniap_lightning.planner.cost import evaluate
@@ -33,7 +34,7 @@ from uniap_lightning.planner.solver.bounds import (
     time_lower_bound_s,
 )
 from uniap_lightning.planner.solver.group_floor import (GroupMemoryFloor, cheapest_stage_sum_s, group_memory_floor_s,
-                                                       group_stage_floor_s, run_group_stage_floor_s)
+                                                       group_stage_floor_s, run_ends, run_group_stage_floor_s)
 from uniap_lightning.planner.solver.milp import GroupedMilp
 
 REL = 1e-9
@@ -392,45 +393,6 @@ def _multi_stage_tables(problem):
                         yield pp, c, schedule, v, t
 
 
-def _group_value_brute(t, program, grp, reachable, outside, X) -> float:
-    """The least ``b_T x max_k A_k + sum_k (a_p A_k + S_k)`` (ms) over every way the group's stages hold ``X`` run
-    layers (each stage a multiset of strategies) and their end layers, within the group's memory: brute force."""
-    first, R = program.first, program.last - program.first + 1
-    stages = reachable + outside
-    per_stage = []  # per stage: {count: [(time, sync, static, activation, transient)]}
-    for k in stages:
-        ends = [[(t.layer_time_s(k, c), c.sync_s, c.static_bytes, c.activation_bytes, c.transient_bytes)
-                 for c in t.cost[u]] for u in program.ends.get(k, [])]
-        run = [(t.layer_time_s(k, c), c.sync_s, c.static_bytes, c.activation_bytes, c.transient_bytes)
-               for c in t.cost[first]]
-        options = {}
-        for n in range(0, min(X, R) + 1 if k in reachable else 1):
-            if n == 0 and k in reachable and program.must_hold(k):
-                continue
-            combos = []
-            for mix in itertools.combinations_with_replacement(run, n):
-                for tail in itertools.product(*ends):
-                    items = list(mix) + list(tail)
-                    combos.append((sum(i[0] for i in items), sum(i[1] for i in items), sum(i[2] for i in items),
-                                   sum(i[3] for i in items), max((i[4] for i in items), default=0.0)))
-            options[n] = combos
-        per_stage.append(options)
-    best = math.inf
-    limit = t.memory_limit_bytes(min(t.stages_of(grp))) * (1 + 1e-9)
-    for counts in itertools.product(*[list(o) for o in per_stage]):
-        if sum(counts) != X:
-            continue
-        for pick in itertools.product(*[o[n] for o, n in zip(per_stage, counts)]):
-            static, act = [0.0] * t.stages, [0.0] * t.stages
-            for k, p in zip(stages, pick):
-                static[k], act[k] = p[2], p[3]
-            if t.group_memory_bytes(grp, static, act, max(p[4] for p in pick)) > limit:
-                continue
-            best = min(best, program.weight * max(p[0] for p in pick) * 1e3
-                       + sum(program.a_p * p[0] + p[1] for p in pick) * 1e3)
-    return best
-
-
 @pytest.mark.parametrize("seed", range(4))
 def test_the_group_memory_program_is_the_brute_force_least_value(seed, monkeypatch):
     """A device group's program (counts per stage and strategy, the group's memory shared by its stages) equals
@@ -448,9 +410,7 @@ def test_the_group_memory_program_is_the_brute_force_least_value(seed, monkeypat
     for pp, c, schedule, v, t in _multi_stage_tables(problem):
         a, e = next((a, e) for a, e in t.runs() if e > a)
         L, S = len(t.layers), t.stages
-        ends = {0: [0]} if a > 0 else {}
-        if e < L - 1:
-            ends.setdefault(S - 1, []).append(L - 1)
+        ends = run_ends(t, a, e)
         lo, hi = max(0, S - L + a), min(e, S - 1)
         for a_p in (0.0, t.shape.a_p):
             program = GroupMemoryFloor(t, a, e, ends, t.shape.b_T * max(1.0, t.shape.stage_weight), a_p)
@@ -461,7 +421,7 @@ def test_the_group_memory_program_is_the_brute_force_least_value(seed, monkeypat
                 for X in range(0, 4):
                     got = program.value_ms(grp, reachable, outside, X)
                     assert got is not None, (pp, c, schedule, grp, X)
-                    exact = _group_value_brute(t, program, grp, reachable, outside, X)
+                    exact = group_value_brute(t, program, grp, reachable, outside, X)
                     if exact == math.inf:
                         assert got == math.inf, (pp, c, schedule, grp, X, got)
                     else:

@@ -11,13 +11,14 @@ import random
 from dataclasses import replace
 
 import pytest
+from bruteforce_groups import group_value_brute
 from bruteforce_pipeline import brute_force_candidate
 from planner_factories import repeated_problem
 
 from uniap_lightning.planner.cost.tables import CostTables
 from uniap_lightning.planner.schedule_rules import unsupported
 from uniap_lightning.planner.solver import resolve_solver
-from uniap_lightning.planner.solver.group_floor import GroupMemoryFloor
+from uniap_lightning.planner.solver.group_floor import GroupMemoryFloor, run_ends
 from uniap_lightning.planner.solver.group_splits import _climb, split_table, surviving_splits
 from uniap_lightning.planner.solver.milp import GroupedMilp
 
@@ -99,36 +100,6 @@ def test_a_cutoff_at_the_optimum_leaves_the_milp_nothing_and_one_above_leaves_it
     assert checked > 0
 
 
-def _split_value_brute(t, program, grp, reachable, outside, counts) -> float:
-    """The least ``b_T x max_k A_k + sum_k (a_p A_k + S_k)`` (ms) over every strategy mix holding exactly
-    ``counts`` run layers on the group's reachable stages (and their end layers), within the group's memory."""
-    first = program.first
-    per_stage = []
-    for k, n in zip(reachable + outside, tuple(counts) + (0,) * len(outside)):
-        run = [(t.layer_time_s(k, c), c.sync_s, c.static_bytes, c.activation_bytes, c.transient_bytes)
-               for c in t.cost[first]]
-        ends = [[(t.layer_time_s(k, c), c.sync_s, c.static_bytes, c.activation_bytes, c.transient_bytes)
-                 for c in t.cost[u]] for u in program.ends.get(k, [])]
-        combos = []
-        for mix in itertools.combinations_with_replacement(run, n):
-            for tail in itertools.product(*ends):
-                items = list(mix) + list(tail)
-                combos.append((k, sum(i[0] for i in items), sum(i[1] for i in items), sum(i[2] for i in items),
-                               sum(i[3] for i in items), max((i[4] for i in items), default=0.0)))
-        per_stage.append(combos)
-    best = math.inf
-    limit = t.memory_limit_bytes(min(t.stages_of(grp))) * (1 + 1e-9)
-    for pick in itertools.product(*per_stage):
-        static, act = [0.0] * t.stages, [0.0] * t.stages
-        for p in pick:
-            static[p[0]], act[p[0]] = p[3], p[4]
-        if t.group_memory_bytes(grp, static, act, max(p[5] for p in pick)) > limit:
-            continue
-        best = min(best, (program.weight * max(p[1] for p in pick) + sum(program.a_p * p[1] + p[2] for p in pick))
-                   * 1e3)
-    return best
-
-
 @pytest.mark.parametrize("seed", range(3))
 def test_the_split_program_is_the_brute_force_least_value(seed):
     """A group's program with each stage's count fixed equals brute force over every strategy mix of that split
@@ -140,9 +111,7 @@ def test_the_split_program_is_the_brute_force_least_value(seed):
             continue
         a, e = next((a, e) for a, e in t.runs() if e > a)
         L, S = len(t.layers), t.stages
-        ends = {0: [0]} if a > 0 else {}
-        if e < L - 1:
-            ends.setdefault(S - 1, []).append(L - 1)
+        ends = run_ends(t, a, e)
         lo, hi = max(0, S - L + a), min(e, S - 1)
         program = GroupMemoryFloor(t, a, e, ends, t.shape.b_T * max(1.0, t.shape.stage_weight), t.shape.a_p,
                                    budget_s=1e6)
@@ -153,7 +122,7 @@ def test_the_split_program_is_the_brute_force_least_value(seed):
                 if sum(counts) > e - a + 1 or any(n == 0 and program.must_hold(k) for k, n in zip(reachable, counts)):
                     continue
                 got = program.split_value_ms(grp, reachable, outside, counts)
-                exact = _split_value_brute(t, program, grp, reachable, outside, counts)
+                exact = group_value_brute(t, program, grp, reachable, outside, sum(counts), counts)
                 if exact == math.inf:
                     assert got == math.inf, (pp, c, schedule, grp, counts, got)
                 else:

@@ -62,6 +62,74 @@ def cheapest_stage_sum_s(t: CostTables) -> float:
     return sum(min(t.fastest_layer_time_s(k) for k in costs) for costs in t.cost) + t.stages * t.stage_time_s(0.0)
 
 
+def run_ends(t: CostTables, first: int, last: int) -> dict[int, list[int]]:
+    """The chain's end layers outside the run ``first..last``, by the stage they sit on in every plan (the first
+    layer on the first stage, the last on the last)."""
+    S, L = t.stages, len(t.layers)
+    ends: dict[int, list[int]] = {}
+    if first > 0:
+        ends[0] = [0]
+    if last < L - 1:
+        ends.setdefault(S - 1, []).append(L - 1)
+    return ends
+
+
+class FreeSplitValue:
+    """The least ``weight x max_k A_k + sum_k (a_p A_k + S_k)`` of a split of the run starting at ``first`` over some
+    stages (each stage's count, its end layers with it), memory left out: for every candidate largest stage time
+    ``theta``, each stage's least ``a_p A + S`` among its mixes within ``theta``, from the (time, sync) front of
+    ``n`` run layers and the stage's end layers. ``merge`` reduces each front: :func:`~.fronts.staircase` (merged
+    past ``FRONT_POINTS``, optimistic: a floor) or :func:`~.fronts.frontier` (exact, so the value grows with every
+    count)."""
+
+    def __init__(self, t: CostTables, first: int, ends: dict[int, list[int]], weight: float, a_p: float, *,
+                 merge=staircase) -> None:
+        self.t, self.first, self.ends, self.weight, self.a_p, self.merge = t, first, ends, weight, a_p, merge
+        self.fronts: dict[tuple, list[tuple[float, float]]] = {}
+        self.least: dict[tuple, tuple[list[float], list[float]]] = {}
+
+    def _front(self, speed: float, n: int, ends: tuple[int, ...]) -> list[tuple[float, float]]:
+        key = (speed, n, ends)
+        if key not in self.fronts:
+            t = self.t
+            if n == 0:
+                pts = [(0.0, 0.0)]
+                for u in ends:
+                    pts = self.merge([(a + t._time_at(c, speed), b + c.sync_s) for a, b in pts for c in t.cost[u]])
+            else:
+                pts = self.merge([(a + t._time_at(c, speed), b + c.sync_s) for a, b in self._front(speed, n - 1, ends)
+                                  for c in t.cost[self.first]])
+            self.fronts[key] = pts
+        return self.fronts[key]
+
+    def _within(self, k: int, n: int) -> tuple[list[float], list[float]]:
+        """Stage k's front times (rising) and the least ``a_p A + S`` among the points up to each."""
+        key = (self.t.stage_speed(k), n, tuple(self.ends.get(k, [])))
+        if key not in self.least:
+            run, acc = math.inf, []
+            pts = self._front(*key)
+            for a, b in pts:
+                run = min(run, self.a_p * a + b)
+                acc.append(run)
+            self.least[key] = ([a for a, _ in pts], acc)
+        return self.least[key]
+
+    def value_s(self, stages: list[int], split: tuple[int, ...]) -> float:
+        """The split's value (seconds); ``split`` gives every stage of ``stages`` its count."""
+        stairs = [self._within(k, n) for k, n in zip(stages, split)]
+        best = math.inf
+        for theta in sorted({a for times, _ in stairs for a in times}):
+            total = 0.0
+            for times, acc in stairs:
+                i = bisect_right(times, theta) - 1
+                if i < 0:
+                    break
+                total += acc[i]
+            else:
+                best = min(best, self.weight * theta + total)
+        return best
+
+
 #: run_group_stage_floor_s enumerates the splits of a group's layers over its stages up to this many per count
 GROUP_SPLITS = 200
 
@@ -110,59 +178,14 @@ def run_group_stage_floor_s(t: CostTables, first: int, last: int, *, stage_sum: 
             fastest[u] = min(t.fastest_layer_time_s(c) for c in t.cost[u])
         return fastest[u]
 
-    ends = {}  # stage -> the end layer it holds
-    if first > 0:
-        ends[0] = [0]
-    if last < L - 1:
-        ends.setdefault(S - 1, []).append(L - 1)
-
-    fronts: dict[tuple, list[tuple[float, float]]] = {}
-
-    def front(k: int, n: int) -> list[tuple[float, float]]:
-        """(time, sync) staircase of stage k holding n run layers (and its ends), memory left out."""
-        key = (speed_of[k], n, tuple(ends.get(k, [])))
-        if key not in fronts:
-            speed = key[0]
-            if n == 0:
-                pts = [(0.0, 0.0)]
-                for u in ends.get(k, []):
-                    pts = staircase([(a + t._time_at(c, speed), b + c.sync_s) for a, b in pts for c in t.cost[u]])
-            else:
-                prev = front(k, n - 1)
-                pts = staircase([(a + t._time_at(c, speed), b + c.sync_s) for a, b in prev for c in t.cost[first]])
-            fronts[key] = pts
-        return fronts[key]
-
-    prefix: dict[tuple, tuple[list[float], list[float]]] = {}
-
-    def least_within(k: int, n: int) -> tuple[list[float], list[float]]:
-        """Stage k's staircase times (rising) and the least a_p A + S among the points up to each."""
-        key = (speed_of[k], n, tuple(ends.get(k, [])))
-        if key not in prefix:
-            st = front(k, n)
-            run, acc = math.inf, []
-            for a, b in st:
-                run = min(run, a_p * a + b)
-                acc.append(run)
-            prefix[key] = ([a for a, _ in st], acc)
-        return prefix[key]
+    ends = run_ends(t, first, last)
+    free = FreeSplitValue(t, first, ends, bT * x, a_p, merge=staircase)
 
     def bound(stages: list[int], split: tuple[int, ...]) -> float:
-        """min over strategies of b_T x max_k A_k + sum_k (a_p A_k + S_k) for this split: for each candidate
-        largest stage time theta, each stage's least a_p A + S within it (exact; memory left out)."""
-        stairs = [least_within(k, n) for k, n in zip(stages, split)]
-        best = math.inf
-        for theta in sorted({a for times, _ in stairs for a in times}):
-            total = 0.0
-            for times, acc in stairs:
-                i = bisect_right(times, theta) - 1
-                if i < 0:
-                    break
-                total += acc[i]
-            else:
-                best = min(best, bT * x * theta + total)
+        """min over strategies of b_T x max_k A_k + sum_k (a_p A_k + S_k) for this split (memory left out), less
+        a_p times those layers' cheapest times."""
         excess = sum(split) * cheapest(first) + sum(cheapest(u) for k in stages for u in ends.get(k, []))
-        return best - a_p * excess
+        return free.value_s(stages, split) - a_p * excess
 
     groups = [[k for k in t.stages_of(grp) if lo <= k <= hi or k in ends] for grp in range(t.pp)]
     reach = [[k for k in mine if lo <= k <= hi] for mine in groups]

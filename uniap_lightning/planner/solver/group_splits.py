@@ -12,15 +12,14 @@ proves the optimum in 9 s.
 
 from __future__ import annotations
 
-import math
 import time
-from bisect import bisect_right
 from dataclasses import dataclass
 
 from uniap_lightning.planner.cost.tables import CostTables
 from uniap_lightning.planner.solver.backend import MS, no_gc
 from uniap_lightning.planner.solver.fronts import frontier
-from uniap_lightning.planner.solver.group_floor import GroupMemoryFloor, cheapest_stage_sum_s
+from uniap_lightning.planner.solver.group_floor import (FreeSplitValue, GroupMemoryFloor, cheapest_stage_sum_s,
+                                                       run_ends)
 
 #: the programs' time for one table (past it, groups not finished get no rows: rows are optional, never partial)
 SPLIT_BUDGET_S = 4.0
@@ -79,7 +78,7 @@ def surviving_splits(t: CostTables, cutoff_s: float, *, budget_s: float | None =
     and stops where the least completion is dropped."""
     budget = SPLIT_BUDGET_S if budget_s is None else budget_s
     start = time.perf_counter()
-    S, L = t.stages, len(t.layers)
+    S = t.stages
     x = max(1.0, t.shape.stage_weight)
     a_p = t.shape.a_p
     slot_term = t.tpi_s(0.0, 0.0, x * t.stage_time_s(0.0), 0.0)
@@ -118,16 +117,12 @@ def _run_splits(t: CostTables, r: int, cutoff_s: float, until: float, everything
     first, last = t.runs()[r]
     R = last - first + 1
     lo, hi = max(0, S - L + first), min(last, S - 1)
-    ends: dict[int, list[int]] = {}
-    if first > 0:
-        ends[0] = [0]
-    if last < L - 1:
-        ends.setdefault(S - 1, []).append(L - 1)
+    ends = run_ends(t, first, last)
     x = max(1.0, t.shape.stage_weight)
     a_p = t.shape.a_p
     program = GroupMemoryFloor(t, first, last, ends, t.shape.b_T * x, a_p,
                                budget_s=max(0.0, until - time.perf_counter()))
-    free = _FreeValue(t, first, ends, t.shape.b_T * x, a_p)
+    free = FreeSplitValue(t, first, ends, t.shape.b_T * x, a_p, merge=frontier)  # exact: monotone
     info, xmax = {}, {}
     for grp in range(t.pp):
         reachable = [k for k in t.stages_of(grp) if lo <= k <= hi]
@@ -145,7 +140,7 @@ def _run_splits(t: CostTables, r: int, cutoff_s: float, until: float, everything
         def free_keep(split, rc=reachable, out=outside, cut=cut_ms) -> bool | None:
             if time.perf_counter() > until:
                 return None
-            return free.value_ms(rc, out, split) < cut(sum(split))
+            return free.value_s(rc + out, tuple(split) + (0,) * len(out)) * MS < cut(sum(split))
 
         cands = _climb(free_keep, least, R, limit=4 * MAX_GROUP_SPLITS)
         xmax[grp] = R
@@ -187,58 +182,6 @@ def _run_splits(t: CostTables, r: int, cutoff_s: float, until: float, everything
             break
     return [GroupSplits(r, grp, tuple(info[grp][0]), tuple(splits)) for grp, splits in sorted(kept.items())
             if len(splits) <= MAX_GROUP_SPLITS]
-
-
-class _FreeValue:
-    """``phi_g(s)`` with memory left out (a floor of it, pure Python): for every candidate largest stage time
-    ``theta``, each stage's least ``a_p A + S`` among its mixes within ``theta``, from the exact (time, sync) Pareto
-    front of ``n`` run layers and the stage's end layers (exact, not merged: the climb needs a value that grows with
-    every count)."""
-
-    def __init__(self, t: CostTables, first: int, ends: dict[int, list[int]], weight: float, a_p: float) -> None:
-        self.t, self.first, self.ends, self.weight, self.a_p = t, first, ends, weight, a_p
-        self.fronts: dict[tuple, list[tuple[float, float]]] = {}
-        self.least: dict[tuple, tuple[list[float], list[float]]] = {}
-
-    def _front(self, speed: float, n: int, ends: tuple[int, ...]) -> list[tuple[float, float]]:
-        key = (speed, n, ends)
-        if key not in self.fronts:
-            t = self.t
-            if n == 0:
-                pts = [(0.0, 0.0)]
-                for u in ends:
-                    pts = frontier([(a + t._time_at(c, speed), b + c.sync_s) for a, b in pts for c in t.cost[u]])
-            else:
-                pts = frontier([(a + t._time_at(c, speed), b + c.sync_s) for a, b in self._front(speed, n - 1, ends)
-                                 for c in t.cost[self.first]])
-            self.fronts[key] = pts
-        return self.fronts[key]
-
-    def _within(self, k: int, n: int) -> tuple[list[float], list[float]]:
-        """Stage k's staircase times (rising) and the least ``a_p A + S`` among the points up to each."""
-        key = (self.t.stage_speed(k), n, tuple(self.ends.get(k, [])))
-        if key not in self.least:
-            run, acc = math.inf, []
-            pts = self._front(*key)
-            for a, b in pts:
-                run = min(run, self.a_p * a + b)
-                acc.append(run)
-            self.least[key] = ([a for a, _ in pts], acc)
-        return self.least[key]
-
-    def value_ms(self, reachable: list[int], outside: list[int], split: tuple[int, ...]) -> float:
-        stairs = [self._within(k, n) for k, n in zip(reachable + outside, tuple(split) + (0,) * len(outside))]
-        best = math.inf
-        for theta in sorted({a for times, _ in stairs for a in times}):
-            total = 0.0
-            for times, acc in stairs:
-                i = bisect_right(times, theta) - 1
-                if i < 0:
-                    break
-                total += acc[i]
-            else:
-                best = min(best, self.weight * theta + total)
-        return best * MS
 
 
 def _climb(keep, least: list[int], total: int, *, limit: int = MAX_GROUP_SPLITS) -> list[tuple[int, ...]] | None:
