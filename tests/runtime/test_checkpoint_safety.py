@@ -283,3 +283,136 @@ def test_a_checkpoint_of_another_model_names_what_differs(tmp_path: Path) -> Non
     with pytest.raises(UniAPError, match="optimizer_0.state.w.exp_avg"):
         check_fits(folder, metadata, {"state_dict": {"w": torch.zeros(3)},
                                       "optimizer_0": {"state.w.exp_avg": torch.zeros(3)}}, strict=False)
+
+
+# ------------------------------------------------------------------- the allow-list: globals without a dot in them
+def _text(s: str) -> bytes:
+    raw = s.encode()
+    return pickle.SHORT_BINUNICODE + bytes([len(raw)]) + raw
+
+
+def _stack_global(module: str, name: str) -> bytes:
+    """Protocol 4's way to name a global (``find_class(module, name)``)."""
+    return _text(module) + _text(name) + pickle.STACK_GLOBAL
+
+
+def _old_global(module: str, name: str) -> bytes:
+    """Protocols 0-3's way (``c module\\nname\\n``): the other path into ``find_class``."""
+    return pickle.GLOBAL + f"{module}\n{name}\n".encode()
+
+
+def _call1(callable_: bytes, arg: bytes) -> bytes:
+    return callable_ + arg + pickle.TUPLE1 + pickle.REDUCE
+
+
+_PROTO4 = pickle.PROTO + bytes([4])
+
+
+def _gadget(kind: str, marker: Path) -> bytes:
+    """A hand-made pickle that creates ``marker`` through one global that has no dot in its name (the dotted-name
+    rule alone lets each through; only the (module, name) allow-list stops it)."""
+    touch = f"import pathlib; pathlib.Path({str(marker)!r}).touch()"
+    shell = f"touch '{marker}'"
+    if kind == "builtins.exec":
+        body = _call1(_stack_global("builtins", "exec"), _text(touch))
+    elif kind == "builtins.eval":
+        body = _call1(_old_global("builtins", "eval"), _text(f"__import__('pathlib').Path({str(marker)!r}).touch()"))
+    elif kind == "posix.system":
+        body = _call1(_stack_global("posix", "system"), _text(shell))
+    elif kind == "os.system":
+        body = _call1(_old_global("os", "system"), _text(shell))
+    elif kind == "subprocess.Popen":
+        # Popen(["touch", marker]) kept in memo 0, then getattr(<it>, "wait")(): the file exists when loads returns
+        # (Popen is named first, so it is the global a correct reader refuses)
+        popen = _call1(_stack_global("subprocess", "Popen"),
+                       pickle.MARK + _text("touch") + _text(str(marker)) + pickle.LIST)
+        body = (popen + pickle.MEMOIZE + pickle.POP + _stack_global("builtins", "getattr") + pickle.MARK
+                + pickle.BINGET + bytes([0]) + _text("wait") + pickle.TUPLE + pickle.REDUCE + pickle.EMPTY_TUPLE
+                + pickle.REDUCE)
+    elif kind == "builtins.getattr":
+        # getattr(PosixPath(marker), "touch")(): pathlib.PosixPath is on the allow-list, getattr is the gadget
+        path = _call1(_stack_global("pathlib", "PosixPath"), _text(str(marker)))
+        body = (_stack_global("builtins", "getattr") + path + _text("touch") + pickle.TUPLE2 + pickle.REDUCE
+                + pickle.EMPTY_TUPLE + pickle.REDUCE)
+    elif kind == "__reduce__ os.system":  # what pickle.dumps writes for an object that reduces to os.system
+        return pickle.dumps(_ShellPayload(shell), protocol=2)
+    else:
+        raise AssertionError(kind)
+    return _PROTO4 + body + pickle.STOP
+
+
+class _ShellPayload:
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self):  # noqa: ANN204
+        import os
+
+        return (os.system, (self.command,))
+
+
+GADGETS = ["builtins.exec", "builtins.eval", "posix.system", "os.system", "subprocess.Popen", "builtins.getattr",
+           "__reduce__ os.system"]
+
+
+@pytest.mark.parametrize("kind", GADGETS)
+def test_undotted_code_globals_are_live_and_refused_in_one_line(tmp_path: Path, kind: str) -> None:
+    """Each gadget runs under a plain unpickler (the control marker appears); as a checkpoint's ``.metadata`` it is
+    refused by every reader with one line that names the global, and its marker never appears."""
+    from uniap_lightning.runtime.checkpoint import check_dcp_metadata, consolidate_checkpoint
+    from uniap_lightning.runtime.checkpoint_safety import checkpoint_problem
+
+    control = tmp_path / "control"
+    pickle.loads(_gadget(kind, control))
+    assert control.exists(), f"the {kind} gadget did not run under pickle.loads"
+
+    folder = _real_dcp_folder(tmp_path)
+    marker = tmp_path / "ran"
+    (folder / ".metadata").write_bytes(_gadget(kind, marker))
+    named = "posix.system" if kind == "__reduce__ os.system" else kind
+    with pytest.raises(UniAPError, match="refused to load this distributed checkpoint") as err:
+        check_dcp_metadata(folder)
+    assert not marker.exists(), f"the {kind} payload ran while reading the metadata"
+    assert "\n" not in str(err.value) and f"{named} is not part of a distributed checkpoint" in str(err.value)
+    with pytest.raises(UniAPError, match="refused") as err:
+        consolidate_checkpoint(folder, tmp_path / "out.pt")
+    assert "\n" not in str(err.value)
+    with pytest.raises(UniAPError, match="refused") as err:
+        _strategy().load_checkpoint(folder)
+    assert "\n" not in str(err.value)
+    assert named in (checkpoint_problem(folder) or "")
+    assert not marker.exists()
+    assert not (tmp_path / "out.pt").exists()
+
+
+def _only_global(module: str, name: str) -> bytes:
+    return _PROTO4 + _stack_global(module, name) + pickle.STOP
+
+
+def test_the_metadata_reader_admits_exactly_its_listed_globals() -> None:
+    """Every (module, name) of ``METADATA_GLOBALS`` and every torch dtype resolves to the object itself; globals off
+    the list, with a dot in their name or not, in allowed modules or not, are refused by name."""
+    import importlib
+    import io
+    import re
+
+    from uniap_lightning.runtime.checkpoint_safety import METADATA_GLOBALS, _MetadataUnpickler
+
+    def unpickle(module: str, name: str) -> object:
+        return _MetadataUnpickler(io.BytesIO(_only_global(module, name))).load()
+
+    assert len(METADATA_GLOBALS) >= 10
+    for module, name in sorted(METADATA_GLOBALS):
+        assert unpickle(module, name) is getattr(importlib.import_module(module), name), (module, name)
+    for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool):
+        assert unpickle("torch", str(dtype).removeprefix("torch.")) is dtype
+    unlisted = [("builtins", "exec"), ("builtins", "eval"), ("builtins", "getattr"), ("builtins", "__import__"),
+                ("os", "system"), ("posix", "system"), ("subprocess", "Popen"), ("pathlib", "Path"),
+                ("torch", "load"), ("torch", "dtype"), ("torch", "tensor"), ("collections", "namedtuple"),
+                ("torch.distributed.checkpoint.metadata", "dataclass"), ("torch.serialization", "load"),
+                ("pathlib", "PosixPath.touch"), ("torch.distributed.checkpoint.filesystem", "Path.touch"),
+                ("collections", "OrderedDict.fromkeys"), ("torch", "Size.__new__"), ("torch", "float32.to"),
+                ("nosuchmodule", "anything")]
+    for module, name in unlisted:
+        with pytest.raises(pickle.UnpicklingError, match=rf"{re.escape(module)}[.:]{re.escape(name)}"):
+            unpickle(module, name)
