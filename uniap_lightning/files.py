@@ -2,9 +2,9 @@
 
 Every file uniap-lightning writes (plans, profiles, caches, reports, exports) goes through a temporary file in the
 same folder and a rename, so a concurrent reader or a crash mid-write never leaves half a file under the real
-name. The rename only ever replaces a regular file: a device (``out=/dev/full``), a FIFO, a socket or a folder
-under the output name is refused, and a symbolic link is written through to the regular file it points at (the
-link stays a link).
+name. The rename replaces the directory entry, never what it points at: a symbolic or hard link under the name is
+replaced as a link (a link planted in a cache towards ``/etc/passwd`` leaves that file alone), and a device
+(``out=/dev/full``), a FIFO, a socket or a folder under the output name is refused.
 
 Every file it reads by name is opened without blocking (a FIFO with no writer would wait forever), checked to be
 a regular file of bounded size (``/dev/zero`` never ends), and its document parsed with bounded nesting and
@@ -52,53 +52,91 @@ def _named(what: str, path: Path) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- writing
-def _output_target(path: Path, what: str) -> Path:
-    """The regular file an atomic write replaces: ``path`` itself (existing or not), or the file a symbolic link
-    at ``path`` points to. Anything else under the name (device, FIFO, socket, folder, a dangling link or a link
-    to something other than a regular file) is refused: replacing it would destroy it (``/dev/null`` as root)."""
+def cache_root() -> Path:
+    """The folder the caches live under: ``$UNIAP_CACHE_DIR`` when set to a non-empty value, otherwise
+    ``~/.cache/uniap-lightning`` (an empty variable means the default, never the working directory)."""
+    base = os.environ.get("UNIAP_CACHE_DIR", "").strip()
+    return Path(base) if base else Path.home() / ".cache" / "uniap-lightning"
+
+
+def _check_entry(path: Path, what: str) -> None:
+    """Refuse an output name whose entry cannot be replaced by a rename without destroying something: a folder,
+    a device, a FIFO or a socket. A missing name, a regular file and a link of either kind pass: the rename
+    replaces the directory entry itself, so a symbolic link is replaced as a link (its target is never opened) and
+    a hard link's other names keep their old content."""
     try:
-        link = os.lstat(path)
+        mode = os.lstat(path).st_mode
     except FileNotFoundError:
-        return path
+        return
+    except NotADirectoryError:
+        raise UniAPError(f"{_named(what, path)} cannot be written: a folder above it is a file") from None
     except OSError as err:
         raise UniAPError(f"{_named(what, path)} cannot be checked ({err.strerror or err})") from err
-    if stat.S_ISREG(link.st_mode):
-        return path
-    if not stat.S_ISLNK(link.st_mode):
-        if stat.S_ISDIR(link.st_mode):
-            raise UniAPError(f"{_named(what, path)} is a folder; give a file name")
-        raise UniAPError(f"{_named(what, path)} is not a regular file ({_kind(link.st_mode)}); give a file name")
-    target = Path(os.path.realpath(path))
+    if stat.S_ISREG(mode) or stat.S_ISLNK(mode):
+        return
+    if stat.S_ISDIR(mode):
+        raise UniAPError(f"{_named(what, path)} is a folder; give a file name")
+    raise UniAPError(f"{_named(what, path)} is not a regular file ({_kind(mode)}); give a file name")
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (``os.umask`` sets it, racing other threads)."""
     try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        raise UniAPError(f"{_named(what, path)} is a symbolic link to {str(target)!r}, which does not exist; give "
-                         "a file name") from None
-    except OSError as err:
-        raise UniAPError(f"{_named(what, path)} is a symbolic link that cannot be followed "
-                         f"({err.strerror or err}); give a file name") from err
-    if not stat.S_ISREG(mode):
-        raise UniAPError(f"{_named(what, path)} is a symbolic link to {str(target)!r}, which is not a regular file "
-                         f"({_kind(mode)}); give a file name")
-    return target
+        with open("/proc/self/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
+
+def _fsync_folder(folder: Path) -> None:
+    """Make a rename in ``folder`` durable (best effort: some file systems refuse ``fsync`` on a folder)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def write_bytes_atomic(path: str | Path, write: Any, *, what: str = "output file") -> Path:
-    """``write(file)`` into a temporary file in the same folder (a binary file object), flushed to disk, then
-    ``os.replace`` onto ``path`` (or onto the regular file a symbolic link at ``path`` points to). Returns
-    ``path``. A target that is not a regular file is refused with a :class:`UniAPError` and left untouched."""
+    """``write(file)`` into a new temporary file in the same folder (created with ``O_CREAT | O_EXCL |
+    O_NOFOLLOW``, a binary file object), flushed to disk, then renamed onto ``path``. Returns ``path``.
+
+    The rename replaces the entry ``path`` itself: a symbolic link there is replaced as a link (never written
+    through), a hard link leaves its other names untouched, and readers see the old file or the new one, never
+    half of one. A folder, device, FIFO or socket under the name is refused with a :class:`UniAPError` and left
+    untouched; a folder that cannot take the file (missing, read-only, full) is one :class:`UniAPError` line too.
+    The new file gets the mode ``0666`` less the umask, like any file the user creates."""
     path = Path(path)
-    target = _output_target(path, what)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    _check_entry(path, what)
+    folder = path.parent
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+    except OSError as err:
+        raise UniAPError(f"{_named(what, path)} cannot be written in the folder {str(folder)!r} "
+                         f"({err.strerror or err})") from err
     try:
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o666 & ~_umask())
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
+        os.replace(tmp, path)
+    except BaseException as err:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(err, IsADirectoryError):  # a folder made under the name meanwhile
+            raise UniAPError(f"{_named(what, path)} is a folder; give a file name") from err
+        if isinstance(err, OSError):  # a full disk, a folder made read-only meanwhile
+            raise UniAPError(f"{_named(what, path)} cannot be written ({err.strerror or err})") from err
         raise
+    _fsync_folder(folder)
     return path
 
 
@@ -112,11 +150,11 @@ def write_json_atomic(path: str | Path, data: Any, *, what: str = "output file")
 
 
 def check_output_file(path: str | Path, what: str) -> Path:
-    """Refuse, before any work, an output path that cannot be written: a folder, a device, a FIFO, a socket, a
-    dangling symbolic link or one to a non-regular file, or a file in a missing or read-only folder."""
+    """Refuse, before any work, an output path that cannot be written: a folder, a device, a FIFO, a socket, or
+    a file in a missing or read-only folder (a link under the name is fine: the write replaces the link)."""
     path = Path(path)
-    target = _output_target(path, what)
-    parent = target.parent
+    _check_entry(path, what)
+    parent = path.parent
     if not parent.is_dir():
         raise UniAPError(f"{_named(what, path)}: the folder {str(parent)!r} does not exist")
     if not os.access(parent, os.W_OK):
@@ -146,20 +184,25 @@ def check_output_folder(path: str | Path, what: str) -> Path:
         raise UniAPError(f"{_named(what, path)}: {str(probe)!r} is not a folder ({_kind(mode)})")
 
 
-def remove_if_not_regular(path: str | Path) -> bool:
-    """Remove ``path`` if it is a FIFO, socket, device node, or a symbolic link to one or to nothing: an entry of
-    a cache folder that the atomic write rebuilding it would refuse to replace. A folder, a regular file and a
-    link to a regular file are left alone (a link's target is never touched). Returns whether it removed."""
+def is_plain_file(path: str | Path) -> bool:
+    """Whether ``path`` is a regular file with one name: not a symbolic link, not a hard link to a file that has
+    other names (a cache entry of ours never is either: anything else was put there by someone else)."""
     try:
-        mode = os.lstat(path).st_mode
-        if stat.S_ISDIR(mode) or stat.S_ISREG(mode):
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_nlink == 1
+
+
+def remove_if_not_regular(path: str | Path) -> bool:
+    """Remove the cache entry ``path`` unless it is a folder or a plain file (:func:`is_plain_file`): a FIFO,
+    socket or device node, a symbolic link of any kind, or a hard link is unlinked as a name (what it points at is
+    never opened or changed), so the atomic write rebuilding the entry creates a file of its own. Returns whether
+    it removed."""
+    try:
+        st = os.lstat(path)
+        if stat.S_ISDIR(st.st_mode) or (stat.S_ISREG(st.st_mode) and st.st_nlink == 1):
             return False
-        if stat.S_ISLNK(mode):
-            try:
-                if stat.S_ISREG(os.stat(path).st_mode):
-                    return False
-            except OSError:
-                pass  # dangling or looping: removed below
         os.unlink(path)
         return True
     except OSError:

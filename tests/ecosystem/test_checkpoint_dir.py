@@ -22,6 +22,40 @@ def test_the_lock_refuses_a_second_holder_and_is_free_after_release(tmp_path: Pa
     CheckpointDirLock(tmp_path / "ckpts").release()
 
 
+@pytest.mark.parametrize("link", ["hard", "symbolic"])
+def test_a_link_under_the_lock_name_is_replaced_never_written_into(tmp_path: Path, link: str) -> None:
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    folder = tmp_path / "ckpts"
+    folder.mkdir()
+    lock = folder / ".uniap.lock"
+    os.link(victim, lock) if link == "hard" else lock.symlink_to(victim)
+    held = CheckpointDirLock(folder)
+    try:
+        assert victim.read_text() == "precious\n" and os.stat(victim).st_nlink == 1
+        assert not lock.is_symlink() and lock.read_text() == f"{os.getpid()}\n"
+        with pytest.raises(UniAPError, match="in use by another run"):  # the new lock file is the one held
+            CheckpointDirLock(folder)
+    finally:
+        held.release()
+
+
+def test_a_holder_that_is_not_a_pid_is_not_echoed(tmp_path: Path) -> None:
+    import fcntl
+
+    folder = tmp_path / "ckpts"
+    folder.mkdir()
+    (folder / ".uniap.lock").write_text("root:x:0:0:root:/root:/bin/bash\n")
+    fd = os.open(folder / ".uniap.lock", os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        with pytest.raises(UniAPError, match=r"\(pid unknown\)") as err:
+            CheckpointDirLock(folder)
+        assert "root:" not in str(err.value)
+    finally:
+        os.close(fd)
+
+
 def test_a_file_is_not_a_checkpoint_dir(tmp_path: Path) -> None:
     (tmp_path / "taken").write_text("x")
     with pytest.raises(UniAPError, match="is a file, not a folder"):

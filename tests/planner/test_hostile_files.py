@@ -80,31 +80,61 @@ def test_fifo_socket_and_folder_outputs_are_refused_and_kept(tmp_path: Path) -> 
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]  # no temporary file left behind
 
 
-def test_a_symlink_to_a_file_is_written_through(tmp_path: Path) -> None:
+def test_a_symlink_under_an_output_name_is_replaced_never_written_through(tmp_path: Path) -> None:
     target = tmp_path / "real" / "plan.json"
     target.parent.mkdir()
     target.write_text("old")
+    target.chmod(0o640)
     link = tmp_path / "link.json"
     link.symlink_to(target)
     assert check_output_file(link, "out=") == link
     write_text_atomic(link, "new")
-    assert link.is_symlink() and os.readlink(link) == str(target)
-    assert target.read_text() == "new"
+    assert not link.is_symlink() and link.read_text() == "new"  # the link itself was replaced by our file
+    assert target.read_text() == "old" and stat.S_IMODE(os.stat(target).st_mode) == 0o640  # the target untouched
+
+
+def test_a_hard_link_under_an_output_name_keeps_its_other_name(tmp_path: Path) -> None:
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    entry = tmp_path / "plan.json"
+    os.link(victim, entry)
+    write_text_atomic(entry, "{}")
+    assert entry.read_text() == "{}" and victim.read_text() == "precious"
+    assert os.stat(victim).st_nlink == 1 and os.stat(entry).st_ino != os.stat(victim).st_ino
+
+
+def test_a_new_file_gets_the_umask_mode_not_0600(tmp_path: Path) -> None:
+    old = os.umask(0o027)
+    try:
+        write_text_atomic(tmp_path / "out.json", "{}")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "out.json").st_mode) == 0o640
 
 
 @needs_dev_full
-def test_dangling_links_and_links_to_non_files_are_refused(tmp_path: Path) -> None:
+def test_dangling_links_and_links_to_non_files_are_replaced_as_links(tmp_path: Path) -> None:
     dangling, to_fifo, to_dev = tmp_path / "dangling.json", tmp_path / "to_fifo.json", tmp_path / "to_dev.json"
     dangling.symlink_to(tmp_path / "nowhere" / "x.json")
-    to_fifo.symlink_to(_fifo(tmp_path))
+    fifo = _fifo(tmp_path)
+    to_fifo.symlink_to(fifo)
     to_dev.symlink_to(DEV_FULL)
-    for link, match in ((dangling, "which does not exist"), (to_fifo, r"not a regular file \(a FIFO\)"),
-                        (to_dev, r"not a regular file \(a character device\)")):
-        for call in (lambda: write_text_atomic(link, "x"), lambda: check_output_file(link, "out=")):
-            with pytest.raises(UniAPError, match=match):
-                call()
-        assert link.is_symlink()
-    assert _is_char_device(DEV_FULL) and stat.S_ISFIFO(os.stat(to_fifo).st_mode)
+    for link in (dangling, to_fifo, to_dev):
+        assert check_output_file(link, "out=") == link
+        write_text_atomic(link, "x")
+        assert not link.is_symlink() and link.read_text() == "x"
+    assert _is_char_device(DEV_FULL) and stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    assert not (tmp_path / "nowhere").exists()
+
+
+def test_a_write_into_a_missing_or_file_parent_is_one_line(tmp_path: Path) -> None:
+    afile = tmp_path / "file"
+    afile.write_text("")
+    with pytest.raises(UniAPError, match=r"cannot be written: a folder above it is a file"):
+        write_text_atomic(afile / "x.json", "x")
+    with pytest.raises(UniAPError, match=r"cannot be written in the folder .*missing.* \(No such file or directory\)"):
+        write_text_atomic(tmp_path / "missing" / "x.json", "x")
+    assert afile.read_text() == ""
 
 
 def test_an_output_folder_must_be_a_folder_or_makeable(tmp_path: Path) -> None:
@@ -347,9 +377,27 @@ def _set(text: str, key: str, raw: str) -> str:
     return out
 
 
+def _victim(entry: Path, good: str) -> Path:
+    """A file outside the cache (holding a valid entry's text, the most tempting to trust) for a link to point at."""
+    victim = entry.parent.parent / "VICTIM"
+    victim.write_text(good)
+    victim.chmod(0o644)
+    return victim
+
+
+def _victim_untouched(entry: Path, good: str) -> None:
+    victim = entry.parent.parent / "VICTIM"
+    if victim.exists():
+        assert victim.read_text() == good and stat.S_IMODE(os.stat(victim).st_mode) == 0o644
+        assert os.stat(victim).st_nlink == 1  # a hard-linked entry was dropped as a name, never written into
+    assert not os.path.islink(entry)
+
+
 #: every damaged shape a cache entry can take: (name, how to make it from the good entry's text)
 CORRUPT: list[tuple[str, Callable[[Path, str], Any]]] = [
     ("fifo", lambda p, g: os.mkfifo(p)),
+    ("symlink-to-a-file", lambda p, g: p.symlink_to(_victim(p, g))),
+    ("hardlink-to-a-file", lambda p, g: os.link(_victim(p, g), p)),
     ("dangling-symlink", lambda p, g: p.symlink_to(p.parent / "gone" / "x.json")),
     ("alias-bomb", lambda p, g: p.write_text(ALIAS_BOMB)),
     ("deep-json", lambda p, g: p.write_text(DEEP_JSON)),
@@ -406,6 +454,7 @@ def test_a_damaged_cached_plan_is_discarded_and_solved_again(small_problem: Any,
     assert sum("ignoring the cached plan" in str(w.message) for w in caught) == 1
     assert stat.S_ISREG(os.stat(path).st_mode) and Plan.from_json(path).layers == plan.layers  # rebuilt
     assert _solve(small_problem, path.parent)[1] == f"cache {path}"
+    _victim_untouched(path, good.read_text())
 
 
 def test_a_folder_under_the_plan_entry_name_means_no_caching(small_problem: Any, tmp_path: Path) -> None:
@@ -446,6 +495,7 @@ def test_a_damaged_cached_profile_is_discarded_and_rebuilt(small_problem: Any, t
     assert len([w for w in caught if "ignoring the cache entry" in str(w.message)]) == 1
     save_cached_profile(path.parent, "k", profile)  # what setup does after measuring again
     assert load_cached_profile(path.parent, "k").fingerprint() == profile.fingerprint()
+    _victim_untouched(path, good.read_text())
 
 
 CLUSTER_ENTRY = {"ops": {"all_reduce": {"2": {"bw_gbps": 1.0, "latency_us": 50.0, "inter_node": False}}},
@@ -473,7 +523,8 @@ def test_a_damaged_cached_cluster_is_discarded(tmp_path: Path, shape: str, make:
     m = Measurements(ranks=Ranks(rank=0, world_size=2, num_nodes=1, devices_per_node=2, device=torch.device("cpu")),
                      options=SetupOptions(cache_dir=tmp_path), precision="32-true", forward_context=lambda: None)
     base = local_cluster(nodes=1, devices_per_node=2, device_type="cpu")
-    path = tmp_path / "cluster-x.json"
+    path = tmp_path / "cache" / "cluster-x.json"
+    path.parent.mkdir()
     path.write_text(json.dumps(CLUSTER_ENTRY))
     assert m._cached_cluster(base, path) is not None
     path.unlink()
@@ -481,6 +532,11 @@ def test_a_damaged_cached_cluster_is_discarded(tmp_path: Path, shape: str, make:
     with pytest.warns(UserWarning, match=f"ignoring the cache entry {path}"):
         assert m._cached_cluster(base, path) is None
     assert not stat.S_ISFIFO(os.lstat(path).st_mode) if os.path.lexists(path) else True
+    from uniap_lightning.profiling.cache import save_cached_json
+
+    save_cached_json(path.parent, path.name, CLUSTER_ENTRY)  # what setup does after measuring again
+    assert m._cached_cluster(base, path) is not None
+    _victim_untouched(path, json.dumps(CLUSTER_ENTRY))
 
 
 # ================================================================================ the CLI
@@ -524,7 +580,7 @@ def test_cli_refuses_fifos_and_bombs_as_inputs_and_outputs(tmp_path: Path) -> No
     _one_error_line(uniap("plan", "model=tiny_gpt", f"cluster={bomb}"), "expands to more than 100,000 nodes")
 
 
-def test_cli_writes_a_plan_through_a_symlink(tmp_path: Path) -> None:
+def test_cli_replaces_a_symlink_out_never_its_target(tmp_path: Path) -> None:
     target = tmp_path / "plans" / "plan.json"
     target.parent.mkdir()
     target.write_text("{}")
@@ -532,7 +588,8 @@ def test_cli_writes_a_plan_through_a_symlink(tmp_path: Path) -> None:
     link.symlink_to(target)
     res = uniap("plan", *SMALL, f"out={link}")
     assert res.returncode == 0, res.stderr
-    assert link.is_symlink() and Plan.from_json(target).num_devices == 4
+    assert not link.is_symlink() and Plan.from_json(link).num_devices == 4
+    assert target.read_text() == "{}"
 
 
 @pytest.mark.parametrize(("rebalances", "message"), [
@@ -557,3 +614,17 @@ def test_solving_is_announced_only_when_the_cache_has_no_plan(small_problem: Any
               solver="auto", time_limit_s=30, cache_dir=tmp_path, on_solve=lambda: said.append("solving"))
     assert solve_plan(**kw)[1] == "solver" and said == ["solving"]
     assert solve_plan(**kw)[1].startswith("cache ") and said == ["solving"]
+
+
+@pytest.mark.parametrize("value", ["", "  "])
+def test_an_empty_cache_variable_means_the_default_folder_not_the_working_directory(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, value: str) -> None:
+    from uniap_lightning.profiling.cache import default_profile_cache_dir
+    from uniap_lightning.runtime.planning import default_cache_dir
+
+    monkeypatch.setenv("UNIAP_CACHE_DIR", value)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert default_cache_dir() == tmp_path / ".cache" / "uniap-lightning" / "plans"
+    assert default_profile_cache_dir() == tmp_path / ".cache" / "uniap-lightning" / "profiles"
+    monkeypatch.setenv("UNIAP_CACHE_DIR", str(tmp_path / "c"))
+    assert default_cache_dir() == tmp_path / "c" and default_profile_cache_dir() == tmp_path / "c" / "profiles"

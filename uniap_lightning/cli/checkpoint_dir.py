@@ -8,7 +8,9 @@ kernel drops the lock when the process ends, however it ends, so a crashed run n
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from pathlib import Path
 
 from uniap_lightning.errors import UniAPError
@@ -26,27 +28,61 @@ class CheckpointDirLock:
     """``flock`` on ``<folder>/.uniap.lock`` (created with the folder); ``release()`` or process exit frees it."""
 
     def __init__(self, folder: str | Path) -> None:
-        import fcntl
-
         self.folder = Path(folder)
         if self.folder.exists() and not self.folder.is_dir():
             raise UniAPError(f"checkpoint_dir={str(self.folder)!r} is a file, not a folder: give a folder for the "
                              "checkpoints this run writes on preemption")
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            self._fd: int | None = os.open(self.folder / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            self._fd: int | None = self._open_own_lock()
         except OSError as err:
             raise UniAPError(f"checkpoint_dir={str(self.folder)!r} cannot be written ({err.strerror or err}): a "
                              "checkpoint on preemption would be lost; give a writable folder") from err
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(self._fd, 64).decode(errors="replace").strip() or "unknown"
-            self.release()
-            raise UniAPError(f"checkpoint_dir={str(self.folder)!r} is in use by another run (pid {holder}); two runs "
-                             "would mix their checkpoints: give this one its own checkpoint_dir=...") from None
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+
+    def _open_own_lock(self) -> int:
+        """A descriptor of the lock file, flocked, that is a regular file with this one name. An entry that is
+        a hard link to some other file (or a FIFO, a device) is never written: it is unlinked as a name and the
+        lock file created anew (``O_EXCL``); a symbolic link is refused by ``O_NOFOLLOW`` and replaced the same
+        way. The flock comes first, so a running run's lock is never taken from it."""
+        import fcntl
+
+        path = self.folder / LOCK_NAME
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+        for _ in range(3):
+            try:
+                fd = os.open(path, flags | os.O_CREAT, 0o644)
+            except OSError as err:
+                if err.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR):  # a symlink / socket / folder there
+                    raise
+                self._unlink_name(path)
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 64).decode(errors="replace").strip()
+                os.close(fd)
+                holder = holder if holder.isdigit() else "unknown"
+                raise UniAPError(f"checkpoint_dir={str(self.folder)!r} is in use by another run (pid {holder}); "
+                                 "two runs would mix their checkpoints: give this one its own checkpoint_dir=..."
+                                 ) from None
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+                return fd
+            os.close(fd)  # a hard link to someone else's file, or a FIFO: drop the name, never write into it
+            self._unlink_name(path)
+        raise UniAPError(f"checkpoint_dir={str(self.folder)!r}: its lock file {LOCK_NAME} keeps being replaced "
+                         "by something that is not a plain file; remove it and run again")
+
+    @staticmethod
+    def _unlink_name(path: Path) -> None:
+        if os.path.isdir(path) and not os.path.islink(path):
+            raise UniAPError(f"{str(path)!r} is a folder, where this run keeps its lock file; remove it")
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
     def release(self) -> None:
         if self._fd is not None:

@@ -16,20 +16,20 @@ import hashlib
 import inspect
 import json
 import os
+import stat
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from uniap_lightning.errors import UniAPError
-from uniap_lightning.files import read_json, remove_if_not_regular, write_json_atomic
+from uniap_lightning.files import cache_root, is_plain_file, read_json, remove_if_not_regular, write_json_atomic
 from uniap_lightning.planner import fields as F
 from uniap_lightning.planner.profile import ModelProfile, load_profile, save_profile
 
 
 def default_profile_cache_dir() -> Path:
-    base = os.environ.get("UNIAP_CACHE_DIR")
-    return (Path(base) if base else Path.home() / ".cache" / "uniap-lightning") / "profiles"
+    return cache_root() / "profiles"
 
 
 #: what the profiler measures and records, revised when a release would otherwise reuse entries that lack fields
@@ -146,6 +146,22 @@ def _discard(path: Path, why: str) -> None:
     remove_if_not_regular(path)
 
 
+def foreign_entry(path: Path) -> str | None:
+    """Why the cache entry at ``path`` is not ours to read (a symbolic link, a hard link, a FIFO, a device...),
+    or ``None`` for a plain file. Such an entry is discarded as a name, never read or written through."""
+    if is_plain_file(path) or os.path.isdir(path) and not os.path.islink(path):
+        return None  # (a folder: refused later, with a message, when the entry is written)
+    if os.path.islink(path):
+        return "a symbolic link, not a file of ours"
+    try:
+        st = os.lstat(path)
+    except OSError as err:
+        return err.strerror or str(err)
+    if st.st_nlink > 1 and stat.S_ISREG(st.st_mode):
+        return "a hard link to a file with other names, not a file of ours"
+    return "not a regular file"
+
+
 def why(err: BaseException) -> str:
     """The first line of an error, for a one-line warning."""
     text = str(err).strip()
@@ -157,6 +173,9 @@ def load_cached_profile(cache_dir: Path, key: str) -> ModelProfile | None:
     binary junk, truncated or deeply nested JSON, a wrong type in a field) is discarded with a warning."""
     path = cache_dir / f"profile-{key}.json"
     if not os.path.lexists(path):
+        return None
+    if (foreign := foreign_entry(path)) is not None:
+        _discard(path, foreign)
         return None
     try:
         return load_profile(path)
@@ -176,6 +195,9 @@ def load_cached_json(cache_dir: Path, name: str) -> dict[str, Any] | None:
     """A cached JSON object, or ``None`` when absent; an unreadable entry is discarded with a warning."""
     path = cache_dir / name
     if not os.path.lexists(path):
+        return None
+    if (foreign := foreign_entry(path)) is not None:
+        _discard(path, foreign)
         return None
     try:
         data = read_json(path, "cache entry")

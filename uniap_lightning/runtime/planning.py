@@ -16,15 +16,17 @@ from pathlib import Path
 
 from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.errors import UniAPError
-from uniap_lightning.files import remove_if_not_regular
+from uniap_lightning.files import cache_root, remove_if_not_regular
 from uniap_lightning.planner.plan import COMPRESSION_DEFAULTS, PLAN_FORMAT_VERSION, Plan
 from uniap_lightning.planner.problem import TrainingConfig
 from uniap_lightning.planner.profile import ModelProfile
-from uniap_lightning.profiling.cache import CORRUPT_ENTRY_ERRORS, why
+from uniap_lightning.profiling.cache import CORRUPT_ENTRY_ERRORS, foreign_entry, why
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("UNIAP_CACHE_DIR", Path.home() / ".cache" / "uniap-lightning" / "plans"))
+    """``$UNIAP_CACHE_DIR`` itself when set (non-empty), else ``~/.cache/uniap-lightning/plans``."""
+    base = os.environ.get("UNIAP_CACHE_DIR", "").strip()
+    return Path(base) if base else cache_root() / "plans"
 
 
 def local_cluster(*, nodes: int, devices_per_node: int, device_type: str) -> Cluster:
@@ -81,6 +83,10 @@ def _cached_plan(path: Path, *, profile: ModelProfile, world_size: int, global_b
     """The plan cached at ``path`` if it is readable and for this job; otherwise ``None``, with a warning naming
     the file when there was an entry (it is then solved again and replaced)."""
     if not os.path.lexists(path):
+        return None
+    if (foreign := foreign_entry(path)) is not None:
+        warnings.warn(f"UniAP: ignoring the cached plan {path} ({foreign}); solving again", stacklevel=3)
+        remove_if_not_regular(path)  # the link itself goes: its target is never read or written
         return None
     try:
         plan = Plan.from_json(path)
