@@ -30,6 +30,9 @@ TWO_RANKS = {
     "pp2_1f1b": {"plan": P2([(1, 1, False)] * 4, [0, 1, 1, 1], pp=2, microbatches=4, schedule="1f1b")},
     # different strategies inside one stage: dp layouts change between layers (activation re-gather / split)
     "mixed_one_stage": {"plan": P2([REPL, TP, FSDP, TP], ONE_STAGE, pp=1, microbatches=2)},
+    # clipping with tensor-parallel layers only: a row-parallel bias is Replicate()d over the tp mesh, so its square
+    # counts once (not once per tp rank) in the global norm; clip 0.3 clips every step, the one-process run too
+    "tp2_clip": {"plan": P2([TP] * 4, ONE_STAGE, pp=1, microbatches=1), "clip": 0.3},
     "pp2_accumulate2_clip": {
         "plan": P2([(1, 1, False)] * 4, TWO_STAGES, pp=2, microbatches=2), "accumulate": 2, "clip": 0.5,
     },
