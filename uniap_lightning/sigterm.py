@@ -108,10 +108,53 @@ class AgreedSigterm:
 class StoppedBySigterm(SystemExit):
     """SIGTERM before the first training batch: nothing to save, so the rank stops at once with status 143 (128 +
     SIGTERM, as a shell reports a process ended by it). The other ranks got the same signal (a scheduler signals the
-    whole job) or see this one leave at their next collective, which the strategy's guard reports within seconds."""
+    whole job) or see this one leave at their next collective, which the strategy's guard reports within seconds.
 
-    def __init__(self) -> None:
+    It takes (and ignores) any arguments: an exception that crosses a pickle (DCP gathers each rank's failure) is
+    rebuilt as ``cls(*args)``, and a copy must be this exception again, not a ``TypeError`` that reads as damage."""
+
+    def __init__(self, *_args: object) -> None:
         super().__init__(143)
+
+
+_received = False  # SetupSigterm raised in this process: what fails after it is the interruption's doing
+
+
+def sigterm_received() -> bool:
+    """Whether :class:`SetupSigterm` stopped this process (an error seen since is the interruption, not damage)."""
+    return _received
+
+
+def interruption_in(err: BaseException | None) -> BaseException | None:
+    """The interruption (:class:`StoppedBySigterm`, ``KeyboardInterrupt``) behind ``err``, following causes,
+    contexts and DCP's per-rank failures; ``None`` when ``err`` is a failure of its own."""
+    seen: set[int] = set()
+    stack = [err]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, (StoppedBySigterm, KeyboardInterrupt)):
+            return node
+        failures = getattr(node, "failures", None)  # torch.distributed.checkpoint's CheckpointException
+        if isinstance(failures, dict):
+            for failure in failures.values():
+                stack.extend(f for f in (failure if isinstance(failure, tuple) else (failure,))
+                             if isinstance(f, BaseException))
+        stack.extend((node.__cause__, node.__context__))
+    return None
+
+
+def reraise_interruption(err: BaseException) -> None:
+    """Raise the interruption behind ``err`` (see :func:`interruption_in`), or :class:`StoppedBySigterm` when
+    SIGTERM stopped this process meanwhile; return when ``err`` is a failure of its own. Called before an error
+    reader says "damaged": an interrupted read is never reported as a bad checkpoint."""
+    found = interruption_in(err)
+    if isinstance(found, KeyboardInterrupt):
+        raise KeyboardInterrupt from err
+    if found is not None or sigterm_received():
+        raise StoppedBySigterm() from err
 
 
 class SetupSigterm:
@@ -150,6 +193,8 @@ class SetupSigterm:
 
         if signal.getsignal(signal.SIGTERM) is not self:
             return  # called by Lightning's handler: training is on, AgreedSigterm decides
+        global _received
+        _received = True
         if self.forward is not None:
             with contextlib.suppress(Exception):
                 self.forward(signum)

@@ -68,6 +68,21 @@ def test_sigterm_then_resume_matches_an_uninterrupted_run(tmp_path: Path) -> Non
         assert refused.returncode == 2 and len(errors) == 1 and re.search(why, errors[0]), refused.stderr[-3000:]
         assert "Traceback" not in refused.stderr
 
+    # SIGTERM while resume=auto reads the checkpoint: a stop (status 143, the stop's own line), never "damaged"
+    proc = subprocess.Popen([sys.executable, "-m", "uniap_lightning.cli.main", "train", *ARGS, "resume=auto"], cwd=run,
+                            env=_env(cache), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    seen = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        seen.append(line)
+        if "resume=auto: resuming from" in line:
+            os.killpg(proc.pid, signal.SIGTERM)
+            break
+    output = "".join(seen) + proc.communicate(timeout=300)[0]
+    assert proc.returncode == 143, output[-4000:]
+    assert "stopped by SIGTERM" in output and "damaged" not in output and "Traceback" not in output, output[-4000:]
+
     # a newer checkpoint that is damaged (a shard cut short) is skipped, with a warning naming it
     good = run / "checkpoints" / f"step-{step:08d}.ckpt"
     damaged = good.with_name(f"step-{step + 1:08d}.ckpt")

@@ -52,7 +52,8 @@ class RankWatch:
         from uniap_lightning.cli.train import PREEMPTED_EXIT_CODE  # every rank wrote its part of the checkpoint
 
         code = child.wait()
-        if code in (0, PREEMPTED_EXIT_CODE) or self._left.wait(self._grace_s):
+        stopped = code == PREEMPTED_EXIT_CODE and rank_error(child) == SETUP_STOP_LINE  # SIGTERM before training
+        if code == 0 or (code == PREEMPTED_EXIT_CODE and not stopped) or self._left.wait(self._grace_s):
             return
         with self._lock:
             if self._left.is_set():
@@ -65,6 +66,13 @@ class RankWatch:
                 child.kill()
         for child in self._children:
             child.wait()
+        from uniap_lightning.cli.train import PREEMPTED_EXIT_CODE, setup_stop_message
+
+        if code == PREEMPTED_EXIT_CODE and rank_error(failed) == SETUP_STOP_LINE:
+            print(setup_stop_message(None, rank=rank), file=sys.stderr)
+            for stream in (sys.stdout, sys.stderr):
+                stream.flush()
+            os._exit(PREEMPTED_EXIT_CODE)
         interrupted = code in (INTERRUPTED_EXIT_CODE, -signal.SIGINT)
         said = rank_error(failed)
         why = f": {said}" if said else ("" if interrupted else "; see its output above")
@@ -74,6 +82,10 @@ class RankWatch:
             stream.flush()
         os._exit(INTERRUPTED_EXIT_CODE if interrupted else 2)
 
+
+#: what a started rank stopped by SIGTERM before training hands to rank 0 (which then ends the run as stopped, with
+#: the preemption status, instead of reporting the collective that failed when this rank left)
+SETUP_STOP_LINE = "stopped by SIGTERM before the first training step"
 
 #: set by `uniap train` for each rank it starts: where that rank writes its error line instead of printing it, so a
 #: run shows one error line (rank 0's own, or a started rank's, printed by rank 0)

@@ -8,6 +8,7 @@ SLURM ``srun`` starts the ranks and Lightning's SLURM environment wires them.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -16,7 +17,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from uniap_lightning.cli.ranks import RankWatch, close_process_group, error_file_for, rank_error
+from uniap_lightning.cli.ranks import (SETUP_STOP_LINE, RankWatch, close_process_group, error_file_for, rank_error,
+                                      report_error_to_launcher)
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.files import check_output_folder, write_json_atomic
 
@@ -171,8 +173,9 @@ def _run_train_locked(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
             close_process_group()
     except StoppedBySigterm:
         if os.environ.get("LOCAL_RANK", "0") == "0":
-            print("stopped by SIGTERM before the first training step: no step ran, nothing to save; run the same "
-                  "command again to start", file=sys.stderr, flush=True)
+            print(setup_stop_message(resume), file=sys.stderr, flush=True)
+        else:
+            report_error_to_launcher(SETUP_STOP_LINE)  # rank 0 says it once, as the run's stop
         _end_children(children, grace_s=CHILD_GRACE_S)
         raise
     except SystemExit as stop:
@@ -181,8 +184,14 @@ def _run_train_locked(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
         raise
     except BaseException:
         # this rank's error is the one to report; the others got the same (setup agrees on failures) or stop
-        # because of it. One still waiting (e.g. in a rendezvous this rank never reached) is ended.
+        # because of it. One still waiting (e.g. in a rendezvous this rank never reached) is ended. But when a
+        # started rank was stopped by SIGTERM before training, this error (a peer gone from a collective) is that
+        # stop seen from here: the run ends as stopped, with the preemption status, not with this traceback.
+        stopped = None if isinstance(sys.exc_info()[1], UniAPError) else _stopped_by_sigterm(children)
         _end_children(children, grace_s=CHILD_GRACE_S)
+        if stopped is not None:
+            print(setup_stop_message(resume, rank=stopped), file=sys.stderr, flush=True)
+            raise StoppedBySigterm() from None
         raise
     bad = [(rank, child, code) for rank, child in enumerate(children, start=1) if (code := child.wait())]
     if bad:
@@ -191,6 +200,30 @@ def _run_train_locked(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
         raise UniAPError(f"training rank {rank} exited with status {code}: {said}" if said else
                          f"training rank {rank} exited with status {code}; see its output above")
     return result
+
+
+def setup_stop_message(resume: Path | None, *, rank: int | None = None) -> str:
+    """The one line for a run stopped by SIGTERM before its first training step."""
+    who = f" (training rank {rank})" if rank else ""
+    again = f" to resume from {resume}" if resume is not None else ""
+    return (f"stopped by SIGTERM{who} before the first training step: no step ran, nothing to save; run the same "
+            f"command again{again}")
+
+
+def _stopped_by_sigterm(children: list[subprocess.Popen], *, wait_s: float = 3.0) -> int | None:
+    """The first started rank that stopped on SIGTERM before training (it handed :data:`SETUP_STOP_LINE` over),
+    waiting up to ``wait_s`` for ranks still running (this rank's error came from one leaving, a moment ago)."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    for rank, child in enumerate(children, start=1):
+        try:
+            code = child.wait(timeout=max(deadline - time.monotonic(), 0.01))
+        except subprocess.TimeoutExpired:
+            continue
+        if code in (PREEMPTED_EXIT_CODE, -signal.SIGTERM) and (code < 0 or rank_error(child) == SETUP_STOP_LINE):
+            return rank
+    return None
 
 
 def _train(cfg: DictConfig, overrides: list[str], resume: Path | None) -> dict[str, Any]:

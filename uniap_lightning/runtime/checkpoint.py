@@ -73,6 +73,9 @@ def load_plain(path: Path) -> Any:
         raise UniAPError(f"{path}: refused to load: it holds pickled Python objects beyond tensors and plain data "
                          f"({first}). UniAP never runs code from a checkpoint file; re-save it with plain data.") from err
     except (OSError, RuntimeError, EOFError, ValueError, MemoryError, OverflowError) as err:
+        from uniap_lightning.sigterm import reraise_interruption
+
+        reraise_interruption(err)
         first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
         raise UniAPError(f"{path}: not a readable checkpoint file ({type(err).__name__}: {first})") from err
 
@@ -96,6 +99,7 @@ def dcp_read(state: dict[str, Any], path: Path, *, planner: Any, no_dist: bool =
 
     from uniap_lightning.errors import UniAPError
     from uniap_lightning.runtime.checkpoint_safety import safe_reader
+    from uniap_lightning.sigterm import reraise_interruption
 
     try:
         if whole:
@@ -105,6 +109,7 @@ def dcp_read(state: dict[str, Any], path: Path, *, planner: Any, no_dist: bool =
         else:
             dcp.load(state, storage_reader=safe_reader(path), planner=planner, no_dist=no_dist)
     except (CheckpointException, Exception) as err:  # noqa: BLE001 - CheckpointException is a BaseException
+        reraise_interruption(err)  # SIGTERM or Ctrl-C mid-read: the checkpoint is fine, the run was stopped
         cause = _first_failure(err)
         if isinstance(cause, UniAPError):
             raise UniAPError(f"checkpoint {path}: {cause}") from cause

@@ -169,6 +169,9 @@ def load_bytes_entry(read_item: Any, value: io.BytesIO) -> Any:
         raise UniAPError(f"the checkpoint entry {fqn!r} holds pickled Python objects beyond plain data ({first}); "
                          "UniAP never runs code from a checkpoint file") from err
     except (RuntimeError, EOFError, ValueError, OSError) as err:
+        from uniap_lightning.sigterm import reraise_interruption
+
+        reraise_interruption(err)
         raise UniAPError(f"the checkpoint entry {fqn!r} is damaged ({type(err).__name__}: {err})") from err
 
 
