@@ -94,12 +94,31 @@ CASES2 = {
                                  world=2, names=NAMES)),
     "ep2_micro2": _case(_plan({"ep": 2}, microbatches=2)),
     "ep2_micro2_drops": {**_case(_plan({"ep": 2}, microbatches=2)), "module": {**MODULE, "capacity_factor": 0.5}},
+    # a single-file Lightning checkpoint of one process (full [E, ...] experts) loaded into ep=2: each rank takes
+    # its own block of experts (:func:`_single_device_moe_checkpoint` writes it before the spawn)
+    "from_single_file_ep2": {"module": MODULE, "data": DATA, "plan": EP2, "validate_only": True,
+                             "resume": "moe_single.ckpt", "limit_val_batches": 2},
 }
+
+
+def _single_device_moe_checkpoint(path: Path) -> None:
+    """One process trains the MoE GPT for one epoch and writes a single-file Lightning checkpoint to ``path``, and
+    its validation loss on two batches beside it (``<path>.val_loss.pt``)."""
+    import lightning.pytorch as pl
+
+    case = {"module": MODULE, "data": DATA, "epochs": 1, "limit_val_batches": 2}
+    module = h.make_module(**MODULE)
+    trainer = pl.Trainer(devices=1, **h.trainer_kwargs(case))
+    trainer.fit(module, h._data(case))
+    trainer.save_checkpoint(path)
+    torch.save(trainer.validate(module, h._data(case), verbose=False)[0]["val_loss"],
+               path.with_name(f"{path.name}.val_loss.pt"))
 
 
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], Path]:
     out = tmp_path_factory.mktemp("expert_plans2")
+    _single_device_moe_checkpoint(out / "moe_single.ckpt")
     return h.spawn(2, CASES2, out), out
 
 
@@ -363,6 +382,32 @@ def test_the_consolidated_export_of_an_ep2_run_holds_every_expert(spawned: tuple
     assert full["chain.1.moe.w_in"].shape == (4, 32, 128)
     for k, v in merged.items():
         torch.testing.assert_close(full[k], v, rtol=0, atol=0)
+
+
+def test_a_single_file_checkpoint_loads_each_ranks_own_experts_under_ep2(spawned: tuple[list[dict[str, Any]], Path]
+                                                                         ) -> None:
+    """A one-process single-file checkpoint holds the full ``[E, ...]`` experts; under ep=2 rank ``r`` must hold
+    experts ``2r, 2r + 1`` of it (not every rank the first block), every other weight whole, and validate as the
+    one process did."""
+    two, out = spawned
+    saved = torch.load(out / "moe_single.ckpt", weights_only=True)["state_dict"]
+    expert_keys = [k for k in saved if ".moe.w_" in k or ".moe.b_" in k]
+    assert len(expert_keys) == 2 * 4  # two MoE blocks: w_in, b_in, w_out, b_out each
+    for r, res in enumerate(two):
+        got = res["from_single_file_ep2"]
+        assert "error" not in got, got.get("traceback")
+        for k in expert_keys:
+            assert saved[k].shape[0] == 4 and got["local"][k].shape[0] == 2, k
+            torch.testing.assert_close(got["local"][k], saved[k][2 * r:2 * r + 2], rtol=0, atol=0,
+                                       msg=lambda m, k=k, r=r: f"rank {r} {k}: {m}")
+        for k, v in got["local"].items():
+            if k not in expert_keys:
+                torch.testing.assert_close(v, saved[k], rtol=0, atol=0, msg=lambda m, k=k: f"{k}: {m}")
+    for res in two:
+        assert res["from_single_file_ep2"]["val_loss"] == pytest.approx(
+            torch.load(out / "moe_single.ckpt.val_loss.pt"), rel=1e-5)
+    assert not torch.equal(two[0]["from_single_file_ep2"]["local"][expert_keys[0]],
+                           two[1]["from_single_file_ep2"]["local"][expert_keys[0]])
 
 
 # ------------------------------------------------------------------------------------------------ 4 processes

@@ -10,7 +10,7 @@ arguments), ``module`` (``make_module`` arguments, e.g. ``{"lm": "llama"}`` or `
 ``data`` (``{"factory": "mod:fn", ...}``: a loader of ``batch`` samples instead of the tiny regression data), ``steps`` or ``epochs``,
 ``accumulate``, ``clip``, ``limit_val_batches`` and ``predict`` (collect validation loss / predictions),
 ``save`` / ``resume`` / ``export`` (checkpoint paths relative to the output folder; ``export_format``: the
-``save_consolidated`` format), ``validate_only``,
+``save_consolidated`` format), ``validate_only`` (also returns ``local``: this rank's own pieces of the parameters),
 ``die_at`` / ``hang_s`` (rank 1 dies or hangs at that batch), ``die_while_saving`` (rank ``die_rank``, default 1,
 dies as the ``save`` checkpoint starts), ``sigterm_at`` (rank ``sigterm_rank``, default 1,
 sends itself SIGTERM at the end of that batch), ``sigterm_in_setup`` (the same, in the ``setup`` hook), ``skew_data`` (ranks load different data).
@@ -371,7 +371,11 @@ def _run_case(rank: int, world: int, case: dict[str, Any], out_dir: Path) -> dic
     ckpt = str(out_dir / case["resume"]) if "resume" in case else None
     if case.get("validate_only"):
         metrics = trainer.validate(module, _data(case), ckpt_path=ckpt)
-        return {"val_loss": metrics[0]["val_loss"], "state": full_local_state(module), "origin": strategy.plan_origin}
+        from uniap_lightning.runtime.data_parallel import local_tensor
+
+        local = {k: local_tensor(p).detach().clone() for k, p in module.named_parameters()}  # this rank's pieces
+        return {"val_loss": metrics[0]["val_loss"], "state": full_local_state(module), "origin": strategy.plan_origin,
+                "local": local}
     try:
         extra = _fit(trainer, module, case, ckpt)
     except SystemExit as stop:  # Lightning's SIGTERMException
