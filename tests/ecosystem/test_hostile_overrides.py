@@ -98,9 +98,42 @@ def test_bad_train_values_are_refused_before_any_rank_starts(overrides: list[str
     ["trainer.precision=bf16-mixed", "+trainer.fast_dev_run=true", "data.seq_len=32"],
 ])
 def test_sane_train_values_pass(overrides: list[str]) -> None:
+    """Accepted, and changed only where the config said ``auto`` (resolved to a number): every value the user set
+    is kept as set."""
+    from omegaconf import OmegaConf
+
     from uniap_lightning.cli.train import check_config
 
-    check_config(_train_config(*overrides))
+    cfg = _train_config(*overrides)
+    before = OmegaConf.to_container(cfg, resolve=False)
+    notes = check_config(cfg)
+    after = OmegaConf.to_container(cfg, resolve=False)
+    assert isinstance(notes, list) and all(isinstance(n, str) and "\n" not in n for n in notes), notes
+    changed = _changed_values(before, after)
+    assert all(old == "auto" and type(new) in (int, float) and new >= 0 for old, new in changed.values()), changed
+    for override in overrides:
+        key = override.lstrip("+").partition("=")[0]
+        where = "model.name" if key == "model" else key  # a config group: the chosen config's name
+        assert key not in changed and OmegaConf.select(cfg, where) == _value_as_composed(override), override
+    assert "auto" not in (after["trainer"]["limit_val_batches"], after["trainer"]["val_check_interval"])
+
+
+def _changed_values(before: object, after: object, key: str = "") -> dict[str, tuple[object, object]]:
+    """``{dotted key: (before, after)}`` of every leaf that differs (a key added or removed counts)."""
+    if isinstance(before, dict) and isinstance(after, dict):
+        out: dict[str, tuple[object, object]] = {}
+        for k in sorted(set(before) | set(after), key=str):
+            out.update(_changed_values(before.get(k, "<absent>"), after.get(k, "<absent>"), f"{key}{k}."))
+        return out
+    return {} if before == after else {key.rstrip("."): (before, after)}
+
+
+def _value_as_composed(override: str) -> object:
+    """The value Hydra's override grammar reads from ``key=value`` (``00:00:01:00`` stays a string, ``2.0`` a
+    float, ``null`` None)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return OverridesParser.create().parse_overrides([override])[0].value()
 
 
 def test_unknown_trainer_argument_names_a_close_one() -> None:
@@ -189,8 +222,12 @@ def test_bad_command_lines_are_one_line(command: str, args: list[str], message: 
 def test_sweeps_and_hydra_flags_still_parse() -> None:
     from uniap_lightning.cli.overrides import check_command_line
 
-    check_command_line("plan", ["-m", "model=gpt2_small,llama_7b", "batch_size=16,32"])
-    check_command_line("train", ["--cfg", "job", "+trainer.enable_progress_bar=false", "hydra.verbose=true"])
+    sweep = ["-m", "model=gpt2_small,llama_7b", "batch_size=16,32"]
+    flags = ["--cfg", "job", "+trainer.enable_progress_bar=false", "hydra.verbose=true"]
+    assert check_command_line("plan", sweep) == sweep  # handed to Hydra as written (no file path to rename)
+    assert check_command_line("train", flags) == flags
+    with pytest.raises(UniAPError, match="unknown model 'nope'"):  # the sweep's values are each checked
+        check_command_line("plan", ["-m", "model=gpt2_small,nope"])
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -226,11 +263,20 @@ def test_bad_environments_are_refused(env: dict[str, str], message: str) -> None
 def test_launcher_environments_pass() -> None:
     from uniap_lightning.cli.train_checks import check_environment
 
+    """Each launcher's environment passes, and the same environment with one value off is refused: the check read
+    it (it does not pass everything)."""
     cfg = _train_config("trainer.devices=2")
-    check_environment(cfg, {})
-    check_environment(cfg, {"OMP_NUM_THREADS": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                            "MASTER_PORT": "29500", "NODE_RANK": "0"})
-    check_environment(cfg, {"SLURM_NTASKS": "2", "LOCAL_RANK": "0"})  # srun wires the ranks
+    torchrun = {"OMP_NUM_THREADS": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": "29500", "NODE_RANK": "0"}
+    srun = {"SLURM_NTASKS": "2", "LOCAL_RANK": "0"}  # srun wires the ranks
+    for env, off, message in [({}, {"OMP_NUM_THREADS": "0"}, "OMP_NUM_THREADS='0'"),
+                              (torchrun, {"WORLD_SIZE": "3"}, "WORLD_SIZE='3' must be 2"),
+                              (torchrun, {"NODE_RANK": "1"}, "NODE_RANK='1'"),
+                              (srun, {"OMP_NUM_THREADS": "-2"}, "OMP_NUM_THREADS='-2'")]:
+        assert check_environment(cfg, env) is None
+        with pytest.raises(UniAPError) as err:
+            check_environment(cfg, {**env, **off})
+        assert message in str(err.value), (env, off, str(err.value))
 
 
 @pytest.mark.parametrize(("env", "message"), [
