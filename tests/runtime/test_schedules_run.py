@@ -245,11 +245,30 @@ def test_check_plan_executable_refuses_in_one_line(plan: Any, needles: tuple[str
     assert "\n" not in str(err.value) and all(n in str(err.value) for n in needles), str(err.value)
 
 
-def test_schedule_without_split_runs_every_feature() -> None:
+def test_schedules_without_the_split_backward_accept_every_feature() -> None:
+    """The checks before any collective accept ZeRO 1/2/3, tensor parallelism and recomputation together under the
+    schedules without a split backward (and refuse the same plan under the split-backward schedule of the same
+    shape, naming the feature). They run in ``interleaved_1f1b_mixed`` (4 ranks, default) and ``1f1b_mixed`` /
+    ``gpipe_mixed`` (slow): both use these strategies."""
+    from uniap_lightning.errors import UniAPError
     from uniap_lightning.runtime import check_plan_executable
 
-    for schedule, stages, v in (("1f1b", LOOP2, 1), ("interleaved_1f1b", EACH, 2)):
-        check_plan_executable(P(schedule, stages, m=2, v=v, world=4, strategies=MIXED), _chain())
+    strategies = [h.strategy(s) for s in MIXED]
+    assert {s.dp_mode for s in strategies} >= {Z1, Z2, Z3} and any(s.tp > 1 for s in strategies)
+    assert any(s.recompute for s in strategies)
+    for schedule, split, stages, v in (("gpipe", "zb_h1", LOOP2, 1), ("1f1b", "zb_h1", LOOP2, 1),
+                                       ("interleaved_1f1b", "interleaved_zb", EACH, 2)):
+        plan = P(schedule, stages, m=2, v=v, world=4, strategies=MIXED)
+        assert check_plan_executable(plan, _chain()) is None
+        assert [lp.strategy for lp in plan.layers] == strategies
+        with pytest.raises(UniAPError, match=rf"{split}.*(zero2|zero3|tensor parallelism)") as err:
+            check_plan_executable(P(split, stages, m=2, v=v, world=4, strategies=MIXED), _chain())
+        assert "\n" not in str(err.value)
+    ran = {name: case for name, case in {**FOUR_RANKS, **FOUR_RANKS_SLOW}.items() if name.endswith("_mixed")}
+    assert {ran[n]["plan"].schedule for n in ("interleaved_1f1b_mixed", "1f1b_mixed", "gpipe_mixed")} == {
+        "interleaved_1f1b", "1f1b", "gpipe"}
+    for name in ("interleaved_1f1b_mixed", "1f1b_mixed", "gpipe_mixed"):
+        assert [lp.strategy for lp in ran[name]["plan"].layers] == strategies, name
 
 
 def test_v_schedule_with_three_stages_per_group_is_refused() -> None:
