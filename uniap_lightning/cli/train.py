@@ -163,10 +163,11 @@ def _run_train_locked(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
     children: list[subprocess.Popen] = []
     # SIGTERM before training: this rank and the ranks it started stop at once (see SetupSigterm)
     SetupSigterm.install_once(forward=lambda signum: [c.send_signal(signum) for c in children if c.poll() is None])
-    resume = resume_from(cfg)
-    _one_copy_of_each_log_line()
-    _quiet_library_warnings()
+    resume: Path | None = None
     try:
+        resume = resume_from(cfg)  # (reads the checkpoint's meta.pt: a SIGTERM here is a stop too)
+        _one_copy_of_each_log_line()
+        _quiet_library_warnings()
         children.extend(_launch_other_ranks(cfg, overrides))
         with RankWatch(children):  # a started rank that fails ends the run (rank 0 may wait in C for it)
             result = _train(cfg, overrides, resume)
