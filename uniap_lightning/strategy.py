@@ -58,7 +58,8 @@ class UniAPStrategy(CheckpointIO, ModelParallelStrategy):
             schedule table). ``virtual_stages``: pipeline stages per device (``None``: searched; interleaved
             schedules take 2 or more, the V schedules 2).
         pp: restrict the search to these pipeline degrees (an int or a list; each must divide the number of
-            processes); ``None`` (default): every degree. Not with a pinned ``plan`` (it has its own).
+            processes); ``None`` (default): every degree. Not with a pinned ``plan`` (it has its own), nor are
+            ``schedule``, ``virtual_stages``, ``compression`` and ``compression_options`` (the plan fixes them).
         solver: MILP backend for the planner: ``"auto"`` (the best available), ``"cbc"``, ``"highs"``, ``"gurobi"``.
         time_limit: seconds the solver may spend.
         profile: path of a profile JSON file to plan with instead of measuring the model at setup.
@@ -116,6 +117,9 @@ class UniAPStrategy(CheckpointIO, ModelParallelStrategy):
     ) -> None:
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise UniAPError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
+        from uniap_lightning.runtime.checks import check_slurm_task
+
+        check_slurm_task()  # before the Trainer reads SLURM_NTASKS (Lightning's RuntimeError / KeyError otherwise)
         super().__init__(save_distributed_checkpoint=True, process_group_backend=process_group_backend,
                          timeout=timedelta(seconds=timeout_s))
         self._setup_options = SetupOptions.from_arguments(

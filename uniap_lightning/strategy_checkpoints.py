@@ -58,16 +58,21 @@ class CheckpointIO:
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a checkpoint saved under any plan (or a single-file one from another strategy) into this plan,
         resharded by parameter name (:func:`~uniap_lightning.runtime.checkpoint.load_any`). Nothing is unpickled
-        beyond plain data, whatever ``weights_only`` says: a crafted file is refused with a :class:`UniAPError`.
+        beyond plain data, whatever ``weights_only`` says: a crafted file is refused with a :class:`UniAPError`, as
+        is a loop state Lightning could not resume from (:mod:`uniap_lightning.runtime.resume_checks`).
         The gradient compressors' state is restored under the same layout, else starts from zero (a warning)."""
         from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
         from uniap_lightning.runtime import compression_state
         from uniap_lightning.runtime.checkpoint import load_any
+        from uniap_lightning.runtime.resume_checks import check_lightning_version, check_resume_counters
 
         path = Path(self.broadcast(str(checkpoint_path)))
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
         loaded = load_any(path, self.lightning_module, optimizers, guard=self.guard)
+        # what Lightning's upgrade of the loop state and its resume rely on (one line, not a KeyError on each rank)
+        where = path / "meta.pt" if path.is_dir() else path
+        check_resume_counters(check_lightning_version(loaded, where), where)
         if self._runtime is not None:
             why = compression_state.load(self._runtime.replicated, path, rank=self.global_rank, world=self.world_size)
             if why is not None:

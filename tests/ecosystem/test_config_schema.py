@@ -47,8 +47,9 @@ def test_uniap_train_defaults_are_the_strategys_defaults() -> None:
     ("strategy.profile_micro_batches=[2,x]",
      "strategy.profile_micro_batches[1]: Value 'x' of type 'str' could not be converted to Integer; UniAPStrategy's "
      "profile_micro_batches is list[int]"),
-    ("strategy.time_limt=5", "strategy.time_limt=5: the config has no key 'strategy.time_limt'; use "
-                             "+strategy.time_limt=5 to add a key"),
+    # no `+strategy.time_limt=5` suggested: UniAPStrategy has no such argument (the + form is refused too)
+    ("strategy.time_limt=5", "strategy.time_limt=5: UniAPStrategy has no argument 'time_limt' (did you mean "
+                             "strategy.time_limit?); its arguments: cluster, plan, schedule"),
     ("plan:time_limit=soon", "time_limit: Value 'soon' of type 'str' could not be converted to Float; `uniap plan`'s "
                              "time_limit is float (default 60.0)"),
     ("plan:batch_size=1.5", "batch_size: Value '1.5' of type 'float' could not be converted to Integer; `uniap plan`'s "
@@ -68,7 +69,7 @@ def test_a_value_of_the_wrong_type_is_one_line(override: str, message: str) -> N
 
 def test_typed_values_are_converted_and_open_keys_stay_possible() -> None:
     cfg = _fit("strategy.time_limit=7", "strategy.profile_micro_batches=[2,4]", "strategy.cluster={name: x}",
-               "strategy.plan=plan.json", "+strategy.my_subclass_option=1")
+               "strategy.plan=plan.json", "strategy._target_=my_package.MyStrategy", "+strategy.my_subclass_option=1")
     assert cfg.strategy.time_limit == 7.0 and isinstance(cfg.strategy.time_limit, float)
     assert list(cfg.strategy.profile_micro_batches) == [2, 4] and cfg.strategy.cluster.name == "x"
     assert cfg.strategy.my_subclass_option == 1  # a strategy._target_ subclass may take arguments of its own
@@ -88,7 +89,8 @@ def test_the_planning_commands_search_as_the_strategy_does() -> None:
 
 @pytest.mark.parametrize(("args", "message"), [
     (["-m", "time_limit=5,soon"], "time_limit: Value 'soon' of type 'str' could not be converted to Float"),
-    (["-m", "time_limt=5,6"], "time_limt=5: the config has no key 'time_limt'"),
+    (["-m", "time_limt=5,6"], "time_limt=5: `uniap plan` (and evaluate, explain) has no setting 'time_limt' (did you "
+                              "mean time_limit?)"),
     (["-m", "model=tiny_gpt,gpt2_small", "batch_size=range(8,24,8)", "baselines=true,maybe"],
      "baselines: Value 'maybe' is not a valid bool"),
 ])

@@ -230,6 +230,85 @@ def test_sweeps_and_hydra_flags_still_parse() -> None:
         check_command_line("plan", ["-m", "model=gpt2_small,nope"])
 
 
+# a key added with `+` (or given without it) that nothing reads is refused, and no message suggests such a `+` form
+@pytest.mark.parametrize(("command", "args", "message"), [
+    ("plan", ["+cp_method=x"], "cp_method=x: `uniap plan` (and evaluate, explain) has no setting 'cp_method': the "
+                               "planner chooses each layer's context-parallel method among 'ulysses', 'ring' itself "
+                               "('x' is none of them); restrict the search with pp="),
+    ("plan", ["+cp=-1"], "cp=-1: `uniap plan` (and evaluate, explain) has no setting 'cp': the planner chooses each "
+                         "layer's context-parallel degree itself"),
+    ("evaluate", ["++cp=2"], "cp=2: `uniap plan` (and evaluate, explain) has no setting 'cp'"),
+    ("plan", ["cp_method=x"], "cp_method=x: `uniap plan` (and evaluate, explain) has no setting 'cp_method'"),
+    ("plan", ["+shedule=gpipe"], "shedule=gpipe: `uniap plan` (and evaluate, explain) has no setting 'shedule' (did "
+                                 "you mean schedule?); its settings: batch_size, schedule"),
+    ("plan", ["-m", "seed=1,2"], "seed=1: `uniap plan` (and evaluate, explain) has no setting 'seed'"),
+    ("train", ["+lr2=1"], "lr2=1: `uniap train` has no setting 'lr2' (did you mean lr?)"),
+    ("train", ["+cp=2"], "cp=2: `uniap train` has no setting 'cp': the planner chooses each layer's context-parallel "
+                         "degree itself; restrict its search with strategy.pp="),
+    ("train", ["+strategy.cp_method=x"], "strategy.cp_method=x: UniAPStrategy has no argument 'cp_method'; the planner "
+                                         "chooses each layer's context-parallel method among 'ulysses', 'ring'"),
+    ("train", ["strategy.shedule=gpipe"], "strategy.shedule=gpipe: UniAPStrategy has no argument 'shedule' (did you "
+                                          "mean strategy.schedule?)"),
+])
+def test_keys_nothing_reads_are_refused_without_a_plus_hint(command: str, args: list[str], message: str) -> None:
+    from uniap_lightning.cli.overrides import check_command_line
+
+    with pytest.raises(UniAPError) as err:
+        check_command_line(command, args)
+    assert str(err.value).startswith(message), str(err.value)
+    assert "\n" not in str(err.value) and "use +" not in str(err.value) and "=+" not in str(err.value)
+
+
+def test_plus_keys_something_reads_still_compose() -> None:
+    from uniap_lightning.cli.overrides import check_command_line, known_settings
+
+    assert set(known_settings("fit")) == set(_train_config())  # the settings are conf/fit.yaml's
+    check_command_line("plan", ["+model.kv_heads=2", "+hydra.job.env_set.X=1"])
+    check_command_line("train", ["+trainer.enable_progress_bar=false", "strategy._target_=my.Subclass",
+                                 "+strategy.my_option=1"])
+
+
+def test_cli_refuses_an_added_key_nothing_reads() -> None:
+    assert_one_error_line(uniap("plan", "model=tiny_gpt", "cluster=local_cpu", "+cp_method=x"),
+                          "cp_method=x: `uniap plan` (and evaluate, explain) has no setting 'cp_method'")
+
+
+def _pinned_plan_file(tmp_path: Path) -> Path:
+    from uniap_lightning.planner.decision import Strategy
+    from uniap_lightning.planner.plan import Plan
+
+    plan = Plan.from_assignment(stage_of_layer=[0, 0, 1, 1], strategies=[Strategy(1, 1)] * 4,
+                                layer_names=["a", "b", "c", "d"], pp=2, microbatches=2, schedule="1f1b",
+                                global_batch_size=16, num_devices=2)
+    path = tmp_path / "plan.json"
+    plan.to_json(path)
+    return path
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("strategy.schedule=gpipe", "schedule='gpipe' steers the planner's search; a pinned plan (plan=) is not searched "
+                                "and has its own schedule: give one of them"),
+    ("strategy.virtual_stages=2", "virtual_stages=2 steers the planner's search; a pinned plan (plan=) is not searched "
+                                  "and has its own virtual_stages"),
+    ("strategy.pp=2", "pp=2 steers the planner's search; a pinned plan (plan=) is not searched and has its own pp"),
+    ("strategy.compression=powersgd", "compression='powersgd' steers the planner's search; a pinned plan (plan=) is "
+                                      "not searched and has each layer's compression"),
+    ("strategy.compression_options={start_iter:5}", "compression_options={'start_iter': 5} steers the planner's "
+                                                    "search; a pinned plan (plan=) is not searched and has its own "
+                                                    "compression_options (edit the plan file's)"),
+])
+def test_train_refuses_search_options_next_to_a_pinned_plan(tmp_path: Path, override: str, message: str) -> None:
+    """`uniap train strategy.plan=... strategy.schedule=gpipe` ran the plan's schedule without a word (while
+    strategy.pp=2 was refused): every option the plan fixes is refused alike, before any rank starts."""
+    from uniap_lightning.cli.train import build_strategy
+
+    plan = _pinned_plan_file(tmp_path)
+    build_strategy(_train_config(f"strategy.plan={plan}", "strategy.schedule=auto"))  # the defaults pass
+    with pytest.raises(UniAPError) as err:
+        build_strategy(_train_config(f"strategy.plan={plan}", override))
+    assert str(err.value).startswith(message) and "\n" not in str(err.value), str(err.value)
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["train", "model.layers=nan"], "model 'tiny_gpt': layers=nan must be an integer from 1 to 100,000"),
     (["train", "trainer.enable_progress_bar=false"], "use +trainer.enable_progress_bar=false"),
@@ -243,6 +322,37 @@ def test_cli_prints_one_error_line(args: list[str], message: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- the environment
+@pytest.mark.parametrize(("env", "message"), [
+    # exported in a shell, outside any allocation: Lightning's RuntimeError about --ntasks before
+    ({"SLURM_NTASKS": "2"}, "SLURM_NTASKS=2 is set but not SLURM_JOB_ID, SLURM_PROCID, SLURM_LOCALID, SLURM_NODEID: "
+                            "this process is not a task srun started (Lightning would take it for one); unset "
+                            "SLURM_NTASKS to run outside SLURM, or start the command with srun"),
+    # inside an allocation (salloc) but not started by srun: Lightning would wait for tasks nobody starts
+    ({"SLURM_NTASKS": "1", "SLURM_JOB_ID": "7"}, "SLURM_NTASKS=1 is set but not SLURM_PROCID, SLURM_LOCALID"),
+    ({"SLURM_NTASKS": "two", "SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"},
+     "SLURM_NTASKS=two is not a task count"),
+    ({"SLURM_NTASKS": "2", "SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"},
+     "SLURM_NTASKS=2 without SLURM_NTASKS_PER_NODE: Lightning needs the tasks per node; submit with --ntasks-per-node"),
+])
+def test_slurm_variables_outside_a_slurm_task_are_refused(env: dict[str, str], message: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """`uniap train` (before any rank starts) and ``UniAPStrategy()`` (before the Trainer reads them) alike."""
+    from uniap_lightning.cli.train_checks import check_environment
+    from uniap_lightning.strategy import UniAPStrategy
+
+    for key in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(key)
+    with pytest.raises(UniAPError) as err:
+        check_environment(_train_config("trainer.devices=2"), env)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value), str(err.value)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(UniAPError, match=message.split(":")[0]):
+        UniAPStrategy()
+    monkeypatch.setenv("SLURM_JOB_NAME", "interactive")  # Lightning does not take an interactive job for srun's
+    UniAPStrategy()
+
+
 @pytest.mark.parametrize(("env", "message"), [
     ({"OMP_NUM_THREADS": "0"}, "OMP_NUM_THREADS='0' must be an integer from 1"),
     ({"OMP_NUM_THREADS": "abc"}, "OMP_NUM_THREADS='abc' must be an integer from 1"),
@@ -268,7 +378,8 @@ def test_launcher_environments_pass() -> None:
     cfg = _train_config("trainer.devices=2")
     torchrun = {"OMP_NUM_THREADS": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": "29500", "NODE_RANK": "0"}
-    srun = {"SLURM_NTASKS": "2", "LOCAL_RANK": "0"}  # srun wires the ranks
+    srun = {"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_JOB_ID": "7", "SLURM_PROCID": "0",
+            "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "LOCAL_RANK": "0"}  # srun wires the ranks
     for env, off, message in [({}, {"OMP_NUM_THREADS": "0"}, "OMP_NUM_THREADS='0'"),
                               (torchrun, {"WORLD_SIZE": "3"}, "WORLD_SIZE='3' must be 2"),
                               (torchrun, {"NODE_RANK": "1"}, "NODE_RANK='1'"),
@@ -283,6 +394,7 @@ def test_launcher_environments_pass() -> None:
     ({"OMP_NUM_THREADS": "0"}, "OMP_NUM_THREADS='0'"),
     ({"OMP_NUM_THREADS": "abc"}, "OMP_NUM_THREADS='abc'"),
     ({"LOCAL_RANK": "0"}, "LOCAL_RANK=0 is set but not WORLD_SIZE"),
+    ({"SLURM_NTASKS": "2"}, "SLURM_NTASKS=2 is set but not SLURM_JOB_ID"),
 ])
 def test_cli_refuses_a_bad_environment_before_starting_ranks(env: dict[str, str], message: str) -> None:
     clean = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",

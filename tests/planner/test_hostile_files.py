@@ -343,6 +343,133 @@ def test_profile_fields_must_have_their_json_types(field: str, value: Any, match
         ModelProfile.from_dict(doc)
 
 
+# ================================================================================ sane ranges
+@pytest.mark.parametrize(("field", "value", "match"), [
+    # the hostile case: passed the 1e30 bound, and HiGHS failed with an InterfacingError on the program
+    ("tp_allreduces", 10**18, r"tp_allreduces must be at most 1,000,000 \(all-reduces per pass\), got 1e\+18: no real "
+                              r"layer comes near it; measure the profile again or fix the field$"),
+    ("param_tensors", 10**7, r"param_tensors must be at most 1,000,000 \(tensors\)"),
+    ("forward_s", 1e7, r"forward_s must be at most 1,000,000 \(seconds per sample\)"),
+    ("activation_bytes", 1e20, r"activation_bytes must be at most 1,125,899,906,842,624 \(bytes per sample\)"),
+    ("backward_peak_bytes", 1e25, r"backward_peak_bytes must be at most 1,125,899,906,842,624"),
+    ("params", 10**14, r"params must be at most 10,000,000,000,000 \(parameters\)"),
+    ("sequence_length", 10**12, r"sequence_length must be at most 1,000,000,000 \(tokens\)"),
+    ("experts", 10**7, r"experts must be at most 1,000,000 \(experts\)"),
+    ("backward_split_overhead", 1e9, r"backward_split_overhead must be at most 1,000 \(a ratio of times\)"),
+    ("timings", [{"micro_batch": 1, "forward_s": 1e9, "backward_s": 0}],
+     r"timings\[0\]\.forward_s must be at most 1,000,000 \(seconds per call\)"),
+    ("overheads", [{"kind": "tp", "degree": 2, "micro_batch": 1, "seconds": -1e9}],
+     r"overheads\[0\]\.seconds must be between -1,000,000 and 1,000,000"),
+])
+def test_profile_numbers_must_be_in_sane_ranges(tmp_path: Path, field: str, value: Any, match: str) -> None:
+    doc = build_problem(model="tiny_gpt", cluster="local_cpu", global_batch_size=8).model.to_dict()
+    doc["layers"][1][field] = value
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(UniAPError, match=rf"^profile file p\.json: layers\[1\]\.{match}") as err:
+        load_profile(path)  # checked when the profile is read, before any program is built
+    assert "\n" not in str(err.value)
+
+
+def test_a_profile_at_its_bounds_is_solved_or_refused_as_infeasible(tmp_path: Path) -> None:
+    """The bounds are ones the solver takes: a layer at every time and count bound is planned; at the byte and
+    parameter bounds the plan is infeasible (a clear error), never a solver failure."""
+    from uniap_lightning.planner import profile as P
+    from uniap_lightning.planner.solver import solve
+
+    base = build_problem(model="tiny_gpt", cluster="local_cpu", global_batch_size=8).model.to_dict()
+    times = {"forward_s": P.MAX_PROFILE_SECONDS, "backward_s": P.MAX_PROFILE_SECONDS,
+             "tp_allreduces": P.MAX_PROFILE_COUNT, "param_tensors": P.MAX_PROFILE_COUNT,
+             "matrix_dims": P.MAX_PROFILE_PARAMS, "sequence_length": P.MAX_PROFILE_TOKENS,
+             "backward_split_overhead": P.MAX_PROFILE_RATIO,
+             "overheads": [{"kind": "tp", "degree": 2, "micro_batch": 1, "seconds": P.MAX_PROFILE_SECONDS}]}
+    sizes = {"activation_bytes": P.MAX_PROFILE_BYTES, "backward_peak_bytes": P.MAX_PROFILE_BYTES,
+             "params": P.MAX_PROFILE_PARAMS}
+    for name, fields in (("times", times), ("sizes", sizes)):
+        doc = copy.deepcopy(base)
+        doc["layers"][1].update(fields)
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(doc))
+        problem = build_problem(model="tiny_gpt", cluster="local_cpu", global_batch_size=8, profile=str(path))
+        if name == "times":
+            assert solve(problem, time_limit_s=30, baselines=False).estimate.tpi_s > P.MAX_PROFILE_SECONDS
+        else:
+            with pytest.raises(UniAPError, match="no plan fits in memory"):
+                solve(problem, time_limit_s=30, baselines=False)
+
+
+def test_cli_refuses_a_profile_out_of_range(tmp_path: Path) -> None:
+    doc = build_problem(model="tiny_gpt", cluster="local_cpu", global_batch_size=8).model.to_dict()
+    for layer in doc["layers"]:
+        layer["tp_allreduces"] = 10**18
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(doc))
+    _one_error_line(uniap("plan", *SMALL, f"profile={path}"),
+                    "profile file p.json: layers[0].tp_allreduces must be at most 1,000,000 (all-reduces per pass)")
+
+
+@pytest.mark.parametrize(("options", "match"), [
+    # the hostile case: accepted, and `uniap evaluate` printed an iteration of 1e298 ms
+    ({"powersgd_rank": 1e300}, r"plan compression_options\.powersgd_rank must be an integer >= 1 and at most 65,536 "
+                               r"\(the rank of PowerSGD's low-rank gradient factors\), got 1e\+300$"),
+    ({"powersgd_rank": 10**20}, r"plan compression_options\.powersgd_rank must be an integer >= 1 and at most 65,536"),
+    ({"start_iter": 1e15}, r"plan compression_options\.start_iter must be an integer >= 0 and at most 1,000,000,000"),
+])
+def test_plan_compression_options_must_be_in_sane_ranges(plan_doc: dict[str, Any], tmp_path: Path,
+                                                         options: dict[str, Any], match: str) -> None:
+    doc = copy.deepcopy(plan_doc)
+    doc["compression_options"] = options
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(UniAPError, match=rf"^plan file '.*plan\.json': {match}") as err:
+        Plan.from_json(path)
+    assert "\n" not in str(err.value)
+    doc["compression_options"] = {"powersgd_rank": 65_536, "start_iter": 1_000_000_000}
+    Plan.from_dict(doc)  # the bounds themselves are taken
+
+
+def test_evaluate_names_cp_when_it_does_not_divide_the_sequence(plan_doc: dict[str, Any], tmp_path: Path) -> None:
+    """A plan splitting a layer's sequence over cp=2, scored with a profile whose sequence has 63 tokens: the refusal
+    names cp and the sequence (it said "strategy dp=2 tp=1 is not allowed here")."""
+    from uniap_lightning.planner.cost import evaluate
+
+    doc = copy.deepcopy(plan_doc)
+    assert doc["pp"] == 2 and doc["layers"][1]["dp"] == 2  # 2 devices a stage: dp 2 becomes cp 2
+    doc["layers"][1].update(dp=1, cp=2, cp_method="ulysses", dp_mode="replicate")
+    plan = Plan.from_dict(doc)
+    evaluate(build_problem(model="tiny_gpt", cluster="local_cpu", global_batch_size=8), plan)  # 64 tokens: runs
+    profile = build_problem(model="tiny_gpt", cluster="local_cpu", global_batch_size=8).model.to_dict()
+    profile["layers"][1]["sequence_length"] = 63
+    path = tmp_path / "p63.json"
+    path.write_text(json.dumps(profile))
+    with pytest.raises(UniAPError) as err:
+        evaluate(build_problem(model="tiny_gpt", cluster="local_cpu", global_batch_size=8, profile=str(path)), plan)
+    assert str(err.value) == ("plan layer 1 (block0): strategy cp2u (dp=1 cp=2 tp=1) is not allowed here: cp=2 does "
+                              "not divide the layer's sequence_length=63 in the profile")
+
+
+@pytest.mark.parametrize("option", ["schedule=gpipe", "virtual_stages=2", "pp=2", "microbatches=[4]",
+                                    "compression=powersgd"])
+@pytest.mark.parametrize("command", ["evaluate", "explain"])
+def test_evaluate_and_explain_refuse_search_options_next_to_a_plan(plan_doc: dict[str, Any], tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str], command: str,
+                                                                   option: str) -> None:
+    """`uniap evaluate plan=p.json schedule=gpipe` scored the plan's own schedule without a word."""
+    from uniap_lightning.cli import apps
+    from uniap_lightning.cli.overrides import compose_checked
+
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan_doc))
+    cfg = compose_checked("plan", [f"plan={path}", *SMALL, option])
+    with pytest.raises(SystemExit) as stop:
+        {"evaluate": apps.run_evaluate, "explain": apps.run_explain}[command](cfg)
+    assert stop.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    key = option.split("=")[0]
+    assert len(lines) == 1 and lines[0].startswith(f"error: {key}=") and \
+        f"steers the planner's search, but plan={path} is scored as it is, with its own " in lines[0], lines
+
+
 @pytest.mark.parametrize(("change", "match"), [
     ({"bandwidth_tables": {"intra": {"2": "100"}}}, r"bandwidth_tables.intra\[2\] must be a number"),
     ({"bandwidth_tables": {"intra": {"two": 100}}}, r"group sizes must be integers >= 2"),

@@ -122,6 +122,27 @@ def test_bad_pipeline_degrees_are_refused_before_any_work() -> None:
         _check_pipeline_degrees((8,), world_size=8, layers=4)
 
 
+@pytest.mark.parametrize(("options", "message"), [
+    ({"schedule": "1f1b"}, r"^schedule='1f1b' steers the planner's search; a pinned plan \(plan=\) is not searched and "
+                           r"has its own schedule: give one of them \(drop schedule= to run the plan, or plan= to "
+                           r"solve\)$"),
+    ({"virtual_stages": 2}, r"^virtual_stages=2 steers the planner's search; .* has its own virtual_stages"),
+    ({"compression": "auto"}, r"^compression='auto' steers .* has each layer's compression"),
+    ({"compression_options": {"powersgd_rank": 4}}, r"^compression_options=\{'powersgd_rank': 4\} steers .* has its "
+                                                    r"own compression_options \(edit the plan file's\)"),
+])
+def test_search_options_next_to_a_pinned_plan_are_refused(options: dict[str, Any], message: str) -> None:
+    """Each option the pinned plan fixes is refused as pp= is, in one line (it ran the plan's own without a word);
+    their defaults pass."""
+    from uniap_lightning import UniAPStrategy
+    from uniap_lightning.errors import UniAPError
+
+    UniAPStrategy(plan=PP2, schedule="auto", virtual_stages=None, compression="none", compression_options={})
+    with pytest.raises(UniAPError, match=message):
+        UniAPStrategy(plan=PP2, **options)
+    UniAPStrategy(**options)  # without a plan they steer the search
+
+
 def test_ranks_with_different_batches_are_refused(runs: Any) -> None:
     results, _ = runs
     for res in results:

@@ -67,6 +67,22 @@ def _check_options(cfg: DictConfig, *, outputs: tuple[str, ...] = ()) -> None:
             check_output_file(cfg[key], f"{key}=")
 
 
+#: `uniap plan`'s options that steer the search: with a plan to score (``plan=``) they would be ignored
+SEARCH_OPTIONS = ("schedule", "virtual_stages", "pp", "microbatches", "compression")
+
+
+def _check_pinned(cfg: DictConfig, plan: Any) -> None:
+    """``uniap evaluate`` / ``explain`` with ``plan=``: the plan has its own schedule, virtual stages, pipeline
+    degree, micro-batches and per-layer compression, so a search option given with it is refused (one line)."""
+    for key in SEARCH_OPTIONS:
+        value = cfg.get(key)
+        if value is not None:
+            shown = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+            own = f"{key}={getattr(plan, key)!r}" if hasattr(plan, key) else "compression per layer"
+            raise UniAPError(f"{key}={_short(shown)} steers the planner's search, but plan={cfg.plan} is scored as it "
+                             f"is, with its own {own}: drop {key}= (or plan= to solve)")
+
+
 def _measured(path: str) -> dict[str, Any]:
     """The monitor's metrics file (``uniap_measured.json``), with the fields ``uniap explain`` reads checked."""
     data = read_json(path, "measured=")
@@ -202,6 +218,7 @@ def run_evaluate(cfg: DictConfig) -> None:
             raise UniAPError("give the plan to score: uniap evaluate plan=plan.json model=... cluster=...")
         _check_options(cfg)
         plan = Plan.from_json(Path(cfg.plan))
+        _check_pinned(cfg, plan)
         problem = _problem(cfg)
         plan = plan.with_report(estimate=evaluate(problem, plan))
     except UniAPError as err:
@@ -238,6 +255,8 @@ def run_explain(cfg: DictConfig) -> None:
         else:
             problem = _problem(cfg)
             plan = Plan.from_json(Path(cfg.plan)) if cfg.plan else None
+            if plan is not None:
+                _check_pinned(cfg, plan)
             if run is not None:
                 recorded.check_same_run(run, problem, plan, cfg.measured)
             elif measured is not None:

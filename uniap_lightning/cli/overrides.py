@@ -119,11 +119,127 @@ def compose_checked(config_name: str, overrides: list[str]) -> Any:
             cfg = compose(config_name=config_name, overrides=overrides)
         OmegaConf.to_container(cfg, resolve=True)
     except (HydraException, OmegaConfBaseException) as err:
-        raise UniAPError(_composition_message(err, overrides)) from None
+        raise UniAPError(_composition_message(err, overrides, config_name)) from None
+    check_settings(config_name, cfg, overrides)
     return cfg
 
 
-def _composition_message(err: Exception, overrides: list[str]) -> str:
+#: what each config is for, in messages
+_COMMAND = {"plan": "`uniap plan` (and evaluate, explain)", "fit": "`uniap train`"}
+#: what the planner decides per layer itself: no command-line option sets it (``+cp=2`` would be ignored)
+PLANNER_CHOOSES = {"dp": "data-parallel degree", "tp": "tensor-parallel degree", "cp": "context-parallel degree",
+                   "cp_method": "context-parallel method", "sp": "sequence parallelism",
+                   "ep": "expert-parallel degree", "dp_mode": "replica mode (ZeRO stage)",
+                   "recompute": "activation recomputation"}
+
+
+def known_settings(config_name: str) -> tuple[str, ...]:
+    """The top-level keys a config has (``plan``: the planning options' schema; ``fit``: ``conf/fit.yaml``'s keys
+    and groups): a ``+key`` beyond them would be read by nothing."""
+    import dataclasses
+
+    from uniap_lightning.planner.config_schema import plan_schema
+
+    if config_name == "plan":
+        return tuple(f.name for f in dataclasses.fields(plan_schema()))
+    return _fit_settings()
+
+
+def _fit_settings() -> tuple[str, ...]:
+    from omegaconf import OmegaConf
+
+    from uniap_lightning.planner.config import CONF_DIR
+
+    raw = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "fit.yaml"))
+    groups = [next(iter(d)) for d in raw.get("defaults", []) if isinstance(d, dict)
+              and not next(iter(d)).startswith("override ")]
+    return tuple(groups + [k for k in raw if k not in ("defaults", "hydra")])
+
+
+def check_settings(config_name: str, cfg: Any, overrides: list[str]) -> None:
+    """Refuse a key added with ``+`` (or ``++``) that nothing reads: a top-level key the config does not have
+    (``uniap plan +cp=-1``), or a ``strategy.*`` key that ``UniAPStrategy`` has no argument for (a
+    ``strategy._target_`` subclass may take keys of its own). Keys under the groups (``+trainer.*``, ``+model.*``,
+    ``+data.*``, ...) are checked by the commands against what Lightning and the model specs accept."""
+    if config_name not in _COMMAND:
+        return
+    known = known_settings(config_name)
+    for key in cfg:
+        if key not in known:
+            raise UniAPError(unknown_setting(config_name, str(key), overrides))
+    strategy = cfg.get("strategy") if config_name == "fit" else None
+    if strategy is not None and hasattr(strategy, "keys"):
+        from uniap_lightning.planner.config_schema import STRATEGY_TARGET
+
+        if strategy.get("_target_") == STRATEGY_TARGET:
+            for key in strategy:
+                if key != "_target_" and key not in _strategy_arguments():
+                    raise UniAPError(_unknown_argument(str(key), overrides))
+
+
+def _strategy_arguments() -> tuple[str, ...]:
+    from uniap_lightning.planner.config_schema import strategy_arguments
+
+    return tuple(a.name for a in strategy_arguments())
+
+
+def _given(key: str, overrides: list[str]) -> str:
+    """The override that set ``key`` (``+cp=-1``), shown without its ``+``; the key alone if none did."""
+    for override in overrides:
+        name, _, _ = override.lstrip("+~").partition("=")
+        if name == key:
+            return _shown(override.lstrip("+~"))
+    return key
+
+
+def unknown_setting(config_name: str, key: str, overrides: list[str]) -> str:
+    """One line for a top-level key a command does not have: no ``+`` form is suggested (nothing would read it);
+    a close name, or what the planner decides itself (with the values it chooses among), and the keys there are."""
+    import difflib
+
+    known = known_settings(config_name)
+    given = _given(key, overrides)
+    command = _COMMAND.get(config_name, "this command")
+    message = f"{given}: {command} has no setting {key!r}"
+    if key in PLANNER_CHOOSES:
+        message += f": {_chooses(key, given)}; " + (
+            "restrict the search with pp=, schedule=, virtual_stages=, microbatches= or compression="
+            if config_name == "plan" else "restrict its search with strategy.pp=, strategy.schedule=, "
+            "strategy.virtual_stages= or strategy.compression=, or pin a plan with strategy.plan=")
+    else:
+        close = difflib.get_close_matches(key, known, n=1)
+        if close:
+            message += f" (did you mean {close[0]}?)"
+        if config_name == "fit":
+            message += "; UniAPStrategy's arguments are strategy.*, Trainer arguments trainer.*"
+    return f"{message}; its settings: {', '.join(known)}"
+
+
+def _chooses(key: str, given: str) -> str:
+    """"the planner chooses each layer's context-parallel method among 'ulysses', 'ring' itself ('x' is none of
+    them)": what the planner decides for a key of :data:`PLANNER_CHOOSES`, with the values it chooses among."""
+    from uniap_lightning.planner.decision import CP_METHODS, DP_MODES
+
+    choices = {"cp_method": [m for m in CP_METHODS if m != "none"], "dp_mode": list(DP_MODES)}.get(key)
+    value = given.partition("=")[2]
+    among = f" among {', '.join(repr(c) for c in choices)}" if choices else ""
+    bad = f" ({value!r} is none of them)" if choices and value and value not in choices else ""
+    return f"the planner chooses each layer's {PLANNER_CHOOSES[key]}{among} itself{bad}"
+
+
+def _unknown_argument(key: str, overrides: list[str]) -> str:
+    """``strategy.X`` that ``UniAPStrategy`` has no argument for."""
+    import difflib
+
+    arguments = _strategy_arguments()
+    close = difflib.get_close_matches(key, arguments, n=1)
+    hint = f" (did you mean strategy.{close[0]}?)" if close else ""
+    given = _given(f"strategy.{key}", overrides)
+    chooses = f"; {_chooses(key, given)}" if key in PLANNER_CHOOSES else ""
+    return f"{given}: UniAPStrategy has no argument {key!r}{hint}{chooses}; its arguments: {', '.join(arguments)}"
+
+
+def _composition_message(err: Exception, overrides: list[str], config_name: str = "") -> str:
     typed = _wrong_type(err)
     if typed:
         return typed
@@ -131,8 +247,15 @@ def _composition_message(err: Exception, overrides: list[str]) -> str:
     added = re.search(r"To append to your config use (\+\S+)", text)
     if added:
         key = added.group(1)[1:].split("=", 1)[0]
+        # a `+` form is suggested only where something reads the added key: a top-level key nothing reads, and a
+        # UniAPStrategy argument there is not, are refused with what there is instead
+        if "." not in key and config_name in _COMMAND:
+            return unknown_setting(config_name, key, overrides)
+        group, _, rest = key.partition(".")
+        if group == "strategy" and "." not in rest and config_name == "fit" and _plain_strategy(overrides):
+            return _unknown_argument(rest, overrides)
         return (f"{_shown(added.group(1)[1:])}: the config has no key '{key}'; use {_shown(added.group(1))} to add "
-                f"a key (Trainer and strategy arguments that are not listed need the +)")
+                f"a key (Trainer arguments and model fields that are not listed need the +)")
     no_group = re.search(r"Could not override '([^']*)'\. No match in the defaults list", text)
     if no_group:
         group = no_group.group(1)
@@ -146,6 +269,12 @@ def _composition_message(err: Exception, overrides: list[str]) -> str:
         return (f"{missing_key.group(2)}: the interpolation ${{{missing_key.group(1)}}} names no key of the config; "
                 f"give a value or an existing key")
     return f"the command line does not compose a config: {_why(err)}"
+
+
+def _plain_strategy(overrides: list[str]) -> bool:
+    """No ``strategy._target_=`` override: the strategy is ``UniAPStrategy`` itself, whose arguments are all
+    listed (a subclass may take keys of its own, added with ``+strategy.X=``)."""
+    return not any(o.lstrip("+~").partition("=")[0] == "strategy._target_" for o in overrides)
 
 
 def _wrong_type(err: Exception) -> str | None:

@@ -387,11 +387,13 @@ def check_resume(cfg: DictConfig, path: Path) -> None:
     model is built on the meta device, so this costs no memory."""
     import torch
 
+    from uniap_lightning.cli.train_checks import check_resume_state
     from uniap_lightning.runtime.checkpoint import load_plain
     from uniap_lightning.runtime.checkpoint_safety import check_meta, read_metadata
 
     meta = load_plain(path / "meta.pt" if path.is_dir() else path)
     check_meta(meta, path / "meta.pt" if path.is_dir() else path, require_loops=path.is_dir())
+    check_resume_state(cfg, meta, f"resume: {path / 'meta.pt' if path.is_dir() else path}")  # version, counters
     step, max_steps = meta["global_step"], cfg.trainer.get("max_steps")
     if max_steps is not None and int(max_steps) >= 0 and step >= int(max_steps):
         raise UniAPError(f"resume: {path} is at step {step} and trainer.max_steps={int(max_steps)}: nothing would "
@@ -431,7 +433,7 @@ def build_strategy(cfg: DictConfig) -> Any:
         strategy = instantiate(cfg.strategy, _convert_="all", **{k: v for k, v in own.items() if v is not None})
     except InstantiationException as err:
         cause = err.__cause__ if isinstance(err.__cause__, UniAPError) else None
-        raise cause or UniAPError(f"strategy.*: {err}") from err
+        raise cause or UniAPError(f"strategy.*: {'; '.join(str(err).split(chr(10))[:2])}") from err  # one line
     if not isinstance(strategy, UniAPStrategy):
         raise UniAPError(f"strategy._target_ must be uniap_lightning.strategy.UniAPStrategy (or a subclass), got "
                          f"{type(strategy).__name__}")

@@ -154,6 +154,24 @@ def _check_corpus_fits(seq_len: int, batch: int, trainer: dict[str, Any]) -> Non
                          "an epoch such as 0.5, or null")
 
 
+def training_batches(cfg: DictConfig) -> int:
+    """The training batches of one epoch of a checked config's data, as Lightning counts them (the loader drops
+    the last partial batch; ``trainer.limit_train_batches`` cuts it)."""
+    seq_len = int(cfg.data.seq_len or cfg.model.seq_len)
+    return _limited(corpus_tokens()[0] // seq_len // int(cfg.data.batch_size),
+                    _mapping(cfg, "trainer").get("limit_train_batches"))
+
+
+def check_resume_state(cfg: DictConfig, meta: dict[str, Any], where: str) -> None:
+    """A checkpoint's loop state before any rank resumes from it: the Lightning version it names, and its counters
+    against each other and this run's data (:mod:`uniap_lightning.runtime.resume_checks`)."""
+    from uniap_lightning.runtime.resume_checks import check_lightning_version, check_resume_counters
+
+    accumulate = _mapping(cfg, "trainer").get("accumulate_grad_batches") or 1
+    check_resume_counters(check_lightning_version(meta, where), where, batches_per_epoch=training_batches(cfg),
+                          accumulate=int(accumulate))
+
+
 def _limited(batches: int, limit: Any) -> int:
     if limit is None:
         return batches
@@ -291,6 +309,9 @@ def check_environment(cfg: DictConfig, env: Mapping[str, str] | None = None) -> 
     if threads:
         _env_int(threads, "OMP_NUM_THREADS", low=1, high=MAX_THREADS,
                  what="threads per rank; unset it and `uniap train` shares the cores among its ranks")
+    from uniap_lightning.runtime.checks import check_slurm_task
+
+    check_slurm_task(env)  # SLURM_NTASKS only inside a task srun started
     if "SLURM_NTASKS" in env or "LOCAL_RANK" not in env:
         return  # srun wires the ranks (the strategy checks the allocation), or this process launches them
     devices, nodes = int(cfg.trainer.devices), int(cfg.trainer.num_nodes)

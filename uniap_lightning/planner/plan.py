@@ -54,6 +54,11 @@ COMPRESSION_DEFAULTS: dict[str, float] = {"powersgd_rank": 1, "topk_ratio": 0.01
 # the compressors' run-time options (not priced: the cost model prices steady-state compression); absent from a
 # plan's compression_options means these values (see uniap_lightning.runtime.compression)
 COMPRESSION_RUNTIME_DEFAULTS: dict[str, float] = {"start_iter": 0, "start_fraction": 0.02, "dgc_momentum": 0.0}
+#: the largest PowerSGD rank a plan or the strategy takes: far beyond any matrix side of a real layer (a rank at
+#: or above the smaller side sends more than the uncompressed gradient), and small enough to price as a number
+MAX_POWERSGD_RANK = 65_536
+#: the latest optimizer step the uncompressed warm-up may last to (``start_iter``): trainer.max_steps's bound
+MAX_START_ITER = 1_000_000_000
 
 
 def stage_ranks(group: int, devices_per_stage: int) -> range:
@@ -415,6 +420,14 @@ class Plan:
         return runs
 
 
+def _finite(value: int | float) -> bool:
+    """A finite number (an integer too long for a float, e.g. 10**400, is not)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def check_compression_options(options: Any, where: str) -> None:
     """``{"powersgd_rank": int >= 1, "topk_ratio": (0, 1]}`` and the run-time ``start_iter`` (int >= 0),
     ``start_fraction`` and ``dgc_momentum`` (in [0, 1)); any may be absent; UniAPError naming the key."""
@@ -425,16 +438,20 @@ def check_compression_options(options: Any, where: str) -> None:
     if unknown:
         raise UniAPError(f"{where} has unknown keys {sorted(map(str, unknown))} (known: {sorted(known)})")
     start, fraction, dgc = (options.get(k, COMPRESSION_RUNTIME_DEFAULTS[k]) for k in COMPRESSION_RUNTIME_DEFAULTS)
-    if (isinstance(start, bool) or not isinstance(start, (int, float)) or not math.isfinite(start)
-            or int(start) != start or start < 0):
-        raise UniAPError(f"{where}.start_iter must be an integer >= 0, got {start!r}")
+    if (isinstance(start, bool) or not isinstance(start, (int, float)) or not _finite(start)
+            or int(start) != start or not 0 <= start <= MAX_START_ITER):
+        raise UniAPError(f"{where}.start_iter must be an integer >= 0 and at most {MAX_START_ITER:,} (the optimizer "
+                         f"step compression starts at), got {F.short(start)}")
     for key, value in (("start_fraction", fraction), ("dgc_momentum", dgc)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
             raise UniAPError(f"{where}.{key} must be a number in [0, 1), got {value!r}")
     rank = options.get("powersgd_rank", 1)
     ratio = options.get("topk_ratio", 0.01)
-    if isinstance(rank, bool) or not isinstance(rank, (int, float)) or not math.isfinite(rank) or int(rank) != rank or rank < 1:
-        raise UniAPError(f"{where}.powersgd_rank must be an integer >= 1, got {rank!r}")
+    if isinstance(rank, bool) or not isinstance(rank, (int, float)) or not _finite(rank) or int(rank) != rank or rank < 1:
+        raise UniAPError(f"{where}.powersgd_rank must be an integer >= 1, got {F.short(rank)}")
+    if rank > MAX_POWERSGD_RANK:
+        raise UniAPError(f"{where}.powersgd_rank must be an integer >= 1 and at most {MAX_POWERSGD_RANK:,} (the rank "
+                         f"of PowerSGD's low-rank gradient factors), got {F.short(rank)}")
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
         raise UniAPError(f"{where}.topk_ratio must be in (0, 1], got {ratio!r}")
 

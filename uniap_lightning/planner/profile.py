@@ -116,6 +116,19 @@ PROFILE_FORMAT_VERSION = 1
 #: the largest magnitude of any number in a profile (seconds, bytes, counts): far beyond any real figure, and
 #: small enough that the cost model's sums and products stay finite floats
 MAX_PROFILE_NUMBER = 1e30
+#: each field's sane range, checked when a profile is read, so the planner's programs never see a coefficient no
+#: solver takes (a profile with ``tp_allreduces`` of 1e18 made HiGHS fail): a second per sample or call at most a
+#: million, a layer's bytes per sample at most a pebibyte, its parameters at most ten trillion, a count of
+#: collectives, tensors, heads or experts at most a million, a sequence at most a billion tokens
+MAX_PROFILE_SECONDS = 1e6
+MAX_PROFILE_BYTES = float(2**50)
+MAX_PROFILE_PARAMS = 10**13
+MAX_PROFILE_COUNT = 10**6
+MAX_PROFILE_TOKENS = 10**9
+#: micro-batch sizes a timing or overhead is measured at (the planner's largest global batch)
+MAX_PROFILE_MICRO_BATCH = 10**9
+#: ``capacity_factor`` and ``backward_split_overhead`` are ratios near 1
+MAX_PROFILE_RATIO = 1e3
 _REQUIRED = ("name", "forward_s", "backward_s", "params", "activation_bytes", "output_bytes", "tp_degrees", "tp_allreduces")
 
 
@@ -340,12 +353,19 @@ def _finite(value: Any) -> bool:
         return False
 
 
-def _number(item: dict[str, Any], key: str, where: str, *, integer: bool = False, positive: bool = False) -> Any:
+def _number(item: dict[str, Any], key: str, where: str, *, integer: bool = False, positive: bool = False,
+            high: float, unit: str) -> Any:
+    """``item[key]``: a finite number >= 0 (> 0 when ``positive``), an integer when ``integer``, at most ``high``
+    (``unit`` says what it counts, in the message)."""
     value = item[key]
     if not _finite(value) or abs(value) > MAX_PROFILE_NUMBER:
         raise UniAPError(f"{where}.{key} must be a finite number, got {short(value)}")
     if value < 0 or (positive and value == 0):
         raise UniAPError(f"{where}.{key} must be {'> 0' if positive else '>= 0'}, got {value!r}")
+    if value > high:
+        limit = f"{int(high):,}" if float(high).is_integer() and high < 1e16 else f"{high:g}"
+        raise UniAPError(f"{where}.{key} must be at most {limit} ({unit}), got {short(value)}: no real layer comes "
+                         "near it; measure the profile again or fix the field")
     if integer:
         if int(value) != value:
             raise UniAPError(f"{where}.{key} must be an integer, got {value!r}")
@@ -384,9 +404,10 @@ def _layer_from_dict(item: Any, where: str) -> LayerProfile:
             raise UniAPError(f"{tw} needs 'micro_batch', 'forward_s' and 'backward_s'")
         timings.append(
             Timing(
-                _number(t, "micro_batch", tw, integer=True, positive=True),
-                _number(t, "forward_s", tw),
-                _number(t, "backward_s", tw),
+                _number(t, "micro_batch", tw, integer=True, positive=True, high=MAX_PROFILE_MICRO_BATCH,
+                        unit="samples"),
+                _number(t, "forward_s", tw, high=MAX_PROFILE_SECONDS, unit="seconds per call"),
+                _number(t, "backward_s", tw, high=MAX_PROFILE_SECONDS, unit="seconds per call"),
             )
         )
     if len({t.micro_batch for t in timings}) != len(timings):
@@ -401,10 +422,15 @@ def _layer_from_dict(item: Any, where: str) -> LayerProfile:
         sec = o["seconds"]
         if not _finite(sec) or abs(sec) > MAX_PROFILE_NUMBER:
             raise UniAPError(f"{ow}.seconds must be a finite number, got {short(sec)}")
-        degree = _number(o, "degree", ow, integer=True, positive=True)
+        if abs(sec) > MAX_PROFILE_SECONDS:
+            raise UniAPError(f"{ow}.seconds must be between -{MAX_PROFILE_SECONDS:,.0f} and {MAX_PROFILE_SECONDS:,.0f} "
+                             f"(seconds per micro-batch), got {short(sec)}: no real layer comes near it; measure the "
+                             "profile again or fix the field")
+        degree = _number(o, "degree", ow, integer=True, positive=True, high=MAX_COUNT, unit="devices")
         if degree < 2:
             raise UniAPError(f"{ow}.degree must be >= 2, got {degree}")
-        overheads.append(Overhead(o["kind"], degree, _number(o, "micro_batch", ow, integer=True, positive=True),
+        overheads.append(Overhead(o["kind"], degree, _number(o, "micro_batch", ow, integer=True, positive=True,
+                                                           high=MAX_PROFILE_MICRO_BATCH, unit="samples"),
                                   float(sec)))
     if len({(o.kind, o.degree, o.micro_batch) for o in overheads}) != len(overheads):
         raise UniAPError(f"{where}.overheads lists a (kind, degree, micro_batch) twice")
@@ -413,28 +439,43 @@ def _layer_from_dict(item: Any, where: str) -> LayerProfile:
         raise UniAPError(f"{where}.name must be a non-empty string")
     return LayerProfile(
         name=name,
-        forward_s=_number(item, "forward_s", where),
-        backward_s=_number(item, "backward_s", where),
-        params=_number(item, "params", where, integer=True),
-        activation_bytes=_number(item, "activation_bytes", where),
-        output_bytes=_number(item, "output_bytes", where),
+        forward_s=_number(item, "forward_s", where, high=MAX_PROFILE_SECONDS, unit="seconds per sample"),
+        backward_s=_number(item, "backward_s", where, high=MAX_PROFILE_SECONDS, unit="seconds per sample"),
+        params=_number(item, "params", where, integer=True, high=MAX_PROFILE_PARAMS, unit="parameters"),
+        activation_bytes=_number(item, "activation_bytes", where, high=MAX_PROFILE_BYTES, unit="bytes per sample"),
+        output_bytes=_number(item, "output_bytes", where, high=MAX_PROFILE_BYTES, unit="bytes per sample"),
         tp_degrees=tuple(sorted(set(degrees))),
-        tp_allreduces=_number(item, "tp_allreduces", where, integer=True),
+        tp_allreduces=_number(item, "tp_allreduces", where, integer=True, high=MAX_PROFILE_COUNT,
+                              unit="all-reduces per pass"),
         activation_tp_fraction=frac,
         timings=tuple(timings),
         overheads=tuple(overheads),
-        param_tensors=_number(item, "param_tensors", where, integer=True) if "param_tensors" in item else 0,
-        matrix_dims=_number(item, "matrix_dims", where) if item.get("matrix_dims") is not None else None,
-        vector_params=(_number(item, "vector_params", where, integer=True)
+        param_tensors=_number(item, "param_tensors", where, integer=True, high=MAX_PROFILE_COUNT,
+                              unit="tensors") if "param_tensors" in item else 0,
+        matrix_dims=_number(item, "matrix_dims", where, high=MAX_PROFILE_PARAMS, unit="elements") if item.get("matrix_dims") is not None else None,
+        vector_params=(_number(item, "vector_params", where, integer=True, high=MAX_PROFILE_PARAMS, unit="parameters")
                        if item.get("vector_params") is not None else None),
-        backward_peak_bytes=(_number(item, "backward_peak_bytes", where)
+        backward_peak_bytes=(_number(item, "backward_peak_bytes", where, high=MAX_PROFILE_BYTES, unit="bytes per sample")
                              if item.get("backward_peak_bytes") is not None else 0.0),
         weight_grad_fraction=wgrad,
-        backward_split_overhead=(_number(item, "backward_split_overhead", where, positive=True)
+        backward_split_overhead=(_number(item, "backward_split_overhead", where, positive=True, high=MAX_PROFILE_RATIO,
+                                          unit="a ratio of times")
                                  if item.get("backward_split_overhead") is not None else None),
         **_sequence_fields(item, where),
         **_expert_fields(item, where),
     )
+
+
+_SEQUENCE_BOUNDS: dict[str, dict[str, Any]] = {
+    "sequence_length": {"high": MAX_PROFILE_TOKENS, "unit": "tokens"},
+    "attention_heads": {"high": MAX_PROFILE_COUNT, "unit": "heads"},
+    "kv_heads": {"high": MAX_PROFILE_COUNT, "unit": "heads"},
+}
+_EXPERT_BOUNDS: dict[str, dict[str, Any]] = {
+    "experts": {"high": MAX_PROFILE_COUNT, "unit": "experts"},
+    "top_k": {"high": MAX_PROFILE_COUNT, "unit": "experts per token"},
+    "expert_params": {"high": MAX_PROFILE_PARAMS, "unit": "parameters"},
+}
 
 
 def _sequence_fields(item: dict[str, Any], where: str) -> dict[str, Any]:
@@ -442,7 +483,8 @@ def _sequence_fields(item: dict[str, Any], where: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key in ("sequence_length", "attention_heads", "kv_heads"):
         if item.get(key) is not None:
-            out[key] = _number(item, key, where, integer=True, positive=key != "attention_heads")
+            out[key] = _number(item, key, where, integer=True, positive=key != "attention_heads",
+                               **_SEQUENCE_BOUNDS[key])
     for key in ("sequence_parallel", "loss_on_pieces"):
         if item.get(key) is not None:
             if not isinstance(item[key], bool):
@@ -459,9 +501,10 @@ def _expert_fields(item: dict[str, Any], where: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key in ("experts", "top_k", "expert_params"):
         if item.get(key) is not None:
-            out[key] = _number(item, key, where, integer=True, positive=key == "top_k")
+            out[key] = _number(item, key, where, integer=True, positive=key == "top_k", **_EXPERT_BOUNDS[key])
     if item.get("capacity_factor") is not None:
-        out["capacity_factor"] = _number(item, "capacity_factor", where, positive=True)
+        out["capacity_factor"] = _number(item, "capacity_factor", where, positive=True, high=MAX_PROFILE_RATIO,
+                                          unit="a ratio of tokens")
     experts = out.get("experts", 0)
     if experts and out.get("top_k", 1) > experts:
         raise UniAPError(f"{where}.top_k={out['top_k']} must be at most experts={experts}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from uniap_lightning.errors import UniAPError
@@ -13,6 +14,32 @@ def _tasks_per_node(value: str) -> int | None:
     """``SLURM_TASKS_PER_NODE`` looks like ``4`` or ``4(x2)`` or ``4(x2),3``; return the first count."""
     m = re.match(r"\s*(\d+)", value)
     return int(m.group(1)) if m else None
+
+
+#: what srun sets in each task it starts, besides ``SLURM_NTASKS``; Lightning's SLURM environment reads the ranks
+#: from them (``SLURM_NTASKS`` alone, e.g. left exported in a shell, made Lightning fail or wait for absent tasks)
+SLURM_TASK_VARIABLES = ("SLURM_JOB_ID", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID")
+
+
+def check_slurm_task(env: Mapping[str, str] | None = None) -> None:
+    """``SLURM_NTASKS`` set makes Lightning take this process for a task srun started (``SLURMEnvironment.detect``,
+    unless the job is named ``bash`` or ``interactive``): it must then be one, with the variables srun sets, and
+    ``SLURM_NTASKS_PER_NODE`` beside a count above 1 (else Lightning raises a ``RuntimeError`` about ``--ntasks``)."""
+    env = os.environ if env is None else env
+    ntasks = env.get("SLURM_NTASKS")
+    if ntasks is None or env.get("SLURM_JOB_NAME") in ("bash", "interactive"):
+        return
+    shown = ntasks if len(ntasks) <= 20 else ntasks[:17] + "..."
+    missing = [key for key in SLURM_TASK_VARIABLES if not env.get(key)]
+    if missing:
+        raise UniAPError(f"SLURM_NTASKS={shown} is set but not {', '.join(missing)}: this process is not a task srun "
+                         "started (Lightning would take it for one); unset SLURM_NTASKS to run outside SLURM, or start "
+                         "the command with srun inside an allocation (examples/slurm/train.sbatch)")
+    if not (ntasks.strip().isascii() and ntasks.strip().isdigit() and 0 < int(ntasks.strip()) < 10**9):
+        raise UniAPError(f"SLURM_NTASKS={shown} is not a task count: run under srun, which sets it")
+    if int(ntasks) > 1 and not env.get("SLURM_NTASKS_PER_NODE"):
+        raise UniAPError(f"SLURM_NTASKS={int(ntasks)} without SLURM_NTASKS_PER_NODE: Lightning needs the tasks per "
+                         f"node; submit with --ntasks-per-node (and --nodes) instead of --ntasks")
 
 
 def check_slurm(cluster_environment: Any, *, num_nodes: int, devices: int) -> None:

@@ -77,9 +77,9 @@ class SetupOptions:
             raise UniAPError(f"cluster must be a Cluster, a dict, a conf/cluster name or None, got "
                              f"{type(cluster).__name__}")
         degrees = _pipeline_degrees(pp)
-        if degrees is not None and plan is not None:
-            raise UniAPError(f"pp={pp!r} restricts the planner's search; a pinned plan (plan=) has its own pp: give one "
-                             "of them")
+        if plan is not None:
+            _refuse_search_options(schedule=schedule, virtual_stages=virtual_stages, pp=pp, compression=compression,
+                                   compression_options=compression_options)
         if plan is not None and not isinstance(plan, Plan):
             plan = Plan.from_json(Path(plan))
         return cls(
@@ -107,6 +107,24 @@ class SetupOptions:
         from uniap_lightning.runtime.planning import default_cache_dir
 
         return self.cache_dir or default_cache_dir()
+
+
+#: the options that only steer the planner's search, with their "not given" values: a pinned plan fixes each
+#: (its own schedule, virtual_stages, pp, per-layer compression and compression_options), so none may come with one
+SEARCH_OPTIONS: dict[str, tuple[Any, ...]] = {"schedule": ("auto",), "virtual_stages": (None,), "pp": (None,),
+                                              "compression": (None, "none"), "compression_options": (None, {})}
+
+
+def _refuse_search_options(**given: Any) -> None:
+    """With a pinned plan, an option of :data:`SEARCH_OPTIONS` other than its default would be ignored: refused,
+    as ``pp`` always was, in one line naming it."""
+    for key, defaults in SEARCH_OPTIONS.items():
+        value = given[key]
+        if not any(value is d or (d is not None and value == d) for d in defaults):
+            fixed = ("its own compression_options (edit the plan file's)" if key == "compression_options" else
+                     "each layer's compression" if key == "compression" else f"its own {key}")
+            raise UniAPError(f"{key}={value!r} steers the planner's search; a pinned plan (plan=) is not searched and "
+                             f"has {fixed}: give one of them (drop {key}= to run the plan, or plan= to solve)")
 
 
 def _compression_options(value: Any) -> dict[str, float]:

@@ -6,13 +6,18 @@ it returns, baselines are scored with it, and the brute-force oracle enumerates 
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from uniap_lightning.planner.cost.layer import strategies_for
 from uniap_lightning.planner.cost.tables import CandidateCosts
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.plan import COMPRESSIONS, Estimate, Plan
 from uniap_lightning.planner.problem import Problem
+
+if TYPE_CHECKING:
+    from uniap_lightning.planner.cluster import Cluster
+    from uniap_lightning.planner.decision import Strategy
+    from uniap_lightning.planner.profile import LayerProfile
 
 
 def check_plan_matches(problem: Problem, plan: Plan) -> None:
@@ -59,10 +64,8 @@ def evaluate(problem: Problem, plan: Plan, *, check_strategies: bool = True) -> 
         for u, (lp, s) in enumerate(zip(costs.layers, strat)):
             s.check(f"plan layer {u} ({lp.name})", experts=lp.experts)  # ep against the layer's experts
             if s not in strategies_for(lp, n, cl, b, compression=COMPRESSIONS):
-                raise UniAPError(
-                    f"plan layer {u} ({lp.name}): strategy dp={s.dp} tp={s.tp} is not allowed here "
-                    f"(tp_degrees={list(lp.tp_degrees)}, devices per node={cl.devices_per_node}, micro-batch={b})"
-                )
+                raise UniAPError(f"plan layer {u} ({lp.name}): strategy {s.label()} (dp={s.dp} cp={s.cp} tp={s.tp}) "
+                                 f"is not allowed here: {why_not_allowed(lp, s, cl, b)}")
     t = _stage_terms(costs, plan)
     stage_time, boundary, weight, sync = t.stage_time_s, t.boundary_s, t.weight_s, t.sync_s
     static, activation, transient = t.static_bytes, t.activation_bytes, t.transient_bytes
@@ -85,6 +88,40 @@ def evaluate(problem: Problem, plan: Plan, *, check_strategies: bool = True) -> 
         stage_device=[cl.stage_device(costs.stage_ranks(costs.stages_of(g)[0])) for g in range(pp)]
         if cl.rank_device else None,
     )
+
+
+def why_not_allowed(layer: LayerProfile, s: Strategy, cluster: Cluster, micro_batch: int) -> str:
+    """Which rule of :func:`~uniap_lightning.planner.cost.layer.strategies_for` strategy ``s`` breaks for
+    ``layer`` (the first, in the order it checks them), in words that name the field and the value."""
+    from uniap_lightning.planner.cost.layer import cp_methods, expert_degrees
+    from uniap_lightning.planner.decision import COMPRESSIBLE_DP_MODES
+
+    t, c, d, dpn, L = s.tp, s.cp, s.dp, cluster.devices_per_node, layer.sequence_length
+    if t not in layer.tp_degrees:
+        return f"tp={t} is not one of the layer's tp_degrees {list(layer.tp_degrees)} in the profile"
+    if t > dpn or dpn % t:
+        return f"tp={t} must divide the {dpn} devices per node of the cluster (tensor parallelism stays in a node)"
+    if micro_batch % d:
+        return f"dp={d} does not divide the micro-batch of {micro_batch} samples"
+    if c > 1 and L is None:
+        return f"cp={c} splits the sequence, but the profile gives the layer no sequence_length"
+    if c > 1 and L % c:
+        return f"cp={c} does not divide the layer's sequence_length={L} in the profile"
+    methods = cp_methods(layer, c, t, cluster)
+    if s.cp_method not in methods:
+        return (f"cp_method={s.cp_method!r} does not run with cp={c}, tp={t} here (possible: {list(methods)}; "
+                f"ulysses needs cp to divide the {layer.attention_heads} attention heads / tp, ring needs a cluster "
+                f"with ring attention and 2 x cp dividing the sequence_length={L})")
+    if s.sp and not (t > 1 and layer.sequence_parallel and L and L % (c * t) == 0):
+        return (f"sp needs tp > 1, a layer with sequence_parallel in the profile and cp x tp = {c * t} dividing its "
+                f"sequence_length={L}")
+    if s.compression != "none" and not (d * c > 1 and s.dp_mode in COMPRESSIBLE_DP_MODES):
+        return f"compression={s.compression!r} needs replicas (dp x cp > 1) in dp_mode {list(COMPRESSIBLE_DP_MODES)}"
+    if s.ep not in expert_degrees(layer, d * c) or (s.ep > 1 and s.compression != "none"):
+        return (f"ep={s.ep} must divide both the dp x cp = {d * c} replicas and the layer's experts={layer.experts}, "
+                "with uncompressed gradients")
+    return (f"tp_degrees={list(layer.tp_degrees)}, devices per node={dpn}, micro-batch={micro_batch}, "
+            f"sequence_length={L}")
 
 
 class StageTerms(NamedTuple):
