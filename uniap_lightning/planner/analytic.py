@@ -77,6 +77,10 @@ class ModelSpec:
     channels: int = 3
     bias: bool = True
     flash_attention: bool = False  # fused attention keeps no s x s matrices for backward (Dao et al. 2022)
+    #: dropout probability after attention scores, attention and MLP outputs (the roofline model traces it)
+    dropout: float = 0.0
+    #: fp32 models: matmuls on TF32 tensor cores (NGC containers, ``torch.backends.cuda.matmul.allow_tf32``)
+    tf32: bool = False
     segments: tuple[Segment, ...] = ()
     #: mixture of experts in every block (0: dense MLPs): experts, experts per token, each expert's FFN size (0:
     #: ``ffn``), a shared expert every token runs (FFN size; 0: none), the capacity factor (None: dropless)
@@ -120,7 +124,10 @@ class ModelSpec:
         choice(self.dtype, "dtype", DTYPE_BYTES, where=where)
         choice(self.embedding, "embedding", ("token", "patch"), where=where)
         choice(self.head, "head", ("lm", "classifier"), where=where)
-        for key in ("gated_mlp", "bias", "flash_attention"):
+        number(self.dropout, "dropout", low=0, high=1, where=where, unit="a probability below 1")
+        if self.dropout >= 1:
+            raise UniAPError(f"{where}dropout must be below 1, got {self.dropout}")
+        for key in ("gated_mlp", "bias", "flash_attention", "tf32"):
             flag(getattr(self, key), key, where=where)
         for key in ("family", "source"):
             text(getattr(self, key), key, where=where)
@@ -273,7 +280,18 @@ def _mlp(spec: ModelSpec, s: int, h: int, f: int) -> tuple[float, float, float, 
 
 
 def analytic_profile(spec: ModelSpec, cluster: Cluster) -> ModelProfile:
-    """The chain ``embedding, blocks..., head`` with analytic costs on ``cluster``'s device."""
+    """The chain ``embedding, blocks..., head`` with analytic costs on ``cluster``'s device: FLOPs over the flat
+    ``peak x efficiency``, or, for a cluster whose ``compute_model`` is ``"roofline"``, each layer traced as
+    operations and priced on the catalogue device (:func:`roofline_profile`)."""
+    profile = _flat_profile(spec, cluster)
+    if cluster.compute_model == "roofline":
+        from uniap_lightning.profiling.roofline import roofline_profile  # imports torch: only for this model
+
+        return roofline_profile(spec, cluster, profile)
+    return profile
+
+
+def _flat_profile(spec: ModelSpec, cluster: Cluster) -> ModelProfile:
     flops = cluster.flops_per_s
     nbytes = DTYPE_BYTES[spec.dtype]
     first, last = spec.blocks()[0], spec.blocks()[-1]

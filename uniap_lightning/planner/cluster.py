@@ -81,6 +81,10 @@ class Cluster:
     rank_device: tuple[str, ...] | None = None
     bandwidth_tables: dict[str, dict[int, float]] = field(default_factory=dict)
     collective_tables: dict[str, dict[str, dict[int, dict[str, float]]]] = field(default_factory=dict)
+    #: how analytic layer profiles are timed: ``"flat"`` (FLOPs / (peak_tflops x efficiency)) or ``"roofline"``
+    #: (each operation on the catalogue device ``device`` names: :mod:`uniap_lightning.profiling.roofline`). A
+    #: cluster file that names a catalogue device and gives no peak_tflops / efficiency gets ``"roofline"``.
+    compute_model: str = "flat"
 
     def __post_init__(self) -> None:
         for key in ("nodes", "devices_per_node"):
@@ -96,6 +100,14 @@ class Cluster:
             raise UniAPError(f"cluster '{self.name}': ring_attention must be true or false, got {short(self.ring_attention)}")
         if not isinstance(self.device, str):
             raise UniAPError(f"cluster '{self.name}': device must be a string (the device's name), got {short(self.device)}")
+        if self.compute_model not in COMPUTE_MODELS:
+            raise UniAPError(f"cluster '{self.name}': compute_model must be one of {list(COMPUTE_MODELS)}, got "
+                             f"{short(self.compute_model)}")
+        if self.compute_model == "roofline" and self.device_spec is None:
+            from uniap_lightning.planner.devices import available_devices
+
+            raise UniAPError(f"cluster '{self.name}': compute_model 'roofline' needs device to name a catalogue "
+                             f"device ({', '.join(available_devices())}), got {short(self.device)}")
         for key in ("memory_gib", "peak_tflops", "efficiency", "intra_bw_gbps", "inter_bw_gbps"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
@@ -301,6 +313,13 @@ class Cluster:
             return _interpolate({p: r["latency_us"] for p, r in rows.items()}, group_size) * 1e-6
         return (self.inter_latency_us if inter_node else self.intra_latency_us) * 1e-6
 
+    @property
+    def device_spec(self) -> Any:
+        """The catalogue entry ``device`` names (:class:`~uniap_lightning.planner.devices.DeviceSpec`), or None."""
+        from uniap_lightning.planner.devices import lookup_device
+
+        return lookup_device(self.device)
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Cluster:
         if not isinstance(d, Mapping):
@@ -319,6 +338,7 @@ class Cluster:
         d = dict(d)
         if "device_groups" in d:
             d.update(_expand_device_groups(d.pop("device_groups"), d))
+        d.update(_device_defaults(d))
         missing = [k for k in ("name", "nodes", "devices_per_node", "memory_gib", "peak_tflops") if k not in d]
         if missing:
             raise UniAPError(f"cluster config is missing field(s) {missing}")
@@ -326,6 +346,33 @@ class Cluster:
         d["collective_tables"] = d.pop("collective_tables", None) or {}  # keys and figures normalized on construction
         d["compression_ns_per_param"] = d.pop("compression_ns_per_param", None) or {}
         return cls(**d)
+
+
+COMPUTE_MODELS = ("flat", "roofline")
+
+
+def _device_defaults(d: Mapping[str, Any]) -> dict[str, Any]:
+    """What a catalogue device fills in where the cluster file is silent: memory, the framework's reserve, a
+    reference peak (bf16, else fp32), the optimizer step's memory traffic, and the roofline compute model when the
+    file gives neither peak_tflops nor efficiency (a user who measured them keeps the flat model)."""
+    from uniap_lightning.planner.devices import MEMORY_EFFICIENCY, lookup_device
+
+    name = d.get("device")
+    spec = lookup_device(name) if isinstance(name, str) else None
+    if spec is None:
+        return {}
+    out: dict[str, Any] = {}
+    if "compute_model" not in d:
+        out["compute_model"] = "flat" if "peak_tflops" in d or "efficiency" in d else "roofline"
+    out.setdefault("memory_gib", d.get("memory_gib", spec.memory_gib))
+    out.setdefault("memory_reserved_gib", d.get("memory_reserved_gib", spec.framework_reserve_gib))
+    peak = spec.peak("bf16") or spec.peak("fp32")
+    out.setdefault("peak_tflops", d.get("peak_tflops", peak / 1e12))
+    # Adam-style step: reads weights, gradients and two moments, writes three (28 bytes per fp32 parameter), at
+    # the streaming share of the memory bandwidth (GB/s = bytes per ns)
+    out.setdefault("optimizer_ns_per_param", d.get("optimizer_ns_per_param",
+                                                   28.0 / (spec.hbm_gbps * MEMORY_EFFICIENCY)))
+    return out
 
 
 def _bandwidth_tables(tables: Any, name: Any) -> dict[str, dict[int, float]]:

@@ -1,0 +1,156 @@
+"""The cost model against real multi-GPU runs: every point of every shipped measured set, predicted vs measured.
+
+    python benchmarks/measured.py [--markdown FILE]
+
+For each row of ``benchmarks/data/measured/*.csv`` (see the README there: where the numbers come from) the run's
+configuration is pinned as a plan (dp, pp, tp, micro-batch size, the run's own layers per stage, 1F1B, no ZeRO, no
+recomputation) and priced with ``evaluate`` under two cost models:
+
+* ``roofline``: the shipped configs (``conf/model/opt_350m_megatron.yaml``, ``conf/cluster/gh200_clariden.yaml``)
+  as they are: the cluster names the catalogue device ``gh200``, so every layer is traced as operations and priced
+  on it (``uniap_lightning.profiling.roofline``); nothing in it was fitted to these points;
+* ``flat``: the same cluster with the flat ``peak_tflops x efficiency`` the project used before (494 TFLOP/s TF32 x
+  0.4, ``memory_reserved_gib`` 4: the cluster file shipped with the data).
+
+Printed per point: measured and predicted seconds per iteration and peak memory (the busiest stage's bytes plus the
+framework's reserve), and their errors; then per model the mean absolute error, the largest one, and how many pairs
+of configurations of the same job (same GPUs, same global batch) the prediction orders as the measurements do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import statistics
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from uniap_lightning.errors import UniAPError
+from uniap_lightning.planner.analytic import analytic_profile
+from uniap_lightning.planner.config import cluster_from, load_group, model_spec_from
+from uniap_lightning.planner.cost.evaluate import evaluate
+from uniap_lightning.planner.decision import Strategy
+from uniap_lightning.planner.problem import Problem, TrainingConfig
+
+DATA = Path(__file__).resolve().parent / "data" / "measured"
+#: each shipped set: its CSV, the model and cluster configs its runs are described by
+SETS = {"opt350_gh200.csv": ("opt_350m_megatron", "gh200_clariden")}
+GB = 1e9
+
+
+@dataclass
+class Point:
+    name: str
+    nodes: int
+    dp: int
+    pp: int
+    tp: int
+    mbs: int
+    gbs: int
+    microbatches: int
+    layers_per_stage: tuple[int, ...]
+    time_s: float
+    mem_bytes: float
+
+
+def read_points(path: Path) -> list[Point]:
+    rows = []
+    with path.open(newline="") as f:
+        for r in csv.DictReader(f):
+            split = tuple(int(x) for x in r["layers_per_stage"].split("-"))
+            rows.append(Point(Path(r["file"]).stem.replace("plan_config_", ""), int(r["nodes"]), int(r["dp"]),
+                              int(r["pp"]), int(r["tp"]), int(r["mbs"]), int(r["gbs"]), int(r["microbatches"]), split,
+                              float(r["measured_time_s"]), float(r["measured_mem_bytes"])))
+    return rows
+
+
+def predict(point: Point, model: str, cluster_cfg: dict, flat: bool) -> tuple[float, float] | str:
+    """(seconds per iteration, peak bytes) for ``point``, or why it cannot be written as a plan."""
+    cfg = dict(cluster_cfg, nodes=point.nodes)
+    if flat:
+        cfg.update(peak_tflops=494, efficiency=0.4, memory_gib=96, memory_reserved_gib=4)
+    cluster = cluster_from(cfg)
+    spec = model_spec_from(model)
+    profile = analytic_profile(spec, cluster)
+    training = TrainingConfig(global_batch_size=point.gbs, microbatches=(point.microbatches,), schedule="1f1b",
+                              weight_bytes=4, grad_bytes=4, optimizer_bytes=8)
+    problem = Problem(model=profile, cluster=cluster, training=training)
+    stage_of_layer = [s for s, count in enumerate(point.layers_per_stage) for _ in range(count)]
+    strategies = [Strategy.of(point.dp, point.tp)] * len(stage_of_layer)
+    try:
+        plan = problem.plan_for(stage_of_layer=stage_of_layer, strategies=strategies, pp=point.pp,
+                                microbatches=point.microbatches, schedule="1f1b")
+        est = evaluate(problem, plan)
+    except UniAPError as err:
+        return str(err).splitlines()[0]
+    reserve = cluster.memory_reserved_gib * 2**30
+    return est.tpi_s, max(est.stage_memory_bytes) + reserve
+
+
+def pairs_ordered(points: list[Point], predicted: dict[str, float]) -> tuple[int, int]:
+    """Pairs of the same job (GPUs and global batch) that the prediction orders as the measurements do."""
+    right = total = 0
+    for a, b in itertools.combinations([p for p in points if p.name in predicted], 2):
+        if a.nodes != b.nodes or a.gbs != b.gbs:
+            continue
+        total += 1
+        right += (a.time_s < b.time_s) == (predicted[a.name] < predicted[b.name])
+    return right, total
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--markdown", help="also write the tables to this file")
+    args = parser.parse_args(argv)
+    out: list[str] = []
+    for csv_name, (model, cluster_name) in SETS.items():
+        points = read_points(DATA / csv_name)
+        cluster_cfg = load_group("cluster", cluster_name)
+        out.append(f"\n### {csv_name} ({len(points)} points; model {model}, cluster {cluster_name})\n")
+        out.append("| point | nodes | dp | pp | mbs | gbs | measured s | roofline s | err | flat s | err | measured GB "
+                   "| roofline GB | err | flat GB | err |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        errs: dict[str, dict[str, list[float]]] = {m: {"time": [], "mem": []} for m in ("roofline", "flat")}
+        pred_time: dict[str, dict[str, float]] = {"roofline": {}, "flat": {}}
+        for p in points:
+            cells = [p.name, str(p.nodes), str(p.dp), str(p.pp), str(p.mbs), str(p.gbs), f"{p.time_s:.3f}"]
+            mem_cells = [f"{p.mem_bytes / GB:.1f}"]
+            for kind in ("roofline", "flat"):
+                got = predict(p, model, cluster_cfg, flat=kind == "flat")
+                if isinstance(got, str):
+                    cells += ["-", "not a plan"]
+                    mem_cells += ["-", "-"]
+                    print(f"{p.name} ({kind}): {got}", file=sys.stderr)
+                    continue
+                t, m = got
+                et, em = t / p.time_s - 1, m / p.mem_bytes - 1
+                errs[kind]["time"].append(abs(et))
+                errs[kind]["mem"].append(abs(em))
+                pred_time[kind][p.name] = t
+                cells += [f"{t:.3f}", f"{et:+.0%}"]
+                mem_cells += [f"{m / GB:.1f}", f"{em:+.0%}"]
+            out.append("| " + " | ".join(cells[:7] + cells[7:11] + mem_cells) + " |")
+        out.append("")
+        out.append("| model | points priced | time: mean abs err | worst | memory: mean abs err | worst | same-job pairs "
+                   "ordered right |")
+        out.append("|---|---|---|---|---|---|---|")
+        for kind in ("roofline", "flat"):
+            e = errs[kind]
+            right, total = pairs_ordered(points, pred_time[kind])
+            if not e["time"]:
+                out.append(f"| {kind} | 0 | - | - | - | - | - |")
+                continue
+            out.append(f"| {kind} | {len(e['time'])} / {len(points)} | {statistics.mean(e['time']):.1%} | "
+                       f"{max(e['time']):.1%} | {statistics.mean(e['mem']):.1%} | {max(e['mem']):.1%} | "
+                       f"{right} / {total} |")
+    text = "\n".join(out)
+    print(text)
+    if args.markdown:
+        Path(args.markdown).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""The device catalogue: datasheet facts of accelerators, for pricing clusters nobody here owns.
+
+One YAML file per device in ``conf/device/<name>.yaml`` (shipped with the package):
+
+=====================  ===================================================================================
+field                  meaning
+=====================  ===================================================================================
+``name``               the catalogue key a cluster names (``device: h100_sxm``)
+``memory_gib``         device memory (GiB as the vendor counts it: the cluster's default ``memory_gib``)
+``hbm_gbps``           memory bandwidth, GB/s (1e9 bytes/s): what memory-bound kernels are priced with
+``peak_tflops``        dense peak per matmul dtype: ``fp32`` (SIMT), ``tf32``, ``bf16``, ``fp16``, ``fp8``; a dtype
+                       the device lacks is absent (``fp8`` is then never offered), or set to the rate the
+                       device runs it at (bf16 on a V100 is fp32 arithmetic)
+``sms``                streaming multiprocessors: a matmul's output tiles run in waves of this many
+``host_link_gbps``     device <-> host memory, one direction (PCIe or NVLink-C2C): offload and host copies
+``framework_reserve_gib``  what the framework holds before the model's first tensor: the CUDA context, the
+                       math libraries' workspaces and the communication buffers
+=====================  ===================================================================================
+
+Torch-free: the planner reads it on a laptop. :mod:`uniap_lightning.profiling.roofline` prices operations with
+these facts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from uniap_lightning.errors import UniAPError
+from uniap_lightning.files import check_yaml_limits, read_text
+
+DEVICE_DIR = Path(__file__).resolve().parents[1] / "conf" / "device"
+#: matmul dtypes a catalogue entry may give a peak for
+MATMUL_DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
+#: the share of the datasheet's dense peak a large matmul reaches (cuBLAS on square bf16 / tf32 / fp32 products of
+#: a few thousand: 70-80% of peak on A100 and H100, NVIDIA's "Matrix Multiplication Background" user guide)
+MATMUL_EFFICIENCY = 0.75
+#: fused flash attention's share of the peak (FlashAttention-2 forward + backward: 50-70% on A100 / H100, Dao 2023)
+ATTENTION_EFFICIENCY = 0.5
+#: the share of the memory bandwidth a streaming kernel reaches (STREAM-like copies: 80-90%)
+MEMORY_EFFICIENCY = 0.8
+#: the least time one eager operation takes: host dispatch + autograd + launch (PyTorch eager: ~10 us per op)
+KERNEL_FLOOR_S = 10e-6
+_FIELDS = {"name", "memory_gib", "hbm_gbps", "peak_tflops", "sms", "host_link_gbps", "framework_reserve_gib"}
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator's datasheet facts (see the module docstring for the fields)."""
+
+    name: str
+    memory_gib: float
+    hbm_gbps: float
+    peak_tflops: tuple[tuple[str, float], ...]
+    sms: int
+    host_link_gbps: float
+    framework_reserve_gib: float
+
+    def peak(self, dtype: str) -> float | None:
+        """Dense matmul peak in FLOP/s for ``dtype`` (None: the device has no such unit)."""
+        for key, tflops in self.peak_tflops:
+            if key == dtype:
+                return tflops * 1e12
+        return None
+
+    def has(self, dtype: str) -> bool:
+        return self.peak(dtype) is not None
+
+    @property
+    def hbm_bytes_per_s(self) -> float:
+        return self.hbm_gbps * 1e9
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> DeviceSpec:
+        if not isinstance(d, dict):
+            raise UniAPError(f"{where} must hold a mapping of fields, got {type(d).__name__}")
+        unknown, missing = sorted(set(d) - _FIELDS), sorted(_FIELDS - set(d))
+        if unknown or missing:
+            raise UniAPError(f"{where}: unknown field(s) {unknown}, missing field(s) {missing}; fields: "
+                             f"{sorted(_FIELDS)}")
+        peaks = d["peak_tflops"]
+        if not isinstance(peaks, dict) or not peaks or set(peaks) - set(MATMUL_DTYPES):
+            raise UniAPError(f"{where}: peak_tflops must map some of {list(MATMUL_DTYPES)} to TFLOP/s, got {peaks!r}")
+        for key in ("memory_gib", "hbm_gbps", "host_link_gbps", *[f"peak_tflops.{k}" for k in peaks]):
+            value = peaks[key.split(".", 1)[1]] if key.startswith("peak_tflops.") else d[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or not 0 < value < 1e7:
+                raise UniAPError(f"{where}: {key} must be a positive number, got {value!r}")
+        reserve = d["framework_reserve_gib"]
+        if isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or not 0 <= reserve < d["memory_gib"]:
+            raise UniAPError(f"{where}: framework_reserve_gib must be >= 0 and below memory_gib, got {reserve!r}")
+        sms = d["sms"]
+        if isinstance(sms, bool) or not isinstance(sms, int) or not 1 <= sms <= 10_000:
+            raise UniAPError(f"{where}: sms must be a positive integer, got {sms!r}")
+        if not isinstance(d["name"], str) or not d["name"]:
+            raise UniAPError(f"{where}: name must be a non-empty string")
+        return cls(name=d["name"], memory_gib=float(d["memory_gib"]), hbm_gbps=float(d["hbm_gbps"]),
+                   peak_tflops=tuple((k, float(v)) for k, v in peaks.items()), sms=sms,
+                   host_link_gbps=float(d["host_link_gbps"]), framework_reserve_gib=float(reserve))
+
+
+def available_devices() -> list[str]:
+    return sorted(p.stem for p in DEVICE_DIR.glob("*.yaml"))
+
+
+def _key(name: str) -> str:
+    return name.strip().lower().replace("-", "_")
+
+
+@lru_cache(maxsize=64)
+def lookup_device(name: str) -> DeviceSpec | None:
+    """The catalogue entry ``name`` names (case and ``-``/``_`` ignored), or None when it names none (a free-text
+    device name such as ``"H100-SXM5-80GB"`` of an older cluster file)."""
+    if not isinstance(name, str) or not name.strip():
+        return None
+    key = _key(name)
+    if key not in {_key(n) for n in available_devices()}:
+        return None
+    path = DEVICE_DIR / f"{key}.yaml"
+    named = f"device file {str(path)!r}"
+    text = read_text(path, "device file")
+    check_yaml_limits(text, named)
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise UniAPError(f"{named} is not valid YAML: {' '.join(str(err).split())[:300]}") from err
+    return DeviceSpec.from_dict(data, named)
+
+
+def device_or_error(name: str) -> DeviceSpec:
+    spec = lookup_device(name)
+    if spec is None:
+        raise UniAPError(f"unknown device {name!r}; the catalogue has: {', '.join(available_devices())}")
+    return spec
