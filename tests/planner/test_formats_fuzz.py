@@ -142,10 +142,9 @@ def _check_profile(written: Any, profile: ModelProfile) -> None:
     assert again == profile
     assert _same(again.to_dict(), profile.to_dict())
     loaded = profile.to_dict()
-    # the labels model / source / device are read with str() (a non-string label is not refused: ``null`` loads as
-    # "None"); a string label is kept as written
-    _agrees({k: v for k, v in written.items() if k not in LABELS or isinstance(v, str)}, loaded,
-            skip=("tp_degrees",))
+    # the labels model / source / device load only as strings, kept as written
+    assert all(isinstance(written.get(k, ""), str) for k in LABELS)
+    _agrees(written, loaded, skip=("tp_degrees",))
     for w, lp in zip(written["layers"], profile.layers):
         assert list(lp.tp_degrees) == sorted(set(w["tp_degrees"]))
 
@@ -172,10 +171,10 @@ def _check_cluster(written: Any, cluster: Cluster) -> None:
     again = Cluster.from_dict(json.loads(json.dumps(_cluster_fields(cluster))))
     assert _same(_cluster_fields(again), _cluster_fields(cluster))
     # as JSON writes the loaded fields (table keys as strings, tuples as lists); an optional table left null is
-    # empty. Known gap (Cluster._from_mapping reads each table with `or {}`): any other false value (false, 0, "",
-    # []) also loads as an empty table instead of being refused; tolerated here, not claimed
+    # empty, and only null: any other non-mapping (false, 0, "", []) is refused
+    assert all(written.get(k) is None or isinstance(written[k], dict) for k in TABLES)
     loaded = json.loads(json.dumps(_cluster_fields(cluster)))
-    _agrees({k: {} if k in TABLES and not v and not isinstance(v, dict) else v for k, v in written.items()}, loaded)
+    _agrees({k: {} if k in TABLES and v is None else v for k, v in written.items()}, loaded)
 
 
 _CHECKS = {ModelProfile: _check_profile, Plan: _check_plan, Cluster: _check_cluster}

@@ -342,9 +342,13 @@ class Cluster:
         missing = [k for k in ("name", "nodes", "devices_per_node", "memory_gib", "peak_tflops") if k not in d]
         if missing:
             raise UniAPError(f"cluster config is missing field(s) {missing}")
-        d["bandwidth_tables"] = _bandwidth_tables(d.pop("bandwidth_tables", None) or {}, d["name"])
-        d["collective_tables"] = d.pop("collective_tables", None) or {}  # keys and figures normalized on construction
-        d["compression_ns_per_param"] = d.pop("compression_ns_per_param", None) or {}
+        for key in ("bandwidth_tables", "collective_tables", "compression_ns_per_param"):
+            table = d.pop(key, None)  # absent or null: none; false, 0, "" or a list: a damaged file, refused
+            if table is not None and not isinstance(table, Mapping):
+                raise UniAPError(f"cluster '{d['name']}': {key} must be a mapping, got {short(table)}")
+            d[key] = table or {}
+        d["bandwidth_tables"] = _bandwidth_tables(d["bandwidth_tables"], d["name"])
+        # (collective_tables: keys and figures normalized on construction)
         return cls(**d)
 
 

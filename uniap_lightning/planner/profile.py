@@ -334,13 +334,13 @@ class ModelProfile:
                              "least one layer")
         if not isinstance(data.get("meta") or {}, dict):
             raise UniAPError(f"{origin}: field 'meta' must be an object, got {type(data.get('meta')).__name__}")
-        return cls(
-            model=str(data.get("model", "model")),
-            layers=layers,
-            source=str(data.get("source", "measured")),
-            device=str(data.get("device", "")),
-            meta=dict(data.get("meta") or {}),
-        )
+        labels = {}
+        for key, default in (("model", "model"), ("source", "measured"), ("device", "")):
+            value = data.get(key, default)
+            if not isinstance(value, str):  # (null, a number: a damaged file, not the label "None")
+                raise UniAPError(f"{origin}: field {key!r} must be a string, got {short(value)}")
+            labels[key] = value
+        return cls(layers=layers, meta=dict(data.get("meta") or {}), **labels)
 
 
 def _finite(value: Any) -> bool:
