@@ -125,6 +125,8 @@ def _batch_counter(meta: dict[str, Any], value: int) -> dict[str, Any]:
     (lambda m: m.update(epoch=10**9) or m,
      "epoch=1,000,000,000 but the fit loop counts 1 epochs (loops.fit_loop.epoch_progress.current.completed)"),
     (lambda m: _set(m, f"{BATCHES}/current/started", 0), "epoch_loop.batch_progress.current: ready=1, started=0"),
+    (lambda m: m.update(global_step=10**9) or m, "global_step=1,000,000,000 optimizer steps but only 4 batches trained "
+                                                 "(epoch_loop.batch_progress.total.processed)"),
     (lambda m: _set(m, f"{BATCHES}/total/completed", "3"), "epoch_loop.batch_progress.total.completed is missing or "
                                                           "not a count"),
 ])
