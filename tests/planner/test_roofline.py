@@ -165,3 +165,16 @@ def test_the_milp_equals_brute_force_on_roofline_profiles(nodes_per: tuple[int, 
     oracle = brute_force(problem)
     plan = solve(problem, time_limit_s=60)
     assert oracle is not None and plan.estimate.tpi_s == pytest.approx(evaluate(problem, oracle).tpi_s, rel=1e-6)
+
+
+def test_a_mixed_pool_names_a_catalogue_device_per_group() -> None:
+    cluster = Cluster.from_dict({"name": "mixed", "nodes": 2, "devices_per_node": 4, "device_groups": [
+        {"device": "a100_80gb", "count": 4}, {"device": "v100_16gb", "count": 4}]})
+    assert cluster.device == "a100_80gb" and cluster.compute_model == "roofline"
+    assert cluster.rank_memory_gib == (80.0,) * 4 + (16.0,) * 4
+    # V100's bf16 runs at its fp32 rate: 15.7 of the A100's 312 TFLOP/s
+    assert cluster.rank_speed[4] == pytest.approx(15.7 / 312) and cluster.rank_speed[0] == 1.0
+    assert cluster.rank_device == ("a100_80gb",) * 4 + ("v100_16gb",) * 4
+    with pytest.raises(UniAPError, match=r"device_groups\[1\]\.device must name a catalogue device"):
+        Cluster.from_dict({"name": "m", "nodes": 1, "devices_per_node": 2, "device_groups": [
+            {"device": "a100_80gb", "count": 1}, {"device": "tpu", "count": 1}]})

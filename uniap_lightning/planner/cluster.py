@@ -418,13 +418,28 @@ def _expand_device_groups(groups: Any, d: Mapping[str, Any]) -> dict[str, Any]:
     where = f"cluster '{d.get('name', '?')}': device_groups"
     if not isinstance(groups, (list, tuple)) or not groups:
         raise UniAPError(f"{where} must be a non-empty list of {{name, count, memory_gib, speed}}")
+    from uniap_lightning.planner.devices import lookup_device
+
     speed: list[float] = []
     memory: list[float] = []
     kind: list[str] = []
+    reference = None  # the first group's catalogue device: the speeds of the others are its datasheet ratios
     for j, g in enumerate(groups):
+        spec = lookup_device(g.get("device")) if isinstance(g, Mapping) and isinstance(g.get("device"), str) else None
+        if isinstance(g, Mapping) and spec is not None:  # a catalogue device fills memory and speed
+            reference = reference or spec
+            peak = lambda d: d.peak("bf16") or d.peak("fp32")  # noqa: E731
+            g = {"memory_gib": spec.memory_gib, "speed": peak(spec) / peak(reference), "name": spec.name, **g}
+            g.pop("device")
+        elif isinstance(g, Mapping) and "device" in g:
+            from uniap_lightning.planner.devices import available_devices
+
+            raise UniAPError(f"{where}[{j}].device must name a catalogue device ({', '.join(available_devices())}), "
+                             f"got {g['device']!r}")
         if not isinstance(g, Mapping) or not {"count", "memory_gib"} <= set(g) or set(g) - {"name", "count",
                                                                                                 "memory_gib", "speed"}:
-            raise UniAPError(f"{where}[{j}] must be {{name, count, memory_gib, speed (default 1.0)}}, got {g!r}")
+            raise UniAPError(f"{where}[{j}] must be {{name, count, memory_gib, speed (default 1.0)}} or {{device, "
+                             f"count}} (a catalogue device), got {g!r}")
         count = g["count"]
         if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_DEVICES:
             raise UniAPError(f"{where}[{j}].count must be a positive integer, got {count!r}")
@@ -437,7 +452,8 @@ def _expand_device_groups(groups: Any, d: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"rank_speed": speed, "rank_memory_gib": memory, "rank_device": kind,
                            "memory_gib": d.get("memory_gib", memory[0])}
     if not d.get("device"):
-        out["device"] = "+".join(dict.fromkeys(kind))
+        # the first group's catalogue device is the reference the profile is timed on (speeds are relative to it)
+        out["device"] = reference.name if reference is not None else "+".join(dict.fromkeys(kind))
     return out
 
 
