@@ -51,6 +51,9 @@ def _fit_states(n: int, accumulate: int, steps: int, tmp_path: Path) -> list[tup
             states.append((f"{self.tag} {hook} at step {trainer.global_step}",
                            {k: v for k, v in meta.items() if k not in ("state_dict", "optimizer_states")}))
 
+        def on_train_batch_start(self, trainer: Any, *_: Any) -> None:  # where a SIGTERM stops the fit
+            self.grab(trainer, "on_train_batch_start")
+
         def on_train_batch_end(self, trainer: Any, *_: Any) -> None:
             self.grab(trainer, "on_train_batch_end")
             if self.tag == "first" and trainer.global_step == 2 and not (tmp_path / "mid.ckpt").exists():
