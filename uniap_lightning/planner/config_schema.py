@@ -141,8 +141,9 @@ def _type_name(kind: Any) -> str:
 
 def register() -> None:
     """Put the schemas in Hydra's ConfigStore (again: replaces the same entries). A key a schema does not list is
-    refused as Hydra refuses any unknown key (``strategy.time_limt=5``: "use +strategy.time_limt=5 to add a key"),
-    and ``+strategy.x=...`` adds one (for a ``strategy._target_`` subclass with arguments of its own)."""
+    refused in one line naming the keys there are (:func:`uniap_lightning.cli.overrides.check_settings`; no ``+``
+    form is suggested for a key nothing would read), and ``+strategy.x=...`` adds one only next to a
+    ``strategy._target_`` subclass with arguments of its own."""
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
