@@ -278,3 +278,20 @@ def test_undominated_keeps_exactly_the_strategies_no_other_of_the_same_layout_do
             i != j and ks[i].layout == ks[j].layout and all(a <= b for a, b in zip(vec[i], vec[j]))
             and (vec[i] != vec[j] or i < j) for i in range(n))]
         assert undominated(ks, cs, split_time=split_time) == expected
+
+
+def test_across_nodes_the_all_reduce_is_the_faster_of_ring_and_tree() -> None:
+    from uniap_lightning.planner.cost.comm import tree_all_reduce_s
+
+    cl = Cluster(name="c", nodes=64, devices_per_node=1, memory_gib=80, peak_tflops=100, inter_bw_gbps=25,
+                 inter_latency_us=50)
+    # 1 MB over 64 nodes: ring 2 x 63 x 50 us + 2 x 63/64 x 1e6 / 25e9 = 6.3 ms + 78.75 us; tree 2 x 6 x 50 us +
+    # 2 x 1e6 / 25e9 = 600 us + 80 us
+    assert all_reduce_s(cl, 1e6, 64, True) == pytest.approx(680e-6)
+    assert tree_all_reduce_s(cl, 1e6, 64) == pytest.approx(680e-6)
+    # 10 GB over 4 nodes: the ring's (p - 1) / p share wins: 2 x 3 x 50 us + 2 x 3/4 x 1e10 / 25e9 = 0.6003 s
+    assert all_reduce_s(cl, 1e10, 4, True) == pytest.approx(0.6003)
+    assert all_reduce_s(cl, 1e6, 64, False) == pytest.approx(2 * 63 * 5e-6 + 2 * 63 / 64 * 1e6 / 100e9)  # in a node
+    measured = Cluster(name="m", nodes=64, devices_per_node=1, memory_gib=80, peak_tflops=100, inter_bw_gbps=25,
+                       inter_latency_us=50, bandwidth_tables={"inter": {2: 25.0, 64: 25.0}})
+    assert all_reduce_s(measured, 1e6, 64, True) == pytest.approx(2 * 63 * 50e-6 + 2 * 63 / 64 * 1e6 / 25e9)

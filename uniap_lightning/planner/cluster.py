@@ -283,6 +283,12 @@ class Cluster:
             raise UniAPError(f"unknown collective {op!r}; known: {list(COLLECTIVE_OPS)}")
         return self.collective_tables.get(op, {}).get(scope) or self.collective_tables.get("all_reduce", {}).get(scope)
 
+    def measured_links(self, op: str, inter_node: bool) -> bool:
+        """Whether ``op`` in that scope is priced from measurements (a collective or bandwidth table): they
+        already hold whatever algorithm the library ran, so no other algorithm is priced beside them."""
+        scope = "inter" if inter_node else "intra"
+        return bool(self._op_table(op, scope) or self.bandwidth_tables.get(scope))
+
     def bandwidth_bytes_per_s(self, group_size: int, inter_node: bool, op: str = "all_reduce") -> float:
         """Bus bandwidth of ``op`` over ``group_size`` devices (bytes/s)."""
         scope = "inter" if inter_node else "intra"

@@ -1,6 +1,7 @@
-"""Alpha-beta ring model of collectives (Thakur et al. 2005; NCCL's bus-bandwidth convention).
+"""Alpha-beta model of collectives (Thakur et al. 2005; NCCL's bus-bandwidth convention).
 
-``all_reduce(S, p) = 2 (p - 1) alpha + 2 (p - 1) / p * S / bw``; all-gather and reduce-scatter of a full tensor
+``all_reduce(S, p) = 2 (p - 1) alpha + 2 (p - 1) / p * S / bw`` (the ring; across nodes the tree's
+``2 ceil(log2 p) alpha + 2 S / bw`` where that is less, as NCCL chooses); all-gather and reduce-scatter of a full tensor
 of ``S`` bytes, and an all-to-all of ``S`` bytes held by each rank: ``(p - 1) alpha + (p - 1) / p * S / bw``;
 point-to-point: ``alpha + S / bw``. Each collective is
 priced with its own ``bw`` and ``alpha`` (:meth:`Cluster.bandwidth_bytes_per_s` / :meth:`Cluster.latency_s` with
@@ -22,9 +23,29 @@ def _ring(cluster: Cluster, op: str, nbytes: float, p: int, inter_node: bool, st
 
 
 def all_reduce_s(cluster: Cluster, nbytes: float, p: int, inter_node: bool) -> float:
+    """The all-reduce NCCL would run: the ring, or across nodes the (double binary) tree when that is faster
+    (:func:`tree_all_reduce_s`: small messages over many nodes, where the ring's ``2 (p - 1)`` latencies add
+    up). Measured links (a cluster's collective or bandwidth tables) already hold the library's choice: ring
+    formula only."""
     if p <= 1 or nbytes <= 0:
         return 0.0
-    return _ring(cluster, "all_reduce", nbytes, p, inter_node, 2)
+    ring = _ring(cluster, "all_reduce", nbytes, p, inter_node, 2)
+    if not inter_node or cluster.measured_links("all_reduce", True):
+        return ring
+    return min(ring, tree_all_reduce_s(cluster, nbytes, p))
+
+
+def tree_all_reduce_s(cluster: Cluster, nbytes: float, p: int) -> float:
+    """A pipelined tree all-reduce over ``p`` nodes (reduce up, broadcast down; NCCL's double binary tree keeps
+    both directions of every link busy): ``2 ceil(log2 p) alpha + 2 S / bw`` (Sanders et al., "Two-tree
+    algorithms for full bandwidth broadcast, reduction and scan", 2009)."""
+    import math
+
+    if p <= 1 or nbytes <= 0:
+        return 0.0
+    bw = cluster.bandwidth_bytes_per_s(p, True, op="all_reduce")
+    alpha = cluster.latency_s(True, op="all_reduce", group_size=p)
+    return 2 * math.ceil(math.log2(p)) * alpha + 2 * nbytes / bw
 
 
 def all_gather_s(cluster: Cluster, nbytes: float, p: int, inter_node: bool) -> float:
