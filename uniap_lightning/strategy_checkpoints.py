@@ -82,7 +82,22 @@ class CheckpointIO:
     def save_consolidated(self, path: str | Path, format: str | None = None) -> None:
         """Write all weights, unsharded (on rank 0; call on every rank): one safetensors file (default), one
         ``torch.save`` file (``format="torch"``, or a ``.pt`` / ``.pth`` / ``.bin`` / ``.ckpt`` path), or a Hugging
-        Face folder (``format="hf"``) that the model's class loads with ``from_pretrained(path)``."""
+        Face folder (``format="hf"``) that the model's class loads with ``from_pretrained(path)``.
+
+        A destination rank 0 cannot write (a missing or read-only folder, a path below a file) is refused on every
+        rank with one :class:`~uniap_lightning.errors.UniAPError` before the weights are gathered: rank 0's
+        verdict is broadcast, so no rank waits in a collective that another rank has left."""
+        from uniap_lightning.errors import UniAPError
+        from uniap_lightning.runtime import export
         from uniap_lightning.runtime.checkpoint import save_consolidated
 
+        problem = None
+        if self.global_rank == 0:
+            try:
+                export.check_destination(path, export.resolve_format(path, format))
+            except UniAPError as err:
+                problem = str(err)
+        problem = self.broadcast(problem)
+        if problem is not None:
+            raise UniAPError(problem)
         save_consolidated(self.lightning_module, path, rank=self.global_rank, format=format)

@@ -12,7 +12,7 @@ import sys
 def main(argv: list[str]) -> int:
     from uniap_lightning.errors import UniAPError
     from uniap_lightning.runtime.checkpoint import consolidate_checkpoint
-    from uniap_lightning.runtime.export import FORMATS
+    from uniap_lightning.runtime.export import FORMATS, check_destination, resolve_format
 
     p = argparse.ArgumentParser(prog="uniap export", description=(
         "A checkpoint folder (what Trainer(strategy='uniap') saves, under any plan) as full weights: one safetensors "
@@ -26,6 +26,8 @@ def main(argv: list[str]) -> int:
                    help="--format hf: the Hugging Face folder the run started from (its config.json is copied)")
     args = p.parse_args(argv)
     try:
+        # an unwritable destination is refused before the checkpoint is read (which can take minutes)
+        check_destination(args.out, resolve_format(args.out, args.format))
         consolidate_checkpoint(args.checkpoint, args.out, format=args.format, hf_config=args.hf_config)
     except UniAPError as err:
         print(f"error: {err}", file=sys.stderr)
