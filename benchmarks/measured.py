@@ -36,7 +36,8 @@ from uniap_lightning.planner.problem import Problem, TrainingConfig
 
 DATA = Path(__file__).resolve().parent / "data" / "measured"
 #: each shipped set: its CSV, the model and cluster configs its runs are described by
-SETS = {"opt350_gh200.csv": ("opt_350m_megatron", "gh200_clariden")}
+SETS = {"opt350_gh200.csv": ("opt_350m_megatron", "gh200_clariden"),
+        "gptneo_gh200.csv": ("gpt_neo_megatron", "gh200_clariden")}
 GB = 1e9
 
 
