@@ -178,3 +178,16 @@ def test_a_mixed_pool_names_a_catalogue_device_per_group() -> None:
     with pytest.raises(UniAPError, match=r"device_groups\[1\]\.device must name a catalogue device"):
         Cluster.from_dict({"name": "m", "nodes": 1, "devices_per_node": 2, "device_groups": [
             {"device": "a100_80gb", "count": 1}, {"device": "tpu", "count": 1}]})
+
+
+def test_a_clusters_kernel_floor_binds_small_micro_batches() -> None:
+    spec = _opt_like()
+    base = {"name": "r", "device": "h100_sxm", "nodes": 1, "devices_per_node": 2}
+    fast = analytic_profile(spec, cluster_from(base)).layers[1]
+    slow = analytic_profile(spec, cluster_from({**base, "kernel_floor_us": 40})).layers[1]
+    assert slow.compute_s(1) > 2 * fast.compute_s(1)  # bound by the number of operations
+    # a cost per call, not per sample: it weighs less as the calls grow
+    assert 0 <= slow.compute_s(64) - fast.compute_s(64) <= slow.compute_s(1) - fast.compute_s(1)
+    assert slow.compute_s(64) / fast.compute_s(64) < slow.compute_s(1) / fast.compute_s(1)
+    with pytest.raises(UniAPError, match="kernel_floor_us must be >= 0"):
+        cluster_from({**base, "kernel_floor_us": -1})

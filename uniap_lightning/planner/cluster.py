@@ -85,6 +85,10 @@ class Cluster:
     #: (each operation on the catalogue device ``device`` names: :mod:`uniap_lightning.profiling.roofline`). A
     #: cluster file that names a catalogue device and gives no peak_tflops / efficiency gets ``"roofline"``.
     compute_model: str = "flat"
+    #: the roofline model's least time of one eager operation on this cluster's hosts (dispatch, autograd, launch):
+    #: what a small micro-batch is bound by. The default is a fast x86 host's eager PyTorch; a software stack with
+    #: more Python per operation (or a slower host CPU) has more: measure it there and set it
+    kernel_floor_us: float = 10.0
 
     def __post_init__(self) -> None:
         for key in ("nodes", "devices_per_node"):
@@ -113,7 +117,7 @@ class Cluster:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise UniAPError(f"cluster '{self.name}': {key} must be > 0, got {v!r}")
         for key in ("intra_latency_us", "inter_latency_us", "memory_reserved_gib", "pipeline_overhead_us",
-                    "optimizer_ns_per_param", "optimizer_us_per_tensor"):
+                    "optimizer_ns_per_param", "optimizer_us_per_tensor", "kernel_floor_us"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise UniAPError(f"cluster '{self.name}': {key} must be >= 0, got {v!r}")

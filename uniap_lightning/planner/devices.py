@@ -44,7 +44,8 @@ MATMUL_EFFICIENCY = 0.75
 ATTENTION_EFFICIENCY = 0.5
 #: the share of the memory bandwidth a streaming kernel reaches (STREAM-like copies: 80-90%)
 MEMORY_EFFICIENCY = 0.8
-#: the least time one eager operation takes: host dispatch + autograd + launch (PyTorch eager: ~10 us per op)
+#: the least time one eager operation takes: host dispatch + autograd + launch (PyTorch eager: ~10 us per op);
+#: a cluster's ``kernel_floor_us`` replaces it
 KERNEL_FLOOR_S = 10e-6
 _FIELDS = {"name", "memory_gib", "hbm_gbps", "peak_tflops", "sms", "host_link_gbps", "framework_reserve_gib"}
 

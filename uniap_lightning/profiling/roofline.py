@@ -394,8 +394,9 @@ def matmul_efficiency(shape: tuple[int, int, int, int], device: DeviceSpec) -> f
     return MATMUL_EFFICIENCY * tiles / (waves * device.sms) * k / (k + TILE)
 
 
-def op_seconds(op: Op, device: DeviceSpec, matmul_dtype: str) -> float:
-    """One operation's time on ``device`` (the roofline of the module docstring, never below the kernel floor)."""
+def op_seconds(op: Op, device: DeviceSpec, matmul_dtype: str, floor_s: float = KERNEL_FLOOR_S) -> float:
+    """One operation's time on ``device`` (the roofline of the module docstring, never below ``floor_s``: the
+    host's cost of one eager operation)."""
     memory_s = op.bytes / (device.hbm_bytes_per_s * MEMORY_EFFICIENCY)
     if op.flops > 0:
         peak = device.peak(matmul_dtype) or device.peak("fp32") or 1e12
@@ -405,14 +406,15 @@ def op_seconds(op: Op, device: DeviceSpec, matmul_dtype: str) -> float:
             compute_s = op.flops / (peak * matmul_efficiency(op.shape, device))
         else:  # a FLOP-counted operation that is not a plain matmul (convolution): at the large-matmul efficiency
             compute_s = op.flops / (peak * MATMUL_EFFICIENCY)
-        return max(compute_s, memory_s, KERNEL_FLOOR_S)
-    return max(memory_s, KERNEL_FLOOR_S)
+        return max(compute_s, memory_s, floor_s)
+    return max(memory_s, floor_s)
 
 
-def trace_seconds(tr: Trace, device: DeviceSpec, matmul_dtype: str) -> tuple[float, float]:
+def trace_seconds(tr: Trace, device: DeviceSpec, matmul_dtype: str,
+                  floor_s: float = KERNEL_FLOOR_S) -> tuple[float, float]:
     """``(forward, backward)`` seconds of a traced layer."""
-    return (sum(op_seconds(op, device, matmul_dtype) for op in tr.forward),
-            sum(op_seconds(op, device, matmul_dtype) for op in tr.backward))
+    return (sum(op_seconds(op, device, matmul_dtype, floor_s) for op in tr.forward),
+            sum(op_seconds(op, device, matmul_dtype, floor_s) for op in tr.backward))
 
 
 def cached_trace(kind: str, key: tuple, micro_batch: int, tp: int) -> Trace:
@@ -465,16 +467,17 @@ class LayerCosts:
 
 
 def layer_costs(kind: str, key: tuple, device: DeviceSpec, matmul_dtype: str, tp_degrees: Sequence[int],
-                *, micro_batches: Sequence[int] = MICRO_BATCHES) -> LayerCosts:
+                *, micro_batches: Sequence[int] = MICRO_BATCHES, floor_s: float = KERNEL_FLOOR_S) -> LayerCosts:
     """Times at each micro-batch size (tp 1 and each degree of ``tp_degrees``) and activation bytes per sample."""
     timings = []
     for mb in micro_batches:
-        f, b = trace_seconds(cached_trace(kind, key, mb, 1), device, matmul_dtype)
+        f, b = trace_seconds(cached_trace(kind, key, mb, 1), device, matmul_dtype, floor_s)
         timings.append((mb, f, b))
     tp_timings: dict[int, tuple[tuple[int, float], ...]] = {}
     for t in tp_degrees:
         if t > 1:
-            tp_timings[t] = tuple((mb, sum(trace_seconds(cached_trace(kind, key, mb, t), device, matmul_dtype)))
+            tp_timings[t] = tuple((mb, sum(trace_seconds(cached_trace(kind, key, mb, t), device, matmul_dtype,
+                                                             floor_s)))
                                   for mb in micro_batches)
     act1 = cached_trace(kind, key, 1, 1).saved_bytes
     fraction = 1.0
@@ -539,7 +542,7 @@ def roofline_profile(spec: Any, cluster: Any, flat: Any) -> Any:
                 shared_ffn=spec.shared_expert_ffn),)
             kind = "block"
         tps = [t for t in lp.tp_degrees if t <= cluster.devices_per_node]
-        costs = layer_costs(kind, key, device, mm, tps)
+        costs = layer_costs(kind, key, device, mm, tps, floor_s=cluster.kernel_floor_us * 1e-6)
         overheads = []
         for t, rows in costs.tp_timings.items():
             for (mb, seconds), (_, f1, b1) in zip(rows, costs.timings):
