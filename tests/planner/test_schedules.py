@@ -1,47 +1,50 @@
-"""Schedule math (planner/cost/schedules.py) against torch 2.13's own action lists."""
+"""Schedule math (planner/cost/schedules.py) against torch 2.13's own action lists, and the planner's time formula
+(planner/cost/pipeline.py, through ``CandidateCosts.tpi_s``) against those lists played out (``pipeline_sim``) at
+larger hand-offs, 8 device groups and lopsided stages."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
+from pipeline_sim import planner_tpi, simulate
 
-from uniap_lightning.planner.cost.torch_orders import torch_pipeline_order
 from uniap_lightning.planner.cost.schedules import (
     SCHEDULES,
     group_of_stage,
     in_flight,
     in_flight_of_order,
-    shape,
-    simulate,
     stages_of_group,
 )
+from uniap_lightning.planner.cost.torch_orders import torch_pipeline_order
 
 pytest.importorskip("torch.distributed.pipelining")
 
 V_OF = {"1": (1,), ">=2": (2, 3), "2": (2,)}
 RATIOS = ((1.0, 1.0, 1.0), (1.0, 2.0, 0.0), (1.0, 1.0, 0.5), (1.0, 1.5, 1.5))
 
-# Relative gap (shape - simulated) / simulated, measured on the grids below: (lowest, highest) allowed.
-# Negative = the linear shape underestimates torch's order; those are reported, not hidden.
+# Relative gap (formula - simulated) / simulated of the planner's formula, measured on the grids below: (lowest,
+# highest) allowed. Negative = the formula underestimates torch's order; those are reported, not hidden: 1F1B falls
+# up to 7% under it with equal stages and hand-offs of 0.3 t (pipeline.py's docstring: the round-trip row that
+# would lift it is not in the program), ZB-V up to 18% with w > f or hand-offs (torch's greedy V order).
 EQUAL_GAP = {
     "gpipe": (0.0, 0.0),
-    "1f1b": (0.0, 0.02),
+    "1f1b": (-0.071, 0.0),
     "interleaved_1f1b": (0.0, 0.053),
     "zb_h1": (-0.083, 0.0),
     "interleaved_zb": (-0.057, 0.037),
-    "zb_v": (-0.165, 0.041),
-    "dualpipe_v": (-0.063, 0.0),
+    "zb_v": (-0.181, 0.041),
+    "dualpipe_v": (-0.080, 0.0),
 }
 # gpipe underestimates unequal stages: (m - 1) max(f + b) < (m - 1)(max f + max b) when the maxima differ.
 RANDOM_GAP = {
     "gpipe": (-0.044, 0.0),
     "1f1b": (-0.002, 0.175),
     "interleaved_1f1b": (-0.036, 0.445),
-    "zb_h1": (0.0, 0.15),
-    "interleaved_zb": (0.031, 0.457),
-    "zb_v": (0.021, 0.357),
-    "dualpipe_v": (0.016, 0.34),
+    "zb_h1": (-0.025, 0.085),
+    "interleaved_zb": (0.025, 0.402),
+    "zb_v": (-0.034, 0.342),
+    "dualpipe_v": (0.007, 0.319),
 }
 # With several stages per group the forms price every chunk as long as its group's longest (T >= v p_k): torch's
 # orders assume equal chunks, and without that row the forms fell up to 20% under the simulation here and 30-44%
@@ -109,19 +112,16 @@ def test_in_flight_equals_torch_order(orders):
 
 
 def _gap(name, p, v, m, order, f, b, w, o):
-    placement = SCHEDULES[name].placement
-    groups = [group_of_stage(k, p, v, placement) for k in range(p * v)]
     sim, busy = simulate(order, f, b, w, o)
     assert sim >= max(busy.values()) - 1e-9
-    pk = [x + y + z for x, y, z in zip(f, b, w)]
-    return shape(name, p, v, m).tpi(pk, w, o, groups) / sim - 1
+    return planner_tpi(name, p, v, m, f, b, w, o) / sim - 1
 
 
-def test_shape_on_equal_stages(orders):
+def test_planner_formula_on_equal_stages(orders):
     worst = {}
     for (name, p, v, m), order in orders.items():
         if m < p:
-            continue  # the shapes assume m >= p (torch's single short round is not modelled)
+            continue  # the formulas assume m >= p (torch's single short round is not modelled)
         n = p * v
         for fr, br, wr in RATIOS:
             if not SCHEDULES[name].split_backward:
@@ -134,7 +134,7 @@ def test_shape_on_equal_stages(orders):
                     assert abs(gap) < 1e-9, (name, p, v, m, fr, br, wr, o, gap)
                 lo, hi = EQUAL_GAP[name]
                 assert lo - 1e-9 <= gap <= hi + 1e-9, (name, p, v, m, fr, br, wr, o, gap)
-                w_lo, w_hi = worst.get(name, (0.0, 0.0))
+                w_lo, w_hi = worst.get(name, (float("inf"), float("-inf")))
                 worst[name] = (min(w_lo, gap), max(w_hi, gap))
     print("equal stages, (min, max) relative gap:", {k: (round(a, 4), round(b, 4)) for k, (a, b) in worst.items()})
 
@@ -149,7 +149,7 @@ def _random_stages(rng, name, n, low, high):
     return f, b, w, o
 
 
-def test_shape_on_random_stages(orders):
+def test_planner_formula_on_random_stages(orders):
     rng = random.Random(25)
     worst = {}
     for (name, p, v, m), order in orders.items():
@@ -160,7 +160,7 @@ def test_shape_on_random_stages(orders):
             gap = _gap(name, p, v, m, order, *_random_stages(rng, name, n, 0.5, 1.5))
             lo, hi = RANDOM_GAP[name]
             assert lo - 1e-9 <= gap <= hi + 1e-9, (name, p, v, m, gap)
-            w_lo, w_hi = worst.get(name, (0.0, 0.0))
+            w_lo, w_hi = worst.get(name, (float("inf"), float("-inf")))
             worst[name] = (min(w_lo, gap), max(w_hi, gap))
     print("random stages, (min, max) relative gap:", {k: (round(a, 4), round(b, 4)) for k, (a, b) in worst.items()})
 

@@ -17,19 +17,25 @@ zb_v, dualpipe_v     ``(sum p - 2 sum w + sum o) / v + 2 sum w / S + (m - 1/v) T
 
 Hand-offs ``sum o``: a looped placement (interleaved) pays all ``S - 1`` of them in full, since a micro-batch's
 first and last chunks cross every boundary; the V placement turns on one device group and pays them ``/ v``.
-Compared with the simulation below at hand-offs up to half a stage, counting them ``/ v`` in a looped placement
-underestimated by up to 13%, in full by up to 9%. For 1F1B the simulation also suggests a second floor,
-``T >= (sum p + sum o) / pp`` (at most ``pp`` micro-batches circulate), which would move its largest
-underestimate at such hand-offs from -4.5% to -2.3%; it is not in the program (a row for every 1F1B candidate for
-a case where hand-offs are half a stage's time).
+Compared with the simulation (:func:`~uniap_lightning.planner.cost.schedules.simulate_blocks`) at hand-offs up to
+half a stage, counting them ``/ v`` in a looped placement underestimated by up to 13%, in full by up to 9%. For 1F1B
+the simulation also suggests a second floor, ``T >= (sum p + sum o) / pp`` (at most ``pp`` micro-batches circulate),
+which would move its largest underestimate at such hand-offs from -4.5% to -2.3% (8 groups, 24 micro-batches,
+hand-offs of 0.12 t: -7%, ``tests/planner/test_schedules.py``); it is not in the program (a row for every 1F1B
+candidate for a case where hand-offs are half a stage's time).
 
-Each form equals a discrete-event simulation of torch's own action list (``pipeline_order`` of the schedule
-class) with equal stages, exactly for interleaved 1F1B, ZB-H1 and interleaved ZB at every ratio ``f : b : w``
-tried, within 4% for ZB-V and DualPipeV (equal ``f``, ``b``, ``w``: exact); with unequal stages (each stage's
-time drawn in +-30%, hand-offs up to 10% of a stage, 2-4 groups, micro-batch counts that are and are not
-multiples of ``pp``) within -13% .. +12% (``tests/planner/test_pipeline_shapes.py`` holds them to that). The zero-bubble forms put the weight-gradient time of the one stage whose ``W`` the
-schedule cannot hide at the stages' mean ``sum w / S`` instead of a maximum: exact for balanced stages, and it
-keeps the program as easy to solve as 1F1B's (a maximum made HiGHS take more than 60 s where 1F1B took 4 s).
+Each form equals a discrete-event simulation of torch's own action list (``pipeline_order`` of the schedule class;
+for GPipe and 1F1B the order their ``_step_microbatches`` runs) with equal stages and no hand-offs, exactly for
+GPipe, 1F1B, interleaved 1F1B, and ZB-H1 and interleaved ZB with ``w <= f``, within 6% for ZB-V and DualPipeV where
+the planner runs them (equal ``f``, ``b``, ``w`` from ``2 pp`` micro-batches: exact); GPipe also with unequal stages
+whose backward is one multiple of their forward, at any hand-off below a stage. With unequal stages (each stage's
+time drawn in +-30%, hand-offs up to 10% of a stage, 2-4 groups, 1-8 micro-batches) within -6% (GPipe) .. +35% (the
+multi-chunk forms, which price every chunk as long as its group's longest);
+``tests/planner/test_pipeline_shapes.py`` holds each schedule to its measured range,
+``tests/planner/test_pipeline_by_hand.py`` the forms to hand-computed numbers. The zero-bubble forms put the
+weight-gradient time of the one stage whose ``W`` the schedule cannot hide at the stages' mean ``sum w / S`` instead
+of a maximum: exact for balanced stages, and it keeps the program as easy to solve as 1F1B's (a maximum made HiGHS
+take more than 60 s where 1F1B took 4 s).
 
 Activations in flight: GPipe holds all ``m`` micro-batches; 1F1B ``min(m, pp - k)`` (with ``m < pp`` torch runs
 GPipe); every other schedule's from :func:`~uniap_lightning.planner.cost.schedules.in_flight`: per stage, the most

@@ -1,40 +1,20 @@
-"""Pipeline schedules as numbers: placement, in-flight activations, a linear time shape, and a simulator.
+"""Pipeline schedules as numbers: placement, torch's rules, in-flight activations, and a simulator.
 
 Torch-free on purpose: the planner imports it without torch; ``tests/planner/test_schedules.py`` checks every
 number here against torch 2.13's own action lists (``pipeline_order``).
 
 Vocabulary: ``p`` device groups, ``v`` chunks per group, ``S = p * v`` stages in chain order, ``m`` micro-batches.
 Placement "loop": stage k on group k % p; "v": stage k on group k for k < p, else 2p - 1 - k.
-Per stage k and micro-batch: forward f_k, backward-input b_k, backward-weight w_k, ``p_k = f_k + b_k + w_k``;
-hand-off o_j across boundary j (stage j -> j + 1, forward plus backward p2p). ``P_g`` = sum of p_k on group g.
+Per stage k and micro-batch: forward f_k, backward-input b_k, backward-weight w_k;
+hand-off o_j across boundary j (stage j -> j + 1, forward plus backward p2p).
 
 In-flight rule: a micro-batch's activations on stage k are held from its F until its full backward B, or, for the
 split schedules, until its W (W still needs the saved inputs). ``in_flight`` is the peak count per stage.
 
-Time per iteration (end-of-step sync excluded) as a linear shape the MILP can use::
-
-    TPI = a_p * sum_k p_k + a_w * sum_k w_k + a_o * sum_j o_j + b_T * T + b_W * Wmax
-    T >= P_g for every group g,  T >= v * o_j for every boundary j,  Wmax >= w_k for every stage k
-    1f1b also:  T >= (sum p + sum o) / p   (a micro-batch's round trip, shared by the p in flight on stage 0)
-    v > 1 also: T >= v * p_k for every stage k (torch's multi-chunk orders assume a group's chunks take equal
-                time; a longer chunk holds up every stage waiting on it: without this row a search put a 133 ms
-                chunk beside 9 ms ones and the forms fell 30-44% under the simulation of its plans)
-
-Coefficients per schedule (see ``shape``; the test gives the measured gap to ``simulate`` of torch's order):
-  gpipe / 1f1b:       sum p + sum o + (m - 1) T     gpipe exact for equal stages; 1f1b exact with o = 0 and an
-                      upper bound (<= +2%) with hand-offs thanks to the round-trip row above (without it, today's
-                      formula fell up to 6% under the simulation at o = 0.3 t, more with larger m)
-  interleaved_1f1b:   (1/v) sum p + sum o + (m - 1/v) T              Megatron's (m v + p - 1) t for equal chunks
-  zb_h1 / interleaved_zb, zb_v, dualpipe_v:
-                      (1/v) sum (p - 2w) + sum o + 2 Wmax + (m - 1/v) T    the ZB paper's bubble (p-1)(f+b-w)
-Where this differs from the candidates first proposed ((1/v) sum o): the fill and drain of torch's orders cross
-every one of the S - 1 boundaries, not 1/v of them; with (1/v) sum o interleaved 1F1B fell up to 5.4% under the
-simulation with equal stages and o = 0.3 t, with sum o it is an upper bound (0 to +5.2%) and the zero-bubble
-forms fall less far under it.
-The ZB forms are exact with equal stages, o = 0, m >= p and w <= f on the loop placement; with w > f, with hand-offs
-or on the V placement torch's greedy orders differ from the paper's and the shape may fall under the simulation.
-The test asserts the measured relative bounds (EQUAL_GAP, RANDOM_GAP in tests/planner/test_schedules.py) and prints
-the gaps. All shapes assume m >= p.
+The time per iteration the planner prices is in :mod:`~uniap_lightning.planner.cost.pipeline` (one formula, no
+copy here). :func:`simulate_blocks` plays an action list out by discrete events and knows no formula: the tests
+(``tests/planner/test_pipeline_shapes.py``, ``test_schedules.py``) hold the formula to it for every schedule, and
+the plan picture (``planner.viz``) draws it.
 """
 
 from __future__ import annotations
@@ -202,62 +182,6 @@ def _interleaved_1f1b_in_flight(p: int, v: int, m: int) -> list[int]:
         for c in range(v):
             out[c * p + g] = peak[c]
     return out
-
-
-@dataclass(frozen=True)
-class ScheduleShape:
-    """Coefficients of TPI = a_p sum p + a_w sum w + a_o sum o + b_T T + b_W Wmax (T, Wmax epigraph variables)."""
-
-    a_p: float
-    a_w: float
-    a_o: float
-    b_T: float
-    b_W: float
-    v: int  # T >= v * o_j: every boundary is crossed v times per micro-batch by a group's chunks; T >= v * p_k:
-    #         the orders assume a group's chunks take equal time, a longer one holds up the stages waiting on it
-    cycle: float = 0.0  # T >= cycle * (sum p + sum o): 1F1B's round trip shared by the p micro-batches in flight
-
-    def tpi(
-        self, p_list: Sequence[float], w_list: Sequence[float], o_list: Sequence[float], groups: Sequence[int]
-    ) -> float:
-        """Evaluate on numbers; ``groups[k]`` is stage k's device group."""
-        load: dict[int, float] = {}
-        for k, pk in enumerate(p_list):
-            load[groups[k]] = load.get(groups[k], 0.0) + pk
-        rows = [*load.values(), *(self.v * o for o in o_list), *(self.v * pk for pk in p_list),
-                self.cycle * (sum(p_list) + sum(o_list))]
-        t = max(rows)
-        wmax = max(w_list, default=0.0)
-        return (
-            self.a_p * sum(p_list) + self.a_w * sum(w_list) + self.a_o * sum(o_list) + self.b_T * t + self.b_W * wmax
-        )
-
-
-def shape(schedule: str, p: int, v: int, m: int) -> ScheduleShape:
-    """The linear TPI shape of ``schedule`` at (p, v, m)."""
-    info = SCHEDULES[schedule]
-    if info.split_backward:
-        return ScheduleShape(1 / v, -2 / v, 1.0, m - 1 / v, 2.0, v)
-    if v == 1:
-        return ScheduleShape(1.0, 0.0, 1.0, m - 1.0, 0.0, 1, 1 / p if schedule == "1f1b" else 0.0)
-    return ScheduleShape(1 / v, 0.0, 1.0, m - 1 / v, 0.0, v)
-
-
-def simulate(
-    order: Mapping[int, Sequence[Action | None]],
-    f: Sequence[float],
-    b: Sequence[float],
-    w: Sequence[float],
-    o: Sequence[float],
-) -> tuple[float, dict[int, float]]:
-    """Makespan and per-group busy time of an action list, by discrete events (:func:`simulate_blocks`)."""
-    blocks = simulate_blocks(order, f, b, w, o)
-    busy = {g: 0.0 for g in order}
-    end = 0.0
-    for g, _kind, _mb, _k, start, dur in blocks:
-        busy[g] += dur
-        end = max(end, start + dur)
-    return end, busy
 
 
 def simulate_blocks(
