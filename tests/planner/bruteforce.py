@@ -107,8 +107,6 @@ def brute_force(problem: Problem, *, candidate: tuple[int, int] | None = None) -
             b = problem.training.global_batch_size // c
             if candidate is not None and (pp, c) != candidate:
                 continue
-            if pp > 1 and b % n:
-                continue
             options = [strategies_for(lp, n, problem.cluster, b, compression=problem.compression) for lp in layers]
             if not all(options):
                 continue

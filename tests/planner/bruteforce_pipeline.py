@@ -37,7 +37,7 @@ def brute_force_candidate(problem: Problem, pp: int, c: int, schedule: str, v: i
     L, S = len(layers), pp * v
     n = problem.num_devices // pp
     b = problem.training.global_batch_size // c
-    if S > L or (pp > 1 and b % n):
+    if S > L:
         return None
     # the strategies the runtime runs under this schedule (zero-bubble: planner.schedule_rules)
     options = [[s for s in strategies_for(lp, n, problem.cluster, b, compression=problem.compression)

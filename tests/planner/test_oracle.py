@@ -173,3 +173,25 @@ def test_grouped_and_per_layer_milp_agree_per_candidate(seed):
                 assert b.objective_s == pytest.approx(a.objective_s, rel=1e-6), (pp, c)
                 checked += 1
     assert checked > 0
+
+
+# Micro-batches smaller than a stage with pp > 1 (issue 39): the stage boundaries cut the micro-batch into
+# g = gcd(b, n) chunks, each held by n / g lanes (tp and cp ranks share a chunk). (seed, nodes, devices per node,
+# memory GiB, batch), each checked to have such an optimum: dp 2 x tp 2 layers next to a tp 4 one (b = 2 < n = 4:
+# the tp 4 layer gathers at the boundary), ZeRO-2 dp 2 x tp 2 next to tp 4, and tp 2 stages with one sample (b = 1).
+SMALL_MICROBATCH = [(12, 2, 4, 1.0, 8), (20, 2, 4, 1.0, 8), (24, 1, 4, 1.0, 8)]
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+@pytest.mark.parametrize("case", SMALL_MICROBATCH, ids=lambda c: f"seed{c[0]}-{c[1]}x{c[2]}-b{c[4]}")
+def test_milp_matches_brute_force_with_micro_batches_smaller_than_a_stage(case, solver):
+    seed, nodes, per_node, memory_gib, batch = case
+    problem = random_problem(seed, num_layers=3, nodes=nodes, per_node=per_node, batch=batch, memory_gib=memory_gib)
+    oracle = brute_force(problem)
+    assert oracle is not None
+    assert oracle.pp > 1 and oracle.micro_batch_size < oracle.devices_per_stage, (oracle.pp, oracle.micro_batch_size)
+    assert oracle.estimate.boundary_s[0] > 0
+    plan = search(problem, solver=solver, time_limit_s=60)
+    assert plan.solver.status == "optimal"
+    assert plan.solver.objective_s == pytest.approx(plan.estimate.tpi_s, rel=1e-6)
+    assert plan.estimate.tpi_s == pytest.approx(oracle.estimate.tpi_s, rel=1e-6)

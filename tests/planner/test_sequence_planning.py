@@ -279,7 +279,8 @@ def test_zero_bubble_schedules_refuse_zero_modes_over_context_ranks_too():
 def test_the_last_layer_gathers_whole_sequences_for_the_loss():
     """The runtime computes the loss on whole sequences where the chain ends: a last layer with cp > 1 pays an
     all-gather of its output over its cp ranks and keeps the gathered output, less the loss input (this rank's
-    b / n samples) that every plan holds; the same layer elsewhere does not."""
+    chunk of the boundary layout: b / g samples, g = gcd(b, n); here b = 2 < n = 4, so one whole sample) that every
+    plan holds; the same layer elsewhere does not."""
     from uniap_lightning.planner.cost.comm import all_gather_s
 
     problem = _repeated_sequence_problem(0, 40.0, ring=False)  # "ABBB": the last block equals the middle ones
@@ -288,7 +289,8 @@ def test_the_last_layer_gathers_whole_sequences_for_the_loss():
     middle, last = t.terms(1, s), t.terms(3, s)
     whole = problem.model.layers[3].output_bytes * t.b / s.dp
     assert last.time_s - middle.time_s == pytest.approx(all_gather_s(problem.cluster, whole, 4, False))
-    loss_input = problem.model.layers[3].output_bytes * t.b / t.n
+    assert (t.b, t.n, t.edge) == (2, 4, 2)
+    loss_input = problem.model.layers[3].output_bytes * t.b / t.edge
     assert last.activation_bytes - middle.activation_bytes == pytest.approx(whole - loss_input)
     assert whole - loss_input > 0
     assert t.terms(3, Strategy(4, 1)) == t.terms(1, Strategy(4, 1))

@@ -292,6 +292,10 @@ FOUR_RANKS = {
                                                                {"cp": 4}, {"dp": 2, "cp": 2}], microbatches=2,
                                                               batch=4)},
     "cp2_pp2": {**GPT, "plan": _plan4([CP2] * 4, [0, 0, 1, 1], pp=2, microbatches=2)},
+    # one sample per micro-batch on two stages of 2 lanes (issue 39): both lanes of a stage hold the sample at its
+    # boundaries; cp 2 and tp 2 layers share it
+    "cp2_tp2_pp2_one_sample": {**GPT, "batch": 2, "plan": _plan4([CP2, {"tp": 2}, CP2, {"tp": 2}], [0, 0, 1, 1], pp=2,
+                                                                 microbatches=2, batch=2)},
 }
 FOUR_RANKS_SLOW = {
     # (no sequence split) a vocabulary-parallel embedding replicated over dp: DTensor's replicated gradient is kept

@@ -67,6 +67,14 @@ def stage_ranks(group: int, devices_per_stage: int) -> range:
     return range(group * devices_per_stage, (group + 1) * devices_per_stage)
 
 
+def boundary_chunks(micro_batch: int, devices_per_stage: int) -> int:
+    """The boundary layout (any ``pp``): a stage starts and ends with its micro-batch cut into ``g = gcd(b, n)``
+    chunks of ``b / g`` whole samples, chunk ``r // (n / g)`` on lane ``r`` (``n / g`` consecutive lanes hold each;
+    ``g = n`` when ``n`` divides ``b``), so lane ``r`` sends its chunk to lane ``r`` of the next stage. The runtime
+    (:func:`~uniap_lightning.runtime.mesh.boundary_layout`) and the cost tables read it from here."""
+    return math.gcd(micro_batch, devices_per_stage)
+
+
 def check_schedule(schedule: str, virtual_stages: int, where: str = "plan") -> None:
     """``schedule`` is known and ``virtual_stages`` is one it runs with; UniAPError naming both else."""
     if schedule not in SCHEDULE_LAYOUTS:
@@ -210,6 +218,12 @@ class Plan:
     def micro_batch_size(self) -> int:
         return self.global_batch_size // self.microbatches
 
+    @property
+    def boundary_chunks(self) -> int:
+        """Into how many chunks a micro-batch is cut where stages start and end (and at the loss):
+        :func:`boundary_chunks` of the micro-batch and the devices per stage."""
+        return boundary_chunks(self.micro_batch_size, self.devices_per_stage)
+
     # ------------------------------------------------------------------ layout: the one place it is computed
     # Every module asks these (meshes, pipeline, rebalance, monitor, cost tables); none works it out itself.
     # A *stage* is one pipeline stage in chain order (``num_stages = pp * virtual_stages`` of them, each a torch
@@ -340,12 +354,9 @@ class Plan:
             expected_first = last + 1
         if expected_first != len(self.layers):
             raise UniAPError(f"plan stages cover {expected_first} layers but the plan lists {len(self.layers)}")
+        # any pp: at stage boundaries the micro-batch is cut into gcd(mb, n) chunks, each held by n / gcd lanes
+        # (:attr:`boundary_chunks`); only each layer's data ranks must split it (below)
         mb = self.micro_batch_size
-        if self.pp > 1 and mb % n:
-            raise UniAPError(
-                f"plan micro-batch size {mb} is not divisible by the {n} devices per stage: with pp > 1 every rank "
-                "of a stage holds micro_batch_size / devices_per_stage samples at stage boundaries"
-            )
         for u, lp in enumerate(self.layers):
             first, last = self.stages[lp.stage].layers if 0 <= lp.stage < self.num_stages else (-1, -1)
             if not first <= u <= last:

@@ -37,12 +37,12 @@ def layout_of(plan: Plan, u: int) -> tuple[int, int, int]:
 
 def boundary_layout(plan: Plan) -> tuple[int, int, int]:
     """The layout every stage starts and ends with: whole sequences, the micro-batch split over the ``n`` lanes
-    (``(n, 1, 1)``); a micro-batch smaller than ``n`` (one stage per device group: ``pp = 1``, what makes context
-    parallelism worth its all-to-alls) is split into ``g = gcd(b, n)`` chunks, each held by ``n / g`` lanes."""
-    import math
-
+    (``(n, 1, 1)``); a micro-batch smaller than ``n`` (or one ``n`` does not divide; any ``pp``: tp and cp ranks
+    share a micro-batch) is split into ``g = gcd(b, n)`` chunks, each held by ``n / g`` consecutive lanes
+    (:attr:`Plan.boundary_chunks`). Pipeline lane ``r`` sends its chunk to lane ``r`` of the next stage, which holds
+    the same chunk there."""
     n = plan.devices_per_stage
-    g = math.gcd(plan.micro_batch_size, n)
+    g = plan.boundary_chunks
     return (g, 1, n // g)
 
 

@@ -2,9 +2,10 @@
 
 Each rank feeds its *lane's* share of the batch: the global batch (every rank loads the same one) is cut into
 ``c`` micro-batches of ``b`` samples, each micro-batch into ``n`` slices, and the rank at stage position ``r``
-takes slice ``r`` of every micro-batch (a micro-batch smaller than ``n``, with ``pp = 1``: ``g = gcd(b, n)`` slices,
+takes slice ``r`` of every micro-batch (a micro-batch smaller than ``n``, any ``pp``: ``g = gcd(b, n)`` slices,
 slice ``r // (n / g)``, so ``n / g`` lanes hold each; their equal losses average out in the global mean). Lane
-``r`` is a pipeline over ranks ``r, n+r, ...`` with its own process group, so the ``n`` lanes run side by side.
+``r`` is a pipeline over ranks ``r, n+r, ...`` with its own process group, so the ``n`` lanes run side by side
+(lanes holding the same slice send the same activations down their own pipelines).
 
 A rank runs every pipeline stage its device group holds (``virtual_stages`` of them, placed by the schedule: loop
 or V), one ``PipelineStage`` each, through the plan's torch schedule class (:data:`SCHEDULE_CLASSES`). Evaluation
@@ -110,9 +111,7 @@ def _lane_slice_tensor(t: torch.Tensor, plan: Plan, lane: int) -> torch.Tensor:
 def _chunks_per_microbatch(plan: Plan) -> int:
     """How many slices a micro-batch is cut into at stage boundaries: ``n``, or ``gcd(b, n)`` for a micro-batch
     smaller than that (each slice then held by ``n / g`` lanes; :func:`~.mesh.boundary_layout`)."""
-    import math
-
-    return math.gcd(plan.micro_batch_size, plan.devices_per_stage)
+    return plan.boundary_chunks
 
 
 def unslice(local: torch.Tensor, plan: Plan, gathered: list[torch.Tensor]) -> torch.Tensor:

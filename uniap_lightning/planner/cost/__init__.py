@@ -8,8 +8,9 @@ Formulas (see ``planner.md`` and the README's "Cost model" section); the per-lay
 * FSDP (shard, d > 1): all-gather of the weights in forward and backward, reduce-scatter of the gradients,
   every micro-batch; DP (replicate, d > 1): one gradient all-reduce per iteration;
 * resharding when ``d`` changes between neighbours (inside a stage, and to/from the stage-boundary layout in
-  which every rank of a stage holds ``b / n`` samples): one all-gather of the boundary activation;
-* stage boundary: point-to-point send of ``output_bytes * b / n`` per rank, forward and backward;
+  which the micro-batch is cut into ``g = gcd(b, n)`` chunks, ``b / g`` samples on each of ``n / g`` ranks):
+  one all-gather of the boundary activation;
+* stage boundary: point-to-point send of ``output_bytes * b / g`` per rank, forward and backward;
 * memory: weights + gradients + optimizer state ``/ t`` (and ``/ d`` when sharded), the largest gathered
   FSDP layer, and activations times the micro-batches in flight (``c`` for GPipe, ``min(c, pp - i)`` for 1F1B);
 * ``TPI = sum_i p_i + sum_j o_j + (c - 1) * max(p_i, o_j) + max_i sync_i``.

@@ -52,11 +52,6 @@ def evaluate(problem: Problem, plan: Plan, *, check_strategies: bool = True) -> 
     check_plan_matches(problem, plan)
     cl = problem.cluster
     pp, c, n, b = plan.pp, plan.microbatches, plan.devices_per_stage, plan.micro_batch_size
-    if pp > 1 and b % n:
-        raise UniAPError(
-            f"micro-batch size {b} must be divisible by the {n} devices per stage when pp > 1 (stage boundaries "
-            "split the micro-batch over every rank of a stage)"
-        )
     costs = CandidateCosts(problem, pp, c, schedule=plan.schedule, virtual_stages=plan.virtual_stages,
                            compression_options=plan.compression_options)
     strat = [lp.strategy for lp in plan.layers]

@@ -51,7 +51,7 @@ from uniap_lightning.planner.cost.layer import (
 )
 from uniap_lightning.planner.cost.pipeline import pipeline_shape
 from uniap_lightning.planner.cost.schedules import SCHEDULES
-from uniap_lightning.planner.plan import group_of_stage
+from uniap_lightning.planner.plan import boundary_chunks, group_of_stage
 from uniap_lightning.planner.problem import Problem
 
 
@@ -111,12 +111,12 @@ class CandidateCosts:
         not where the profile says ``loss_on_pieces``: the loss then runs on each rank's piece):
         a last layer with its sequence split all-gathers its output over its ``cp`` ranks in forward (its gradient
         is a local slice) and keeps the whole-sequence output for the loss's backward. The loss's own input (this
-        rank's ``b / n`` samples, a view of it) every plan holds and no layer counts, so the layer adds the rest
-        (measured, ``benchmarks/memory_sequence.py``)."""
+        rank's chunk of the boundary layout, ``b / g`` samples, a view of it) every plan of the candidate holds and
+        no layer counts, so the layer adds the rest (measured, ``benchmarks/memory_sequence.py``)."""
         cluster = self.problem.cluster
         whole = self.layers[u].output_bytes * self.b / s.dp
         gather = all_gather_s(cluster, whole, s.cp, s.cp * s.tp > cluster.devices_per_node)
-        kept = whole - self.layers[u].output_bytes * self.b / self.n
+        kept = whole - self.layers[u].output_bytes * self.b / self.edge
         return replace(cost, time_s=cost.time_s + gather, comm_s=cost.comm_s + gather,
                        activation_bytes=cost.activation_bytes + kept)
 
@@ -125,19 +125,28 @@ class CandidateCosts:
         (``d_to``) on one stage."""
         return reshard_s(self.problem.cluster, self.layers[u].output_bytes, self.b, d_from, d_to)
 
+    @property
+    def edge(self) -> int:
+        """The boundary layout's batch split ``g = gcd(b, n)`` (:func:`~uniap_lightning.planner.plan.boundary_chunks`:
+        ``n`` when ``n`` divides the micro-batch; else each of the ``g`` chunks is held by ``n / g`` lanes). Every
+        layer's ``dp`` divides it, so entering a stage gathers (or keeps) and leaving it slices."""
+        return boundary_chunks(self.b, self.n)
+
     def send_s(self, u: int, j: int) -> float:
         """Point-to-point send of layer ``u``'s output across boundary ``j`` (forward) and its gradient (backward);
-        every rank of the stage sends its ``b / n`` samples to the rank of the next stage's group."""
+        every rank of the stage sends its chunk, ``b / g`` samples, to the same lane of the next stage's group (the
+        ``n / g`` lanes holding one chunk each send it, side by side)."""
         inter = boundary_inter_node(self.problem.cluster, self.n, self._group[j], self._group[j + 1])
-        return 2 * p2p_s(self.problem.cluster, self.layers[u].output_bytes * self.b / self.n, inter)
+        return 2 * p2p_s(self.problem.cluster, self.layers[u].output_bytes * self.b / self.edge, inter)
 
     def boundary_out_s(self, u: int, d_last: int, j: int) -> float:
-        """Layer ``u`` (split ``d_last``) ends stage ``j``: reshard to the boundary layout (``n``), then send."""
-        return self.reshard_s(u, d_last, self.n) + self.send_s(u, j)
+        """Layer ``u`` (split ``d_last``) ends stage ``j``: reshard to the boundary layout (:attr:`edge`), then
+        send."""
+        return self.reshard_s(u, d_last, self.edge) + self.send_s(u, j)
 
     def boundary_in_s(self, u: int, d_first: int) -> float:
         """Layer ``u + 1`` (split ``d_first``) starts the next stage: reshard from the boundary layout."""
-        return self.reshard_s(u, self.n, d_first)
+        return self.reshard_s(u, self.edge, d_first)
 
     def boundary_s(self, u: int, d_last: int, d_first: int, j: int) -> float:
         """Boundary ``j`` falls after layer ``u``: leaving plus entering."""
@@ -320,9 +329,9 @@ class CostTables(CandidateCosts):
 
     @property
     def feasible_shape(self) -> bool:
-        """Every layer has at least one strategy, and stage boundaries can split the micro-batch over n."""
-        return (all(self.strategies) and (self.pp == 1 or self.b % self.n == 0)
-                and len(self.layers) >= self.stages)
+        """Every layer has at least one strategy (its ``dp`` divides the micro-batch) and every stage a layer;
+        the micro-batch may be smaller than a stage (the boundary layout's chunks, :attr:`edge`)."""
+        return all(self.strategies) and len(self.layers) >= self.stages
 
     def layer_key(self, u: int) -> tuple:
         """Everything the table knows about layer ``u``: two layers with equal keys are interchangeable."""

@@ -29,7 +29,7 @@ def uniform_plan(problem: Problem, pp: int, c: int, s: Strategy, schedule: str |
     n = problem.num_devices // pp
     b = problem.training.global_batch_size // c
     layers = problem.model.layers
-    if pp * virtual_stages > len(layers) or (pp > 1 and b % n):
+    if pp * virtual_stages > len(layers):
         return None
     distinct = {id(lp): lp for lp in costing_layers(problem.model)}.values()  # identical blocks: checked once
     if any(s not in strategies_for(lp, n, problem.cluster, b) for lp in distinct):
