@@ -29,6 +29,8 @@ SHIPPED = {"a100_40gb", "a100_80gb", "h100_sxm", "h200", "gh200", "v100_16gb", "
 def _shape(**kw: object) -> R.BlockShape:
     base = dict(seq_len=256, hidden=128, heads=4, kv_heads=4, ffn=512, attended=256, cross_attention=False,
                 gated_mlp=False, bias=True, flash_attention=False, dropout=0.0, dtype=torch.float32)
+    if "dropout" in kw and "attention_dropout" not in kw:
+        kw["attention_dropout"] = kw["dropout"]
     return R.BlockShape(**{**base, **kw})
 
 
@@ -93,6 +95,10 @@ def test_dropout_adds_its_masks_and_one_kernel_each_way() -> None:
     names = [op.name for op in dropped.forward]
     assert names.count("aten.native_dropout") == 3 and "aten.bernoulli_" not in names
     assert dropped.saved_bytes > plain.saved_bytes
+    outputs_only = R.trace(R.block_forward(_shape(dropout=0.1, attention_dropout=0.0), 1, 1))
+    assert [op.name for op in outputs_only.forward].count("aten.native_dropout") == 2
+    # the probabilities' dropout keeps a mask and a dropped copy of the a x s x s scores
+    assert dropped.saved_bytes - outputs_only.saved_bytes >= 4 * 256 * 256 * (1 + 4)
 
 
 def test_traces_at_larger_micro_batches_extend_linearly_and_exactly() -> None:

@@ -77,8 +77,11 @@ class ModelSpec:
     channels: int = 3
     bias: bool = True
     flash_attention: bool = False  # fused attention keeps no s x s matrices for backward (Dao et al. 2022)
-    #: dropout probability after attention scores, attention and MLP outputs (the roofline model traces it)
+    #: dropout probability on the embedding and the attention and MLP outputs (the roofline model traces it)
     dropout: float = 0.0
+    #: dropout probability on the attention probabilities (None: ``dropout``); unused with flash attention's
+    #: pricing, whose kernel applies it in place
+    attention_dropout: float | None = None
     #: fp32 models: matmuls on TF32 tensor cores (NGC containers, ``torch.backends.cuda.matmul.allow_tf32``)
     tf32: bool = False
     segments: tuple[Segment, ...] = ()
@@ -124,9 +127,13 @@ class ModelSpec:
         choice(self.dtype, "dtype", DTYPE_BYTES, where=where)
         choice(self.embedding, "embedding", ("token", "patch"), where=where)
         choice(self.head, "head", ("lm", "classifier"), where=where)
-        number(self.dropout, "dropout", low=0, high=1, where=where, unit="a probability below 1")
-        if self.dropout >= 1:
-            raise UniAPError(f"{where}dropout must be below 1, got {self.dropout}")
+        for key in ("dropout", "attention_dropout"):
+            value = getattr(self, key)
+            if key == "attention_dropout" and value is None:
+                continue
+            number(value, key, low=0, high=1, where=where, unit="a probability below 1")
+            if value >= 1:
+                raise UniAPError(f"{where}{key} must be below 1, got {value}")
         for key in ("gated_mlp", "bias", "flash_attention", "tf32"):
             flag(getattr(self, key), key, where=where)
         for key in ("family", "source"):

@@ -173,6 +173,7 @@ class BlockShape:
     flash_attention: bool
     dropout: float
     dtype: torch.dtype
+    attention_dropout: float = 0.0
     experts: int = 0
     top_k: int = 1
     shared_ffn: int = 0
@@ -230,7 +231,7 @@ def _attention(x: torch.Tensor, kv_source: torch.Tensor, shape: BlockShape, tp: 
         if causal:
             mask = torch.empty(1, 1, s, s_att, device="meta", dtype=torch.bool)
             scores = scores.masked_fill(mask, float("-inf"))
-        probs = _dropout(torch.softmax(scores, dim=-1), shape.dropout)
+        probs = _dropout(torch.softmax(scores, dim=-1), shape.attention_dropout)
         ctx = torch.bmm(probs.view(b * heads, s, s_att), v.reshape(b * heads, s_att, d)).view(b, heads, s, d)
     out = ctx.transpose(1, 2).reshape(b, s, heads * d)
     return _linear(out, heads * d, h, False, weights, shape.dtype)  # row-parallel: its bias after the all-reduce
@@ -538,7 +539,9 @@ def roofline_profile(spec: Any, cluster: Any, flat: Any) -> Any:
                 ffn=(spec.expert_ffn or seg.ffn) if spec.experts else seg.ffn,
                 attended=min(seg.window or seg.seq_len, seg.seq_len), cross_attention=seg.cross_attention,
                 gated_mlp=spec.gated_mlp, bias=spec.bias, flash_attention=spec.flash_attention,
-                dropout=spec.dropout, dtype=dtype, experts=spec.experts, top_k=spec.top_k if spec.experts else 1,
+                dropout=spec.dropout, dtype=dtype,
+                attention_dropout=spec.dropout if spec.attention_dropout is None else spec.attention_dropout,
+                experts=spec.experts, top_k=spec.top_k if spec.experts else 1,
                 shared_ffn=spec.shared_expert_ffn),)
             kind = "block"
         tps = [t for t in lp.tp_degrees if t <= cluster.devices_per_node]
