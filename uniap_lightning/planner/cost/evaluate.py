@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
 
-from uniap_lightning.planner.cost.layer import strategies_for
+from uniap_lightning.planner.cost.layer import cost_cache, strategies_for
 from uniap_lightning.planner.cost.tables import CandidateCosts
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.plan import COMPRESSIONS, Estimate, Plan
@@ -46,6 +46,7 @@ def check_plan_matches(problem: Problem, plan: Plan) -> None:
         )
 
 
+@cost_cache()  # identical blocks priced once (within the enclosing solve's cache, when there is one)
 def evaluate(problem: Problem, plan: Plan, *, check_strategies: bool = True) -> Estimate:
     """Score ``plan`` with the cost model (seconds, bytes). ``feasible`` is False when a stage exceeds memory."""
     plan.validate()

@@ -49,8 +49,10 @@ Measured overheads (timed with whole experts) are not used under ``ep > 1``; com
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
-from functools import lru_cache
 
 from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.planner.cost.comm import all_gather_s, all_reduce_s, all_to_all_s, p2p_s, reduce_scatter_s
@@ -87,13 +89,76 @@ class Pricing:
     dgc: bool = False  # top-k with DGC's momentum correction (compression_options.dgc_momentum > 0)
 
 
+class CostCache:
+    """What :func:`strategies_for` and :func:`layer_cost` computed, within one :func:`cost_cache` scope (one solve):
+    identical blocks of a model, the candidates that share a micro-batch size and stage size, the baselines'
+    restricted searches and the uniform plans all reuse the same entries. Keys are the functions' arguments (the
+    frozen profiles, strategies and pricing by value, the cluster by identity), so an entry is exactly what the
+    call would compute. Each map holds at most ``max_entries`` (then it starts over): bounded even within a solve."""
+
+    __slots__ = ("strategies", "layer_costs", "max_entries")
+
+    def __init__(self, max_entries: int = 400_000) -> None:
+        self.strategies: dict[tuple, tuple[Strategy, ...]] = {}
+        self.layer_costs: dict[tuple, LayerCost] = {}
+        self.max_entries = max_entries
+
+    def __len__(self) -> int:
+        return len(self.strategies) + len(self.layer_costs)
+
+    def clear(self) -> None:
+        self.strategies.clear()
+        self.layer_costs.clear()
+
+
+#: the cache of the scope this thread (or task) is in; None outside every scope (then nothing is cached)
+_SCOPE: ContextVar[CostCache | None] = ContextVar("uniap_cost_cache", default=None)
+
+
+@contextmanager
+def cost_cache() -> Iterator[CostCache]:
+    """A scope in which :func:`strategies_for` and :func:`layer_cost` reuse what they computed: ``solve``,
+    ``search``, the baselines, the uniform plans and ``evaluate`` open one (also as a decorator). Nested, it is the
+    scope already open; the outermost clears it on exit, so nothing outlives the solve (a process that re-plans,
+    or a test session, does not accumulate entries). Per thread: the context variable does not cross into threads
+    (the search's solver threads only hand finished tables to worker processes, which never price a layer)."""
+    cache = _SCOPE.get()
+    if cache is not None:
+        yield cache
+        return
+    cache = CostCache()
+    token = _SCOPE.set(cache)
+    try:
+        yield cache
+    finally:
+        _SCOPE.reset(token)
+        cache.clear()
+
+
+def current_cost_cache() -> CostCache | None:
+    """The cache of the :func:`cost_cache` scope open here, or None."""
+    return _SCOPE.get()
+
+
 def strategies_for(
     layer: LayerProfile, n: int, cluster: Cluster, micro_batch: int, *, compression: tuple[str, ...] = ("none",),
     sequence: bool = True,
 ) -> list[Strategy]:
     """Strategies with ``d * c * t = n`` that the layer allows on a stage of ``n`` devices (see
-    :func:`_strategies`); ``sequence=False`` leaves out context and sequence parallelism."""
-    return list(_strategies(layer, n, cluster, micro_batch, tuple(compression), sequence))
+    :func:`_strategies`); ``sequence=False`` leaves out context and sequence parallelism. Cached within a
+    :func:`cost_cache` scope."""
+    compression = tuple(compression)
+    cache = _SCOPE.get()
+    if cache is None:
+        return list(_strategies(layer, n, cluster, micro_batch, compression, sequence))
+    key = (layer, n, cluster, micro_batch, compression, sequence)
+    out = cache.strategies.get(key)
+    if out is None:
+        out = _strategies(layer, n, cluster, micro_batch, compression, sequence)
+        if len(cache.strategies) >= cache.max_entries:
+            cache.strategies.clear()
+        cache.strategies[key] = out
+    return list(out)
 
 
 def cp_methods(layer: LayerProfile, cp: int, t: int, cluster: Cluster) -> tuple[str, ...]:
@@ -118,7 +183,6 @@ def cp_methods(layer: LayerProfile, cp: int, t: int, cluster: Cluster) -> tuple[
     return tuple(out)
 
 
-@lru_cache(maxsize=100_000)
 def _strategies(layer: LayerProfile, n: int, cluster: Cluster, micro_batch: int, compression: tuple[str, ...],
                 sequence: bool = True) -> tuple[Strategy, ...]:
     """Strategies with ``d * c * t = n`` that the layer allows on a stage of ``n`` devices.
@@ -167,12 +231,22 @@ def layer_cost(
 ) -> LayerCost:
     """Layer terms under ``s``. ``micro_batch`` is a :class:`Pricing` or (older shape) the micro-batch size with
     ``n`` given; ``input_bytes`` is the per-sample size of the layer's input (the previous layer's output), what a
-    recomputed layer keeps for backward."""
+    recomputed layer keeps for backward. Cached within a :func:`cost_cache` scope."""
     pricing = micro_batch if isinstance(micro_batch, Pricing) else Pricing(micro_batch, n)
-    return _layer_cost(layer, Strategy(*s), pricing, cluster, training, input_bytes)
+    s = Strategy(*s)
+    cache = _SCOPE.get()
+    if cache is None:
+        return _layer_cost(layer, s, pricing, cluster, training, input_bytes)
+    key = (layer, s, pricing, cluster, training, input_bytes)
+    out = cache.layer_costs.get(key)
+    if out is None:
+        out = _layer_cost(layer, s, pricing, cluster, training, input_bytes)
+        if len(cache.layer_costs) >= cache.max_entries:
+            cache.layer_costs.clear()
+        cache.layer_costs[key] = out
+    return out
 
 
-@lru_cache(maxsize=400_000)
 def _layer_cost(
     layer: LayerProfile, s: Strategy, pr: Pricing, cluster: Cluster, training: TrainingConfig, input_bytes: float
 ) -> LayerCost:

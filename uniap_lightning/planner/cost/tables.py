@@ -57,7 +57,7 @@ from uniap_lightning.planner.problem import Problem
 
 def costing_layers(model) -> list:
     """The model's layers without their names (one shared object per distinct layer), so that identical blocks
-    share ``layer_cost``'s cache entries; cached on the model profile object."""
+    share ``layer_cost``'s cache entries (and are priced once per table); cached on the model profile object."""
     ids = [id(lp) for lp in model.layers]
     cached = getattr(model, "_costing_layers", None)
     if cached is not None and cached[0] == ids:
@@ -97,7 +97,8 @@ class CandidateCosts:
 
     # ------------------------------------------------------------------ per-layer and pair terms
     def terms(self, u: int, s: Strategy) -> LayerCost:
-        """Layer ``u``'s terms under strategy ``s`` (cached across candidates by ``layer_cost``); its input is
+        """Layer ``u``'s terms under strategy ``s`` (cached across candidates by ``layer_cost`` within a solve's
+        :func:`~uniap_lightning.planner.cost.layer.cost_cache`); its input is
         layer ``u - 1``'s output (the first layer's input, token ids, is taken as free)."""
         inp = self.layers[u - 1].output_bytes if u > 0 else 0.0
         cost = layer_cost(self._costed[u], s, self.pricing, cluster=self.problem.cluster,

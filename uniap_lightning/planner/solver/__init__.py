@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from uniap_lightning.planner.cost.evaluate import evaluate
+from uniap_lightning.planner.cost.layer import cost_cache
 from uniap_lightning.planner.plan import Plan
 from uniap_lightning.planner.problem import Problem, compression_methods
 from uniap_lightning.planner.solver.backend import Deadline, no_gc
@@ -43,7 +44,7 @@ def solve(
     """
     if compression is not None:
         problem = replace(problem, compression=compression_methods(compression))
-    with no_gc():
+    with no_gc(), cost_cache():  # the cost model's cache lives for this call (cost.layer.cost_cache)
         return _solve(problem, solver=solver, time_limit_s=time_limit_s, pp=pp, baselines=baselines,
                       progress=progress, warm_start=warm_start)
 

@@ -16,7 +16,7 @@ A baseline that no memory-feasible plan realizes is reported as ``None``.
 
 from __future__ import annotations
 
-from uniap_lightning.planner.cost.layer import Strategy
+from uniap_lightning.planner.cost.layer import Strategy, cost_cache
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.plan import Plan
 from uniap_lightning.planner.problem import Problem
@@ -27,6 +27,7 @@ from uniap_lightning.planner.solver.uniform import best_uniform
 BASELINES = ("ddp", "zero2", "fsdp", "megatron", "intra_only", "inter_only")
 
 
+@cost_cache()  # one cost cache for every baseline (the enclosing solve's, when there is one)
 def baseline_plans(
     problem: Problem, *, solver: str = "auto", time_limit_s: float = 30.0, deadline: Deadline | None = None
 ) -> dict[str, Plan | None]:

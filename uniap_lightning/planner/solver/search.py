@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from uniap_lightning.planner.cluster import GIB
 from uniap_lightning.planner.cost.evaluate import evaluate
-from uniap_lightning.planner.cost.layer import Strategy
+from uniap_lightning.planner.cost.layer import Strategy, cost_cache
 from uniap_lightning.planner.cost.tables import CostTables, TabulationStopped
 from uniap_lightning.errors import InfeasibleError, UniAPError
 from uniap_lightning.planner.plan import Plan, SolverInfo
@@ -190,6 +190,7 @@ def bubble_s(plan: Plan) -> float:
 
 
 @no_gc()  # also when called directly (tests, baselines): see no_gc
+@cost_cache()  # the cost model's cache: this search's (or the enclosing solve's), cleared when it ends
 def search(
     problem: Problem,
     *,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from uniap_lightning.planner.cost.evaluate import evaluate
-from uniap_lightning.planner.cost.layer import Strategy, strategies_for
+from uniap_lightning.planner.cost.layer import Strategy, cost_cache, strategies_for
 from uniap_lightning.planner.cost.tables import costing_layers
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.plan import Plan
@@ -38,6 +38,7 @@ def uniform_plan(problem: Problem, pp: int, c: int, s: Strategy, schedule: str |
                             pp=pp, microbatches=c, schedule=schedule, virtual_stages=virtual_stages)
 
 
+@cost_cache()  # the candidates share their layers' terms (within the enclosing solve's cache, when there is one)
 def best_uniform(
     problem: Problem, candidates: Iterable[tuple[int, int, Strategy]], *, deadline: Deadline | None = None,
     schedule: str | None = None, virtual_stages: int = 1,
