@@ -100,13 +100,16 @@ def _factory(path: str) -> Any:
     return getattr(importlib.import_module(mod), fn)
 
 
-def make_module(lr: float = 0.1, optimizer: str = "sgd", lm: str | None = None, factory: str | None = None,
+def make_module(lr: float | None = None, optimizer: str = "sgd", lm: str | None = None, factory: str | None = None,
                 **kwargs: Any) -> Any:
+    """The case's LightningModule: a factory's (given the case's ``lr`` when it names one), the LM chain or the MLP
+    chain (SGD with momentum or Adam + StepLR, ``lr`` 0.1 unless named)."""
     import lightning.pytorch as pl
 
     if factory is not None:
         torch.manual_seed(0)
-        return _factory(factory)(**kwargs)
+        return _factory(factory)(**kwargs, **({} if lr is None else {"lr": lr}))
+    lr = 0.1 if lr is None else lr
     if lm is not None:
         return make_lm_module(lm)
 
