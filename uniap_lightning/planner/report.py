@@ -29,10 +29,15 @@ DP_MODE_LABELS = {
 
 def schedule_table(plan: Plan) -> Table | None:
     """Per schedule and virtual stages the search priced: its best predicted time, the bubble that plan leaves on
-    its busiest device group, and how the search ended for it (None when the search priced one schedule only)."""
+    its busiest device group, and how the search ended for it (None when the search priced one schedule only).
+    The chosen plan's row is marked ``CHOSEN`` (once) and shows the chosen plan's own time and bubble: its search
+    record may hold none (the incumbent came from a baseline, so the solve for that candidate found "no better
+    plan")."""
+    chosen = (plan.schedule, plan.virtual_stages)
     best: dict[tuple[str, int], dict] = {}
     for r in plan.search:
-        key = (str(r.get("schedule", plan.schedule)), int(r.get("virtual_stages", 1)))
+        # a row without a schedule (a plan file before format 3, or a candidate the time limit left) is the plan's
+        key = chosen if r.get("schedule") is None else (str(r["schedule"]), int(r.get("virtual_stages", 1)))
         cur = best.setdefault(key, {"tpi_s": None, "bound_s": None, "bubble_s": None, "outcomes": set()})
         cur["outcomes"].add(str(r.get("outcome", "")))
         tpi, bound = r.get("tpi_s"), r.get("bound_s")
@@ -42,11 +47,16 @@ def schedule_table(plan: Plan) -> Table | None:
             cur["bound_s"] = bound
     if len(best) < 2:
         return None
+    if plan.estimate is not None:  # the chosen row: the chosen plan itself
+        from uniap_lightning.planner.solver.search import bubble_s
+
+        mine = best.setdefault(chosen, {"tpi_s": None, "bound_s": None, "bubble_s": None, "outcomes": set()})
+        mine["tpi_s"], mine["bubble_s"] = plan.estimate.tpi_s, bubble_s(plan)
     table = Table(title="Schedules (best candidate of each; same cost model)", title_justify="left")
     for col in ("schedule", "v", "ms / iteration", "bubble ms (share)", "lower bound ms", "search"):
         table.add_column(col, justify="left" if col in ("schedule", "search") else "right")
-    chosen = (plan.schedule, plan.virtual_stages)
-    for (name, v), cur in sorted(best.items(), key=lambda kv: (kv[1]["tpi_s"] is None, kv[1]["tpi_s"] or 0.0)):
+    for (name, v), cur in sorted(best.items(), key=lambda kv: (kv[0] != chosen, kv[1]["tpi_s"] is None,
+                                                               kv[1]["tpi_s"] or kv[1]["bound_s"] or 0.0)):
         tpi, bubble = cur["tpi_s"], cur["bubble_s"]
         share = f"{bubble * 1e3:,.2f} ({bubble / tpi:.0%})" if tpi and bubble is not None else "-"
         outcome = "CHOSEN" if (name, v) == chosen else ", ".join(sorted(o for o in cur["outcomes"] if o))
@@ -221,25 +231,59 @@ def explain_renderables(plan: Plan, problem, measured: dict | None = None) -> Gr
         parts.append(Text(f"time per iteration: predicted {_ms(est.tpi_s)} ms, measured {_ms(measured['tpi_s'])} ms "
                           f"({err:+.1%})"))
     if plan.search:
-        runners = Table(title="Why the other (pp, micro-batches) candidates lost", title_justify="left")
-        for col in ("pp", "micro-batches", "outcome", "ms / iteration", "vs chosen"):
-            runners.add_column(col, justify="left" if col == "outcome" else "right")
-
-        def key(r):
-            v = r.get("tpi_s") or r.get("bound_s")
-            return (v is None, v or 0.0)
-
-        for r in sorted(plan.search, key=key):
-            chosen = r["pp"] == plan.pp and r["microbatches"] == plan.microbatches
-            if r.get("tpi_s") is not None:
-                value, vs = _ms(r["tpi_s"]), f"{r['tpi_s'] / est.tpi_s - 1:+.1%}"
-            elif r.get("bound_s") is not None:
-                value, vs = f">= {_ms(r['bound_s'])}", f">= {r['bound_s'] / est.tpi_s - 1:+.1%}"
-            else:
-                value, vs = "-", "-"
-            outcome = "CHOSEN" if chosen else r["outcome"]
-            if r["outcome"] == "does not fit" and r.get("memory_bound_bytes") is not None:  # absent in a hand-made file
-                outcome += f" (needs >= {r['memory_bound_bytes'] / GIB:,.1f} GiB)"
-            runners.add_row(str(r["pp"]), str(r["microbatches"]), outcome, value, "" if chosen else vs)
-        parts.append(runners)
+        parts.append(candidates_table(plan))
     return Group(*parts)
+
+
+def candidates_table(plan: Plan) -> Table:
+    """Why the other candidates lost: one row per candidate the search priced (pp, micro-batches and, where the
+    search priced several, schedule and virtual stages), best first. The chosen plan's row is marked ``CHOSEN``
+    exactly once and shows the chosen plan's time (its search record may hold only a bound: the incumbent came
+    from a baseline); a chosen plan the search has no row for (a baseline's shape) gets one."""
+    est = plan.estimate
+    chosen_key = (plan.pp, plan.microbatches, plan.schedule, plan.virtual_stages)
+
+    def shape(r: dict) -> tuple:
+        return (r["pp"], r["microbatches"], r.get("schedule", plan.schedule), r.get("virtual_stages", 1)
+                if r.get("schedule") is not None else plan.virtual_stages)
+
+    rows = list(plan.search)
+    at = next((i for i, r in enumerate(rows) if shape(r) == chosen_key), None)
+    if at is None:
+        rows.append({"pp": plan.pp, "microbatches": plan.microbatches, "schedule": plan.schedule,
+                     "virtual_stages": plan.virtual_stages, "outcome": "", "tpi_s": None, "bound_s": None})
+        at = len(rows) - 1
+    if est is not None:
+        rows[at] = {**rows[at], "tpi_s": est.tpi_s}
+    schedules = {(r.get("schedule"), r.get("virtual_stages")) for r in rows if r.get("schedule") is not None}
+    several = len(schedules) > 1
+    with_v = several and len({v for _, v in schedules}) > 1
+    what = "pp, micro-batches, schedule" if several else "pp, micro-batches"
+    table = Table(title=f"Why the other ({what}) candidates lost", title_justify="left")
+    cols = ("pp", "micro-batches", *(("schedule",) if several else ()), *(("v",) if with_v else ()), "outcome",
+            "ms / iteration", "vs chosen")
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("outcome", "schedule") else "right")
+
+    def key(item):
+        r = item[1]
+        v = r.get("tpi_s") if r.get("tpi_s") is not None else r.get("bound_s")
+        return (v is None, v or 0.0, item[0] != at)
+
+    for i, r in sorted(enumerate(rows), key=key):
+        chosen = i == at
+        if r.get("tpi_s") is not None:
+            value = _ms(r["tpi_s"])
+            vs = f"{r['tpi_s'] / est.tpi_s - 1:+.1%}" if est is not None and est.tpi_s > 0 else "-"
+        elif r.get("bound_s") is not None:
+            value = f">= {_ms(r['bound_s'])}"
+            vs = f">= {r['bound_s'] / est.tpi_s - 1:+.1%}" if est is not None and est.tpi_s > 0 else "-"
+        else:
+            value, vs = "-", "-"
+        outcome = "CHOSEN" if chosen else r["outcome"]
+        if not chosen and r["outcome"] == "does not fit" and r.get("memory_bound_bytes") is not None:
+            outcome += f" (needs >= {r['memory_bound_bytes'] / GIB:,.1f} GiB)"  # absent in a hand-made file
+        sched = (r.get("schedule") or "any",) if several else ()  # "any": a candidate the time limit left unpriced
+        v = (str(r.get("virtual_stages", "-")) if r.get("schedule") is not None else "-",) if with_v else ()
+        table.add_row(str(r["pp"]), str(r["microbatches"]), *sched, *v, outcome, value, "" if chosen else vs)
+    return table
