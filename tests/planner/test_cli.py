@@ -185,7 +185,8 @@ def test_sweep_summary_prints_error_text_that_looks_like_markup(tmp_path, capsys
     (tmp_path / "0").mkdir()
     (tmp_path / "0" / "result.json").write_text(json.dumps(
         {"model": "tiny_gpt", "error": "Connection closed by peer [/__w/pytorch/pytorch/third_party/gloo/pair.cc:553]"}))
-    SweepSummary().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}}))
+    with pytest.raises(SystemExit):  # a job that failed fails the sweep, after the summary
+        SweepSummary().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}}))
     out = capsys.readouterr().out
     assert "Connection" in out and "tiny_gpt" in out
     assert "pair.cc:553" in (tmp_path / "summary.csv").read_text()

@@ -15,7 +15,7 @@ from uniap_lightning.planner.report import make_console
 from rich.markup import escape
 
 from uniap_lightning.planner.config import CONF_DIR, build_problem
-from uniap_lightning.errors import UniAPError
+from uniap_lightning.errors import InfeasibleError, UniAPError
 from uniap_lightning.files import check_output_file, read_json, write_json_atomic
 from uniap_lightning.planner.problem import Problem
 from uniap_lightning.values import flag, integer
@@ -24,6 +24,11 @@ from uniap_lightning.values import short as _short
 CONF = str(CONF_DIR)
 #: the largest pipeline degree `pp=` takes (a stage per device of the largest cluster planned for)
 MAX_PIPELINE_DEGREE = 2**24
+#: exit statuses: a refused or failed command (bad input, no plan fits, a training run that failed), and
+#: `uniap evaluate`'s plan that does not fit memory. A sweep (``-m``) exits with its worst job's status
+#: (:mod:`uniap_lightning.cli.sweep`); ``allow_no_plan=true`` makes "no plan fits" (and evaluate's plan that does
+#: not fit) status 0, in a sweep and alone.
+EXIT_FAILED, EXIT_DOES_NOT_FIT = 2, 3
 
 
 def _problem(cfg: DictConfig) -> Problem:
@@ -62,6 +67,7 @@ def _check_options(cfg: DictConfig, *, outputs: tuple[str, ...] = ()) -> None:
                          f"{MAX_TIME_LIMIT_S:g}")
     _pp(cfg)
     flag(cfg.get("baselines"), "baselines")
+    _allow_no_plan(cfg)
     for key in outputs:
         if cfg.get(key):
             check_output_file(cfg[key], f"{key}=")
@@ -132,6 +138,12 @@ def _pp(cfg: DictConfig) -> list[int] | None:
             for v in values]
 
 
+def _allow_no_plan(cfg: DictConfig) -> bool:
+    """``allow_no_plan=true``: a model that does not fit (no plan fits; evaluate: the plan does not fit memory) is
+    an answer, exit status 0, not a failure (``uniap train`` has no such option: a run that cannot train failed)."""
+    return flag(cfg.get("allow_no_plan", False), "allow_no_plan")
+
+
 def _multirun() -> bool:
     try:
         return HydraConfig.get().mode == RunMode.MULTIRUN
@@ -148,13 +160,23 @@ def _record(result: dict[str, Any]) -> None:
 
 
 def _fail(err: UniAPError, cfg: DictConfig) -> None:
+    """One line on stderr and exit status 2, or, in a sweep, the job's row (its error and the status it would
+    have exited with alone: the sweep exits with the worst). "No plan fits" with ``allow_no_plan=true``: status 0."""
     from uniap_lightning.cli.ranks import report_error_to_launcher
 
+    no_plan = isinstance(err, InfeasibleError)
+    try:
+        allowed = no_plan and _allow_no_plan(cfg)
+    except UniAPError:
+        allowed = False
+    code = 0 if allowed else EXIT_FAILED
     if not report_error_to_launcher(str(err)):  # a rank `uniap train` started: rank 0 prints the one line
-        make_console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/bold red] {escape(str(err))}", highlight=False)
-    _record({"model": cfg.model.get("name"), "cluster": (cfg.get("cluster") or {}).get("name"), "error": str(err)})
-    if not _multirun():
-        sys.exit(2)
+        label = "[bold yellow]no plan (allow_no_plan=true):[/bold yellow]" if allowed else "[bold red]error:[/bold red]"
+        make_console(stderr=True, soft_wrap=True).print(f"{label} {escape(str(err))}", highlight=False)
+    _record({"model": cfg.model.get("name"), "cluster": (cfg.get("cluster") or {}).get("name"), "error": str(err),
+             "no_plan": no_plan, "exit_code": code})
+    if not _multirun() and code:
+        sys.exit(code)
 
 
 def run_plan(cfg: DictConfig) -> None:
@@ -197,12 +219,14 @@ def run_plan(cfg: DictConfig) -> None:
             "devices": problem.num_devices,
             "batch_size": plan.global_batch_size,
             "pp": plan.pp,
+            "schedule": plan.schedule,
             "microbatches": plan.microbatches,
             "strategies": ", ".join(sorted({lp.strategy.label() for lp in plan.layers})),
             "tpi_s": plan.estimate.tpi_s,
             "samples_per_s": plan.estimate.samples_per_s,
             "solve_s": plan.solver.solve_s if plan.solver else None,
             "baselines": plan.baselines,
+            "exit_code": 0,
         }
     )
 
@@ -226,10 +250,13 @@ def run_evaluate(cfg: DictConfig) -> None:
         return
     plan = plan.with_report(solver=None)
     print_plan(plan, console=console, title=f"Evaluated plan {cfg.plan}: {problem.model.model} on {problem.cluster.name}")
-    _record({"model": problem.model.model, "cluster": problem.cluster.name, "tpi_s": plan.estimate.tpi_s,
-             "samples_per_s": plan.estimate.samples_per_s, "feasible": plan.estimate.feasible})
-    if not plan.estimate.feasible and not _multirun():
-        sys.exit(3)
+    feasible = plan.estimate.feasible
+    code = 0 if feasible or _allow_no_plan(cfg) else EXIT_DOES_NOT_FIT
+    _record({"model": problem.model.model, "cluster": problem.cluster.name, "pp": plan.pp, "schedule": plan.schedule,
+             "tpi_s": plan.estimate.tpi_s, "samples_per_s": plan.estimate.samples_per_s, "feasible": feasible,
+             **({} if feasible else {"error": "the plan does not fit memory", "no_plan": True}), "exit_code": code})
+    if code and not _multirun():
+        sys.exit(code)
 
 
 def run_explain(cfg: DictConfig) -> None:
@@ -278,6 +305,9 @@ def run_explain(cfg: DictConfig) -> None:
     console.print(explain_renderables(plan, problem, measured))
     if measured and measured.get("rebalances"):
         console.print(_rebalance_table(measured["rebalances"]))
+    _record({"model": problem.model.model, "cluster": problem.cluster.name, "devices": problem.num_devices,
+             "pp": plan.pp, "schedule": plan.schedule, "microbatches": plan.microbatches,
+             "tpi_s": plan.estimate.tpi_s, "samples_per_s": plan.estimate.samples_per_s, "exit_code": 0})
 
 
 def _rebalance_table(events: list[Any]) -> Any:
@@ -327,4 +357,5 @@ def train_main(cfg: DictConfig) -> None:
     if result["rank"] == 0:
         _record({k: result[k] for k in ("model", "final_loss", "train_ppl", "samples_per_s", "measured_samples_per_s")}
                 | {"devices": result["world_size"], "pp": result["plan"]["pp"],
-                   "microbatches": result["plan"]["microbatches"]})
+                   "schedule": result["plan"].get("schedule"), "microbatches": result["plan"]["microbatches"],
+                   "exit_code": 0})

@@ -18,6 +18,9 @@ commands:
 
 Every option is a Hydra override; `uniap plan --help` lists them, `-m` sweeps (multirun):
   uniap plan -m model=gpt2_small,llama_7b cluster=a100_1x8,h100_4x8
+Exit status: 0 done; 2 refused or failed (a bad option, no plan fits, a training run that failed); 3 `uniap
+evaluate`'s plan does not fit memory. A sweep prints its summary, then exits with its worst job's status;
+allow_no_plan=true (plan, evaluate, explain) makes "no plan fits" an answer, status 0.
 Models: conf/model/*.yaml, clusters: conf/cluster/*.yaml, training settings: conf/train/*.yaml.
 Your own: a folder laid out the same way (`uniap plan --config-dir my_conf model=mine`, or
 hydra.searchpath=[file://my_conf]), or a file given as a path (model=my/model.yaml cluster=c.yaml).

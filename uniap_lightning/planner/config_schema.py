@@ -103,6 +103,8 @@ def plan_schema() -> type:
         ("time_limit", float, dataclasses.field(default=strategy["time_limit"])),
         ("pp", Any, dataclasses.field(default=None)),
         ("baselines", bool, dataclasses.field(default=True)),
+        # true: "no plan fits" (evaluate: the plan does not fit memory) exits 0, in a sweep's row and alone
+        ("allow_no_plan", bool, dataclasses.field(default=False)),
         ("compression", Any, dataclasses.field(default=strategy["compression"])),
         *[(key, Optional[str], dataclasses.field(default=None))  # noqa: UP007
           for key in ("out", "viz", "plan", "measured")],
