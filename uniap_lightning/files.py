@@ -22,18 +22,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from uniap_lightning import yaml_limits
 from uniap_lightning.errors import UniAPError
-
-#: the largest JSON or YAML document read (plans, profiles, configs, caches are kilobytes to a few megabytes)
-MAX_DOCUMENT_BYTES = 256 * 1024**2
-#: the deepest nesting of lists / objects accepted in a document (the formats nest 4 or 5 levels)
-MAX_NESTING_DEPTH = 64
-#: the most digits of an integer in a JSON document (Python refuses to parse more than 4300 anyway)
-MAX_INTEGER_DIGITS = 64
-#: the most nodes a YAML document may expand to once its aliases are followed (a "billion laughs" bomb has 1e9)
-MAX_YAML_NODES = 100_000
-#: the most characters the ``${...}`` interpolations of a YAML document may add once resolved
-MAX_YAML_INTERPOLATED_CHARS = 16 * 1024**2
+from uniap_lightning.limits import (  # noqa: F401 - re-exported: the limits have always been files.MAX_*
+    MAX_DOCUMENT_BYTES,
+    MAX_INTEGER_DIGITS,
+    MAX_NESTING_DEPTH,
+    MAX_YAML_INTERPOLATED_CHARS,
+    MAX_YAML_NODES,
+)
 
 
 # ---------------------------------------------------------------------------------------------- file kinds
@@ -333,6 +330,35 @@ def nesting_depth(data: Any, *, stop_at: int = MAX_NESTING_DEPTH) -> int:
     return deepest
 
 
+# ---------------------------------------------------------------------------------------------- cache entries
+#: what reading a damaged entry may raise besides UniAPError (the readers turn most into UniAPError; an entry is
+#: never worth a failed run, so anything a parser or validator can raise on bad data discards it)
+CORRUPT_ENTRY_ERRORS = (UniAPError, OSError, ValueError, TypeError, KeyError, IndexError, AttributeError,
+                        OverflowError, RecursionError)
+
+
+def foreign_entry(path: Path) -> str | None:
+    """Why the cache entry at ``path`` is not ours to read (a symbolic link, a hard link, a FIFO, a device...),
+    or ``None`` for a plain file. Such an entry is discarded as a name, never read or written through."""
+    if is_plain_file(path) or os.path.isdir(path) and not os.path.islink(path):
+        return None  # (a folder: refused later, with a message, when the entry is written)
+    if os.path.islink(path):
+        return "a symbolic link, not a file of ours"
+    try:
+        st = os.lstat(path)
+    except OSError as err:
+        return err.strerror or str(err)
+    if st.st_nlink > 1 and stat.S_ISREG(st.st_mode):
+        return "a hard link to a file with other names, not a file of ours"
+    return "not a regular file"
+
+
+def why(err: BaseException) -> str:
+    """The first line of an error, for a one-line warning."""
+    text = str(err).strip()
+    return text.splitlines()[0][:300] if text else type(err).__name__
+
+
 # ---------------------------------------------------------------------------------------------- YAML
 def check_yaml_limits(text: str, named: str) -> None:
     """Refuse a YAML document that would take unbounded time or memory to load, before a loader sees it: nesting
@@ -340,6 +366,4 @@ def check_yaml_limits(text: str, named: str) -> None:
     a 1 kB "billion laughs" document expand to 1e9 nodes), a self-referencing alias, or ``${...}`` interpolations
     that resolve to more than :data:`MAX_YAML_INTERPOLATED_CHARS` characters. Syntax errors are left to the
     loader (its messages give the line)."""
-    from uniap_lightning import yaml_limits
-
     yaml_limits.check(text, named)

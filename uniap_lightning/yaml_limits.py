@@ -14,7 +14,7 @@ import re
 from typing import Any
 
 from uniap_lightning.errors import UniAPError
-from uniap_lightning.files import MAX_NESTING_DEPTH, MAX_YAML_INTERPOLATED_CHARS, MAX_YAML_NODES
+from uniap_lightning.limits import MAX_NESTING_DEPTH, MAX_YAML_INTERPOLATED_CHARS, MAX_YAML_NODES
 
 _REFERENCE = re.compile(r"\$\{([^${}]*)\}")
 _KEY_PART = re.compile(r"[^.\[\]]+")

@@ -16,14 +16,21 @@ import hashlib
 import inspect
 import json
 import os
-import stat
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from uniap_lightning.errors import UniAPError
-from uniap_lightning.files import cache_root, is_plain_file, read_json, remove_if_not_regular, write_json_atomic
+from uniap_lightning.files import (  # noqa: F401 - CORRUPT_ENTRY_ERRORS, foreign_entry, why: also from here
+    CORRUPT_ENTRY_ERRORS,
+    cache_root,
+    foreign_entry,
+    read_json,
+    remove_if_not_regular,
+    why,
+    write_json_atomic,
+)
 from uniap_lightning.planner import fields as F
 from uniap_lightning.planner.profile import ModelProfile, load_profile, save_profile
 
@@ -135,37 +142,9 @@ def cluster_key(*, device: str, backend: str, nodes: int, devices_per_node: int)
                   "versions": versions(), "kind": "cluster", "ops": 5})  # 5: FSDP2's calls; pipeline slot; optimizer
 
 
-#: what reading a damaged entry may raise besides UniAPError (the readers turn most into UniAPError; an entry is
-#: never worth a failed run, so anything a parser or validator can raise on bad data discards it)
-CORRUPT_ENTRY_ERRORS = (UniAPError, OSError, ValueError, TypeError, KeyError, IndexError, AttributeError,
-                        OverflowError, RecursionError)
-
-
 def _discard(path: Path, why: str) -> None:
     warnings.warn(f"UniAP: ignoring the cache entry {path} ({why}); it is rebuilt", stacklevel=3)
     remove_if_not_regular(path)
-
-
-def foreign_entry(path: Path) -> str | None:
-    """Why the cache entry at ``path`` is not ours to read (a symbolic link, a hard link, a FIFO, a device...),
-    or ``None`` for a plain file. Such an entry is discarded as a name, never read or written through."""
-    if is_plain_file(path) or os.path.isdir(path) and not os.path.islink(path):
-        return None  # (a folder: refused later, with a message, when the entry is written)
-    if os.path.islink(path):
-        return "a symbolic link, not a file of ours"
-    try:
-        st = os.lstat(path)
-    except OSError as err:
-        return err.strerror or str(err)
-    if st.st_nlink > 1 and stat.S_ISREG(st.st_mode):
-        return "a hard link to a file with other names, not a file of ours"
-    return "not a regular file"
-
-
-def why(err: BaseException) -> str:
-    """The first line of an error, for a one-line warning."""
-    text = str(err).strip()
-    return text.splitlines()[0][:300] if text else type(err).__name__
 
 
 def load_cached_profile(cache_dir: Path, key: str) -> ModelProfile | None:

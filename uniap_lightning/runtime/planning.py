@@ -16,11 +16,10 @@ from pathlib import Path
 
 from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.errors import UniAPError
-from uniap_lightning.files import cache_root, remove_if_not_regular
+from uniap_lightning.files import CORRUPT_ENTRY_ERRORS, cache_root, foreign_entry, remove_if_not_regular, why
 from uniap_lightning.planner.plan import COMPRESSION_DEFAULTS, PLAN_FORMAT_VERSION, Plan
 from uniap_lightning.planner.problem import TrainingConfig
 from uniap_lightning.planner.profile import ModelProfile
-from uniap_lightning.profiling.cache import CORRUPT_ENTRY_ERRORS, foreign_entry, why
 
 
 def default_cache_dir() -> Path:
