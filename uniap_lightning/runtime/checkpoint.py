@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from uniap_lightning.runtime.checkpoint_safety import load_plain  # noqa: F401 - also imported from here
+
 
 def _options(**kw: Any) -> Any:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -53,31 +55,6 @@ def check_dcp_metadata(folder: Path) -> None:
     from uniap_lightning.runtime.checkpoint_safety import read_metadata
 
     read_metadata(Path(folder))
-
-
-def load_plain(path: Path) -> Any:
-    """``torch.load`` with ``weights_only=True`` (tensors and plain data only), on the CPU; a file that needs more
-    (pickled classes or functions, which could run code) is refused with a :class:`UniAPError`, and so is a file
-    that is damaged or not a regular file."""
-    import pickle
-
-    from uniap_lightning.errors import UniAPError
-
-    from uniap_lightning.files import check_regular_file
-
-    path = check_regular_file(Path(path), "the checkpoint file")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise UniAPError(f"{path}: refused to load: it holds pickled Python objects beyond tensors and plain data "
-                         f"({first}). UniAP never runs code from a checkpoint file; re-save it with plain data.") from err
-    except (OSError, RuntimeError, EOFError, ValueError, MemoryError, OverflowError) as err:
-        from uniap_lightning.sigterm import reraise_interruption
-
-        reraise_interruption(err)
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-        raise UniAPError(f"{path}: not a readable checkpoint file ({type(err).__name__}: {first})") from err
 
 
 def _first_failure(err: BaseException) -> BaseException:

@@ -17,7 +17,7 @@ Either runs any code the file names. Here both go through restricted readers ins
   :class:`SafeLoadPlanner` / :class:`SafeFullLoadPlanner` read ``BYTE_IO`` entries with ``weights_only=True``.
 
 Tensor entries were already read by torch with ``weights_only=True``; ``meta.pt``, single-file checkpoints and
-the compressors' state files go through :func:`~uniap_lightning.runtime.checkpoint.load_plain` (same).
+the compressors' state files go through :func:`load_plain` (same).
 
 :func:`checkpoint_problem` says, without loading any weight, why a folder is not a usable checkpoint (metadata
 refused, a shard missing or shorter than the metadata says, ``meta.pt`` unreadable or with impossible loop
@@ -36,7 +36,8 @@ from typing import Any
 import torch
 
 from uniap_lightning.errors import UniAPError
-from uniap_lightning.files import read_bytes
+from uniap_lightning.files import check_regular_file, read_bytes
+from uniap_lightning.sigterm import reraise_interruption
 
 #: Every global a DCP ``.metadata`` (torch 2.6-2.13) names, as exact (module, qualified name) pairs.
 METADATA_GLOBALS: frozenset[tuple[str, str]] = frozenset({
@@ -169,8 +170,6 @@ def load_bytes_entry(read_item: Any, value: io.BytesIO) -> Any:
         raise UniAPError(f"the checkpoint entry {fqn!r} holds pickled Python objects beyond plain data ({first}); "
                          "UniAP never runs code from a checkpoint file") from err
     except (RuntimeError, EOFError, ValueError, OSError) as err:
-        from uniap_lightning.sigterm import reraise_interruption
-
         reraise_interruption(err)
         raise UniAPError(f"the checkpoint entry {fqn!r} is damaged ({type(err).__name__}: {err})") from err
 
@@ -320,11 +319,26 @@ def _dig(tree: Any, *keys: str) -> Any:
     return tree
 
 
+def load_plain(path: Path) -> Any:
+    """``torch.load`` with ``weights_only=True`` (tensors and plain data only), on the CPU; a file that needs more
+    (pickled classes or functions, which could run code) is refused with a :class:`UniAPError`, and so is a file
+    that is damaged or not a regular file."""
+    path = check_regular_file(Path(path), "the checkpoint file")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UniAPError(f"{path}: refused to load: it holds pickled Python objects beyond tensors and plain data "
+                         f"({first}). UniAP never runs code from a checkpoint file; re-save it with plain data.") from err
+    except (OSError, RuntimeError, EOFError, ValueError, MemoryError, OverflowError) as err:
+        reraise_interruption(err)
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise UniAPError(f"{path}: not a readable checkpoint file ({type(err).__name__}: {first})") from err
+
+
 def checkpoint_problem(folder: Path) -> str | None:
     """Why ``folder`` is not a usable distributed checkpoint (one line, without the folder's name), or None.
     Reads the metadata (restricted), the shards' sizes and ``meta.pt`` (plain data); no weights."""
-    from uniap_lightning.runtime.checkpoint import load_plain
-
     folder = Path(folder)
     if not folder.is_dir():
         return "it is not a folder"

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from uniap_lightning.runtime.compression import ByteCounter, Compressor, Pending, all_gather, all_reduce, topk_count
+from uniap_lightning.runtime.compression_base import ByteCounter, Compressor, Pending, all_gather, all_reduce, topk_count
 
 
 class TopKCompressor(Compressor):
