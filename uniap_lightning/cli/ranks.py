@@ -49,8 +49,6 @@ class RankWatch:
             reinstall()  # Ctrl-C: Lightning's shutdown set SIGINT to be ignored; the ranks are ended next
 
     def _wait_for(self, rank: int, child: subprocess.Popen) -> None:
-        from uniap_lightning.cli.train import PREEMPTED_EXIT_CODE  # every rank wrote its part of the checkpoint
-
         code = child.wait()
         stopped = code == PREEMPTED_EXIT_CODE and rank_error(child) == SETUP_STOP_LINE  # SIGTERM before training
         if code == 0 or (code == PREEMPTED_EXIT_CODE and not stopped) or self._left.wait(self._grace_s):
@@ -66,7 +64,6 @@ class RankWatch:
                 child.kill()
         for child in self._children:
             child.wait()
-        from uniap_lightning.cli.train import PREEMPTED_EXIT_CODE, setup_stop_message
 
         if code == PREEMPTED_EXIT_CODE and rank_error(failed) == SETUP_STOP_LINE:
             print(setup_stop_message(None, rank=rank), file=sys.stderr)
@@ -83,6 +80,10 @@ class RankWatch:
         os._exit(INTERRUPTED_EXIT_CODE if interrupted else 2)
 
 
+#: exit status of every rank of a run stopped by SIGTERM after writing its checkpoint (128 + SIGTERM, as a shell
+#: reports a process ended by that signal): schedulers and scripts can tell preemption from completion
+PREEMPTED_EXIT_CODE = 143
+
 #: what a started rank stopped by SIGTERM before training hands to rank 0 (which then ends the run as stopped, with
 #: the preemption status, instead of reporting the collective that failed when this rank left)
 SETUP_STOP_LINE = "stopped by SIGTERM before the first training step"
@@ -90,6 +91,14 @@ SETUP_STOP_LINE = "stopped by SIGTERM before the first training step"
 #: set by `uniap train` for each rank it starts: where that rank writes its error line instead of printing it, so a
 #: run shows one error line (rank 0's own, or a started rank's, printed by rank 0)
 ERROR_FILE_VARIABLE = "UNIAP_RANK_ERROR_FILE"
+
+
+def setup_stop_message(resume: Path | None, *, rank: int | None = None) -> str:
+    """The one line for a run stopped by SIGTERM before its first training step."""
+    who = f" (training rank {rank})" if rank else ""
+    again = f" to resume from {resume}" if resume is not None else ""
+    return (f"stopped by SIGTERM{who} before the first training step: no step ran, nothing to save; run the same "
+            f"command again{again}")
 
 
 def error_file_for(rank: int) -> Path:

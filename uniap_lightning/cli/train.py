@@ -17,8 +17,16 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from uniap_lightning.cli.ranks import (SETUP_STOP_LINE, RankWatch, close_process_group, error_file_for, rank_error,
-                                      report_error_to_launcher)
+from uniap_lightning.cli.ranks import (
+    PREEMPTED_EXIT_CODE,
+    SETUP_STOP_LINE,
+    RankWatch,
+    close_process_group,
+    error_file_for,
+    rank_error,
+    report_error_to_launcher,
+    setup_stop_message,
+)
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.files import check_output_folder, write_json_atomic
 
@@ -203,14 +211,6 @@ def _run_train_locked(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
     return result
 
 
-def setup_stop_message(resume: Path | None, *, rank: int | None = None) -> str:
-    """The one line for a run stopped by SIGTERM before its first training step."""
-    who = f" (training rank {rank})" if rank else ""
-    again = f" to resume from {resume}" if resume is not None else ""
-    return (f"stopped by SIGTERM{who} before the first training step: no step ran, nothing to save; run the same "
-            f"command again{again}")
-
-
 def _stopped_by_sigterm(children: list[subprocess.Popen], *, wait_s: float = 3.0) -> int | None:
     """The first started rank that stopped on SIGTERM before training (it handed :data:`SETUP_STOP_LINE` over),
     waiting up to ``wait_s`` for ranks still running (this rank's error came from one leaving, a moment ago)."""
@@ -331,11 +331,6 @@ def _end_children(children: list[subprocess.Popen], *, grace_s: float | None) ->
         except subprocess.TimeoutExpired:
             child.kill()
             child.wait()
-
-
-#: exit status of every rank of a run stopped by SIGTERM after writing its checkpoint (128 + SIGTERM, as a shell
-#: reports a process ended by that signal): schedulers and scripts can tell preemption from completion
-PREEMPTED_EXIT_CODE = 143
 
 
 def resume_from(cfg: DictConfig) -> Path | None:

@@ -35,6 +35,7 @@ from uniap_lightning.planner.profile import LayerProfile, ModelProfile, Timing
 from uniap_lightning.profiling.aggregate import Readings, never_faster_when_larger, pool_identical_layers, structure_key
 from uniap_lightning.profiling.backward_split import BackwardSplit, measure_backward_split
 from uniap_lightning.profiling.memory import SavedBytes, backward_peak_bytes
+from uniap_lightning.profiling.structural import powersgd_dims, tensor_bytes
 from uniap_lightning.profiling.timing import CacheFlush, Timer
 from uniap_lightning.runtime.payload import backward_ones, call_layer, flatten, float_leaves, head, nbytes, rows
 
@@ -43,10 +44,6 @@ Context = Callable[[], AbstractContextManager[Any]]
 
 class ProfilingUnavailable(RuntimeError):
     """The layers cannot be timed on this input (meta tensors, rejected batch, ...)."""
-
-
-def tensor_bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 @contextmanager
@@ -385,8 +382,6 @@ def _layer_profiles(layers: Sequence[nn.Module], names: Sequence[str], readings:
                     stats: Stats, *, tp_degrees: Sequence[Sequence[int]] | None,
                     tp_allreduces: Sequence[int] | None) -> list[LayerProfile]:
     """Per-sample figures at the largest size (the sample's rows), with the timings at every size."""
-    from uniap_lightning.profiling.structural import powersgd_dims  # structural imports this module
-
     sizes = sorted(readings)
     rows = sizes[-1]
     out = []

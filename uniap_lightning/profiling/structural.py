@@ -14,10 +14,13 @@ import torch
 from torch import nn
 
 from uniap_lightning.planner.profile import LayerProfile, ModelProfile
-from uniap_lightning.profiling.measure import tensor_bytes
 
 #: nominal FLOP/s used by the structural fallback (per device), only to rank layers by cost
 NOMINAL_FLOPS = {"cpu": 5e10, "cuda": 1e14}
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def structural_profile(

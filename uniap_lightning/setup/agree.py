@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 import torch
 
+import uniap_lightning
 from uniap_lightning.errors import UniAPError
 
 T = TypeVar("T")
@@ -112,8 +113,6 @@ def gather(ranks: Ranks, value: T) -> list[T]:
 @functools.cache
 def code_identity() -> tuple[str, str, str]:
     """``(uniap_lightning version, digest of its Python sources, torch version)`` of this process."""
-    import uniap_lightning
-
     root = Path(uniap_lightning.__file__).parent
     digest = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
