@@ -1,0 +1,447 @@
+"""The package's import graph (issue 40, "No hidden cycles"): no cycle, no import from a lower layer to a higher
+one, and no function-local import of a package module; a function-local import is for an optional heavy
+dependency only.
+
+Every ``.py`` file under ``uniap_lightning`` is parsed with :mod:`ast` (no torch needed). An edge is any import of a
+``uniap_lightning`` module, at module level or inside a function (``if TYPE_CHECKING:`` blocks excepted: they never
+run). ``from a import b`` counts as ``a.b`` when ``b`` is a module, else as ``a``; importing ``a.b.c`` also runs
+the ``__init__`` of every package above it, so the edge goes to those packages too (the root package, a lazy
+facade that imports only :mod:`uniap_lightning._autoregister`, excepted). The layers, low to high, are in
+:data:`LAYERS` and in ``docs/architecture.md`` ("Layers and imports").
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+PACKAGE = "uniap_lightning"
+PACKAGE_DIR = Path(__file__).resolve().parents[2] / PACKAGE
+
+#: low to high; a module may import its own layer and those below. Longest matching prefix wins.
+LAYERS: list[tuple[str, ...]] = [
+    # 0: leaves: errors, limits, numbers, files, signals, the lazy facade and its Lightning registration hook
+    ("uniap_lightning", "uniap_lightning._autoregister", "uniap_lightning.errors", "uniap_lightning.values",
+     "uniap_lightning.limits", "uniap_lightning.yaml_limits", "uniap_lightning.files", "uniap_lightning.sigterm",
+     "uniap_lightning.error_hook"),
+    # 1: the planner (torch-free: profiles, cost model, solver, plans)
+    ("uniap_lightning.planner",),
+    # 2: the runtime: torch execution of a plan (payloads, chains, meshes, parallel wrappers, checkpoints)
+    ("uniap_lightning.runtime",),
+    # 3: profiling: measures layers and the runtime's strategies into planner profiles
+    ("uniap_lightning.profiling",),
+    # 4: adapters: models (GPT, Hugging Face families) as chains for the runtime
+    ("uniap_lightning.adapters",),
+    # 5: Lightning glue the strategy uses
+    ("uniap_lightning.precision", "uniap_lightning.monitor_memory", "uniap_lightning.monitor",
+     "uniap_lightning.callbacks", "uniap_lightning.strategy_checkpoints", "uniap_lightning.data"),
+    # 6: setup (profile, plan, agree across ranks, apply), then 7: live re-planning
+    ("uniap_lightning.setup",),
+    ("uniap_lightning.rebalance",),
+    # 8: the Lightning strategy, 9: the command line
+    ("uniap_lightning.strategy",),
+    ("uniap_lightning.cli",),
+]
+
+#: third-party packages a function may import on first use: heavy or optional, kept off the import of modules that
+#: must stay light (the planner and the CLI's planning commands run without torch; transformers is an extra)
+OPTIONAL_HEAVY = {
+    "torch", "lightning", "torchmetrics", "transformers", "safetensors", "matplotlib", "mip", "highspy", "hydra",
+    "omegaconf", "rich", "yaml",
+}
+
+#: function-local imports of package modules that stay, each with why (an import that must not run at import time)
+DEFERRED_PACKAGE_IMPORTS: dict[tuple[str, str], str] = {
+    ("uniap_lightning._autoregister", "uniap_lightning.strategy"):
+        "the .pth hook runs at every interpreter start; the strategy (torch, Lightning) loads when a Trainer asks",
+}
+
+# ------------------------------------------------------------------------------------------------------------------
+# What remains to be fixed (issue 40). Each list can only shrink: the tests fail on a new entry, and on an entry that
+# is gone (remove it then). Names are without the leading "uniap_lightning.".
+
+#: imports from a lower layer to a higher one, with why they are still there
+ALLOWED_UPWARD: dict[tuple[str, str], str] = {
+    ("planner.analytic", "profiling.roofline"):
+        "build_problem prices a roofline cluster by tracing layers with torch; to fix: pass the tracer in",
+    ("runtime.chain", "adapters.auto"):
+        "extract_chain recognizes Hugging Face models; to fix: pass the family builder in "
+        "(runtime.extract_chain is called on Hugging Face modules in ~30 places in tests/runtime)",
+}
+
+#: groups of modules that still import each other, with why; a group may only lose modules
+ALLOWED_CYCLE_GROUPS: list[tuple[set[str], str]] = [
+    ({"adapters", "adapters.auto", "adapters.families", "adapters.families.common", "adapters.families.generic",
+      "adapters.families.generic_heads", "adapters.families.seq2seq", "adapters.families.sequence_hf",
+      "adapters.families.t5", "adapters.families.text", "adapters.families.vision", "adapters.hf", "runtime",
+      "runtime.chain", "runtime.pipeline", "runtime.stage"},
+     "runtime.chain -> adapters.auto (above), and the family registry: adapters.auto loads the families, which "
+     "import adapters.auto (Family, the registry); adapters.hf and families.sequence_hf use each other"),
+    ({"planner.cost", "planner.cost.evaluate", "planner.cost.layer", "planner.cost.tables", "planner.problem"},
+     "TrainingConfig.schedule_candidates asks planner.cost.pipeline.unusable (torch's schedule rules, next to "
+     "SCHEDULES in planner.cost.schedules), and importing it runs planner.cost's __init__, which needs problem"),
+]
+
+_LOCAL_PACKAGE_IMPORTS_LEFT = {
+    ("adapters", "adapters.hf"), ("adapters.auto", "adapters.families"),
+    ("adapters.auto", "adapters.families.generic"), ("adapters.auto", "runtime.chain"),
+    ("adapters.families.common", "errors"), ("adapters.families.compat", "errors"),
+    ("adapters.families.generic", "adapters.auto"), ("adapters.families.generic", "adapters.families.seq2seq"),
+    ("adapters.families.generic", "runtime.payload"), ("adapters.families.sequence_hf", "adapters.hf"),
+    ("adapters.families.sequence_hf", "runtime.ring"), ("adapters.families.sequence_hf", "runtime.sequence"),
+    ("adapters.families.sequence_hf", "runtime.sequence_tp"), ("adapters.families.t5", "errors"),
+    ("adapters.families.text", "adapters.families.sequence_hf"), ("adapters.families.text", "errors"),
+    ("adapters.families.text", "runtime.sequence"), ("adapters.gpt", "runtime.ring"),
+    ("adapters.gpt", "runtime.sequence"), ("adapters.gpt", "runtime.sequence_tp"),
+    ("adapters.hf", "adapters.families.compat"), ("adapters.hf", "adapters.families.sequence_hf"),
+    ("adapters.hf", "runtime.sequence"), ("callbacks", "runtime.checkpoint_safety"), ("cli.apps", "cli.measured"),
+    ("cli.apps", "cli.own_configs"), ("cli.apps", "cli.ranks"), ("cli.apps", "cli.train"),
+    ("cli.apps", "planner.cost.evaluate"), ("cli.apps", "planner.fields"), ("cli.apps", "planner.plan"),
+    ("cli.apps", "planner.report"), ("cli.apps", "planner.solver"), ("cli.apps", "planner.viz"),
+    ("cli.export", "errors"), ("cli.export", "runtime.checkpoint"), ("cli.export", "runtime.export"),
+    ("cli.main", "cli.apps"), ("cli.main", "cli.export"), ("cli.main", "cli.interrupts"),
+    ("cli.main", "cli.overrides"), ("cli.main", "errors"), ("cli.measured", "planner.cluster"),
+    ("cli.measured", "planner.fields"), ("cli.measured", "planner.plan"), ("cli.measured", "planner.problem"),
+    ("cli.measured", "planner.profile"), ("cli.overrides", "cli.own_configs"), ("cli.overrides", "planner.config"),
+    ("cli.overrides", "planner.config_schema"), ("cli.overrides", "planner.decision"),
+    ("cli.own_configs", "planner.config"), ("cli.train", "adapters"), ("cli.train", "adapters.gpt"),
+    ("cli.train", "callbacks"), ("cli.train", "cli.checkpoint_dir"), ("cli.train", "cli.own_configs"),
+    ("cli.train", "cli.train_checks"), ("cli.train", "data"), ("cli.train", "monitor"),
+    ("cli.train", "runtime.checkpoint"), ("cli.train", "runtime.checkpoint_safety"), ("cli.train", "sigterm"),
+    ("cli.train", "strategy"), ("cli.train_checks", "planner.analytic"), ("cli.train_checks", "runtime.checks"),
+    ("cli.train_checks", "runtime.resume_checks"), ("monitor_memory", "profiling.memory"),
+    ("monitor_memory", "runtime.data_parallel"), ("planner.analytic", "profiling.roofline"),
+    ("planner.cluster", "planner.devices"), ("planner.cost.evaluate", "planner.cost.layer"),
+    ("planner.cost.evaluate", "planner.decision"), ("planner.cost.tables", "planner.plan"),
+    ("planner.problem", "planner.cost.pipeline"), ("planner.report", "planner.cost.tables"),
+    ("planner.report", "planner.solver.search"), ("planner.solver.parallel", "planner.solver.milp"),
+    ("planner.viz", "planner.cost.evaluate"), ("planner.viz", "planner.cost.torch_orders"),
+    ("precision", "runtime.grads"), ("profiling.collectives", "planner.plan"),
+    ("profiling.collectives", "profiling.timing"), ("profiling.collectives", "runtime.compression"),
+    ("profiling.measure", "runtime.chain"), ("profiling.measure", "runtime.payload"),
+    ("profiling.module", "runtime.experts"), ("profiling.module", "runtime.payload"),
+    ("profiling.module", "runtime.sequence"), ("profiling.roofline", "planner.cost.comm"),
+    ("profiling.roofline", "planner.profile"), ("profiling.strategies", "runtime.data_parallel"),
+    ("profiling.strategies", "runtime.tensor_parallel"), ("profiling.strategies", "runtime.zero"),
+    ("profiling.structural", "runtime.payload"), ("rebalance", "rebalance.callback"),
+    ("rebalance", "rebalance.switch"), ("rebalance", "runtime"), ("rebalance", "setup"),
+    ("rebalance.callback", "planner.cost.evaluate"), ("rebalance.callback", "planner.problem"),
+    ("rebalance.callback", "rebalance.switch"), ("rebalance.callback", "rebalance.timing"),
+    ("rebalance.callback", "runtime.planning"), ("rebalance.switch", "precision"), ("rebalance.switch", "runtime"),
+    ("rebalance.switch", "runtime.checkpoint"), ("runtime.chain", "adapters.auto"), ("runtime.checkpoint", "errors"),
+    ("runtime.checkpoint", "files"), ("runtime.checkpoint", "runtime.checkpoint_safety"),
+    ("runtime.checkpoint", "runtime.experts"), ("runtime.checkpoint", "runtime.export"),
+    ("runtime.checkpoint", "sigterm"), ("runtime.compression_state", "errors"),
+    ("runtime.compression_state", "planner.plan"), ("runtime.compression_state", "runtime.checkpoint"),
+    ("runtime.compression_topk", "errors"), ("runtime.data_parallel", "runtime.compression_topk"),
+    ("runtime.export", "files"), ("runtime.mesh", "runtime.reshard"), ("runtime.pipeline", "runtime.sequence"),
+    ("runtime.planning", "planner.problem"), ("runtime.planning", "planner.solver"),
+    ("runtime.reshard", "runtime.payload"), ("runtime.ring", "runtime.sequence"),
+    ("runtime.sequence", "runtime.data_parallel"), ("runtime.sequence", "runtime.grads"),
+    ("runtime.sequence", "runtime.mesh"), ("runtime.sequence", "runtime.payload"),
+    ("runtime.sequence_tp", "runtime.tensor_parallel"), ("runtime.step", "runtime.checks"),
+    ("runtime.step", "runtime.payload"), ("runtime.zero", "errors"), ("setup", "planner.problem"),
+    ("setup", "planner.report"), ("setup", "runtime"), ("setup", "runtime.planning"), ("setup", "runtime.sequence"),
+    ("setup.measure", "files"), ("setup.measure", "planner.profile"),
+    ("setup.measure", "profiling.cache"), ("setup.measure", "profiling.collectives"),
+    ("setup.measure", "profiling.module"), ("setup.measure", "profiling.strategies"),
+    ("setup.measure", "runtime.payload"), ("setup.measure", "runtime.planning"),
+    ("setup.measure", "runtime.sequence"), ("setup.measure", "runtime.tensor_parallel"),
+    ("setup.options", "planner.config"), ("setup.options", "planner.plan"),
+    ("setup.options", "planner.solver.search"), ("setup.options", "profiling.cache"),
+    ("setup.options", "runtime.planning"), ("setup.sample", "profiling.measure"), ("setup.sample", "runtime.chain"),
+    ("setup.sample", "runtime.payload"), ("strategy", "_autoregister"), ("strategy", "callbacks"),
+    ("strategy", "error_hook"), ("strategy", "monitor"), ("strategy", "rebalance"), ("strategy", "runtime.checks"),
+    ("strategy", "setup"), ("strategy_checkpoints", "errors"), ("strategy_checkpoints", "runtime.checkpoint"),
+    ("strategy_checkpoints", "runtime.compression_state"), ("strategy_checkpoints", "runtime.export"),
+    ("strategy_checkpoints", "runtime.resume_checks"),
+}
+_LOCAL_LIGHT_IMPORTS_LEFT = {
+    ("(root)", "importlib"), ("cli.checkpoint_dir", "fcntl"), ("cli.main", "logging"),
+    ("cli.overrides", "dataclasses"), ("cli.overrides", "difflib"), ("cli.ranks", "atexit"), ("cli.ranks", "shutil"),
+    ("cli.ranks", "tempfile"), ("cli.train", "logging"), ("cli.train", "time"), ("cli.train", "warnings"),
+    ("cli.train_checks", "difflib"), ("cli.train_checks", "inspect"), ("monitor", "dataclasses"),
+    ("monitor_memory", "ctypes"), ("planner.cluster", "dataclasses"), ("planner.config_schema", "typing"),
+    ("planner.cost.comm", "math"), ("planner.report", "os"), ("profiling.cache", "importlib"),
+    ("profiling.module", "dataclasses"), ("profiling.roofline", "dataclasses"), ("rebalance.switch", "shutil"),
+    ("runtime.checkpoint", "os"), ("runtime.checkpoint", "shutil"), ("runtime.resume_checks", "packaging"),
+    ("runtime.sequence", "math"), ("setup", "dataclasses"), ("setup.measure", "warnings"), ("sigterm", "signal"),
+    ("sigterm", "threading"),
+}
+_LOCAL_REPEATS_LEFT = {
+    ("adapters.families.common", "torch"), ("adapters.families.generic", "torch"),
+    ("adapters.families.sequence_hf", "torch"), ("adapters.gpt", "torch"), ("adapters.hf", "torch"),
+    ("callbacks", "lightning"), ("callbacks", "torch"), ("cli.apps", "rich"), ("monitor", "lightning"),
+    ("monitor", "torch"), ("planner.cluster", "dataclasses"), ("planner.config_schema", "omegaconf"),
+    ("planner.config_schema", "typing"), ("profiling.backward_split", "torch"), ("profiling.roofline", "dataclasses"),
+    ("profiling.strategies", "torch"), ("rebalance.callback", "lightning"), ("rebalance.switch", "torch"),
+    ("runtime.checkpoint", "torch"), ("runtime.checkpoint_safety", "torch"), ("runtime.data_parallel", "torch"),
+    ("runtime.experts", "torch"), ("runtime.grads", "torch"), ("runtime.pipeline", "torch"),
+    ("runtime.sequence_tp", "torch"), ("runtime.stage", "torch"), ("runtime.tensor_parallel", "torch"),
+    ("runtime.ties", "torch"), ("runtime.zero", "torch"), ("setup", "dataclasses"), ("setup.agree", "torch"),
+    ("setup.measure", "torch"), ("strategy", "lightning"),
+}
+
+
+def _full(pairs: set[tuple[str, str]], second_ours: bool = True) -> set[tuple[str, str]]:
+    def name(n: str) -> str:
+        return PACKAGE if n == "(root)" else f"{PACKAGE}.{n}"
+
+    return {(name(a), name(b) if second_ours else b) for a, b in pairs}
+
+
+ALLOWED_LOCAL_PACKAGE_IMPORTS = _full(_LOCAL_PACKAGE_IMPORTS_LEFT)
+ALLOWED_LOCAL_THIRD_PARTY = _full(_LOCAL_LIGHT_IMPORTS_LEFT, second_ours=False)
+ALLOWED_LOCAL_REPEATS = _full(_LOCAL_REPEATS_LEFT, second_ours=False)
+
+
+@dataclass(frozen=True)
+class Edge:
+    source: str
+    target: str
+    local: bool  # inside a function
+    line: int
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _resolve(name: str, mods: dict[str, Path]) -> str:
+    parts = name.split(".")
+    while ".".join(parts) not in mods:
+        parts.pop()
+    return ".".join(parts)
+
+
+def scan(mods: dict[str, Path] | None = None) -> tuple[list[Edge], list[Edge]]:
+    """(imports of package modules, function-local imports of third-party modules), both with their line."""
+    mods = modules() if mods is None else mods
+    ours: list[Edge] = []
+    theirs: list[Edge] = []
+    for name, path in mods.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+        def walk(node: ast.AST, local: bool, source: str = name, package: str = package) -> None:
+            if isinstance(node, ast.If) and _is_type_checking(node.test):
+                for child in node.orelse:
+                    walk(child, local)
+                return
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                ours_ = base == PACKAGE or base.startswith(PACKAGE + ".")
+                targets = [f"{base}.{a.name}" if ours_ else base for a in node.names]
+            for target in targets:
+                if target == PACKAGE or target.startswith(PACKAGE + "."):
+                    ours.append(Edge(source, _resolve(target, mods), local, node.lineno))
+                elif local:
+                    theirs.append(Edge(source, target, local, node.lineno))
+            inner = local or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            for child in ast.iter_child_nodes(node):
+                walk(child, inner)
+
+        for stmt in ast.parse(path.read_text(), str(path)).body:
+            walk(stmt, False)
+    return ours, theirs
+
+
+def graph(edges: list[Edge]) -> dict[str, set[str]]:
+    """Module -> modules importing it runs: the target and the packages above it (not the root facade)."""
+    out: dict[str, set[str]] = {}
+    for e in edges:
+        if (e.source, e.target) in DEFERRED_PACKAGE_IMPORTS:
+            continue
+        targets = out.setdefault(e.source, set())
+        parts = e.target.split(".")
+        for i in range(2, len(parts) + 1):
+            target = ".".join(parts[:i])
+            if target != e.source and not e.source.startswith(target + "."):
+                targets.add(target)
+        if e.target == PACKAGE and e.source != PACKAGE:
+            targets.add(PACKAGE)
+    return out
+
+
+def find_cycle(g: dict[str, set[str]]) -> list[str] | None:
+    """One cycle as a list of modules (first == last), or None."""
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(u: str) -> list[str] | None:
+        state[u] = 1
+        path.append(u)
+        for v in sorted(g.get(u, ())):
+            if state.get(v) == 1:
+                return path[path.index(v):] + [v]
+            if v not in state and (cycle := visit(v)):
+                return cycle
+        state[u] = 2
+        path.pop()
+        return None
+
+    for u in sorted(g):
+        if u not in state and (cycle := visit(u)):
+            return cycle
+    return None
+
+
+def strongly_connected(g: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of modules that import each other (more than one module each)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(g.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def layer(module: str) -> int:
+    best, at = -1, -1
+    for i, prefixes in enumerate(LAYERS):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > best:
+                best, at = len(p), i
+    assert at >= 0, f"{module} has no layer in LAYERS"
+    return at
+
+
+def _short(pair: tuple[str, str]) -> tuple[str, str]:
+    return tuple(n.removeprefix(PACKAGE + ".") for n in pair)  # type: ignore[return-value]
+
+
+def upward(edges: list[Edge]) -> dict[tuple[str, str], Edge]:
+    return {(e.source, e.target): e for e in edges
+            if (e.source, e.target) not in DEFERRED_PACKAGE_IMPORTS and layer(e.target) > layer(e.source)}
+
+
+def test_find_cycle_and_groups_see_a_cycle():
+    g = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert find_cycle(g) == ["a", "b", "c", "a"]
+    assert strongly_connected(g) == [["a", "b", "c"]]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_scan_sees_local_relative_and_package_imports(tmp_path):
+    pkg = tmp_path / PACKAGE
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "a.py").write_text(
+        "from typing import TYPE_CHECKING\nfrom . import b\nif TYPE_CHECKING:\n    from uniap_lightning import c\n"
+        "def f():\n    from ..c import thing\n    import json\n")
+    (pkg / "sub" / "b.py").write_text("")
+    (pkg / "c.py").write_text("")
+    mods = {"uniap_lightning": pkg / "__init__.py", "uniap_lightning.sub": pkg / "sub" / "__init__.py",
+            "uniap_lightning.sub.a": pkg / "sub" / "a.py", "uniap_lightning.sub.b": pkg / "sub" / "b.py",
+            "uniap_lightning.c": pkg / "c.py"}
+    ours, theirs = scan(mods)
+    assert [(e.target, e.local) for e in ours] == [("uniap_lightning.sub.b", False), ("uniap_lightning.c", True)]
+    assert [(e.target, e.line) for e in theirs] == [("json", 7)]
+    assert graph([Edge("uniap_lightning.c", "uniap_lightning.sub.b", False, 1)]) == {
+        "uniap_lightning.c": {"uniap_lightning.sub", "uniap_lightning.sub.b"}}
+
+
+def test_every_module_has_a_layer():
+    for name in modules():
+        layer(name)
+
+
+def test_no_import_cycle():
+    """Counting function-local imports and the package ``__init__`` an import runs (but for the groups left)."""
+    ours, _ = scan()
+    g = graph(ours)
+    groups = [{_short((m, m))[0] for m in group} for group in strongly_connected(g)]
+    allowed = [group for group, _ in ALLOWED_CYCLE_GROUPS]
+    new = [sorted(group) for group in groups if not any(group <= a for a in allowed)]
+    assert not new, f"new import cycles, e.g. {' -> '.join(find_cycle(g) or [])}; groups: {new}"
+    shrunk = [sorted(a) for a in allowed if a not in groups]
+    assert not shrunk, f"a cycle group shrank or is gone: update ALLOWED_CYCLE_GROUPS: {shrunk}; now: {groups}"
+
+
+def test_no_import_from_a_lower_layer_to_a_higher_one():
+    ours, _ = scan()
+    found = upward(ours)
+    found = {_short(k): e for k, e in found.items()}
+    new = {k: f"{e.source}:{e.line} -> {e.target}" for k, e in found.items() if k not in ALLOWED_UPWARD}
+    assert not new, f"{len(new)} upward imports: {sorted(new.values())}"
+    gone = set(ALLOWED_UPWARD) - set(found)
+    assert not gone, f"fixed, remove from ALLOWED_UPWARD: {sorted(gone)}"
+
+
+def test_no_function_local_import_of_a_package_module():
+    ours, _ = scan()
+    local = {(e.source, e.target): e for e in ours if e.local and (e.source, e.target) not in DEFERRED_PACKAGE_IMPORTS}
+    new = sorted(f"{e.source}:{e.line} -> {e.target}" for k, e in local.items() if k not in ALLOWED_LOCAL_PACKAGE_IMPORTS)
+    assert not new, f"{len(new)} function-local imports of package modules: {new}"
+    gone = ALLOWED_LOCAL_PACKAGE_IMPORTS - set(local)
+    assert not gone, f"fixed, remove from _LOCAL_PACKAGE_IMPORTS_LEFT: {sorted(gone)}"
+
+
+def test_function_local_imports_are_optional_heavy_dependencies_only():
+    _, theirs = scan()
+    found = {(e.source, e.target.split(".")[0]): e for e in theirs}
+    bad = sorted(f"{e.source}:{e.line} imports {e.target}" for k, e in found.items()
+                 if k[1] not in OPTIONAL_HEAVY and k not in ALLOWED_LOCAL_THIRD_PARTY)
+    assert not bad, f"{len(bad)} function-local imports of light modules (import them at module level): {bad}"
+    gone = {k for k in ALLOWED_LOCAL_THIRD_PARTY if k not in found}
+    assert not gone, f"fixed, remove from _LOCAL_LIGHT_IMPORTS_LEFT: {sorted(gone)}"
+
+
+def test_no_function_local_import_of_what_the_module_imports_already():
+    """A deferred ``import torch`` in a module that imports torch at module level defers nothing."""
+    _, theirs = scan()
+    mods = modules()
+    top: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        names = set()
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names.add(node.module.split(".")[0])
+        top[name] = names
+    found = {(e.source, e.target.split(".")[0]): e for e in theirs if e.target.split(".")[0] in top[e.source]}
+    bad = sorted(f"{e.source}:{e.line} imports {e.target}" for k, e in found.items() if k not in ALLOWED_LOCAL_REPEATS)
+    assert not bad, f"{len(bad)} function-local imports of packages the module imports at module level: {bad}"
+    gone = ALLOWED_LOCAL_REPEATS - set(found)
+    assert not gone, f"fixed, remove from _LOCAL_REPEATS_LEFT: {sorted(gone)}"
