@@ -64,7 +64,7 @@ def _train_config(*overrides: str):
     (["data.batch_size=2000", "trainer.limit_val_batches=0"],
      "the corpus's training split (94,406 tokens) gives 1,475"),
     (["data.shuffle=maybe"], "data.shuffle='maybe' must be true or false"),
-    (["+data.rows=3"], "data.rows: not a data setting"),
+    (["+data.rows=3"], "data.rows=3: `uniap train` has no data setting 'rows'; its data settings: name, seq_len"),
     (["trainer.devices=auto"], "trainer.devices='auto' must be an integer from 1 to 1,024"),
     (["trainer.devices=0"], "trainer.devices=0 must be an integer"),
     (["trainer.num_nodes=nan"], "trainer.num_nodes=nan must be an integer"),

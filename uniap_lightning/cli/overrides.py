@@ -167,6 +167,16 @@ def check_settings(config_name: str, cfg: Any, overrides: list[str]) -> None:
     for key in cfg:
         if key not in known:
             raise UniAPError(unknown_setting(config_name, str(key), overrides))
+    # `+model.layer=4`: a key added under a group whose fields are known (group_fields) must be one of them (a
+    # near-miss is answered with the field it is close to); `+trainer.*` is Lightning's to refuse, with the
+    # argument it is close to (train_checks.check_trainer_arguments), and `+strategy.*` is checked below
+    for override in overrides:
+        if override.startswith("+"):
+            group, _, rest = override.lstrip("+").partition("=")[0].partition(".")
+            if rest and "." not in rest and group not in ("strategy", "trainer"):
+                fields = group_fields(config_name, group)
+                if fields is not None and rest not in fields:
+                    raise UniAPError(_unknown_field(config_name, group, rest, fields, overrides))
     strategy = cfg.get("strategy") if config_name == "fit" else None
     if strategy is not None and hasattr(strategy, "keys"):
         from uniap_lightning.planner.config_schema import STRATEGY_TARGET
@@ -175,6 +185,67 @@ def check_settings(config_name: str, cfg: Any, overrides: list[str]) -> None:
             for key in strategy:
                 if key != "_target_" and key not in _strategy_arguments():
                     raise UniAPError(_unknown_argument(str(key), overrides))
+
+
+#: "<who> has no <what> 'x'" for a key a group does not have, in messages
+_GROUP = {"model": ("the model config", "field"), "cluster": ("the cluster config", "field"),
+          "train": ("the training config", "field"), "data": ("`uniap train`", "data setting"),
+          "trainer": ("Lightning's Trainer", "argument")}
+
+
+def group_fields(config_name: str, group: str) -> tuple[str, ...] | None:
+    """The keys a group of a command's config may hold, each read by something (``model``: ``ModelSpec``'s fields;
+    ``cluster`` / ``train``: the cluster's and training config's; ``data``: `uniap train`'s data settings;
+    ``trainer``: Lightning's ``Trainer`` arguments, which imports Lightning), or None for a group not known here
+    (``strategy`` has its own check). A key beyond them is refused by the command that reads the group, so a
+    near-miss (``model.layer=4``) is answered with the key it is close to, never with a ``+`` form to add it."""
+    if group == "model" and config_name in _COMMAND:
+        from uniap_lightning.planner.analytic import ModelSpec
+
+        return tuple(sorted(ModelSpec.__dataclass_fields__))
+    if group == "cluster" and config_name == "plan":
+        from uniap_lightning.planner.cluster import Cluster
+
+        return tuple(sorted({*Cluster.__dataclass_fields__, "device_groups"}))
+    if group == "train" and config_name == "plan":
+        from uniap_lightning.planner.config import TrainingConfig
+
+        return tuple(sorted(TrainingConfig.__dataclass_fields__))
+    if group == "data" and config_name == "fit":
+        from uniap_lightning.cli.train_checks import DATA_KEYS
+
+        return DATA_KEYS
+    if group == "trainer" and config_name == "fit":
+        return _trainer_arguments()
+    return None
+
+
+def _trainer_arguments() -> tuple[str, ...] | None:
+    import inspect
+
+    try:
+        import lightning.pytorch as pl
+    except ImportError:  # checked again when the command runs
+        return None
+    from uniap_lightning.cli.train_checks import OWN_TRAINER_ARGUMENTS
+
+    return tuple(sorted(set(inspect.signature(pl.Trainer.__init__).parameters) - {"self", *OWN_TRAINER_ARGUMENTS}))
+
+
+def _unknown_field(config_name: str, group: str, key: str, fields: tuple[str, ...], overrides: list[str]) -> str:
+    """One line for ``group.key`` that the group's schema does not have: the nearest field (``did you mean
+    model.layers?``) or the fields there are; no ``+`` form (the command would refuse the added key)."""
+    import difflib
+
+    given = _given(f"{group}.{key}", overrides)
+    who, what = _GROUP.get(group, (group, "key"))
+    message = f"{given}: {who} has no {what} {key!r}"
+    close = difflib.get_close_matches(key, fields, n=1)
+    if close:
+        return f"{message} (did you mean {group}.{close[0]}?)"
+    if group == "trainer":  # Lightning's arguments are many: the near ones only
+        return f"{message}; see lightning.pytorch.Trainer's arguments"
+    return f"{message}; its {what}s: {', '.join(fields)}"
 
 
 def _strategy_arguments() -> tuple[str, ...]:
@@ -254,6 +325,9 @@ def _composition_message(err: Exception, overrides: list[str], config_name: str 
         group, _, rest = key.partition(".")
         if group == "strategy" and "." not in rest and config_name == "fit" and _plain_strategy(overrides):
             return _unknown_argument(rest, overrides)
+        fields = group_fields(config_name, group) if "." not in rest else None
+        if fields is not None and rest not in fields:  # a near-miss or a key nothing reads: no `+` form
+            return _unknown_field(config_name, group, rest, fields, overrides)
         return (f"{_shown(added.group(1)[1:])}: the config has no key '{key}'; use {_shown(added.group(1))} to add "
                 f"a key (Trainer arguments and model fields that are not listed need the +)")
     no_group = re.search(r"Could not override '([^']*)'\. No match in the defaults list", text)

@@ -145,7 +145,9 @@ def register() -> None:
     """Put the schemas in Hydra's ConfigStore (again: replaces the same entries). A key a schema does not list is
     refused in one line naming the keys there are (:func:`uniap_lightning.cli.overrides.check_settings`; no ``+``
     form is suggested for a key nothing would read), and ``+strategy.x=...`` adds one only next to a
-    ``strategy._target_`` subclass with arguments of its own."""
+    ``strategy._target_`` subclass with arguments of its own. The groups' fields (``model.*``, ``cluster.*``,
+    ``train.*``, ``data.*``) are closed too: ``+model.layer=4`` is refused with the field it is close to ("did you
+    mean model.layers?", :func:`uniap_lightning.cli.overrides.group_fields`), never added."""
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
