@@ -4,10 +4,14 @@ override and what would be accepted, raised as :class:`~uniap_lightning.errors.U
 
 from __future__ import annotations
 
+import inspect
 import re
 from typing import Any
 
+from uniap_lightning.cli.train_checks import DATA_KEYS, OWN_TRAINER_ARGUMENTS
 from uniap_lightning.errors import UniAPError
+from uniap_lightning.planner.analytic import ModelSpec
+from uniap_lightning.planner.cluster import Cluster
 
 #: the config each command composes (``conf/<name>.yaml``)
 CONFIG_NAME = {"plan": "plan", "evaluate": "plan", "explain": "plan", "train": "fit"}
@@ -200,20 +204,14 @@ def group_fields(config_name: str, group: str) -> tuple[str, ...] | None:
     (``strategy`` has its own check). A key beyond them is refused by the command that reads the group, so a
     near-miss (``model.layer=4``) is answered with the key it is close to, never with a ``+`` form to add it."""
     if group == "model" and config_name in _COMMAND:
-        from uniap_lightning.planner.analytic import ModelSpec
-
         return tuple(sorted(ModelSpec.__dataclass_fields__))
     if group == "cluster" and config_name == "plan":
-        from uniap_lightning.planner.cluster import Cluster
-
         return tuple(sorted({*Cluster.__dataclass_fields__, "device_groups"}))
     if group == "train" and config_name == "plan":
         from uniap_lightning.planner.config import TrainingConfig
 
         return tuple(sorted(TrainingConfig.__dataclass_fields__))
     if group == "data" and config_name == "fit":
-        from uniap_lightning.cli.train_checks import DATA_KEYS
-
         return DATA_KEYS
     if group == "trainer" and config_name == "fit":
         return _trainer_arguments()
@@ -221,14 +219,10 @@ def group_fields(config_name: str, group: str) -> tuple[str, ...] | None:
 
 
 def _trainer_arguments() -> tuple[str, ...] | None:
-    import inspect
-
     try:
         import lightning.pytorch as pl
     except ImportError:  # checked again when the command runs
         return None
-    from uniap_lightning.cli.train_checks import OWN_TRAINER_ARGUMENTS
-
     return tuple(sorted(set(inspect.signature(pl.Trainer.__init__).parameters) - {"self", *OWN_TRAINER_ARGUMENTS}))
 
 
