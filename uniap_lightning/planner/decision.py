@@ -10,20 +10,17 @@ are read only by the plan JSON reader. It imports nothing from torch or Lightnin
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-from uniap_lightning.errors import UniAPError
+from uniap_lightning.planner import dimensions as _dims
+# the vocabularies live with their dimensions (uniap_lightning.planner.dimensions); named here too, where callers
+# have always found them
+from uniap_lightning.planner.dimensions.compression import COMPRESSIONS
+from uniap_lightning.planner.dimensions.context import CP_LABELS, CP_METHODS
+from uniap_lightning.planner.dimensions.data import COMPRESSIBLE_DP_MODES, DP_LABELS, DP_MODES, ZERO_LABELS
 
-DP_MODES = ("replicate", "zero1", "zero2", "zero3")
-COMPRESSIONS = ("none", "bf16", "powersgd", "topk")
-# modes whose gradients are all-reduced whole, so a compressor can stand in for the all-reduce
-COMPRESSIBLE_DP_MODES = ("replicate", "zero1")
-DP_LABELS = {"replicate": "dp", "zero1": "z1dp", "zero2": "z2dp", "zero3": "fsdp"}
-#: how a layer's attention runs over a split sequence: "none" (cp = 1), Ulysses all-to-alls (any device) or ring
-#: attention (``runtime/ring.py``; any device)
-CP_METHODS = ("none", "ulysses", "ring")
-CP_LABELS = {"ulysses": "u", "ring": "r"}
-ZERO_LABELS = {"zero1": "z1", "zero2": "z2", "zero3": "fsdp"}
+__all__ = ["COMPRESSIBLE_DP_MODES", "COMPRESSIONS", "CP_LABELS", "CP_METHODS", "DP_LABELS", "DP_MODES", "Strategy",
+           "ZERO_LABELS"]
 
 
 class Strategy(NamedTuple):
@@ -48,20 +45,17 @@ class Strategy(NamedTuple):
     sp: bool = False
     ep: int = 1
 
+    # The fields above are the registry's (uniap_lightning.planner.dimensions: RECORD order, each dimension's
+    # types and defaults), written out so that type checkers and readers see them; tests/planner/test_dimensions.py
+    # holds the two equal.
+
     @classmethod
-    def of(cls, dp: int, tp: int, dp_mode: str = "replicate", recompute: bool = False,
-           compression: str = "none", cp: int = 1, cp_method: str = "none", sp: bool = False, ep: int = 1) -> Strategy:
-        """The canonical record: one copy of the weights (``dp * cp == 1``) has nothing to shard, compress or
-        split over experts, one sequence shard no attention method, one tensor-parallel rank no sequence
-        parallelism."""
-        if dp * cp == 1:
-            dp_mode, compression, ep = "replicate", "none", 1
-        if cp == 1:
-            cp_method = "none"
-        if tp == 1:
-            sp = False
-        return cls(int(dp), int(tp), str(dp_mode), bool(recompute), str(compression), int(cp), str(cp_method),
-                   bool(sp), int(ep))
+    def of(cls, *args: Any, **kwargs: Any) -> Strategy:
+        """The canonical record (same arguments as the constructor): each dimension resets what means nothing in
+        the rest of the record (one copy of the weights, ``dp * cp == 1``, has nothing to shard, compress or split
+        over experts; one sequence shard no attention method; one tensor-parallel rank no sequence
+        parallelism) and the fields are cast to their types."""
+        return cls(*_dims.canonical(cls(*args, **kwargs)._asdict()))
 
     @property
     def replicas(self) -> int:
@@ -81,69 +75,11 @@ class Strategy(NamedTuple):
 
     def label(self) -> str:
         """``dp4xtp2``, ``fsdp8+rc``, ``dp2+powersgd``, ``dp2xcp2uxtp2+sp``, ``dp8+ep4`` (experts over 4 of the
-        8 replicas: not a grid dimension), ``single``."""
-        parts = []
-        if self.dp > 1:
-            parts.append(f"{DP_LABELS.get(self.dp_mode, self.dp_mode)}{self.dp}")
-        elif self.cp > 1 and self.dp_mode != "replicate":  # the mode over the context-parallel ranks alone
-            parts.append(ZERO_LABELS[self.dp_mode])
-        if self.cp > 1:
-            parts.append(f"cp{self.cp}{CP_LABELS.get(self.cp_method, self.cp_method)}")
-        if self.tp > 1:
-            parts.append(f"tp{self.tp}")
-        out = "x".join(parts) or "single"
-        if self.sp:
-            out += "+sp"
-        if self.ep > 1:
-            out += f"+ep{self.ep}"
-        if self.compression != "none":
-            out += f"+{self.compression}"
-        return out + ("+rc" if self.recompute else "")
+        8 replicas: not a grid dimension), ``single``: each dimension's fragment, in the registry's order."""
+        return _dims.label(self)
 
     def check(self, where: str, experts: int | None = None) -> None:
-        """Raise :class:`UniAPError` naming ``where`` and the first field out of its vocabulary; ``experts``: the
-        layer's expert count where known (0: a dense layer), which ``ep`` must divide."""
-        if self.dp_mode not in DP_MODES:
-            raise UniAPError(f"{where}: dp_mode={self.dp_mode!r} must be one of {DP_MODES}")
-        if self.compression not in COMPRESSIONS:
-            raise UniAPError(f"{where}: compression={self.compression!r} must be one of {COMPRESSIONS}")
-        if not isinstance(self.recompute, bool):
-            raise UniAPError(f"{where}: recompute must be true or false, got {self.recompute!r}")
-        if self.cp_method not in CP_METHODS:
-            raise UniAPError(f"{where}: cp_method={self.cp_method!r} must be one of {CP_METHODS}")
-        if not isinstance(self.sp, bool):
-            raise UniAPError(f"{where}: sp must be true or false, got {self.sp!r}")
-        if (self.cp > 1) != (self.cp_method != "none"):
-            raise UniAPError(f"{where}: cp={self.cp} needs cp_method " + (
-                f"'ulysses' or 'ring', got {self.cp_method!r}" if self.cp > 1 else f"'none', got {self.cp_method!r}"))
-        if self.sp and self.tp == 1:
-            raise UniAPError(f"{where}: sp (sequence parallelism) needs tp > 1, got tp=1")
-        if self.replicas == 1 and (self.dp_mode != "replicate" or self.compression != "none"):
-            raise UniAPError(
-                f"{where}: dp=1 has no data-parallel copies, so dp_mode must be 'replicate' and compression 'none' "
-                f"(got {self.dp_mode!r}, {self.compression!r})"
-            )
-        if self.compression != "none" and self.dp_mode not in COMPRESSIBLE_DP_MODES:
-            raise UniAPError(
-                f"{where}: compression={self.compression!r} needs dp_mode in {COMPRESSIBLE_DP_MODES} "
-                f"(gradients all-reduced whole), got {self.dp_mode!r}"
-            )
-        self._check_ep(where, experts)
-
-    def _check_ep(self, where: str, experts: int | None) -> None:
-        ep = self.ep
-        if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
-            raise UniAPError(f"{where}: ep must be a positive integer, got {ep!r}")
-        if ep == 1:
-            return
-        if self.replicas % ep:
-            raise UniAPError(f"{where}: ep={ep} must divide the dp*cp = {self.replicas} replicas (expert parallelism "
-                             "splits the experts over data ranks)")
-        if self.compression != "none":
-            raise UniAPError(f"{where}: ep={ep} needs compression 'none' (expert and other gradients are reduced "
-                             f"over different groups), got {self.compression!r}")
-        if experts is not None and experts == 0:
-            raise UniAPError(f"{where}: ep={ep} on a layer without experts (only mixture-of-experts layers split "
-                             "over ep)")
-        if experts is not None and experts % ep:
-            raise UniAPError(f"{where}: ep={ep} must divide the layer's {experts} experts")
+        """Raise :class:`UniAPError` naming ``where`` and the first field out of its vocabulary, then the first
+        rule between fields broken (each dimension's); ``experts``: the layer's expert count where known (0: a
+        dense layer), which ``ep`` must divide."""
+        _dims.check(self, where, experts)

@@ -34,6 +34,7 @@ from typing import Any
 
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.files import parse_json, read_text, write_text_atomic
+from uniap_lightning.planner import dimensions
 from uniap_lightning.planner import fields as F
 from uniap_lightning.planner.decision import COMPRESSIBLE_DP_MODES, COMPRESSIONS, DP_MODES, Strategy
 
@@ -514,28 +515,14 @@ def _stage_from_dict(s: Any, i: int) -> StagePlan:
 
 
 def _layer_from_dict(x: Any, u: int, version: int) -> LayerPlan:
-    """One layer; version 1's ``shard`` must be a real boolean (``"false"`` would be truthy: ZeRO-3)."""
+    """One layer: its name, stage and the decision record's fields, each read by its dimension (the format
+    version that added it; older files read its default, version 1's ``shard`` a real boolean: ``"false"`` would
+    be truthy, ZeRO-3)."""
     x = F.obj(x, f"plan layer {u}")
     name = F.string(F.required(x, "name", f"plan layer {u}"), f"plan layer {u}.name")
     where = f"plan layer {u} ({name})"
     stage = F.integer(F.required(x, "stage", where), f"{where}: stage", low=0, high=F.MAX_COUNT)
-    d = F.integer(F.required(x, "dp", where), f"{where}: dp", low=1, high=F.MAX_COUNT)
-    t = F.integer(F.required(x, "tp", where), f"{where}: tp", low=1, high=F.MAX_COUNT)
-    if version == 1:  # the version-1 shape: shard (a real boolean) instead of dp_mode
-        shard = F.boolean(F.required(x, "shard", where), f"{where}: shard")
-        return LayerPlan(name, stage, Strategy(d, t, "zero3" if shard and d > 1 else "replicate"))
-    # format 4 adds the sequence dimension; earlier files had none (cp 1, no sequence parallelism)
-    cp = F.integer(x.get("cp", 1), f"{where}: cp", low=1, high=F.MAX_COUNT) if version >= 4 else 1
-    return LayerPlan(name, stage, Strategy(d, t, F.string(F.required(x, "dp_mode", where), f"{where}: dp_mode"),
-                                           F.boolean(x.get("recompute", False), f"{where}: recompute"),
-                                           F.string(x.get("compression", "none"), f"{where}: compression"),
-                                           cp,
-                                           F.string(x.get("cp_method", "none"), f"{where}: cp_method")
-                                           if version >= 4 else "none",
-                                           F.boolean(x.get("sp", False), f"{where}: sp") if version >= 4 else False,
-                                           # format 4 also carries expert parallelism; earlier files had none
-                                           F.integer(x.get("ep", 1), f"{where}: ep", low=1, high=F.MAX_COUNT)
-                                           if version >= 4 else 1))
+    return LayerPlan(name, stage, Strategy(*dimensions.read(x, where, version)))
 
 
 def _numbers(value: Any, where: str, length: int, *, finite: bool = True) -> list[float]:

@@ -1,0 +1,132 @@
+"""What one dimension of the per-layer decision declares (:class:`Dimension`, :class:`Field`, :class:`Column`)
+and what its candidate options are given (:class:`Slot`). Torch-free; imports nothing from the planner above it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from uniap_lightning.errors import UniAPError
+from uniap_lightning.planner import fields as F
+
+if TYPE_CHECKING:
+    from uniap_lightning.planner.cluster import Cluster
+    from uniap_lightning.planner.profile import LayerProfile
+
+#: a field without a default (the decision record's ``dp`` and ``tp``: a plan layer must name them)
+REQUIRED: Any = object()
+
+
+@dataclass(frozen=True)
+class Slot:
+    """What a layer's candidate options depend on besides the choices made before: the layer, the stage's ``n``
+    devices, the cluster, the micro-batch size, the compression methods the solver may choose, and whether the
+    sequence dimension (context and sequence parallelism) is open."""
+
+    layer: LayerProfile
+    n: int
+    cluster: Cluster
+    micro_batch: int
+    compression: tuple[str, ...] = ("none",)
+    sequence: bool = True
+
+
+#: a field's candidate values, given the slot and the values chosen for the fields enumerated before it
+Options = Callable[[Slot, Mapping[str, Any]], Iterable[Any]]
+
+
+def _read_integer(value: Any, where: str) -> int:
+    return F.integer(value, where, low=1, high=F.MAX_COUNT)
+
+
+#: the plan-JSON reader of each field type (the format's JSON types: a count, a name, a flag)
+JSON_READERS: dict[type, Callable[[Any, str], Any]] = {int: _read_integer, str: F.string, bool: F.boolean}
+
+
+@dataclass(frozen=True)
+class Field:
+    """One field of the decision record: its name, type and default; ``check`` (or None): the value's own rule
+    (its vocabulary), raising :class:`UniAPError` with the message it returns; ``since``: the plan format version
+    that added it (an older file reads the default, or ``legacy(layer_object, where, values_read_so_far)``;
+    absent from a newer file: the default, unless required);
+    ``options``: its candidate values (see :data:`Options`)."""
+
+    name: str
+    type: type
+    default: Any
+    options: Options
+    check: Callable[[Any], str | None] | None = None
+    since: int = 1
+    legacy: Callable[[dict, str, Mapping[str, Any]], Any] | None = None
+    #: a plan layer must name it even though the record has a default (``dp_mode`` since format 2)
+    required_in_plan: bool = False
+
+    def validate(self, value: Any, where: str) -> None:
+        message = None if self.check is None else self.check(value)
+        if message:
+            raise UniAPError(f"{where}: {message}")
+
+    def read(self, x: dict, where: str, version: int, values: Mapping[str, Any]) -> Any:
+        """The field from a plan layer's JSON object ``x`` written in format ``version``: required where it has
+        no default, else its default when absent; before ``since``, the legacy reading or the default."""
+        if version < self.since:
+            return self.default if self.legacy is None else self.legacy(x, where, values)
+        required = self.default is REQUIRED or self.required_in_plan
+        raw = F.required(x, self.name, where) if required else x.get(self.name, self.default)
+        return JSON_READERS[self.type](raw, f"{where}: {self.name}")
+
+
+def one_of(name: str, vocabulary: tuple[str, ...]) -> Callable[[Any], str | None]:
+    """A check: the value is one of ``vocabulary``."""
+    return lambda v: None if v in vocabulary else f"{name}={v!r} must be one of {vocabulary}"
+
+
+def flag(name: str) -> Callable[[Any], str | None]:
+    """A check: the value is a real boolean."""
+    return lambda v: None if isinstance(v, bool) else f"{name} must be true or false, got {v!r}"
+
+
+@dataclass(frozen=True)
+class Column:
+    """A column of the report's per-layer table: its header, the cell of a strategy, and ``shown`` (or None:
+    always): the column appears only where some layer's strategy makes it true. ``explain`` (or None: absent):
+    the cell in ``explain``'s per-layer table, left-justified there where ``explain_left`` (a name, not a flag)."""
+
+    header: str
+    cell: Callable[[Any], str]
+    shown: Callable[[Any], bool] | None = None
+    explain: Callable[[Any], str] | None = None
+    explain_left: bool = False
+
+
+def _nothing(_s: Any) -> str:
+    return ""
+
+
+def _no_change(_values: Mapping[str, Any]) -> dict[str, Any]:
+    return {}
+
+
+def _no_rule(_s: Any, _where: str, _experts: int | None) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Dimension:
+    """One dimension of the per-layer decision, declared in one object by its module.
+
+    ``fields``: its fields of the decision record; ``canonical(values)``: the values it resets given the record's
+    values (what ``Strategy.of`` does for it: say, a rule that means nothing without replicas); ``grid``: its
+    fragment of the label's device grid (``dp2``, ``cp2u``, ``tp4``; "" for none), ``suffix``: its ``+...``
+    fragment after the grid; ``rules(s, where, experts)``: its checks that relate fields (after every field's own
+    check), raising :class:`UniAPError`; ``columns``: its columns in the report (placed by the registry's
+    order)."""
+
+    name: str
+    fields: tuple[Field, ...]
+    canonical: Callable[[Mapping[str, Any]], dict[str, Any]] = _no_change
+    grid: Callable[[Any], str] = _nothing
+    suffix: Callable[[Any], str] = _nothing
+    rules: Callable[[Any, str, int | None], None] = _no_rule
+    columns: tuple[Column, ...] = field(default=())
