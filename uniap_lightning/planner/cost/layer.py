@@ -56,7 +56,11 @@ from dataclasses import dataclass
 
 from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.planner.cost.comm import all_gather_s, all_reduce_s, all_to_all_s, p2p_s, reduce_scatter_s
-from uniap_lightning.planner.decision import COMPRESSIBLE_DP_MODES, DP_LABELS, DP_MODES, Strategy
+from uniap_lightning.planner.decision import Strategy
+from uniap_lightning.planner.dimensions import Slot, candidates
+# named here too, where callers have always found them: each lives with its dimension now
+from uniap_lightning.planner.dimensions.context import cp_methods  # noqa: F401
+from uniap_lightning.planner.dimensions.experts import expert_degrees  # noqa: F401
 from uniap_lightning.planner.problem import TrainingConfig
 from uniap_lightning.planner.profile import LayerProfile
 
@@ -161,31 +165,10 @@ def strategies_for(
     return list(out)
 
 
-def cp_methods(layer: LayerProfile, cp: int, t: int, cluster: Cluster) -> tuple[str, ...]:
-    """How ``layer`` may run with its sequence split over ``cp`` ranks (and ``t`` tensor-parallel ranks): none
-    without a ``sequence_length`` that ``cp`` divides; a token-wise layer (``attention_heads`` 0) needs no method
-    and is recorded as ``ulysses`` (it moves nothing); attention takes Ulysses where ``cp`` divides its heads per
-    tensor-parallel rank, ring attention where the cluster runs it and the sequence splits into ``2 cp``
-    load-balanced chunks (head and tail, for causal masks)."""
-    L = layer.sequence_length
-    if cp == 1:
-        return ("none",)
-    if L is None or L % cp:
-        return ()
-    a = layer.attention_heads
-    if a == 0:
-        return ("ulysses",)
-    out = []
-    if a % t == 0 and (a // t) % cp == 0:
-        out.append("ulysses")
-    if cluster.ring_attention and L % (2 * cp) == 0:
-        out.append("ring")
-    return tuple(out)
-
-
 def _strategies(layer: LayerProfile, n: int, cluster: Cluster, micro_batch: int, compression: tuple[str, ...],
                 sequence: bool = True) -> tuple[Strategy, ...]:
-    """Strategies with ``d * c * t = n`` that the layer allows on a stage of ``n`` devices.
+    """Strategies with ``d * c * t = n`` that the layer allows on a stage of ``n`` devices: each field's options
+    in :mod:`uniap_lightning.planner.dimensions`, chosen in the registry's ``CHOICES`` order (outer first).
 
     ``t`` must be a degree the layer supports and stay inside a node (aligned), and ``d`` must divide the
     micro-batch. ``c`` (context parallelism) needs the layer's ``sequence_length`` and a method
@@ -195,29 +178,7 @@ def _strategies(layer: LayerProfile, n: int, cluster: Cluster, micro_batch: int,
     also takes every expert-parallel degree ``ep`` of :func:`expert_degrees` over its ``d x c`` replicas
     (uncompressed gradients only).
     """
-    dpn = cluster.devices_per_node
-    out = []
-    for t in layer.tp_degrees:
-        if n % t or t > dpn or dpn % t:
-            continue
-        for c in [c for c in range(1, n // t + 1) if (n // t) % c == 0] if sequence else [1]:
-            d = n // (t * c)
-            if micro_batch % d:
-                continue
-            L = layer.sequence_length
-            sps = (False, True) if sequence and t > 1 and layer.sequence_parallel and L and L % (c * t) == 0 \
-                else (False,)
-            for method in cp_methods(layer, c, t, cluster):
-                for mode in DP_MODES if d * c > 1 else ("replicate",):
-                    comps = ([m for m in compression if m != "none"]
-                             if d * c > 1 and mode in COMPRESSIBLE_DP_MODES else [])
-                    for comp in ("none", *comps):
-                        # experts split over the replicas only with uncompressed gradients
-                        for ep in expert_degrees(layer, d * c) if comp == "none" else (1,):
-                            for sp in sps:
-                                for rec in (False, True):
-                                    out.append(Strategy(d, t, mode, rec, comp, c, method, sp, ep))
-    return tuple(out)
+    return tuple(Strategy._make(v) for v in candidates(Slot(layer, n, cluster, micro_batch, compression, sequence)))
 
 
 def dp_group_inter_node(cluster: Cluster, n: int) -> bool:
@@ -444,13 +405,6 @@ def expert_parallel_s(layer: LayerProfile, s: Strategy, tokens: float, cluster: 
         return 0.0
     X = layer.output_bytes * tokens * layer.top_k * (layer.capacity_factor or 1.0) / s.tp
     return 4 * all_to_all_s(cluster, X, ep, ep * s.tp > cluster.devices_per_node)
-
-
-def expert_degrees(layer: LayerProfile, replicas: int) -> tuple[int, ...]:
-    """The ``ep`` a layer may take with ``replicas`` ranks holding the same weights: 1, and for a
-    mixture-of-experts layer every divisor of ``replicas`` that divides its expert count."""
-    E = layer.experts
-    return (1,) + tuple(e for e in range(2, replicas + 1) if replicas % e == 0 and E % e == 0) if E else (1,)
 
 
 def _layout(x: int | tuple[int, int]) -> tuple[int, int]:
