@@ -6,7 +6,10 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from uniap_lightning.planner import dimensions
 from uniap_lightning.planner.cluster import GIB
+# the report's words for each dp_mode (with the data dimension now), named here too, where callers found them
+from uniap_lightning.planner.dimensions.data import DP_MODE_LABELS  # noqa: F401
 from uniap_lightning.planner.plan import Plan
 
 BASELINE_LABELS = {
@@ -16,14 +19,6 @@ BASELINE_LABELS = {
     "megatron": "best uniform Megatron grid (full recomputation if nothing fits without)",
     "intra_only": "intra-layer only (pp=1)",
     "inter_only": "inter-layer only (pipeline + DP)",
-}
-
-
-DP_MODE_LABELS = {
-    "replicate": "replicated (DDP)",
-    "zero1": "ZeRO-1 (optimizer sharded)",
-    "zero2": "ZeRO-2 (+ gradients)",
-    "zero3": "ZeRO-3 / FSDP (+ parameters)",
 }
 
 
@@ -123,21 +118,12 @@ def plan_renderables(plan: Plan, *, title: str | None = None) -> Group:
         stages.add_row(label, spans, ranks, strat, t, sync, mem)
 
     layers = Table(title="Per-layer strategy (consecutive equal layers folded)", title_justify="left")
-    # the sequence columns only where some layer splits its sequence (context or sequence parallelism)
-    sequence = any(lp.strategy.cp > 1 or lp.strategy.sp for lp in plan.layers)
-    experts = any(lp.strategy.ep > 1 for lp in plan.layers)  # and the expert column where some layer splits experts
-    cols = ("layers", "stage", "dp", *(("cp", "cp method") if sequence else ()), "tp", *(("sp",) if sequence else ()),
-            *(("ep",) if experts else ()), "dp mode", "recompute", "compression")
-    for col in cols:
+    # each dimension's columns (a conditional one, say the sequence columns, only where some layer needs it)
+    columns = dimensions.report_columns([lp.strategy for lp in plan.layers])
+    for col in ("layers", "stage", *(c.header for c in columns)):
         layers.add_column(col)
     for a, b, lp in runs:
-        s = lp.strategy
-        kind = "-" if s.replicas == 1 else DP_MODE_LABELS[s.dp_mode]
-        seq_cp = (str(s.cp), s.cp_method if s.cp > 1 else "-") if sequence else ()
-        seq_sp = ("yes" if s.sp else "-",) if sequence else ()
-        ep = (str(s.ep) if s.ep > 1 else "-",) if experts else ()
-        layers.add_row(_range(names, a, b), str(lp.stage), str(s.dp), *seq_cp, str(s.tp), *seq_sp, *ep, kind,
-                       "yes" if s.recompute else "-", s.compression if s.compression != "none" else "-")
+        layers.add_row(_range(names, a, b), str(lp.stage), *(c.cell(lp.strategy) for c in columns))
 
     parts = [head, stages, layers]
     schedules = schedule_table(plan)
@@ -197,15 +183,16 @@ def explain_renderables(plan: Plan, problem, measured: dict | None = None) -> Gr
     costs = CandidateCosts(problem, plan.pp, plan.microbatches, schedule=plan.schedule,
                            virtual_stages=plan.virtual_stages, compression_options=plan.compression_options)
     layers = Table(title="Per layer (predicted, one device, one micro-batch)", title_justify="left")
-    for col in ("#", "layer", "stage", "strategy", "dp mode", "recompute", "compression", "compute ms", "comm ms",
+    modes = dimensions.explain_columns()  # the dimensions' mode columns (a name: left-justified, a flag: right)
+    left = {"layer", "strategy", *(c.header for c in modes if c.explain_left)}
+    for col in ("#", "layer", "stage", "strategy", *(c.header for c in modes), "compute ms", "comm ms",
                 "sync ms / iter", "state MiB", "activations MiB", "transient MiB"):
-        layers.add_column(col, justify="left" if col in ("layer", "strategy", "dp mode", "compression") else "right")
+        layers.add_column(col, justify="left" if col in left else "right")
     for u, lp in enumerate(plan.layers):
         s = lp.strategy
         c = costs.terms(u, s)
         F = costs.in_flight(lp.stage)
-        layers.add_row(str(u), lp.name, str(lp.stage), s.label(), s.dp_mode if s.dp > 1 else "-",
-                       "yes" if s.recompute else "-", s.compression if s.compression != "none" else "-",
+        layers.add_row(str(u), lp.name, str(lp.stage), s.label(), *(m.explain(s) for m in modes),
                        _ms(c.compute_s), _ms(c.comm_s), _ms(c.sync_s), f"{c.static_bytes / 2**20:,.1f}",
                        f"{F * c.activation_bytes / 2**20:,.1f} ({F} in flight)", f"{c.transient_bytes / 2**20:,.1f}")
     stages = Table(title="Per stage: predicted vs measured", title_justify="left")
