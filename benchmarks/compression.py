@@ -106,7 +106,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     from uniap_lightning.cli.train import build_module
     from uniap_lightning.planner.config import CONF_DIR
     from uniap_lightning.planner.plan import COMPRESSION_DEFAULTS, Plan
-    from uniap_lightning.runtime.chain import extract_chain
+    from uniap_lightning.adapters import extract_chain
     from uniap_lightning.strategy import UniAPStrategy
 
     warnings.filterwarnings("ignore")

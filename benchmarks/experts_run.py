@@ -82,7 +82,7 @@ def _run(name: str, args: argparse.Namespace, world: int) -> dict[str, Any]:
     import lightning.pytorch as pl
     import torch.distributed as dist
 
-    from uniap_lightning.runtime.chain import extract_chain
+    from uniap_lightning.adapters import extract_chain
     from uniap_lightning.strategy import UniAPStrategy
 
     module = _module(args)

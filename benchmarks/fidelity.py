@@ -109,7 +109,7 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: str) ->
     from uniap_lightning.profiling.module import median_over_ranks, profile_layers
     from uniap_lightning.planner.profile import ModelProfile
     from uniap_lightning.profiling.strategies import attach_overheads, measure_overheads
-    from uniap_lightning.runtime import extract_chain
+    from uniap_lightning.adapters import extract_chain
     from uniap_lightning.runtime.planning import local_cluster
     from uniap_lightning.runtime.tensor_parallel import tp_allreduces, tp_degrees
     from uniap_lightning.strategy import UniAPStrategy

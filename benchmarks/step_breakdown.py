@@ -118,7 +118,7 @@ def _pinned(args: argparse.Namespace, world: int, module: Any, cfg: Any) -> Any:
     if not args.pp:
         return None
     from uniap_lightning.planner.plan import Plan
-    from uniap_lightning.runtime.chain import extract_chain
+    from uniap_lightning.adapters import extract_chain
 
     names = extract_chain(module).names
     per = -(-len(names) // args.pp)

@@ -65,19 +65,15 @@ DEFERRED_PACKAGE_IMPORTS: dict[tuple[str, str], str] = {
 ALLOWED_UPWARD: dict[tuple[str, str], str] = {
     ("planner.analytic", "profiling.roofline"):
         "build_problem prices a roofline cluster by tracing layers with torch; to fix: pass the tracer in",
-    ("runtime.chain", "adapters.auto"):
-        "extract_chain recognizes Hugging Face models; to fix: pass the family builder in "
-        "(runtime.extract_chain is called on Hugging Face modules in ~30 places in tests/runtime)",
 }
 
 #: groups of modules that still import each other, with why; a group may only lose modules
 ALLOWED_CYCLE_GROUPS: list[tuple[set[str], str]] = [
-    ({"adapters", "adapters.auto", "adapters.families", "adapters.families.common", "adapters.families.generic",
+    ({"adapters.auto", "adapters.families", "adapters.families.common", "adapters.families.generic",
       "adapters.families.generic_heads", "adapters.families.seq2seq", "adapters.families.sequence_hf",
-      "adapters.families.t5", "adapters.families.text", "adapters.families.vision", "adapters.hf", "runtime",
-      "runtime.chain", "runtime.pipeline", "runtime.stage"},
-     "runtime.chain -> adapters.auto (above), and the family registry: adapters.auto loads the families, which "
-     "import adapters.auto (Family, the registry); adapters.hf and families.sequence_hf use each other"),
+      "adapters.families.t5", "adapters.families.text", "adapters.families.vision", "adapters.hf"},
+     "the family registry: adapters.auto loads the families, which import adapters.auto (Family, the registry); "
+     "adapters.hf and families.sequence_hf use each other"),
     ({"planner.cost", "planner.cost.evaluate", "planner.cost.layer", "planner.cost.tables", "planner.problem"},
      "TrainingConfig.schedule_candidates asks planner.cost.pipeline.unusable (torch's schedule rules, next to "
      "SCHEDULES in planner.cost.schedules), and importing it runs planner.cost's __init__, which needs problem"),
@@ -85,7 +81,7 @@ ALLOWED_CYCLE_GROUPS: list[tuple[set[str], str]] = [
 
 _LOCAL_PACKAGE_IMPORTS_LEFT = {
     ("adapters", "adapters.hf"), ("adapters.auto", "adapters.families"),
-    ("adapters.auto", "adapters.families.generic"), ("adapters.auto", "runtime.chain"),
+    ("adapters.auto", "adapters.families.generic"),
     ("adapters.families.common", "errors"), ("adapters.families.compat", "errors"),
     ("adapters.families.generic", "adapters.auto"), ("adapters.families.generic", "adapters.families.seq2seq"),
     ("adapters.families.generic", "runtime.payload"), ("adapters.families.sequence_hf", "adapters.hf"),
@@ -125,11 +121,11 @@ _LOCAL_PACKAGE_IMPORTS_LEFT = {
     ("profiling.roofline", "planner.profile"), ("profiling.strategies", "runtime.data_parallel"),
     ("profiling.strategies", "runtime.tensor_parallel"), ("profiling.strategies", "runtime.zero"),
     ("profiling.structural", "runtime.payload"), ("rebalance", "rebalance.callback"),
-    ("rebalance", "rebalance.switch"), ("rebalance", "runtime"), ("rebalance", "setup"),
+    ("rebalance", "rebalance.switch"), ("rebalance", "setup"),
     ("rebalance.callback", "planner.cost.evaluate"), ("rebalance.callback", "planner.problem"),
     ("rebalance.callback", "rebalance.switch"), ("rebalance.callback", "rebalance.timing"),
     ("rebalance.callback", "runtime.planning"), ("rebalance.switch", "precision"), ("rebalance.switch", "runtime"),
-    ("rebalance.switch", "runtime.checkpoint"), ("runtime.chain", "adapters.auto"), ("runtime.checkpoint", "errors"),
+    ("rebalance.switch", "runtime.checkpoint"), ("runtime.checkpoint", "errors"),
     ("runtime.checkpoint", "files"), ("runtime.checkpoint", "runtime.checkpoint_safety"),
     ("runtime.checkpoint", "runtime.experts"), ("runtime.checkpoint", "runtime.export"),
     ("runtime.checkpoint", "sigterm"), ("runtime.compression_state", "errors"),

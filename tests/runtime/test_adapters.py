@@ -43,7 +43,8 @@ def test_adapter_models_match_one_process(name: str, spawn_cases: Any, request: 
 
 
 def test_gpt2_blocks_refuse_tensor_parallel() -> None:
-    from uniap_lightning.runtime import check_plan_executable, extract_chain
+    from uniap_lightning.adapters import extract_chain
+    from uniap_lightning.runtime import check_plan_executable
 
     module = h.make_lm_module("gpt2")
     plan = _plan([TP] * 4, [0] * 4, pp=1, microbatches=1)

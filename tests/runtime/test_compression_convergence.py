@@ -36,7 +36,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     from uniap_lightning.cli.train import build_module
     from uniap_lightning.planner.config import CONF_DIR
     from uniap_lightning.planner.plan import Plan
-    from uniap_lightning.runtime.chain import extract_chain
+    from uniap_lightning.adapters import extract_chain
     from uniap_lightning.strategy import UniAPStrategy
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),

@@ -132,7 +132,7 @@ def test_expert_profile_fields_of_the_moe_gpt_and_mixtral_layers() -> None:
     ``capacity_factor``), read from the chain's layers; nothing for dense ones."""
     from expert_plan_workers import moe_module
 
-    from uniap_lightning.runtime import extract_chain
+    from uniap_lightning.adapters import extract_chain
     from uniap_lightning.runtime.experts import expert_profile_fields
 
     layers = extract_chain(moe_module(**NO_DROP)).layers
@@ -155,7 +155,7 @@ def test_a_measured_profile_carries_the_expert_fields_and_the_planner_offers_ep(
     from uniap_lightning.planner.cost.layer import strategies_for
     from uniap_lightning.planner.profile import ModelProfile
     from uniap_lightning.profiling.module import profile_chain
-    from uniap_lightning.runtime import extract_chain
+    from uniap_lightning.adapters import extract_chain
     from uniap_lightning.runtime.planning import local_cluster
 
     import expert_parallel_helpers as eh
@@ -186,7 +186,8 @@ def test_the_planner_splits_the_sequence_of_dropless_moe_blocks_only() -> None:
     from uniap_lightning.planner.cost.layer import strategies_for
     from uniap_lightning.profiling.module import with_expert_fields, with_sequence_fields
     from uniap_lightning.profiling.structural import structural_profile
-    from uniap_lightning.runtime import check_plan_executable, extract_chain
+    from uniap_lightning.adapters import extract_chain
+    from uniap_lightning.runtime import check_plan_executable
     from uniap_lightning.runtime.planning import local_cluster
 
     import expert_parallel_helpers as eh
@@ -217,7 +218,8 @@ def test_ep_not_dividing_the_experts_is_refused_in_one_line_before_any_process_g
     from expert_plan_workers import moe_module
 
     from uniap_lightning.errors import UniAPError
-    from uniap_lightning.runtime import check_plan_executable, extract_chain
+    from uniap_lightning.adapters import extract_chain
+    from uniap_lightning.runtime import check_plan_executable
 
     chain = extract_chain(moe_module(n_experts=3, top_k=2))
     with pytest.raises(UniAPError, match=r"plan layer 'chain.1' \(moe\): expert parallelism ep=2 must divide the "

@@ -257,7 +257,7 @@ def test_unsupported_family_names_what_to_implement() -> None:
     import lightning.pytorch as pl
     from transformers import DistilBertConfig, DistilBertModel
 
-    from uniap_lightning.runtime import extract_chain
+    from uniap_lightning.adapters import extract_chain
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:
@@ -274,7 +274,7 @@ def test_unsupported_family_names_what_to_implement() -> None:
 
 def test_batches_without_labels_predict_but_do_not_train() -> None:
     """A batch without labels gives the chain's input (prediction: the logits); its loss is refused clearly."""
-    from uniap_lightning.runtime import extract_chain
+    from uniap_lightning.adapters import extract_chain
     from uniap_lightning.runtime.payload import call_layer
 
     module = hf_module("bert")
@@ -294,7 +294,7 @@ def test_batches_without_labels_predict_but_do_not_train() -> None:
 
 def test_padded_micro_batches_give_the_whole_batch_loss() -> None:
     """Micro-batches holding different numbers of real tokens average to the model's own loss on the batch."""
-    from uniap_lightning.runtime import extract_chain
+    from uniap_lightning.adapters import extract_chain
     from uniap_lightning.runtime.payload import call_layer, chunk
 
     for family in ("llama", "t5", "bert_mlm"):
@@ -319,7 +319,7 @@ def _runs_and_keys(family: str, **config: Any) -> tuple[list[tuple[int, int]], l
     from uniap_lightning.planner.cost.tables import CostTables
     from uniap_lightning.profiling.aggregate import structure_key
     from uniap_lightning.profiling.measure import profile_layers
-    from uniap_lightning.runtime import extract_chain
+    from uniap_lightning.adapters import extract_chain
     from uniap_lightning.runtime.chain import check_chain_contract
 
     torch.manual_seed(0)
@@ -361,7 +361,7 @@ def test_runs_of_identical_layers_come_from_structural_identity(family: str) -> 
 def test_only_tied_weights_become_tied_copies() -> None:
     """GPT-2 with its default tie gets the LM head as an equal copy of the embedding (one tie); an untied model
     keeps its two independent weights (no tie, so no gradient is summed)."""
-    from uniap_lightning.runtime import extract_chain
+    from uniap_lightning.adapters import extract_chain
 
     tied = extract_chain(hf_module("gpt2_tied"))
     assert tied.ties == [(0, 3, "wte.weight", "lm_head.weight")]
@@ -374,7 +374,7 @@ def test_only_tied_weights_become_tied_copies() -> None:
 def _chain_matches_model_loss_and_gradients(family: str) -> tuple[Any, dict[str, torch.Tensor]]:
     """The chain of ``family`` run on a (padded) batch cut into 4 micro-batches averages to ``model(**batch).loss``
     with the same gradients; returns the chain and the batch."""
-    from uniap_lightning.runtime import extract_chain
+    from uniap_lightning.adapters import extract_chain
     from uniap_lightning.runtime.payload import call_layer, chunk
 
     module = hf_module(family)
@@ -440,7 +440,7 @@ def test_encoder_decoder_and_vision_give_the_models_own_loss_and_gradients(famil
 @pytest.mark.parametrize("family", ["gpt2_sc", "llama_sc"])
 def test_decoder_classifiers_pool_the_last_real_token_with_left_padding_too(family: str) -> None:
     """Left-padded rows (as decoder users batch them): the rightmost non-padding token, as Hugging Face takes it."""
-    from uniap_lightning.runtime import extract_chain
+    from uniap_lightning.adapters import extract_chain
     from uniap_lightning.runtime.payload import call_layer
 
     module = hf_module(family)
@@ -459,7 +459,7 @@ def test_decoder_classifiers_pool_the_last_real_token_with_left_padding_too(fami
 def test_unknown_heads_name_the_supported_ones() -> None:
     import transformers as tr
 
-    from uniap_lightning.runtime import extract_chain
+    from uniap_lightning.adapters import extract_chain
 
     bert, gpt2 = build("bert").config, build("gpt2").config
     for model, family in ((tr.BertForPreTraining(bert), "BertForMaskedLM, BertForSequenceClassification, "

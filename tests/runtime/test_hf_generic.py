@@ -38,7 +38,7 @@ MEDIA = ["deit", "convnext", "clip_cls", "wav2vec2_ctc", "wav2vec2_cls", "whispe
 
 
 def _loss_and_grads(family: str, left: bool = False) -> None:
-    from uniap_lightning.runtime import extract_chain
+    from uniap_lightning.adapters import extract_chain
     from uniap_lightning.runtime.payload import call_layer, chunk
 
     module = generic_module(family)
@@ -239,7 +239,7 @@ def test_tensor_parallel_only_where_the_blocks_are_recognized() -> None:
     to ``-1`` heads and an MLP of known names are tensor parallel (degrees dividing every head count and the MLP
     width); Falcon's fused QKV (reshaped with its full head count), OPT's attention (likewise), StableLM's, and
     Qwen3's per-head norms (replicated weights seeing one rank's heads) are not."""
-    from uniap_lightning.runtime import extract_chain
+    from uniap_lightning.adapters import extract_chain
 
     families = ["opt", "mistral", "qwen2", "gpt_neox", "phi", "gemma", "falcon", "qwen3", "stablelm", "olmo", "bloom",
                 "gemma3", "gptj"]
@@ -261,7 +261,7 @@ def _module(model: Any) -> Any:
 def test_a_head_the_split_does_not_know_is_refused_at_setup() -> None:
     import transformers as tr
 
-    from uniap_lightning.runtime import extract_chain
+    from uniap_lightning.adapters import extract_chain
 
     electra = tr.ElectraForPreTraining(tr.ElectraConfig(
         vocab_size=32, embedding_size=8, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
@@ -276,7 +276,7 @@ def test_a_contrastive_loss_is_refused_at_setup() -> None:
     micro-batches cannot give it; refused at setup with why (its image classifier trains, see ``clip_cls``)."""
     import transformers as tr
 
-    from uniap_lightning.runtime import extract_chain
+    from uniap_lightning.adapters import extract_chain
 
     clip = tr.CLIPModel(tr.CLIPConfig(
         vision_config=dict(image_size=8, patch_size=4, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -309,7 +309,7 @@ def test_no_list_of_blocks_is_refused() -> None:
 def test_a_model_the_split_cannot_reproduce_trains_as_one_layer(family: str, why: str) -> None:
     """The check against the model's own forward on a probe batch catches what the split cannot reproduce at setup;
     the model then trains as one layer (one warning naming why), with its own loss on padded micro-batches."""
-    from uniap_lightning.runtime import extract_chain
+    from uniap_lightning.adapters import extract_chain
     from uniap_lightning.runtime.payload import call_layer, chunk
 
     module = generic_module(family)
@@ -329,7 +329,7 @@ def test_blocks_taking_other_arguments_without_padding_are_caught_at_setup(monke
     from batch to batch, so setup probes with and without padding; here (the ``uniap_sdpa`` attention withheld) the
     model trains as one layer instead of failing on its first unpadded batch."""
     from uniap_lightning.adapters.families import generic
-    from uniap_lightning.runtime import extract_chain
+    from uniap_lightning.adapters import extract_chain
 
     monkeypatch.setattr(generic, "_register_attention", lambda: False)
     module = generic_module("qwen2")
@@ -342,7 +342,7 @@ def test_blocks_taking_other_arguments_without_padding_are_caught_at_setup(monke
 def test_layerdrop_trains_as_one_layer() -> None:
     """LayerDrop skips blocks at random in the model's own forward while training, which a chain of one layer per
     block would not: the model trains as one layer (one warning naming why), with its own CTC loss."""
-    from uniap_lightning.runtime import extract_chain
+    from uniap_lightning.adapters import extract_chain
     from uniap_lightning.runtime.payload import chunk
 
     module = generic_module("wav2vec2_ctc")
@@ -383,7 +383,7 @@ def test_a_model_whose_own_forward_fails_on_the_probe_is_refused_in_one_line() -
     refused at setup with that reason, not a raw exception from the one-layer fallback."""
     import transformers as tr
 
-    from uniap_lightning.runtime import extract_chain
+    from uniap_lightning.adapters import extract_chain
 
     model = tr.Qwen2ForSequenceClassification(tr.Qwen2Config(
         vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,

@@ -45,7 +45,7 @@ def _grads(model: Any, chain: Any) -> dict[str, torch.Tensor]:
 
 
 def _loss_and_grads(family: str) -> None:
-    from uniap_lightning.runtime import extract_chain
+    from uniap_lightning.adapters import extract_chain
 
     module = seq2seq_module(family)
     model = module.model
@@ -81,7 +81,7 @@ def test_seq2seq_chain_more_families(family: str) -> None:
 def test_given_decoder_inputs_are_used_as_given() -> None:
     """A batch with ``decoder_input_ids`` (and a decoder padding mask) is not shifted again: the chain's logits are
     the model's own on those inputs."""
-    from uniap_lightning.runtime import extract_chain
+    from uniap_lightning.adapters import extract_chain
     from uniap_lightning.runtime.payload import call_layer
 
     module = seq2seq_module("bart")
@@ -104,7 +104,7 @@ def test_given_decoder_inputs_are_used_as_given() -> None:
 def test_a_batch_without_attention_mask() -> None:
     """Without ``attention_mask`` (no padding) the model attends to every token; so does the chain (the masks, always
     materialized, keep the structure the blocks were set up with)."""
-    from uniap_lightning.runtime import extract_chain
+    from uniap_lightning.adapters import extract_chain
 
     module = seq2seq_module("bart")
     batch = next(iter(seq2seq_batches(4, "bart")))
@@ -122,7 +122,7 @@ def test_t5_through_the_generic_path_matches_the_hand_written_family() -> None:
     from hf_models import hf_batches, hf_module
 
     from uniap_lightning.adapters.families.seq2seq import seq2seq_family
-    from uniap_lightning.runtime import extract_chain
+    from uniap_lightning.adapters import extract_chain
     from uniap_lightning.runtime.chain import Chain
 
     batch = next(iter(hf_batches(8, "t5")))
@@ -160,7 +160,7 @@ def _hf_target(target: dict[str, torch.Tensor]) -> Any:
 
 
 def _one_layer(family: str) -> None:
-    from uniap_lightning.runtime import extract_chain
+    from uniap_lightning.adapters import extract_chain
 
     module = seq2seq_module(family)
     model = module.model
@@ -198,7 +198,7 @@ def _tiny_bart(cls: str, **kw: Any) -> Any:
 def test_a_seq2seq_classifier_trains_as_one_layer() -> None:
     """BART's sequence classifier pools the decoder's states at the last <eos> in its top-level forward: one layer
     (one warning), its own loss on micro-batches."""
-    from uniap_lightning.runtime import extract_chain
+    from uniap_lightning.adapters import extract_chain
 
     module = h.make_module(factory="hf_models:HFModule", model=_tiny_bart("BartForSequenceClassification",
                                                                           num_labels=3))
@@ -214,7 +214,7 @@ def test_a_seq2seq_classifier_trains_as_one_layer() -> None:
 
 
 def test_another_seq2seq_head_is_refused_at_setup() -> None:
-    from uniap_lightning.runtime import extract_chain
+    from uniap_lightning.adapters import extract_chain
 
     module = h.make_module(factory="hf_models:HFModule", model=_tiny_bart("BartForQuestionAnswering"))
     with pytest.raises(UniAPError, match=r"BartForQuestionAnswering.*encoder-decoder LMs.*uniap_layers"):
@@ -222,7 +222,7 @@ def test_another_seq2seq_head_is_refused_at_setup() -> None:
 
 
 def test_labels_longer_than_the_decoder_positions_are_refused_in_one_line() -> None:
-    from uniap_lightning.runtime import extract_chain
+    from uniap_lightning.adapters import extract_chain
 
     chain = extract_chain(seq2seq_module("whisper"))
     batch = next(iter(seq2seq_batches(2, "whisper")))
@@ -234,7 +234,7 @@ def test_labels_longer_than_the_decoder_positions_are_refused_in_one_line() -> N
 def test_tensor_parallel_where_the_attention_allows_it() -> None:
     """BART's blocks (self- and cross-attention reshaping by -1 heads, fc1 / fc2) are tensor parallel up to the head
     count; Whisper's attention reshapes its keys with its full head count, so its blocks stay whole."""
-    from uniap_lightning.runtime import extract_chain
+    from uniap_lightning.adapters import extract_chain
 
     bart = extract_chain(seq2seq_module("bart"))
     assert [layer.uniap_tp_degrees() for layer in bart.layers[:-1]] == [[1], [1, 2, 4], [1, 2, 4], [1], [1, 2, 4],

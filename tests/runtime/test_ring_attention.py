@@ -193,9 +193,8 @@ def test_ring_pricing_adds_the_load_balance_all_to_alls() -> None:
 
 
 def test_the_search_leaves_ring_out_for_a_model_with_attention_dropout() -> None:
-    from uniap_lightning.adapters import CausalLMModule
+    from uniap_lightning.adapters import CausalLMModule, extract_chain
     from uniap_lightning.adapters.gpt import GPT, GPTConfig
-    from uniap_lightning.runtime import extract_chain
     from uniap_lightning.runtime.planning import local_cluster
     from uniap_lightning.setup import _without_ring_if_dropout
 

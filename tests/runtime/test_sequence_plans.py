@@ -255,10 +255,10 @@ def test_the_runtime_search_offers_ring_attention_as_the_cluster_says(tmp_path: 
 
 def test_heads_not_divisible_is_refused_before_any_collective() -> None:
     """cp=2 over a GPT with 3 heads: one line naming the numbers, from the checks every rank runs alike."""
-    from uniap_lightning.adapters import CausalLMModule
+    from uniap_lightning.adapters import CausalLMModule, extract_chain
     from uniap_lightning.adapters.gpt import GPT, GPTConfig
     from uniap_lightning.errors import UniAPError
-    from uniap_lightning.runtime import check_plan_executable, extract_chain
+    from uniap_lightning.runtime import check_plan_executable
 
     module = CausalLMModule(GPT(GPTConfig(vocab_size=h.VOCAB, block_size=h.SEQ, n_head=3, n_embd=24)).layers())
     chain = extract_chain(module)
@@ -371,7 +371,7 @@ def test_measured_profile_declares_the_sequence_and_the_planner_offers_cp_and_sp
     from uniap_lightning.planner.cost.layer import strategies_for
     from uniap_lightning.planner.profile import ModelProfile
     from uniap_lightning.profiling.module import profile_chain, with_sequence_fields
-    from uniap_lightning.runtime import extract_chain
+    from uniap_lightning.adapters import extract_chain
     from uniap_lightning.runtime.planning import local_cluster
     from uniap_lightning.runtime.tensor_parallel import tp_degrees
 
@@ -412,7 +412,8 @@ def test_bert_profile_declares_the_sequence_and_the_planner_offers_cp_and_sp() -
     from uniap_lightning.errors import UniAPError
     from uniap_lightning.planner.cost.layer import strategies_for
     from uniap_lightning.profiling.module import profile_chain, with_sequence_fields
-    from uniap_lightning.runtime import check_plan_executable, extract_chain
+    from uniap_lightning.adapters import extract_chain
+    from uniap_lightning.runtime import check_plan_executable
     from uniap_lightning.runtime.planning import local_cluster
     from uniap_lightning.runtime.sequence import sequence_info
     from uniap_lightning.runtime.tensor_parallel import tp_degrees
@@ -455,7 +456,8 @@ def test_decoder_profiles_declare_the_sequence_and_the_planner_offers_cp_and_sp(
     from uniap_lightning.errors import UniAPError
     from uniap_lightning.planner.cost.layer import strategies_for
     from uniap_lightning.profiling.module import profile_chain
-    from uniap_lightning.runtime import check_plan_executable, extract_chain
+    from uniap_lightning.adapters import extract_chain
+    from uniap_lightning.runtime import check_plan_executable
     from uniap_lightning.runtime.planning import local_cluster
     from uniap_lightning.runtime.sequence import sequence_info
     from uniap_lightning.runtime.tensor_parallel import tp_degrees

@@ -2,7 +2,10 @@
 
 Hugging Face models of the supported families (BERT, GPT-2, Llama, T5, ViT, Swin) need none of this: a
 LightningModule holding the model as an attribute and returning ``self.model(**batch).loss`` trains as it is, the
-strategy builds the chain itself (:mod:`uniap_lightning.adapters.auto`). What follows is for chains written by hand.
+strategy builds the chain itself (:mod:`uniap_lightning.adapters.auto`). :func:`extract_chain` is how it finds the
+chain of any module (``uniap_layers()``, one ``nn.Sequential``, or a Hugging Face model): call it, not
+:func:`uniap_lightning.runtime.extract_chain` (which knows no model family), to see the chain the strategy splits.
+What follows is for chains written by hand.
 
 Every adapter returns a list of layers (each maps one tensor to one tensor, batch on dim 0) that wrap - not copy -
 the model's own modules, plus, where it is supported, a tensor-parallel plan per layer (``uniap_tp_plan``).
@@ -21,6 +24,7 @@ PyTorch :class:`~uniap_lightning.adapters.gpt.GPT` (tensor parallel too).
 
 from __future__ import annotations
 
+from uniap_lightning.adapters.auto import extract_chain
 from uniap_lightning.adapters.lm import CausalLMModule
 
 
@@ -31,4 +35,4 @@ def hf_layers(model: object) -> list:
     return _hf_layers(model)
 
 
-__all__ = ["CausalLMModule", "hf_layers"]
+__all__ = ["CausalLMModule", "extract_chain", "hf_layers"]

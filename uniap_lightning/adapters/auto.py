@@ -28,6 +28,8 @@ import torch
 from torch import nn
 
 from uniap_lightning.errors import UniAPError
+from uniap_lightning.runtime import chain as runtime_chain
+from uniap_lightning.runtime.chain import Chain
 
 
 @dataclass
@@ -146,10 +148,27 @@ def _split_for(family: Family, model: Any) -> Callable[[Any], tuple[dict[str, to
     return split
 
 
-def pretrained_chain(module: nn.Module, attribute: str, model: Any) -> Any:
-    """The :class:`~uniap_lightning.runtime.chain.Chain` of ``module.<attribute>`` (a Hugging Face model)."""
-    from uniap_lightning.runtime.chain import Chain
+def extract_chain(module: nn.Module) -> Chain:
+    """The chain of ``module`` as the strategy finds it: ``module.uniap_layers()``, else its one ``nn.Sequential``
+    attribute (:func:`uniap_lightning.runtime.chain.extract_chain`), else the chain of the one Hugging Face model it
+    holds (:func:`hugging_face_chain`).
 
+    This is the function to call on a user's LightningModule (the strategy, setup and live re-planning do): the
+    runtime's :func:`~uniap_lightning.runtime.chain.extract_chain` sits below the adapters and knows no model
+    family unless given one (its ``adapter`` argument, which this function fills in).
+    """
+    return runtime_chain.extract_chain(module, adapter=hugging_face_chain)
+
+
+def hugging_face_chain(module: nn.Module) -> Chain | None:
+    """The chain of the one Hugging Face model ``module`` holds (:func:`pretrained_chain`); ``None`` when it holds
+    none (the runtime's ``adapter`` contract, :data:`uniap_lightning.runtime.chain.ChainAdapter`)."""
+    found = find_pretrained(module)
+    return None if found is None else pretrained_chain(module, *found)
+
+
+def pretrained_chain(module: nn.Module, attribute: str, model: Any) -> Chain:
+    """The :class:`~uniap_lightning.runtime.chain.Chain` of ``module.<attribute>`` (a Hugging Face model)."""
     _load_families()
     config = getattr(model, "config", None)
     kind = getattr(config, "model_type", None)

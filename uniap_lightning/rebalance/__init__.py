@@ -20,6 +20,7 @@ from dataclasses import replace
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
+from uniap_lightning.adapters import extract_chain
 from uniap_lightning.rebalance.decision import RebalanceOptions
 
 if TYPE_CHECKING:
@@ -40,7 +41,6 @@ def plan_and_apply(strategy: Any, trainer: pl.Trainer, *, ranks: Ranks, options:
     from uniap_lightning import setup
     from uniap_lightning.rebalance.callback import Rebalancer
     from uniap_lightning.rebalance.switch import Pristine
-    from uniap_lightning.runtime import extract_chain
 
     module, precision = strategy.lightning_module, strategy.precision_plugin
     if not rebalance.enabled:

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from uniap_lightning.adapters import extract_chain
 from uniap_lightning.runtime.chain import Chain
 
 if TYPE_CHECKING:
@@ -98,7 +99,7 @@ def switch_plan(strategy: Any, trainer: pl.Trainer, plan: Plan, pristine: Pristi
     from lightning.fabric.utilities.optimizer import _optimizers_to_device
 
     from uniap_lightning.precision import global_norm_clipper
-    from uniap_lightning.runtime import apply_plan, extract_chain
+    from uniap_lightning.runtime import apply_plan
     from uniap_lightning.runtime.checkpoint import load, model_state, optimizer_state
 
     t0 = time.perf_counter()

@@ -15,6 +15,9 @@ A LightningModule trains under ``strategy="uniap"`` with no glue code when
   the module defines ``uniap_split_batch(batch) -> (input, target)``; input and target may be payloads;
 * or its network is a Hugging Face ``PreTrainedModel`` of a supported family (one attribute): the chain, the loss
   (the model's own, labels in the batch dict) and the batch layout come from :mod:`uniap_lightning.adapters.auto`.
+  The runtime knows no model family (it sits below the adapters): :func:`extract_chain` takes the builder as its
+  ``adapter`` argument, and :func:`uniap_lightning.adapters.extract_chain`, which the strategy calls, passes the
+  Hugging Face one.
 
 :class:`UniAPModule` states this as a Protocol. Models that are not chains get an adapter
 (:mod:`uniap_lightning.adapters`) that exposes them as one.
@@ -116,7 +119,12 @@ def default_split_batch(batch: Any) -> tuple[Payload, Any]:
     )
 
 
-def _find_layers(module: nn.Module) -> list[nn.Module] | Chain:
+#: ``module -> its Chain``, or ``None`` for a module it does not recognize: how a model that is not a chain by the
+#: contract above gets one (:func:`uniap_lightning.adapters.extract_chain` passes the Hugging Face builder)
+ChainAdapter = Callable[[nn.Module], "Chain | None"]
+
+
+def _find_layers(module: nn.Module, adapter: ChainAdapter | None) -> list[nn.Module] | Chain:
     if hasattr(module, "uniap_layers"):
         layers = list(module.uniap_layers())
         if not layers:
@@ -125,18 +133,19 @@ def _find_layers(module: nn.Module) -> list[nn.Module] | Chain:
     seqs = [(n, m) for n, m in module.named_children() if isinstance(m, nn.Sequential)]
     if len(seqs) == 1:
         return list(seqs[0][1].children())
-    from uniap_lightning.adapters.auto import find_pretrained, pretrained_chain
-
-    found_hf = find_pretrained(module)
-    if found_hf is not None:
-        return pretrained_chain(module, *found_hf)
+    built = adapter(module) if adapter is not None else None
+    if built is not None:
+        return built
     found = f"found {len(seqs)} nn.Sequential attributes ({', '.join(n for n, _ in seqs)})" if seqs else (
         "found no nn.Sequential attribute"
     )
+    hf = "" if adapter is not None else (
+        " (uniap_lightning.adapters.extract_chain, which the strategy calls, builds its chain; "
+        "uniap_lightning.runtime.extract_chain without an adapter knows no model family)")
     raise UniAPError(
         f"{type(module).__name__} is not a chain of layers the strategy can split: {found}. Put the network in one "
         "nn.Sequential attribute, define uniap_layers() returning the ordered layers, hold a Hugging Face model of a "
-        "supported family (uniap_lightning.adapters.auto.FAMILIES) as one attribute, or use an adapter from "
+        f"supported family (uniap_lightning.adapters.auto.FAMILIES) as one attribute{hf}, or use an adapter from "
         "uniap_lightning.adapters (plain GPT)."
     )
 
@@ -157,10 +166,17 @@ def _find_loss(module: nn.Module) -> Callable[[torch.Tensor, Any], torch.Tensor]
     )
 
 
-def extract_chain(module: nn.Module) -> Chain:
-    """Find the chain, its loss and batch layout; refuse what the runtime cannot split, with the reason."""
-    layers = _find_layers(module)
-    if isinstance(layers, Chain):  # built by an adapter the strategy chose (a Hugging Face model)
+def extract_chain(module: nn.Module, adapter: ChainAdapter | None = None) -> Chain:
+    """Find the chain, its loss and batch layout; refuse what the runtime cannot split, with the reason.
+
+    The chain is ``module.uniap_layers()``, else the children of its one ``nn.Sequential`` attribute, else what
+    ``adapter`` builds (``module -> Chain``, ``None`` when it does not recognize the module). The runtime sits below
+    the adapters and knows no model family: for a LightningModule holding a Hugging Face model call
+    :func:`uniap_lightning.adapters.extract_chain` (this function with the Hugging Face adapter), which is what the
+    strategy, setup and live re-planning call; without ``adapter`` such a module is refused, naming that function.
+    """
+    layers = _find_layers(module, adapter)
+    if isinstance(layers, Chain):  # built by the adapter (a Hugging Face model)
         return layers
     names_by_id = {id(m): n for n, m in module.named_modules() if n}
     names = []

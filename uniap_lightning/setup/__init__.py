@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from uniap_lightning.adapters import extract_chain
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.planner.plan import Plan
@@ -222,7 +223,7 @@ def plan_and_apply(module: Any, trainer: pl.Trainer, *, ranks: Ranks, options: S
     """What ``UniAPStrategy.setup`` runs once: the chain of ``module``, :func:`run_setup` under the precision
     plugin's forward context, the plan printed on rank 0, then applied on this rank (collective)."""
     from uniap_lightning.planner.report import print_plan
-    from uniap_lightning.runtime import apply_plan, extract_chain
+    from uniap_lightning.runtime import apply_plan
 
     t0 = time.perf_counter()
     chain = extract_chain(module)
