@@ -22,6 +22,38 @@ def test_the_lock_refuses_a_second_holder_and_is_free_after_release(tmp_path: Pa
     CheckpointDirLock(tmp_path / "ckpts").release()
 
 
+def test_release_removes_the_lock_file_and_a_folder_it_created_empty(tmp_path: Path) -> None:
+    CheckpointDirLock(tmp_path / "new").release()
+    assert not (tmp_path / "new").exists()  # created for the lock, left empty: gone
+    (tmp_path / "kept").mkdir()
+    CheckpointDirLock(tmp_path / "kept").release()
+    assert (tmp_path / "kept").is_dir() and not (tmp_path / "kept" / ".uniap.lock").exists()
+    held = CheckpointDirLock(tmp_path / "used")
+    (tmp_path / "used" / "step-00000001.ckpt").mkdir()  # a checkpoint written during the run
+    held.release()
+    assert sorted(p.name for p in (tmp_path / "used").iterdir()) == ["step-00000001.ckpt"]
+
+
+def test_a_lock_file_a_finished_run_removed_is_not_taken_for_the_lock(tmp_path: Path) -> None:
+    """A run that opened the lock file just before the holder ended and removed it would flock a file without a
+    name, which a third run would not see: such a file is not the lock (the run locks the file under the name)."""
+    path = tmp_path / "ckpts" / ".uniap.lock"
+    first = CheckpointDirLock(tmp_path / "ckpts")
+    stale = os.open(path, os.O_RDWR)
+    try:
+        first.release()
+        assert os.fstat(stale).st_nlink == 0 and not CheckpointDirLock._is_named(os.fstat(stale), path)
+        second = CheckpointDirLock(tmp_path / "ckpts")
+        try:
+            assert CheckpointDirLock._is_named(os.fstat(second._fd), path)
+            with pytest.raises(UniAPError, match="in use by another run"):
+                CheckpointDirLock(tmp_path / "ckpts")
+        finally:
+            second.release()
+    finally:
+        os.close(stale)
+
+
 @pytest.mark.parametrize("link", ["hard", "symbolic"])
 def test_a_link_under_the_lock_name_is_replaced_never_written_into(tmp_path: Path, link: str) -> None:
     victim = tmp_path / "victim.txt"

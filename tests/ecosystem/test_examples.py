@@ -52,6 +52,12 @@ def test_uniap_train_cli(tmp_path):
     ranks = [json.loads((tmp_path / "res" / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["plan"] == ranks[1]["plan"]
     assert ranks[0]["final_loss"] < math.log(128) and ranks[0]["train_ppl"] > 1
+    # what the demo leaves behind (run here in a fresh folder): logs where Lightning puts them, under a name that
+    # .gitignore holds, and no checkpoint folder or lock file (nothing for `git status` to show in a clone)
+    assert (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").is_file()
+    assert not (tmp_path / "lightning_logs" / "lightning_logs").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lightning_logs", "res"]
+    assert "lightning_logs/" in (ROOT / ".gitignore").read_text().split()
 
 
 def test_uniap_train_bad_input(tmp_path):

@@ -4,6 +4,8 @@ Two runs writing into one folder would interleave their checkpoints (``resume=au
 the other's step). The lead process (the launcher, or SLURM's task 0) takes an exclusive ``flock`` on
 ``<checkpoint_dir>/.uniap.lock`` before any rank starts; a second run is refused with the first one's pid. The
 kernel drops the lock when the process ends, however it ends, so a crashed run never leaves the folder locked.
+A run that ends by itself (finished, failed or preempted) also removes the lock file, and the folder when the run
+created it and left it empty, so a finished demo leaves nothing behind in the clone.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class CheckpointDirLock:
 
     def __init__(self, folder: str | Path) -> None:
         self.folder = Path(folder)
+        self._created = not os.path.lexists(self.folder)  # removed again at release if the run left it empty
         if self.folder.exists() and not self.folder.is_dir():
             raise UniAPError(f"checkpoint_dir={str(self.folder)!r} is a file, not a folder: give a folder for the "
                              "checkpoints this run writes on preemption")
@@ -68,12 +71,24 @@ class CheckpointDirLock:
                                  "two runs would mix their checkpoints: give this one its own checkpoint_dir=..."
                                  ) from None
             st = os.fstat(fd)
-            if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+            if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and self._is_named(st, path):
                 return fd
             os.close(fd)  # a hard link to someone else's file, or a FIFO: drop the name, never write into it
+            if stat.S_ISREG(st.st_mode) and not self._is_named(st, path):
+                continue  # a run that ended removed this file after we opened it: lock the name's new file
             self._unlink_name(path)
         raise UniAPError(f"checkpoint_dir={str(self.folder)!r}: its lock file {LOCK_NAME} keeps being replaced "
                          "by something that is not a plain file; remove it and run again")
+
+    @staticmethod
+    def _is_named(st: os.stat_result, path: Path) -> bool:
+        """The flocked file is still the one under ``path`` (a run that ended unlinks its lock file while holding
+        the flock: a lock taken on the unlinked file would lock nothing)."""
+        try:
+            now = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        return (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
 
     @staticmethod
     def _unlink_name(path: Path) -> None:
@@ -85,9 +100,23 @@ class CheckpointDirLock:
             pass
 
     def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing the only descriptor drops the flock
-            self._fd = None
+        """Remove the lock file (still holding the flock, so no other run can have taken it), drop the flock, and
+        remove the folder if this run created it and nothing was written there."""
+        if self._fd is None:
+            return
+        path = self.folder / LOCK_NAME
+        try:
+            if self._is_named(os.fstat(self._fd), path):
+                os.unlink(path)
+        except OSError:
+            pass  # a folder that became read-only keeps the file: the next run locks it as before
+        os.close(self._fd)  # closing the only descriptor drops the flock
+        self._fd = None
+        if self._created:
+            try:
+                self.folder.rmdir()  # only when empty
+            except OSError:
+                pass
 
 
 def lock_checkpoint_dir(folder: str | Path) -> CheckpointDirLock | None:

@@ -18,7 +18,7 @@ def main(argv: list[str]) -> int:
         "A checkpoint folder (what Trainer(strategy='uniap') saves, under any plan) as full weights: one safetensors "
         "file (default), one torch.save file, or a Hugging Face folder that from_pretrained loads. One process; "
         "nothing in the checkpoint runs code."))
-    p.add_argument("checkpoint", help="a checkpoint folder (e.g. checkpoints/step-30.ckpt)")
+    p.add_argument("checkpoint", help="a checkpoint folder (e.g. checkpoints/step-00000030.ckpt, written by `uniap train` on SIGTERM)")
     p.add_argument("out", help="the weights file, or the folder for --format hf")
     p.add_argument("--format", choices=FORMATS, default=None,
                    help="default: torch for a .pt/.pth/.bin/.ckpt name, else safetensors")

@@ -14,7 +14,9 @@ commands:
   explain    per-layer / per-stage predictions (and measurements), and why the other candidates lost
              uniap explain model=... cluster=... [plan=plan.json] [measured=metrics.json]
   export     a checkpoint folder as full weights: safetensors, torch, or a Hugging Face folder
-             uniap export checkpoints/step-30.ckpt model.safetensors [--format hf --hf-config FOLDER]
+             uniap export checkpoints/step-00000030.ckpt model.safetensors [--format hf --hf-config FOLDER]
+             (checkpoints/step-<N>.ckpt, N in 8 digits: what `uniap train` writes on SIGTERM, e.g. `timeout -s
+             TERM 60 uniap train ...`; a run that ends by itself writes none)
 
 Every option is a Hydra override; `uniap plan --help` lists them, `-m` sweeps (multirun):
   uniap plan -m model=gpt2_small,llama_7b cluster=a100_1x8,h100_4x8

@@ -126,10 +126,14 @@ def _one_copy_of_each_log_line() -> None:
 
 def _quiet_library_warnings() -> None:
     """Warnings a `uniap train` user can do nothing about: Lightning 2.6 calls a torch API that torch 2.13
-    deprecates (``isinstance(treespec, LeafSpec)``), once per rank."""
+    deprecates (``isinstance(treespec, LeafSpec)``), once per rank; and at a mid-epoch resume Lightning calls the
+    loader "not resumable" (it has no ``state_dict``), but the shipped data module builds a loader that starts at
+    the checkpoint's batch (:class:`uniap_lightning.data.ResumableOrder`)."""
     import warnings
 
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+    warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended before the epoch ended "
+                            r"and your dataloader is not resumable")
 
 
 def run_train(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
@@ -243,8 +247,9 @@ def _train(cfg: DictConfig, overrides: list[str], resume: Path | None) -> dict[s
     if trainer_kwargs.get("enable_progress_bar", True):
         callbacks.append(StepProgressBar())
     try:
-        trainer = pl.Trainer(strategy=strategy, callbacks=callbacks, logger=pl.loggers.CSVLogger("lightning_logs"),
-                             **trainer_kwargs)
+        # where Lightning's own default logger writes: <default_root_dir>/lightning_logs/version_N/
+        logger = pl.loggers.CSVLogger(trainer_kwargs.get("default_root_dir") or ".", name="lightning_logs")
+        trainer = pl.Trainer(strategy=strategy, callbacks=callbacks, logger=logger, **trainer_kwargs)
     except (TypeError, ValueError, MisconfigurationException) as err:
         raise UniAPError(f"trainer.*: Lightning refuses these Trainer arguments: {err}") from err
     try:
