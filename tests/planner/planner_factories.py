@@ -121,3 +121,16 @@ def moe_problem(seed: int, *, num_layers: int, nodes: int, per_node: int, memory
                       4: {"bw_gbps": rng.uniform(1, 50), "latency_us": rng.uniform(5, 50)}},
             "inter": {4: {"bw_gbps": rng.uniform(0.5, 5), "latency_us": rng.uniform(10, 100)}}}})
     return Problem(ModelProfile("moe", layers), cluster, base.training)
+
+
+def offload_problem(seed: int, *, num_layers: int, nodes: int, per_node: int, memory_gib: float,
+                    activation_scale: float = 1.0, schedule: str = "1f1b") -> Problem:
+    """:func:`random_problem` on a cluster that allows activation offload (``offload: auto``) over a host link of
+    a random effective bandwidth (slow, PCIe-like, to fast, NVLink-C2C-like), activations scaled by
+    ``activation_scale``: offload competes with recomputation, sharding and pipelining where memory binds."""
+    base = random_problem(seed, num_layers=num_layers, nodes=nodes, per_node=per_node, schedule=schedule,
+                          memory_gib=memory_gib)
+    rng = random.Random(20_000 + seed)
+    cluster = replace(base.cluster, offload="auto", host_link_gbps=rng.choice([2.0, 25.0, 360.0]))
+    layers = [replace(lp, activation_bytes=lp.activation_bytes * activation_scale) for lp in base.model.layers]
+    return Problem(ModelProfile("chain", layers), cluster, base.training)

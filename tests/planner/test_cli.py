@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from uniap_lightning.planner.plan import PLAN_FORMAT_VERSION
+
 
 def uniap(*args: str, cwd=None, env=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "uniap_lightning.cli.main", *args], capture_output=True,
@@ -157,7 +159,7 @@ def test_plan_with_compression_shows_modes_recompute_and_compression(tmp_path):
     for column in ("dp mode", "recompute", "compression"):
         assert column in res.stdout
     data = json.loads(out.read_text())
-    assert data["format_version"] == 4 and data["compression_options"] == {"powersgd_rank": 1, "topk_ratio": 0.01}
+    assert data["format_version"] == PLAN_FORMAT_VERSION and data["compression_options"] == {"powersgd_rank": 1, "topk_ratio": 0.01}
     assert all({"dp_mode", "recompute", "compression"} <= set(layer) for layer in data["layers"])
     import os
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.planner.config import build_problem, cluster_from
-from uniap_lightning.planner.plan import Plan
+from uniap_lightning.planner.plan import PLAN_FORMAT_VERSION, Plan
 from uniap_lightning.planner.profile import ModelProfile
 
 SETTINGS = settings(max_examples=150, deadline=2000, derandomize=True,
@@ -278,7 +278,7 @@ def test_plan_v1_files_load_as_replicate_or_zero3() -> None:
             layer.pop(key, None)
         layer["shard"] = u % 2 == 0
     plan = Plan.from_dict(doc)
-    assert plan.format_version == 4  # read and upgraded
+    assert plan.format_version == PLAN_FORMAT_VERSION  # read and upgraded
     for u, lp in enumerate(plan.layers):
         assert lp.strategy.dp_mode == ("zero3" if u % 2 == 0 and lp.strategy.dp > 1 else "replicate")
         assert not lp.strategy.recompute and lp.strategy.compression == "none"

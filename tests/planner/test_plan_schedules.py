@@ -8,7 +8,7 @@ import pytest
 
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.decision import Strategy
-from uniap_lightning.planner.plan import SCHEDULE_LAYOUTS, SCHEDULES, Plan, check_schedule
+from uniap_lightning.planner.plan import PLAN_FORMAT_VERSION, SCHEDULE_LAYOUTS, SCHEDULES, Plan, check_schedule
 
 NAMES = [f"l{u}" for u in range(8)]
 
@@ -41,7 +41,7 @@ def test_v_placement_puts_the_first_and_last_stage_on_group_zero():
 def test_format_3_round_trips_and_versions_1_and_2_still_load():
     plan = _plan("interleaved_zb", 2)
     doc = json.loads(plan.to_json())
-    assert doc["format_version"] == 4 and doc["virtual_stages"] == 2 and doc["schedule"] == "interleaved_zb"
+    assert doc["format_version"] == PLAN_FORMAT_VERSION and doc["virtual_stages"] == 2 and doc["schedule"] == "interleaved_zb"
     again = Plan.from_dict(doc)
     assert again == plan and again.stages_of_group(1) == [1, 3]
     old = json.loads(_plan("1f1b", 1).to_json())
@@ -51,7 +51,7 @@ def test_format_3_round_trips_and_versions_1_and_2_still_load():
         if version == 1:
             d["layers"] = [{k: x[k] for k in ("name", "stage", "dp", "tp", "shard")} for x in d["layers"]]
         loaded = Plan.from_dict(d)
-        assert loaded.virtual_stages == 1 and loaded.format_version == 4 and loaded.num_stages == 2
+        assert loaded.virtual_stages == 1 and loaded.format_version == PLAN_FORMAT_VERSION and loaded.num_stages == 2
 
 
 @pytest.mark.parametrize("schedule, v, message", [

@@ -18,7 +18,7 @@ from uniap_lightning.planner.cost.comm import all_to_all_s
 from uniap_lightning.planner.cost.layer import Pricing, cp_methods, layer_cost, reshard_s, strategies_for
 from uniap_lightning.planner.cost.tables import CandidateCosts, CostTables
 from uniap_lightning.planner.decision import Strategy
-from uniap_lightning.planner.plan import Plan
+from uniap_lightning.planner.plan import PLAN_FORMAT_VERSION, Plan
 from uniap_lightning.planner.profile import LayerProfile
 from uniap_lightning.planner.solver import milp as milp_module
 from uniap_lightning.planner.solver import search
@@ -231,7 +231,7 @@ def _sequence_plan() -> Plan:
 def test_plan_json_round_trips_the_sequence_fields_and_reads_older_versions():
     plan = _sequence_plan()
     doc = plan.to_dict()
-    assert doc["format_version"] == 4
+    assert doc["format_version"] == PLAN_FORMAT_VERSION
     assert all({"cp", "cp_method", "sp"} <= set(layer) for layer in doc["layers"])
     assert any(layer["cp"] > 1 for layer in doc["layers"])
     again = Plan.from_dict(copy.deepcopy(doc))

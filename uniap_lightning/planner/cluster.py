@@ -22,6 +22,8 @@ SCOPES = ("intra", "inter")
 #: two thin matmuls and updates the error-feedback buffer, ~16 bytes: ~2000; top-k's selection is a partial sort,
 #: measured ~10x a streaming pass: ~15000.
 COMPRESSION_FLOP_EQUIVALENTS = {"bf16": 1500.0, "powersgd": 2000.0, "topk": 15000.0}
+#: what a cluster's ``offload`` accepts: "off" (no layer offloads), "auto" (the planner chooses per layer)
+OFFLOAD_CHOICES = ("off", "auto")
 
 
 @dataclass(frozen=True, eq=False)  # identity hash: cost caches key on the object
@@ -89,6 +91,13 @@ class Cluster:
     #: what a small micro-batch is bound by. The default is a fast x86 host's eager PyTorch; a software stack with
     #: more Python per operation (or a slower host CPU) has more: measure it there and set it
     kernel_floor_us: float = 10.0
+    #: device <-> host memory, one direction, effective GB/s (what pinned-memory copies reach): the catalogue
+    #: device's link x :data:`~uniap_lightning.planner.devices.HOST_LINK_EFFICIENCY` unless the cluster gives its
+    #: own; 0: none known (no activation offload is offered)
+    host_link_gbps: float = 0.0
+    #: whether the planner may offload a layer's activations to host memory (opt-in, like compression): "off"
+    #: (default) or "auto" (per layer, where it pays; :mod:`uniap_lightning.planner.dimensions.offload`)
+    offload: str = "off"
 
     def __post_init__(self) -> None:
         for key in ("nodes", "devices_per_node"):
@@ -116,8 +125,11 @@ class Cluster:
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise UniAPError(f"cluster '{self.name}': {key} must be > 0, got {v!r}")
+        if self.offload not in OFFLOAD_CHOICES:
+            raise UniAPError(f"cluster '{self.name}': offload must be one of {list(OFFLOAD_CHOICES)} ('auto': the "
+                             f"planner may offload activations to host memory per layer), got {short(self.offload)}")
         for key in ("intra_latency_us", "inter_latency_us", "memory_reserved_gib", "pipeline_overhead_us",
-                    "optimizer_ns_per_param", "optimizer_us_per_tensor", "kernel_floor_us"):
+                    "optimizer_ns_per_param", "optimizer_us_per_tensor", "kernel_floor_us", "host_link_gbps"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise UniAPError(f"cluster '{self.name}': {key} must be >= 0, got {v!r}")
@@ -367,9 +379,10 @@ COMPUTE_MODELS = ("flat", "roofline")
 
 def _device_defaults(d: Mapping[str, Any]) -> dict[str, Any]:
     """What a catalogue device fills in where the cluster file is silent: memory, the framework's reserve, a
-    reference peak (bf16, else fp32), the optimizer step's memory traffic, and the roofline compute model when the
+    reference peak (bf16, else fp32), the optimizer step's memory traffic, the host link (effective), and the
+    roofline compute model when the
     file gives neither peak_tflops nor efficiency (a user who measured them keeps the flat model)."""
-    from uniap_lightning.planner.devices import MEMORY_EFFICIENCY, lookup_device
+    from uniap_lightning.planner.devices import HOST_LINK_EFFICIENCY, MEMORY_EFFICIENCY, lookup_device
 
     name = d.get("device")
     spec = lookup_device(name) if isinstance(name, str) else None
@@ -386,6 +399,7 @@ def _device_defaults(d: Mapping[str, Any]) -> dict[str, Any]:
     # the streaming share of the memory bandwidth (GB/s = bytes per ns)
     out.setdefault("optimizer_ns_per_param", d.get("optimizer_ns_per_param",
                                                    28.0 / (spec.hbm_gbps * MEMORY_EFFICIENCY)))
+    out.setdefault("host_link_gbps", d.get("host_link_gbps", spec.host_link_gbps * HOST_LINK_EFFICIENCY))
     return out
 
 

@@ -33,7 +33,8 @@ class Strategy(NamedTuple):
     experts of a mixture-of-experts layer split over ``ep`` of the ``dp x cp`` replicas (consecutive blocks of
     ``ep``, as in Megatron and DeepSpeed-MoE: expert parallelism overlaps the data ranks, so it changes neither
     the grid nor the layout); each rank holds ``E / ep`` experts, tokens reach them by all-to-all, and the
-    ``replicas / ep`` ranks holding the same experts reduce their gradients together."""
+    ``replicas / ep`` ranks holding the same experts reduce their gradients together; ``offload``: the layer's
+    tensors saved for backward wait in host memory between its forward and its backward."""
 
     dp: int
     tp: int
@@ -44,6 +45,7 @@ class Strategy(NamedTuple):
     cp_method: str = "none"
     sp: bool = False
     ep: int = 1
+    offload: bool = False
 
     # The fields above are the registry's (uniap_lightning.planner.dimensions: RECORD order, each dimension's
     # types and defaults), written out so that type checkers and readers see them; tests/planner/test_dimensions.py
@@ -75,7 +77,8 @@ class Strategy(NamedTuple):
 
     def label(self) -> str:
         """``dp4xtp2``, ``fsdp8+rc``, ``dp2+powersgd``, ``dp2xcp2uxtp2+sp``, ``dp8+ep4`` (experts over 4 of the
-        8 replicas: not a grid dimension), ``single``: each dimension's fragment, in the registry's order."""
+        8 replicas: not a grid dimension), ``dp2+off`` (activations offloaded), ``single``: each dimension's
+        fragment, in the registry's order."""
         return _dims.label(self)
 
     def check(self, where: str, experts: int | None = None) -> None:

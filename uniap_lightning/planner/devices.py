@@ -12,7 +12,8 @@ field                  meaning
                        the device lacks is absent (``fp8`` is then never offered), or set to the rate the
                        device runs it at (bf16 on a V100 is fp32 arithmetic)
 ``sms``                streaming multiprocessors: a matmul's output tiles run in waves of this many
-``host_link_gbps``     device <-> host memory, one direction (PCIe or NVLink-C2C): offload and host copies
+``host_link_gbps``     device <-> host memory, one direction, the datasheet's link rate (PCIe or NVLink-C2C);
+                       activation offload is priced at :data:`HOST_LINK_EFFICIENCY` of it
 ``framework_reserve_gib``  what the framework holds before the model's first tensor: the CUDA context, the
                        math libraries' workspaces and the communication buffers
 =====================  ===================================================================================
@@ -44,6 +45,11 @@ MATMUL_EFFICIENCY = 0.75
 ATTENTION_EFFICIENCY = 0.5
 #: the share of the memory bandwidth a streaming kernel reaches (STREAM-like copies: 80-90%)
 MEMORY_EFFICIENCY = 0.8
+#: the share of the host link's datasheet rate that pinned-memory copies (cudaMemcpyAsync) reach: PCIe 4.0 x16,
+#: 32 GB/s per direction, measures ~25 GB/s (NVIDIA's bandwidthTest sample on A100 hosts); PCIe 5.0 x16, 64 GB/s,
+#: ~50 GB/s on H100 SXM / H200 hosts; NVLink-C2C (450 GB/s per direction, GH200 datasheet) is priced alike
+#: (a conservative ~360 GB/s)
+HOST_LINK_EFFICIENCY = 0.8
 #: the least time one eager operation takes: host dispatch + autograd + launch (PyTorch eager: ~10 us per op);
 #: a cluster's ``kernel_floor_us`` replaces it
 KERNEL_FLOOR_S = 10e-6

@@ -19,11 +19,14 @@ zero3      ``P (w + g + o) / d``, + ``P w (1 - 1/d)``   two all-gathers of ``P w
 
 Recomputation: the layer keeps its input (``input_bytes`` per sample, whole on every TP rank) instead of its
 activations, its activations live again while it recomputes (``transient_bytes``: a stage holds the largest
-transient), and ``time_s`` gains one forward (compute and forward TP all-reduces). Every layer's transient also
-holds what its backward adds at its peak (the profile's ``backward_peak_bytes``: gradients in and out, temporaries),
-split by tensor parallelism like its activations. Compression (replicate / zero1)
-replaces the gradient all-reduce: bf16 halves its bytes; PowerSGD rank ``r`` all-reduces ``4 r (n + k)`` bytes per
-``n x k`` matrix in two rounds and the vectors uncompressed; top-k all-gathers ``8 k`` bytes per rank (``k =
+transient), and ``time_s`` gains one forward (compute and forward TP all-reduces). Activation offload (not with
+recomputation): the layer's activations leave ``activation_bytes`` for the host, ``time_s`` gains the copies'
+exposed time over the cluster's host link (:func:`~uniap_lightning.planner.dimensions.offload.offload_s`) and
+``transient_bytes`` twice its activations (back for its backward, one layer prefetched). Every layer's transient
+also holds what its backward adds at its peak (the profile's ``backward_peak_bytes``: gradients in and out,
+temporaries), split by tensor parallelism like its activations. Compression (replicate / zero1) replaces the
+gradient all-reduce: bf16 halves its bytes; PowerSGD rank ``r`` all-reduces ``4 r (n + k)`` bytes per ``n x k``
+matrix in two rounds and the vectors uncompressed; top-k all-gathers ``8 k`` bytes per rank (``k =
 ratio * P``, at least one per tensor). Each adds the cluster's compression compute per element and, for PowerSGD
 and top-k, an fp32 error-feedback buffer (``4 P`` bytes; PowerSGD also its factors) to ``static_bytes``.
 
@@ -61,6 +64,7 @@ from uniap_lightning.planner.dimensions import Slot, candidates
 # named here too, where callers have always found them: each lives with its dimension now
 from uniap_lightning.planner.dimensions.context import cp_methods  # noqa: F401
 from uniap_lightning.planner.dimensions.experts import expert_degrees  # noqa: F401
+from uniap_lightning.planner.dimensions.offload import offload_memory, offload_s
 from uniap_lightning.planner.problem import TrainingConfig
 from uniap_lightning.planner.profile import LayerProfile
 
@@ -276,6 +280,12 @@ def _layer_cost(
         # keeps only its input (whole on every TP rank, split over CP); its activations live again while it recomputes
         transient += act
         act = input_bytes * tokens
+    if s.offload:  # its saved activations wait on the host: the copies' exposed time, one layer back plus a prefetch
+        exposed = offload_s(act, compute * layer.forward_fraction, compute * (1 - layer.forward_fraction),
+                            cluster.host_link_gbps * 1e9, cluster.kernel_floor_us * 1e-6)
+        comm += exposed
+        act, back = offload_memory(act)
+        transient += back
     return LayerCost(compute + comm, compute, comm, sync, static, act, transient, weight_grad, split_extra)
 
 
