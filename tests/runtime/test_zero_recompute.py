@@ -29,6 +29,11 @@ def S(dp: int, tp: int, mode: str = REP, recompute: bool = False) -> tuple[Any, 
     return (dp, tp, mode if dp > 1 else REP, recompute, "none")
 
 
+def OFF(dp: int, tp: int, mode: str = REP) -> dict[str, Any]:
+    """A layer whose activations wait in host memory between its forward and its backward (``offload``)."""
+    return {"dp": dp, "tp": tp, "dp_mode": mode if dp > 1 else REP, "offload": True}
+
+
 def P2(strategies: list[tuple[Any, ...]], stages: list[int], **kw: Any) -> Any:
     return h.make_plan(strategies, stages, **kw)
 
@@ -55,6 +60,13 @@ TWO_RANKS = {
     # Adam this layout is 4e-5 off one process even all-replicated, Adam magnifying rounding in tiny gradients)
     "mixed_modes_recompute": {"plan": P2([S(2, 1, Z1, True), S(2, 1, Z2), S(1, 2, REP, True), S(2, 1, Z3, True)],
                                          ONE_STAGE, pp=1, microbatches=2), "accumulate": 2, "clip": 0.5},
+    # activation offload (saved tensors copied to host memory and back: on CPU the same copy path a GPU runs)
+    # on some layers, beside plain and recomputed ones, across two pipeline stages
+    "pp2_offload_1f1b": {"plan": P2([OFF(1, 1), S(1, 1), OFF(1, 1), S(1, 1, REP, True)], TWO_STAGES, pp=2,
+                                    microbatches=4), **DEFAULTS},
+    # offload under ZeRO-1 / ZeRO-3 and tensor parallelism (DTensor activations travel as their local shards)
+    "mixed_modes_offload": {"plan": P2([OFF(2, 1, Z1), OFF(1, 2), S(2, 1, Z2, True), OFF(2, 1, Z3)], ONE_STAGE,
+                                       pp=1, microbatches=2), "accumulate": 2, "clip": 0.5},
 }
 
 # zero1 gradients travel as a replicated layer's do: with the same compressor (here PowerSGD, error feedback and
@@ -72,6 +84,9 @@ FOUR_RANKS = {
     # 2-D (dp x tp) shards in zero1 / zero2: the gradient chunk a zero1 rank keeps is of its TP shard
     "dp2_x_tp2_zero_recompute": {
         "plan": P4([S(2, 2, Z1, True), S(2, 2, Z2), S(2, 2, Z3, True), S(2, 2, Z1)], ONE_STAGE, pp=1,
+                   microbatches=2), "clip": 0.3},
+    "pp2_dp2_x_tp_zero_offload": {
+        "plan": P4([OFF(2, 1, Z2), OFF(1, 2), S(2, 1, Z3, True), OFF(2, 1, Z3)], TWO_STAGES, pp=2,
                    microbatches=2), "clip": 0.3},
 }
 
@@ -305,6 +320,8 @@ def check_memory(results: list[dict[str, Any]], case: str, world: int) -> list[t
 # ---------------------------------------------------------------------- resume across plans
 SAVE_PLAN = P2([S(2, 1, Z2, True)] * 4, ONE_STAGE, pp=1, microbatches=2)
 RESUME_PLAN = P4([S(2, 1, Z1)] * 4, TWO_STAGES, pp=2, microbatches=2)
+# the same plan with every layer's activations offloaded: checkpoints are per parameter, offload holds no state
+RESUME_PLAN_OFFLOAD = P4([OFF(2, 1, Z1)] * 4, TWO_STAGES, pp=2, microbatches=2)
 RESUME_TWO = {
     "save_zero2_recompute": {"plan": SAVE_PLAN, "epochs": 1, "save": "z2rc.ckpt", **ADAM},
     "uninterrupted_zero2_recompute": {"plan": SAVE_PLAN, "epochs": 2, **ADAM},
@@ -334,6 +351,8 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory, two_ranks: Any) -> list
     cases = {
         **FOUR_RANKS,
         "resume_zero1_pp2": {"plan": RESUME_PLAN, "epochs": 2, "resume": str(two_out / "z2rc.ckpt"), **ADAM},
+        "resume_zero1_pp2_offload": {"plan": RESUME_PLAN_OFFLOAD, "epochs": 2, "resume": str(two_out / "z2rc.ckpt"),
+                                     **ADAM},
         "memory": {"plan": MEMORY_4, **MEMORY_CASE},
         "memory_pp2": {"plan": MEMORY_PP2, **MEMORY_CASE},
     }
@@ -395,6 +414,21 @@ def test_resume_zero2_recompute_under_zero1_pipeline(two_ranks: Any, four_ranks:
     torch.testing.assert_close(torch.tensor(four_ranks[0]["resume_zero1_pp2"]["losses"]),
                                torch.tensor(two[0]["uninterrupted_zero2_recompute"]["losses"][4:]), rtol=1e-5,
                                atol=1e-7)
+
+
+def test_resume_under_plans_that_differ_in_offload(two_ranks: Any, four_ranks: Any) -> None:
+    """The same checkpoint resumed under the resume plan above with every layer's activations offloaded: the same
+    state and losses (offload keeps no state; checkpoints are per parameter)."""
+    two, _ = two_ranks
+    for r in four_ranks:
+        assert "error" not in r["resume_zero1_pp2_offload"], r["resume_zero1_pp2_offload"].get("traceback")
+    full, resumed = h.merge_states(two, "uninterrupted_zero2_recompute"), h.merge_states(four_ranks,
+                                                                                         "resume_zero1_pp2_offload")
+    assert sorted(full) == sorted(resumed)
+    for k in full:
+        torch.testing.assert_close(resumed[k], full[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+    assert four_ranks[0]["resume_zero1_pp2_offload"]["losses"] == pytest.approx(
+        four_ranks[0]["resume_zero1_pp2"]["losses"], rel=1e-6)
 
 
 def test_memory_per_mode_two_ranks(two_ranks: Any) -> None:

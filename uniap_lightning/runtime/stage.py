@@ -11,8 +11,9 @@ shards stay outside (4) (FSDP2 ignores them; replication skips them) and their g
 holding the same experts only.
 TP comes before FSDP because FSDP2 shards whatever parameters it finds, and must find the DTensor TP shards to build
 2-D (dp x tp) parameters. A layer whose plan says ``recompute`` runs under non-reentrant activation checkpointing
-(:func:`torch.utils.checkpoint.checkpoint`) in :meth:`StageModule.forward`: nothing is wrapped, so parameter names
-stay the user's.
+(:func:`torch.utils.checkpoint.checkpoint`) in :meth:`StageModule.forward`, and one whose plan says ``offload``
+under saved-tensor hooks that keep its activations in host memory (:class:`OffloadedActivations`): nothing is
+wrapped, so parameter names (and checkpoints) stay the user's.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from uniap_lightning.planner.plan import Plan
@@ -36,6 +38,78 @@ from uniap_lightning.runtime.sequence import enable_context_parallel
 from uniap_lightning.runtime.sequence_tp import apply_sp
 from uniap_lightning.runtime.tensor_parallel import apply_tp
 from uniap_lightning.runtime.zero import ZERO_MODES, ZeroLayers
+
+
+class OffloadedActivations:
+    """One layer's tensors saved for backward in one forward, kept in host memory until its backward
+    (:func:`torch.autograd.graph.saved_tensors_hooks`' pack / unpack). Parameters stay where they are (they are
+    the model's, not activations); a DTensor travels as its local shard. On a CUDA device each copy to the host
+    runs on ``stream`` beside the compute (pinned memory, the tensor's memory held for the copy by
+    ``record_stream``), and :meth:`prefetch` starts the copies back on it, called as the gradient reaches the
+    next layer (so they overlap that layer's backward, one layer ahead); a tensor not prefetched comes back when
+    backward needs it. Elsewhere the copies are plain (what CPU tests run: the same path, the same numbers)."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.back: dict[int, torch.Tensor] = {}  # prefetched device copies by packed index
+        self.packed: list[tuple[torch.device, torch.Tensor, Any]] = []
+
+    def pack(self, t: torch.Tensor) -> Any:
+        # a weight (FSDP2's gathered one too) and its transposed view are the model's, not activations; a stage's
+        # input (a leaf that requires grad, from the previous stage) is one
+        if isinstance(t if t._base is None else t._base, nn.Parameter):
+            return t
+        if isinstance(t, DTensor):
+            return (DTensor, t.device_mesh, t.placements, t.shape, t.stride(), self.pack(t.to_local()))
+        if type(t) is not torch.Tensor:  # another subclass: left alone
+            return t
+        host = torch.empty_like(t, device="cpu", pin_memory=t.is_cuda)  # (its strides: the same kernels after)
+        event = None
+        if t.is_cuda:
+            self.stream.wait_stream(torch.cuda.current_stream(t.device))
+            with torch.cuda.stream(self.stream):
+                host.copy_(t, non_blocking=True)
+            t.record_stream(self.stream)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        else:
+            host.copy_(t)
+        self.packed.append((t.device, host, event))
+        return len(self.packed) - 1
+
+    def unpack(self, p: Any) -> torch.Tensor:
+        if isinstance(p, tuple) and p and p[0] is DTensor:
+            _, mesh, placements, shape, stride, local = p
+            return DTensor.from_local(self.unpack(local), mesh, placements, run_check=False, shape=shape,
+                                      stride=stride)
+        if not isinstance(p, int):
+            return p
+        if p in self.back:
+            torch.cuda.current_stream(self.back[p].device).wait_stream(self.stream)
+            return self.back.pop(p)
+        device, host, event = self.packed[p]
+        if event is not None:
+            torch.cuda.current_stream(device).wait_event(event)
+        return host.to(device, non_blocking=event is not None)
+
+    def prefetch(self) -> None:
+        """Start every copy back to the device (CUDA only; elsewhere the tensors are where backward reads them)."""
+        for i, (device, host, event) in enumerate(self.packed):
+            if event is not None and i not in self.back:
+                with torch.cuda.stream(self.stream):
+                    self.stream.wait_event(event)
+                    self.back[i] = host.to(device, non_blocking=True)
+
+
+def _when_gradient_reaches(x: Any, action: Any) -> None:
+    """Run ``action()`` once, when backward first reaches one of ``x``'s tensors (none needing a gradient: never;
+    the copies then come back on demand)."""
+    for t in flatten(x):
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            def hook(grad: torch.Tensor) -> None:
+                action()
+            t.register_hook(hook)
+            return
 
 
 class StageModule(nn.Module):
@@ -53,13 +127,16 @@ class StageModule(nn.Module):
 
     def __init__(self, layers: list[nn.Module], layouts: list[Layout | int], meshes: PlanMeshes, *,
                  in_spec: Spec = None, out_spec: Spec = None, recompute: list[bool] | None = None,
-                 zero: ZeroLayers | None = None, all_to_all: AllToAllCounter | None = None) -> None:
+                 zero: ZeroLayers | None = None, all_to_all: AllToAllCounter | None = None,
+                 offload: list[bool] | None = None) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
         n = meshes.n
         self.layouts = [(x, 1, n // x) if isinstance(x, int) else tuple(x) for x in layouts]
         self.meshes = meshes
         self.recompute = recompute or [False] * len(layers)  # per layer: activation checkpointing
+        self.offload = offload or [False] * len(layers)  # per layer: saved activations in host memory
+        self._offload_stream: Any = None  # the side stream of the copies (CUDA, made on first use)
         self.zero = zero if zero is not None else ZeroLayers()  # zero1/zero2 switches per micro-batch
         #: the expert layers' all-to-alls (bytes sent, per exchange), shared by the stages of this rank
         self.all_to_all = all_to_all if all_to_all is not None else AllToAllCounter()
@@ -67,17 +144,32 @@ class StageModule(nn.Module):
         # the last stage under a loss on sequence pieces (pipeline: sequence.piece_loss) keeps its last layout
         self.keep_layout = False
 
+    def _stream(self) -> Any:
+        if self._offload_stream is None and torch.cuda.is_available():
+            self._offload_stream = torch.cuda.Stream()
+        return self._offload_stream
+
     def forward(self, *tensors: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         edge = boundary_layout(self.meshes.plan)
         current = edge
         x = unflatten(tensors, self.in_spec)
-        for layer, layout, again in zip(self.layers, self.layouts, self.recompute):
+        waiting = None  # the previous layer's offloaded activations: fetched back as backward reaches this layer
+        for layer, layout, again, off in zip(self.layers, self.layouts, self.recompute, self.offload):
             x = relayout(x, current, layout, self.meshes)
             current = layout
             if again and torch.is_grad_enabled():
                 x = checkpoint(call_layer, layer, x, use_reentrant=False)
+            elif off and torch.is_grad_enabled():
+                box = OffloadedActivations(self._stream())
+                with torch.autograd.graph.saved_tensors_hooks(box.pack, box.unpack):
+                    x = call_layer(layer, x)
             else:
                 x = call_layer(layer, x)
+            if waiting is not None:
+                _when_gradient_reaches(x, waiting.prefetch)
+            waiting = box if off and not again and torch.is_grad_enabled() else None
+        if waiting is not None:  # the stage's last layer: fetched back as its own backward begins
+            _when_gradient_reaches(x, waiting.prefetch)
         if not self.keep_layout:
             x = relayout(x, current, edge, self.meshes)
         self.out_spec = spec_of(x)
@@ -146,7 +238,7 @@ def build_stages(chain: Chain, plan: Plan, meshes: PlanMeshes) -> tuple[list[Sta
         specs = {"in_spec": chain.spec_before(us[0]), "out_spec": chain.spec_after(us[-1])} if us else {}
         modules.append(StageModule([chain.layers[u] for u in us], [layout_of(plan, u) for u in us], meshes,
                                    **specs, recompute=[plan.layers[u].strategy.recompute for u in us], zero=zero,
-                                   all_to_all=counter))
+                                   all_to_all=counter, offload=[plan.layers[u].strategy.offload for u in us]))
     return modules, replicated
 
 
