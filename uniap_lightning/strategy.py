@@ -51,7 +51,10 @@ class UniAPStrategy(CheckpointIO, ModelParallelStrategy):
             own, relative to the current folder), or ``None`` for this machine (its
             collectives measured at setup when ``measure_cluster``).
         plan: a pinned plan (a :class:`~uniap_lightning.planner.plan.Plan` or the path of a plan JSON file); skips
-            profiling and solving. It must be for this model (layer names, fingerprint) and world size.
+            profiling and solving. It must be for this model (layer names, fingerprint) and world size. Its
+            layer names are the chain's, or the chain's inside their container (``embed`` for ``chain.embed``):
+            a plan from `uniap plan` pins into ``CausalLMModule(GPT(...).named_layers())`` of the same config (its
+            ``analytic-`` fingerprint names the config; it is not compared with a measured profile).
         schedule: pipeline schedule when solving: ``"auto"`` (default: the planner prices every schedule torch runs and
             chooses, with the stage split and the micro-batch count), or one of ``"gpipe"``, ``"1f1b"``,
             ``"zb_h1"``, ``"interleaved_1f1b"``, ``"interleaved_zb"``, ``"zb_v"``, ``"dualpipe_v"`` (see the README's

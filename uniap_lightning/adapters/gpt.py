@@ -1,7 +1,8 @@
 """A plain-PyTorch GPT (nanoGPT-style, pre-norm) written as a chain, with tensor-parallel plans per layer.
 
 ``GPT(GPTConfig(...)).layers()`` gives ``[Embedding, Block x n_layer, Head]``; wrap it with
-:class:`~uniap_lightning.adapters.CausalLMModule`. Attention projections are separate q/k/v ``nn.Linear`` and
+:class:`~uniap_lightning.adapters.CausalLMModule`. ``named_layers()`` gives the same layers under the names the
+analytic model gives them (``embed, block0 .., lm_head``): a chain built from it runs a plan `uniap plan` made. Attention projections are separate q/k/v ``nn.Linear`` and
 heads are reshaped with ``-1``, so column-parallel q/k/v give each tensor-parallel rank ``n_head / tp`` whole
 heads (a fused QKV weight would split across q, k and v instead).
 
@@ -22,6 +23,7 @@ from torch import nn
 
 from uniap_lightning.adapters.hf import NormHead, TokenPositionEmbedding, _colwise, _divisors_of_all, _replicate, _rowwise
 from uniap_lightning.errors import UniAPError
+from uniap_lightning.planner.analytic import lm_layer_names
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,11 @@ class GPT(nn.Module):
 
     def layers(self) -> list[nn.Module]:
         return [self.embed, *self.blocks, self.head]
+
+    def named_layers(self) -> dict[str, nn.Module]:
+        """The layers under the analytic model's names (:func:`~uniap_lightning.planner.analytic.lm_layer_names`),
+        for ``CausalLMModule``: its chain's children are then ``embed, block0 .., lm_head``."""
+        return dict(zip(lm_layer_names(len(self.blocks)), self.layers(), strict=True))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         for layer in self.layers():

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -17,11 +18,16 @@ class CausalLMModule(pl.LightningModule):
     Follows the UniAP model contract: the chain is the ``chain`` ``nn.Sequential``, the loss is
     :meth:`uniap_loss`, and a batch is ``(input_ids, labels)`` (labels are shifted inside the loss, so pass the
     ids themselves) or a dict with ``input_ids`` (and optional ``labels``). It also trains without UniAP.
+
+    ``layers``: a list (the chain's children are ``chain.0``, ``chain.1``, ...) or a mapping of names to layers
+    (``chain.<name>``): ``GPT.named_layers()`` names them as the analytic model does, so a plan from `uniap plan`
+    for the same model config pins (``UniAPStrategy(plan=...)``).
     """
 
-    def __init__(self, layers: Sequence[nn.Module], *, lr: float = 3e-4, weight_decay: float = 0.0) -> None:
+    def __init__(self, layers: Sequence[nn.Module] | Mapping[str, nn.Module], *, lr: float = 3e-4,
+                 weight_decay: float = 0.0) -> None:
         super().__init__()
-        self.chain = nn.Sequential(*layers)
+        self.chain = nn.Sequential(OrderedDict(layers)) if isinstance(layers, Mapping) else nn.Sequential(*layers)
         self.lr = lr
         self.weight_decay = weight_decay
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from uniap_lightning.cli.pinned_plan import pin_plan
 from uniap_lightning.cli.ranks import (
     PREEMPTED_EXIT_CODE,
     SETUP_STOP_LINE,
@@ -107,7 +108,8 @@ def _module(cfg: DictConfig) -> tuple[Any, int]:
     seq_len = int(cfg.data.seq_len or spec.seq_len)
     gpt = GPT(GPTConfig(vocab_size=VOCAB_SIZE, block_size=seq_len, n_layer=int(spec.layers), n_head=int(spec.heads),
                         n_embd=int(spec.hidden)))
-    return CausalLMModule(gpt.layers(), lr=float(cfg.lr)), seq_len
+    # named as the analytic model names its layers (embed, block0 .., lm_head): a plan by `uniap plan` pins
+    return CausalLMModule(gpt.named_layers(), lr=float(cfg.lr)), seq_len
 
 
 def _one_copy_of_each_log_line() -> None:
@@ -141,7 +143,7 @@ def run_train(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
     ``checkpoint_dir`` (:mod:`uniap_lightning.cli.checkpoint_dir`) for the whole run."""
     from uniap_lightning.cli.checkpoint_dir import lock_checkpoint_dir
 
-    notes = check_config(cfg)
+    notes = pin_plan(cfg, overrides) + check_config(cfg)  # a plan file's batch and processes first: checked as set
     if os.environ.get("LOCAL_RANK", "0") == "0":
         for note in notes:
             print(f"note: {note}", flush=True)
@@ -414,6 +416,10 @@ def check_resume(cfg: DictConfig, path: Path) -> None:
     problems = ([f"{len(missing)} weights missing (e.g. {', '.join(missing[:2])})"] if missing else []) + (
         [f"{len(extra)} weights of another model (e.g. {', '.join(extra[:2])})"] if extra else []) + (
         [f"{len(shapes)} shapes differ (e.g. {shapes[0]})"] if shapes else [])
+    if missing and any(k.startswith("chain.") and k.split(".")[1].isdigit() for k in extra):
+        problems.append("its layers are numbered (chain.0, chain.1, ...): it was saved by a `uniap train` before "
+                        "its layers were named as the analytic model's (chain.embed, chain.block0, ...), which "
+                        "cannot resume it")
     if problems:
         raise UniAPError(f"resume: {path} was saved from another model than model={cfg.model.name} "
                          f"(layers={cfg.model.layers}, hidden={cfg.model.hidden}, seq_len={cfg.data.seq_len or cfg.model.seq_len}): "

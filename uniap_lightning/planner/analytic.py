@@ -36,6 +36,17 @@ from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.profile import LayerProfile, ModelProfile
 from uniap_lightning.values import as_int, choice, flag, integer, number, text
 
+#: the names of a token-embedding language model's layers, shared by the analytic model and the runtime chains of
+#: the shipped models (``adapters.gpt.GPT.named_layers``), so that a plan made by `uniap plan` pins into them
+EMBED_LAYER, BLOCK_LAYER, LM_HEAD_LAYER = "embed", "block", "lm_head"
+
+
+def lm_layer_names(blocks: int) -> list[str]:
+    """``embed, block0 .. block<blocks-1>, lm_head``: the layer names of :func:`analytic_profile` for a model with
+    token embeddings, one run of blocks and an LM head (every model `uniap train` builds)."""
+    return [EMBED_LAYER, *(f"{BLOCK_LAYER}{i}" for i in range(blocks)), LM_HEAD_LAYER]
+
+
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 POW2 = (1, 2, 4, 8, 16, 32, 64)
 
@@ -52,7 +63,7 @@ class Segment:
     kv_heads: int | None = None
     window: int | None = None  # tokens each query attends to (windowed attention); None = full
     cross_attention: bool = False  # decoder block of an encoder-decoder (carries the encoder output too)
-    name: str = "block"
+    name: str = BLOCK_LAYER
 
 
 @dataclass(frozen=True)
@@ -298,6 +309,13 @@ def analytic_profile(spec: ModelSpec, cluster: Cluster) -> ModelProfile:
     return profile
 
 
+def config_fingerprint(spec: ModelSpec) -> str:
+    """The ``model_fingerprint`` of the plans `uniap plan` makes for ``spec`` on any cluster (names, parameters and
+    output sizes: no timing enters it)."""
+    nominal = Cluster(name="fingerprint", nodes=1, devices_per_node=1, memory_gib=1.0, peak_tflops=1.0)
+    return _flat_profile(spec, nominal).fingerprint()
+
+
 def _flat_profile(spec: ModelSpec, cluster: Cluster) -> ModelProfile:
     flops = cluster.flops_per_s
     nbytes = DTYPE_BYTES[spec.dtype]
@@ -308,7 +326,7 @@ def _flat_profile(spec: ModelSpec, cluster: Cluster) -> ModelProfile:
         emb_params = spec.vocab * h0 + (s0 * h0 if spec.family in ("gpt2", "bert", "t5") else 0)
         layers.append(
             LayerProfile(
-                name="embed",
+                name=EMBED_LAYER,
                 forward_s=(2 * s0 * h0) / flops,  # gather + add: memory bound, tiny
                 backward_s=(4 * s0 * h0) / flops,
                 params=emb_params,
@@ -358,7 +376,7 @@ def _flat_profile(spec: ModelSpec, cluster: Cluster) -> ModelProfile:
         fwd = 2 * s1 * h1 * spec.vocab
         layers.append(
             LayerProfile(
-                name="lm_head",
+                name=LM_HEAD_LAYER,
                 forward_s=fwd / flops,
                 backward_s=2 * fwd / flops,
                 params=spec.vocab * h1 + 2 * h1,

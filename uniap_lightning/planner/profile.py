@@ -262,6 +262,15 @@ class LayerProfile:
         return (self.forward_s + self.backward_s) * samples
 
 
+#: the start of the fingerprint of an analytic profile (a plan made by `uniap plan` for a ``model`` config)
+ANALYTIC_FINGERPRINT_PREFIX = "analytic-"
+
+
+def describes_a_config(fingerprint: str) -> bool:
+    """Whether a plan's ``model_fingerprint`` is an analytic profile's (see :meth:`ModelProfile.fingerprint`)."""
+    return fingerprint.startswith(ANALYTIC_FINGERPRINT_PREFIX)
+
+
 @dataclass
 class ModelProfile:
     """A chain of layer profiles."""
@@ -281,9 +290,13 @@ class ModelProfile:
         return sum(lp.params for lp in self.layers)
 
     def fingerprint(self) -> str:
-        """A short hash of the chain's structure (names, parameters, output sizes), not of its timings."""
+        """A short hash of the chain's structure (names, parameters, output sizes), not of its timings. An analytic
+        profile's starts with :data:`ANALYTIC_FINGERPRINT_PREFIX`: it identifies a model *description* (a ``model``
+        config), whose sizes a module's measured profile does not reproduce (the analytic head outputs the loss,
+        a module's head the logits), so the runtime compares only what both have (:func:`describes_a_config`)."""
         key = json.dumps([(lp.name, lp.params, round(lp.output_bytes)) for lp in self.layers])
-        return hashlib.sha256(key.encode()).hexdigest()[:16]
+        digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+        return ANALYTIC_FINGERPRINT_PREFIX + digest if self.source == "analytic" else digest
 
     def to_dict(self) -> dict[str, Any]:
         layers = []

@@ -19,7 +19,7 @@ from uniap_lightning.errors import UniAPError
 from uniap_lightning.files import CORRUPT_ENTRY_ERRORS, cache_root, foreign_entry, remove_if_not_regular, why
 from uniap_lightning.planner.plan import COMPRESSION_DEFAULTS, PLAN_FORMAT_VERSION, Plan
 from uniap_lightning.planner.problem import TrainingConfig
-from uniap_lightning.planner.profile import ModelProfile
+from uniap_lightning.planner.profile import ModelProfile, describes_a_config
 
 
 def default_cache_dir() -> Path:
@@ -153,7 +153,13 @@ def solve_plan(
 
 def check_plan_matches(plan: Plan, names: list[str], *, world_size: int, profile: ModelProfile | None,
                        global_batch_size: int | None = None) -> None:
-    """Refuse a plan made for another model, another number of processes or another global batch size."""
+    """Refuse a plan made for another model, another number of processes or another global batch size.
+
+    The plan's layer names are the chain's (FQNs in the module, as a measured profile names them) or the chain's
+    names inside their container (``chain.embed`` -> ``embed``: the analytic model's names, a plan by `uniap plan`).
+    The fingerprint is compared with ``profile``'s only for a plan made from a module's profile: an analytic plan's
+    identifies the model config it was made for (`uniap train` compares it with its own, see
+    :mod:`uniap_lightning.cli.pinned_plan`), and no measured profile has its sizes (see :meth:`ModelProfile.fingerprint`)."""
     if global_batch_size is not None and plan.global_batch_size != global_batch_size:
         raise UniAPError(
             f"the plan is for a global batch of {plan.global_batch_size} samples but the dataloader's batches have "
@@ -170,15 +176,26 @@ def check_plan_matches(plan: Plan, names: list[str], *, world_size: int, profile
             f"the plan has {len(plan.layers)} layers but the model's chain has {len(names)} "
             f"({', '.join(names[:4])}{' ...' if len(names) > 4 else ''}); was the plan made for another model?"
         )
-    wrong = [(lp.name, n) for lp, n in zip(plan.layers, names) if lp.name != n]
-    if wrong:
+    planned = [lp.name for lp in plan.layers]
+    if planned != names and planned != local_names(names):
+        wrong = [(a, b) for a, b in zip(planned, names) if a != b]
         raise UniAPError(
             f"the plan's layer names do not match the model's chain (first mismatch: plan '{wrong[0][0]}' vs model "
             f"'{wrong[0][1]}', {len(wrong)} in all); was the plan made for another model?"
         )
-    if profile is not None and plan.model_fingerprint and plan.model_fingerprint != profile.fingerprint():
+    if (profile is not None and plan.model_fingerprint and not describes_a_config(plan.model_fingerprint)
+            and plan.model_fingerprint != profile.fingerprint()):
         raise UniAPError(
             f"the plan's model_fingerprint {plan.model_fingerprint} differs from this model's "
             f"{profile.fingerprint()} (layer parameter counts or output sizes differ): the plan is for another model, "
             "or was made under another precision (output sizes in bytes follow it)"
         )
+
+
+def local_names(names: list[str]) -> list[str]:
+    """The layers' names inside the module that holds them all (``chain.embed`` -> ``embed``), or ``names`` when
+    they do not share one parent module."""
+    parents = {name.rpartition(".")[0] for name in names}
+    if len(parents) != 1 or not next(iter(parents)):
+        return names
+    return [name.rpartition(".")[2] for name in names]

@@ -28,6 +28,7 @@ from uniap_lightning.adapters import extract_chain
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.planner.plan import Plan
+from uniap_lightning.planner.profile import describes_a_config
 from uniap_lightning.setup.agree import Ranks, everyone, from_lead, gather, same_code_everywhere
 from uniap_lightning.setup.measure import Measurements, info
 from uniap_lightning.setup.options import SetupOptions
@@ -143,7 +144,9 @@ def _pinned(m: Measurements, chain: Chain, sample: Sample, fitting: bool) -> Dec
     from uniap_lightning.runtime.planning import check_plan_matches
 
     plan = m.options.pinned_plan
-    profile = m.profile_on_lead(chain, sample) if plan.model_fingerprint else None
+    # (an analytic plan's fingerprint names a model config, not sizes a profile of this module could match)
+    measured = plan.model_fingerprint and not describes_a_config(plan.model_fingerprint)
+    profile = m.profile_on_lead(chain, sample) if measured else None
     check_plan_matches(plan, chain.names, world_size=m.ranks.world_size, profile=profile,
                        global_batch_size=sample.global_batch_size if fitting else None)
     return plan, "pinned", profile, m.report
