@@ -82,6 +82,11 @@ class UniAPStrategy(CheckpointIO, ModelParallelStrategy):
             change): ``None`` (off), ``"bf16"``, ``"powersgd"`` or ``"topk"`` (that method or none, per layer),
             ``"auto"`` (any); see :mod:`uniap_lightning.runtime.compression`. ``compression_options``: their
             parameters, ``{"powersgd_rank": 1, "topk_ratio": 0.01}`` by default (higher: closer to uncompressed).
+        fp8: float8 matmuls the planner may choose per layer (opt-in: numerics change; torchao's float8 training,
+            the ``fp8`` extra): ``"off"`` (default), ``"auto"`` or ``"tensorwise"`` (tensorwise scales; ZeRO-3
+            layers all-gather float8 weights), ``"rowwise"`` (rowwise scales). Offered only where the cluster's
+            catalogue device has an fp8 peak (H100, H200, GH200); the layer's master weights, gradients and
+            optimizer state stay in the run's precision. A pinned plan carries each layer's ``precision``.
         monitor: ``True`` (default) installs a :class:`~uniap_lightning.monitor.UniAPMonitor` with default settings
             (measured vs predicted step time and peak memory, logged as ``uniap/*`` metrics); pass a monitor
             instance for other settings or ``False`` for none.
@@ -113,6 +118,7 @@ class UniAPStrategy(CheckpointIO, ModelParallelStrategy):
         monitor: Any = True,
         compression: str | None = None,
         compression_options: Mapping[str, float] | None = None,
+        fp8: str = "off",
         rebalance: bool = False,
         rebalance_threshold: float = 0.10,
         rebalance_check_every: int = 50,
@@ -129,7 +135,7 @@ class UniAPStrategy(CheckpointIO, ModelParallelStrategy):
             cluster=cluster, plan=plan, schedule=schedule, pp=pp, virtual_stages=virtual_stages, solver=solver, time_limit=time_limit, profile=profile,
             cache_dir=cache_dir, measure_cluster=measure_cluster, profile_cache=profile_cache,
             profile_repeats=profile_repeats, profile_micro_batches=profile_micro_batches, compression=compression,
-            compression_options=compression_options,
+            compression_options=compression_options, fp8=fp8,
         )
         self._setup_result: SetupResult | None = None  # what setup decided (frozen), read by the properties below
         self._runtime: Runtime | None = None

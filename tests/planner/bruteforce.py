@@ -107,7 +107,8 @@ def brute_force(problem: Problem, *, candidate: tuple[int, int] | None = None) -
             b = problem.training.global_batch_size // c
             if candidate is not None and (pp, c) != candidate:
                 continue
-            options = [strategies_for(lp, n, problem.cluster, b, compression=problem.compression) for lp in layers]
+            options = [strategies_for(lp, n, problem.cluster, b, compression=problem.compression, fp8=problem.fp8)
+                       for lp in layers]
             if not all(options):
                 continue
             costs = CandidateCosts(problem, pp, c)

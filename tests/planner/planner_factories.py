@@ -134,3 +134,19 @@ def offload_problem(seed: int, *, num_layers: int, nodes: int, per_node: int, me
     cluster = replace(base.cluster, offload="auto", host_link_gbps=rng.choice([2.0, 25.0, 360.0]))
     layers = [replace(lp, activation_bytes=lp.activation_bytes * activation_scale) for lp in base.model.layers]
     return Problem(ModelProfile("chain", layers), cluster, base.training)
+
+
+def fp8_problem(seed: int, *, num_layers: int, nodes: int, per_node: int, memory_gib: float,
+                fp8: tuple[str, ...] = ("fp8", "fp8_rowwise"), device: str = "h100_sxm") -> Problem:
+    """:func:`random_problem` on a cluster of catalogue ``device`` (H100: fp8 at twice the bf16 peak) with the float8
+    precisions ``fp8`` allowed. Each layer gets a sequence length (odd: no context parallelism, the space stays
+    small) that makes its matmuls, priced at the device's bf16 peak, 30% to 150% of its compute: fp8 wins where
+    they dominate and large batches amortize the casts, loses where they do not."""
+    base = random_problem(seed, num_layers=num_layers, nodes=nodes, per_node=per_node, memory_gib=memory_gib)
+    rng = random.Random(30_000 + seed)
+    layers = []
+    for lp in base.model.layers:
+        tokens = rng.uniform(0.3, 1.5) * (lp.forward_s + lp.backward_s) * 989e12 * 0.75 / (6 * lp.params)
+        layers.append(replace(lp, sequence_length=2 * max(int(tokens) // 2, 1) + 1))
+    cluster = replace(base.cluster, device=device)
+    return Problem(ModelProfile("chain", layers), cluster, base.training, fp8=fp8)

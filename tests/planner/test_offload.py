@@ -94,7 +94,7 @@ def test_plan_json_writes_offload_and_older_versions_read_it_off():
                                                                     Strategy(1, 2, offload=True)], pp=1,
                             microbatches=1)
     doc = json.loads(plan.to_json())
-    assert doc["format_version"] == PLAN_FORMAT_VERSION == 5
+    assert doc["format_version"] == PLAN_FORMAT_VERSION >= 5
     assert [x["offload"] for x in doc["layers"]] == [True, False, True]
     assert [lp.strategy for lp in Plan.from_dict(json.loads(json.dumps(doc))).layers] == \
         [lp.strategy for lp in plan.layers]

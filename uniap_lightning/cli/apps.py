@@ -43,6 +43,7 @@ def _problem(cfg: DictConfig) -> Problem:
         comp = list(comp)
     return build_problem(
         compression=comp,
+        fp8=cfg.get("fp8"),
         model=model,
         cluster=cluster,
         training=train,
@@ -74,7 +75,7 @@ def _check_options(cfg: DictConfig, *, outputs: tuple[str, ...] = ()) -> None:
 
 
 #: `uniap plan`'s options that steer the search: with a plan to score (``plan=``) they would be ignored
-SEARCH_OPTIONS = ("schedule", "virtual_stages", "pp", "microbatches", "compression")
+SEARCH_OPTIONS = ("schedule", "virtual_stages", "pp", "microbatches", "compression", "fp8")
 
 
 def _check_pinned(cfg: DictConfig, plan: Any) -> None:
@@ -84,7 +85,8 @@ def _check_pinned(cfg: DictConfig, plan: Any) -> None:
         value = cfg.get(key)
         if value is not None:
             shown = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
-            own = f"{key}={getattr(plan, key)!r}" if hasattr(plan, key) else "compression per layer"
+            own = (f"{key}={getattr(plan, key)!r}" if hasattr(plan, key) else
+                   "precision per layer" if key == "fp8" else "compression per layer")
             raise UniAPError(f"{key}={_short(shown)} steers the planner's search, but plan={cfg.plan} is scored as it "
                              f"is, with its own {own}: drop {key}= (or plan= to solve)")
 

@@ -106,6 +106,8 @@ def plan_schema() -> type:
         # true: "no plan fits" (evaluate: the plan does not fit memory) exits 0, in a sweep's row and alone
         ("allow_no_plan", bool, dataclasses.field(default=False)),
         ("compression", Any, dataclasses.field(default=strategy["compression"])),
+        # None: off (UniAPStrategy's "off"); given with plan= (evaluate, explain) it is refused
+        ("fp8", Optional[str], dataclasses.field(default=None)),  # noqa: UP007
         *[(key, Optional[str], dataclasses.field(default=None))  # noqa: UP007
           for key in ("out", "viz", "plan", "measured")],
         # the groups (conf/model, conf/cluster, conf/train, or the user's own), checked by the planner

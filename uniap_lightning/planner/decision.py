@@ -34,7 +34,9 @@ class Strategy(NamedTuple):
     ``ep``, as in Megatron and DeepSpeed-MoE: expert parallelism overlaps the data ranks, so it changes neither
     the grid nor the layout); each rank holds ``E / ep`` experts, tokens reach them by all-to-all, and the
     ``replicas / ep`` ranks holding the same experts reduce their gradients together; ``offload``: the layer's
-    tensors saved for backward wait in host memory between its forward and its backward."""
+    tensors saved for backward wait in host memory between its forward and its backward; ``precision``: its
+    ``nn.Linear`` products in float8 (``"fp8"``: tensorwise scales, ``"fp8_rowwise"``) or in the run's own
+    precision (``"default"``)."""
 
     dp: int
     tp: int
@@ -46,6 +48,7 @@ class Strategy(NamedTuple):
     sp: bool = False
     ep: int = 1
     offload: bool = False
+    precision: str = "default"
 
     # The fields above are the registry's (uniap_lightning.planner.dimensions: RECORD order, each dimension's
     # types and defaults), written out so that type checkers and readers see them; tests/planner/test_dimensions.py
@@ -77,7 +80,8 @@ class Strategy(NamedTuple):
 
     def label(self) -> str:
         """``dp4xtp2``, ``fsdp8+rc``, ``dp2+powersgd``, ``dp2xcp2uxtp2+sp``, ``dp8+ep4`` (experts over 4 of the
-        8 replicas: not a grid dimension), ``dp2+off`` (activations offloaded), ``single``: each dimension's
+        8 replicas: not a grid dimension), ``dp2+off`` (activations offloaded), ``fsdp8+fp8`` (float8 matmuls;
+        ``+fp8r``: rowwise scales), ``single``: each dimension's
         fragment, in the registry's order."""
         return _dims.label(self)
 

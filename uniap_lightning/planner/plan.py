@@ -22,7 +22,9 @@ on; the estimate's per-stage lists are per device group, ``boundary_s`` per stag
 as version 3 with ``virtual_stages = 1``. Version 4 added the sequence dimension (``cp``, ``cp_method``, ``sp``) and
 expert parallelism (``ep``: a mixture-of-experts layer's experts split over ``ep`` of its ``dp * cp`` replicas) per
 layer; earlier versions read with ``cp = ep = 1``. Version 5 added ``offload`` per layer (activations kept in host
-memory between forward and backward); earlier versions read with ``offload = false``.
+memory between forward and backward); earlier versions read with ``offload = false``. Version 6 added
+``precision`` per layer (``"default"``, ``"fp8"``, ``"fp8_rowwise"``: float8 matmuls); earlier versions read with
+``precision = "default"``.
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ from uniap_lightning.planner.decision import COMPRESSIBLE_DP_MODES, COMPRESSIONS
 
 __all__ = ["COMPRESSIBLE_DP_MODES", "COMPRESSIONS", "DP_MODES", "LayerPlan", "Plan", "StagePlan", "Strategy"]
 
-PLAN_FORMAT_VERSION = 5
-READABLE_FORMAT_VERSIONS = (1, 2, 3, 4, 5)
+PLAN_FORMAT_VERSION = 6
+READABLE_FORMAT_VERSIONS = (1, 2, 3, 4, 5, 6)
 #: pipeline schedules (torch.distributed.pipelining runs each): name -> (placement of chunks, allowed virtual stages)
 #: "loop": stage ``k`` on device group ``k % pp``; "v": stage ``k`` on ``k`` for ``k < pp``, else ``2 pp - 1 - k``
 SCHEDULE_LAYOUTS: dict[str, tuple[str, str]] = {

@@ -7,6 +7,7 @@ from typing import Any
 
 from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.errors import UniAPError
+from uniap_lightning.planner.dimensions.precision import fp8_precisions
 from uniap_lightning.planner.plan import (COMPRESSION_DEFAULTS, COMPRESSIONS, SCHEDULE_LAYOUTS, SCHEDULES, Plan,
                                           check_compression_options, check_schedule)
 from uniap_lightning.planner.profile import ModelProfile
@@ -164,7 +165,9 @@ class Problem:
 
     ``compression``: the gradient compression methods the solver may choose per replicated / ZeRO-1 layer besides
     ``"none"`` (opt-in: they change numerics); ``compression_options`` their parameters (``powersgd_rank``,
-    ``topk_ratio``), stamped into every plan.
+    ``topk_ratio``), stamped into every plan. ``fp8``: the float8 precisions the solver may choose per layer
+    besides the run's own (opt-in: they change numerics; offered where the device has fp8), from the strategy's
+    ``fp8`` option (:func:`~uniap_lightning.planner.dimensions.precision.fp8_precisions`).
     """
 
     model: ModelProfile
@@ -173,9 +176,11 @@ class Problem:
     meta: dict[str, Any] = field(default_factory=dict)
     compression: tuple[str, ...] = ("none",)
     compression_options: dict[str, float] = field(default_factory=lambda: dict(COMPRESSION_DEFAULTS))
+    fp8: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         self.compression = compression_methods(self.compression)
+        self.fp8 = fp8_precisions(self.fp8)
         self.compression_options = {**COMPRESSION_DEFAULTS, **dict(self.compression_options)}
         check_compression_options(self.compression_options, "compression_options")
 

@@ -60,7 +60,8 @@ def local_cluster(*, nodes: int, devices_per_node: int, device_type: str) -> Clu
 
 def cache_key(*, profile: ModelProfile, cluster: Cluster, world_size: int, training: TrainingConfig,
               solver: str, compression: tuple[str, ...] = ("none",),
-              compression_options: dict[str, float] | None = None, pp: list[int] | None = None) -> str:
+              compression_options: dict[str, float] | None = None, pp: list[int] | None = None,
+              fp8: tuple[str, ...] = ()) -> str:
     payload = {
         "fingerprint": profile.fingerprint(),
         # measured strategy overheads change the cost model's terms, so a plan solved without them is not reused
@@ -75,6 +76,8 @@ def cache_key(*, profile: ModelProfile, cluster: Cluster, world_size: int, train
     }
     if pp is not None:  # (absent when unrestricted: the keys of plans cached before this option stay valid)
         payload["pp"] = sorted(pp)
+    if fp8:  # the float8 precisions the solver could choose (absent when off: older keys stay valid)
+        payload["fp8"] = list(fp8)
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
@@ -109,6 +112,7 @@ def solve_plan(
     compression: tuple[str, ...] = ("none",),
     compression_options: dict[str, float] | None = None,
     pp: list[int] | None = None,
+    fp8: tuple[str, ...] = (),
     on_solve: Any = None,
     warm_start: Plan | None = None,
     baselines: bool = True,
@@ -116,13 +120,13 @@ def solve_plan(
     """Solve (or reuse from the cache) a plan; returns it and where it came from ("cache <path>" or "solver").
     ``compression``: the gradient compression methods the solver may choose per layer (always with "none"),
     ``compression_options`` their parameters (default: the plan defaults); ``pp``: the pipeline degrees to search
-    (``None``: all); ``on_solve()`` is called when the cache has no plan, before solving (e.g. to say so);
+    (``None``: all); ``fp8``: the float8 precisions the solver may choose per layer; ``on_solve()`` is called when the cache has no plan, before solving (e.g. to say so);
     ``warm_start`` (a running plan) and ``baselines=False`` make a re-solve faster without changing its optimum
     (see :func:`uniap_lightning.planner.solver.solve`), so neither enters the cache key. Ring
     attention is searched where ``cluster.ring_attention`` says so (the runtime runs it on every device,
     :mod:`.ring`)."""
     key = cache_key(profile=profile, cluster=cluster, world_size=cluster.num_devices, training=training,
-                    solver=solver, compression=compression, compression_options=compression_options, pp=pp)
+                    solver=solver, compression=compression, compression_options=compression_options, pp=pp, fp8=fp8)
     path = cache_dir / f"plan-{key}.json"
     cached = _cached_plan(path, profile=profile, world_size=cluster.num_devices,
                           global_batch_size=training.global_batch_size)
@@ -136,7 +140,7 @@ def solve_plan(
             f"no plan was given and the planner is not available ({err}); pass plan=<file or Plan> to UniAPStrategy"
         ) from err
     problem = Problem(model=profile, cluster=cluster, training=training, compression=compression,
-                      compression_options=dict(compression_options or COMPRESSION_DEFAULTS))
+                      compression_options=dict(compression_options or COMPRESSION_DEFAULTS), fp8=fp8)
     if on_solve is not None:
         on_solve()
     # no cyclic GC while solving (see no_gc)

@@ -9,6 +9,7 @@ from typing import Any
 
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.cluster import Cluster
+from uniap_lightning.planner.dimensions.precision import device_has_fp8, fp8_precisions
 from uniap_lightning.planner.plan import (COMPRESSION_DEFAULTS, COMPRESSION_RUNTIME_DEFAULTS, COMPRESSIONS, Plan,
                                          check_compression_options)
 
@@ -42,13 +43,15 @@ class SetupOptions:
     compression: tuple[str, ...] = ("none",)
     #: the compressors' parameters the planner prices and stamps into the plan (``powersgd_rank``, ``topk_ratio``)
     compression_options: tuple[tuple[str, float], ...] = tuple(sorted(COMPRESSION_DEFAULTS.items()))
+    #: the float8 precisions the planner may choose per layer (none: the run's precision only)
+    fp8: tuple[str, ...] = ()
 
     @classmethod
     def from_arguments(cls, *, cluster: Any, plan: Any, schedule: str, solver: str, time_limit: float, profile: Any,
                        cache_dir: Any, measure_cluster: bool, profile_cache: bool, profile_repeats: int,
                        profile_micro_batches: Any, compression: Any = None,
                        compression_options: Any = None, pp: Any = None,
-                       virtual_stages: Any = None) -> SetupOptions:
+                       virtual_stages: Any = None, fp8: Any = "off") -> SetupOptions:
         """Check and normalize ``UniAPStrategy``'s arguments (clear errors when the strategy is built)."""
         from uniap_lightning.planner.plan import SCHEDULES, check_schedule
         from uniap_lightning.planner.solver.search import SOLVERS
@@ -77,11 +80,14 @@ class SetupOptions:
             raise UniAPError(f"cluster must be a Cluster, a dict, a conf/cluster name or None, got "
                              f"{type(cluster).__name__}")
         degrees = _pipeline_degrees(pp)
+        allowed_fp8 = fp8_precisions(fp8)
         if plan is not None:
             _refuse_search_options(schedule=schedule, virtual_stages=virtual_stages, pp=pp, compression=compression,
-                                   compression_options=compression_options)
+                                   compression_options=compression_options, fp8=fp8)
         if plan is not None and not isinstance(plan, Plan):
             plan = Plan.from_json(Path(plan))
+        if plan is not None and cluster is not None:
+            check_fp8_device(plan, cluster)
         return cls(
             cluster=cluster, pinned_plan=plan, schedule=schedule, virtual_stages=virtual_stages, pp=degrees,
             solver=solver,
@@ -92,6 +98,7 @@ class SetupOptions:
             profile_micro_batches=tuple(profile_micro_batches) if profile_micro_batches else None,
             compression=COMPRESSION_CHOICES[compression],
             compression_options=tuple(sorted(_compression_options(compression_options).items())),
+            fp8=allowed_fp8,
         )
 
     @property
@@ -112,7 +119,8 @@ class SetupOptions:
 #: the options that only steer the planner's search, with their "not given" values: a pinned plan fixes each
 #: (its own schedule, virtual_stages, pp, per-layer compression and compression_options), so none may come with one
 SEARCH_OPTIONS: dict[str, tuple[Any, ...]] = {"schedule": ("auto",), "virtual_stages": (None,), "pp": (None,),
-                                              "compression": (None, "none"), "compression_options": (None, {})}
+                                              "compression": (None, "none"), "compression_options": (None, {}),
+                                              "fp8": (None, "off")}
 
 
 def _refuse_search_options(**given: Any) -> None:
@@ -122,9 +130,20 @@ def _refuse_search_options(**given: Any) -> None:
         value = given[key]
         if not any(value is d or (d is not None and value == d) for d in defaults):
             fixed = ("its own compression_options (edit the plan file's)" if key == "compression_options" else
-                     "each layer's compression" if key == "compression" else f"its own {key}")
+                     "each layer's compression" if key == "compression" else
+                     "each layer's precision" if key == "fp8" else f"its own {key}")
             raise UniAPError(f"{key}={value!r} steers the planner's search; a pinned plan (plan=) is not searched and "
                              f"has {fixed}: give one of them (drop {key}= to run the plan, or plan= to solve)")
+
+
+def check_fp8_device(plan: Plan, cluster: Cluster) -> None:
+    """A pinned plan with float8 layers on a cluster whose device has no fp8 matmuls: refused in one line."""
+    fp8 = [lp.name for lp in plan.layers if lp.strategy.precision != "default"]
+    if fp8 and not device_has_fp8(cluster):
+        raise UniAPError(f"plan runs {len(fp8)} layer(s) in float8 ({', '.join(fp8[:3])}{', ...' if len(fp8) > 3 else ''}) "
+                         f"but cluster '{cluster.name}' (device {cluster.device or 'unnamed'!r}) has no fp8 "
+                         "matmuls (a catalogue device with peak_tflops.fp8: h100_sxm, h200, gh200): plan again "
+                         "for this cluster")
 
 
 def _compression_options(value: Any) -> dict[str, float]:

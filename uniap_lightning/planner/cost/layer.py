@@ -29,6 +29,11 @@ gradient all-reduce: bf16 halves its bytes; PowerSGD rank ``r`` all-reduces ``4 
 matrix in two rounds and the vectors uncompressed; top-k all-gathers ``8 k`` bytes per rank (``k =
 ratio * P``, at least one per tensor). Each adds the cluster's compression compute per element and, for PowerSGD
 and top-k, an fp32 error-feedback buffer (``4 P`` bytes; PowerSGD also its factors) to ``static_bytes``.
+Float8 matmuls (``precision`` fp8 / fp8_rowwise): ``compute`` gains
+:func:`~uniap_lightning.planner.dimensions.precision.fp8_terms`' change (matmuls at the fp8 peak, minus; casts and
+their kernels, plus) before anything reads it (recomputation reruns the cheaper forward), ``transient_bytes`` the
+float8 weight and its transpose, and under ZeRO-3 with tensorwise scales the two all-gathers move one byte per
+parameter (the gathered copy too) instead of ``w``.
 
 Expert parallelism (a mixture-of-experts layer with ``E`` experts, ``top_k`` = k, ``expert_params``, under
 ``ep > 1``; ``P_e = expert_params / t``, ``X = output_bytes x tokens x k x cf / t``, ``cf`` the capacity factor or
@@ -65,6 +70,7 @@ from uniap_lightning.planner.dimensions import Slot, candidates
 from uniap_lightning.planner.dimensions.context import cp_methods  # noqa: F401
 from uniap_lightning.planner.dimensions.experts import expert_degrees  # noqa: F401
 from uniap_lightning.planner.dimensions.offload import offload_memory, offload_s
+from uniap_lightning.planner.dimensions.precision import fp8_terms
 from uniap_lightning.planner.problem import TrainingConfig
 from uniap_lightning.planner.profile import LayerProfile
 
@@ -150,19 +156,20 @@ def current_cost_cache() -> CostCache | None:
 
 def strategies_for(
     layer: LayerProfile, n: int, cluster: Cluster, micro_batch: int, *, compression: tuple[str, ...] = ("none",),
-    sequence: bool = True,
+    sequence: bool = True, fp8: tuple[str, ...] = (),
 ) -> list[Strategy]:
     """Strategies with ``d * c * t = n`` that the layer allows on a stage of ``n`` devices (see
-    :func:`_strategies`); ``sequence=False`` leaves out context and sequence parallelism. Cached within a
+    :func:`_strategies`); ``sequence=False`` leaves out context and sequence parallelism; ``fp8``: the float8
+    precisions the user allowed (offered where the cluster's device has an fp8 peak). Cached within a
     :func:`cost_cache` scope."""
-    compression = tuple(compression)
+    compression, fp8 = tuple(compression), tuple(fp8)
     cache = _SCOPE.get()
     if cache is None:
-        return list(_strategies(layer, n, cluster, micro_batch, compression, sequence))
-    key = (layer, n, cluster, micro_batch, compression, sequence)
+        return list(_strategies(layer, n, cluster, micro_batch, compression, sequence, fp8))
+    key = (layer, n, cluster, micro_batch, compression, sequence, fp8)
     out = cache.strategies.get(key)
     if out is None:
-        out = _strategies(layer, n, cluster, micro_batch, compression, sequence)
+        out = _strategies(layer, n, cluster, micro_batch, compression, sequence, fp8)
         if len(cache.strategies) >= cache.max_entries:
             cache.strategies.clear()
         cache.strategies[key] = out
@@ -170,7 +177,7 @@ def strategies_for(
 
 
 def _strategies(layer: LayerProfile, n: int, cluster: Cluster, micro_batch: int, compression: tuple[str, ...],
-                sequence: bool = True) -> tuple[Strategy, ...]:
+                sequence: bool = True, fp8: tuple[str, ...] = ()) -> tuple[Strategy, ...]:
     """Strategies with ``d * c * t = n`` that the layer allows on a stage of ``n`` devices: each field's options
     in :mod:`uniap_lightning.planner.dimensions`, chosen in the registry's ``CHOICES`` order (outer first).
 
@@ -180,9 +187,11 @@ def _strategies(layer: LayerProfile, n: int, cluster: Cluster, micro_batch: int,
     sequence ``c t`` divides. With ``d * c > 1`` every ``dp_mode``; compression (methods in ``compression``
     besides "none") only for replicate / zero1; recomputation on or off everywhere. A mixture-of-experts layer
     also takes every expert-parallel degree ``ep`` of :func:`expert_degrees` over its ``d x c`` replicas
-    (uncompressed gradients only).
+    (uncompressed gradients only). Each of those in the run's precision, then in each allowed fp8 precision where
+    the device has fp8 (:mod:`uniap_lightning.planner.dimensions.precision`).
     """
-    return tuple(Strategy._make(v) for v in candidates(Slot(layer, n, cluster, micro_batch, compression, sequence)))
+    slot = Slot(layer, n, cluster, micro_batch, compression, sequence, fp8)
+    return tuple(Strategy._make(v) for v in candidates(slot))
 
 
 def dp_group_inter_node(cluster: Cluster, n: int) -> bool:
@@ -222,6 +231,12 @@ def _layer_cost(
     samples = pr.micro_batch / s.dp
     tokens = samples / cp  # per rank, in samples' worth of tokens (what token-wise costs scale with)
     compute = layer.compute_s(tokens) / t
+    fp8 = None
+    if s.precision != "default":  # matmuls at the fp8 peak, plus their casts (see the module docstring)
+        fp8 = fp8_terms(layer, s.precision, tokens=tokens, tp=t, compute_s=compute, state_shards=d,
+                        zero3=mode == "zero3", hp_bytes=training.weight_bytes, spec=cluster.device_spec,
+                        floor_s=cluster.kernel_floor_us * 1e-6)
+        compute += fp8.compute_s
     # under a split backward (zero-bubble schedules) the backward takes ``split_overhead`` times as long (profiled,
     # else 1): the extra, and W, the weight-gradient share of that split backward (profiled, else the profile's
     # default), split by TP like compute
@@ -255,6 +270,13 @@ def _layer_cost(
     Pe = layer.expert_params / t if s.ep > 1 else 0.0
     comm_s, sync, static, transient = _state(layer, s, mode, P - Pe, d, inter, measured_ok, samples, cluster,
                                              training, pr)
+    if fp8 is not None:
+        transient += fp8.transient_bytes
+        if fp8.float8_gathered:  # ZeRO-3 gathers its matmul weights in float8: fewer bytes, a float8 copy
+            w, F = training.weight_bytes, min(fp8.float8_gathered, P - Pe)
+            comm_s = max(comm_s - 2 * (all_gather_s(cluster, (P - Pe) * w, d, inter)
+                                       - all_gather_s(cluster, (P - Pe - F) * w + F, d, inter)), 0.0)
+            transient -= F * (w - 1)
     if s.ep > 1:
         de = d // s.ep
         ec, es, est, etr = _state(layer, s, mode if de > 1 else "replicate", Pe / s.ep, de, inter, False, samples,

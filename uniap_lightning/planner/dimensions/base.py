@@ -21,8 +21,9 @@ REQUIRED: Any = object()
 @dataclass(frozen=True)
 class Slot:
     """What a layer's candidate options depend on besides the choices made before: the layer, the stage's ``n``
-    devices, the cluster, the micro-batch size, the compression methods the solver may choose, and whether the
-    sequence dimension (context and sequence parallelism) is open."""
+    devices, the cluster, the micro-batch size, the compression methods the solver may choose, whether the
+    sequence dimension (context and sequence parallelism) is open, and the float8 precisions the user allowed
+    (:mod:`.precision`; none: the run's own precision only)."""
 
     layer: LayerProfile
     n: int
@@ -30,6 +31,7 @@ class Slot:
     micro_batch: int
     compression: tuple[str, ...] = ("none",)
     sequence: bool = True
+    fp8: tuple[str, ...] = ()
 
 
 #: a field's candidate values, given the slot and the values chosen for the fields enumerated before it
