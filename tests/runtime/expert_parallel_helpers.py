@@ -35,13 +35,22 @@ def moe_layers(module: Any) -> list[MoEMLP]:
     return [m for m in module.modules() if isinstance(m, MoEMLP)]
 
 
-def hf_model(family: str) -> Any:
-    """A tiny Hugging Face MoE causal LM (random weights, E=4, k=2): ``mixtral``, ``qwen2_moe`` or ``olmoe``."""
+#: the load-balancing coefficient of the ``router_loss`` models: large, so a wrong auxiliary gradient shows in the
+#: weights after a few steps (Hugging Face's defaults are 0.001 and 0.01)
+ROUTER_COEF = 0.5
+
+
+def hf_model(family: str, router_loss: bool = False) -> Any:
+    """A tiny Hugging Face MoE causal LM (random weights, E=4, k=2): ``mixtral``, ``qwen2_moe`` or ``olmoe``;
+    ``router_loss``: trained with its load-balancing loss (``output_router_logits=True``, coefficient
+    :data:`ROUTER_COEF`)."""
     import transformers as tf
 
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=SEQ, tie_word_embeddings=False, num_experts_per_tok=2,
                   bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    if router_loss:
+        common.update(output_router_logits=True, router_aux_loss_coef=ROUTER_COEF)
     torch.manual_seed(0)
     if family == "mixtral":
         return tf.MixtralForCausalLM(tf.MixtralConfig(**common, num_local_experts=4))

@@ -56,9 +56,10 @@ def moe_module(momentum: float = 0.0, memory_tag: str | None = None, switch_at: 
     return SGDMoE(MoEGPT(MoEGPTConfig(**{**eh.BASE, **cfg})).layers())
 
 
-def hf_moe_module(family: str) -> Any:
-    """``mixtral``, ``qwen2_moe`` or ``olmoe`` (E=4, k=2, no auxiliary loss in ``.loss``: ``output_router_logits``
-    is off by default) as users write it: ``self.model(**batch).loss``, SGD with momentum."""
+def hf_moe_module(family: str, router_loss: bool = False) -> Any:
+    """``mixtral``, ``qwen2_moe`` or ``olmoe`` (E=4, k=2) as users write it: ``self.model(**batch).loss``, SGD with
+    momentum. ``.loss`` is the cross-entropy alone (``output_router_logits`` is off by default), or with
+    ``router_loss`` plus the load-balancing term (:func:`expert_parallel_helpers.hf_model`)."""
     from hf_models import HFModule
 
-    return HFModule(eh.hf_model(family))
+    return HFModule(eh.hf_model(family, router_loss))

@@ -54,6 +54,24 @@ def _hf_case(family: str) -> dict[str, Any]:
             "data": {"factory": "hf_models:hf_batches", "family": "llama"}, "steps": 5, "plan": plan}
 
 
+def _hf_router_case(family: str, *, ep: int = 2, pp: int = 1) -> dict[str, Any]:
+    """``family`` trained with its load-balancing loss (``output_router_logits=True``) on 2 ranks: the MoE blocks
+    with ep over both (dp 2), dp 2 alone (``ep=1``), or 2 pipeline stages (``pp=2``). One micro-batch: Hugging Face
+    pools the loss over each forward call, so one process on the whole batch is the reference."""
+    edge, block = ({"dp": 1}, {"dp": 1}) if pp == 2 else ({"dp": 2}, {"dp": 2, "ep": ep})
+    plan = h.make_plan([edge, block, block, edge], [0, 0, 1, 1] if pp == 2 else [0, 0, 0, 0], pp=pp, microbatches=1,
+                       world=2, names=HF_NAMES)
+    return {"module": {"factory": "expert_plan_workers:hf_moe_module", "family": family, "router_loss": True},
+            "data": {"factory": "hf_models:hf_batches", "family": "llama"}, "steps": 3, "plan": plan}
+
+
+#: one case per family by default (:data:`CASES2`), the others ``slow`` (:data:`HF_SLOW`)
+HF_ROUTER = {"hf_mixtral_router_ep2": _hf_router_case("mixtral"), "hf_qwen2_moe_router_ep1": _hf_router_case(
+    "qwen2_moe", ep=1), "hf_olmoe_router_pp2": _hf_router_case("olmoe", pp=2)} if HAS_HF else {}
+HF_ROUTER_SLOW = {"hf_mixtral_router_ep1": _hf_router_case("mixtral", ep=1),
+                  "hf_qwen2_moe_router_ep2": _hf_router_case("qwen2_moe"),
+                  "hf_olmoe_router_ep2": _hf_router_case("olmoe"),
+                  "hf_olmoe_router_ep1": _hf_router_case("olmoe", ep=1)} if HAS_HF else {}
 MOMENTUM = {"factory": "expert_plan_workers:moe_module", "momentum": 0.9, **NO_DROP}
 EP1, EP2 = _plan({}), _plan({"ep": 2})
 def _memory(tag: str) -> dict[str, Any]:
@@ -80,6 +98,8 @@ CASES2 = {
     "resume_ep2": {"module": MOMENTUM, "data": DATA, "epochs": 2, "plan": EP2, "resume": "ep1.ckpt",
                    "export": "ep2_full.pt"},
     **({"hf_mixtral": {**_hf_case("mixtral"), "export": "mixtral_hf", "export_format": "hf"}} if HAS_HF else {}),
+    # Hugging Face MoE with the load-balancing loss in .loss: ep 2, ep 1 (dp 2), two pipeline stages
+    **HF_ROUTER,
     # two micro-batches per step: routing, capacity and the auxiliary loss per micro-batch (as Megatron and
     # DeepSpeed-MoE), each over both ranks' share of it; without drops and with them (capacity 0.5)
     # a plan switch inside the fit (the path rebalance=True takes after a re-plan) from ep2 to ep1 after 3 of 6
@@ -551,7 +571,8 @@ def test_ep2_over_two_pipeline_stages_with_two_micro_batches_matches_one_process
 
 
 # ------------------------------------------------------------------------------------------------ Hugging Face
-HF_SLOW = {f"hf_{family}": _hf_case(family) for family in ("qwen2_moe", "olmoe")}  # the same path as Mixtral's
+HF_SLOW = {**{f"hf_{family}": _hf_case(family) for family in ("qwen2_moe", "olmoe")},  # the same path as Mixtral's
+           **HF_ROUTER_SLOW}
 
 
 @pytest.fixture(scope="module")
@@ -592,10 +613,35 @@ def test_mixtral_trained_with_ep2_exports_a_hugging_face_folder_with_every_exper
 
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_HF, reason="needs the [hf] extra (transformers)")
-@pytest.mark.parametrize("name", list(HF_SLOW))
+@pytest.mark.parametrize("name", [n for n in HF_SLOW if n not in HF_ROUTER_SLOW])
 def test_hugging_face_moe_with_ep2_matches_one_process(hf_two: list[dict[str, Any]], name: str) -> None:
     """Qwen2-MoE (with its replicated shared expert) and OLMoE, as Mixtral above."""
     _check_hf(hf_two, name, HF_SLOW[name])
+
+
+def _check_router(results: list[dict[str, Any]], name: str, case: dict[str, Any]) -> None:
+    h.assert_close_to_reference(results, name, h.reference_for(case))
+    if case["plan"].layers[1].strategy.ep == 2:
+        for res in results:
+            assert res[name]["local_shapes"]["model.model.layers.0.mlp.experts.gate_up_proj"][0] == 2
+
+
+@pytest.mark.skipif(not HAS_HF, reason="needs the [hf] extra (transformers)")
+@pytest.mark.parametrize("name", list(HF_ROUTER))
+def test_hugging_face_moe_with_its_router_loss_matches_one_process(two: list[dict[str, Any]], name: str) -> None:
+    """``output_router_logits=True`` (``.loss`` = cross-entropy + ``router_aux_loss_coef`` x the load-balancing loss,
+    pooled over the layers and the batch's real tokens): Mixtral with ep=2, Qwen2-MoE with ep=1 over 2 data ranks
+    (the routers' statistics summed over both), OLMoE over 2 pipeline stages (the per-sample statistics cross the
+    boundary with their gradient) end where one process does, loss and weights within 1e-5."""
+    _check_router(two, name, HF_ROUTER[name])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_HF, reason="needs the [hf] extra (transformers)")
+@pytest.mark.parametrize("name", list(HF_ROUTER_SLOW))
+def test_hugging_face_moe_with_its_router_loss_more(hf_two: list[dict[str, Any]], name: str) -> None:
+    """The other (family, ep) pairs of the test above: every family with ep=2 and with ep=1."""
+    _check_router(hf_two, name, HF_SLOW[name])
 
 
 @pytest.mark.slow
@@ -617,3 +663,77 @@ def test_mixtral_with_ep_over_two_pipeline_stages_and_micro_batches_matches_one_
     statistics (dropless, no auxiliary loss in ``.loss`` by default), so micro-batching keeps one process's result."""
     h.assert_close_to_reference(four, "hf_mixtral_ep2_pp2", h.reference_for(HF_PP))
 
+
+
+# ------------------------------------------------------------------------------------------------ router loss
+@pytest.mark.skipif(not HAS_HF, reason="needs the [hf] extra (transformers)")
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "olmoe"])
+def test_the_generic_split_rebuilds_the_router_loss_of_hugging_face_moe(family: str) -> None:
+    """One process, a padded batch: the chain's loss (cross-entropy + ``router_aux_loss_coef`` x the load-balancing
+    loss, rebuilt from per-sample statistics carried through the blocks) is the model's own ``.loss``, with the same
+    gradients, the routers' included; cut into two micro-batches, each one's loss is the model's own on it (Hugging
+    Face pools the term per forward call). Transformers 4.57's Qwen2-MoE and OLMoE, which the generic split trains
+    as one layer, are refused with the reason (one layer sees no router statistics)."""
+    import transformers
+    from expert_parallel_helpers import ROUTER_COEF, hf_model
+    from hf_models import HFModule, hf_batches
+
+    from uniap_lightning.adapters import extract_chain
+    from uniap_lightning.errors import UniAPError
+    from uniap_lightning.runtime.payload import call_layer, chunk
+
+    model = hf_model(family, router_loss=True)
+    batch = next(iter(hf_batches(8, "llama")))
+    out = model(**batch)
+    assert ROUTER_COEF * float(out.aux_loss.detach()) > 1.0  # the term weighs in the loss and its gradients
+    out.loss.backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    if family != "mixtral" and int(transformers.__version__.split(".")[0]) < 5:
+        with pytest.raises(UniAPError, match="the one-layer fallback cannot rebuild"):
+            extract_chain(HFModule(model))
+        return
+    chain = extract_chain(HFModule(model))
+    x, y = chain.split_batch(batch)
+    for layer in chain.layers:
+        x = call_layer(layer, x)
+    loss = chain.loss_fn(x, y)
+    loss.backward()
+    torch.testing.assert_close(loss, out.loss, rtol=1e-6, atol=1e-6)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[n], rtol=1e-5, atol=1e-6, msg=n)
+    with torch.no_grad():
+        x, y = chain.split_batch(batch)
+        for xm, ym, lo in zip(chunk(x, 2), chunk(y, 2), (0, 4)):
+            for layer in chain.layers:
+                xm = call_layer(layer, xm)
+            half = {k: v[lo:lo + 4] for k, v in batch.items()}
+            own = model(**half)
+            scale = (half["labels"][:, 1:] != -100).sum() / (batch["labels"][:, 1:] != -100).sum() * 2
+            ce = own.loss - ROUTER_COEF * own.aux_loss  # the whole batch's normalization for the cross-entropy
+            torch.testing.assert_close(chain.loss_fn(xm, ym), ce * scale + ROUTER_COEF * own.aux_loss, rtol=1e-6,
+                                       atol=1e-6)
+
+
+@pytest.mark.skipif(not HAS_HF, reason="needs the [hf] extra (transformers)")
+def test_a_loss_term_the_split_cannot_rebuild_is_refused_with_that_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A family whose load-balancing loss differs from the pooled top-k formula (here: Mixtral's, doubled), or a
+    model adding an auxiliary term the split does not recognize, is refused at setup naming the extra term, not as
+    "its own loss is not the causal LM cross-entropy"."""
+    import transformers.models.mixtral.modeling_mixtral as mixtral
+    from expert_plan_workers import hf_moe_module
+
+    from uniap_lightning.adapters import extract_chain
+    from uniap_lightning.adapters.families import generic
+    from uniap_lightning.errors import UniAPError
+
+    original = mixtral.load_balancing_loss_func
+    monkeypatch.setattr(mixtral, "load_balancing_loss_func", lambda *a, **k: 2 * original(*a, **k))
+    with pytest.raises(UniAPError, match=r"its loss adds a term the split cannot rebuild: its own loss \(.*\) is not "
+                                         r"the causal LM cross-entropy \(.*\) \+ router_aux_loss_coef x the pooled"):
+        extract_chain(hf_moe_module("mixtral", router_loss=True))
+    monkeypatch.undo()
+    monkeypatch.setattr(generic, "router_loss_of", lambda model: None)  # a term the split does not look for
+    with pytest.raises(UniAPError, match=r"its loss adds a term the split cannot rebuild: its own loss \(.*\) is the "
+                                         r"causal LM cross-entropy \(.*\) \+ .*aux_loss="):
+        extract_chain(hf_moe_module("mixtral", router_loss=True))

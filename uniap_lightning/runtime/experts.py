@@ -50,15 +50,16 @@ Findings, Hugging Face (transformers 5.25, ``modeling_{mixtral,qwen2_moe,olmoe}.
   load_balancing_loss_func(logits, E, k, attention_mask)`` (coef 0.001 Mixtral / Qwen2-MoE, 0.01 OLMoE). That
   function pools *all layers*: assignment counts and probability sums added over layers and rows (padding masked),
   then ``E * sum_e (counts_e / rows) * (probs_e / rows)`` (balanced = k): not a sum of per-layer losses. Our chain
-  never runs ``ForCausalLM.forward``, so the adapter must carry the statistics: both sums are additive over
-  samples, so a ``[B, 2E]`` per-sample accumulator through the layers (like ``adapters/moe.py``'s ``[B]`` aux)
-  lets the loss rebuild HF's value exactly, per micro-batch, and all-reduced over data ranks for the global one.
+  never runs ``ForCausalLM.forward``, so the generic split carries the statistics
+  (:mod:`uniap_lightning.adapters.families.generic_router`): both sums are additive over samples, so a ``[B, 2E]``
+  per-sample accumulator through the blocks rebuilds HF's value exactly, per micro-batch; the epilogue sums it over
+  the layer's data ranks (its ``uniap_batch_group``, set by :func:`apply_batch_group`) for the global one.
 * What an ep wrapper replaces: only ``mlp.experts`` (same call, same parameter names). :class:`HFExperts` does it
   (:func:`wrap_hf_experts`, called by :func:`apply_expert_parallel`): pairs sorted by expert,
   :meth:`ExpertParallel.run_experts` with ``expert_fn(e, x) = F.linear(act(g) * u, down_proj[e])`` where
   ``g, u = F.linear(x, gate_up_proj[e]).chunk(2, -1)``, gate-weighted rows ``index_add``-ed back; ``gate_up_proj``
   / ``down_proj`` sharded on dim 0. The router, shared expert and attention stay replicated (data-parallel
-  gradients). Tested for the loss without the aux term (``output_router_logits=False``), see the tests.
+  gradients). Tested with and without the aux term (``output_router_logits``), see ``test_expert_plans.py``.
 * transformers 5.25 also ships its own EP (``DistributedConfig(ep_size=..., ep_implementation="all_to_all")``
   with ``base_model_ep_plan``: ``gate_up_proj`` / ``down_proj`` as DTensor ``Shard(0)``, ``mlp.experts`` as
   ``ep_dispatch_experts`` using ``all_to_all_single_autograd``, dropless). It needs its own device mesh and
@@ -222,6 +223,16 @@ def apply_global_routing(module: nn.Module, token_group: Any) -> int:
         m.experts_comm = ExpertParallel(m.n_experts, ep_group=None, token_group=token_group,
                                         counter=AllToAllCounter())
     return len(layers)
+
+
+def apply_batch_group(module: nn.Module, group: Any) -> int:
+    """Modules of ``module`` that pool statistics over the whole micro-batch (declaring ``uniap_batch_group``: the
+    generic Hugging Face epilogue, which sums the routers' statistics for the load-balancing loss) get ``group``,
+    the layer's data ranks (they hold the micro-batch's other samples). Returns how many."""
+    found = [m for m in module.modules() if hasattr(m, "uniap_batch_group")]
+    for m in found:
+        m.uniap_batch_group = group
+    return len(found)
 
 
 class HFExperts(nn.Module):

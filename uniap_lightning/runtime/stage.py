@@ -29,8 +29,9 @@ from torch.utils.checkpoint import checkpoint
 from uniap_lightning.planner.plan import Plan
 from uniap_lightning.runtime.chain import Chain
 from uniap_lightning.runtime.data_parallel import ReplicatedGrads
-from uniap_lightning.runtime.experts import (AllToAllCounter, apply_expert_parallel, apply_global_routing,
-                                             expert_modules, mark_expert_shards, split_expert_params)
+from uniap_lightning.runtime.experts import (AllToAllCounter, apply_batch_group, apply_expert_parallel,
+                                             apply_global_routing, expert_modules, mark_expert_shards,
+                                             split_expert_params)
 from uniap_lightning.runtime.mesh import PlanMeshes, boundary_layout, layout_of
 from uniap_lightning.runtime.payload import Spec, call_layer, flatten, spec_of, unflatten
 from uniap_lightning.runtime.reshard import Layout, relayout
@@ -218,6 +219,7 @@ def build_stages(chain: Chain, plan: Plan, meshes: PlanMeshes) -> tuple[list[Sta
         if reps == 1:
             continue
         mesh = meshes.dp_mesh(reps, st.tp)
+        apply_batch_group(layer, mesh.get_group())
         expert: set[nn.Parameter] = set()
         if st.ep > 1:
             apply_ep(layer, meshes, reps, st.tp, st.ep, counter)

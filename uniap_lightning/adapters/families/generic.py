@@ -24,7 +24,8 @@ always wins). The chain is
   projection, LM head; an encoder's head module) -> logits, with the pooling a head does in its top-level forward
   (first token, mean over the sequence or the feature map) found on the probe batch; the model's own loss (the
   head's), whole-batch normalized like the hand-written families (each head's loss, counts and labels:
-  :mod:`.generic_heads`).
+  :mod:`.generic_heads`); for a mixture-of-experts causal LM trained with ``output_router_logits=True``, plus the
+  routers' load-balancing term, rebuilt from per-sample statistics the blocks carry (:mod:`.generic_router`).
 
 Payload tensors carry the batch on dim 0: a tensor the model broadcasts over the batch (a ``[1, seq, dim]`` rotary
 table) is expanded and taken back as one row, one independent of the batch is sent per row and taken back once, one
@@ -53,6 +54,14 @@ from torch import nn
 from uniap_lightning.adapters.auto import Family, HFTarget
 from uniap_lightning.adapters.families.common import colwise, divisors_of_all, replicate, rowwise
 from uniap_lightning.adapters.families.generic_heads import _CLASSIFY, _HEADS, _TASKS, _ctc_loss, _Task, count_one
+from uniap_lightning.adapters.families.generic_router import (
+    ROUTER,
+    TOKEN_MASK,
+    RouterLoss,
+    caught_logits,
+    router_loss_of,
+    router_modules,
+)
 from uniap_lightning.adapters.families.text import _last_non_padding
 from uniap_lightning.errors import UniAPError
 
@@ -372,6 +381,9 @@ class GenericPrologue(_Layer):
         #: ``(pad_token_id,)`` when the head pools at each row's last non-padding token: the prologue (which alone
         #: sees ``input_ids``) sends that index on as ``uniap_last``
         self.last: tuple[int | None] | None = None
+        #: the load-balancing term the loss adds (:mod:`.generic_router`): the prologue starts its accumulator and
+        #: sends the token mask on
+        self.router: RouterLoss | None = None
 
     def uniap_tp_degrees(self) -> list[int]:
         if self.embedding is None:
@@ -398,6 +410,11 @@ class GenericPrologue(_Layer):
                              "needs the same structure for every batch")
         rows = hidden.shape[0]
         last = {} if self.last is None else {_LAST: _last_non_padding(d["input_ids"], self.last[0])}
+        if self.router is not None:
+            mask = batch.get("attention_mask")
+            mask = torch.ones(hidden.shape[:2], dtype=torch.long, device=hidden.device) if mask is None else mask
+            last.update({ROUTER: torch.zeros(rows, 2 * self.router.experts, device=hidden.device),
+                         TOKEN_MASK: mask})
         return {**{k: None for k in self.inputs}, "hidden": _settled(hidden).contiguous(),
                 **self.plan.encode(tensors, rows), **last}
 
@@ -497,11 +514,15 @@ class GenericBlock(_Layer):
     recognizes the block: query / key / value and the MLP's input projections column-parallel, the attention's
     output and the MLP's output projection row-parallel."""
 
-    def __init__(self, block: nn.Module, plan: _Plan, index: int, config: Any = None) -> None:
+    def __init__(self, block: nn.Module, plan: _Plan, index: int, config: Any = None,
+                 router: tuple[RouterLoss, list[tuple[str, int]]] | None = None) -> None:
         super().__init__([block])
         self.plan, self.index = plan, index
         self.uses = _refs(plan.templates[index][0]) | _refs(plan.templates[index][1])
         self.tp = _tensor_parallel(block, config)
+        #: the load-balancing term and this block's routers (name, output index): their per-sample statistics are
+        #: added to the accumulator the prologue started (:mod:`.generic_router`)
+        self.router = router
 
     def uniap_tp_degrees(self) -> list[int]:
         return self.tp[1] if self.tp is not None else [1]
@@ -517,8 +538,17 @@ class GenericBlock(_Layer):
         hidden = _contiguous_grad(d["hidden"])
         values = self.plan.decode(d, self.uses, hidden.shape[0])
         args, kwargs = self.plan.templates[self.index]
-        out = self.units[0](*_fill(args, hidden, values), **{k: _fill(v, hidden, values) for k, v in kwargs.items()})
-        return {"hidden": _first(out).contiguous()}  # (ConvNeXt's stages return a permuted view; sent as it is)
+        seen, handles = caught_logits(self.units[0], self.router[1]) if self.router is not None else ([], [])
+        try:
+            out = self.units[0](*_fill(args, hidden, values),
+                                **{k: _fill(v, hidden, values) for k, v in kwargs.items()})
+        finally:
+            for handle in handles:
+                handle.remove()
+        hidden = _first(out).contiguous()  # (ConvNeXt's stages return a permuted view; sent as it is)
+        if self.router is None:
+            return {"hidden": hidden}
+        return {"hidden": hidden, ROUTER: d[ROUTER] + self.router[0].statistics(seen, d[TOKEN_MASK])}
 
 
 class GenericEpilogue(_Layer):
@@ -530,8 +560,12 @@ class GenericEpilogue(_Layer):
         super().__init__(sequence + unused)
         self.steps = len(sequence)
         self.pool = pool
+        #: the load-balancing term: the output becomes ``(logits, each sample's share of it)``
+        self.router: RouterLoss | None = None
+        #: the ranks holding the micro-batch's other samples at this layer (set by the runtime; ``None``: all here)
+        self.uniap_batch_group: Any = None
 
-    def forward(self, d: dict[str, torch.Tensor]) -> torch.Tensor:
+    def forward(self, d: dict[str, torch.Tensor]) -> Any:
         x = _contiguous_grad(d["hidden"])
         for i, m in enumerate(list(self.units)[: self.steps]):
             if self.pool is not None and self.pool[0] == i:
@@ -541,7 +575,7 @@ class GenericEpilogue(_Layer):
                 else:
                     x = _POOLS[self.pool[1]](x)
             x = m(x)
-        return x
+        return x if self.router is None else (x, self.router.pooled(d[ROUTER], self.uniap_batch_group))
 
     def uniap_tp_degrees(self) -> list[int]:
         last = self.units[self.steps - 1]
@@ -785,10 +819,15 @@ def _split(model: Any) -> list[tuple[nn.Module, list[str]]]:
             unused = [n for n in unused if not any(n.startswith(a + ".") for a in unused)]
             prologue = GenericPrologue([units[n] for n in before], base, blocks, plan, extra, inputs,
                                        _embeddings(model, "input"))
-            layers = [GenericBlock(b, plan, i, model.config) for i, b in enumerate(blocks)]
+            router = router_loss_of(model)
+            prologue.router = router
+            layers = [GenericBlock(b, plan, i, model.config,
+                                   None if router is None else (router, router_modules(model, b)))
+                      for i, b in enumerate(blocks)]
             heads = dict(model.named_modules())
             epilogue = _epilogue(model, task, prologue, layers, [heads[n] for n in after], [units[n] for n in unused],
                                  batch, reference)
+            epilogue.router = router
             _verify(model, task, prologue, layers, epilogue, batch, labels, reference)
 
     every = dict(model.named_modules())
@@ -803,19 +842,20 @@ def _split(model: Any) -> list[tuple[nn.Module, list[str]]]:
     ]
 
 
-def _verify(model: Any, task: _Task, prologue: nn.Module, blocks: list[nn.Module], epilogue: nn.Module,
+def _verify(model: Any, task: _Task, prologue: nn.Module, blocks: list[nn.Module], epilogue: GenericEpilogue,
             batch: dict[str, torch.Tensor], labels: torch.Tensor, reference: Any) -> None:
-    """The chain on the probe batch (split into micro-batches of 1 and 2 samples) gives the model's own logits and
-    loss."""
-    from uniap_lightning.runtime.payload import call_layer
+    """The chain on the probe batch (split into micro-batches of 1 and 2 samples up to the epilogue, which pools the
+    whole batch's router statistics as the model does) gives the model's own logits and loss."""
+    from uniap_lightning.runtime.payload import call_layer, concat
 
-    logits = []
+    hiddens = []
     for lo, hi in ((0, 1), (1, 3)):
         x: Any = {k: v[lo:hi] for k, v in batch.items()}
-        for layer in (prologue, *blocks, epilogue):
+        for layer in (prologue, *blocks):
             x = call_layer(layer, x)
-        logits.append(x)
-    ours = torch.cat(logits)
+        hiddens.append(x)
+    output = call_layer(epilogue, concat(hiddens))
+    ours = output[0] if epilogue.router is not None else output
     theirs = task.logits(reference)
     if not isinstance(theirs, torch.Tensor) or theirs.shape != ours.shape:
         raise _refuse(model, f"its output logits are {None if theirs is None else tuple(theirs.shape)}, the chain "
@@ -827,17 +867,35 @@ def _verify(model: Any, task: _Task, prologue: nn.Module, blocks: list[nn.Module
         raise _refuse(model, f"the chain's logits differ from the model's by {diff:.2g} (relative) on a probe batch "
                              "(its forward does something the split does not reproduce, e.g. a soft cap on the "
                              "logits or a block run more than once)")
-    _check_loss(model, task, ours, labels, reference, tol)
+    _check_loss(model, task, output, labels, reference, tol, epilogue.router)
 
 
-def _check_loss(model: Any, task: _Task, logits: torch.Tensor, labels: torch.Tensor, reference: Any,
-                tol: float) -> None:
+def _check_loss(model: Any, task: _Task, output: Any, labels: torch.Tensor, reference: Any, tol: float,
+                router: RouterLoss | None = None) -> None:
+    """The model's own loss is the chain's: the head's loss of the logits (``output``), plus the load-balancing
+    term where the model adds one (``router``; ``output`` is then ``(logits, per-sample term)``)."""
     count = task.count(labels).to(torch.float64).clamp(min=1)  # one count per column for question answering
     scale = (labels.shape[0] / count).to(torch.float32)
-    loss = task.loss(model, logits, HFTarget(labels, scale.expand(labels.shape[0], *scale.shape)))
-    if reference.loss is None or abs(float(loss) - float(reference.loss)) > tol * max(1.0, abs(float(loss))):
-        raise _refuse(model, f"its own loss ({None if reference.loss is None else float(reference.loss):.6g}) is not "
-                             f"the {task.what} ({float(loss):.6g})")
+    target = HFTarget(labels, scale.expand(labels.shape[0], *scale.shape))
+    head = float(task.loss(model, output[0] if router is not None else output, target))
+    loss = head if router is None else float(router.wrap(task.loss)(model, output, target))
+    own = None if reference.loss is None else float(reference.loss)
+    if own is not None and abs(loss - own) <= tol * max(1.0, abs(loss)):
+        return
+    if own is None:
+        raise _refuse(model, f"it computes no loss of its own (the {task.what} was {loss:.6g})")
+    aux = getattr(reference, "aux_loss", None)  # (Hugging Face MoE outputs: the load-balancing loss, unscaled)
+    if router is not None:
+        raise _refuse(model, f"its loss adds a term the split cannot rebuild: its own loss ({own:.6g}) is not the "
+                             f"{task.what} ({head:.6g}) + router_aux_loss_coef x the pooled top-k load-balancing "
+                             f"loss (together {loss:.6g}); this family's auxiliary loss is computed otherwise (train "
+                             "it with output_router_logits=False or define uniap_layers())")
+    if isinstance(aux, torch.Tensor):
+        raise _refuse(model, f"its loss adds a term the split cannot rebuild: its own loss ({own:.6g}) is the "
+                             f"{task.what} ({head:.6g}) + {own - head:.6g}, and the model reports an auxiliary loss "
+                             f"(aux_loss={float(aux):.6g}, e.g. its routers' load balancing) whose form the split "
+                             "does not know for this model")
+    raise _refuse(model, f"its own loss ({own:.6g}) is not the {task.what} ({head:.6g})")
 
 
 def _task(model: Any) -> _Task:
@@ -895,11 +953,17 @@ def generic_family(model: Any) -> Family:
         raise _refuse(model, str(e)) from None
     if task.one_layer:
         return _one_layer(model, task, inputs, _refuse(model, task.one_layer))
+    router = router_loss_of(model)
     try:
         pairs = generic_layers(model)  # (the weights still tied: the split refers to modules, not to weights)
     except Unsplittable as e:
+        if router is not None:  # one layer gives the logits only, not the routers' statistics
+            raise _refuse(model, f"{e.reason}; and its loss adds the routers' load-balancing term "
+                                 "(output_router_logits=True), which the one-layer fallback cannot rebuild (it sees "
+                                 "the logits only): train it with output_router_logits=False") from None
         return _one_layer(model, task, inputs, e)
-    return Family(layers=lambda _: pairs, loss=task.loss, inputs=inputs, count=task.count, attention=None, ties=ties,
+    return Family(layers=lambda _: pairs, loss=task.loss if router is None else router.wrap(task.loss),
+                  inputs=inputs, count=task.count, attention=None, ties=ties,
                   labels=None if task.target is None else task.target(model))
 
 
