@@ -64,11 +64,13 @@ class MilpResult:
 def no_gc() -> Iterator[None]:
     """python-mip's HiGHS backend frees models from cffi finalizers; a garbage-collection pass that runs one
     while cffi holds its lock deadlocked a spawned process. Collect before, not during, a solve: once, on the
-    outermost entry (a pass costs 50 ms or more in a process holding torch, and ``solve`` nests ``search`` for
-    every baseline)."""
+    outermost entry, and only the youngest generation. Nothing is collected while collection is off, so what the
+    previous solve left (its models among it) is all still in that generation; a full pass would also walk
+    everything the process holds (a trainer, a model, a test session: 0.1-1 s each time), and the bounds enter
+    here thousands of times per search."""
     enabled = gc.isenabled()
     if enabled:
-        gc.collect()
+        gc.collect(0)
         gc.disable()
     try:
         yield
