@@ -71,7 +71,15 @@ HF_ROUTER = {"hf_mixtral_router_ep2": _hf_router_case("mixtral"), "hf_qwen2_moe_
 HF_ROUTER_SLOW = {"hf_mixtral_router_ep1": _hf_router_case("mixtral", ep=1),
                   "hf_qwen2_moe_router_ep2": _hf_router_case("qwen2_moe"),
                   "hf_olmoe_router_ep2": _hf_router_case("olmoe"),
-                  "hf_olmoe_router_ep1": _hf_router_case("olmoe", ep=1)} if HAS_HF else {}
+                  "hf_olmoe_router_ep1": _hf_router_case("olmoe", ep=1),
+                  # the blocks tensor-parallel (both ranks hold the same samples: the statistics counted once)
+                  "hf_qwen2_moe_router_tp2": {**_hf_router_case("qwen2_moe"), "plan": h.make_plan(
+                      [{"dp": 2}, {"dp": 1, "tp": 2}, {"dp": 1, "tp": 2}, {"dp": 1, "tp": 2}], [0] * 4, pp=1,
+                      microbatches=1, world=2, names=HF_NAMES)},
+                  # ZeRO-3 everywhere (the routers sharded, gathered for each forward)
+                  "hf_olmoe_router_zero3": {**_hf_router_case("olmoe"), "plan": h.make_plan(
+                      [{"dp": 2, "dp_mode": "zero3"}] * 4, [0] * 4, pp=1, microbatches=1, world=2,
+                      names=HF_NAMES)}} if HAS_HF else {}
 MOMENTUM = {"factory": "expert_plan_workers:moe_module", "momentum": 0.9, **NO_DROP}
 EP1, EP2 = _plan({}), _plan({"ep": 2})
 def _memory(tag: str) -> dict[str, Any]:
@@ -640,7 +648,8 @@ def test_hugging_face_moe_with_its_router_loss_matches_one_process(two: list[dic
 @pytest.mark.skipif(not HAS_HF, reason="needs the [hf] extra (transformers)")
 @pytest.mark.parametrize("name", list(HF_ROUTER_SLOW))
 def test_hugging_face_moe_with_its_router_loss_more(hf_two: list[dict[str, Any]], name: str) -> None:
-    """The other (family, ep) pairs of the test above: every family with ep=2 and with ep=1."""
+    """The other (family, ep) pairs of the test above (every family with ep=2 and with ep=1), tensor-parallel
+    blocks and ZeRO-3."""
     _check_router(hf_two, name, HF_SLOW[name])
 
 
