@@ -34,6 +34,23 @@ def OFF(dp: int, tp: int, mode: str = REP) -> dict[str, Any]:
     return {"dp": dp, "tp": tp, "dp_mode": mode if dp > 1 else REP, "offload": True}
 
 
+def FP8(dp: int, tp: int, mode: str = REP, recompute: bool = False, precision: str = "fp8") -> dict[str, Any]:
+    """A layer whose ``nn.Linear`` products run in float8 (torchao, tensorwise scales unless ``precision`` says)."""
+    return {"dp": dp, "tp": tp, "dp_mode": mode if dp > 1 else REP, "recompute": recompute, "precision": precision}
+
+
+def fp8_lm(layers: list[int], lm: str = "gpt", precision: str = "fp8") -> Any:
+    """The tiny GPT (``make_module(lm="gpt")``) with the chain layers ``layers`` converted to float8 in one process,
+    as the runtime converts them (:func:`uniap_lightning.runtime.stage.apply_fp8`): the one-process reference of
+    the fp8 plans."""
+    from uniap_lightning.runtime.stage import apply_fp8
+
+    module = h.make_module(lm=lm)
+    for u in layers:
+        module.chain[u] = apply_fp8(module.chain[u], precision)
+    return module
+
+
 def P2(strategies: list[tuple[Any, ...]], stages: list[int], **kw: Any) -> Any:
     return h.make_plan(strategies, stages, **kw)
 
@@ -68,6 +85,34 @@ TWO_RANKS = {
     "mixed_modes_offload": {"plan": P2([OFF(2, 1, Z1), OFF(1, 2), S(2, 1, Z2, True), OFF(2, 1, Z3)], ONE_STAGE,
                                        pp=1, microbatches=2), "accumulate": 2, "clip": 0.5},
 }
+
+# Float8 matmuls (torchao) on the tiny GPT (embedding, block, block, norm + LM head), 50 steps: against one process
+# in fp32 (the gap fp8 costs) and against one process running the same layers in fp8 (what distribution costs).
+# The embedding has no nn.Linear, so its precision stays default.
+GPT_NAMES = ["chain.0", "chain.1", "chain.2", "chain.3"]
+FP8_STEPS = 50
+FP8_TWO = {
+    # two pipeline stages, one micro-batch: every float8 matmul sees the inputs one process sees (same scales)
+    "fp8_pp2": {"module": {"lm": "gpt"}, "steps": FP8_STEPS, "plan": P2(
+        [S(1, 1), FP8(1, 1), FP8(1, 1), FP8(1, 1)], TWO_STAGES, pp=2, microbatches=1, names=GPT_NAMES)},
+    # tensor parallelism (DTensor weights: amax over the whole tensor), ZeRO-3 with float8 all-gather,
+    # recomputation, rowwise scales and replication in one stage
+    "fp8_tp2_zero3_mixed": {"module": {"lm": "gpt"}, "steps": FP8_STEPS, "plan": P2(
+        [S(2, 1, Z3), FP8(1, 2), FP8(2, 1, Z3, True), FP8(2, 1, REP, precision="fp8_rowwise")], ONE_STAGE, pp=1,
+        microbatches=1, names=GPT_NAMES)},
+}
+FP8_REFERENCE = {"fp8_pp2": [1, 2, 3]}  # the cases that run every layer in the same fp8 precision
+FP8_FOUR = {
+    # two stages of two ranks: ZeRO-3 (float8 all-gather) and tensor parallelism beside each other
+    "fp8_pp2_dp2_zero3_tp2": {"module": {"lm": "gpt"}, "steps": FP8_STEPS, "plan": P4(
+        [S(2, 1, Z3), FP8(2, 1, Z3), FP8(1, 2), FP8(2, 1, Z3)], TWO_STAGES, pp=2, microbatches=1,
+        names=GPT_NAMES)},
+}
+#: what torchao's own float8 tests accept (test/float8/test_base.py: a Float8Linear's output against the
+#: high-precision one, SQNR >= 18 dB, its weight gradient >= 17 dB), here for the whole run: the 50 losses and the
+#: final parameters against one fp32 process. Measured (2 and 4 gloo processes, tiny GPT): losses 64-66 dB (largest gap
+#: 0.006 on a loss of ~3.86, 0.16%), parameters 60-63 dB.
+FP8_LOSS_SQNR_DB, FP8_PARAM_SQNR_DB = 18.0, 17.0
 
 # zero1 gradients travel as a replicated layer's do: with the same compressor (here PowerSGD, error feedback and
 # warm-started factors) zero1 must train exactly as replicate (no single-process reference: compression is lossy)
@@ -226,6 +271,32 @@ def _skip_case(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
+def _gather_case(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
+    """Train two steps counting, per dtype, the elements FSDP2 all-gathers (its ``all_gather_inputs``)."""
+    import lightning.pytorch as pl
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    from uniap_lightning.strategy import UniAPStrategy
+
+    module = h.make_module(**case.get("module", {}))
+    gathered: dict[str, int] = {}
+    plain = FSDPParam.all_gather_inputs
+
+    def counted(self: Any) -> Any:
+        out = plain.fget(self)
+        for t in out:
+            gathered[str(t.dtype)] = gathered.get(str(t.dtype), 0) + t.numel()
+        return out
+
+    FSDPParam.all_gather_inputs = property(counted)
+    try:
+        trainer = pl.Trainer(devices=world, strategy=UniAPStrategy(plan=case["plan"]), **h.trainer_kwargs(case))
+        trainer.fit(module, h.make_data(16, lm=True))
+    finally:
+        FSDPParam.all_gather_inputs = plain
+    return {"gathered": gathered}
+
+
 def worker(rank: int, world: int, port: int, cases: dict[str, dict[str, Any]], out_dir: str) -> None:
     """:func:`uniap_rt_helpers.worker`, plus memory-probe cases."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
@@ -237,6 +308,7 @@ def worker(rank: int, world: int, port: int, cases: dict[str, dict[str, Any]], o
         start = time.monotonic()
         try:
             run = (_probe_case if case.get("probe") else _count_case if case.get("count") else
+                   _gather_case if case.get("gather") else
                    _skip_case if case.get("skip") else (lambda r, w, c: h._run_case(r, w, c, Path(out_dir))))
             results[name] = run(rank, world, case)
         except Exception as err:  # recorded, so one broken case does not hide the others
@@ -322,6 +394,8 @@ SAVE_PLAN = P2([S(2, 1, Z2, True)] * 4, ONE_STAGE, pp=1, microbatches=2)
 RESUME_PLAN = P4([S(2, 1, Z1)] * 4, TWO_STAGES, pp=2, microbatches=2)
 # the same plan with every layer's activations offloaded: checkpoints are per parameter, offload holds no state
 RESUME_PLAN_OFFLOAD = P4([OFF(2, 1, Z1)] * 4, TWO_STAGES, pp=2, microbatches=2)
+# and with the middle layers' matmuls in float8 (net.0 and net.3, 8 -> 16 and 16 -> 4, are too narrow for it)
+RESUME_PLAN_FP8 = P4([S(2, 1, Z1), FP8(2, 1, Z1), FP8(2, 1, Z1), S(2, 1, Z1)], TWO_STAGES, pp=2, microbatches=2)
 RESUME_TWO = {
     "save_zero2_recompute": {"plan": SAVE_PLAN, "epochs": 1, "save": "z2rc.ckpt", **ADAM},
     "uninterrupted_zero2_recompute": {"plan": SAVE_PLAN, "epochs": 2, **ADAM},
@@ -335,9 +409,13 @@ COUNT_PLAN = P2([S(1, 1), S(1, 1, REP, True), S(1, 1), S(1, 1, REP, True)], TWO_
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], Path]:
     out = tmp_path_factory.mktemp("zero_two")
-    cases = {**TWO_RANKS, **COMPRESSED, **RESUME_TWO, "memory": {"plan": MEMORY_2, **MEMORY_CASE},
+    cases = {**TWO_RANKS, **COMPRESSED, **RESUME_TWO, **FP8_TWO, "memory": {"plan": MEMORY_2, **MEMORY_CASE},
              "memory_window": {"plan": MEMORY_2, **MEMORY_CASE, "accumulate": 2},
              "count": {"plan": COUNT_PLAN, "count": True, "steps": 2},
+             # ZeRO-3 layers: the embedding in fp32, a block with float8 all-gather, a block with rowwise scales
+             "fp8_gather": {"module": {"lm": "gpt"}, "gather": True, "steps": 1, "plan": P2(
+                 [S(2, 1, Z3), FP8(2, 1, Z3), FP8(2, 1, Z3, precision="fp8_rowwise"), S(2, 1)], ONE_STAGE, pp=1,
+                 microbatches=1, names=GPT_NAMES)},
              # last: it fails on purpose (a worker stops at a failed case)
              "zero2_skipped_layer": {"plan": P2([S(2, 1, Z2)] * 4, ONE_STAGE, pp=1, microbatches=2), "skip": True,
                                      "steps": 1}}
@@ -353,6 +431,8 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory, two_ranks: Any) -> list
         "resume_zero1_pp2": {"plan": RESUME_PLAN, "epochs": 2, "resume": str(two_out / "z2rc.ckpt"), **ADAM},
         "resume_zero1_pp2_offload": {"plan": RESUME_PLAN_OFFLOAD, "epochs": 2, "resume": str(two_out / "z2rc.ckpt"),
                                      **ADAM},
+        "resume_zero1_pp2_fp8": {"plan": RESUME_PLAN_FP8, "epochs": 2, "resume": str(two_out / "z2rc.ckpt"), **ADAM},
+        **FP8_FOUR,
         "memory": {"plan": MEMORY_4, **MEMORY_CASE},
         "memory_pp2": {"plan": MEMORY_PP2, **MEMORY_CASE},
     }
@@ -429,6 +509,91 @@ def test_resume_under_plans_that_differ_in_offload(two_ranks: Any, four_ranks: A
         torch.testing.assert_close(resumed[k], full[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
     assert four_ranks[0]["resume_zero1_pp2_offload"]["losses"] == pytest.approx(
         four_ranks[0]["resume_zero1_pp2"]["losses"], rel=1e-6)
+
+
+def _sqnr_db(ref: torch.Tensor, got: torch.Tensor) -> float:
+    """Signal to quantization noise, as torchao's ``compute_error``: ``20 log10(|ref| / |ref - got|)``."""
+    return float(20 * torch.log10(ref.norm() / (ref - got).norm()))
+
+
+def _fp8_gap(results: list[dict[str, Any]], name: str) -> tuple[float, float, float]:
+    """(loss SQNR dB, largest loss gap, parameters' SQNR dB) of an fp8 case against one fp32 process."""
+    for r in results:
+        assert "error" not in r[name], r[name].get("traceback")
+    case = {k: v for k, v in {**FP8_TWO, **FP8_FOUR}[name].items() if k != "plan"}
+    ref = h.reference_for(case)
+    losses, want = torch.tensor(results[-1][name]["losses"]), torch.tensor(ref["losses"])
+    assert len(losses) == len(want) == FP8_STEPS
+    state = h.merge_states(results, name)
+    assert all(state[k].dtype == torch.float32 for k in state)  # master weights stay in full precision
+    params = torch.cat([state[k].flatten() for k in sorted(ref["state"])])
+    ref_params = torch.cat([ref["state"][k].flatten() for k in sorted(ref["state"])])
+    return _sqnr_db(want, losses), float((losses - want).abs().max()), _sqnr_db(ref_params, params)
+
+
+@pytest.mark.parametrize("name", list(FP8_TWO))
+def test_fp8_two_ranks_within_float8_tolerance_of_fp32(name: str, two_ranks: Any) -> None:
+    """50 steps of the tiny GPT with float8 matmuls on 2 processes: the losses and the final parameters within
+    what torchao's float8 tests accept of the fp32 run (the measured gap is far inside it), and not equal to it
+    (the float8 path really ran)."""
+    results, _ = two_ranks
+    loss_db, gap, param_db = _fp8_gap(results, name)
+    assert loss_db >= FP8_LOSS_SQNR_DB and param_db >= FP8_PARAM_SQNR_DB, (loss_db, gap, param_db)
+    assert gap > 0
+
+
+def test_fp8_four_ranks_within_float8_tolerance_of_fp32(four_ranks: Any) -> None:
+    for name in FP8_FOUR:
+        loss_db, gap, param_db = _fp8_gap(four_ranks, name)
+        assert loss_db >= FP8_LOSS_SQNR_DB and param_db >= FP8_PARAM_SQNR_DB, (name, loss_db, gap, param_db)
+        assert gap > 0
+
+
+def test_fp8_on_two_processes_equals_fp8_on_one(two_ranks: Any) -> None:
+    """Two pipeline stages, one micro-batch: each float8 matmul sees what it sees in one process running the same
+    layers in float8 (same amax, same scales), so the 50 losses and the parameters agree to fp32 rounding."""
+    results, _ = two_ranks
+    for name, layers in FP8_REFERENCE.items():
+        for r in results:
+            assert "error" not in r[name], r[name].get("traceback")
+        case = {k: v for k, v in FP8_TWO[name].items() if k != "plan"}
+        ref = h.reference_for({**case, "module": {"factory": "test_zero_recompute:fp8_lm", "lm": "gpt",
+                                                  "layers": layers}})
+        torch.testing.assert_close(torch.tensor(results[-1][name]["losses"]), torch.tensor(ref["losses"]),
+                                   rtol=1e-5, atol=1e-6)
+        state = h.merge_states(results, name)
+        for k in ref["state"]:
+            torch.testing.assert_close(state[k], ref["state"][k], rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_zero3_gathers_float8_weights_under_tensorwise_scales(two_ranks: Any) -> None:
+    """FSDP2's all-gather inputs of one step: the tensorwise fp8 block's six matmul weights (24,576 elements, half
+    of them per rank, in each of its gathers) travel as float8_e4m3fn; the embedding, the rowwise block's weights
+    (torchao gathers only tensorwise weights in float8) and every bias and norm in fp32."""
+    results, _ = two_ranks
+    for r in results:
+        assert "error" not in r["fp8_gather"], r["fp8_gather"].get("traceback")
+        gathered = r["fp8_gather"]["gathered"]
+        block = 4 * 32 * 32 + 2 * 32 * 128  # q, k, v, proj; fc, fc_proj
+        assert gathered["torch.float8_e4m3fn"] > 0 and gathered["torch.float8_e4m3fn"] % (block // 2) == 0, gathered
+        assert gathered["torch.float32"] > block // 2  # the rowwise block's weights among them
+
+
+def test_resume_under_plans_that_differ_in_precision(two_ranks: Any, four_ranks: Any) -> None:
+    """The fp32 checkpoint (zero2 + recomputation, 2 ranks) resumed on 4 ranks with the middle layers in float8:
+    it loads (master weights are full precision, parameter names unchanged), trains on, and ends within float8's
+    tolerance of the uninterrupted fp32 run."""
+    two, _ = two_ranks
+    for r in four_ranks:
+        assert "error" not in r["resume_zero1_pp2_fp8"], r["resume_zero1_pp2_fp8"].get("traceback")
+    full, resumed = h.merge_states(two, "uninterrupted_zero2_recompute"), h.merge_states(four_ranks,
+                                                                                         "resume_zero1_pp2_fp8")
+    assert sorted(full) == sorted(resumed) and all(resumed[k].dtype == torch.float32 for k in resumed)
+    flat = [torch.cat([s[k].flatten() for k in sorted(full)]) for s in (full, resumed)]
+    assert _sqnr_db(flat[0], flat[1]) >= FP8_PARAM_SQNR_DB
+    losses, want = (torch.tensor(four_ranks[-1]["resume_zero1_pp2_fp8"]["losses"]),
+                    torch.tensor(four_ranks[-1]["resume_zero1_pp2"]["losses"]))
+    assert _sqnr_db(want, losses) >= FP8_LOSS_SQNR_DB and not torch.equal(losses, want)
 
 
 def test_memory_per_mode_two_ranks(two_ranks: Any) -> None:

@@ -13,7 +13,9 @@ TP comes before FSDP because FSDP2 shards whatever parameters it finds, and must
 2-D (dp x tp) parameters. A layer whose plan says ``recompute`` runs under non-reentrant activation checkpointing
 (:func:`torch.utils.checkpoint.checkpoint`) in :meth:`StageModule.forward`, and one whose plan says ``offload``
 under saved-tensor hooks that keep its activations in host memory (:class:`OffloadedActivations`): nothing is
-wrapped, so parameter names (and checkpoints) stay the user's.
+wrapped, so parameter names (and checkpoints) stay the user's. A layer whose plan says ``precision`` fp8 has its
+``nn.Linear`` modules converted to torchao's ``Float8Linear`` first (:func:`apply_fp8`, before TP, as torchtitan's
+converters run before parallelizing): same parameter names, master weights in the run's precision.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
+from uniap_lightning.errors import UniAPError
+from uniap_lightning.planner.dimensions.precision import RECIPES
 from uniap_lightning.planner.plan import Plan
 from uniap_lightning.runtime.chain import Chain
 from uniap_lightning.runtime.data_parallel import ReplicatedGrads
@@ -209,6 +213,14 @@ def build_stages(chain: Chain, plan: Plan, meshes: PlanMeshes) -> tuple[list[Sta
     counter = AllToAllCounter()  # every expert layer of this rank records its all-to-alls there
     zero = ZeroLayers()
     originals = [dict(layer.named_parameters()) for layer in layers]
+    for i, u in enumerate(indices):
+        st = plan.layers[u].strategy
+        if st.precision != "default":  # before TP: the float8 modules are what TP and FSDP2 then wrap
+            converted = apply_fp8(layers[i], st.precision, float8_all_gather=st.shard and st.precision == "fp8",
+                                  tp=st.tp, where=f"plan layer {u} ({chain.names[u]})")
+            if converted is not layers[i]:  # the layer itself was an nn.Linear
+                chain.replace(u, converted)
+                layers[i] = converted
     for u, layer in zip(indices, layers):
         st = plan.layers[u].strategy
         reps = st.replicas
@@ -242,6 +254,41 @@ def build_stages(chain: Chain, plan: Plan, meshes: PlanMeshes) -> tuple[list[Sta
                                    **specs, recompute=[plan.layers[u].strategy.recompute for u in us], zero=zero,
                                    all_to_all=counter, offload=[plan.layers[u].strategy.offload for u in us]))
     return modules, replicated
+
+
+#: float8 matmuls need both dimensions of every operand divisible by 16 (torch._scaled_mm)
+FP8_ALIGNMENT = 16
+
+
+def apply_fp8(layer: nn.Module, precision: str, *, float8_all_gather: bool = False, tp: int = 1,
+              where: str = "layer") -> nn.Module:
+    """``layer`` with its ``nn.Linear`` modules (the layer itself, when it is one) converted to torchao's float8
+    training (``convert_to_float8_training``: dynamic scales, :data:`~uniap_lightning.planner.dimensions.precision.
+    RECIPES`'s recipe; ``float8_all_gather``: FSDP2 gathers the weights in float8, tensorwise only). Parameters keep
+    their names and dtype (master weights); a linear whose dimensions (after ``tp``) are not multiples of
+    :data:`FP8_ALIGNMENT` stays as it is (torchtitan filters the same way). Returns the module to use. Refused in
+    one line without torchao, or on a CUDA device without float8 matmuls (compute capability below 8.9); a CPU runs
+    torch's float8 matmul (numerics, not speed)."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as err:
+        raise UniAPError(f"{where} runs in {precision}: it needs torchao's float8 training (pip install "
+                         f"'uniap-lightning[fp8]'): {err}") from err
+    params = [p for p in layer.parameters()]
+    if params and params[0].is_cuda and torch.cuda.get_device_capability(params[0].device) < (8, 9):
+        raise UniAPError(f"{where} runs in {precision}, but {torch.cuda.get_device_name(params[0].device)} has no "
+                         "float8 matmuls (compute capability 8.9 or newer: H100, H200, L40S); plan without fp8")
+    if float8_all_gather:
+        config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+    else:
+        config = Float8LinearConfig.from_recipe_name(RECIPES[precision])
+    step = FP8_ALIGNMENT * tp
+
+    def fits(module: nn.Module, _fqn: str) -> bool:
+        return (isinstance(module, nn.Linear) and module.in_features % step == 0
+                and module.out_features % step == 0)
+
+    return convert_to_float8_training(layer, config=config, module_filter_fn=fits)
 
 
 def apply_ep(layer: nn.Module, meshes: PlanMeshes, replicas: int, tp: int, ep: int, counter: AllToAllCounter) -> None:
