@@ -48,7 +48,7 @@ LAYERS: list[tuple[str, ...]] = [
 #: must stay light (the planner and the CLI's planning commands run without torch; transformers is an extra)
 OPTIONAL_HEAVY = {
     "torch", "lightning", "torchmetrics", "transformers", "safetensors", "matplotlib", "mip", "highspy", "hydra",
-    "omegaconf", "rich", "yaml",
+    "omegaconf", "rich", "yaml", "torchao",
 }
 
 #: function-local imports of package modules that stay, each with why (an import that must not run at import time)
