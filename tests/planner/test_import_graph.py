@@ -55,6 +55,9 @@ OPTIONAL_HEAVY = {
 DEFERRED_PACKAGE_IMPORTS: dict[tuple[str, str], str] = {
     ("uniap_lightning._autoregister", "uniap_lightning.strategy"):
         "the .pth hook runs at every interpreter start; the strategy (torch, Lightning) loads when a Trainer asks",
+    ("uniap_lightning.cli.main", "uniap_lightning.cli.help_text"):
+        "`uniap <command> --help` reads the schemas (Hydra, the planner's dataclasses); `uniap --help` and "
+        "`uniap export` must not load them",
 }
 
 # ------------------------------------------------------------------------------------------------------------------

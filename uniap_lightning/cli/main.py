@@ -18,7 +18,8 @@ commands:
              (checkpoints/step-<N>.ckpt, N in 8 digits: what `uniap train` writes on SIGTERM, e.g. `timeout -s
              TERM 60 uniap train ...`; a run that ends by itself writes none)
 
-Every option is a Hydra override; `uniap plan --help` lists them, `-m` sweeps (multirun):
+Every option is a Hydra override; `uniap <command> --help` lists them with types and defaults, `-m`
+sweeps (multirun):
   uniap plan -m model=gpt2_small,llama_7b cluster=a100_1x8,h100_4x8
 Exit status: 0 done; 2 refused or failed (a bad option, no plan fits, a training run that failed); 3 `uniap
 evaluate`'s plan does not fit memory. A sweep prints its summary, then exits with its worst job's status;
@@ -41,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"uniap: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2
+    if command != "export" and any(arg in ("-h", "--help") for arg in rest):  # export: argparse's own help
+        from uniap_lightning.cli.help_text import print_help  # the schemas' modules: only when asked
+
+        return print_help(command, rest)
     from uniap_lightning.cli import interrupts
 
     interrupts.install()

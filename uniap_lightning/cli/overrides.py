@@ -25,7 +25,7 @@ def check_command_line(command: str, args: list[str]) -> list[str]:
     path is replaced by the name its file is registered under."""
     from uniap_lightning.cli import own_configs
 
-    flags = _parse_flags(command, args)
+    flags = parse_flags(command, args)
     overrides = list(flags.overrides or [])
     _parse_overrides(overrides)
     search = own_configs.search_dirs(flags.config_dir, overrides)
@@ -38,7 +38,7 @@ def check_command_line(command: str, args: list[str]) -> list[str]:
     return [renamed.get(arg, arg) for arg in args]
 
 
-def _parse_flags(command: str, args: list[str]) -> Any:
+def parse_flags(command: str, args: list[str]) -> Any:
     """Hydra's own argument parser, with its errors as one line instead of a usage text."""
     from hydra._internal.utils import get_args_parser
 

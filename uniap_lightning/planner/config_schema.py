@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, List, Optional
 
 from omegaconf import MISSING
+
+from uniap_lightning.planner.plan import SCHEDULES
 
 #: ``strategy.*``'s group option in the ConfigStore (``conf/fit.yaml``: ``defaults: - strategy: uniap``)
 STRATEGY_GROUP, STRATEGY_NAME = "strategy", "uniap"
@@ -33,11 +36,13 @@ _PRIMITIVES: dict[str, type] = {"bool": bool, "int": int, "float": float, "str":
 
 @dataclasses.dataclass(frozen=True)
 class Argument:
-    """One keyword argument of ``UniAPStrategy.__init__``: its name, annotation (as written) and default."""
+    """One keyword argument of ``UniAPStrategy.__init__``: its name, annotation (as written), default, and what the
+    class docstring's ``Arguments:`` says of it (``uniap train --help`` prints it)."""
 
     name: str
     annotation: str
     default: Any
+    help: str = ""
 
     def schema_type(self) -> Any:
         """The type OmegaConf checks the value against (``Any``: the strategy checks it)."""
@@ -66,9 +71,44 @@ def strategy_arguments() -> tuple[Argument, ...]:
     args = init.args
     if args.args[1:] or args.vararg or args.kwarg:
         raise AssertionError("UniAPStrategy.__init__ takes keyword-only arguments: the schema reads only those")
+    entries = _argument_entries(ast.get_docstring(cls) or "")
     return tuple(Argument(a.arg, ast.unparse(a.annotation) if a.annotation else "Any",
-                          ast.literal_eval(d) if d is not None else MISSING)
+                          ast.literal_eval(d) if d is not None else MISSING, _argument_help(a.arg, entries))
                  for a, d in zip(args.kwonlyargs, args.kw_defaults, strict=True))
+
+
+def _argument_entries(docstring: str) -> dict[str, str]:
+    """``{"cluster": "the cluster the planner should assume: ...", ...}``: the ``Arguments:`` section's entries
+    (``name: text`` at one indent, continued deeper), each joined into one line."""
+    entries: dict[str, str] = {}
+    lines = docstring.split("Arguments:", 1)[-1].splitlines() if "Arguments:" in docstring else []
+    name = None
+    for line in lines:
+        entry = re.match(r"    (\w+): (.*)$", line)
+        if entry:
+            name = entry.group(1)
+            entries[name] = entry.group(2).strip()
+        elif name is not None and line.startswith("        "):
+            entries[name] += " " + line.strip()
+        elif line.strip():
+            break
+    return entries
+
+
+def _argument_help(name: str, entries: dict[str, str]) -> str:
+    """The first sentence of an argument's own entry; for one described inside another's entry, the sentence that
+    starts with it there (``virtual_stages``: ...), else a pointer to that entry."""
+    if name in entries:
+        return first_sentence(entries[name])
+    for other, text in entries.items():
+        if f"``{name}``:" in text:
+            return first_sentence(text[text.index(f"``{name}``:") + len(name) + 5:].strip()) + f" (see {STRATEGY_GROUP}.{other})"
+    return next((f"see {STRATEGY_GROUP}.{other}" for other, text in entries.items() if f"``{name}``" in text), "")
+
+
+def first_sentence(text: str) -> str:
+    """Up to the first full stop that ends a sentence (one followed by a capital or a literal)."""
+    return re.split(r"(?<=\.)\s+(?=[A-Z`])", text, maxsplit=1)[0]
 
 
 @lru_cache(maxsize=1)
@@ -89,30 +129,55 @@ PLAN_OPTIONS_NAME = "uniap_plan_options"
 
 @lru_cache(maxsize=1)
 def plan_schema() -> type:
-    """The planning commands' options: their types and defaults, the search's (``solver``, ``time_limit``) those
-    of ``UniAPStrategy`` (what the strategy solves with at setup is what ``uniap plan`` shows). The values are
-    checked by the commands (``uniap_lightning.cli.apps``); ``Any``: a number or a list."""
+    """The planning commands' options: their types, defaults and what each does (``uniap plan --help`` prints
+    them: :mod:`uniap_lightning.cli.help_text`), the search's (``solver``, ``time_limit``, ``compression``) those of
+    ``UniAPStrategy`` (what the strategy solves with at setup is what ``uniap plan`` shows). The values are checked
+    by the commands (``uniap_lightning.cli.apps``); ``Any``: a number or a list."""
     strategy = {a.name: a.default for a in strategy_arguments()}
     return dataclasses.make_dataclass("UniAPPlanOptions", [
-        ("batch_size", Optional[int], dataclasses.field(default=None)),  # noqa: UP007 - OmegaConf reads typing
-        ("schedule", Optional[str], dataclasses.field(default=None)),  # noqa: UP007
-        ("virtual_stages", Optional[int], dataclasses.field(default=None)),  # noqa: UP007
-        ("microbatches", Any, dataclasses.field(default=None)),
-        ("profile", Optional[str], dataclasses.field(default=None)),  # noqa: UP007
-        ("solver", str, dataclasses.field(default=strategy["solver"])),
-        ("time_limit", float, dataclasses.field(default=strategy["time_limit"])),
-        ("pp", Any, dataclasses.field(default=None)),
-        ("baselines", bool, dataclasses.field(default=True)),
-        # true: "no plan fits" (evaluate: the plan does not fit memory) exits 0, in a sweep's row and alone
-        ("allow_no_plan", bool, dataclasses.field(default=False)),
-        ("compression", Any, dataclasses.field(default=strategy["compression"])),
+        _option("batch_size", Optional[int], None,  # noqa: UP007 - OmegaConf reads typing's generics
+                "the global batch (samples per optimizer step); null: train.global_batch_size"),
+        _option("schedule", Optional[str], None,  # noqa: UP007
+                f"the pipeline schedule: auto (the search chooses) | {' | '.join(SCHEDULES)}; null: train.schedule"),
+        _option("virtual_stages", Optional[int], None,  # noqa: UP007
+                "pipeline stages per device (interleaved schedules: >= 2); null: searched, 1 to "
+                "train.max_virtual_stages"),
+        _option("microbatches", Any, None, "micro-batch counts to consider (a number or a list); null: "
+                "train.microbatches"),
+        _option("profile", Optional[str], None,  # noqa: UP007
+                "a profile file (JSON, measured by the strategy) to plan with instead of the analytic model"),
+        _option("solver", str, strategy["solver"], "the MILP backend: auto (HiGHS if installed, else CBC) | cbc | "
+                "highs | gurobi"),
+        _option("time_limit", float, strategy["time_limit"], "seconds for the whole search; past it the plan "
+                "reports its MIP gap"),
+        _option("pp", Any, None, "restrict the pipeline degree (a number or a list); null: every degree"),
+        _option("baselines", bool, True, "also score DDP, ZeRO, FSDP and Megatron grids (and print the plan's "
+                "speed-up over each)"),
+        _option("allow_no_plan", bool, False, "true: \"no plan fits\" (evaluate: the plan does not fit memory) "
+                "is an answer, exit status 0, alone and as a sweep's row"),
+        _option("compression", Any, strategy["compression"], "gradient compression the planner may choose per "
+                "layer: null (off) | bf16 | powersgd | topk | auto (all) | a list; it changes numerics, so it is "
+                "opt-in"),
         # None: off (UniAPStrategy's "off"); given with plan= (evaluate, explain) it is refused
-        ("fp8", Optional[str], dataclasses.field(default=None)),  # noqa: UP007
-        *[(key, Optional[str], dataclasses.field(default=None))  # noqa: UP007
-          for key in ("out", "viz", "plan", "measured")],
+        _option("fp8", Optional[str], None,  # noqa: UP007
+                "float8 matmuls the planner may choose per layer where the device has fp8: null / off | auto "
+                "(= tensorwise) | rowwise; it changes numerics, so it is opt-in"),
+        _option("out", Optional[str], None, "write the plan as JSON to this file"),  # noqa: UP007
+        _option("viz", Optional[str], None, "write a picture of the plan (PNG) to this file"),  # noqa: UP007
+        _option("plan", Optional[str], None,  # noqa: UP007
+                "evaluate, explain: the plan file (JSON) to score as it is, instead of solving"),
+        _option("measured", Optional[str], None,  # noqa: UP007
+                "explain: the metrics JSON the strategy's monitor wrote (stage_time_s, ...), shown against the "
+                "predictions"),
         # the groups (conf/model, conf/cluster, conf/train, or the user's own), checked by the planner
-        *[(group, Any, dataclasses.field(default=None)) for group in ("model", "cluster", "train")],
+        *[_option(group, Any, None, f"the {group} config: a name, a .yaml path, or {group}.<field>=value")
+          for group in ("model", "cluster", "train")],
     ])
+
+
+def _option(name: str, kind: Any, default: Any, help_: str) -> tuple[str, Any, Any]:
+    """One field of :func:`plan_schema`: its name, type, default and the line ``--help`` prints for it."""
+    return name, kind, dataclasses.field(default=default, metadata={"help": help_})
 
 
 def declared(full_key: str) -> str | None:
@@ -125,11 +190,11 @@ def declared(full_key: str) -> str | None:
     if len(parts) == 1:
         for field in dataclasses.fields(plan_schema()):
             if field.name == parts[0]:
-                return f"`uniap plan`'s {field.name} is {_type_name(field.type)} (default {field.default!r})"
+                return f"`uniap plan`'s {field.name} is {type_name(field.type)} (default {field.default!r})"
     return None
 
 
-def _type_name(kind: Any) -> str:
+def type_name(kind: Any) -> str:
     """``int``, ``int | None``, ``list[int] | None``, ``any``: a schema type as the signature would write it."""
     import typing
 
@@ -139,8 +204,8 @@ def _type_name(kind: Any) -> str:
         return "None" if kind is type(None) else kind.__name__
     args = typing.get_args(kind)
     if typing.get_origin(kind) is typing.Union:
-        return " | ".join(_type_name(a) for a in args)
-    return f"{getattr(typing.get_origin(kind), '__name__', str(kind))}[{', '.join(_type_name(a) for a in args)}]"
+        return " | ".join(type_name(a) for a in args)
+    return f"{getattr(typing.get_origin(kind), '__name__', str(kind))}[{', '.join(type_name(a) for a in args)}]"
 
 
 def register() -> None:
