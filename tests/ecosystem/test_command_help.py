@@ -101,3 +101,16 @@ def test_help_lists_own_configs_and_refuses_a_missing_folder(tmp_path: Path) -> 
 def test_hydra_help_stays_hydras() -> None:
     res = _help("plan", "--hydra-help")
     assert res.returncode == 0 and "Hydra" in res.stdout and "--hydra-help" in res.stdout
+
+
+@pytest.mark.parametrize("command", ["plan", "evaluate", "explain", "train"])
+def test_every_example_composes(command: str) -> None:
+    """The examples' command lines pass the checks the command runs first (keys, types, group names); running them
+    is the docs' tests' job."""
+    from uniap_lightning.cli.help_text import EXAMPLES
+    from uniap_lightning.cli.overrides import check_command_line
+
+    for line in EXAMPLES[command]:
+        words = line.split("#")[0].split()
+        assert words[0] == "uniap" and words[1] in ("plan", "evaluate", "explain", "train"), line
+        check_command_line(words[1], words[2:])

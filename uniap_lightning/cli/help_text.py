@@ -74,12 +74,12 @@ EXAMPLES = {
              "uniap plan -m model=gpt2_small,llama_7b cluster=a100_1x8,h100_4x8    # a sweep, with a summary"],
     "evaluate": ["uniap plan model=tiny_gpt cluster=local_cpu out=plan.json",
                  "uniap evaluate plan=plan.json model=tiny_gpt cluster=local_cpu",
-                 "uniap evaluate plan=plan.json model=tiny_gpt cluster=local_cpu batch_size=64"],
+                 "uniap evaluate plan=plan.json model=tiny_gpt cluster=local_cpu cluster.intra_bw_gbps=0.1"],
     "explain": ["uniap explain model=gpt2_small cluster=a100_1x8",
                 "uniap explain model=tiny_gpt cluster=local_cpu plan=plan.json",
-                "uniap explain model=tiny_gpt cluster=local_cpu plan=plan.json measured=uniap_measured.json"],
+                "uniap explain measured=LOG_DIR/uniap_measured.json    # a run's measurements (the monitor's file)"],
     "train": ["uniap train model=tiny_gpt trainer.devices=2 trainer.max_steps=30",
-              "uniap train model=tiny_gpt strategy.schedule=gpipe strategy.cluster=local_cpu out=results/",
+              "uniap train model=tiny_gpt trainer.devices=4 strategy.cluster=local_cpu out=results/",
               "uniap train -m model=tiny_gpt,tiny_llama trainer.devices=2    # a sweep, with a summary"],
 }
 
