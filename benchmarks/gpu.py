@@ -1,6 +1,6 @@
 """One GPU: ``Trainer(strategy="uniap")`` against Lightning's own single-device strategy, and ``uniap train``.
 
-    python benchmarks/gpu.py [--runs 3] [--steps 40] [--warmup 10] [--batch 8] [--json FILE] [--markdown FILE]
+    python benchmarks/gpu.py [--runs 3] [--steps 40] [--warmup 10] [--batch 8] [--fp8] [--json FILE] [--markdown FILE]
 
 Needs a CUDA device (it exits with a clear line without one). Everything runs in under 5 minutes on one H200.
 ``--smoke`` runs the same code on the CPU with a 2-block GPT of width 64 (a check of the script, not a benchmark).
@@ -18,6 +18,10 @@ Needs a CUDA device (it exits with a clear line without one). Everything runs in
    Peak memory: ``torch.cuda.max_memory_allocated`` over the fit, less what was still allocated when the run started
    (stats reset and garbage collected before each run).
    Predicted: the plan's ``estimate`` (time per iteration and the stage's memory) from the strategy's cost model.
+   ``--fp8`` adds a third run each time, ``UniAPStrategy(fp8="auto")`` (issue 41): the planner may put layers'
+   matmuls in float8 (torchao) where the device has fp8 (the local cluster names H100 / H200 / GH200 by their
+   catalogue entries); its row shows its step time and memory, measured and predicted, beside bf16's, and how many
+   layers the plan runs in fp8 (paired ratio fp8 / bf16 below the table).
 2. **The CLI.** ``uniap train`` on the GPU (``python -m uniap_lightning.cli.main train ...``: the shipped
    ``gpt2_small`` model (124M) on the shipped corpus, ``trainer.accelerator=gpu trainer.devices=1
    trainer.precision=bf16-mixed``), checked for exit code 0 and its loss line.
@@ -118,9 +122,9 @@ def _fit(kind: str, args: argparse.Namespace, cache: str) -> dict[str, Any]:
 
     clock = StepClock()
     kw: dict[str, Any] = {}
-    if kind == "uniap":
+    if kind in ("uniap", "uniap_fp8"):
         # the strategy's defaults, with the cache in this run's folder (not the user's home)
-        kw["strategy"] = UniAPStrategy(cache_dir=cache)
+        kw["strategy"] = UniAPStrategy(cache_dir=cache, fp8="auto" if kind == "uniap_fp8" else "off")
     trainer = pl.Trainer(accelerator=args.accelerator, devices=1, precision="bf16-mixed", max_steps=args.steps,
                          callbacks=[clock.callback], logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **kw)
@@ -139,14 +143,15 @@ def _fit(kind: str, args: argparse.Namespace, cache: str) -> dict[str, Any]:
         "total_s": total,
         "loss": float(trainer.callback_metrics.get("train_loss", float("nan"))),
     }
-    if kind == "uniap":
+    if kind in ("uniap", "uniap_fp8"):
         strategy = trainer.strategy
         est = strategy.plan.estimate
         out["plan_origin"] = strategy.plan_origin
         plan = strategy.plan
         recompute = sum(layer.strategy.recompute for layer in plan.layers)
+        fp8 = sum(layer.strategy.precision != "default" for layer in plan.layers)
         out["plan"] = (f"pp={plan.pp}, {plan.microbatches} micro-batch(es), {plan.schedule}, "
-                       f"recompute {recompute}/{len(plan.layers)} layers")
+                       f"recompute {recompute}/{len(plan.layers)} layers, fp8 {fp8}/{len(plan.layers)} layers")
         if est is not None:
             out["predicted_step_s"] = est.tpi_s
             out["predicted_bytes"] = max(est.stage_memory_bytes)
@@ -175,7 +180,8 @@ def _cli(args: argparse.Namespace, cache: str) -> dict[str, Any]:
     return {"command": " ".join(cmd[2:]), "rc": proc.returncode, "wall_s": wall, "tail": tail}
 
 
-def _table(rows: list[dict[str, Any]], pairs: list[float], cli: dict[str, Any] | None, device: str) -> str:
+def _table(rows: list[dict[str, Any]], pairs: list[float], cli: dict[str, Any] | None, device: str,
+           fp8_pairs: list[float] | None = None) -> str:
     def med(kind: str, key: str) -> float | None:
         vals = [r[key] for r in rows if r["kind"] == kind and r.get(key) is not None]
         return statistics.median(vals) if vals else None
@@ -187,7 +193,11 @@ def _table(rows: list[dict[str, Any]], pairs: list[float], cli: dict[str, Any] |
              "",
              "| strategy | step (median of runs) | predicted step | peak memory | predicted memory | setup (first / later) |",
              "| --- | --- | --- | --- | --- | --- |"]
-    for kind, label in (("lightning", "Lightning SingleDeviceStrategy"), ("uniap", 'strategy="uniap"')):
+    kinds = (("lightning", "Lightning SingleDeviceStrategy"), ("uniap", 'strategy="uniap"'),
+             ("uniap_fp8", 'strategy="uniap", fp8="auto"'))
+    for kind, label in kinds:
+        if not any(r["kind"] == kind for r in rows):
+            continue
         setups = [r["setup_s"] for r in rows if r["kind"] == kind]
         later = statistics.median(setups[1:]) if len(setups) > 1 else None
         lines.append(f"| {label} | {ms(med(kind, 'step_s'))} | {ms(med(kind, 'predicted_step_s'))} | "
@@ -196,12 +206,16 @@ def _table(rows: list[dict[str, Any]], pairs: list[float], cli: dict[str, Any] |
     if pairs:
         lines += ["", f"paired step-time ratio uniap / lightning: median {statistics.median(pairs):.4f} "
                       f"(runs: {', '.join(f'{p:.4f}' for p in pairs)})"]
-    u = [r for r in rows if r["kind"] == "uniap" and r.get("predicted_step_s")]
-    if u:
-        err = statistics.median(r["step_s"] / r["predicted_step_s"] - 1 for r in u)
-        merr = statistics.median(r["peak_bytes"] / r["predicted_bytes"] - 1 for r in u)
-        lines.append(f"measured vs predicted (uniap): step {err:+.1%}, peak memory {merr:+.1%}; plan: "
-                     f"{u[0].get('plan')} ({u[0].get('plan_origin')} on the first run)")
+    if fp8_pairs:
+        lines.append(f"paired step-time ratio fp8 / bf16 (both uniap): median {statistics.median(fp8_pairs):.4f} "
+                     f"(runs: {', '.join(f'{p:.4f}' for p in fp8_pairs)})")
+    for kind in ("uniap", "uniap_fp8"):
+        u = [r for r in rows if r["kind"] == kind and r.get("predicted_step_s")]
+        if u:
+            err = statistics.median(r["step_s"] / r["predicted_step_s"] - 1 for r in u)
+            merr = statistics.median(r["peak_bytes"] / r["predicted_bytes"] - 1 for r in u)
+            lines.append(f"measured vs predicted ({kind}): step {err:+.1%}, peak memory {merr:+.1%}; plan: "
+                         f"{u[0].get('plan')} ({u[0].get('plan_origin')} on the first run)")
     if cli is not None:
         lines += ["", f"`{cli['command']}`: exit code {cli['rc']} in {cli['wall_s']:.1f} s"]
         lines += ["    " + t for t in cli["tail"][-6:]]
@@ -216,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--cli-steps", type=int, default=20)
     p.add_argument("--no-cli", action="store_true")
+    p.add_argument("--fp8", action="store_true", help='also run UniAPStrategy(fp8="auto") each time (issue 41)')
     p.add_argument("--smoke", action="store_true", help="the script on the CPU with a tiny model (no benchmark)")
     p.add_argument("--json")
     p.add_argument("--markdown")
@@ -234,9 +249,12 @@ def main(argv: list[str] | None = None) -> int:
     device = "cpu (--smoke)" if args.smoke else torch.cuda.get_device_name(0)
     rows: list[dict[str, Any]] = []
     pairs: list[float] = []
+    fp8_pairs: list[float] = []
     with tempfile.TemporaryDirectory(prefix="uniap_gpu_bench_") as cache:
         for run in range(args.runs):
             order = ("lightning", "uniap") if run % 2 == 0 else ("uniap", "lightning")
+            if args.fp8:
+                order = (*order, "uniap_fp8") if run % 2 == 0 else ("uniap_fp8", *order)
             got = {}
             for kind in order:
                 got[kind] = _fit(kind, args, cache)
@@ -244,14 +262,16 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"run {run + 1}/{args.runs} {kind}: {got[kind]['step_s'] * 1e3:.2f} ms/step, "
                       f"peak {got[kind]['peak_bytes'] / 1e9:.2f} GB, loss {got[kind]['loss']:.4f}", flush=True)
             pairs.append(got["uniap"]["step_s"] / got["lightning"]["step_s"])
+            if args.fp8:
+                fp8_pairs.append(got["uniap_fp8"]["step_s"] / got["uniap"]["step_s"])
         cli = None if args.no_cli else _cli(args, cache)
-    table = _table(rows, pairs, cli, device)
+    table = _table(rows, pairs, cli, device, fp8_pairs)
     print(table)
     from uniap_lightning.files import write_text_atomic
 
     if args.json:
         write_text_atomic(args.json, json.dumps({"device": device, "model": MODEL, "runs": rows, "pairs": pairs,
-                                                 "cli": cli}, indent=2))
+                                                 "fp8_pairs": fp8_pairs, "cli": cli}, indent=2))
     if args.markdown:
         write_text_atomic(args.markdown, table + "\n")
     return 0 if cli is None or cli["rc"] == 0 else 1

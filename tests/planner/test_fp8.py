@@ -202,3 +202,14 @@ def test_a_pinned_fp8_plan_on_a_device_without_fp8_is_refused_in_one_line():
         SetupOptions.from_arguments(cluster=None, plan=plan, schedule="auto", solver="auto", time_limit=60,
                                     profile=None, cache_dir=None, measure_cluster=False, profile_cache=False,
                                     profile_repeats=1, profile_micro_batches=None, fp8="auto")
+
+
+def test_a_local_cuda_device_is_named_by_its_catalogue_entry():
+    """The local cluster (no ``cluster=``) names its device by the catalogue entry its CUDA name says, so
+    ``fp8="auto"`` finds the fp8 peak on the machine it runs on; a name that does not say which part stays as is."""
+    from uniap_lightning.planner.devices import catalogue_name
+
+    assert catalogue_name("NVIDIA H100 80GB HBM3") == catalogue_name("NVIDIA H100 SXM5 80GB") == "h100_sxm"
+    assert catalogue_name("NVIDIA H200") == "h200" and catalogue_name("NVIDIA GH200 480GB") == "gh200"
+    assert catalogue_name("NVIDIA H100 PCIe") is None and catalogue_name("NVIDIA A100-SXM4-80GB") is None
+    assert strategies_for(LAYER, 2, _cluster("h200"), 2, fp8=("fp8",)) != strategies_for(LAYER, 2, _cluster("h200"), 2)

@@ -144,3 +144,20 @@ def device_or_error(name: str) -> DeviceSpec:
     if spec is None:
         raise UniAPError(f"unknown device {name!r}; the catalogue has: {', '.join(available_devices())}")
     return spec
+
+
+#: the catalogue entry of a CUDA device by what ``torch.cuda.get_device_name`` says (the first rule that matches,
+#: case ignored): only where the name says which part it is. Today only float8 matmuls read it (a local cluster
+#: names its device by it, so ``fp8="auto"`` finds the device's fp8 peak on the machine it runs on)
+CUDA_NAMES: tuple[tuple[tuple[str, ...], str], ...] = ((("gh200",), "gh200"), (("h200",), "h200"),
+                                                       (("h100", "hbm3"), "h100_sxm"), (("h100", "sxm"), "h100_sxm"))
+
+
+def catalogue_name(cuda_name: str) -> str | None:
+    """The catalogue entry ``cuda_name`` (``"NVIDIA H100 80GB HBM3"``) is, or None (a part the catalogue lacks, or a
+    name that does not say: an H100 PCIe has other peaks)."""
+    key = cuda_name.lower()
+    for words, name in CUDA_NAMES:
+        if all(w in key for w in words):
+            return name
+    return None

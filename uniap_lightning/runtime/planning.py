@@ -15,6 +15,7 @@ from typing import Any
 from pathlib import Path
 
 from uniap_lightning.planner.cluster import Cluster
+from uniap_lightning.planner.devices import catalogue_name
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.files import CORRUPT_ENTRY_ERRORS, cache_root, foreign_entry, remove_if_not_regular, why
 from uniap_lightning.planner.plan import COMPRESSION_DEFAULTS, PLAN_FORMAT_VERSION, Plan
@@ -40,7 +41,7 @@ def local_cluster(*, nodes: int, devices_per_node: int, device_type: str) -> Clu
             devices_per_node=devices_per_node,
             memory_gib=props.total_memory / 1024**3,
             peak_tflops=100.0,
-            device=props.name,
+            device=catalogue_name(props.name) or props.name,  # a catalogue entry where known (fp8 reads its peaks)
         )
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return Cluster(
@@ -120,7 +121,8 @@ def solve_plan(
     """Solve (or reuse from the cache) a plan; returns it and where it came from ("cache <path>" or "solver").
     ``compression``: the gradient compression methods the solver may choose per layer (always with "none"),
     ``compression_options`` their parameters (default: the plan defaults); ``pp``: the pipeline degrees to search
-    (``None``: all); ``fp8``: the float8 precisions the solver may choose per layer; ``on_solve()`` is called when the cache has no plan, before solving (e.g. to say so);
+    (``None``: all); ``fp8``: the float8 precisions the solver may choose per layer; ``on_solve()`` is called when
+    the cache has no plan, before solving (e.g. to say so);
     ``warm_start`` (a running plan) and ``baselines=False`` make a re-solve faster without changing its optimum
     (see :func:`uniap_lightning.planner.solver.solve`), so neither enters the cache key. Ring
     attention is searched where ``cluster.ring_attention`` says so (the runtime runs it on every device,
