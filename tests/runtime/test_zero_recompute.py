@@ -396,9 +396,13 @@ RESUME_PLAN = P4([S(2, 1, Z1)] * 4, TWO_STAGES, pp=2, microbatches=2)
 RESUME_PLAN_OFFLOAD = P4([OFF(2, 1, Z1)] * 4, TWO_STAGES, pp=2, microbatches=2)
 # and with the middle layers' matmuls in float8 (net.0 and net.3, 8 -> 16 and 16 -> 4, are too narrow for it)
 RESUME_PLAN_FP8 = P4([S(2, 1, Z1), FP8(2, 1, Z1), FP8(2, 1, Z1), S(2, 1, Z1)], TWO_STAGES, pp=2, microbatches=2)
+# saved with float8 ZeRO-3 layers (torchao wraps their weights for float8 all-gather; the checkpoint holds the
+# full-precision tensors inside)
+SAVE_PLAN_FP8 = P2([S(2, 1, Z3), FP8(2, 1, Z3), FP8(2, 1, Z3, True), S(2, 1, Z3)], ONE_STAGE, pp=1, microbatches=2)
 RESUME_TWO = {
     "save_zero2_recompute": {"plan": SAVE_PLAN, "epochs": 1, "save": "z2rc.ckpt", **ADAM},
     "uninterrupted_zero2_recompute": {"plan": SAVE_PLAN, "epochs": 2, **ADAM},
+    "save_fp8_zero3": {"plan": SAVE_PLAN_FP8, "epochs": 1, "save": "fp8z3.ckpt", **ADAM},
 }
 
 
@@ -432,6 +436,10 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory, two_ranks: Any) -> list
         "resume_zero1_pp2_offload": {"plan": RESUME_PLAN_OFFLOAD, "epochs": 2, "resume": str(two_out / "z2rc.ckpt"),
                                      **ADAM},
         "resume_zero1_pp2_fp8": {"plan": RESUME_PLAN_FP8, "epochs": 2, "resume": str(two_out / "z2rc.ckpt"), **ADAM},
+        "load_fp8_zero3_under_zero1_pp2": {"plan": RESUME_PLAN, "validate_only": True, "limit_val_batches": 1,
+                                           "resume": str(two_out / "fp8z3.ckpt"), **ADAM},
+        "resume_fp8_zero3_under_zero1_pp2": {"plan": RESUME_PLAN, "epochs": 2, "resume": str(two_out / "fp8z3.ckpt"),
+                                             **ADAM},
         **FP8_FOUR,
         "memory": {"plan": MEMORY_4, **MEMORY_CASE},
         "memory_pp2": {"plan": MEMORY_PP2, **MEMORY_CASE},
@@ -594,6 +602,25 @@ def test_resume_under_plans_that_differ_in_precision(two_ranks: Any, four_ranks:
     losses, want = (torch.tensor(four_ranks[-1]["resume_zero1_pp2_fp8"]["losses"]),
                     torch.tensor(four_ranks[-1]["resume_zero1_pp2"]["losses"]))
     assert _sqnr_db(want, losses) >= FP8_LOSS_SQNR_DB and not torch.equal(losses, want)
+
+
+def test_a_checkpoint_saved_with_float8_zero3_loads_exactly_under_a_default_plan(two_ranks: Any,
+                                                                                   four_ranks: Any) -> None:
+    """Saved on 2 ranks with float8 ZeRO-3 layers (float8 all-gather wraps their weights), loaded on 4 under the zero1
+    pipeline plan in the default precision: the very weights saved (plain fp32 tensors in the checkpoint), and
+    training resumes from them."""
+    two, _ = two_ranks
+    for r in two:
+        assert "error" not in r["save_fp8_zero3"], r["save_fp8_zero3"].get("traceback")
+    for name in ("load_fp8_zero3_under_zero1_pp2", "resume_fp8_zero3_under_zero1_pp2"):
+        for r in four_ranks:
+            assert "error" not in r[name], r[name].get("traceback")
+    saved, loaded = h.merge_states(two, "save_fp8_zero3"), h.merge_states(four_ranks, "load_fp8_zero3_under_zero1_pp2")
+    assert sorted(saved) == sorted(loaded)
+    for k in saved:
+        assert loaded[k].dtype == torch.float32
+        torch.testing.assert_close(loaded[k], saved[k], rtol=0, atol=0, msg=lambda m, k=k: f"{k}: {m}")
+    assert len(four_ranks[-1]["resume_fp8_zero3_under_zero1_pp2"]["losses"]) == 4  # the second epoch
 
 
 def test_memory_per_mode_two_ranks(two_ranks: Any) -> None:

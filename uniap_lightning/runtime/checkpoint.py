@@ -7,7 +7,9 @@ stages). Since layers of other stages are ``nn.Identity`` on a rank, keys are di
 reshards DTensor (FSDP / TP) shards by name on load: a checkpoint saved under one plan loads under any other
 plan, on any number of processes. Expert-parallel shards (plain tensors holding ``E / ep`` experts) are handed to DCP
 as DTensors sharded on dim 0 over their ep mesh (:func:`~.experts.globalize_expert_state`), so a checkpoint holds the
-full experts and their optimizer states and loads under any ep degree.
+full experts and their optimizer states and loads under any ep degree. A weight that torchao wraps for float8
+all-gather (``precision`` fp8 under ZeRO-3) is handed over as the full-precision tensor inside it
+(:func:`plain_weights`): checkpoints hold plain tensors whatever the plan's precision.
 """
 
 from __future__ import annotations
@@ -35,7 +37,26 @@ def model_state(module: nn.Module) -> dict[str, Any]:
 
     state = get_model_state_dict(module, options=_options())
     globalize_expert_state(state, expert_shard_meshes(module))
-    return state
+    return plain_weights(state)
+
+
+def _plain(t: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        local = t._local_tensor
+        inner = _plain(local)
+        return t if inner is local else DTensor.from_local(inner, t.device_mesh, t.placements, run_check=False,
+                                                             shape=t.shape, stride=t.stride())
+    inner = getattr(t, "_tensor", None)  # torchao's WeightWithDynamicFloat8CastTensor: the weight it wraps
+    return inner if type(t) is not torch.Tensor and type(inner) is torch.Tensor else t
+
+
+def plain_weights(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with every tensor subclass that wraps a plain tensor (torchao's float8 all-gather weights)
+    replaced by that tensor, the same storage (so loading into it loads the weight): DCP then writes and reads
+    plain tensors (a subclass would be pickled, and the safe reader refuses pickles)."""
+    return {k: _plain(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
 
 def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
