@@ -31,7 +31,8 @@ def cpu_s() -> float:
 
 
 def short(device: str) -> str:
-    """H100-SXM5-80GB -> H100-80; A100-SXM4-40GB -> A100-40; a mixed stage: H100-80+A100-80+A100-40."""
+    """H100-SXM5-80GB -> H100-80; A100-SXM4-40GB -> A100-40; a catalogue name (``a100_40gb``) stays; a mixed stage:
+    H100-80+A100-80+A100-40."""
     if "+" in device:
         return "+".join(short(d) for d in device.split("+"))
     parts = device.split("-")

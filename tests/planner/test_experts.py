@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -291,9 +292,10 @@ def test_analytic_moe_models_have_their_published_sizes():
 
 def test_uniap_plan_mixtral_picks_expert_parallelism(tmp_path):
     out = tmp_path / "plan.json"
+    # wide enough for the stage table's labels (a stage holds several: at 80 columns they are cut to "z1dp4xcp…")
     res = subprocess.run([sys.executable, "-m", "uniap_lightning.cli.main", "plan", "model=mixtral_8x7b",
                           "cluster=h100_4x8", "time_limit=20", "baselines=false", f"out={out}"],
-                         capture_output=True, text=True, timeout=300, check=False)
+                         capture_output=True, text=True, timeout=300, check=False, env={**os.environ, "COLUMNS": "250"})
     assert res.returncode == 0, res.stderr
     assert "+ep" in res.stdout
     layers = json.loads(out.read_text())["layers"]

@@ -235,7 +235,7 @@ def test_yaml_with_ordinary_aliases_and_interpolations_still_loads(tmp_path: Pat
     path = tmp_path / "cluster.yaml"
     path.write_text("base: &base {memory_gib: 16, speed: 1.0}\n"
                     "name: mixed\nnodes: 1\ndevices_per_node: 2\npeak_tflops: 10\n"
-                    "device: ${name}-gpu\n"
+                    "device: ${name}-gpu\ncompute_model: flat\n"
                     "device_groups: [{<<: *base, name: a, count: 1}, {<<: *base, name: b, count: 1, speed: 0.5}]\n")
     from uniap_lightning.planner.config import load_group
 

@@ -22,8 +22,8 @@ from uniap_lightning.planner.problem import Problem, TrainingConfig  # noqa: E40
 from uniap_lightning.planner.solver import solve  # noqa: E402
 from uniap_lightning.profiling import roofline as R  # noqa: E402
 
-SHIPPED = {"a100_40gb", "a100_80gb", "h100_sxm", "h200", "gh200", "v100_16gb", "rtx3090", "rtx2080ti", "titan_rtx",
-           "titan_xp"}
+SHIPPED = {"a100_40gb", "a100_80gb", "h100_sxm", "h200", "gh200", "v100_16gb", "v100_32gb", "rtx3090", "rtx2080ti",
+           "titan_rtx", "titan_xp"}
 
 
 def _shape(**kw: object) -> R.BlockShape:
@@ -53,11 +53,41 @@ def test_a_cluster_naming_a_catalogue_device_takes_its_facts_unless_it_gives_its
     assert cluster.peak_tflops == pytest.approx(989.5) and cluster.optimizer_ns_per_param > 0
     measured = Cluster.from_dict({**base, "peak_tflops": 700, "efficiency": 0.6, "memory_gib": 120})
     assert measured.compute_model == "flat" and measured.memory_gib == 120 and measured.flops_per_s == 420e12
-    with pytest.raises(UniAPError, match="compute_model 'roofline' needs device to name a catalogue device"):
+    with pytest.raises(UniAPError, match="device 'mystery-gpu' is no device of the catalogue"):
         Cluster.from_dict({**base, "device": "mystery-gpu", "peak_tflops": 1, "memory_gib": 8,
                            "compute_model": "roofline"})
+    with pytest.raises(UniAPError, match="compute_model 'roofline' needs device to name a catalogue device"):
+        Cluster(name="c", nodes=1, devices_per_node=1, memory_gib=8, peak_tflops=1, device="mystery-gpu",
+                compute_model="roofline")
     with pytest.raises(UniAPError, match="compute_model must be one of"):
         Cluster.from_dict({**base, "compute_model": "guess"})
+
+
+@pytest.mark.parametrize(("label", "meant"), [("H100-SXM5-80GB", "h100_sxm"), ("A100-SXM4-40GB", "a100_40gb"),
+                                               ("TITAN Xp 12GB", "titan_xp"), ("V100-SXM2-32GB", "v100_32gb")])
+def test_a_free_text_device_is_refused_with_the_entry_it_likely_means(label: str, meant: str) -> None:
+    base = {"name": "c", "nodes": 1, "devices_per_node": 8, "peak_tflops": 989, "efficiency": 0.4, "memory_gib": 80}
+    with pytest.raises(UniAPError, match=rf"device '{label}' is no device of the catalogue .*did you mean {meant}\? "
+                                         r"it has: a100_40gb, .*compute_model: flat"):
+        Cluster.from_dict({**base, "device": label})
+    # said outright, the label stays a label and the file's own figures price it
+    labelled = Cluster.from_dict({**base, "device": label, "compute_model": "flat"})
+    assert labelled.device == label and labelled.flops_per_s == pytest.approx(989e12 * 0.4)
+
+
+def test_every_shipped_cluster_names_its_catalogue_device_per_group() -> None:
+    from uniap_lightning.planner.config import available
+
+    for name in available("cluster"):
+        cluster = cluster_from(name)
+        if name == "local_cpu":  # a CPU is no catalogue entry: a label, priced flat by the file's own figures
+            assert cluster.device == "cpu" and cluster.compute_model == "flat"
+            continue
+        assert cluster.compute_model == "roofline" and lookup_device(cluster.device) is not None, name
+        assert all(lookup_device(d) is not None for d in cluster.rank_device or ()), name
+    mixed = cluster_from("a100_v100_4x8")
+    assert mixed.rank_device == ("a100_80gb",) * 16 + ("v100_32gb",) * 16
+    assert mixed.rank_memory_gib == (80.0,) * 16 + (32.0,) * 16
 
 
 # ================================================================================ the trace against hand formulas

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -348,6 +350,8 @@ class Cluster:
             raise UniAPError(f"a cluster description must be a mapping of fields, got {type(d).__name__}")
         try:
             return cls._from_mapping(d)
+        except UniAPError:
+            raise  # already says which field and why
         except (TypeError, ValueError, AttributeError, OverflowError) as err:
             raise UniAPError(f"cluster '{d.get('name', '?')}': a field has the wrong type or value ({err})") from err
 
@@ -358,12 +362,15 @@ class Cluster:
         if unknown:
             raise UniAPError(f"cluster config has unknown field(s) {unknown}; known fields: {sorted(known)}")
         d = dict(d)
+        _check_device_name(d)
         if "device_groups" in d:
             d.update(_expand_device_groups(d.pop("device_groups"), d))
         d.update(_device_defaults(d))
         missing = [k for k in ("name", "nodes", "devices_per_node", "memory_gib", "peak_tflops") if k not in d]
         if missing:
-            raise UniAPError(f"cluster config is missing field(s) {missing}")
+            raise UniAPError(f"cluster config is missing field(s) {missing}" + (
+                "; or name a catalogue device (device: <name>) that gives memory_gib and peak_tflops"
+                if {"memory_gib", "peak_tflops"} & set(missing) else ""))
         for key in ("bandwidth_tables", "collective_tables", "compression_ns_per_param"):
             table = d.pop(key, None)  # absent or null: none; false, 0, "" or a list: a damaged file, refused
             if table is not None and not isinstance(table, Mapping):
@@ -375,6 +382,35 @@ class Cluster:
 
 
 COMPUTE_MODELS = ("flat", "roofline")
+
+
+def unknown_device_message(name: str) -> str:
+    """``name`` is no catalogue device: the nearest entries (case and ``-``/``_`` ignored) and the whole list."""
+    from uniap_lightning.planner.devices import available_devices
+
+    names = available_devices()
+    words = [w for w in re.split(r"[^a-z0-9]+", name.lower()) if w]
+    # every word of the entry begins a word of the name ("H100-SXM5-80GB": h100_sxm), else the nearest spelling
+    near = [n for n in names if all(any(w.startswith(part) for w in words) for part in n.split("_"))] or \
+        difflib.get_close_matches("_".join(words), names, n=2, cutoff=0.6)
+    hint = f"did you mean {' or '.join(near)}? " if near else ""
+    return f"{name!r} is no device of the catalogue (conf/device/); {hint}it has: {', '.join(names)}"
+
+
+def _check_device_name(d: Mapping[str, Any]) -> None:
+    """A file's ``device`` names a catalogue entry, whose facts price the cluster. A device the catalogue lacks is
+    a label only where the file says so: ``compute_model: flat`` with its own ``peak_tflops`` (and ``efficiency``,
+    ``memory_gib``): a label alone would price every operation with flat defaults nobody chose."""
+    from uniap_lightning.planner.devices import lookup_device
+
+    name = d.get("device")
+    if not isinstance(name, str) or not name.strip() or lookup_device(name) is not None:
+        return  # no device (the file gives its own figures), a catalogue device, or a wrong type (checked later)
+    if d.get("compute_model") == "flat":
+        return
+    raise UniAPError(f"cluster '{d.get('name', '?')}': device {unknown_device_message(name)}. For a device the "
+                     f"catalogue lacks, add conf/device/<name>.yaml, or keep the name as a label with "
+                     f"compute_model: flat and the device's own peak_tflops, efficiency and memory_gib")
 
 
 def _device_defaults(d: Mapping[str, Any]) -> dict[str, Any]:
@@ -456,10 +492,8 @@ def _expand_device_groups(groups: Any, d: Mapping[str, Any]) -> dict[str, Any]:
             g = {"memory_gib": spec.memory_gib, "speed": peak(spec) / peak(reference), "name": spec.name, **g}
             g.pop("device")
         elif isinstance(g, Mapping) and "device" in g:
-            from uniap_lightning.planner.devices import available_devices
-
-            raise UniAPError(f"{where}[{j}].device must name a catalogue device ({', '.join(available_devices())}), "
-                             f"got {g['device']!r}")
+            raise UniAPError(f"{where}[{j}].device must name a catalogue device: "
+                             f"{unknown_device_message(str(g['device']))}")
         if not isinstance(g, Mapping) or not {"count", "memory_gib"} <= set(g) or set(g) - {"name", "count",
                                                                                                 "memory_gib", "speed"}:
             raise UniAPError(f"{where}[{j}] must be {{name, count, memory_gib, speed (default 1.0)}} or {{device, "
