@@ -35,7 +35,7 @@ def _cluster(**kw) -> Cluster:
 
 def test_the_record_label_and_rules():
     s = Strategy(2, 1, offload=True)
-    assert s.label() == "dp2+off" and Strategy._fields[-1] == "offload"
+    assert s.label() == "dp2+off" and "offload" in Strategy._fields
     s.check("w")
     with pytest.raises(UniAPError, match="offload and recompute exclude each other"):
         Strategy(1, 1, recompute=True, offload=True).check("w")
