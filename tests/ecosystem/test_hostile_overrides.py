@@ -476,9 +476,12 @@ from uniap_lightning.cli import interrupts
 
 interrupts.install()
 store = TCPStore("127.0.0.1", 0, world_size=1, is_master=True, timeout=timedelta(seconds=600))
-print("ready", flush=True)
+announced = False
 while True:
     try:
+        if not announced:  # inside the try: the first Ctrl-C may come while "ready" is still being printed
+            announced = True
+            print("ready", flush=True)
         store.get("never set")  # waits in C (no Python handler runs), as rank 0 waits for a rank that died
     except KeyboardInterrupt:
         pass  # the first Ctrl-C came while in Python: wait in C again for the second

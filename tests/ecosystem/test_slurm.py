@@ -38,9 +38,19 @@ def slurm():
     assert subprocess.run(["pgrep", "-x", "slurmctld"], capture_output=True).returncode == 1
 
 
+# what a launcher or an in-process Trainer leaves in the environment; sbatch exports the environment to the job,
+# and a stale MASTER_PORT there made rank 0 fail with EADDRINUSE (a user submits from a clean shell)
+LAUNCH_KEYS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK",
+               "LOCAL_WORLD_SIZE")
+
+
+def _job_env(**extra: str) -> dict[str, str]:
+    return {**{k: v for k, v in os.environ.items() if k not in LAUNCH_KEYS}, **extra}
+
+
 def sbatch(tmp_path: Path, *extra: str) -> tuple[int, str]:
     log = tmp_path / "job.out"
-    env = dict(os.environ, UNIAP_CACHE_DIR=str(tmp_path / "cache"))
+    env = _job_env(UNIAP_CACHE_DIR=str(tmp_path / "cache"))
     res = sh("sbatch", "--wait", f"--output={log}", str(ROOT / "examples" / "slurm" / "train.sbatch"),
              *extra, cwd=tmp_path, env=env)
     text = log.read_text() if log.exists() else ""
@@ -64,7 +74,7 @@ def test_tasks_not_matching_devices_fail_clearly(slurm, tmp_path):
     log_file = tmp_path / "bad.out"
     res = sh("sbatch", "--wait", f"--output={log_file}", "--wrap",
              "srun python -m uniap_lightning.cli.main train trainer.devices=1 trainer.max_steps=2",
-             "--ntasks-per-node=2", "--nodes=1", cwd=tmp_path)
+             "--ntasks-per-node=2", "--nodes=1", cwd=tmp_path, env=_job_env())
     text = log_file.read_text() if log_file.exists() else res.stderr
     assert res.returncode != 0
     assert "SLURM runs 2 tasks per node" in text
