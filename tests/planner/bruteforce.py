@@ -134,3 +134,22 @@ def brute_force(problem: Problem, *, candidate: tuple[int, int] | None = None) -
         assert best.estimate.feasible
         assert abs(best.estimate.tpi_s - best_tpi) <= 1e-9 * best_tpi, (best.estimate.tpi_s, best_tpi)
     return best
+
+
+def assert_search_matches(problem: Problem, oracle: Plan | None) -> None:
+    """The search on ``problem`` equals the brute-force ``oracle``: infeasible both, or proven optimal at the
+    oracle's time, its estimate that of ``evaluate`` and of the solver's objective."""
+    import pytest
+
+    from uniap_lightning.errors import InfeasibleError
+    from uniap_lightning.planner.solver import search
+
+    if oracle is None:
+        with pytest.raises(InfeasibleError):
+            search(problem, solver="cbc", time_limit_s=60)
+        return
+    plan = search(problem, solver="cbc", time_limit_s=60)
+    assert plan.solver.status == "optimal"
+    assert plan.estimate.tpi_s == pytest.approx(evaluate(problem, plan).tpi_s, rel=1e-12)
+    assert plan.solver.objective_s == pytest.approx(plan.estimate.tpi_s, rel=1e-6)
+    assert plan.estimate.tpi_s == pytest.approx(oracle.estimate.tpi_s, rel=1e-6)

@@ -9,10 +9,10 @@ from dataclasses import replace
 from functools import lru_cache
 
 import pytest
-from bruteforce import brute_force
+from bruteforce import assert_search_matches, brute_force
 from planner_factories import fp8_problem, random_problem
 
-from uniap_lightning.errors import InfeasibleError, UniAPError
+from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.planner.cost import evaluate
 from uniap_lightning.planner.cost.layer import Pricing, layer_cost, strategies_for
@@ -140,16 +140,7 @@ def _oracle(case):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"seed{c[0]}-L{c[1]}-{c[2]}x{c[3]}-{c[4]}G")
 def test_milp_matches_brute_force_with_fp8(case):
     problem = fp8_problem(case[0], num_layers=case[1], nodes=case[2], per_node=case[3], memory_gib=case[4])
-    oracle = _oracle(case)
-    if oracle is None:
-        with pytest.raises(InfeasibleError):
-            search(problem, solver="cbc", time_limit_s=60)
-        return
-    plan = search(problem, solver="cbc", time_limit_s=60)
-    assert plan.solver.status == "optimal"
-    assert plan.estimate.tpi_s == pytest.approx(evaluate(problem, plan).tpi_s, rel=1e-12)
-    assert plan.solver.objective_s == pytest.approx(plan.estimate.tpi_s, rel=1e-6)
-    assert plan.estimate.tpi_s == pytest.approx(oracle.estimate.tpi_s, rel=1e-6)
+    assert_search_matches(problem, _oracle(case))
 
 
 def test_oracle_optima_use_fp8_somewhere_and_not_everywhere():

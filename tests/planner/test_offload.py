@@ -10,13 +10,12 @@ from dataclasses import replace
 from functools import lru_cache
 
 import pytest
-from bruteforce import brute_force
+from bruteforce import assert_search_matches, brute_force
 from planner_factories import offload_problem, random_problem
 
-from uniap_lightning.errors import InfeasibleError, UniAPError
+from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.planner.config import build_problem, cluster_from, load_group
-from uniap_lightning.planner.cost import evaluate
 from uniap_lightning.planner.cost.layer import Pricing, layer_cost, strategies_for
 from uniap_lightning.planner.decision import Strategy
 from uniap_lightning.planner.plan import PLAN_FORMAT_VERSION, Plan
@@ -132,16 +131,7 @@ def _oracle(case):
 def test_milp_matches_brute_force_with_offload(case):
     problem = offload_problem(case[0], num_layers=case[1], nodes=case[2], per_node=case[3], memory_gib=case[4],
                               activation_scale=case[5])
-    oracle = _oracle(case)
-    if oracle is None:
-        with pytest.raises(InfeasibleError):
-            search(problem, solver="cbc", time_limit_s=60)
-        return
-    plan = search(problem, solver="cbc", time_limit_s=60)
-    assert plan.solver.status == "optimal"
-    assert plan.estimate.tpi_s == pytest.approx(evaluate(problem, plan).tpi_s, rel=1e-12)
-    assert plan.solver.objective_s == pytest.approx(plan.estimate.tpi_s, rel=1e-6)
-    assert plan.estimate.tpi_s == pytest.approx(oracle.estimate.tpi_s, rel=1e-6)
+    assert_search_matches(problem, _oracle(case))
 
 
 def test_oracle_optima_offload_somewhere_and_not_everywhere():
