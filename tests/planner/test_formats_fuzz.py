@@ -144,7 +144,9 @@ def _check_profile(written: Any, profile: ModelProfile) -> None:
     loaded = profile.to_dict()
     # the labels model / source / device load only as strings, kept as written
     assert all(isinstance(written.get(k, ""), str) for k in LABELS)
-    _agrees(written, loaded, skip=("tp_degrees",))
+    # 'meta' left null is empty (any other non-object is refused)
+    assert written.get("meta") is None or isinstance(written["meta"], dict)
+    _agrees({**written, "meta": written.get("meta") or {}}, loaded, skip=("tp_degrees",))
     for w, lp in zip(written["layers"], profile.layers):
         assert list(lp.tp_degrees) == sorted(set(w["tp_degrees"]))
 

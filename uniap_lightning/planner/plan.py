@@ -407,7 +407,7 @@ class Plan:
         try:
             plan = _plan_from_dict(cls, d)
             plan.validate()
-            if d.get("estimate"):  # after validate: its lists are checked against the (valid) stages
+            if d.get("estimate") is not None:  # after validate: its lists are checked against the (valid) stages
                 plan = plan.with_report(estimate=_estimate_from_dict(d["estimate"], plan.pp, plan.num_stages - 1))
         except UniAPError as err:
             raise UniAPError(str(err) if origin == "plan" else f"{origin}: {err}") from None
@@ -495,7 +495,7 @@ def _plan_from_dict(cls: type[Plan], d: dict[str, Any]) -> Plan:
         cluster=F.string(d.get("cluster", ""), "plan field 'cluster'"),
         model_fingerprint=F.string(d.get("model_fingerprint", ""), "plan field 'model_fingerprint'"),
         compression_options={**COMPRESSION_DEFAULTS, **options},
-        report=SolveReport(solver=_solver_from_dict(d["solver"]) if d.get("solver") else None,
+        report=SolveReport(solver=_solver_from_dict(d["solver"]) if d.get("solver") is not None else None,
                            baselines=_baselines_from_dict(d.get("baselines", {})),
                            search=tuple(_search_from_dict(d.get("search", [])))),
     )

@@ -345,8 +345,8 @@ class ModelProfile:
         if not any(lp.forward_s + lp.backward_s > 0 for lp in layers):
             raise UniAPError(f"{origin}: every layer has forward_s = backward_s = 0; a profile needs the time of at "
                              "least one layer")
-        if not isinstance(data.get("meta") or {}, dict):
-            raise UniAPError(f"{origin}: field 'meta' must be an object, got {type(data.get('meta')).__name__}")
+        if data.get("meta") is not None and not isinstance(data["meta"], dict):  # null: none; false, [], 0: damaged
+            raise UniAPError(f"{origin}: field 'meta' must be an object, got {short(data['meta'])}")
         labels = {}
         for key, default in (("model", "model"), ("source", "measured"), ("device", "")):
             value = data.get(key, default)
@@ -395,6 +395,16 @@ def _fraction(item: dict[str, Any], key: str, where: str) -> float:
     return float(value)
 
 
+def _optional_list(item: dict[str, Any], key: str, where: str) -> list[Any]:
+    """An optional list field: absent or null reads as empty; anything else but a list is refused."""
+    value = item.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise UniAPError(f"{where}.{key} must be a list, got {short(value)}")
+    return value
+
+
 def _layer_from_dict(item: Any, where: str) -> LayerProfile:
     if not isinstance(item, dict):
         raise UniAPError(f"{where} must be an object")
@@ -411,7 +421,7 @@ def _layer_from_dict(item: Any, where: str) -> LayerProfile:
     frac = _fraction(item, "activation_tp_fraction", where) if "activation_tp_fraction" in item else 1.0
     wgrad = _fraction(item, "weight_grad_fraction", where) if item.get("weight_grad_fraction") is not None else None
     timings = []
-    for j, t in enumerate(item.get("timings") or []):
+    for j, t in enumerate(_optional_list(item, "timings", where)):
         tw = f"{where}.timings[{j}]"
         if not isinstance(t, dict) or any(k not in t for k in ("micro_batch", "forward_s", "backward_s")):
             raise UniAPError(f"{tw} needs 'micro_batch', 'forward_s' and 'backward_s'")
@@ -426,7 +436,7 @@ def _layer_from_dict(item: Any, where: str) -> LayerProfile:
     if len({t.micro_batch for t in timings}) != len(timings):
         raise UniAPError(f"{where}.timings lists a micro_batch size twice")
     overheads = []
-    for j, o in enumerate(item.get("overheads") or []):
+    for j, o in enumerate(_optional_list(item, "overheads", where)):
         ow = f"{where}.overheads[{j}]"
         if not isinstance(o, dict) or any(k not in o for k in ("kind", "degree", "micro_batch", "seconds")):
             raise UniAPError(f"{ow} needs 'kind', 'degree', 'micro_batch' and 'seconds'")
