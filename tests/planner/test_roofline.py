@@ -17,7 +17,8 @@ from uniap_lightning.planner.analytic import ModelSpec, analytic_profile  # noqa
 from uniap_lightning.planner.cluster import Cluster  # noqa: E402
 from uniap_lightning.planner.config import cluster_from, model_spec_from  # noqa: E402
 from uniap_lightning.planner.cost import evaluate  # noqa: E402
-from uniap_lightning.planner.devices import available_devices, lookup_device  # noqa: E402
+from uniap_lightning.planner.devices import (MEMORY_EFFICIENCY, SOFTMAX_LONG_ROW_EFFICIENCY,  # noqa: E402
+                                              available_devices, lookup_device)
 from uniap_lightning.planner.problem import Problem, TrainingConfig  # noqa: E402
 from uniap_lightning.planner.solver import solve  # noqa: E402
 from uniap_lightning.profiling import roofline as R  # noqa: E402
@@ -227,3 +228,17 @@ def test_a_clusters_kernel_floor_binds_small_micro_batches() -> None:
     assert slow.compute_s(64) / fast.compute_s(64) < slow.compute_s(1) / fast.compute_s(1)
     with pytest.raises(UniAPError, match="kernel_floor_us must be >= 0"):
         cluster_from({**base, "kernel_floor_us": -1})
+
+
+def test_a_softmax_over_rows_longer_than_1024_runs_at_the_block_kernels_bandwidth() -> None:
+    """Rows up to 1024 take torch's warp softmax (at MEMORY_EFFICIENCY); longer rows the block kernels, priced at
+    SOFTMAX_LONG_ROW_EFFICIENCY of the bandwidth, forward and backward (the row recorded on the traced op)."""
+    gh200 = lookup_device("gh200")
+    for seq, efficiency in ((1024, MEMORY_EFFICIENCY), (2048, SOFTMAX_LONG_ROW_EFFICIENCY)):
+        tr = R.cached_trace("block", (_shape(seq_len=seq, attended=seq),), 8, 1)
+        softmaxes = [op for op in tr.forward + tr.backward if op.row]
+        assert {op.name for op in softmaxes} == {"aten._softmax", "aten._softmax_backward_data"}
+        assert all(op.row == seq for op in softmaxes)
+        for op in softmaxes:
+            want = max(op.bytes / (gh200.hbm_bytes_per_s * efficiency), R.KERNEL_FLOOR_S)
+            assert R.op_seconds(op, gh200, "tf32") == pytest.approx(want)

@@ -16,7 +16,9 @@ don't own):
    the rest: ``tiles / (waves x SMs)``), a short reduction dimension ``K`` pays its pipeline's fill
    (``K / (K + 128)``), and even a large matmul reaches :data:`MATMUL_EFFICIENCY` of the datasheet peak. Every other
    operation (norms, softmax, dropout, element-wise, the loss) is memory bound: ``bytes / (bandwidth x``
-   :data:`MEMORY_EFFICIENCY` ``)``. Fused flash attention is one operation of its FLOPs at
+   :data:`MEMORY_EFFICIENCY` ``)``; a softmax over rows longer than 1024 runs torch's block kernels, latency
+   bound, at :data:`SOFTMAX_LONG_ROW_EFFICIENCY` of the bandwidth (a materialized 2048-key attention's largest
+   term: ~1 TB/s on a GH200). Fused flash attention is one operation of its FLOPs at
    :data:`ATTENTION_EFFICIENCY`. Every kernel takes at least :data:`KERNEL_FLOOR_S`: eager PyTorch spends that
    on the host per operation (dispatch, autograd bookkeeping, the launch), so a small micro-batch is bound by the
    number of operations, not by their size: a micro-batch of 8 is not 8 times a micro-batch of 1.
@@ -41,7 +43,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from uniap_lightning.planner.devices import (ATTENTION_EFFICIENCY, KERNEL_FLOOR_S, MATMUL_EFFICIENCY,
-                                              MEMORY_EFFICIENCY, DeviceSpec)
+                                              MEMORY_EFFICIENCY, SOFTMAX_LONG_ROW_EFFICIENCY, SOFTMAX_WARP_ROW,
+                                              DeviceSpec)
 
 #: a matmul's output tile (rows x columns per thread block of a tensor-core kernel)
 TILE = 128
@@ -49,6 +52,9 @@ TILE = 128
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
 _MATMULS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm}
+#: softmax kernels (forward and backward, log-softmax too): priced by the length of the row they reduce
+_SOFTMAXES = {torch.ops.aten._softmax, torch.ops.aten._log_softmax, torch.ops.aten._softmax_backward_data,
+              torch.ops.aten._log_softmax_backward_data}
 #: operations that launch no kernel: allocations, and ``_unsafe_view`` (a view its schema does not mark as one)
 _CREATION = {torch.ops.aten.empty, torch.ops.aten.empty_like, torch.ops.aten.new_empty, torch.ops.aten.empty_strided,
              torch.ops.aten.lift_fresh, torch.ops.aten._unsafe_view}
@@ -64,6 +70,7 @@ class Op:
     bytes: float
     shape: tuple[int, int, int, int] | None = None  # a matmul's (batch, M, N, K); None: not a matmul
     fused_attention: bool = False
+    row: int = 0  # a softmax's (forward or backward) reduced length; 0: not a softmax
 
 
 @dataclass(frozen=True)
@@ -125,6 +132,10 @@ class _Recorder(TorchDispatchMode):
             flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
             shape = _matmul_shape(func, args) if packet in _MATMULS else None
             self.ops.append(Op(str(packet), flops, moved, shape))
+        elif packet in _SOFTMAXES:
+            x = outs[0]
+            self.ops.append(Op(str(packet), 0.0, moved, row=int(x.shape[args[1] if packet in (
+                torch.ops.aten._softmax, torch.ops.aten._log_softmax) else args[2]])))
         else:
             self.ops.append(Op(str(packet), 0.0, moved))
         return out
@@ -398,7 +409,8 @@ def matmul_efficiency(shape: tuple[int, int, int, int], device: DeviceSpec) -> f
 def op_seconds(op: Op, device: DeviceSpec, matmul_dtype: str, floor_s: float = KERNEL_FLOOR_S) -> float:
     """One operation's time on ``device`` (the roofline of the module docstring, never below ``floor_s``: the
     host's cost of one eager operation)."""
-    memory_s = op.bytes / (device.hbm_bytes_per_s * MEMORY_EFFICIENCY)
+    efficiency = SOFTMAX_LONG_ROW_EFFICIENCY if op.row > SOFTMAX_WARP_ROW else MEMORY_EFFICIENCY
+    memory_s = op.bytes / (device.hbm_bytes_per_s * efficiency)
     if op.flops > 0:
         peak = device.peak(matmul_dtype) or device.peak("fp32") or 1e12
         if op.fused_attention:
@@ -435,7 +447,7 @@ def cached_trace(kind: str, key: tuple, micro_batch: int, tp: int) -> Trace:
         if a.shape is not None and b.shape is not None:
             shape = tuple(x + (y - x) * k for x, y in zip(a.shape, b.shape))
         return Op(a.name, a.flops + (b.flops - a.flops) * k, a.bytes + (b.bytes - a.bytes) * k, shape,
-                  a.fused_attention)
+                  a.fused_attention, a.row)
 
     return Trace(tuple(map(extend, one.forward, two.forward)), tuple(map(extend, one.backward, two.backward)),
                  one.saved_bytes + (two.saved_bytes - one.saved_bytes) * k)
