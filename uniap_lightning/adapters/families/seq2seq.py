@@ -45,29 +45,21 @@ from torch import nn
 
 from uniap_lightning.adapters.auto import Family, HFTarget, count_tokens
 from uniap_lightning.adapters.families.common import colwise, divisors_of_all, rowwise, token_loss
-from uniap_lightning.adapters.families.generic import (
+from uniap_lightning.adapters.families.generic import ATTENTION, _fqn, _register_attention, _task
+from uniap_lightning.adapters.families.generic_check import _accept_one_layer, _verify
+from uniap_lightning.adapters.families.generic_heads import _Task
+from uniap_lightning.adapters.families.generic_layers import GenericBlock, GenericEpilogue, WholeModel, _Layer, _settled
+from uniap_lightning.adapters.families.generic_probe import _eval_mode
+from uniap_lightning.adapters.families.generic_trace import (
     _PREFIX,
-    ATTENTION,
-    GenericBlock,
-    GenericEpilogue,
     Unsplittable,
-    WholeModel,
-    _accept_one_layer,
     _Calls,
     _capture,
-    _eval_mode,
     _find_blocks,
-    _fqn,
-    _Layer,
     _mode,
     _Plan,
     _refuse,
-    _register_attention,
-    _settled,
-    _task,
-    _Task,
     _templates,
-    _verify,
 )
 from uniap_lightning.errors import UniAPError
 
