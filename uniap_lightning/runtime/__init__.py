@@ -2,7 +2,8 @@
 
 One concern per module, applied in this order by :func:`apply_plan`:
 
-1. :mod:`.mesh` - every device mesh and process group of the plan (collective, same order on every rank);
+1. :mod:`.groups` - every device mesh and process group of the plan (collective, same order on every rank; each
+   dimension's by its module of :mod:`.dimensions`), held by :class:`.mesh.PlanMeshes`;
 2. :mod:`.stage` - keep this rank's layers, broadcast their initial weights, then per layer
    :func:`.tensor_parallel.apply_tp` *before* :func:`.data_parallel.apply_fsdp` (or replication), since FSDP2 must
    see the DTensor TP shards to build 2-D parameters; a layer with ``ep > 1`` keeps its share of the experts
@@ -29,7 +30,8 @@ from uniap_lightning.planner.schedule_rules import unsupported
 from uniap_lightning.runtime.chain import Chain, UniAPModule, extract_chain
 from uniap_lightning.runtime.data_parallel import ReplicatedGrads
 from uniap_lightning.runtime.experts import AllToAllCounter, check_expert_plan
-from uniap_lightning.runtime.mesh import PlanMeshes, build_meshes
+from uniap_lightning.runtime.groups import build_meshes
+from uniap_lightning.runtime.mesh import PlanMeshes
 from uniap_lightning.runtime.pipeline import PipelineRunner, check_schedule_runs
 from uniap_lightning.runtime.sequence import check_sequence_strategy
 from uniap_lightning.runtime.stage import StageModule, build_stages

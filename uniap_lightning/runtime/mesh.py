@@ -14,7 +14,8 @@ same experts and sums their gradients).
 Every mesh is built as a *world* mesh with a leading ``pp`` dimension and then sliced, because
 ``init_device_mesh`` and ``new_group`` are collective over the whole world: each rank must create every group
 in the same order, including groups it is not a member of. Building them all up front, in an order derived from
-the plan alone, keeps that true without any negotiation between ranks.
+the plan alone, keeps that true without any negotiation between ranks: :func:`uniap_lightning.runtime.groups.
+build_meshes` does, each dimension's groups by its runtime module (:mod:`uniap_lightning.runtime.dimensions`).
 """
 
 from __future__ import annotations
@@ -150,38 +151,3 @@ class PlanMeshes:
     def relayout_group(self, layout: tuple[int, int, int], k: tuple[int, int]) -> dist.ProcessGroup:
         """The lanes that gather ``layout``'s pieces into ``k`` pieces with this rank (:mod:`.reshard`)."""
         return self.relayout_groups[(layout, k)]
-
-
-def build_meshes(plan: Plan, *, rank: int, device_type: str) -> PlanMeshes:
-    """Create every mesh and group the plan needs (collective: all ranks call it with the same plan)."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
-    from uniap_lightning.runtime.reshard import gather_classes, moves_of
-
-    n = plan.devices_per_stage
-    world = init_device_mesh(device_type, (plan.pp, n), mesh_dim_names=("pp", "stage"))
-    meshes = PlanMeshes(plan=plan, rank=rank, device_type=device_type, world=world)
-    for reps, tp in sorted({(lp.strategy.replicas, lp.strategy.tp) for lp in plan.layers}):
-        meshes.grids[(reps, tp)] = init_device_mesh(device_type, (plan.pp, reps, tp), mesh_dim_names=("pp", "dp", "tp"))
-    for reps, tp, ep in sorted({(lp.strategy.replicas, lp.strategy.tp, lp.strategy.ep) for lp in plan.layers}):
-        if ep > 1:  # the replicas dimension split into (replicas / ep) blocks of ep consecutive ranks
-            meshes.expert_grids[(reps, tp, ep)] = init_device_mesh(
-                device_type, (plan.pp, reps // ep, ep, tp), mesh_dim_names=("pp", "edp", "ep", "tp"))
-            ranks = torch.arange(plan.pp * n).reshape(plan.pp, reps // ep, ep, tp).permute(0, 2, 1, 3)
-            meshes.expert_layouts[(reps, tp, ep)] = DeviceMesh(device_type, ranks,
-                                                               mesh_dim_names=("pp", "ep", "edp", "tp"))
-    for dp, cp, tp in sorted({(lp.strategy.dp, lp.strategy.cp, lp.strategy.tp) for lp in plan.layers}):
-        if cp > 1:
-            mesh = init_device_mesh(device_type, (plan.pp, dp, cp, tp), mesh_dim_names=("pp", "dp", "cp", "tp"))
-            meshes.cp_groups[(dp, cp, tp)] = mesh.get_group("cp")
-    needed = sorted({m for a, b in layout_transitions(plan) for m in moves_of(a, b)})
-    for layout, k in needed:  # every rank creates every group, in this order (new_group is collective)
-        for g in range(plan.pp):
-            for lanes in gather_classes(layout, k):
-                ranks = [g * n + lane for lane in lanes]
-                group = dist.new_group(ranks)
-                if rank in ranks:
-                    meshes.relayout_groups[(layout, k)] = group
-    return meshes
