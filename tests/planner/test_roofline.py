@@ -231,10 +231,12 @@ def test_a_clusters_kernel_floor_binds_small_micro_batches() -> None:
 
 
 def test_a_softmax_over_rows_longer_than_1024_runs_at_the_block_kernels_bandwidth() -> None:
-    """Rows up to 1024 take torch's warp softmax (at MEMORY_EFFICIENCY); longer rows the block kernels, priced at
-    SOFTMAX_LONG_ROW_EFFICIENCY of the bandwidth, forward and backward (the row recorded on the traced op)."""
+    """Rows up to 1024 take torch's warp softmax (at MEMORY_EFFICIENCY); rows of 1025-4096 the block kernels,
+    latency bound, at SOFTMAX_LONG_ROW_EFFICIENCY of the bandwidth, forward and backward (the row recorded on the
+    traced op); longer rows amortize the block's phases (MEMORY_EFFICIENCY again)."""
     gh200 = lookup_device("gh200")
-    for seq, efficiency in ((1024, MEMORY_EFFICIENCY), (2048, SOFTMAX_LONG_ROW_EFFICIENCY)):
+    for seq, efficiency in ((1024, MEMORY_EFFICIENCY), (2048, SOFTMAX_LONG_ROW_EFFICIENCY),
+                            (8192, MEMORY_EFFICIENCY)):
         tr = R.cached_trace("block", (_shape(seq_len=seq, attended=seq),), 8, 1)
         softmaxes = [op for op in tr.forward + tr.backward if op.row]
         assert {op.name for op in softmaxes} == {"aten._softmax", "aten._softmax_backward_data"}

@@ -58,6 +58,10 @@ MEMORY_EFFICIENCY = 0.8
 SOFTMAX_LONG_ROW_EFFICIENCY = 0.28
 #: the longest row the warp-per-row softmax kernel takes (ATen SoftMax.cu: dim_size <= 1024)
 SOFTMAX_WARP_ROW = 1024
+#: the longest row priced at SOFTMAX_LONG_ROW_EFFICIENCY: the block kernels' fixed phases per row are what binds at
+#: rows of a few thousand (measured at 2048); longer rows (a vocabulary's log-softmax: 12,672 to 128k) amortize them
+#: over more elements per thread and are priced at MEMORY_EFFICIENCY (no measurement here says otherwise)
+SOFTMAX_LATENCY_ROW = 4096
 #: the share of the host link's datasheet rate that pinned-memory copies (cudaMemcpyAsync) reach: PCIe 4.0 x16,
 #: 32 GB/s per direction, measures ~25 GB/s (NVIDIA's bandwidthTest sample on A100 hosts); PCIe 5.0 x16, 64 GB/s,
 #: ~50 GB/s on H100 SXM / H200 hosts; NVLink-C2C (450 GB/s per direction, GH200 datasheet) is priced alike

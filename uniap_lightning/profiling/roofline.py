@@ -16,8 +16,8 @@ don't own):
    the rest: ``tiles / (waves x SMs)``), a short reduction dimension ``K`` pays its pipeline's fill
    (``K / (K + 128)``), and even a large matmul reaches :data:`MATMUL_EFFICIENCY` of the datasheet peak. Every other
    operation (norms, softmax, dropout, element-wise, the loss) is memory bound: ``bytes / (bandwidth x``
-   :data:`MEMORY_EFFICIENCY` ``)``; a softmax over rows longer than 1024 runs torch's block kernels, latency
-   bound, at :data:`SOFTMAX_LONG_ROW_EFFICIENCY` of the bandwidth (a materialized 2048-key attention's largest
+   :data:`MEMORY_EFFICIENCY` ``)``; a softmax over rows of 1025 to 4096 runs torch's block kernels,
+   latency bound, at :data:`SOFTMAX_LONG_ROW_EFFICIENCY` of the bandwidth (a materialized 2048-key attention's largest
    term: ~1 TB/s on a GH200). Fused flash attention is one operation of its FLOPs at
    :data:`ATTENTION_EFFICIENCY`. Every kernel takes at least :data:`KERNEL_FLOOR_S`: eager PyTorch spends that
    on the host per operation (dispatch, autograd bookkeeping, the launch), so a small micro-batch is bound by the
@@ -43,8 +43,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from uniap_lightning.planner.devices import (ATTENTION_EFFICIENCY, KERNEL_FLOOR_S, MATMUL_EFFICIENCY,
-                                              MEMORY_EFFICIENCY, SOFTMAX_LONG_ROW_EFFICIENCY, SOFTMAX_WARP_ROW,
-                                              DeviceSpec)
+                                              MEMORY_EFFICIENCY, SOFTMAX_LATENCY_ROW, SOFTMAX_LONG_ROW_EFFICIENCY,
+                                              SOFTMAX_WARP_ROW, DeviceSpec)
 
 #: a matmul's output tile (rows x columns per thread block of a tensor-core kernel)
 TILE = 128
@@ -409,7 +409,8 @@ def matmul_efficiency(shape: tuple[int, int, int, int], device: DeviceSpec) -> f
 def op_seconds(op: Op, device: DeviceSpec, matmul_dtype: str, floor_s: float = KERNEL_FLOOR_S) -> float:
     """One operation's time on ``device`` (the roofline of the module docstring, never below ``floor_s``: the
     host's cost of one eager operation)."""
-    efficiency = SOFTMAX_LONG_ROW_EFFICIENCY if op.row > SOFTMAX_WARP_ROW else MEMORY_EFFICIENCY
+    latency_bound = SOFTMAX_WARP_ROW < op.row <= SOFTMAX_LATENCY_ROW  # torch's block softmax kernels
+    efficiency = SOFTMAX_LONG_ROW_EFFICIENCY if latency_bound else MEMORY_EFFICIENCY
     memory_s = op.bytes / (device.hbm_bytes_per_s * efficiency)
     if op.flops > 0:
         peak = device.peak(matmul_dtype) or device.peak("fp32") or 1e12
