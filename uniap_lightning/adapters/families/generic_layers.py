@@ -18,7 +18,7 @@ from uniap_lightning.adapters.families.generic_probe import _MASKED
 from uniap_lightning.adapters.families.generic_router import ROUTER, TOKEN_MASK, RouterLoss, caught_logits
 from uniap_lightning.adapters.families.generic_tp import _tensor_parallel
 from uniap_lightning.adapters.families.generic_trace import _capture, _fill, _Plan, _refs, _templates
-from uniap_lightning.adapters.families.text import _last_non_padding
+from uniap_lightning.adapters.families.text_heads import _last_non_padding
 from uniap_lightning.errors import UniAPError
 
 
