@@ -28,30 +28,30 @@ top-level forward that changes the logits) trains as one layer with one warning 
 seq2seq LM loss; a single-label sequence classifier (BART's pools at the last ``<eos>``) trains as one layer too;
 other heads are refused at setup. Labels longer than the decoder's positions are refused at the batch split.
 
-Tensor parallelism (:func:`_tensor_parallel`): blocks whose attentions (self and cross) have ``q_proj`` /
-``k_proj`` / ``v_proj`` / ``out_proj`` and reshape by ``-1`` heads (BART's), with ``fc1`` / ``fc2`` on the block:
-q/k/v and ``fc1`` column-parallel, ``out_proj`` and ``fc2`` row-parallel. Whisper's attention reshapes its keys
-with the full head count, so its blocks stay whole.
+Tensor parallelism (:func:`.seq2seq_layers._tensor_parallel`): blocks whose attentions (self and cross) have
+``q_proj`` / ``k_proj`` / ``v_proj`` / ``out_proj`` and reshape by ``-1`` heads (BART's), with ``fc1`` / ``fc2`` on
+the block: q/k/v and ``fc1`` column-parallel, ``out_proj`` and ``fc2`` row-parallel. Whisper's attention reshapes
+its keys with the full head count, so its blocks stay whole.
+
+The inputs (the decoder's from the labels, the probe batch, the loss) are :mod:`.seq2seq_inputs`, the layers
+:mod:`.seq2seq_layers`; this module assembles and checks the split and builds the Family.
 """
 from __future__ import annotations
 
 import inspect
-import sys
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from uniap_lightning.adapters.auto import Family, HFTarget, count_tokens
-from uniap_lightning.adapters.families.common import colwise, divisors_of_all, rowwise, token_loss
+from uniap_lightning.adapters.auto import Family, count_tokens
 from uniap_lightning.adapters.families.generic import ATTENTION, _fqn, _register_attention, _task
 from uniap_lightning.adapters.families.generic_check import _accept_one_layer, _verify
 from uniap_lightning.adapters.families.generic_heads import _Task
-from uniap_lightning.adapters.families.generic_layers import GenericBlock, GenericEpilogue, WholeModel, _Layer, _settled
+from uniap_lightning.adapters.families.generic_layers import WholeModel
 from uniap_lightning.adapters.families.generic_probe import _eval_mode
 from uniap_lightning.adapters.families.generic_trace import (
-    _PREFIX,
     Unsplittable,
     _Calls,
     _capture,
@@ -61,228 +61,29 @@ from uniap_lightning.adapters.families.generic_trace import (
     _refuse,
     _templates,
 )
+from uniap_lightning.adapters.families.seq2seq_inputs import (
+    _TASK,
+    _encoder_inputs,
+    _flags,
+    _model_inputs,
+    _probe,
+    _shift,
+    _stacks,
+    seq2seq_loss,
+    seq2seq_prepare,
+)
+from uniap_lightning.adapters.families.seq2seq_layers import (
+    DecoderPrologue,
+    EncoderPrologue,
+    Seq2SeqBlock,
+    Seq2SeqEpilogue,
+)
 from uniap_lightning.errors import UniAPError
 
-_FLAGS = ("use_cache", "output_attentions", "output_hidden_states")
+__all__ = ["DecoderPrologue", "EncoderPrologue", "Seq2SeqBlock", "Seq2SeqEpilogue", "seq2seq_family",
+           "seq2seq_layers", "seq2seq_loss", "seq2seq_prepare"]
 
 
-def seq2seq_loss(model: Any, logits: torch.Tensor, target: HFTarget) -> torch.Tensor:
-    """The seq2seq LM loss (cross-entropy over the tokens whose label is not -100, labels not shifted), whole-batch
-    normalized."""
-    return token_loss(logits, target.labels, target)
-
-
-def _probe_labels(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    return batch["labels"]
-
-
-_TASK = _Task("seq2seq LM cross-entropy", seq2seq_loss, count_tokens, _probe_labels)
-
-
-# ------------------------------------------------------------------------------------------------------ inputs
-def _shift(model: Any, labels: torch.Tensor) -> torch.Tensor:
-    """The decoder's inputs from the labels, shifted right as the model does when given only labels."""
-    if hasattr(model, "prepare_decoder_input_ids_from_labels"):
-        return model.prepare_decoder_input_ids_from_labels(labels=labels)
-    shift = getattr(sys.modules.get(type(model).__module__), "shift_tokens_right", None)
-    if shift is None:
-        raise UniAPError(f"{type(model).__name__} has no prepare_decoder_input_ids_from_labels and its module no "
-                         "shift_tokens_right: give the batch 'decoder_input_ids'")
-    config = model.config
-    kwargs = {k: getattr(config, k) for k in ("pad_token_id", "decoder_start_token_id")
-              if k in inspect.signature(shift).parameters}
-    return shift(labels, **kwargs)
-
-
-def seq2seq_prepare(model: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The decoder's inputs: given, or the labels shifted right (what the model does with labels alone)."""
-    if "decoder_input_ids" in batch:
-        return {}
-    if "labels" not in batch:
-        raise UniAPError("an encoder-decoder batch needs 'labels' (training) or 'decoder_input_ids' (prediction); "
-                         f"it has {sorted(batch)}")
-    decoder = _shift(model, batch["labels"])
-    limit = getattr(model.config, "max_target_positions", None) or getattr(model.config, "max_position_embeddings",
-                                                                           None)
-    if isinstance(limit, int) and decoder.shape[-1] > limit:  # (else an index error deep in the decoder)
-        raise UniAPError(f"the batch's labels hold {decoder.shape[-1]} decoder tokens; {type(model).__name__} takes at "
-                         f"most {limit} (config.max_target_positions / max_position_embeddings)")
-    return {"decoder_input_ids": decoder}
-
-
-def _stacks(model: Any) -> tuple[nn.Module, nn.Module]:
-    encoder, decoder = model.get_encoder(), model.get_decoder()
-    if not isinstance(encoder, nn.Module) or not isinstance(decoder, nn.Module) or encoder is decoder:
-        raise _refuse(model, "it has no separate encoder and decoder modules")
-    return encoder, decoder
-
-
-def _encoder_inputs(model: Any, encoder: nn.Module) -> tuple[str, ...]:
-    params = inspect.signature(encoder.forward).parameters
-    main = next((k for k in ("input_ids", "input_features") if k in params), None)
-    if main is None:
-        raise _refuse(model, "its encoder takes neither input_ids nor input_features")
-    return (main, *(("attention_mask",) if "attention_mask" in params else ()))
-
-
-def _model_inputs(model: Any, encoder: nn.Module) -> tuple[str, ...]:
-    params = inspect.signature(model.forward).parameters
-    return (*_encoder_inputs(model, encoder),
-            *(k for k in ("decoder_input_ids", "decoder_attention_mask") if k in params))
-
-
-def _flags(module: nn.Module) -> dict[str, bool]:
-    params = inspect.signature(module.forward).parameters
-    return {k: False for k in _FLAGS if k in params}
-
-
-def _probe(model: Any, encoder: nn.Module, main: str, rows: int, device: torch.device,
-           padded: bool = True) -> dict[str, torch.Tensor]:
-    """A deterministic batch from the config (no random numbers drawn): 4 input tokens (or the mel features the
-    encoder requires) and 3 labels; the last sample's last input token and last label are padding (``padded``)."""
-    config = model.config
-    vocab = max(int(getattr(config, "vocab_size", 0) or 2) - 1, 1)
-    labels = (torch.arange(rows * 3, device=device).reshape(rows, 3) * 5 + 2) % vocab + 1
-    if padded:
-        labels[-1, -1] = -100
-    if main == "input_features":
-        length = int(getattr(config, "max_source_positions", 0) or 0)
-        for m in encoder.modules():
-            if isinstance(m, nn.Conv1d):
-                length *= m.stride[0]
-        mels = int(getattr(config, "num_mel_bins", 0) or 0)
-        if not length or not mels:
-            raise _refuse(model, "its encoder takes input_features, but its config has no max_source_positions and "
-                                 "num_mel_bins to build a probe from")
-        steps = torch.arange(rows * mels * length, device=device, dtype=torch.float32).reshape(rows, mels, length)
-        return {"input_features": (steps * 0.37).sin(), "labels": labels}
-    ids = (torch.arange(rows * 4, device=device).reshape(rows, 4) * 7 + 3) % vocab + 1
-    mask = torch.ones(rows, 4, dtype=torch.long, device=device)
-    if padded:
-        mask[-1, -1] = 0
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
-
-
-# ------------------------------------------------------------------------------------------------------ layers
-class EncoderPrologue(_Layer):
-    """The encoder's forward up to its first block (hidden states + what the blocks take), and the decoder's inputs
-    embedded with the decoder's token embedding."""
-
-    def __init__(self, modules: list[nn.Module], encoder: nn.Module, blocks: nn.ModuleList, plan: _Plan,
-                 inputs: tuple[str, ...], embedding: nn.Module) -> None:
-        super().__init__(modules)
-        self.__dict__["_encoder"], self.__dict__["_blocks"] = encoder, blocks  # (owned by the model, not here)
-        self.plan, self.inputs, self.extra = plan, inputs, _flags(encoder)
-        self.embedding = next(i for i, m in enumerate(modules) if m is embedding)
-
-    def forward(self, d: dict[str, torch.Tensor]) -> dict[str, Any]:
-        batch = {k: d[k] for k in self.inputs if k in d}
-        hidden, calls = _capture(self._encoder, self._blocks, {**batch, **self.extra})
-        templates, tensors = _templates(calls)
-        if templates != self.plan.templates:
-            raise UniAPError("the encoder passed its blocks other arguments than on the setup probe; the generic "
-                             "split needs the same structure for every batch")
-        keep = {"attention_mask"}  # the decoder's cross-attention mask
-        return {**{k: None for k in self.inputs if k not in keep}, "decoder_input_ids": None,
-                "decoder_embeds": self.units[self.embedding](d["decoder_input_ids"]), "hidden": _settled(hidden),
-                **self.plan.encode(tensors, hidden.shape[0])}
-
-
-class DecoderPrologue(_Layer):
-    """The encoder's last modules (its output), then the decoder's forward up to its first block."""
-
-    def __init__(self, ends: list[nn.Module], modules: list[nn.Module], decoder: nn.Module,
-                 blocks: nn.ModuleList, plan: _Plan, encoder_plan: _Plan) -> None:
-        super().__init__(ends + modules)
-        self.__dict__["_decoder"], self.__dict__["_blocks"] = decoder, blocks
-        self.steps, self.plan, self.extra = len(ends), plan, _flags(decoder)
-        self.drop = [f"{_PREFIX}{j}" for j in range(len(encoder_plan.modes))]
-        self.cross_mask = "encoder_attention_mask" in inspect.signature(decoder.forward).parameters
-
-    def encoder_output(self, hidden: torch.Tensor) -> torch.Tensor:
-        for m in list(self.units)[: self.steps]:
-            hidden = m(hidden)
-        return hidden
-
-    def decoder_kwargs(self, d: dict[str, torch.Tensor], encoder_output: torch.Tensor) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {"inputs_embeds": d["decoder_embeds"], "encoder_hidden_states": encoder_output,
-                                  **self.extra}
-        if "decoder_attention_mask" in d:
-            kwargs["attention_mask"] = d["decoder_attention_mask"]
-        if self.cross_mask and "attention_mask" in d:
-            kwargs["encoder_attention_mask"] = d["attention_mask"]
-        return kwargs
-
-    def forward(self, d: dict[str, torch.Tensor]) -> dict[str, Any]:
-        kwargs = self.decoder_kwargs(d, self.encoder_output(d["hidden"]))
-        hidden, calls = _capture(self._decoder, self._blocks, kwargs)
-        templates, tensors = _templates(calls)
-        if templates != self.plan.templates:
-            raise UniAPError("the decoder passed its blocks other arguments than on the setup probe; the generic "
-                             "split needs the same structure for every batch")
-        return {**dict.fromkeys(self.drop), "decoder_embeds": None, "attention_mask": None,
-                "decoder_attention_mask": None, "hidden": _settled(hidden), **self.plan.encode(tensors,
-                                                                                               hidden.shape[0])}
-
-
-def _tensor_parallel(block: nn.Module) -> tuple[dict[str, str], list[int]] | None:
-    """Megatron-style tensor parallelism of an encoder or decoder block: every attention (self, cross) with
-    ``q_proj`` / ``k_proj`` / ``v_proj`` / ``out_proj`` whose forward reshapes by ``-1`` heads and never by its full
-    head count, and ``fc1`` / ``fc2`` on the block itself; ``None`` when the block is not of that shape."""
-    projections = ("q_proj", "k_proj", "v_proj", "out_proj")
-    attentions = [(n, m) for n, m in block.named_modules()
-                  if all(isinstance(getattr(m, p, None), nn.Linear) for p in projections)]
-    if not attentions or not all(isinstance(getattr(block, p, None), nn.Linear) for p in ("fc1", "fc2")):
-        return None
-    plan, heads = {}, []
-    for name, attn in attentions:
-        try:
-            source = "".join(inspect.getsource(type(attn).forward).split())
-        except (OSError, TypeError):
-            return None
-        if ",-1,self.head_dim)" not in source or "reshape(*input_shape,-1)" not in source or "self.num_heads" in source:
-            return None  # e.g. Whisper's keys reshaped with the full head count
-        if {id(p) for p in attn.parameters()} != {id(w) for p in projections for w in getattr(attn, p).parameters()}:
-            return None  # parameters besides the projections would see only this rank's heads
-        n_heads = int(getattr(attn, "num_heads", 0) or 0)
-        if not n_heads:
-            return None
-        heads.append(n_heads)
-        plan.update({f"{name}.{p}": "col" for p in ("q_proj", "k_proj", "v_proj")})
-        plan[f"{name}.out_proj"] = "row"
-    plan.update({"fc1": "col", "fc2": "row"})
-    return plan, divisors_of_all(*heads, block.fc1.out_features)
-
-
-class Seq2SeqBlock(GenericBlock):
-    """One encoder or decoder block, called as its stack calls it; tensor parallel where :func:`_tensor_parallel`
-    recognizes it."""
-
-    def __init__(self, block: nn.Module, plan: _Plan, index: int, config: Any = None) -> None:
-        super().__init__(block, plan, index, config)
-        self.tp = _tensor_parallel(block)
-
-    def uniap_tp_plan(self, tp: int) -> dict[str, Any]:
-        assert self.tp is not None
-        return {f"units.0.{path}": (colwise() if kind == "col" else rowwise()) for path, kind in self.tp[0].items()}
-
-    def uniap_tp_allreduces(self) -> int:
-        return sum(kind == "row" for kind in self.tp[0].values()) if self.tp is not None else 0
-
-
-class Seq2SeqEpilogue(GenericEpilogue):
-    """The decoder's last modules and the LM head, plus the model's ``final_logits_bias`` (BART's buffer) if any."""
-
-    def __init__(self, sequence: list[nn.Module], unused: list[nn.Module], bias: torch.Tensor | None) -> None:
-        super().__init__(sequence, unused)
-        self.__dict__["_bias"] = bias  # the model's buffer (not registered here: it stays the model's)
-
-    def forward(self, d: dict[str, torch.Tensor]) -> torch.Tensor:
-        logits = super().forward(d)
-        return logits if self._bias is None else logits + self._bias.to(logits.device)
-
-
-# ------------------------------------------------------------------------------------------------------ building
 def _outermost(names: list[str]) -> list[str]:
     return [n for n in names if not any(a != n and n.startswith(a + ".") for a in names)]
 

@@ -32,6 +32,7 @@ from uniap_lightning.adapters.families.common import (
     tensor_parallel_heads,
     token_loss,
 )
+from uniap_lightning.adapters.families.seq2seq_inputs import prepare_decoder_inputs
 
 Payload = dict[str, torch.Tensor]
 
@@ -169,15 +170,9 @@ def t5_layers(model: Any) -> list[tuple[nn.Module, list[str]]]:
 
 
 def t5_prepare(model: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The decoder's inputs: given, or the labels shifted right (as T5 does when only labels are given)."""
-    if "decoder_input_ids" in batch:
-        return {}
-    if "labels" not in batch:
-        from uniap_lightning.errors import UniAPError
-
-        raise UniAPError("a T5 batch needs 'labels' (training) or 'decoder_input_ids' (prediction); it has "
-                         f"{sorted(batch)}")
-    return {"decoder_input_ids": model._shift_right(batch["labels"])}
+    """The decoder's inputs: given, or the labels shifted right (as T5 does when only labels are given); the one
+    preparation of every encoder-decoder family (:func:`.seq2seq_inputs.prepare_decoder_inputs`)."""
+    return prepare_decoder_inputs(model, batch, lambda labels: model._shift_right(labels), "a T5 batch")
 
 
 def t5_loss(model: Any, logits: torch.Tensor, target: Any) -> torch.Tensor:
