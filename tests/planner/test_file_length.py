@@ -1,0 +1,48 @@
+"""No package file over 400 lines (issue 40): a file that long holds several concerns; split it by concern (see
+``docs/architecture.md``). Reads the files as text (no torch needed).
+
+:data:`OVER_LIMIT_LEFT` lists the files still over, each list entry only allowed to go: the test fails on a file
+over the limit that is not listed, and on a listed file that is now within it (remove it then).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parents[2] / "uniap_lightning"
+LIMIT = 400
+
+#: files still over the limit (paths under ``uniap_lightning/``), with who is splitting them; may only shrink
+OVER_LIMIT_LEFT: dict[str, str] = {
+    "planner/analytic.py": "being edited by another change (issue 40)",
+    "planner/cluster.py": "being edited by another change (issue 40)",
+    "planner/cost/layer.py": "being edited by another change (issue 40)",
+    "planner/profile.py": "being edited by another change (issue 40)",
+    "profiling/roofline.py": "being edited by another change (issue 40)",
+    "strategy.py": "being edited by another change (issue 40)",
+    "cli/train.py": "being edited by another change (issue 40)",
+    "planner/plan.py": "to split: the plan record, its JSON reading and writing",
+    "planner/solver/bounds.py": "to split",
+    "planner/solver/milp.py": "to split",
+    "planner/solver/group_floor.py": "to split",
+    "runtime/experts.py": "to split",
+    "runtime/sequence.py": "to split",
+    "runtime/export.py": "to split",
+    "runtime/data_parallel.py": "to split",
+}
+
+
+def lengths() -> dict[str, int]:
+    return {path.relative_to(PACKAGE_DIR).as_posix(): len(path.read_text().splitlines())
+            for path in sorted(PACKAGE_DIR.rglob("*.py"))}
+
+
+def test_no_package_file_over_the_limit():
+    over = {name: n for name, n in lengths().items() if n > LIMIT and name not in OVER_LIMIT_LEFT}
+    assert not over, f"package files over {LIMIT} lines (split them by concern): {over}"
+
+
+def test_the_list_of_files_over_the_limit_only_shrinks():
+    found = lengths()
+    gone = sorted(name for name in OVER_LIMIT_LEFT if found.get(name, 0) <= LIMIT)
+    assert not gone, f"within {LIMIT} lines now (or gone): remove from OVER_LIMIT_LEFT: {gone}"
