@@ -17,6 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from uniap_lightning.cli.estimate import estimate
 from uniap_lightning.cli.pinned_plan import pin_plan
 from uniap_lightning.cli.ranks import (
     PREEMPTED_EXIT_CODE,
@@ -30,6 +31,7 @@ from uniap_lightning.cli.ranks import (
 )
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.files import check_output_folder, write_json_atomic
+from uniap_lightning.profiling.estimate import SAID
 
 
 def _free_port() -> int:
@@ -144,14 +146,22 @@ def run_train(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
     from uniap_lightning.cli.checkpoint_dir import lock_checkpoint_dir
 
     notes = pin_plan(cfg, overrides) + check_config(cfg)  # a plan file's batch and processes first: checked as set
+    said = None
     if os.environ.get("LOCAL_RANK", "0") == "0":
         for note in notes:
             print(f"note: {note}", flush=True)
+        # before Lightning loads (seconds): how long setup will measure, and how to shorten it (issue 42)
+        said = estimate(cfg, threads=int(_threads_per_rank(int(cfg.trainer.devices))))
+        if said is not None:
+            print(said, flush=True)
     check_before_launch(cfg)
     lock = lock_checkpoint_dir(str(cfg.checkpoint_dir))
     saved_env, saved_threads = dict(os.environ), _torch_threads()
     try:
-        return _run_train_locked(cfg, overrides)
+        if said is None:
+            return _run_train_locked(cfg, overrides)
+        with SAID:  # setup says no estimate of its own
+            return _run_train_locked(cfg, overrides)
     finally:
         if lock is not None:
             lock.release()

@@ -34,6 +34,7 @@ from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.profile import LayerProfile, ModelProfile, Timing
 from uniap_lightning.profiling.aggregate import Readings, never_faster_when_larger, pool_identical_layers, structure_key
 from uniap_lightning.profiling.backward_split import BackwardSplit, measure_backward_split
+from uniap_lightning.profiling.estimate import profile_sizes
 from uniap_lightning.profiling.memory import SavedBytes, backward_peak_bytes
 from uniap_lightning.profiling.structural import powersgd_dims, tensor_bytes
 from uniap_lightning.profiling.timing import CacheFlush, Timer
@@ -149,54 +150,6 @@ def _detached(out: Any) -> Any:
     return map_tensors(lambda t: t.detach(), out)
 
 
-#: a profile predicted to take longer than this many seconds is announced once, with what would shorten it
-SLOW_PROFILE_S = 60.0
-#: the prediction waits for this many layers (a first embedding layer is far faster than the blocks after it: GPT-2
-#: small's took 0.4 s of the 47 s its 14 layers took on a CPU), or for :data:`ESTIMATE_AFTER_S` of timing
-ESTIMATE_LAYERS = 3
-ESTIMATE_AFTER_S = 10.0
-
-
-def predicted_profile_s(elapsed_s: float, layers_done: int, layers: int, sizes: Sequence[int]) -> float:
-    """The whole profile's seconds, from the first ``layers_done`` layers at the smallest size ``sizes[0]`` having
-    taken ``elapsed_s``: every layer as long as those on average, and a layer's time growing with the micro-batch
-    (linearly: right on a CPU, pessimistic on a GPU, whose small batches do not fill it)."""
-    return elapsed_s / max(layers_done, 1) * layers * sum(m / sizes[0] for m in sizes)
-
-
-class _DurationEstimate:
-    """Predicts the profile's duration from its first timings (the layers at the smallest size) and says once,
-    through ``progress`` (rank 0's log), when it is above :data:`SLOW_PROFILE_S`, with what to do about it."""
-
-    def __init__(self, layers: int, sizes: Sequence[int], repeats: int, progress: Callable[[str], None] | None) -> None:
-        self.layers, self.sizes, self.repeats, self.progress = layers, list(sizes), repeats, progress
-        self.t0 = time.perf_counter()
-        self.done = progress is None
-
-    def after_layer(self, layers_done: int) -> None:
-        if self.done:
-            return
-        elapsed = time.perf_counter() - self.t0
-        if layers_done < min(ESTIMATE_LAYERS, self.layers) and elapsed < ESTIMATE_AFTER_S:
-            return
-        total = predicted_profile_s(elapsed, layers_done, self.layers, self.sizes)
-        if total <= SLOW_PROFILE_S:
-            return
-        self.done = True
-        assert self.progress is not None
-        fewer = f"profile_repeats=1 (now {self.repeats}), " if self.repeats > 1 else ""
-        self.progress(f"this will take about {_duration(total)} ({self.layers} layers at micro-batches "
-                      f"{', '.join(map(str, self.sizes))}; the first {layers_done} at {self.sizes[0]} took "
-                      f"{elapsed:.1f} s). To shorten it: {fewer}fewer or smaller profile_micro_batches, a shorter "
-                      "sequence (uniap train: data.seq_len), or plan with a profile measured on a GPU (profile=FILE; "
-                      "profiles are cached, a second run reuses this one)")
-
-
-def _duration(seconds: float) -> str:
-    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min" if seconds < 7200 else \
-        f"{seconds / 3600:.1f} h"
-
-
 #: per layer at the largest size: out bytes, activation bytes, backward peak bytes, the backward's split
 Stats = list[tuple[int, float, float, BackwardSplit | None]]
 
@@ -225,11 +178,11 @@ class _Split:
 
 def _time_chain(layers: Sequence[nn.Module], names: Sequence[str], x: Any, repeats: int, warmup: int,
                 context: Context, flush: Callable[[], None], loss: Callable[[Any], torch.Tensor] | None = None,
-                after_layer: Callable[[int], None] | None = None, split: _Split | None = None,
+                split: _Split | None = None,
                 ) -> tuple[list[tuple[float, float]], Stats]:
     """Every layer in order at one micro-batch size: times, and (out bytes summed over the output's tensors,
     activation bytes, backward peak bytes, weight-gradient fraction: None without ``split``) per layer; ``loss``
-    goes with the last layer; ``after_layer(n)`` is called once ``n`` layers are timed."""
+    goes with the last layer."""
     from uniap_lightning.runtime.chain import check_layer_output
 
     times: list[tuple[float, float]] = []
@@ -254,16 +207,7 @@ def _time_chain(layers: Sequence[nn.Module], names: Sequence[str], x: Any, repea
         times.append((fwd_s, bwd_s))
         stats.append((nbytes(y), act, peak, frac))
         x = y
-        if after_layer is not None:
-            after_layer(i + 1)
     return times, stats
-
-
-def default_micro_batches(rows: int) -> list[int]:
-    """Two samples (batch norm refuses one), a quarter of the sample and all of it (fewer when the sample is small):
-    plans run anything from a sample or two per device (many micro-batches, wide data parallelism) to the whole
-    batch, and a CPU or GPU is least linear at the small end."""
-    return sorted({min(2, rows), max(rows // 4, 1), rows})
 
 
 def profile_layers(
@@ -299,10 +243,7 @@ def profile_layers(
     into the structural fallback, and :class:`UniAPError` when a layer breaks the chain contract.
     """
     n_rows = rows(sample_input)
-    wanted = micro_batches or default_micro_batches(n_rows)
-    sizes = sorted({int(m) for m in wanted if 1 <= int(m) <= n_rows}) or [n_rows]
-    if sizes[-1] != n_rows:
-        sizes.append(n_rows)
+    sizes = profile_sizes(n_rows, micro_batches)
     t_start = time.perf_counter()
     flush = CacheFlush(flatten(sample_input)[0].device, flush_bytes)
     with_loss = _Loss(loss_fn, target, layers, head(sample_input, sizes[0]), context)
@@ -311,20 +252,15 @@ def profile_layers(
     split = _Split()
     skipped: dict[int, str] = {}
     failure: Exception | None = None
-    estimate: _DurationEstimate | None = None
     with training_state_kept(layers):
         for m in sizes:  # largest last: its outputs give the per-sample byte figures
             if sync is not None:
                 sync()
             if failure is not None:
                 continue
-            if estimate is None:  # the first size timed (the smallest) predicts the rest
-                estimate = _DurationEstimate(len(layers), [s for s in sizes if s >= m], repeats, progress)
-            first = m == estimate.sizes[0]
             try:
                 readings[m], size_stats = _time_chain(layers, names, head(sample_input, m), repeats, warmup,
                                                       context, flush, with_loss.at(m),
-                                                      after_layer=estimate.after_layer if first else None,
                                                       split=split if m == n_rows else None)
             except ProfilingUnavailable as err:
                 if m == n_rows or "meta device" in str(err):

@@ -17,12 +17,8 @@ from torch import nn
 
 from uniap_lightning.planner.profile import ModelProfile
 from uniap_lightning.profiling.aggregate import median_over_ranks, structure_key
-from uniap_lightning.profiling.measure import (
-    ProfilingUnavailable,
-    default_micro_batches,
-    profile_layers,
-    training_state_kept,
-)
+from uniap_lightning.profiling.estimate import default_micro_batches
+from uniap_lightning.profiling.measure import ProfilingUnavailable, profile_layers, training_state_kept
 from uniap_lightning.profiling.structural import NOMINAL_FLOPS, structural_profile
 
 

@@ -50,6 +50,7 @@ from torch import nn
 
 from uniap_lightning.planner.profile import ModelProfile, Overhead
 from uniap_lightning.profiling.aggregate import structure_key
+from uniap_lightning.profiling.estimate import strategy_kinds
 from uniap_lightning.profiling.measure import Context, training_state_kept
 from uniap_lightning.profiling.memory import SavedBytes
 from uniap_lightning.profiling.timing import Timer, median_s
@@ -110,23 +111,6 @@ def _slowest(seconds: float, device: torch.device) -> float:
     t = torch.tensor([seconds], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
-
-
-def strategy_kinds(world: int, devices_per_node: int, tp_degrees: Sequence[int]) -> list[tuple[str, int]]:
-    """The (kind, degree) pairs worth timing for a layer: powers of two that fit the world and (TP, and FSDP
-    as measured here) one node."""
-    kinds = []
-    k = 2
-    while k <= min(world, devices_per_node):
-        if world % k == 0 and devices_per_node % k == 0:
-            if k in tp_degrees:
-                kinds.append(("tp", k))
-            kinds.append(("fsdp", k))
-            kinds.append(("dp", k))
-            kinds.append(("zero2", k))
-            kinds.append(("zero1", k))
-        k *= 2
-    return kinds
 
 
 def measure_overheads(

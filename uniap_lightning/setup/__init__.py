@@ -30,6 +30,7 @@ from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.planner.plan import Plan
 from uniap_lightning.planner.profile import describes_a_config
 from uniap_lightning.setup.agree import Ranks, everyone, from_lead, gather, same_code_everywhere
+from uniap_lightning.setup.estimate import say_estimate
 from uniap_lightning.setup.measure import Measurements, info
 from uniap_lightning.setup.options import SetupOptions
 from uniap_lightning.setup.sample import Sample, take_sample
@@ -92,6 +93,8 @@ def run_setup(chain: Chain, trainer: pl.Trainer, *, ranks: Ranks, options: Setup
                                                   lambda: _pinned(m, chain, sample, fitting))
     else:
         _check_pipeline_degrees(options.pp, ranks.world_size, len(chain.layers))
+        say_estimate(chain, sample.x, trainer, ranks=ranks, options=options, precision=precision,
+                     global_batch=sample.global_batch_size, say=info)  # rank 0, before anything is measured
         if cluster is None:
             cluster = m.cluster()
         cluster = _without_ring_if_dropout(cluster, chain)

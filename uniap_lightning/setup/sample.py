@@ -10,14 +10,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from uniap_lightning.errors import UniAPError
+from uniap_lightning.profiling.estimate import PROFILE_ROWS
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
     from uniap_lightning.runtime import Chain
-
-#: rows of the sample kept for profiling (the largest micro-batch timed)
-PROFILE_ROWS = 16
 
 
 @dataclass(frozen=True)
