@@ -45,22 +45,23 @@ MATMUL_EFFICIENCY = 0.75
 ATTENTION_EFFICIENCY = 0.5
 #: the share of the memory bandwidth a streaming kernel reaches (STREAM-like copies: 80-90%)
 MEMORY_EFFICIENCY = 0.8
-#: the share of the memory bandwidth torch's softmax (and log-softmax, forward and backward) reaches over rows longer
-#: than 1024 elements: those run the block kernels (``cunn_SoftMaxForward``/``...Smem``/``cunn_SoftMaxBackward`` in
-#: ATen's SoftMax.cu: one row per thread block, a max, a sum and an epilogue separated by block barriers), not the
-#: warp-per-row persistent kernel of rows up to 1024 (``dim_size <= 1024 && dim_size * itemsize <= 4096``), and
-#: are latency bound. Source: the GH200's per-operation profile in the Sailor artifact (eth-easl/sailor,
-#: sailor/Planner/baselines/Aceso/profiler/GH-96/profiled-data-fp32/OPT-350_mbs8_tp1_algo0.csv, Aceso's profiler:
-#: the scaled, masked fp32 softmax over 8 x 16 x 2048 rows of 2048 takes 5.98 ms forward and 8.16 ms backward;
-#: less the scale and mask passes at MEMORY_EFFICIENCY, the softmax moves 4.3 GB forward at 1.15 TB/s and 6.4 GB
-#: backward at 1.06 TB/s: 0.27-0.29 of the 4 TB/s); a kernel benchmark seeing the same cliff: PyTorch's softmax at
-#: rows of 2048 takes 10x the time of rows of 1024 (the warp kernel) for twice the bytes
-SOFTMAX_LONG_ROW_EFFICIENCY = 0.28
+#: the share of the memory bandwidth torch's softmax (forward and backward) reaches over rows longer than 1024
+#: elements (up to SOFTMAX_LATENCY_ROW): those run the block kernels (``cunn_SoftMaxForward``/``...Smem``,
+#: ``cunn_SoftMaxBackward`` in ATen's SoftMax.cu: one row per thread block, a max, a sum and an epilogue separated
+#: by block barriers), not the warp-per-row persistent kernel of rows up to 1024 (``dim_size <= 1024 &&
+#: dim_size * itemsize <= 4096``), and are latency bound. Source: the GH200's per-operation profile in the Sailor
+#: artifact (eth-easl/sailor, sailor/Planner/baselines/Aceso/profiler/GH-96/profiled-data-fp32/
+#: OPT-350_mbs8_tp1_algo0.csv, Aceso's profiler): Megatron's scaled, masked fp32 softmax over 8 x 16 x 2048 rows
+#: of 2048 takes 5.98 ms forward and 8.16 ms backward; less the scale and mask passes (8.6 GB each way at
+#: MEMORY_EFFICIENCY: 2.7 ms), the softmax moves 4.3 GB forward at 1.30 TB/s and 6.4 GB backward at 1.18 TB/s,
+#: 0.33 and 0.29 of the 4 TB/s. A kernel benchmark sees the same cliff: PyTorch's softmax at rows of 2048 takes
+#: 10x the time of rows of 1024 (the warp kernel) for twice the bytes
+SOFTMAX_LONG_ROW_EFFICIENCY = 0.3
 #: the longest row the warp-per-row softmax kernel takes (ATen SoftMax.cu: dim_size <= 1024)
 SOFTMAX_WARP_ROW = 1024
 #: the longest row priced at SOFTMAX_LONG_ROW_EFFICIENCY: the block kernels' fixed phases per row are what binds at
-#: rows of a few thousand (measured at 2048); longer rows (a vocabulary's log-softmax: 12,672 to 128k) amortize them
-#: over more elements per thread and are priced at MEMORY_EFFICIENCY (no measurement here says otherwise)
+#: rows of a few thousand (measured at 2048); longer rows amortize them over more elements per thread and are priced
+#: at MEMORY_EFFICIENCY (no measurement here says otherwise)
 SOFTMAX_LATENCY_ROW = 4096
 #: the share of the host link's datasheet rate that pinned-memory copies (cudaMemcpyAsync) reach: PCIe 4.0 x16,
 #: 32 GB/s per direction, measures ~25 GB/s (NVIDIA's bandwidthTest sample on A100 hosts); PCIe 5.0 x16, 64 GB/s,

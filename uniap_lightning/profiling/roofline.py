@@ -52,9 +52,10 @@ TILE = 128
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
 _MATMULS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm}
-#: softmax kernels (forward and backward, log-softmax too): priced by the length of the row they reduce
-_SOFTMAXES = {torch.ops.aten._softmax, torch.ops.aten._log_softmax, torch.ops.aten._softmax_backward_data,
-              torch.ops.aten._log_softmax_backward_data}
+#: softmax kernels (forward and backward): priced by the length of the row they reduce. The loss's log-softmax is
+#: left out: the measurement behind SOFTMAX_LONG_ROW_EFFICIENCY is an attention's softmax, and a vocabulary-parallel
+#: loss (Megatron's) runs no torch log-softmax at all
+_SOFTMAXES = {torch.ops.aten._softmax, torch.ops.aten._softmax_backward_data}
 #: operations that launch no kernel: allocations, and ``_unsafe_view`` (a view its schema does not mark as one)
 _CREATION = {torch.ops.aten.empty, torch.ops.aten.empty_like, torch.ops.aten.new_empty, torch.ops.aten.empty_strided,
              torch.ops.aten.lift_fresh, torch.ops.aten._unsafe_view}
@@ -134,8 +135,8 @@ class _Recorder(TorchDispatchMode):
             self.ops.append(Op(str(packet), flops, moved, shape))
         elif packet in _SOFTMAXES:
             x = outs[0]
-            self.ops.append(Op(str(packet), 0.0, moved, row=int(x.shape[args[1] if packet in (
-                torch.ops.aten._softmax, torch.ops.aten._log_softmax) else args[2]])))
+            dim = args[1] if packet is torch.ops.aten._softmax else args[2]
+            self.ops.append(Op(str(packet), 0.0, moved, row=int(x.shape[dim])))
         else:
             self.ops.append(Op(str(packet), 0.0, moved))
         return out
