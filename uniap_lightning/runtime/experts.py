@@ -64,6 +64,9 @@ Findings, Hugging Face (transformers 5.25, ``modeling_{mixtral,qwen2_moe,olmoe}.
   with ``base_model_ep_plan``: ``gate_up_proj`` / ``down_proj`` as DTensor ``Shard(0)``, ``mlp.experts`` as
   ``ep_dispatch_experts`` using ``all_to_all_single_autograd``, dropless). It needs its own device mesh and
   composes with its own TP/FSDP, so it does not fit a per-layer plan; its all-to-all scheme is the same as ours.
+
+The layout and gradients are :mod:`.expert_layout`, the checkpoint state :mod:`.expert_state` (their names are
+importable from here too).
 """
 
 from __future__ import annotations
@@ -79,17 +82,36 @@ import torch.nn.functional as F
 from torch import nn
 
 from uniap_lightning.errors import UniAPError
-from uniap_lightning.runtime.grads import all_reduce_flat
+from uniap_lightning.runtime.expert_layout import (
+    ExpertGroups,
+    ExpertLayout,
+    check_expert_degree,
+    expert_modules,
+    new_expert_groups,
+    reduce_gradients,
+    split_expert_params,
+)
+from uniap_lightning.runtime.expert_state import (
+    _shard,
+    expert_shard_meshes,
+    expert_state_keys,
+    globalize_expert_state,
+    localize_expert_state,
+    mark_expert_shards,
+    merge_expert_states,
+    shard_expert_state,
+)
 
 if TYPE_CHECKING:
     from uniap_lightning.adapters.moe import ExpertFn
 
-
-def check_expert_degree(n_experts: int, ep: int, where: str = "MoE layer") -> None:
-    """Refuse an expert-parallel degree that does not divide the experts, in one line."""
-    if ep < 1 or n_experts % ep != 0:
-        raise UniAPError(f"{where}: expert parallelism ep={ep} must divide the number of experts E={n_experts} "
-                         f"(each rank holds E/ep experts)")
+__all__ = [
+    "AllToAllCounter", "AllToAllRecord", "ExpertGroups", "ExpertLayout", "ExpertParallel", "HFExperts",
+    "apply_batch_group", "apply_expert_parallel", "apply_global_routing", "check_expert_degree", "check_expert_plan",
+    "expert_counts", "expert_modules", "expert_profile_fields", "expert_shard_meshes", "expert_state_keys",
+    "globalize_expert_state", "localize_expert_state", "mark_expert_shards", "merge_expert_states",
+    "new_expert_groups", "reduce_gradients", "shard_expert_state", "split_expert_params", "wrap_hf_experts",
+]
 
 
 # ------------------------------------------------------------------------------------------------ all-to-all
@@ -185,11 +207,6 @@ class ExpertParallel:
                 outs[src * local + e] = part
         back = torch.cat([o for o in outs if o is not None])
         return _AllToAll.apply(back, recv, send, self.ep_group, self.counter, "combine")
-
-
-def expert_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The MoE layers of ``module`` (modules declaring ``uniap_expert_params``), with their names."""
-    return [(name, m) for name, m in module.named_modules() if hasattr(m, "uniap_expert_params")]
 
 
 def apply_expert_parallel(module: nn.Module, *, ep_group: Any, token_group: Any,
@@ -329,192 +346,3 @@ def wrap_hf_experts(module: nn.Module) -> int:
         parent_name, _, attr = name.rpartition(".")
         setattr(module.get_submodule(parent_name) if parent_name else module, attr, HFExperts(m))
     return len(found)
-
-
-# ------------------------------------------------------------------------------------------------ checkpoints
-def expert_state_keys(module: nn.Module, prefix: str = "") -> set[str]:
-    """State-dict keys of ``module`` that are stacked over experts (sharded on dim 0 under expert parallelism)."""
-    return {f"{prefix}{name}.{p}" if name else f"{prefix}{p}"
-            for name, m in expert_modules(module) for p in m.uniap_expert_params}
-
-
-def _shard(t: torch.Tensor, ep: int, index: int) -> torch.Tensor:
-    check_expert_degree(t.shape[0], ep)
-    size = t.shape[0] // ep
-    return t[index * size:(index + 1) * size]
-
-
-def shard_expert_state(state: dict[str, torch.Tensor], keys: Iterable[str], *, ep: int,
-                       index: int) -> dict[str, torch.Tensor]:
-    """A one-process state dict -> the state of ep rank ``index`` (its experts' slices; other entries as is)."""
-    keys = set(keys)
-    missing = sorted(keys - set(state))
-    if missing:
-        raise UniAPError(f"expert state: the checkpoint has no entry {missing[0]!r} (expert parameters expected)")
-    return {k: _shard(v, ep, index).clone() if k in keys else v for k, v in state.items()}
-
-
-def mark_expert_shards(module: nn.Module, layout: Any) -> list[nn.Parameter]:
-    """After :func:`apply_expert_parallel` (and again after ZeRO replaced the parameters): remember each MoE layer's
-    ``(ep, edp)`` mesh (``uniap_ep_mesh``, read by :func:`expert_shard_meshes`) and each expert shard's degree
-    (``uniap_ep``, read by the global gradient norm); returns the shards."""
-    shards = []
-    for _, m in expert_modules(module):
-        m.uniap_ep_mesh = layout
-        for pname in m.uniap_expert_params:
-            p = getattr(m, pname)
-            p.uniap_ep = layout.size(0)
-            shards.append(p)
-    return shards
-
-
-def expert_shard_meshes(module: nn.Module) -> dict[str, tuple[Any, nn.Parameter]]:
-    """State-dict name -> ``((ep, edp) mesh, parameter)`` of every expert shard of ``module`` (empty without expert
-    parallelism)."""
-    return {f"{name}.{p}" if name else p: (m.uniap_ep_mesh, getattr(m, p)) for name, m in expert_modules(module)
-            if getattr(m, "uniap_ep_mesh", None) is not None for p in m.uniap_expert_params}
-
-
-def _expert_entries(state: dict[str, Any], meshes: dict[str, Any], optimizer: bool) -> list[tuple[str, Any]]:
-    """``(key, (mesh, parameter))`` of the entries of a (flattened) model or optimizer state dict that are expert
-    shards or their optimizer states."""
-    out = []
-    for key, value in state.items():
-        fqn = key
-        if optimizer:  # "state.<fqn>.<name>" (flatten_optimizer_state_dict); param_groups hold no tensors
-            if not key.startswith("state."):
-                continue
-            fqn = key[len("state."):].rpartition(".")[0]
-        if fqn in meshes and isinstance(value, torch.Tensor) and value.dim() > 0:
-            out.append((key, meshes[fqn]))
-    return out
-
-
-def globalize_expert_state(state: dict[str, Any], meshes: dict[str, Any], *, optimizer: bool = False) -> None:
-    """In place: every expert shard of a (flattened) model or optimizer state dict becomes a ``DTensor`` of the full
-    ``[E, ...]`` experts on its ``(ep, edp)`` mesh: ``Shard(0)`` over ep, then ``Replicate()`` over the ranks
-    holding the same experts, or ``Shard(0)`` where ZeRO shards them there (a ``DTensor`` on the edp mesh). So
-    distributed checkpoints reshard experts by name to any ep degree and ZeRO mode, as FSDP and TP shards are
-    (:func:`localize_expert_state` undoes it after a load)."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    for key, (layout, _) in _expert_entries(state, meshes, optimizer):
-        value = state[key]
-        if isinstance(value, DTensor) and value.device_mesh is layout:
-            continue
-        if isinstance(value, DTensor):  # ZeRO over the edp ranks: the ep block's shard
-            block = tuple(value.shape)
-            full = (block[0] * layout.size(0), *block[1:])
-            state[key] = DTensor.from_local(value.to_local(), layout, [Shard(0), Shard(0)], run_check=False,
-                                            shape=torch.Size(full), stride=_contiguous_stride(full))
-        else:
-            state[key] = DTensor.from_local(value, layout, [Shard(0), Replicate()], run_check=False)
-
-
-def localize_expert_state(state: dict[str, Any], meshes: dict[str, Any], *, optimizer: bool = False) -> None:
-    """In place: the entries :func:`globalize_expert_state` wrapped, back to what the parameter is: this rank's
-    plain ep block, or its ZeRO shard as a ``DTensor`` on the edp mesh."""
-    from torch.distributed.tensor import DTensor
-
-    for key, (layout, param) in _expert_entries(state, meshes, optimizer):
-        value = state[key]
-        if not (isinstance(value, DTensor) and value.device_mesh is layout):
-            continue
-        if isinstance(param, DTensor):
-            state[key] = DTensor.from_local(value.to_local(), param.device_mesh, param.placements, run_check=False,
-                                            shape=param.shape, stride=param.stride())
-        else:
-            state[key] = value.to_local()
-
-
-def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
-    stride, out = 1, []
-    for size in reversed(shape):
-        out.append(stride)
-        stride *= size
-    return tuple(reversed(out))
-
-
-def merge_expert_states(states: Sequence[dict[str, torch.Tensor]], keys: Iterable[str]) -> dict[str, torch.Tensor]:
-    """The states of ep ranks ``0..ep-1`` -> one process's (experts concatenated in rank order; others from rank 0)."""
-    keys = set(keys)
-    return {k: torch.cat([s[k] for s in states]) if k in keys else v for k, v in states[0].items()}
-
-
-# ------------------------------------------------------------------------------------------------ gradients
-@dataclass(frozen=True)
-class ExpertLayout:
-    """The data ranks of a layer (sharing its batch) and its expert-parallel degree.
-
-    Ep groups are consecutive blocks of ``ep`` data ranks; the ranks holding the same experts are those at the same
-    position in every block. ``ExpertLayout((0, 1, 2, 3), 2)``: ep groups ``(0, 1), (2, 3)``, expert data groups
-    ``(0, 2), (1, 3)``.
-    """
-
-    data_ranks: tuple[int, ...]
-    ep: int
-
-    def __post_init__(self) -> None:
-        if self.ep < 1 or len(self.data_ranks) % self.ep != 0:
-            raise UniAPError(f"expert parallelism ep={self.ep} must divide the {len(self.data_ranks)} data ranks "
-                             f"{list(self.data_ranks)} of the layer")
-
-    def ep_groups(self) -> list[tuple[int, ...]]:
-        r, ep = self.data_ranks, self.ep
-        return [tuple(r[i:i + ep]) for i in range(0, len(r), ep)]
-
-    def expert_data_groups(self) -> list[tuple[int, ...]]:
-        return [tuple(self.data_ranks[i::self.ep]) for i in range(self.ep)]
-
-    def group_of(self, rank: int, groups: list[tuple[int, ...]]) -> tuple[int, ...]:
-        return next(g for g in groups if rank in g)
-
-
-@dataclass(frozen=True)
-class ExpertGroups:
-    """This rank's process groups for one layout (``None`` where the group is this rank alone)."""
-
-    data: Any
-    ep: Any
-    expert_data: Any
-    data_size: int
-
-
-def new_expert_groups(layout: ExpertLayout, rank: int) -> ExpertGroups:
-    """Create the layout's groups; every rank of the world must call this with the same layouts in the same order."""
-    def make(groups: list[tuple[int, ...]]) -> Any:
-        mine = None
-        for g in groups:
-            pg = dist.new_group(list(g))
-            if rank in g:
-                mine = pg
-        return mine
-
-    data = make([layout.data_ranks])
-    ep = make(layout.ep_groups())
-    expert_data = make(layout.expert_data_groups())
-    return ExpertGroups(data, ep, expert_data, len(layout.data_ranks))
-
-
-def split_expert_params(module: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """``(expert parameters, all other parameters)`` of ``module``, trainable ones only."""
-    expert = {id(getattr(m, p)) for _, m in expert_modules(module) for p in m.uniap_expert_params}
-    params = [p for p in module.parameters() if p.requires_grad]  # frozen ones take no gradient
-    return [p for p in params if id(p) in expert], [p for p in params if id(p) not in expert]
-
-
-def reduce_gradients(module: nn.Module, groups: ExpertGroups) -> None:
-    """Average gradients as one process on the data ranks' concatenated batch would compute them.
-
-    Non-expert gradients: summed over the data group. Expert gradients already hold the contributions of every
-    token rank of the ep group (the backward all-to-alls brought them), so they are summed only over the expert
-    data group. Both are divided by the number of data ranks (each rank's loss is the mean over its own batch).
-    """
-    expert, other = split_expert_params(module)
-    for params, group in ((other, groups.data), (expert, groups.expert_data)):
-        if not params:
-            continue
-        for p in params:  # the same tensors on every rank of the group, whatever this rank's routing touched
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        all_reduce_flat([p.grad for p in params], group, groups.data_size)
