@@ -138,7 +138,7 @@ _LOCAL_PACKAGE_IMPORTS_LEFT = {
     ("runtime.checkpoint", "sigterm"), ("runtime.compression_state", "errors"),
     ("runtime.compression_state", "planner.plan"), ("runtime.compression_state", "runtime.checkpoint"),
     ("runtime.compression_topk", "errors"), ("runtime.data_parallel", "runtime.compression_topk"),
-    ("runtime.export", "files"), ("runtime.mesh", "runtime.reshard"), ("runtime.pipeline", "runtime.sequence"),
+    ("runtime.mesh", "runtime.reshard"), ("runtime.pipeline", "runtime.sequence"),
     ("runtime.planning", "planner.problem"), ("runtime.planning", "planner.solver"),
     ("runtime.reshard", "runtime.payload"), ("runtime.ring", "runtime.sequence"),
     ("runtime.sequence", "runtime.data_parallel"), ("runtime.sequence", "runtime.grads"),
