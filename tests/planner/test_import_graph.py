@@ -181,7 +181,7 @@ _LOCAL_REPEATS_LEFT = {
     ("profiling.strategies", "torch"), ("rebalance.callback", "lightning"), ("rebalance.switch", "torch"),
     ("runtime.checkpoint", "torch"), ("runtime.checkpoint_safety", "torch"), ("runtime.data_parallel", "torch"),
     ("runtime.grads", "torch"), ("runtime.pipeline", "torch"),
-    ("runtime.sequence_tp", "torch"), ("runtime.stage", "torch"), ("runtime.tensor_parallel", "torch"),
+    ("runtime.sequence_tp", "torch"), ("runtime.tensor_parallel", "torch"),
     ("runtime.ties", "torch"), ("runtime.zero", "torch"), ("setup", "dataclasses"), ("setup.agree", "torch"),
     ("setup.measure", "torch"), ("strategy", "lightning"),
 }

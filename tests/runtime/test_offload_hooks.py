@@ -1,14 +1,16 @@
-"""Activation offload's saved-tensor hooks (``runtime.stage.OffloadedActivations``) in one process: the same
-gradients bit for bit, activations copied out (parameters and their views left alone), and the stage module taking
-each layer's ``offload`` from the plan. Multi-process parity (pipeline, tensor parallelism, ZeRO, resuming across
-plans that differ in offload) is in ``test_zero_recompute.py``."""
+"""Activation offload's saved-tensor hooks (``runtime.dimensions.offload.OffloadedActivations``) in one process:
+the same gradients bit for bit, activations copied out (parameters and their views left alone), and the stage
+module running each layer as its plan record says (offload, recomputation first). Multi-process parity (pipeline,
+tensor parallelism, ZeRO, resuming across plans that differ in offload) is in ``test_zero_recompute.py``."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from uniap_lightning.runtime.stage import OffloadedActivations, StageModule
+from uniap_lightning.planner.decision import Strategy
+from uniap_lightning.runtime.dimensions.offload import OffloadedActivations
+from uniap_lightning.runtime.stage import StageModule
 
 
 def _grads(model: nn.Module, x: torch.Tensor, box: OffloadedActivations | None) -> list[torch.Tensor]:
@@ -43,6 +45,10 @@ def test_stage_module_takes_offload_per_layer():
     class Meshes:
         n = 1
 
-    stage = StageModule([nn.Linear(2, 2), nn.Linear(2, 2)], [1, 1], Meshes(), offload=[True, False])
-    assert stage.offload == [True, False] and stage.recompute == [False, False]
-    assert StageModule([nn.Linear(2, 2)], [1], Meshes()).offload == [False]
+    plain, off = Strategy.of(1, 1), Strategy.of(1, 1, offload=True)
+    both = Strategy.of(1, 1, recompute=True, offload=True)
+    stage = StageModule([nn.Linear(2, 2), nn.Linear(2, 2)], [1, 1], Meshes(), strategies=[off, plain])
+    assert stage.runners == ["offload", None]
+    assert StageModule([nn.Linear(2, 2)], [1], Meshes()).runners == [None]
+    # a layer the plan recomputes saves nothing to offload: recomputation runs it (first in the registry)
+    assert StageModule([nn.Linear(2, 2)], [1], Meshes(), strategies=[both]).runners == ["recompute"]

@@ -23,7 +23,25 @@ ROOT = Path(__file__).resolve().parents[2]
 RUNTIME = ROOT / "uniap_lightning" / "runtime"
 
 #: the functions and classes that apply a plan through the registry, by file
-LOOPS = {"groups.py": ("build_meshes",)}
+LOOPS = {"stage.py": ("build_stages", "StageModule"), "groups.py": ("build_meshes",),
+         "__init__.py": ("check_plan_executable",)}
+
+
+def _docs_list(label: str) -> list[str]:
+    """The comma-separated names after ``label`` in docs/architecture.md (up to the sentence's end)."""
+    text = " ".join((ROOT / "docs" / "architecture.md").read_text().split())
+    found = re.search(re.escape(label) + r"[^:]*: ([a-z, ]+)[.;(]", text)
+    assert found, f"docs/architecture.md has no {label!r} line"
+    return [x.strip() for x in found.group(1).split(",")]
+
+
+def test_the_registry_orders_are_the_documented_ones():
+    assert [d.name for d in dimensions.DIMENSIONS] == _docs_list("**The runtime registry**")
+    assert list(dimensions.GROUP_ORDER) == _docs_list("**The group order**")
+    # the wrap order's fixed points (torchtitan: converters, TP, CP, then FSDP last; recompute before offload)
+    names = [d.name for d in dimensions.DIMENSIONS]
+    assert names.index("precision") < names.index("tensor") < names.index("context") < names.index("data")
+    assert names.index("experts") < names.index("data") and names.index("recompute") < names.index("offload")
 
 
 def test_every_runtime_dimension_is_a_planner_dimension():

@@ -41,9 +41,9 @@ def FP8(dp: int, tp: int, mode: str = REP, recompute: bool = False, precision: s
 
 def fp8_lm(layers: list[int], lm: str = "gpt", precision: str = "fp8") -> Any:
     """The tiny GPT (``make_module(lm="gpt")``) with the chain layers ``layers`` converted to float8 in one process,
-    as the runtime converts them (:func:`uniap_lightning.runtime.stage.apply_fp8`): the one-process reference of
-    the fp8 plans."""
-    from uniap_lightning.runtime.stage import apply_fp8
+    as the runtime converts them (:func:`uniap_lightning.runtime.dimensions.precision.apply_fp8`): the one-process
+    reference of the fp8 plans."""
+    from uniap_lightning.runtime.dimensions.precision import apply_fp8
 
     module = h.make_module(lm=lm)
     for u in layers:

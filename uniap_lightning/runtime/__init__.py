@@ -4,10 +4,9 @@ One concern per module, applied in this order by :func:`apply_plan`:
 
 1. :mod:`.groups` - every device mesh and process group of the plan (collective, same order on every rank; each
    dimension's by its module of :mod:`.dimensions`), held by :class:`.mesh.PlanMeshes`;
-2. :mod:`.stage` - keep this rank's layers, broadcast their initial weights, then per layer
-   :func:`.tensor_parallel.apply_tp` *before* :func:`.data_parallel.apply_fsdp` (or replication), since FSDP2 must
-   see the DTensor TP shards to build 2-D parameters; a layer with ``ep > 1`` keeps its share of the experts
-   (:mod:`.experts`) before its data parallelism, which then leaves the expert shards to their own reduction;
+2. :mod:`.stage` - keep this rank's layers, broadcast their initial weights, then apply each dimension's runtime
+   module (:mod:`.dimensions`, one ordered registry: float8 conversion, TP, CP, experts, data parallelism;
+   recomputation and offload at the call) to every layer;
 3. :mod:`.reshard` - activation re-layout between layers with different layouts ``(dp, cp, tp)`` (batch and
    sequence splits; context and sequence parallelism in :mod:`.sequence`, :mod:`.sequence_tp`);
 4. :mod:`.pipeline` - micro-batches through ``torch.distributed.pipelining`` schedules over the pipeline lanes.
@@ -29,14 +28,13 @@ from uniap_lightning.planner.plan import Plan
 from uniap_lightning.planner.schedule_rules import unsupported
 from uniap_lightning.runtime.chain import Chain, UniAPModule, extract_chain
 from uniap_lightning.runtime.data_parallel import ReplicatedGrads
-from uniap_lightning.runtime.experts import AllToAllCounter, check_expert_plan
+from uniap_lightning.runtime.dimensions import check_layer
+from uniap_lightning.runtime.experts import AllToAllCounter
 from uniap_lightning.runtime.groups import build_meshes
 from uniap_lightning.runtime.mesh import PlanMeshes
 from uniap_lightning.runtime.pipeline import PipelineRunner, check_schedule_runs
-from uniap_lightning.runtime.sequence import check_sequence_strategy
 from uniap_lightning.runtime.stage import StageModule, build_stages
 from uniap_lightning.runtime.zero import ZeroLayers
-from uniap_lightning.runtime.tensor_parallel import check_tp_supported
 from uniap_lightning.runtime.ties import TiedGrads
 
 
@@ -76,14 +74,10 @@ def check_plan_executable(plan: Plan, chain: Chain) -> None:
     """Checks that need only the plan and the chain (so every rank fails alike, before any collective)."""
     check_schedule_runs(plan)
     for u, lp in enumerate(plan.layers):
-        st = lp.strategy
-        check_tp_supported(chain.layers[u], chain.names[u], st.tp)
-        check_sequence_strategy(chain.layers[u], chain.names[u], cp=st.cp, cp_method=st.cp_method, tp=st.tp, sp=st.sp)
+        check_layer(chain.layers[u], chain.names[u], lp.strategy)  # each dimension's refusals, registry order
         reason = unsupported(plan.schedule, lp.strategy)
         if reason is not None:
             raise UniAPError(f"plan layer {chain.names[u]!r}: {reason}")
-        if st.ep > 1:
-            check_expert_plan(chain.layers[u], f"plan layer {chain.names[u]!r}", st.ep)
 
 
 def apply_plan(chain: Chain, plan: Plan, *, rank: int, device: torch.device) -> Runtime:
