@@ -141,8 +141,6 @@ _LOCAL_PACKAGE_IMPORTS_LEFT = {
     ("runtime.mesh", "runtime.reshard"), ("runtime.pipeline", "runtime.sequence"),
     ("runtime.planning", "planner.problem"), ("runtime.planning", "planner.solver"),
     ("runtime.reshard", "runtime.payload"), ("runtime.ring", "runtime.sequence"),
-    ("runtime.sequence", "runtime.data_parallel"), ("runtime.sequence", "runtime.grads"),
-    ("runtime.sequence", "runtime.mesh"), ("runtime.sequence", "runtime.payload"),
     ("runtime.sequence_tp", "runtime.tensor_parallel"), ("runtime.step", "runtime.checks"),
     ("runtime.step", "runtime.payload"), ("runtime.zero", "errors"), ("setup", "planner.problem"),
     ("setup", "planner.report"), ("setup", "runtime"), ("setup", "runtime.planning"), ("setup", "runtime.sequence"),
@@ -169,7 +167,7 @@ _LOCAL_LIGHT_IMPORTS_LEFT = {
     ("planner.cost.comm", "math"), ("planner.report", "os"), ("profiling.cache", "importlib"),
     ("profiling.module", "dataclasses"), ("profiling.roofline", "dataclasses"), ("rebalance.switch", "shutil"),
     ("runtime.checkpoint", "os"), ("runtime.checkpoint", "shutil"), ("runtime.resume_checks", "packaging"),
-    ("runtime.sequence", "math"), ("setup", "dataclasses"), ("setup.measure", "warnings"), ("sigterm", "signal"),
+    ("setup", "dataclasses"), ("setup.measure", "warnings"), ("sigterm", "signal"),
     ("sigterm", "threading"),
 }
 _LOCAL_REPEATS_LEFT = {

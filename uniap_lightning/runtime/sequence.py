@@ -60,11 +60,14 @@ CUDA-only ``context_parallel`` is not used.
 Layers declare their sequence behaviour with ``uniap_sequence() -> {"attention_heads": a, "kv_heads": k,
 "sequence_parallel": bool}`` (``a`` 0: token-wise; ``None``: nothing); profiles take these fields from it
 (:func:`sequence_info`).
+
+The batch and loss are :mod:`.sequence_batch`, the checks :mod:`.sequence_checks` (their names are importable from
+here too).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,12 +78,37 @@ import torch.nn.functional as F
 from torch import nn
 
 from uniap_lightning.errors import UniAPError
+from uniap_lightning.runtime.sequence_batch import (
+    IGNORE_INDEX,
+    SEQUENCE_KEYS,
+    global_loss,
+    piece_loss,
+    reduce_gradients,
+    sequence_loss,
+    shard_causal_lm_batch,
+    shard_token_batch,
+    shift_labels,
+    split_sequence,
+)
+from uniap_lightning.runtime.sequence_checks import (
+    ATTENTION_DROPOUT_KEYS,
+    CP_METHODS,
+    attention_dropout,
+    check_sequence_length,
+    check_sequence_strategy,
+    check_ulysses,
+    sequence_info,
+    sequence_multiple,
+)
 
-#: Context-parallel methods this runtime executes (ring: :mod:`uniap_lightning.runtime.ring`, any device).
-CP_METHODS = ("ulysses", "ring")
-IGNORE_INDEX = -100
-#: batch keys that are sequence-shaped (``[b, s, ...]``) and split along dim 1
-SEQUENCE_KEYS = ("input_ids", "labels", "targets", "attention_mask", "position_ids", "token_type_ids")
+__all__ = [
+    "ATTENTION_DROPOUT_KEYS", "CP_METHODS", "IGNORE_INDEX", "SEQUENCE_KEYS", "AllToAllCounter", "attention",
+    "attention_dropout", "check_sequence_length", "check_sequence_strategy", "check_ulysses",
+    "enable_context_parallel", "gather_sequence", "global_loss", "heads_to_seq", "padding_mask", "piece_loss",
+    "position_offset", "reduce_gradients", "seq_to_heads", "sequence_info", "sequence_loss", "sequence_multiple",
+    "shard_causal_lm_batch", "shard_token_batch", "shift_labels", "split_sequence", "ulysses_attention",
+    "ulysses_elements",
+]
 
 
 @dataclass
@@ -109,25 +137,6 @@ class AllToAllCounter:
 def ulysses_elements(*, seq_len: int, batch: int, hidden: int, cp: int) -> float:
     """Elements one Ulysses attention forward sends per rank: ``4 s b h (c-1)/c^2`` (q, k, v in, output back)."""
     return 4 * seq_len * batch * hidden * (cp - 1) / cp**2
-
-
-def check_ulysses(*, heads: int, cp: int, tp: int = 1, seq_len: int | None = None, name: str = "layer") -> None:
-    """Refuse a Ulysses degree the layer cannot run, in one line naming the numbers."""
-    if cp < 1 or tp < 1:
-        raise UniAPError(f"{name}: context-parallel degree cp={cp} and tensor-parallel degree tp={tp} must be >= 1")
-    if heads % tp:
-        raise UniAPError(f"{name}: {heads} attention heads are not divisible by tp={tp}")
-    if (heads // tp) % cp:
-        raise UniAPError(
-            f"{name}: Ulysses needs the attention heads per tensor-parallel rank ({heads} heads / tp={tp} = "
-            f"{heads // tp}) divisible by cp={cp}; choose cp in {_divisors(heads // tp)}"
-        )
-    if seq_len is not None and seq_len % cp:
-        raise UniAPError(f"{name}: sequence length {seq_len} is not divisible by cp={cp}; pad it to a multiple of {cp}")
-
-
-def _divisors(k: int) -> list[int]:
-    return [d for d in range(1, k + 1) if k % d == 0]
 
 
 # ---------------------------------------------------------------------------------------------- all-to-all
@@ -257,235 +266,3 @@ def padding_mask(layers: Iterable[nn.Module], key_valid: torch.Tensor | None) ->
     finally:
         for m in mods:
             m.uniap_key_valid = None
-
-
-# ---------------------------------------------------------------------------------------------- batch and loss
-def shift_labels(labels: torch.Tensor, *, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    """Next-token targets over the whole sequence: ``targets[:, t] = labels[:, t+1]``, the last one ignored."""
-    pad = torch.full_like(labels[:, :1], ignore_index)
-    return torch.cat([labels[:, 1:], pad], dim=1)
-
-
-def split_sequence(t: torch.Tensor, rank: int, cp: int, *, name: str = "tensor") -> torch.Tensor:
-    """Rank ``rank``'s contiguous ``1/cp`` piece of ``t`` along dim 1."""
-    s = t.shape[1]
-    if s % cp:
-        raise UniAPError(f"{name}: sequence length {s} is not divisible by cp={cp}; pad it to a multiple of {cp}")
-    n = s // cp
-    return t[:, rank * n:(rank + 1) * n]
-
-
-def shard_causal_lm_batch(batch: Mapping[str, torch.Tensor], rank: int, cp: int, *,
-                          ignore_index: int = IGNORE_INDEX) -> dict[str, torch.Tensor]:
-    """A cp rank's piece of a causal-LM batch: ``input_ids`` (``labels`` default to them) and optional
-    ``attention_mask`` / ``position_ids``.
-
-    Returns ``input_ids``, ``targets`` (labels shifted over the whole sequence, then split; positions whose
-    label or next label is masked out by ``attention_mask`` are ``ignore_index``), ``position_ids`` (global;
-    ``arange`` if not given) and ``attention_mask`` when given. Other sequence-shaped keys are split too."""
-    ids = batch["input_ids"]
-    labels = batch.get("labels", ids)
-    if "attention_mask" in batch:
-        labels = labels.masked_fill(batch["attention_mask"] == 0, ignore_index)
-    full = {**batch, "targets": shift_labels(labels, ignore_index=ignore_index)}
-    full.pop("labels", None)
-    if "position_ids" not in full:
-        full["position_ids"] = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
-    return {k: split_sequence(v, rank, cp, name=k) if k in SEQUENCE_KEYS else v for k, v in full.items()}
-
-
-def shard_token_batch(batch: Mapping[str, torch.Tensor], rank: int, cp: int) -> dict[str, torch.Tensor]:
-    """A cp rank's piece of an encoder batch whose loss is per token (masked LM, token classification): every
-    sequence-shaped entry (``input_ids``, ``attention_mask``, ``token_type_ids``, ``labels``, ...) is split along
-    the sequence as it is. A token's label stays with the token (nothing is shifted), so :func:`sequence_loss` on
-    the pieces is exactly the one-process loss. (A loss on a pooled token, sequence classification, needs whole
-    sequences: it has no per-piece form.)"""
-    return {k: split_sequence(v, rank, cp, name=k) if k in SEQUENCE_KEYS else v for k, v in batch.items()}
-
-
-def sequence_loss(logits: torch.Tensor, targets: torch.Tensor, group: Any | None, *, scale: float = 1.0,
-                  ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    """This rank's share of the one-process token-mean cross-entropy: the local sum over the number of counted
-    tokens of the whole sequence (all-reduced over ``group``), times ``scale``. Summed over the cp ranks (with
-    ``scale=1``) it is the one-process loss (:func:`global_loss` reports that sum)."""
-    total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
-                            ignore_index=ignore_index, reduction="sum")
-    count = (targets != ignore_index).sum().to(torch.float64)
-    if group is not None:
-        dist.all_reduce(count, group=group)
-    return total * scale / count.clamp_min(1).to(total.dtype)
-
-
-def global_loss(local: torch.Tensor, group: Any | None, *, scale: float = 1.0) -> torch.Tensor:
-    """The one-process loss from the cp ranks' :func:`sequence_loss` values (detached, summed, ``/ scale``)."""
-    out = local.detach().clone()
-    if group is not None:
-        dist.all_reduce(out, group=group)
-    return out / scale
-
-
-def piece_loss(plan: Any, loss_fn: Any, y: Any, lane: int) -> tuple[Any, list[Any]] | None:
-    """The loss on the sequence pieces the chain's last layer leaves, where that is exact: ``(loss, targets per
-    micro-batch)`` for this lane of the last stage, or ``None`` (the output is gathered into whole sequences first).
-
-    The loss declares its form (``loss_fn.uniap_sequence_loss``), and the last layer must split the sequence
-    (``cp > 1``). Lane ``r`` of layout ``(d, c, t)`` holds batch chunk ``r // (c t)`` of ``d`` and sequence piece
-    ``(r // t) % c`` of every micro-batch; its targets come from the whole batch (every rank loads it):
-
-    * ``"token"``: labels that stay with their tokens, a loss that sums the labelled tokens' losses times the whole
-      batch's scale (Hugging Face masked LM and token classification, :class:`~uniap_lightning.adapters.auto.HFTarget`):
-      the loss itself on the piece of the labels, times ``c``.
-    * ``"next_token"``: a causal LM's mean next-token cross-entropy over the lane's samples (``-100`` ignored; a
-      ``CausalLMModule.uniap_loss`` that declares it): labels shifted over the whole sequence *before* the split (no
-      (token, next token) pair straddles two pieces), the piece's summed cross-entropy over the chunk's count of
-      targets, times ``c``.
-
-    With the factor ``c`` the lanes' losses average to the global loss (each piece's share counts ``c x`` in a mean
-    over ``c`` pieces), and the gradient a lane holds for its piece is ``d c`` times the global loss's, the
-    convention of :mod:`.reshard`. What this saves: the all-gather of the logits (``b s V`` per micro-batch) into
-    whole sequences."""
-    from uniap_lightning.runtime.mesh import layout_of
-    from uniap_lightning.runtime.payload import chunk
-
-    mode = getattr(loss_fn, "uniap_sequence_loss", None)
-    if y is None or mode not in ("token", "next_token"):
-        return None
-    d, c, t = layout_of(plan, len(plan.layers) - 1)
-    if c == 1:
-        return None
-    pd, pc = lane // (c * t), (lane // t) % c
-    parts = [chunk(ym, d)[pd] for ym in chunk(y, plan.microbatches)]
-    if mode == "next_token":
-        if not isinstance(y, torch.Tensor):
-            raise UniAPError(f"a next-token loss on sequence pieces needs a tensor of labels, got {type(y).__name__}")
-        shifted = [shift_labels(part) for part in parts]
-        targets = [(split_sequence(sh, pc, c, name="labels"), (sh != IGNORE_INDEX).sum()) for sh in shifted]
-
-        def next_token(output: torch.Tensor, target: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-            labels, count = target
-            total = F.cross_entropy(output.reshape(-1, output.shape[-1]), labels.reshape(-1),
-                                    ignore_index=IGNORE_INDEX, reduction="sum")
-            return total * c / count
-
-        return next_token, targets
-
-    def piece(part: Any) -> Any:
-        if isinstance(part, torch.Tensor):
-            return split_sequence(part, pc, c, name="labels")
-        if isinstance(part, dict) and "labels" in part:
-            return {**part, "labels": split_sequence(part["labels"], pc, c, name="labels")}
-        raise UniAPError(f"a per-token loss on sequence pieces needs tensor or dict targets with 'labels', got "
-                         f"{type(part).__name__}")
-
-    def token(output: Any, target: Any) -> torch.Tensor:
-        return loss_fn(output, target) * c
-
-    return token, [piece(part) for part in parts]
-
-
-@torch.no_grad()
-def reduce_gradients(params: Iterable[nn.Parameter], group: Any, *, dp: int) -> None:
-    """Replicated weights' gradients over a group of the dp x cp ranks that hold them: sum, then ``/ dp`` (the
-    cp ranks' losses add up to one sample's loss; dp ranks average as the data-parallel runtime does)."""
-    from uniap_lightning.runtime.data_parallel import local_tensor
-    from uniap_lightning.runtime.grads import all_reduce_flat
-
-    # a TP shard: its local piece
-    all_reduce_flat([local_tensor(p.grad) for p in params if p.grad is not None], group, dp)
-
-
-# ---------------------------------------------------------------------------------------------- plan checks
-def sequence_info(layer: nn.Module) -> dict[str, Any] | None:
-    """What ``layer`` declares about the sequence (``uniap_sequence()``): ``attention_heads`` (0: token-wise),
-    ``kv_heads``, ``sequence_parallel``; ``None`` when it declares nothing, no hook or a hook returning ``None``
-    (it is then never split along it)."""
-    hook = getattr(layer, "uniap_sequence", None)
-    declared = None if hook is None else hook()
-    if declared is None:
-        return None
-    info = dict(declared)
-    heads = int(info.get("attention_heads", 0))
-    return {"attention_heads": heads, "kv_heads": int(info.get("kv_heads") or heads) if heads else None,
-            "sequence_parallel": bool(info.get("sequence_parallel", hasattr(layer, "uniap_sp_plan")))}
-
-
-def check_sequence_strategy(layer: nn.Module, name: str, *, cp: int, cp_method: str, tp: int, sp: bool) -> None:
-    """Refuse, in one line, a layer strategy with context or sequence parallelism this runtime cannot execute
-    (needs only the plan and the layer: every rank fails alike, before any collective)."""
-    where = f"plan layer {name!r} ({type(layer).__name__})"
-    if sp and tp > 1 and not hasattr(layer, "uniap_sp_plan"):
-        raise UniAPError(f"{where}: sp=true needs a sequence-parallel tensor-parallel plan (uniap_sp_plan), which "
-                         "the layer does not have; use sp=false")
-    if cp == 1:
-        return
-    if cp_method not in CP_METHODS:
-        raise UniAPError(f"{where}: cp_method={cp_method!r} is not executable; supported: {list(CP_METHODS)}")
-    info = sequence_info(layer)
-    cp_modules = [m for m in layer.modules() if hasattr(m, "uniap_enable_cp")]
-    if info is None and not cp_modules:
-        raise UniAPError(f"{where}: cp={cp} splits the sequence, but the layer declares no sequence behaviour "
-                         "(uniap_sequence() / uniap_enable_cp); use cp=1 for it")
-    heads = info["attention_heads"] if info is not None else 0
-    if heads == 0 and cp_modules and info is None:
-        raise UniAPError(f"{where}: cp={cp} needs the layer's attention heads (uniap_sequence()); use cp=1 for it")
-    if heads and not cp_modules:
-        raise UniAPError(f"{where}: cp={cp} needs its attention to run over the split sequence, which the layer "
-                         "does not support (no uniap_enable_cp); use cp=1 for it")
-    for m in cp_modules:
-        if cp_method not in m.uniap_cp_methods():
-            raise UniAPError(f"{where}: {type(m).__name__} supports context parallelism {m.uniap_cp_methods()}, "
-                             f"not {cp_method!r}")
-    if cp_method == "ring":
-        dropout = attention_dropout(layer)
-        if dropout > 0:
-            raise UniAPError(f"{where}: ring attention does not run attention dropout (p={dropout}); set the "
-                             "model's attention dropout to 0 or use cp_method='ulysses'")
-    elif heads:
-        check_ulysses(heads=heads, cp=cp, tp=tp, name=where)
-
-
-#: config fields that hold a Hugging Face attention's dropout probability (Llama, GPT-2, BERT)
-ATTENTION_DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
-
-
-def attention_dropout(layer: nn.Module) -> float:
-    """The largest attention-dropout probability a layer's modules declare: ``uniap_attention_dropout()``, or a
-    Hugging Face attention's config (:data:`ATTENTION_DROPOUT_KEYS`) on modules switched with ``uniap_enable_cp``."""
-    found = [0.0]
-    for m in layer.modules():
-        hook = getattr(m, "uniap_attention_dropout", None)
-        if callable(hook):
-            found.append(float(hook()))
-        config = getattr(m, "config", None)
-        if config is not None and type(m).__name__.endswith("Attention"):
-            found += [float(v) for key in ATTENTION_DROPOUT_KEYS
-                      if isinstance(v := getattr(config, key, None), (int, float))]
-    return max(found)
-
-
-def sequence_multiple(plan: Any) -> int:
-    """What every sequence's length must be a multiple of under ``plan``: the lcm over its layers of ``cp``
-    (``cp x tp`` where sequence parallelism splits each cp piece again; ``2 cp`` for ring attention's halves)."""
-    import math
-
-    out = 1
-    for lp in plan.layers:
-        st = lp.strategy
-        ring = 2 if st.cp > 1 and getattr(st, "cp_method", "ulysses") == "ring" else 1
-        out = math.lcm(out, st.cp * ring * (st.tp if st.sp else 1))
-    return out
-
-
-def check_sequence_length(plan: Any, x: Any) -> None:
-    """Refuse, in one line and on every rank alike (all load the same batch), a batch whose sequences the plan's
-    context / sequence parallelism cannot split evenly."""
-    from uniap_lightning.runtime.payload import flatten, is_payload
-
-    multiple = sequence_multiple(plan)
-    if multiple == 1 or not is_payload(x):
-        return
-    seq = next((t for t in flatten(x) if t.dim() >= 2), None)
-    if seq is not None and seq.shape[1] % multiple:
-        raise UniAPError(
-            f"the batch's sequence length {seq.shape[1]} is not divisible by {multiple}, the pieces the plan's "
-            f"context / sequence parallelism splits each sequence into; pad sequences to a multiple of {multiple}")
