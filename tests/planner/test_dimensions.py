@@ -292,7 +292,7 @@ def test_check_equals_the_frozen_code():
 def test_plan_json_layer_reading_by_version(version):
     """Each field reads from the format version that added it; older versions read the defaults (version 1's
     ``shard`` becomes ``dp_mode``)."""
-    from uniap_lightning.planner.plan import _layer_from_dict
+    from uniap_lightning.planner.plan_read import _layer_from_dict
 
     x = {"name": "a", "stage": 0, "dp": 2, "tp": 2, "dp_mode": "zero1", "shard": True, "recompute": True,
          "compression": "bf16", "cp": 2, "cp_method": "ring", "sp": True, "ep": 2}

@@ -25,147 +25,50 @@ layer; earlier versions read with ``cp = ep = 1``. Version 5 added ``offload`` p
 memory between forward and backward); earlier versions read with ``offload = false``. Version 6 added
 ``precision`` per layer (``"default"``, ``"fp8"``, ``"fp8_rowwise"``: float8 matmuls); earlier versions read with
 ``precision = "default"``.
+
+The plan's parts (format version, schedules, compression options, the records it holds) are
+:mod:`.plan_records`, its reading from JSON :mod:`.plan_read`; their names are importable from here too.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.files import parse_json, read_text, write_text_atomic
-from uniap_lightning.planner import dimensions
-from uniap_lightning.planner import fields as F
 from uniap_lightning.planner.decision import COMPRESSIBLE_DP_MODES, COMPRESSIONS, DP_MODES, Strategy
+from uniap_lightning.planner.plan_read import _estimate_from_dict, _plan_from_dict
+from uniap_lightning.planner.plan_records import (
+    COMPRESSION_DEFAULTS,
+    COMPRESSION_RUNTIME_DEFAULTS,
+    MAX_POWERSGD_RANK,
+    MAX_START_ITER,
+    PLAN_FORMAT_VERSION,
+    READABLE_FORMAT_VERSIONS,
+    SCHEDULE_LAYOUTS,
+    SCHEDULES,
+    Estimate,
+    LayerPlan,
+    SolveReport,
+    SolverInfo,
+    StagePlan,
+    boundary_chunks,
+    check_compression_options,
+    check_schedule,
+    group_of_stage,
+    placed_group,
+    stage_ranks,
+)
 
-__all__ = ["COMPRESSIBLE_DP_MODES", "COMPRESSIONS", "DP_MODES", "LayerPlan", "Plan", "StagePlan", "Strategy"]
-
-PLAN_FORMAT_VERSION = 6
-READABLE_FORMAT_VERSIONS = (1, 2, 3, 4, 5, 6)
-#: pipeline schedules (torch.distributed.pipelining runs each): name -> (placement of chunks, allowed virtual stages)
-#: "loop": stage ``k`` on device group ``k % pp``; "v": stage ``k`` on ``k`` for ``k < pp``, else ``2 pp - 1 - k``
-SCHEDULE_LAYOUTS: dict[str, tuple[str, str]] = {
-    "gpipe": ("loop", "1"), "1f1b": ("loop", "1"), "zb_h1": ("loop", "1"),
-    "interleaved_1f1b": ("loop", ">=2"), "interleaved_zb": ("loop", ">=2"),
-    "zb_v": ("v", "2"), "dualpipe_v": ("v", "2"),
-}
-SCHEDULES = tuple(SCHEDULE_LAYOUTS)
-# parameters of the compressors, plan-wide (the plan JSON carries them so a plan runs as it was priced)
-COMPRESSION_DEFAULTS: dict[str, float] = {"powersgd_rank": 1, "topk_ratio": 0.01}
-# the compressors' run-time options (not priced: the cost model prices steady-state compression); absent from a
-# plan's compression_options means these values (see uniap_lightning.runtime.compression)
-COMPRESSION_RUNTIME_DEFAULTS: dict[str, float] = {"start_iter": 0, "start_fraction": 0.02, "dgc_momentum": 0.0}
-#: the largest PowerSGD rank a plan or the strategy takes: far beyond any matrix side of a real layer (a rank at
-#: or above the smaller side sends more than the uncompressed gradient), and small enough to price as a number
-MAX_POWERSGD_RANK = 65_536
-#: the latest optimizer step the uncompressed warm-up may last to (``start_iter``): trainer.max_steps's bound
-MAX_START_ITER = 1_000_000_000
-
-
-def stage_ranks(group: int, devices_per_stage: int) -> range:
-    """The rank layout: device group ``g`` of ``n`` devices runs ranks ``[g*n, (g+1)*n)``. Plans answer it through
-    :meth:`Plan.ranks_of_group`; the cost tables of a candidate (no plan yet) through this."""
-    return range(group * devices_per_stage, (group + 1) * devices_per_stage)
-
-
-def boundary_chunks(micro_batch: int, devices_per_stage: int) -> int:
-    """The boundary layout (any ``pp``): a stage starts and ends with its micro-batch cut into ``g = gcd(b, n)``
-    chunks of ``b / g`` whole samples, chunk ``r // (n / g)`` on lane ``r`` (``n / g`` consecutive lanes hold each;
-    ``g = n`` when ``n`` divides ``b``), so lane ``r`` sends its chunk to lane ``r`` of the next stage. The runtime
-    (:func:`~uniap_lightning.runtime.mesh.boundary_layout`) and the cost tables read it from here."""
-    return math.gcd(micro_batch, devices_per_stage)
-
-
-def check_schedule(schedule: str, virtual_stages: int, where: str = "plan") -> None:
-    """``schedule`` is known and ``virtual_stages`` is one it runs with; UniAPError naming both else."""
-    if schedule not in SCHEDULE_LAYOUTS:
-        raise UniAPError(f"{where} schedule={schedule!r} must be one of {SCHEDULES}")
-    rule = SCHEDULE_LAYOUTS[schedule][1]
-    ok = virtual_stages >= 2 if rule == ">=2" else virtual_stages == int(rule)
-    if not ok:
-        raise UniAPError(f"{where} schedule={schedule!r} runs with virtual_stages {rule}, got {virtual_stages}")
-
-
-def placed_group(stage: int, pp: int, placement: str) -> int:
-    """The device group of pipeline stage ``stage`` under a placement: "loop" (``stage % pp``) or "v" (``stage``
-    for ``stage < pp``, else ``2 pp - 1 - stage``)."""
-    if placement == "v":
-        return stage if stage < pp else 2 * pp - 1 - stage
-    return stage % pp
-
-
-def group_of_stage(stage: int, pp: int, virtual_stages: int, schedule: str) -> int:
-    """The device group that runs pipeline stage ``stage`` (chain order) under ``schedule``'s placement."""
-    return placed_group(stage, pp, SCHEDULE_LAYOUTS[schedule][0])
-
-
-@dataclass(frozen=True)
-class LayerPlan:
-    """One layer of the plan: its name, its pipeline stage and its :class:`Strategy` (the one decision record;
-    ``strategy.dp * strategy.tp`` is the stage's device count)."""
-
-    name: str
-    stage: int
-    strategy: Strategy
-
-    def check(self, where: str) -> None:
-        self.strategy.check(where)
-
-
-@dataclass(frozen=True)
-class StagePlan:
-    """One pipeline stage: an inclusive layer range and the global ranks that run it."""
-
-    index: int
-    layers: tuple[int, int]
-    ranks: tuple[int, ...]
-
-
-@dataclass
-class Estimate:
-    """What the cost model predicts for a plan (filled by ``evaluate``)."""
-
-    tpi_s: float
-    samples_per_s: float
-    stage_time_s: list[float]
-    stage_memory_bytes: list[float]
-    stage_sync_s: list[float]
-    boundary_s: list[float]
-    memory_limit_bytes: float  # the smallest stage limit
-    feasible: bool
-    #: per stage, where devices differ (heterogeneous clusters); None: every stage has ``memory_limit_bytes``
-    stage_memory_limit_bytes: list[float] | None = None
-    #: per stage, the device kind(s) of its ranks, where the cluster names them per rank
-    stage_device: list[str] | None = None
-
-
-@dataclass
-class SolverInfo:
-    """How the plan was found."""
-
-    name: str
-    status: str
-    gap: float | None
-    solve_s: float
-    candidates: int = 0
-    solved: int = 0
-    pruned: int = 0
-    objective_s: float | None = None
-
-
-@dataclass(frozen=True)
-class SolveReport:
-    """What the search learned about a plan, kept beside its decisions: the cost model's ``estimate``, how it was
-    found (``solver``), the ``baselines``' predicted times per iteration, and one ``search`` record per (pp, c)
-    candidate (outcome: "optimal", "pruned by bound", "does not fit", ...; ``tpi_s``, ``bound_s``)."""
-
-    estimate: Estimate | None = None
-    solver: SolverInfo | None = None
-    baselines: dict[str, float | None] = field(default_factory=dict)
-    search: tuple[dict[str, Any], ...] = ()
+__all__ = [
+    "COMPRESSIBLE_DP_MODES", "COMPRESSIONS", "COMPRESSION_DEFAULTS", "COMPRESSION_RUNTIME_DEFAULTS", "DP_MODES",
+    "MAX_POWERSGD_RANK", "MAX_START_ITER", "PLAN_FORMAT_VERSION", "READABLE_FORMAT_VERSIONS", "SCHEDULES",
+    "SCHEDULE_LAYOUTS", "Estimate", "LayerPlan", "Plan", "SolveReport", "SolverInfo", "StagePlan", "Strategy",
+    "boundary_chunks", "check_compression_options", "check_schedule", "group_of_stage", "placed_group", "stage_ranks",
+]
 
 
 @dataclass(frozen=True)
@@ -433,188 +336,3 @@ class Plan:
             else:
                 runs.append((u, u, lp))
         return runs
-
-
-def _finite(value: int | float) -> bool:
-    """A finite number (an integer too long for a float, e.g. 10**400, is not)."""
-    try:
-        return math.isfinite(value)
-    except OverflowError:
-        return False
-
-
-def check_compression_options(options: Any, where: str) -> None:
-    """``{"powersgd_rank": int >= 1, "topk_ratio": (0, 1]}`` and the run-time ``start_iter`` (int >= 0),
-    ``start_fraction`` and ``dgc_momentum`` (in [0, 1)); any may be absent; UniAPError naming the key."""
-    if not isinstance(options, dict):
-        raise UniAPError(f"{where} must be an object {{powersgd_rank, topk_ratio}}, got {options!r}")
-    known = {**COMPRESSION_DEFAULTS, **COMPRESSION_RUNTIME_DEFAULTS}
-    unknown = set(options) - set(known)
-    if unknown:
-        raise UniAPError(f"{where} has unknown keys {sorted(map(str, unknown))} (known: {sorted(known)})")
-    start, fraction, dgc = (options.get(k, COMPRESSION_RUNTIME_DEFAULTS[k]) for k in COMPRESSION_RUNTIME_DEFAULTS)
-    if (isinstance(start, bool) or not isinstance(start, (int, float)) or not _finite(start)
-            or int(start) != start or not 0 <= start <= MAX_START_ITER):
-        raise UniAPError(f"{where}.start_iter must be an integer >= 0 and at most {MAX_START_ITER:,} (the optimizer "
-                         f"step compression starts at), got {F.short(start)}")
-    for key, value in (("start_fraction", fraction), ("dgc_momentum", dgc)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
-            raise UniAPError(f"{where}.{key} must be a number in [0, 1), got {value!r}")
-    rank = options.get("powersgd_rank", 1)
-    ratio = options.get("topk_ratio", 0.01)
-    if isinstance(rank, bool) or not isinstance(rank, (int, float)) or not _finite(rank) or int(rank) != rank or rank < 1:
-        raise UniAPError(f"{where}.powersgd_rank must be an integer >= 1, got {F.short(rank)}")
-    if rank > MAX_POWERSGD_RANK:
-        raise UniAPError(f"{where}.powersgd_rank must be an integer >= 1 and at most {MAX_POWERSGD_RANK:,} (the rank "
-                         f"of PowerSGD's low-rank gradient factors), got {F.short(rank)}")
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
-        raise UniAPError(f"{where}.topk_ratio must be in (0, 1], got {ratio!r}")
-
-
-def _plan_from_dict(cls: type[Plan], d: dict[str, Any]) -> Plan:
-    """The plan's fields, each read with its JSON type (see :mod:`uniap_lightning.planner.fields`)."""
-    version = F.integer(d.get("format_version", PLAN_FORMAT_VERSION), "plan field 'format_version'")
-    if version not in READABLE_FORMAT_VERSIONS:
-        raise UniAPError(f"plan format_version={version} is not supported (this version reads {READABLE_FORMAT_VERSIONS})")
-    counts = {key: F.integer(_top(d, key), f"plan field '{key}'", low=1, high=F.MAX_COUNT)
-              for key in ("pp", "microbatches", "global_batch_size", "num_devices")}
-    stages = [_stage_from_dict(s, i) for i, s in enumerate(F.array(_top(d, "stages"), "plan field 'stages'"))]
-    layers = [_layer_from_dict(x, u, version)
-              for u, x in enumerate(F.array(_top(d, "layers"), "plan field 'layers'"))]
-    options = F.obj(d.get("compression_options", {}), "plan field 'compression_options'")
-    # format 3 added virtual_stages; versions 1 and 2 had one stage per device group
-    virtual = (F.integer(_top(d, "virtual_stages"), "plan field 'virtual_stages'", low=1, high=F.MAX_COUNT)
-               if version >= 3 else 1)
-    return cls(
-        **counts,
-        virtual_stages=virtual,
-        schedule=F.string(_top(d, "schedule"), "plan field 'schedule'"),
-        stages=stages,
-        layers=layers,
-        model=F.string(d.get("model", ""), "plan field 'model'"),
-        cluster=F.string(d.get("cluster", ""), "plan field 'cluster'"),
-        model_fingerprint=F.string(d.get("model_fingerprint", ""), "plan field 'model_fingerprint'"),
-        compression_options={**COMPRESSION_DEFAULTS, **options},
-        report=SolveReport(solver=_solver_from_dict(d["solver"]) if d.get("solver") is not None else None,
-                           baselines=_baselines_from_dict(d.get("baselines", {})),
-                           search=tuple(_search_from_dict(d.get("search", [])))),
-    )
-
-
-def _top(d: dict[str, Any], key: str) -> Any:
-    """A required top-level field (the message keeps the wording earlier versions gave)."""
-    if key not in d:
-        raise UniAPError(f"plan JSON is missing or has a malformed field: '{key}' is missing")
-    return d[key]
-
-
-def _stage_from_dict(s: Any, i: int) -> StagePlan:
-    where = f"plan stages[{i}]"
-    s = F.obj(s, where)
-    ranks = F.array(F.required(s, "ranks", where), f"{where}.ranks")
-    return StagePlan(F.integer(F.required(s, "index", where), f"{where}.index", low=0, high=F.MAX_COUNT),
-                     _int_pair(F.required(s, "layers", where), f"stages[{i}].layers"),
-                     tuple(F.integer(r, f"{where}.ranks[{j}]", low=0, high=F.MAX_COUNT) for j, r in enumerate(ranks)))
-
-
-def _layer_from_dict(x: Any, u: int, version: int) -> LayerPlan:
-    """One layer: its name, stage and the decision record's fields, each read by its dimension (the format
-    version that added it; older files read its default, version 1's ``shard`` a real boolean: ``"false"`` would
-    be truthy, ZeRO-3)."""
-    x = F.obj(x, f"plan layer {u}")
-    name = F.string(F.required(x, "name", f"plan layer {u}"), f"plan layer {u}.name")
-    where = f"plan layer {u} ({name})"
-    stage = F.integer(F.required(x, "stage", where), f"{where}: stage", low=0, high=F.MAX_COUNT)
-    return LayerPlan(name, stage, Strategy(*dimensions.read(x, where, version)))
-
-
-def _numbers(value: Any, where: str, length: int, *, finite: bool = True) -> list[float]:
-    values = F.array(value, where)
-    if len(values) != length:
-        raise UniAPError(f"{where} must list {length} numbers (one per stage / boundary), got {len(values)}")
-    return [F.number(v, f"{where}[{i}]", low=0, finite=finite) for i, v in enumerate(values)]
-
-
-def _estimate_from_dict(e: Any, pp: int, boundaries: int) -> Estimate:
-    """The cost model's prediction saved with the plan: printed as is, so its lists must match the device groups
-    (``pp``: time, memory, sync) and the stage boundaries (``boundaries``)."""
-    w = "plan estimate"
-    e = F.obj(e, w)
-    unknown = set(e) - set(Estimate.__dataclass_fields__)
-    if unknown:
-        raise UniAPError(f"{w} has unknown field(s) {sorted(map(str, unknown))}")
-    limits, devices = e.get("stage_memory_limit_bytes"), e.get("stage_device")
-    return Estimate(
-        tpi_s=F.number(F.required(e, "tpi_s", w), f"{w}.tpi_s", low=0),
-        samples_per_s=F.number(F.required(e, "samples_per_s", w), f"{w}.samples_per_s", low=0, finite=False),
-        stage_time_s=_numbers(F.required(e, "stage_time_s", w), f"{w}.stage_time_s", pp),
-        stage_memory_bytes=_numbers(F.required(e, "stage_memory_bytes", w), f"{w}.stage_memory_bytes", pp),
-        stage_sync_s=_numbers(F.required(e, "stage_sync_s", w), f"{w}.stage_sync_s", pp),
-        boundary_s=_numbers(F.required(e, "boundary_s", w), f"{w}.boundary_s", boundaries),
-        memory_limit_bytes=F.number(F.required(e, "memory_limit_bytes", w), f"{w}.memory_limit_bytes", low=0),
-        feasible=F.boolean(F.required(e, "feasible", w), f"{w}.feasible"),
-        stage_memory_limit_bytes=(None if limits is None else
-                                  _numbers(limits, f"{w}.stage_memory_limit_bytes", pp)),
-        stage_device=(None if devices is None else
-                      [F.string(v, f"{w}.stage_device[{i}]") for i, v in enumerate(_sized(devices, f"{w}.stage_device", pp))]),
-    )
-
-
-def _sized(value: Any, where: str, length: int) -> list[Any]:
-    values = F.array(value, where)
-    if len(values) != length:
-        raise UniAPError(f"{where} must list {length} entries (one per stage), got {len(values)}")
-    return values
-
-
-def _solver_from_dict(s: Any) -> SolverInfo:
-    w = "plan solver"
-    s = F.obj(s, w)
-    unknown = set(s) - set(SolverInfo.__dataclass_fields__)
-    if unknown:
-        raise UniAPError(f"{w} has unknown field(s) {sorted(map(str, unknown))}")
-    return SolverInfo(
-        name=F.string(F.required(s, "name", w), f"{w}.name"),
-        status=F.string(F.required(s, "status", w), f"{w}.status"),
-        gap=F.optional_number(F.required(s, "gap", w), f"{w}.gap", low=0),
-        solve_s=F.number(F.required(s, "solve_s", w), f"{w}.solve_s", low=0),
-        candidates=F.integer(s.get("candidates", 0), f"{w}.candidates", low=0),
-        solved=F.integer(s.get("solved", 0), f"{w}.solved", low=0),
-        pruned=F.integer(s.get("pruned", 0), f"{w}.pruned", low=0),
-        objective_s=F.optional_number(s.get("objective_s"), f"{w}.objective_s"),
-    )
-
-
-def _baselines_from_dict(b: Any) -> dict[str, float | None]:
-    """Baseline name -> seconds per iteration, or null where it does not fit."""
-    b = F.obj(b, "plan field 'baselines'")
-    return {k: F.optional_number(v, f"plan baselines.{k}", low=0) for k, v in b.items()}
-
-
-def _search_from_dict(records: Any) -> list[dict[str, Any]]:
-    """The solver's trace, one record per (pp, micro-batches) candidate; bounds may be infinite."""
-    out = []
-    for i, r in enumerate(F.array(records, "plan field 'search'")):
-        w = f"plan search[{i}]"
-        r = dict(F.obj(r, w))
-        for key in ("pp", "microbatches"):
-            r[key] = F.integer(F.required(r, key, w), f"{w}.{key}", low=1, high=F.MAX_COUNT)
-        r["outcome"] = F.string(F.required(r, "outcome", w), f"{w}.outcome")
-        if "virtual_stages" in r:
-            r["virtual_stages"] = F.integer(r["virtual_stages"], f"{w}.virtual_stages", low=1, high=F.MAX_COUNT)
-        if "schedule" in r:
-            r["schedule"] = F.string(r["schedule"], f"{w}.schedule")
-        if "resolves" in r:
-            r["resolves"] = F.integer(r["resolves"], f"{w}.resolves", low=0, high=F.MAX_COUNT)
-        for key in ("tpi_s", "bound_s", "memory_bound_bytes", "solve_s", "bubble_s"):
-            if key in r:
-                r[key] = F.optional_number(r[key], f"{w}.{key}", finite=False)
-        out.append(r)
-    return out
-
-
-def _int_pair(value: Any, where: str) -> tuple[int, int]:
-    if not isinstance(value, (list, tuple)) or len(value) != 2:
-        raise UniAPError(f"plan field '{where}' must be [first, last] layer indices, got {F.short(value)}")
-    return (F.integer(value[0], f"plan field '{where}[0]'", low=0, high=F.MAX_COUNT),
-            F.integer(value[1], f"plan field '{where}[1]'", low=0, high=F.MAX_COUNT))
