@@ -12,8 +12,9 @@ recomputation) and priced with ``evaluate`` under two cost models:
 * ``flat``: the same cluster with the flat ``peak_tflops x efficiency`` the project used before (494 TFLOP/s TF32 x
   0.4, ``memory_reserved_gib`` 4: the cluster file shipped with the data).
 
-Printed per point: measured and predicted seconds per iteration and peak memory (the busiest stage's bytes plus the
-framework's reserve), and their errors; then per model the mean absolute error, the largest one, and how many pairs
+Printed per point: measured and predicted seconds per iteration and peak memory (the busiest stage's bytes, with
+NCCL's buffers for the plan's communicators, plus the device's framework reserve, plus what DeepSpeed's engine adds
+at ``dp = 1``: :func:`deepspeed_extra_bytes`), and their errors; then per model the mean absolute error, the largest one, and how many pairs
 of configurations of the same job (same GPUs, same global batch) the prediction orders as the measurements do.
 """
 
@@ -94,7 +95,21 @@ def predict(point: Point, model: str, cluster_cfg: dict, flat: bool) -> tuple[fl
     except UniAPError as err:
         return str(err).splitlines()[0]
     reserve = cluster.memory_reserved_gib * 2**30
-    return est.tpi_s, max(est.stage_memory_bytes) + reserve
+    return est.tpi_s, max(m + deepspeed_extra_bytes(point, profile, g)
+                          for g, m in enumerate(est.stage_memory_bytes)) + reserve
+
+
+def deepspeed_extra_bytes(point: Point, profile, stage: int) -> float:
+    """What the runs' framework holds that our runtime does not, at the point's plan: DeepSpeed's engine reduces
+    the gradients through ``buffered_allreduce_fallback`` at every data-parallel size (``allreduce_gradients``, no
+    check of the group's size; deepspeed/runtime/engine.py, 0.16.5 as the artifact pins it), which flattens them
+    into buckets of up to 5e8 elements (``MEMORY_OPT_ALLREDUCE_SIZE``): one fp32 copy of the stage's gradients per
+    rank. The cost model prices that copy (a replicated layer's all-reduce bucket) only where ``dp > 1``."""
+    if point.dp > 1:
+        return 0.0
+    first = sum(point.layers_per_stage[:stage])
+    params = sum(layer.params for layer in profile.layers[first:first + point.layers_per_stage[stage]])
+    return 4.0 * params / point.tp
 
 
 def pairs_ordered(points: list[Point], predicted: dict[str, float]) -> tuple[int, int]:

@@ -100,6 +100,12 @@ class Cluster:
     #: whether the planner may offload a layer's activations to host memory (opt-in, like compression): "off"
     #: (default) or "auto" (per layer, where it pays; :mod:`uniap_lightning.planner.dimensions.offload`)
     offload: str = "off"
+    #: GPU memory of one NCCL communicator a rank uses (its buffers, GiB): a layer's tensor-, data-, context- and
+    #: expert-parallel groups, the world group and a pipeline stage's two send/recv pairs each hold one set on every
+    #: rank (:mod:`uniap_lightning.planner.cost.buffers`). The catalogue device's
+    #: :data:`~uniap_lightning.planner.devices.NCCL_COMMUNICATOR_GIB` where the file names one and is silent; 0
+    #: where it names none (a CPU cluster runs gloo; a file of its own figures may give its own)
+    nccl_comm_gib: float = 0.0
 
     def __post_init__(self) -> None:
         for key in ("nodes", "devices_per_node"):
@@ -131,7 +137,8 @@ class Cluster:
             raise UniAPError(f"cluster '{self.name}': offload must be one of {list(OFFLOAD_CHOICES)} ('auto': the "
                              f"planner may offload activations to host memory per layer), got {short(self.offload)}")
         for key in ("intra_latency_us", "inter_latency_us", "memory_reserved_gib", "pipeline_overhead_us",
-                    "optimizer_ns_per_param", "optimizer_us_per_tensor", "kernel_floor_us", "host_link_gbps"):
+                    "optimizer_ns_per_param", "optimizer_us_per_tensor", "kernel_floor_us", "host_link_gbps",
+                    "nccl_comm_gib"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise UniAPError(f"cluster '{self.name}': {key} must be >= 0, got {v!r}")
@@ -418,7 +425,8 @@ def _device_defaults(d: Mapping[str, Any]) -> dict[str, Any]:
     reference peak (bf16, else fp32), the optimizer step's memory traffic, the host link (effective), and the
     roofline compute model when the
     file gives neither peak_tflops nor efficiency (a user who measured them keeps the flat model)."""
-    from uniap_lightning.planner.devices import HOST_LINK_EFFICIENCY, MEMORY_EFFICIENCY, lookup_device
+    from uniap_lightning.planner.devices import (HOST_LINK_EFFICIENCY, MEMORY_EFFICIENCY, NCCL_COMMUNICATOR_GIB,
+                                                 lookup_device)
 
     name = d.get("device")
     spec = lookup_device(name) if isinstance(name, str) else None
@@ -436,6 +444,7 @@ def _device_defaults(d: Mapping[str, Any]) -> dict[str, Any]:
     out.setdefault("optimizer_ns_per_param", d.get("optimizer_ns_per_param",
                                                    28.0 / (spec.hbm_gbps * MEMORY_EFFICIENCY)))
     out.setdefault("host_link_gbps", d.get("host_link_gbps", spec.host_link_gbps * HOST_LINK_EFFICIENCY))
+    out.setdefault("nccl_comm_gib", d.get("nccl_comm_gib", NCCL_COMMUNICATOR_GIB))
     return out
 
 

@@ -14,8 +14,12 @@ field                  meaning
 ``sms``                streaming multiprocessors: a matmul's output tiles run in waves of this many
 ``host_link_gbps``     device <-> host memory, one direction, the datasheet's link rate (PCIe or NVLink-C2C);
                        activation offload is priced at :data:`HOST_LINK_EFFICIENCY` of it
-``framework_reserve_gib``  what the framework holds before the model's first tensor: the CUDA context, the
-                       math libraries' workspaces and the communication buffers
+``framework_reserve_gib``  what a process holds on the device besides its tensors and NCCL's buffers, whatever
+                       the plan: the CUDA context (driver state and the kernels loaded lazily), the cuBLAS and
+                       cuBLASLt workspaces, and an allowance for the caching allocator's cached free blocks and
+                       rounding (see :data:`CUDA_CONTEXT_GIB`, :data:`CUBLAS_WORKSPACES_GIB`); NCCL's buffers
+                       depend on the plan's communicators and are priced per layer
+                       (:mod:`uniap_lightning.planner.cost.buffers`)
 =====================  ===================================================================================
 
 Torch-free: the planner reads it on a laptop. :mod:`uniap_lightning.profiling.roofline` prices operations with
@@ -71,6 +75,26 @@ HOST_LINK_EFFICIENCY = 0.8
 #: the least time one eager operation takes: host dispatch + autograd + launch (PyTorch eager: ~10 us per op);
 #: a cluster's ``kernel_floor_us`` replaces it
 KERNEL_FLOOR_S = 10e-6
+#: the CUDA context of a PyTorch process with lazy module loading (CUDA >= 11.7, torch's default, the driver's
+#: from CUDA 12.2): 287 MB after one tensor op (pytorch/pytorch#86509, 667 MB with eager loading), "around 300-400
+#: MB" (NVIDIA's ptrblck, pytorch/pytorch#107667 and #109888); Hopper's kernel images are larger, and a training
+#: step loads the matmul, attention and NCCL kernels: half a GiB on the Hopper devices
+CUDA_CONTEXT_GIB = 0.5
+#: the cuBLAS and cuBLASLt workspaces torch allocates per handle and stream: 32 MiB each on Hopper (sm90: the size
+#: the cuBLAS documentation recommends, cublasSetWorkspace; torch's CublasHandlePool.cpp default ":4096:8", and
+#: pytorch/pytorch#120925 for cuBLASLt), 4 MiB + 1 MiB before (":4096:2:16:8" = 8.1 MiB); two streams (compute and
+#: one side stream) on Hopper
+CUBLAS_WORKSPACES_GIB = 4 * 32 / 1024
+#: GPU memory of one NCCL communicator a rank has joined and used (its channels' buffers: NCCL_BUFFSIZE, 4 MiB per
+#: channel and peer for the Simple protocol, plus the LL128 and LL buffers and the proxy's, for every channel; the
+#: memory grows linearly with the channels, which NVLink GPUs run many of, NCCL maintainers in NVIDIA/nccl#864 and
+#: #986): measured with torch on 4 NVLink A100s after one 4 MB all-reduce on each group, 688 MB for a group of 3-4
+#: ranks (NVIDIA/nccl#964). NCCL 2.22's lazy connection (NCCL_RUNTIME_CONNECT) connects only the algorithms used,
+#: Hopper's NVLink runs more channels: the A100 figure stands for both
+NCCL_COMMUNICATOR_GIB = 688e6 / 2**30
+#: a two-rank communicator (a pipeline hand-off's send/recv pair) against a larger group, in the same measurement:
+#: 544 MB against 688 MB (NVIDIA/nccl#964: one peer per ring channel instead of two)
+NCCL_PAIR_SHARE = 544 / 688
 _FIELDS = {"name", "memory_gib", "hbm_gbps", "peak_tflops", "sms", "host_link_gbps", "framework_reserve_gib"}
 
 

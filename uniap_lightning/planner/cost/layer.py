@@ -23,7 +23,7 @@ transient), and ``time_s`` gains one forward (compute and forward TP all-reduces
 recomputation): the layer's activations leave ``activation_bytes`` for the host, ``time_s`` gains the copies'
 exposed time over the cluster's host link (:func:`~uniap_lightning.planner.dimensions.offload.offload_s`) and
 ``transient_bytes`` twice its activations (back for its backward, one layer prefetched). Every layer's transient
-also holds what its backward adds at its peak (the profile's ``backward_peak_bytes``: gradients in and out,
+also holds NCCL's buffers for the communicators its strategy uses (:mod:`.buffers`) and what its backward adds at its peak (the profile's ``backward_peak_bytes``: gradients in and out,
 temporaries), split by tensor parallelism like its activations. Compression (replicate / zero1) replaces the
 gradient all-reduce: bf16 halves its bytes; PowerSGD rank ``r`` all-reduces ``4 r (n + k)`` bytes per ``n x k``
 matrix in two rounds and the vectors uncompressed; top-k all-gathers ``8 k`` bytes per rank (``k =
@@ -63,6 +63,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 
 from uniap_lightning.planner.cluster import Cluster
+from uniap_lightning.planner.cost.buffers import communicator_bytes
 from uniap_lightning.planner.cost.comm import all_gather_s, all_reduce_s, all_to_all_s, p2p_s, reduce_scatter_s
 from uniap_lightning.planner.decision import Strategy
 from uniap_lightning.planner.dimensions import Slot, candidates
@@ -308,6 +309,7 @@ def _layer_cost(
         comm += exposed
         act, back = offload_memory(act)
         transient += back
+    transient += communicator_bytes(cluster, s, pr.n)  # NCCL's buffers of the layer's communicators (cost.buffers)
     return LayerCost(compute + comm, compute, comm, sync, static, act, transient, weight_grad, split_extra)
 
 
