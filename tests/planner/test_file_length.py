@@ -24,7 +24,6 @@ OVER_LIMIT_LEFT: dict[str, str] = {
     "planner/solver/bounds.py": "to split",
     "planner/solver/milp.py": "to split",
     "planner/solver/group_floor.py": "to split",
-    "runtime/data_parallel.py": "to split",
 }
 
 

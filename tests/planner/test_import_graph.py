@@ -177,7 +177,7 @@ _LOCAL_REPEATS_LEFT = {
     ("monitor", "torch"), ("planner.cluster", "dataclasses"), ("planner.config_schema", "omegaconf"),
     ("planner.config_schema", "typing"), ("profiling.backward_split", "torch"), ("profiling.roofline", "dataclasses"),
     ("profiling.strategies", "torch"), ("rebalance.callback", "lightning"), ("rebalance.switch", "torch"),
-    ("runtime.checkpoint", "torch"), ("runtime.checkpoint_safety", "torch"), ("runtime.data_parallel", "torch"),
+    ("runtime.checkpoint", "torch"), ("runtime.checkpoint_safety", "torch"),
     ("runtime.grads", "torch"), ("runtime.pipeline", "torch"),
     ("runtime.sequence_tp", "torch"), ("runtime.tensor_parallel", "torch"),
     ("runtime.ties", "torch"), ("runtime.zero", "torch"), ("setup", "dataclasses"), ("setup.agree", "torch"),

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from uniap_lightning.runtime.data_parallel import _copy_views_of_parameters, apply_fsdp
+from uniap_lightning.runtime.shards import _copy_views_of_parameters, apply_fsdp
 
 
 @pytest.fixture

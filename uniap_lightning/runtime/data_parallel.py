@@ -9,201 +9,27 @@ overlaps its buckets with backward); see :class:`uniap_lightning.runtime.step.Tr
 ``compression`` gets buckets of its own whose averaging a compressor does instead (:mod:`.compression`); every
 collective's payload is counted (:attr:`ReplicatedGrads.counter`). The compressors' state (error feedback) is per
 rank and travels with the strategy's checkpoints (:mod:`.compression_state`).
+
+The pieces are their own modules: :mod:`.shards` (a rank's shard of a parameter, FSDP2) and :mod:`.buckets` (the
+gradient buckets); their names are importable from here too.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cache
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from uniap_lightning.planner.plan import COMPRESSION_DEFAULTS
-from uniap_lightning.runtime.compression import (ByteCounter, Compressor, all_reduce, make_compressor, start_step,
-                                                 wire_bytes)
+from uniap_lightning.runtime.buckets import BUCKET_CAP_BYTES, FIRST_BUCKET_CAP_BYTES, Bucket, make_buckets
+from uniap_lightning.runtime.compression import ByteCounter, make_compressor, start_step, wire_bytes
+from uniap_lightning.runtime.shards import apply_fsdp, local_tensor, own_outputs
 
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
-
-#: DDP's default bucket sizes: large enough that per-collective latency stays small; the first bucket of a group
-#: (the last layers' gradients) smaller, so that a reduction starts early in the backward even for a small stage
-BUCKET_CAP_BYTES = 25 * 2**20
-FIRST_BUCKET_CAP_BYTES = 2**20
-
-
-def apply_fsdp(layer: nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: bool = True,
-               ignored: set[nn.Parameter] | None = None) -> None:
-    """Shard the layer's parameters, gradients and optimizer states over ``dp_mesh`` (FSDP2); outputs that are
-    views of the gathered parameters are copied before FSDP2 frees them (:func:`own_outputs`). ``ignored``:
-    parameters FSDP2 leaves alone (expert-parallel shards, whose gradients travel their own way)."""
-    from torch.distributed.fsdp import fully_shard
-
-    fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored or None)
-    own_outputs(layer)
-
-
-def own_outputs(layer: nn.Module) -> None:
-    """After ``fully_shard(layer)``: every output of the layer's forward that shares storage with one of its
-    gathered (unsharded) parameters is replaced by a copy, before FSDP2's post-forward hook reshards.
-
-    FSDP2 frees a gathered parameter's storage when it reshards (after the forward under zero3, after the step or
-    an evaluation forward under zero1/zero2), so a view of it handed on to later layers - T5's first block passes
-    its relative-position table to the stack's other blocks as ``weight.unsqueeze(0).expand(batch, ...)`` - would
-    be read after the free (a crash, or ``setStorage ... out of bounds for storage of size 0``). The copy is
-    differentiable, so the later layers' gradient still reaches the parameter (FSDP2's pre-backward hook, put on
-    the copy as on any output, gathers the parameter again for it). Outputs that are not such views, the usual
-    case, are returned as they are: the check is one storage pointer per parameter and per output tensor."""
-    layer.register_forward_hook(_copy_views_of_parameters, prepend=True)  # before FSDP2's post-forward (reshard)
-
-
-def _copy_views_of_parameters(module: nn.Module, args: Any, output: Any) -> Any:
-    from torch.utils._pytree import tree_flatten, tree_unflatten
-
-    storages = {_storage_ptr(p) for p in module.parameters()} - {0}  # during the forward: the gathered parameters
-    leaves, spec = tree_flatten(output)
-    views = [isinstance(t, torch.Tensor) and _storage_ptr(t) in storages for t in leaves]
-    if not any(views):
-        return None
-    return tree_unflatten([t.clone(memory_format=torch.contiguous_format) if v else t
-                           for t, v in zip(leaves, views, strict=True)], spec)
-
-
-def _storage_ptr(t: torch.Tensor) -> int:
-    """The address of the storage under ``t`` (its local shard for a DTensor); 0 for none: an empty (freed)
-    storage, or a tensor subclass with no storage of its own (a collective's pending result)."""
-    try:
-        s = local_tensor(t).untyped_storage()
-        return s.data_ptr() if s.nbytes() else 0
-    except (RuntimeError, NotImplementedError):
-        return 0
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The shard of ``t`` held by this rank (``t`` itself for a plain tensor); in-place edits reach ``t``."""
-    return t.to_local() if isinstance(t, _dtensor_type()) else t
-
-
-@cache
-def _dtensor_type() -> type:
-    from torch.distributed.tensor import DTensor  # imported once, not per call: gradient hooks call this
-
-    return DTensor
-
-
-@dataclass
-class Bucket:
-    """Gradients of some parameters of one group, one flat buffer, one all-reduce per optimizer step.
-
-    The buffer persists (allocated at the first step) so no step pays for allocating and faulting it in again.
-    """
-
-    group: dist.ProcessGroup
-    size: int  # ranks in ``group``: the divisor of the sum (for expert shards: the layer's replicas, more ranks)
-    params: list[nn.Parameter]
-    buffer: torch.Tensor
-    slots: list[torch.Tensor]  # parameter i's piece of ``buffer``, shaped as its local gradient
-    filled: list[bool] = field(default_factory=list)
-    missing: int = 0  # slots not filled yet this step
-    work: Any = None
-    compressor: Compressor | None = None  # None: a plain all-reduce; else it averages (and holds error feedback)
-
-    def reset(self) -> None:
-        self.filled = [False] * len(self.params)
-        self.missing = len(self.params)
-
-    def fill(self, i: int, previous: torch.Tensor | None) -> None:
-        """Copy parameter ``i``'s final gradient (plus ``previous``, the earlier batches of the window) in.
-
-        No autograd bookkeeping needed: neither the buffer nor gradients require grad (and hooks run in backward).
-        """
-        grad, out = self.params[i].grad, self.slots[i]
-        if grad is None:
-            out.zero_()
-        else:
-            out.copy_(local_tensor(grad))
-        if previous is not None:
-            out.add_(local_tensor(previous))
-        self.filled[i] = True
-        self.missing -= 1
-
-    @torch.no_grad()
-    def launch(self, counter: ByteCounter | None, step: int | None = None) -> None:
-        """Start averaging the complete buffer for optimizer step ``step``: the plain all-reduce, or the
-        compressor's first collectives (a plain all-reduce too in its warm-up)."""
-        if self.compressor is None:
-            self.work = all_reduce(self.buffer, self.group, counter)
-        else:
-            self.work = self.compressor.start(self.buffer, self.slots, self.group, self.size, counter, step)
-
-    @torch.no_grad()
-    def write_back(self) -> None:
-        """Wait for the all-reduce (or the compressed averaging) and replace each gradient by the average."""
-        self.work.wait()
-        self.work = None
-        if self.compressor is None:  # a compressor leaves the average in the buffer itself
-            self.buffer.div_(self.size)
-        for i, p in enumerate(self.params):
-            if not p.requires_grad:
-                continue
-            if p.grad is None:
-                # Every rank takes part in the collective (a parameter unused here may have a gradient on
-                # another rank), so this rank gets the average too.
-                p.grad = torch.zeros_like(p)
-            local_tensor(p.grad).copy_(self.slots[i])
-
-
-def make_buckets(
-    groups: list[tuple[Any, ...]],
-    cap_bytes: int,
-    *,
-    first_cap_bytes: int = FIRST_BUCKET_CAP_BYTES,
-    compression_options: dict[str, float] | None = None,
-) -> list[Bucket]:
-    """Buckets of at most ``cap_bytes`` (``first_cap_bytes`` for a group's first; a larger parameter gets its own),
-    last-registered parameters first.
-
-    Reverse registration order because backward produces the last layers' gradients first: their bucket can be
-    reduced while the earlier layers are still in backward. Every rank of a group builds the same buckets in the
-    same order (same layers, same parameters), which is what keeps the collectives matched. A group is
-    ``(process group, size, parameters)`` or ``(..., compression)``; each bucket gets its own compressor.
-    """
-    out: list[Bucket] = []
-    options = compression_options if compression_options is not None else COMPRESSION_DEFAULTS
-    for group, size, params, *method in groups:
-        name = method[0] if method else "none"
-        current: list[nn.Parameter] = []
-        current_bytes, limit = 0, min(first_cap_bytes, cap_bytes)
-        for p in reversed(params):
-            local = local_tensor(p)
-            nbytes = local.numel() * local.element_size()
-            same_kind = not current or (local.dtype, local.device) == _kind(current[0])
-            if current and (current_bytes + nbytes > limit or not same_kind):
-                out.append(_bucket(group, size, current, make_compressor(name, options)))
-                current, current_bytes, limit = [], 0, cap_bytes
-            current.append(p)
-            current_bytes += nbytes
-        if current:
-            out.append(_bucket(group, size, current, make_compressor(name, options)))
-    return out
-
-
-def _kind(p: torch.Tensor) -> tuple[torch.dtype, torch.device]:
-    local = local_tensor(p)
-    return local.dtype, local.device
-
-
-def _bucket(group: dist.ProcessGroup, size: int, params: list[nn.Parameter],
-            compressor: Compressor | None = None) -> Bucket:
-    shapes = [local_tensor(p).shape for p in params]
-    dtype, device = _kind(params[0])
-    buffer = torch.empty(sum(s.numel() for s in shapes), dtype=dtype, device=device)
-    slots = [piece.view(shape) for piece, shape in zip(buffer.split([s.numel() for s in shapes]), shapes)]
-    bucket = Bucket(group, size, params, buffer, slots, compressor=compressor)
-    bucket.reset()
-    return bucket
+__all__ = ["BUCKET_CAP_BYTES", "FIRST_BUCKET_CAP_BYTES", "Bucket", "ReplicatedGrads", "apply_fsdp", "local_tensor",
+           "make_buckets", "own_outputs"]
 
 
 @dataclass
