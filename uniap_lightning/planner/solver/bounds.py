@@ -1,4 +1,8 @@
-"""Cheap bounds per ``(pp, c)`` candidate: a time lower bound to prune the search, memory to explain failure."""
+"""Cheap bounds per ``(pp, c)`` candidate: a time lower bound to prune the search, memory to explain failure.
+
+The partition floors on plain weights are :mod:`.partition`, the memory bounds in bytes :mod:`.memory_bounds`
+(their names are importable from here too).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,21 @@ from bisect import bisect_right
 from uniap_lightning.planner.cost.tables import CostTables
 from uniap_lightning.planner.solver.fronts import frontier, least_holding, staircase
 from uniap_lightning.planner.solver.group_floor import group_memory_floor_s, group_stage_floor_s
+from uniap_lightning.planner.solver.memory_bounds import bisect_left_value, least_memory_bytes, memory_lower_bound_bytes
+from uniap_lightning.planner.solver.partition import (
+    partition_floor,
+    pigeonhole_floor,
+    pigeonhole_floor_uneven,
+    staged_partition_floor,
+)
+
+__all__ = [
+    "FLOOR_WORK", "bisect_left_value", "chain_bottleneck_s", "chain_sync_floor_s", "group_floor_s",
+    "group_sync_floor_s", "least_memory_bytes", "memory_chain_floor_s", "memory_chain_sync_floor_s",
+    "memory_lower_bound_bytes", "memory_partition_floor", "partition_floor", "pigeonhole_floor",
+    "pigeonhole_floor_uneven", "run_bottleneck_s", "stage_memory_allowance_bytes", "staged_partition_floor",
+    "time_lower_bound_s",
+]
 
 
 def time_lower_bound_s(t: CostTables, *, refined: bool = False, group_memory: bool = False) -> float:
@@ -99,53 +118,6 @@ def group_sync_floor_s(t: CostTables) -> float:
             + t.tpi_s(0.0, 0.0, t.stage_time_s(0.0) * t.v, 0.0))
 
 
-def pigeonhole_floor(weights: list[float], groups: int) -> float:
-    """A lower bound on the largest group sum when ``weights`` (each >= 0) are shared among ``groups`` groups in any
-    way: of the ``k groups + 1`` largest weights, some group holds ``k + 1``, so at least the ``k + 1`` smallest of
-    them, for every ``k``; times ``1 - 1e-12`` (summed in another order a group's total may round lower)."""
-    times = sorted(weights, reverse=True)
-    best = 0.0
-    for k in range(len(times) // groups + 1):
-        top = times[: k * groups + 1]
-        if len(top) < k * groups + 1:
-            break
-        best = max(best, sum(top[-(k + 1):]))
-    return best * (1 - 1e-12)
-
-
-def pigeonhole_floor_uneven(classes: list[tuple[int, list[float]]]) -> float:
-    """:func:`pigeonhole_floor` for groups that price the same item differently: ``classes`` holds ``(number of
-    groups, weight of every item on such a group)``; a lower bound on the largest group sum over every way to give
-    each item to one group.
-
-    For any set ``H`` of items and any ``X``: a group of class ``c`` that holds ``m`` items of ``H`` carries at least
-    the ``m`` smallest of its weights in ``H``, so with all sums ``<= X`` it holds at most ``cap_c(X)`` of them; if
-    the caps add up to fewer than ``|H|`` items, every assignment has a group above ``X``. ``H`` runs over the
-    ``h`` items heaviest on the fastest class, for every ``h``; the least ``X`` the caps allow is a prefix sum, found
-    by bisection. With one class this is :func:`pigeonhole_floor`."""
-    if len(classes) == 1:
-        return pigeonhole_floor(classes[0][1], classes[0][0])
-    items = len(classes[0][1])
-    order = sorted(range(items), key=lambda u: min(w[u] for _, w in classes), reverse=True)
-    best = 0.0
-    for h in range(1, items + 1):
-        chosen = order[:h]
-        prefixes = []
-        for count, w in classes:
-            acc, run = [], 0.0
-            for x in sorted(w[u] for u in chosen):
-                run += x
-                acc.append(run)
-            prefixes.append((count, acc))
-        values = sorted({x for _, acc in prefixes for x in acc})
-
-        def holds(X: float) -> bool:
-            return sum(count * bisect_right(acc, X) for count, acc in prefixes) >= h
-
-        best = max(best, least_holding(values, holds))
-    return best * (1 - 1e-12)
-
-
 def chain_bottleneck_s(t: CostTables) -> float:
     """A lower bound on the largest stage's layer time: the least, over splits of the chain into ``P`` contiguous
     stages, of the largest stage sum of each layer's cheapest time (:func:`partition_floor`; where devices differ,
@@ -169,38 +141,6 @@ def _per_stage(t: CostTables, price) -> list[list[float]]:
             by_speed[speed] = [min(price(k, speed) for k in costs) for costs in t.cost]
         out.append(by_speed[speed])
     return out
-
-
-def staged_partition_floor(weights: list[list[float]]) -> float:
-    """The least ``C`` such that the chain splits into ``len(weights)`` contiguous parts in order, part ``i``
-    pricing layer ``u`` at ``weights[i][u] >= 0``, with every part's sum at most ``C`` (parts may be empty: a
-    relaxation, so a lower bound), from below. Filling each part as far as it goes is optimal for a given ``C`` (by
-    induction, the greedy split ends each part no earlier than any feasible split does), so bisection on ``C``
-    with that test; returns a refuted value times ``1 - 1e-12``."""
-    L = len(weights[0]) if weights else 0
-
-    def fits(limit: float) -> bool:
-        u = 0
-        for w in weights:
-            acc = 0.0
-            while u < L and acc + w[u] <= limit:
-                acc += w[u]
-                u += 1
-            if u == L:
-                return True
-        return u == L
-
-    hi = max(sum(w) for w in weights) if weights else 0.0
-    lo = 0.0
-    if hi <= 0.0 or fits(0.0):
-        return 0.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        if fits(mid):
-            hi = mid
-        else:
-            lo = mid
-    return lo * (1 - 1e-12)
 
 
 def chain_sync_floor_s(t: CostTables) -> float:
@@ -392,34 +332,6 @@ def _pareto(points: list[tuple[float, float, float]]) -> list[tuple[float, float
     return out
 
 
-def partition_floor(weights: list[float], parts: int) -> float:
-    """The least, over splits of ``weights`` into ``parts`` contiguous non-empty parts, of the largest part's sum
-    (the linear partition problem), from below: bisection with a greedy test, returning either the largest single
-    weight (when that already admits a split: then it is the exact value) or a value the test refuted, times
-    ``1 - 1e-12`` (a part's sum added up in another order may round lower)."""
-    P = parts
-
-    def count(limit: float) -> int:
-        n, acc = 1, 0.0
-        for a in weights:
-            if acc + a > limit:
-                n, acc = n + 1, a
-            else:
-                acc += a
-        return n
-
-    lo, hi = max(weights), sum(weights)
-    if count(lo) <= P:
-        return lo * (1 - 1e-12)
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        if count(mid) <= P:
-            hi = mid
-        else:
-            lo = mid
-    return lo * (1 - 1e-12)
-
-
 def run_bottleneck_s(t: CostTables, first: int, last: int) -> float:
     """A lower bound on the bottleneck stage time forced by a run of ``R`` identical layers ``first..last``.
 
@@ -469,74 +381,3 @@ def _least_time(opts: list[tuple[float, float]], x: int, limit: float) -> float:
                 n2 = min(x, (limit - x * m1) / (m2 - m1))
                 best = min(best, a1 * (x - n2) + a2 * n2)
     return best
-
-
-def memory_lower_bound_bytes(t: CostTables) -> float:
-    """Cheap bound: the busiest stage holds at least its share of every layer's least memory, and at least the
-    hungriest single layer (each on the stage with the fewest micro-batches in flight)."""
-    lightest = min(range(t.stages), key=t.in_flight)
-    least = [min(t.layer_memory_bytes(lightest, k) for k in costs) for costs in t.cost]
-    return max(sum(least) / t.pp, max(least))
-
-
-def least_memory_bytes(t: CostTables, *, rel_tol: float = 1e-9) -> float:
-    """The least peak memory per device any plan of this candidate can have: the minimum over contiguous splits
-    into ``pp`` non-empty stages of the largest stage, each layer at its least-memory strategy (the FSDP gather
-    term bounded below by 0); to ``rel_tol``, from above.
-
-    Bisection on the answer ``X`` with a greedy feasibility test from the last stage backwards: each stage takes
-    the longest suffix of what is left that fits ``X``. That is exact because a layer costs no more on a later
-    stage (``in_flight`` never grows with the stage index), so a greedy that is ahead never has to place a layer
-    where it costs more than in any feasible split. ``O(L * F + iterations * P log L)`` for ``F`` distinct
-    in-flight counts, where the dynamic program it replaces was ``O(P L^2)``.
-    """
-    if t.stages != t.pp:  # several stages per device: the cheap bound (still a lower bound)
-        return memory_lower_bound_bytes(t)
-    L, P = len(t.layers), t.pp
-    prefix: dict[int, list[float]] = {}
-    stage_prefix = []
-    for i in range(P):
-        F = t.in_flight(i)
-        if F not in prefix:
-            acc, run = [0.0], 0.0
-            for costs in t.cost:
-                run += min(t.layer_memory_bytes(i, k) for k in costs)
-                acc.append(run)
-            prefix[F] = acc
-        stage_prefix.append(prefix[F])
-
-    def split_max(limit: float) -> float | None:
-        """Largest stage of the backward greedy split under ``limit``, or None if it does not fit."""
-        end, worst = L, 0.0
-        for i in range(P - 1, 0, -1):
-            acc = stage_prefix[i]
-            # smallest start s >= i (stages 0..i-1 keep a layer each) with acc[end] - acc[s] <= limit
-            s = max(bisect_left_value(acc, acc[end] - limit, i, end - 1), i)
-            if acc[end] - acc[s] > limit:
-                return None
-            worst, end = max(worst, acc[end] - acc[s]), s
-        first = stage_prefix[0][end]
-        return None if first > limit else max(worst, first)
-
-    hi = max(stage_prefix[0][L], max(p[L] for p in stage_prefix))
-    lo = 0.0
-    best = split_max(hi)
-    while best is not None and hi - lo > rel_tol * hi:
-        mid = (lo + hi) / 2
-        got = split_max(mid)
-        if got is None:
-            lo = mid
-        else:
-            hi, best = got, got
-    return best if best is not None else float("inf")
-
-
-def bisect_left_value(acc: list[float], value: float, lo: int, hi: int) -> int:
-    """First index ``s`` in ``[lo, hi]`` with ``acc[s] >= value`` (``acc`` non-decreasing), else ``hi``."""
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if acc[mid] >= value:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
