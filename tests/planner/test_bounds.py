@@ -398,9 +398,9 @@ def test_the_group_memory_program_is_the_brute_force_least_value(seed, monkeypat
     """A device group's program (counts per stage and strategy, the group's memory shared by its stages) equals
     brute force over every split of X run layers over its stages and every strategy mix, end layers included; and
     inf exactly when nothing fits. (Its time budget is lifted: this checks the value, not the budget.)"""
-    from uniap_lightning.planner.solver import group_floor
+    from uniap_lightning.planner.solver import group_memory
 
-    monkeypatch.setattr(group_floor, "MEMORY_BUDGET_S", 1e6)
+    monkeypatch.setattr(group_memory, "MEMORY_BUDGET_S", 1e6)
     problem = forced_problem(seed, memory_gib=(0.5, 1.0, 2.0, 1.0)[seed], activation_scale=40.0, param_scale=0.2,
                              num_layers=3, per_node=2)
     layers = [problem.model.layers[0]] + [problem.model.layers[1]] * 4 + [problem.model.layers[2]]
