@@ -55,7 +55,8 @@ def run_case(overrides: list[str]) -> dict[str, float]:
     strategies = re.search(r"timed TP / FSDP overheads in ([\d.]+) s", text)
     cluster = re.search(r"cluster links \(measured, ([\d.]+) s\)", text)
     r = {
-        "pred_layers": _duration_after("layer timing", line), "pred_strategies": _duration_after("TP/FSDP timing", line),
+        "pred_layers": _duration_after("layer timing", line),
+        "pred_strategies": _duration_after("TP/FSDP timing", line),
         "pred_cluster": _duration_after("cluster links", line),
         "layers": layers[-1] if layers else 0.0, "strategies": float(strategies.group(1)) if strategies else 0.0,
         "cluster": float(cluster.group(1)) if cluster else 0.0, "wall": wall,

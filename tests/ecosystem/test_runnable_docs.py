@@ -138,7 +138,8 @@ def test_the_command_runs_and_leaves_the_clone_clean(block: Block, clone: Path, 
         env.pop(var, None)
     run = subprocess.run(["bash", "-e", "-c", script(block)], cwd=clone, env=env, capture_output=True, text=True,
                          timeout=TIMEOUT_S[block.mark])
-    assert run.returncode == 0, f"{block.id} exited {run.returncode}:\n{script(block)}\n{(run.stdout + run.stderr)[-3000:]}"
+    said = (run.stdout + run.stderr)[-3000:]
+    assert run.returncode == 0, f"{block.id} exited {run.returncode}:\n{script(block)}\n{said}"
     status = subprocess.run(["git", "status", "--porcelain"], cwd=clone, capture_output=True, text=True,
                             check=True).stdout
     assert not status, f"{block.id} left files git sees (write them under an ignored folder, e.g. outputs/):\n{status}"

@@ -20,19 +20,22 @@ from dataclasses import dataclass
 
 #: rows of the sample batch kept for profiling (the largest micro-batch timed; setup.sample takes them)
 PROFILE_ROWS = 16
-#: the share of the dense matmul rate a layer's forward and backward reach (attention's softmax, norms, GELU,
-#: copies and autograd's bookkeeping run slower than a matmul; fitted on a CPU, gpt2_small at sequence 64-128)
-LAYER_EFFICIENCY = 0.7
+#: the share of the timed matmul's rate a layer's forward and backward reach (attention's softmax, norms, GELU and
+#: copies run slower than a matmul, the layer's larger matmuls faster; fitted on a CPU, gpt2_small at sequence 64)
+LAYER_EFFICIENCY = 0.9
 #: a backward costs this many forwards
 BACKWARD = 2.0
 #: seconds a timed run costs beside its compute and the cache flush (Python, hooks, the timer, the allocator)
 RUN_S = 0.008
 #: the same for a run under TP / FSDP / replication: hooks, copies and collective latencies (gloo: ~2 ms each)
 STRATEGY_RUN_S = 0.015
+#: small operations (kernels) in a layer's forward and backward, each costing at least :attr:`Rates.op_s`
+OPS_PER_RUN = 50
 #: seconds setup takes to measure the cluster's links (collectives at two sizes, optimizer step, compression)
 CLUSTER_S = 3.0
-#: bytes per second a collective moves for large messages, assumed before the links are measured
-LINK_BYTES_PER_S = {"cpu": 1.0e9, "cuda": 5.0e10}
+#: bytes per second a collective moves for large messages, assumed before the links are measured (gloo on a
+#: 2-core CPU: 0.2-0.8 GB/s)
+LINK_BYTES_PER_S = {"cpu": 3.0e8, "cuda": 5.0e10}
 #: bytes an Adam step reads and writes per parameter (weights, gradient, two moments; fp32)
 ADAM_BYTES_PER_PARAM = 28
 #: how many bytes of parameters each mode moves per timed step, in units of the layer's parameter bytes
@@ -48,6 +51,9 @@ class Rates:
     flush_s: float
     memory_bytes_per_s: float
     link_bytes_per_s: float
+    #: seconds of one small operation (a tiny layer's matmul, activation or add): what a run of a small layer costs
+    #: per kernel; many times its quiet value where the rank's threads share busy cores
+    op_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -128,9 +134,11 @@ def strategy_kinds(world: int, devices_per_node: int, tp_degrees: Sequence[int])
 def predict(work: Work, rates: Rates) -> Prediction:
     """Each phase's seconds: its runs counted as the phase makes them, each run priced as its compute (forward
     and backward FLOPs over the matmul rate times :data:`LAYER_EFFICIENCY`), plus a cache flush and a fixed cost
-    per run (and the parameters' bytes over the link for the sharded and replicated modes)."""
+    per run and :data:`OPS_PER_RUN` small operations (and the parameters' bytes over the link for the sharded and
+    replicated modes)."""
     rate = rates.flops_per_s * LAYER_EFFICIENCY
     step = 1.0 + BACKWARD
+    fixed, strategy_fixed = RUN_S + OPS_PER_RUN * rates.op_s, STRATEGY_RUN_S + OPS_PER_RUN * rates.op_s
 
     def run(i: int, m: int) -> float:  # compute seconds of forward + backward of layer i at micro-batch m
         return m * step * work.flops[i] / rate
@@ -139,7 +147,7 @@ def predict(work: Work, rates: Rates) -> Prediction:
     runs = max(work.repeats, 1) + max(work.warmup, 1)  # the warm-up run also counts the bytes
     layers_s = sizes[0] * sum(work.flops) / rate  # the loss checked on the chain's output
     for m in sizes:
-        layers_s += sum(runs * (rates.flush_s + RUN_S + run(i, m)) for i in range(len(work.flops)))
+        layers_s += sum(runs * (rates.flush_s + fixed + run(i, m)) for i in range(len(work.flops)))
     # the backward's split into input and weight gradients at the largest size: two more steps, three flushes
     layers_s += sum(2 * run(i, sizes[-1]) + 3 * rates.flush_s for i in range(len(work.flops)))
     strategies_s = 0.0
@@ -154,8 +162,8 @@ def predict(work: Work, rates: Rates) -> Prediction:
                 comm = _COMM_FACTOR[kind] * work.params[i] * work.param_bytes * (k - 1) / k / rates.link_bytes_per_s
                 share = 1.0 / k if kind == "tp" else 1.0
                 for m in small:
-                    plain = run(i, m) + RUN_S
-                    strategies_s += timed * (plain + run(i, m) * share + STRATEGY_RUN_S + comm)
+                    plain = run(i, m) + fixed
+                    strategies_s += timed * (plain + run(i, m) * share + strategy_fixed + comm)
     params = sum(work.params)
     one_step = (work.samples_per_rank * step * sum(work.flops) / rate
                 + params * ADAM_BYTES_PER_PARAM / rates.memory_bytes_per_s
