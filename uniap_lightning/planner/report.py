@@ -209,7 +209,8 @@ def explain_renderables(plan: Plan, problem, measured: dict | None = None) -> Gr
     legend = Text(
         "a stage holds: state (weights, gradients, optimizer state as its dp mode shards them, buckets, error "
         "feedback) + micro-batches in flight x activations (a recomputed layer keeps only its input) + the largest "
-        "transient (a ZeRO-3 layer's gathered weights, a recomputed layer's activations while it recomputes); "
+        "transient (a ZeRO-3 layer's gathered weights, a recomputed layer's activations while it recomputes, NCCL's "
+        "buffers for the layer's communicators); "
         "sync / iter: gradient all-reduce (or its compressed form), ZeRO-1/2 reduce-scatter and parameter "
         "all-gather, the optimizer step", style="dim")
     parts = [layers, legend, stages]
