@@ -110,7 +110,7 @@ _LOCAL_PACKAGE_IMPORTS_LEFT = {
     ("cli.overrides", "planner.config_schema"), ("cli.overrides", "planner.decision"),
     ("cli.own_configs", "planner.config"), ("cli.train", "adapters"), ("cli.train", "adapters.gpt"),
     ("cli.train", "callbacks"), ("cli.train", "cli.checkpoint_dir"), ("cli.train", "cli.own_configs"),
-    ("cli.train", "cli.train_checks"), ("cli.train", "data"), ("cli.train", "monitor"),
+    ("cli.train", "data"), ("cli.train", "monitor"),
     ("cli.train", "runtime.checkpoint"), ("cli.train", "runtime.checkpoint_safety"), ("cli.train", "sigterm"),
     ("cli.train", "strategy"), ("cli.train_checks", "planner.analytic"), ("cli.train_checks", "runtime.checks"),
     ("cli.train_checks", "runtime.resume_checks"), ("monitor_memory", "profiling.memory"),

@@ -19,6 +19,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from uniap_lightning.cli.estimate import estimate
 from uniap_lightning.cli.pinned_plan import pin_plan
+from uniap_lightning.cli.train_checks import (check_environment, check_resume_state, check_train_config,
+                                              check_trainer_arguments)
 from uniap_lightning.cli.ranks import (
     PREEMPTED_EXIT_CODE,
     SETUP_STOP_LINE,
@@ -77,8 +79,6 @@ def check_config(cfg: DictConfig) -> list[str]:
     """Refuse what `uniap train` cannot run, before any other rank is started: every value of the config
     (:mod:`uniap_lightning.cli.train_checks`; the model through ``ModelSpec``, as `uniap plan` checks it). The
     ``auto`` Trainer values are resolved in ``cfg``; the returned lines say how, where that matters."""
-    from uniap_lightning.cli.train_checks import check_train_config
-
     notes = check_train_config(cfg)
     if cfg.get("out"):  # a folder of rank<N>.json: refused now if it cannot be one, not after training
         check_output_folder(str(cfg.out), "out=")
@@ -147,6 +147,7 @@ def run_train(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
 
     notes = pin_plan(cfg, overrides) + check_config(cfg)  # a plan file's batch and processes first: checked as set
     said = None
+    check_environment(cfg)  # a bad environment is refused before anything is said or measured
     if os.environ.get("LOCAL_RANK", "0") == "0":
         for note in notes:
             print(f"note: {note}", flush=True)
@@ -318,8 +319,6 @@ def _no_training_line(trainer: Any) -> str:
 def check_before_launch(cfg: DictConfig) -> None:
     """What needs the environment or Lightning, checked before any other rank starts: the environment the ranks
     inherit, the Trainer's argument names, the strategy's arguments (built once and dropped)."""
-    from uniap_lightning.cli.train_checks import check_environment, check_trainer_arguments
-
     check_environment(cfg)
     check_trainer_arguments(OmegaConf.to_container(cfg.trainer, resolve=True))  # type: ignore[arg-type]
     build_strategy(cfg)
@@ -399,7 +398,6 @@ def check_resume(cfg: DictConfig, path: Path) -> None:
     model is built on the meta device, so this costs no memory."""
     import torch
 
-    from uniap_lightning.cli.train_checks import check_resume_state
     from uniap_lightning.runtime.checkpoint import load_plain
     from uniap_lightning.runtime.checkpoint_safety import check_meta, read_metadata
 
