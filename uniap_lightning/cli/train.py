@@ -317,9 +317,9 @@ def _no_training_line(trainer: Any) -> str:
 
 
 def check_before_launch(cfg: DictConfig) -> None:
-    """What needs the environment or Lightning, checked before any other rank starts: the environment the ranks
-    inherit, the Trainer's argument names, the strategy's arguments (built once and dropped)."""
-    check_environment(cfg)
+    """What needs Lightning, checked before any other rank starts (the environment the ranks inherit was checked
+    before the estimate line, in :func:`run_train`): the Trainer's argument names, the strategy's arguments (built
+    once and dropped)."""
     check_trainer_arguments(OmegaConf.to_container(cfg.trainer, resolve=True))  # type: ignore[arg-type]
     build_strategy(cfg)
 

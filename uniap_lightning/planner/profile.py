@@ -110,7 +110,7 @@ from typing import Any
 
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.files import read_json, write_json_atomic
-from uniap_lightning.planner.fields import MAX_COUNT, short
+from uniap_lightning.planner.fields import MAX_COUNT, array, short
 
 PROFILE_FORMAT_VERSION = 1
 #: the largest magnitude of any number in a profile (seconds, bytes, counts): far beyond any real figure, and
@@ -398,11 +398,7 @@ def _fraction(item: dict[str, Any], key: str, where: str) -> float:
 def _optional_list(item: dict[str, Any], key: str, where: str) -> list[Any]:
     """An optional list field: absent or null reads as empty; anything else but a list is refused."""
     value = item.get(key)
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise UniAPError(f"{where}.{key} must be a list, got {short(value)}")
-    return value
+    return [] if value is None else array(value, f"{where}.{key}")
 
 
 def _layer_from_dict(item: Any, where: str) -> LayerProfile:

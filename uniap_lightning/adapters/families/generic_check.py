@@ -50,12 +50,7 @@ def _epilogue(model: Any, task: _Task, prologue: nn.Module, blocks: list[nn.Modu
     if task is _CLASSIFY and "input_ids" in batch:  # a decoder's classifier: at each row's last real token
         prologue.last = (getattr(model.config, "pad_token_id", None),)
         kinds.append(_LAST_TOKEN)
-    hiddens = []
-    for lo, hi in ((0, 1), (1, 3)):
-        x: Any = {k: v[lo:hi] for k, v in batch.items()}
-        for layer in (prologue, *blocks):
-            x = call_layer(layer, x)
-        hiddens.append(x)
+    hiddens = _hiddens(prologue, blocks, batch)
 
     def matches(epilogue: GenericEpilogue) -> bool:
         try:
@@ -101,16 +96,22 @@ def _first_match(plain: GenericEpilogue, after: list[nn.Module], unused: list[nn
     return None
 
 
-def _verify(model: Any, task: _Task, prologue: nn.Module, blocks: list[nn.Module], epilogue: GenericEpilogue,
-            batch: dict[str, torch.Tensor], labels: torch.Tensor, reference: Any) -> None:
-    """The chain on the probe batch (split into micro-batches of 1 and 2 samples up to the epilogue, which pools the
-    whole batch's router statistics as the model does) gives the model's own logits and loss."""
+def _hiddens(prologue: nn.Module, blocks: list[nn.Module], batch: dict[str, torch.Tensor]) -> list[Any]:
+    """The probe batch through the prologue and the blocks as two micro-batches, of 1 and 2 samples."""
     hiddens = []
     for lo, hi in ((0, 1), (1, 3)):
         x: Any = {k: v[lo:hi] for k, v in batch.items()}
         for layer in (prologue, *blocks):
             x = call_layer(layer, x)
         hiddens.append(x)
+    return hiddens
+
+
+def _verify(model: Any, task: _Task, prologue: nn.Module, blocks: list[nn.Module], epilogue: GenericEpilogue,
+            batch: dict[str, torch.Tensor], labels: torch.Tensor, reference: Any) -> None:
+    """The chain on the probe batch (split into micro-batches of 1 and 2 samples up to the epilogue, which pools the
+    whole batch's router statistics as the model does) gives the model's own logits and loss."""
+    hiddens = _hiddens(prologue, blocks, batch)
     output = call_layer(epilogue, concat(hiddens))
     ours = output[0] if epilogue.router is not None else output
     theirs = task.logits(reference)
