@@ -24,7 +24,8 @@ expert parallelism (``ep``: a mixture-of-experts layer's experts split over ``ep
 layer; earlier versions read with ``cp = ep = 1``. Version 5 added ``offload`` per layer (activations kept in host
 memory between forward and backward); earlier versions read with ``offload = false``. Version 6 added
 ``precision`` per layer (``"default"``, ``"fp8"``, ``"fp8_rowwise"``: float8 matmuls); earlier versions read with
-``precision = "default"``.
+``precision = "default"``. A later version is a per-layer field's ``since`` in its dimension's module
+(:mod:`.dimensions`), which says what it added; :data:`PLAN_FORMAT_VERSION` is the newest.
 
 The plan's parts (format version, schedules, compression options, the records it holds) are
 :mod:`.plan_records`, its reading from JSON :mod:`.plan_read`; their names are importable from here too.

@@ -12,9 +12,14 @@ from typing import Any
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner import fields as F
 from uniap_lightning.planner.decision import Strategy
+from uniap_lightning.planner.dimensions import NEWEST_FIELD_SINCE
 
-PLAN_FORMAT_VERSION = 6
-READABLE_FORMAT_VERSIONS = (1, 2, 3, 4, 5, 6)
+#: the newest format a change beyond the per-layer record made (3: virtual stages and the schedules)
+_PLAN_LEVEL_VERSION = 3
+#: the format written: the newest per-layer field's ``since`` (each field of :mod:`.dimensions` says the version
+#: that added it), so a new dimension's field raises it from its own module; earlier versions all read
+PLAN_FORMAT_VERSION = max(_PLAN_LEVEL_VERSION, NEWEST_FIELD_SINCE)
+READABLE_FORMAT_VERSIONS = tuple(range(1, PLAN_FORMAT_VERSION + 1))
 #: pipeline schedules (torch.distributed.pipelining runs each): name -> (placement of chunks, allowed virtual stages)
 #: "loop": stage ``k`` on device group ``k % pp``; "v": stage ``k`` on ``k`` for ``k < pp``, else ``2 pp - 1 - k``
 SCHEDULE_LAYOUTS: dict[str, tuple[str, str]] = {

@@ -17,11 +17,15 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 def apply_fsdp(layer: nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: bool = True,
-               ignored: set[nn.Parameter] | None = None) -> None:
+               ignored: set[nn.Parameter] | None = None, offload_policy: Any = None) -> None:
     """Shard the layer's parameters, gradients and optimizer states over ``dp_mesh`` (FSDP2); outputs that are
     views of the gathered parameters are copied before FSDP2 frees them (:func:`own_outputs`). ``ignored``:
-    parameters FSDP2 leaves alone (expert-parallel shards, whose gradients travel their own way)."""
-    fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored or None)
+    parameters FSDP2 leaves alone (expert-parallel shards, whose gradients travel their own way);
+    ``offload_policy``: FSDP2's (None: its default, state on the device; a dimension that keeps state on the host
+    passes ``CPUOffloadPolicy``)."""
+    options = {} if offload_policy is None else {"offload_policy": offload_policy}
+    fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored or None,
+                **options)
     own_outputs(layer)
 
 

@@ -19,21 +19,21 @@ zero3      ``P (w + g + o) / d``, + ``P w (1 - 1/d)``   two all-gathers of ``P w
 
 Recomputation: the layer keeps its input (``input_bytes`` per sample, whole on every TP rank) instead of its
 activations, its activations live again while it recomputes (``transient_bytes``: a stage holds the largest
-transient), and ``time_s`` gains one forward (compute and forward TP all-reduces). Activation offload (not with
-recomputation): the layer's activations leave ``activation_bytes`` for the host, ``time_s`` gains the copies'
-exposed time over the cluster's host link (:func:`~uniap_lightning.planner.dimensions.offload.offload_s`) and
-``transient_bytes`` twice its activations (back for its backward, one layer prefetched). Every layer's transient
-also holds NCCL's buffers for the communicators its strategy uses (:mod:`.buffers`) and what its backward adds at its peak (the profile's ``backward_peak_bytes``: gradients in and out,
-temporaries), split by tensor parallelism like its activations. Compression (replicate / zero1) replaces the
+transient), and ``time_s`` gains one forward (compute and forward TP all-reduces). Every layer's transient
+also holds NCCL's buffers for the communicators its strategy uses (:mod:`.buffers`) and what its backward adds at
+its peak (the profile's ``backward_peak_bytes``: gradients in and out, temporaries), split by tensor parallelism
+like its activations. Compression (replicate / zero1) replaces the
 gradient all-reduce: bf16 halves its bytes; PowerSGD rank ``r`` all-reduces ``4 r (n + k)`` bytes per ``n x k``
 matrix in two rounds and the vectors uncompressed; top-k all-gathers ``8 k`` bytes per rank (``k =
 ratio * P``, at least one per tensor). Each adds the cluster's compression compute per element and, for PowerSGD
 and top-k, an fp32 error-feedback buffer (``4 P`` bytes; PowerSGD also its factors) to ``static_bytes``.
-Float8 matmuls (``precision`` fp8 / fp8_rowwise): ``compute`` gains
-:func:`~uniap_lightning.planner.dimensions.precision.fp8_terms`' change (matmuls at the fp8 peak, minus; casts and
-their kernels, plus) before anything reads it (recomputation reruns the cheaper forward), ``transient_bytes`` the
-float8 weight and its transpose, and under ZeRO-3 with tensorwise scales the two all-gathers move one byte per
-parameter (the gathered copy too) instead of ``w``.
+
+A dimension's own terms are its cost hooks (``price_compute``, ``price_state``, ``price_activations`` of its
+:class:`~uniap_lightning.planner.dimensions.base.Dimension`, documented in its module), which
+:func:`_layer_cost` calls for every dimension of the registry at three points: after the layer's compute on a
+rank (before the backward split and recomputation read it), after the replicas' state (before the experts' own
+state joins), and after the activations and recomputation (before NCCL's buffers join the transient). It names
+no dimension there.
 
 Expert parallelism (a mixture-of-experts layer with ``E`` experts, ``top_k`` = k, ``expert_params``, under
 ``ep > 1``; ``P_e = expert_params / t``, ``X = output_bytes x tokens x k x cf / t``, ``cf`` the capacity factor or
@@ -66,12 +66,10 @@ from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.planner.cost.buffers import communicator_bytes
 from uniap_lightning.planner.cost.comm import all_gather_s, all_reduce_s, all_to_all_s, p2p_s, reduce_scatter_s
 from uniap_lightning.planner.decision import Strategy
-from uniap_lightning.planner.dimensions import Slot, candidates
+from uniap_lightning.planner.dimensions import LayerTerms, Slot, candidates, price
 # named here too, where callers have always found them: each lives with its dimension now
 from uniap_lightning.planner.dimensions.context import cp_methods  # noqa: F401
 from uniap_lightning.planner.dimensions.experts import expert_degrees  # noqa: F401
-from uniap_lightning.planner.dimensions.offload import offload_memory, offload_s
-from uniap_lightning.planner.dimensions.precision import fp8_terms
 from uniap_lightning.planner.problem import TrainingConfig
 from uniap_lightning.planner.profile import LayerProfile
 
@@ -231,13 +229,10 @@ def _layer_cost(
     mode = s.dp_mode if d > 1 else "replicate"
     samples = pr.micro_batch / s.dp
     tokens = samples / cp  # per rank, in samples' worth of tokens (what token-wise costs scale with)
-    compute = layer.compute_s(tokens) / t
-    fp8 = None
-    if s.precision != "default":  # matmuls at the fp8 peak, plus their casts (see the module docstring)
-        fp8 = fp8_terms(layer, s.precision, tokens=tokens, tp=t, compute_s=compute, state_shards=d,
-                        zero3=mode == "zero3", hp_bytes=training.weight_bytes, spec=cluster.device_spec,
-                        floor_s=cluster.kernel_floor_us * 1e-6)
-        compute += fp8.compute_s
+    # what the dimensions' cost hooks read and adjust (planner.dimensions.base.LayerTerms), phase by phase
+    x = LayerTerms(layer, s, cluster, training, pr, d, mode, tokens, compute=layer.compute_s(tokens) / t)
+    price("price_compute", x)  # before anything reads the compute
+    compute = x.compute
     # under a split backward (zero-bubble schedules) the backward takes ``split_overhead`` times as long (profiled,
     # else 1): the extra, and W, the weight-gradient share of that split backward (profiled, else the profile's
     # default), split by TP like compute
@@ -269,15 +264,11 @@ def _layer_cost(
     # the parameters every replica holds (all of them without expert parallelism), then the experts' share of
     # each of the ``ep`` ranks, held alike by the ``d / ep`` ranks at the same place of every ep group
     Pe = layer.expert_params / t if s.ep > 1 else 0.0
-    comm_s, sync, static, transient = _state(layer, s, mode, P - Pe, d, inter, measured_ok, samples, cluster,
-                                             training, pr)
-    if fp8 is not None:
-        transient += fp8.transient_bytes
-        if fp8.float8_gathered:  # ZeRO-3 gathers its matmul weights in float8: fewer bytes, a float8 copy
-            w, F = training.weight_bytes, min(fp8.float8_gathered, P - Pe)
-            comm_s = max(comm_s - 2 * (all_gather_s(cluster, (P - Pe) * w, d, inter)
-                                       - all_gather_s(cluster, (P - Pe - F) * w + F, d, inter)), 0.0)
-            transient -= F * (w - 1)
+    x.state_comm, x.sync, x.static, x.transient = _state(layer, s, mode, P - Pe, d, inter, measured_ok, samples,
+                                                         cluster, training, pr)
+    x.shared, x.gather_s = P - Pe, lambda nbytes: all_gather_s(cluster, nbytes, d, inter)
+    price("price_state", x)  # before the experts' own state joins
+    comm_s, sync, static, transient = x.state_comm, x.sync, x.static, x.transient
     if s.ep > 1:
         de = d // s.ep
         ec, es, est, etr = _state(layer, s, mode if de > 1 else "replicate", Pe / s.ep, de, inter, False, samples,
@@ -303,12 +294,9 @@ def _layer_cost(
         # keeps only its input (whole on every TP rank, split over CP); its activations live again while it recomputes
         transient += act
         act = input_bytes * tokens
-    if s.offload:  # its saved activations wait on the host: the copies' exposed time, one layer back plus a prefetch
-        exposed = offload_s(act, compute * layer.forward_fraction, compute * (1 - layer.forward_fraction),
-                            cluster.host_link_gbps * 1e9, cluster.kernel_floor_us * 1e-6)
-        comm += exposed
-        act, back = offload_memory(act)
-        transient += back
+    x.compute, x.comm, x.sync, x.static, x.act, x.transient = compute, comm, sync, static, act, transient
+    price("price_activations", x)  # where the activations live and what moving them costs
+    compute, comm, sync, static, act, transient = x.compute, x.comm, x.sync, x.static, x.act, x.transient
     transient += communicator_bytes(cluster, s, pr.n)  # NCCL's buffers of the layer's communicators (cost.buffers)
     return LayerCost(compute + comm, compute, comm, sync, static, act, transient, weight_grad, split_extra)
 

@@ -3,9 +3,9 @@
 Each module declares one :class:`~.base.Dimension`: its fields in the decision record
 (:class:`~uniap_lightning.planner.decision.Strategy`) with their types and defaults, its canonicalization rule
 (``Strategy.of``), its label fragment, its checks, its plan-JSON reading (the format version that added each field
-and how older files read), its report columns and each field's candidate options. The record, the candidate
-enumeration (:func:`candidates`), the plan JSON reader and the report loop over :data:`DIMENSIONS` and name no
-dimension. Torch-free. See ``docs/architecture.md`` ("Dimensions") for the orders and how to add a dimension.
+and how older files read), its report columns, each field's candidate options and its cost terms (hooks on the
+layer's pricing). The record, the candidate enumeration (:func:`candidates`), the plan JSON reader and its format
+version, the layer's pricing (:func:`price`) and the report loop over :data:`DIMENSIONS` and name no dimension. Torch-free. See ``docs/architecture.md`` ("Dimensions") for the orders and how to add a dimension.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import operator
 from collections.abc import Mapping
 from typing import Any
 
-from uniap_lightning.planner.dimensions.base import REQUIRED, Column, Dimension, Field, Slot
+from uniap_lightning.planner.dimensions.base import COST_PHASES, REQUIRED, Column, Dimension, Field, LayerTerms, Slot
 from uniap_lightning.planner.dimensions.compression import COMPRESSION
 from uniap_lightning.planner.dimensions.context import CONTEXT
 from uniap_lightning.planner.dimensions.data import DATA
@@ -55,6 +55,17 @@ _CHOICE_FIELDS: tuple[Field, ...] = tuple(_BY_NAME[name] for name in CHOICES)
 _record_of = operator.itemgetter(*RECORD)  # the chosen values (by field) as a tuple in record order
 #: the report's per-layer columns, in :data:`COLUMNS` order
 REPORT_COLUMNS: tuple[Column, ...] = tuple(_COLUMNS[h] for h in COLUMNS)
+#: each pricing phase's hooks, in registry order (the dimensions that declare one)
+_PRICES = {phase: tuple(getattr(d, phase) for d in DIMENSIONS if getattr(d, phase) is not None)
+           for phase in COST_PHASES}
+#: the newest per-layer field's plan format version (the plan's format version is at least this)
+NEWEST_FIELD_SINCE: int = max(f.since for f in FIELDS)
+
+
+def price(phase: str, x: LayerTerms) -> None:
+    """Every dimension's cost hook of ``phase`` (one of :data:`~.base.COST_PHASES`) on ``x``, in registry order."""
+    for hook in _PRICES[phase]:
+        hook(x)
 
 
 def defaults() -> dict[str, Any]:
@@ -127,6 +138,6 @@ def explain_columns() -> tuple[Column, ...]:
     return tuple(c for c in REPORT_COLUMNS if c.explain is not None)
 
 
-__all__ = ["CHOICES", "COLUMNS", "DIMENSIONS", "FIELDS", "RECORD", "REPORT_COLUMNS", "REQUIRED", "Column",
-           "Dimension", "Field", "Slot", "canonical", "candidates", "check", "defaults", "explain_columns", "label",
-           "read", "report_columns"]
+__all__ = ["CHOICES", "COLUMNS", "COST_PHASES", "DIMENSIONS", "FIELDS", "NEWEST_FIELD_SINCE", "RECORD",
+           "REPORT_COLUMNS", "REQUIRED", "Column", "Dimension", "Field", "LayerTerms", "Slot", "canonical",
+           "candidates", "check", "defaults", "explain_columns", "label", "price", "read", "report_columns"]

@@ -12,6 +12,7 @@ from uniap_lightning.planner import fields as F
 
 if TYPE_CHECKING:
     from uniap_lightning.planner.cluster import Cluster
+    from uniap_lightning.planner.problem import TrainingConfig
     from uniap_lightning.planner.profile import LayerProfile
 
 #: a field without a default (the decision record's ``dp`` and ``tp``: a plan layer must name them)
@@ -102,6 +103,52 @@ class Column:
     explain_left: bool = False
 
 
+@dataclass
+class LayerTerms:
+    """One layer's terms under one strategy while :func:`~uniap_lightning.planner.cost.layer.layer_cost` prices it,
+    as a dimension's cost hooks see them: what it depends on (the layer, the strategy ``s``, the cluster, the
+    training's bytes per parameter, ``pricing``: micro-batch, stage size, accumulation), what the cost model has
+    derived (``d`` ranks holding the same weights, the state ``mode`` they hold it in, ``tokens`` per rank in
+    samples' worth) and the terms so far, which a hook adjusts in place. Seconds and bytes, as
+    :class:`~uniap_lightning.planner.cost.layer.LayerCost`:
+
+    - ``compute``: seconds per micro-batch of the layer's forward and backward on a rank (set at ``price_compute``,
+      before anything reads it: the backward split and recomputation follow a change);
+    - ``shared``: the parameters per rank (after tensor parallelism) that the ``d`` replicas hold alike (the
+      experts' share apart); ``gather_s(bytes)``: one all-gather of ``bytes`` per rank over those replicas;
+      ``state_comm`` (per micro-batch: ZeRO-3's gathers), ``sync`` (per step), ``static`` and ``transient``
+      (bytes) of that state (set at ``price_state``, before the experts' own state is added);
+    - ``comm`` (per micro-batch, beside compute), ``act`` (bytes per micro-batch in flight) and ``transient``
+      after the activations and recomputation (at ``price_activations``, before NCCL's buffers join the
+      transient);
+    - ``notes``: what a dimension's hook keeps for its later hooks (by dimension name)."""
+
+    layer: LayerProfile
+    s: Any
+    cluster: Cluster
+    training: TrainingConfig
+    pricing: Any
+    d: int
+    mode: str
+    tokens: float
+    compute: float
+    shared: float = 0.0
+    gather_s: Callable[[float], float] = field(default=lambda _bytes: 0.0)  # set with ``shared``
+    state_comm: float = 0.0
+    sync: float = 0.0
+    static: float = 0.0
+    comm: float = 0.0
+    act: float = 0.0
+    transient: float = 0.0
+    notes: dict[str, Any] = field(default_factory=dict)
+
+
+#: a dimension's cost hook: adjusts the :class:`LayerTerms` in place
+Price = Callable[[LayerTerms], None]
+#: the points of the layer's pricing where the hooks run, in order (each a :class:`Dimension` field)
+COST_PHASES = ("price_compute", "price_state", "price_activations")
+
+
 def _nothing(_s: Any) -> str:
     return ""
 
@@ -123,7 +170,13 @@ class Dimension:
     fragment of the label's device grid (``dp2``, ``cp2u``, ``tp4``; "" for none), ``suffix``: its ``+...``
     fragment after the grid; ``rules(s, where, experts)``: its checks that relate fields (after every field's own
     check), raising :class:`UniAPError`; ``columns``: its columns in the report (placed by the registry's
-    order)."""
+    order).
+
+    Its cost terms, each optional (:data:`Price`, registry order within a phase; see :class:`LayerTerms` for what
+    each sees): ``price_compute`` changes the layer's compute (float8 matmuls), ``price_state`` its state's bytes,
+    gathers and step (where its weights, gradients and optimizer state live), ``price_activations`` its
+    activations and what moving them costs (offload to host). A dimension that changes no term declares none;
+    the cost model calls them and names no dimension."""
 
     name: str
     fields: tuple[Field, ...]
@@ -132,3 +185,6 @@ class Dimension:
     suffix: Callable[[Any], str] = _nothing
     rules: Callable[[Any, str, int | None], None] = _no_rule
     columns: tuple[Column, ...] = field(default=())
+    price_compute: Price | None = None
+    price_state: Price | None = None
+    price_activations: Price | None = None

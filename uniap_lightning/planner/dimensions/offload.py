@@ -9,8 +9,8 @@ cluster has none: its "host" is its device memory, so no candidate). Numerics do
 back.
 
 Rules: not with ``recompute`` (a recomputed layer keeps only its input; offloading that input buys little and the
-two wrappers would nest). Priced by :func:`offload_s` and :func:`offload_memory` (read by
-:mod:`uniap_lightning.planner.cost.layer`).
+two wrappers would nest). Priced by :func:`offload_s` and :func:`offload_memory` (this dimension's cost hook,
+which the cost model calls after the activations and recomputation).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from uniap_lightning.errors import UniAPError
-from uniap_lightning.planner.dimensions.base import Column, Dimension, Field, Slot, flag
+from uniap_lightning.planner.dimensions.base import Column, Dimension, Field, LayerTerms, Slot, flag
+
 
 def allowed(cluster: Any) -> bool:
     """The cluster lets the planner offload: it opted in (``offload: auto``) and has a host link."""
@@ -55,6 +56,17 @@ def offload_memory(activation_bytes: float) -> tuple[float, float]:
     return 0.0, 2.0 * activation_bytes
 
 
+def _price_activations(x: LayerTerms) -> None:
+    """Its saved activations wait on the host: the copies' exposed time, one layer back plus a prefetch."""
+    if not x.s.offload:
+        return
+    forward = x.compute * x.layer.forward_fraction
+    x.comm += offload_s(x.act, forward, x.compute * (1 - x.layer.forward_fraction),
+                        x.cluster.host_link_gbps * 1e9, x.cluster.kernel_floor_us * 1e-6)
+    x.act, back = offload_memory(x.act)
+    x.transient += back
+
+
 def _cell(s: Any) -> str:
     return "host" if s.offload else "-"
 
@@ -67,4 +79,5 @@ OFFLOAD = Dimension(
     # shown where some layer offloads (and not in explain's table, whose strategy label says "+off"): reports of
     # plans without offload are unchanged
     columns=(Column("offload", _cell, shown=lambda s: bool(s.offload)),),
+    price_activations=_price_activations,
 )

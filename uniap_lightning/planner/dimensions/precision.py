@@ -10,7 +10,7 @@ Opt-in, like compression: fp8 changes numerics, so the planner offers it only wh
 :class:`~.base.Slot`) and the cluster's catalogue device has an fp8 peak (``peak_tflops.fp8``: H100, H200, GH200;
 not A100, V100, consumer cards or a free-text device), and only for a layer with parameters.
 
-Priced by :func:`fp8_terms` (read by :mod:`uniap_lightning.planner.cost.layer`): the layer's matmuls at the fp8
+Priced by :func:`fp8_terms` (through this dimension's cost hooks, which the cost model calls): the layer's matmuls at the fp8
 peak instead of the bf16 one, the casts and amax passes each matmul adds (memory bound), a floor per added
 kernel, and under ZeRO-3 (tensorwise) all-gathers of one byte per parameter.
 """
@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.devices import MATMUL_EFFICIENCY, MEMORY_EFFICIENCY
-from uniap_lightning.planner.dimensions.base import Column, Dimension, Field, Slot, one_of
+from uniap_lightning.planner.dimensions.base import Column, Dimension, Field, LayerTerms, Slot, one_of
 
 #: the per-layer values: the run's precision, float8 with tensorwise scales, float8 with rowwise scales
 PRECISIONS = ("default", "fp8", "fp8_rowwise")
@@ -138,6 +138,31 @@ def fp8_terms(layer: Any, precision: str, *, tokens: float, tp: int, compute_s: 
     return Fp8Terms(cast_s - saved, 2 * matrix / tp, gathered)
 
 
+def _price_compute(x: LayerTerms) -> None:
+    """Matmuls at the fp8 peak, plus their casts, before anything reads the compute (recomputation reruns the
+    cheaper forward); the terms kept for :func:`_price_state`."""
+    if x.s.precision == "default":
+        return
+    fp8 = fp8_terms(x.layer, x.s.precision, tokens=x.tokens, tp=x.s.tp, compute_s=x.compute, state_shards=x.d,
+                    zero3=x.mode == "zero3", hp_bytes=x.training.weight_bytes, spec=x.cluster.device_spec,
+                    floor_s=x.cluster.kernel_floor_us * 1e-6)
+    x.compute += fp8.compute_s
+    x.notes["precision"] = fp8
+
+
+def _price_state(x: LayerTerms) -> None:
+    """The float8 weight and its transpose while the layer runs; under ZeRO-3 with tensorwise scales its matmul
+    weights gathered in float8: fewer bytes on the wire and a float8 gathered copy."""
+    fp8 = x.notes.get("precision")
+    if fp8 is None:
+        return
+    x.transient += fp8.transient_bytes
+    if fp8.float8_gathered:
+        w, F = x.training.weight_bytes, min(fp8.float8_gathered, x.shared)
+        x.state_comm = max(x.state_comm - 2 * (x.gather_s(x.shared * w) - x.gather_s((x.shared - F) * w + F)), 0.0)
+        x.transient -= F * (w - 1)
+
+
 def _cell(s: Any) -> str:
     return s.precision if s.precision != "default" else "-"
 
@@ -152,6 +177,8 @@ PRECISION = Dimension(
     suffix=_suffix,
     # shown where some layer runs in fp8: reports of plans without it are unchanged
     columns=(Column("precision", _cell, shown=lambda s: s.precision != "default"),),
+    price_compute=_price_compute,
+    price_state=_price_state,
 )
 
 __all__ = ["FP8_CHOICES", "FP8_PRECISIONS", "PRECISION", "PRECISIONS", "RECIPES", "Fp8Terms", "device_has_fp8",

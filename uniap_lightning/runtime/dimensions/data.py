@@ -9,7 +9,9 @@ every other dimension's groups and the relayout groups come after (the order ``n
 Wrap (last of the parallelisms, as torchtitan's FSDP: it shards whatever parameters it finds, so it must find the
 TP shards and the experts split already): ``replicate`` puts the layer's gradients in the replicated-gradient
 buckets (compressed as the plan says); ``zero1``/``zero2``/``zero3`` make it an FSDP2 unit (:mod:`..zero`). The
-parameters another dimension reduces on its own (:attr:`LayerJob.held_apart`: expert shards) stay out.
+parameters another dimension reduces on its own (:attr:`LayerJob.held_apart`: expert shards) stay out. A layer
+that a dimension before this one already made an FSDP2 unit (with its own policy: state offload) is left as it
+is: FSDP2 shards a module once.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
 
 from uniap_lightning.runtime.dimensions.base import LayerJob, RuntimeDimension
 from uniap_lightning.runtime.zero import ZERO_MODES
@@ -35,7 +38,7 @@ def groups(meshes: PlanMeshes) -> None:
 def wrap(job: LayerJob) -> None:
     st = job.st
     reps = st.replicas
-    if reps == 1:
+    if reps == 1 or isinstance(job.layer, FSDPModule):
         return
     mesh = job.meshes.dp_mesh(reps, st.tp)
     if st.dp_mode in ZERO_MODES:
