@@ -48,7 +48,7 @@ def test_gpt2_blocks_refuse_tensor_parallel() -> None:
 
     module = h.make_lm_module("gpt2")
     plan = _plan([TP] * 4, [0] * 4, pp=1, microbatches=1)
-    with pytest.raises(UniAPError, match="layer 'chain.1' \\(GPT2BlockLayer\\) has no tensor-parallel plan"):
+    with pytest.raises(UniAPError, match="layer 'chain.1' \\(GPT2SequenceBlock\\) has no tensor-parallel plan"):
         check_plan_executable(plan, extract_chain(module))
 
 

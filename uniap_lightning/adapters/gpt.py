@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from uniap_lightning.adapters.hf import NormHead, TokenPositionEmbedding, _colwise, _divisors_of_all, _replicate, _rowwise
+from uniap_lightning.adapters.chain_layers import GlobalPositions, NormHead, TokenPositionEmbedding
+from uniap_lightning.adapters.tp_styles import colwise, divisors_of_all, rowwise
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.analytic import lm_layer_names
 
@@ -36,7 +37,7 @@ class GPTConfig:
     dropout: float = 0.0
 
 
-class Embedding(TokenPositionEmbedding):
+class Embedding(GlobalPositions, TokenPositionEmbedding):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
@@ -89,11 +90,11 @@ class Block(nn.Module):
         return x + self.fc_proj(F.gelu(self.fc(self.ln_2(x))))
 
     def uniap_tp_degrees(self) -> list[int]:
-        return _divisors_of_all(self.n_head, self.fc.out_features)
+        return divisors_of_all(self.n_head, self.fc.out_features)
 
     def uniap_tp_plan(self, tp: int) -> dict[str, Any]:
-        return {"q": _colwise(), "k": _colwise(), "v": _colwise(), "proj": _rowwise(),
-                "fc": _colwise(), "fc_proj": _rowwise()}
+        return {"q": colwise(), "k": colwise(), "v": colwise(), "proj": rowwise(),
+                "fc": colwise(), "fc_proj": rowwise()}
 
     def uniap_tp_allreduces(self) -> int:
         return 2
@@ -116,7 +117,7 @@ class Block(nn.Module):
 
     def uniap_cp_degrees(self, tp: int = 1) -> list[int]:
         """Ulysses degrees possible at tensor-parallel degree ``tp``: divisors of the heads per TP rank."""
-        return _divisors_of_all(self.n_head // tp) if self.n_head % tp == 0 else []
+        return divisors_of_all(self.n_head // tp) if self.n_head % tp == 0 else []
 
     def uniap_enable_cp(self, group: Any, *, method: str = "ulysses", counter: Any = None) -> None:
         """Run attention with Ulysses or ring attention (``method``) over ``group`` (the inputs are this rank's

@@ -43,8 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from uniap_lightning.adapters.chain_layers import NormHead
 from uniap_lightning.adapters.gpt import Block, Embedding, GPTConfig
-from uniap_lightning.adapters.hf import NormHead
 from uniap_lightning.adapters.lm import CausalLMModule
 from uniap_lightning.errors import UniAPError
 

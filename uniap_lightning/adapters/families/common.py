@@ -1,4 +1,5 @@
-"""Pieces every family uses: tensor-parallel styles, the causal-LM loss with a whole-batch item count."""
+"""Pieces every family uses: tensor-parallel styles (re-exported from :mod:`uniap_lightning.adapters.tp_styles`),
+the causal-LM loss with a whole-batch item count."""
 
 from __future__ import annotations
 
@@ -8,13 +9,11 @@ import torch
 from torch import nn
 
 from uniap_lightning.adapters.auto import HFTarget
-from uniap_lightning.adapters.hf import _colwise, _divisors_of_all, _replicate, _rowwise
+from uniap_lightning.adapters.tp_styles import colwise, divisors_of_all, replicate, rowwise
 
 __all__ = ["View", "causal_lm_loss", "classification_loss", "colwise", "count_labels", "count_per_column",
            "divisors_of_all", "local_heads", "question_answering_labels", "question_answering_loss", "rowwise",
            "replicate", "sequence_classification_loss", "tensor_parallel_heads", "token_loss"]
-
-colwise, rowwise, replicate, divisors_of_all = _colwise, _rowwise, _replicate, _divisors_of_all
 
 
 class View(nn.Module):

@@ -1,12 +1,12 @@
 """Ulysses and ring context parallelism for Hugging Face decoders and BERT through transformers' ``AttentionInterface``.
 
-:func:`enable_hf_ulysses` switches the attention of a chain's decoder layers (the Llama chain of
-:func:`uniap_lightning.adapters.hf.llama_layers`; GPT-2 blocks through :func:`switch_attention`) to the registered
-``"uniap_ulysses"`` attention function, which runs :func:`uniap_lightning.runtime.sequence.ulysses_attention` over
-the group stored on each attention module, and gives Llama's rotary embeddings global positions
+:func:`enable_hf_ulysses` switches the attention of a chain's decoder blocks (:class:`DecoderSequence`: the GPT-2
+and Llama blocks of :mod:`.text_decoders`, also the ``hf_layers`` chain's) to the registered ``"uniap_ulysses"``
+attention function, which runs :func:`uniap_lightning.runtime.sequence.ulysses_attention` over the group stored on
+each attention module; Llama's blocks then give the rotary embeddings global positions
 (``position_ids = cp_rank x s/c + arange(s/c)``, the slice
 :func:`~uniap_lightning.runtime.sequence.shard_causal_lm_batch` gives). Masks: causal, plus the key padding mask
-the :func:`~uniap_lightning.runtime.sequence.padding_mask` context sets (the chain passes no attention mask).
+the :func:`~uniap_lightning.runtime.sequence.padding_mask` context sets (the tensor chain passes no attention mask).
 Without a group (``group=None``) the same function runs the one-process attention, masks included. The function
 dispatches on the attention module's ``uniap_cp_method``: ``"ulysses"`` (the default) or ``"ring"``
 (:func:`uniap_lightning.runtime.ring.ring_attention`: same pieces, same masks, no heads condition, no attention
@@ -67,36 +67,41 @@ def register() -> None:
     AttentionInterface.register(ATTENTION_NAME, ulysses_attention_forward)
 
 
-class OffsetRotary(nn.Module):
-    """A rotary embedding called with this rank's local positions, shifted to global ones."""
+class DecoderSequence:
+    """The sequence hooks of a decoder block (GPT-2, Llama: :mod:`.text_decoders`, whose blocks the ``hf_layers``
+    chain uses too) over its attention module ``_attention()``: Ulysses (heads per tensor-parallel rank divisible by
+    cp) or ring attention over the context-parallel group (:func:`switch_attention` on a copy of the config, so
+    blocks left at cp 1 keep the model's attention and masks); the block's ``forward`` then reads ``_cp_group``
+    (Llama's rotary positions are global under cp)."""
 
-    def __init__(self, rotary: nn.Module, group: Any) -> None:
-        super().__init__()
-        self.rotary, self.group = rotary, group
+    _cp_group: Any = None
 
-    def forward(self, hidden: torch.Tensor, pos: torch.Tensor) -> Any:
-        from uniap_lightning.runtime.sequence import position_offset
+    def _attention(self) -> nn.Module:
+        raise NotImplementedError
 
-        return self.rotary(hidden, pos + position_offset(self.group, hidden.shape[1]))
+    def _heads(self) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def uniap_cp_methods(self) -> list[str]:
+        return ["ulysses", "ring"]
+
+    def uniap_enable_cp(self, group: Any, *, method: str = "ulysses", counter: Any = None) -> None:
+        switch_attention(self._attention(), group, counter=counter, own_config=True, method=method,
+                         heads=self._heads()[0], name=type(self).__name__)
+        self._cp_group = group
 
 
 def enable_hf_ulysses(layers: Iterable[nn.Module], group: Any | None, *, counter: Any = None,
                       method: str = "ulysses") -> int:
-    """Run the decoder layers' attention with Ulysses (or ``method="ring"``: ring attention) over ``group``
-    (``None``: one process, same function); returns how many layers switched. Ulysses: checks heads (and key/value
-    heads) against the group size up front."""
-    from uniap_lightning.adapters.hf import LlamaBlockLayer
-
+    """Run the decoder blocks' attention (:class:`DecoderSequence`) with Ulysses (or ``method="ring"``: ring
+    attention) over ``group`` (``None``: one process, same function, so the key padding mask of
+    :func:`~uniap_lightning.runtime.sequence.padding_mask` applies); returns how many blocks switched. Ulysses:
+    checks heads against the group size up front."""
     n = 0
     for layer in layers:
-        if not isinstance(layer, LlamaBlockLayer):
-            continue
-        attn = layer.layer.self_attn
-        switch_attention(attn, group, counter=counter, method=method, heads=attn.config.num_attention_heads,
-                         name=type(layer).__name__)
-        if group is not None and not isinstance(layer.rotary, OffsetRotary):
-            layer.rotary = OffsetRotary(layer.rotary, group)
-        n += 1
+        if isinstance(layer, DecoderSequence):
+            layer.uniap_enable_cp(group, counter=counter, method=method)
+            n += 1
     return n
 
 
@@ -127,9 +132,9 @@ def switch_attention(attn: nn.Module, group: Any | None, *, counter: Any = None,
 
 
 def llama_sp_plan(tp: int) -> dict[str, Any]:
-    """Sequence parallelism for a ``LlamaBlockLayer``: the boundary sits on the decoder layer (the wrapper computes
-    the rotary embedding for the whole sequence first), the RMSNorms run on sequence pieces, attention and MLP
-    gather their input once (q/k/v and gate/up share it), o_proj and down_proj reduce-scatter."""
+    """Sequence parallelism for a Llama block (``LlamaSequenceBlock``): the boundary sits on the decoder layer (the
+    block computes the rotary embedding for the whole sequence first), the RMSNorms run on sequence pieces, attention
+    and MLP gather their input once (q/k/v and gate/up share it), o_proj and down_proj reduce-scatter."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 

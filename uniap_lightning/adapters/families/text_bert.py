@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from uniap_lightning.adapters.auto import Family
+from uniap_lightning.adapters.chain_layers import GlobalPositions
 from uniap_lightning.adapters.families import compat
 from uniap_lightning.adapters.families.common import View, colwise, divisors_of_all, replicate, rowwise
 from uniap_lightning.adapters.families.sequence_hf import bert_sp_plan, enable_bert_ulysses
@@ -25,8 +26,8 @@ from uniap_lightning.adapters.families.text_heads import (
     _unsupported_head,
     head_kind,
 )
-from uniap_lightning.adapters.hf import GlobalPositions
 from uniap_lightning.runtime.sequence import padding_mask, position_offset
+
 
 class BertEmbed(View):
     """input_ids (+ token_type_ids) -> hidden; the attention mask travels on. Under context parallelism

@@ -3,6 +3,11 @@
 classification at each row's last non-padding token, token classification, question answering). Llama is tensor
 parallel (GPT-2's fused ``Conv1D`` QKV is not); on transformers 5.x both take Ulysses or ring context parallelism,
 Llama sequence parallelism too.
+
+Every layer here also takes a plain tensor (ids, then hidden states) and returns one: that is the chain
+:func:`uniap_lightning.adapters.hf_layers` builds of a causal LM from these same classes (no attention mask: causal
+SDPA, a padding mask only through :func:`~uniap_lightning.runtime.sequence.padding_mask` once the attention is
+switched, :func:`~.sequence_hf.enable_hf_ulysses`).
 """
 
 from __future__ import annotations
@@ -16,8 +21,9 @@ from torch import nn
 
 from uniap_lightning.adapters.auto import Family
 from uniap_lightning.adapters.families import compat
+from uniap_lightning.adapters.chain_layers import GlobalPositions, NormHead, TokenPositionEmbedding
 from uniap_lightning.adapters.families.common import View, colwise, divisors_of_all, replicate, rowwise
-from uniap_lightning.adapters.families.sequence_hf import llama_sp_plan, switch_attention
+from uniap_lightning.adapters.families.sequence_hf import DecoderSequence, llama_sp_plan
 from uniap_lightning.adapters.families.text_heads import (
     DECODER_INPUTS,
     LastTokenScore,
@@ -31,20 +37,19 @@ from uniap_lightning.adapters.families.text_heads import (
     _unsupported_head,
     head_kind,
 )
-from uniap_lightning.adapters.hf import GlobalPositions
 from uniap_lightning.runtime.sequence import padding_mask, position_offset
 
-class GPT2Embed(View):
-    """Token + learned position embedding; under context parallelism (:class:`GPT2SequenceEmbed`) its input is a
-    contiguous piece of each sequence and the positions are global (``cp_rank x s/c`` onwards)."""
 
-    _cp_group: Any = None
+class GPT2Embed(TokenPositionEmbedding, View):
+    """Token + learned position embedding, tensor parallel over the vocabulary; under context parallelism
+    (:class:`GPT2SequenceEmbed`) its input is a contiguous piece of each sequence and the positions are global
+    (``cp_rank x s/c`` onwards)."""
 
-    def forward(self, d: Payload) -> dict[str, Any]:
+    def forward(self, d: Payload) -> Any:
+        if isinstance(d, torch.Tensor):
+            return self.embed(d)
         ids = d["input_ids"]
-        start = position_offset(self._cp_group, ids.shape[1])
-        pos = torch.arange(start, start + ids.shape[1], device=ids.device).unsqueeze(0)
-        return {"hidden": self.drop(self.wte(ids) + self.wpe(pos)), "input_ids": None, **_pool_index(self, ids)}
+        return {"hidden": self.embed(ids), "input_ids": None, **_pool_index(self, ids)}
 
 
 class GPT2Block(View):
@@ -57,7 +62,9 @@ class GPT2Block(View):
 
     _cp_group: Any = None
 
-    def forward(self, d: Payload) -> dict[str, torch.Tensor]:
+    def forward(self, d: Payload) -> Any:
+        if isinstance(d, torch.Tensor):  # the tensor chain: no mask
+            return _first(self.block(d))
         with _attention_masks(self, self.block, d) as mask:
             return {"hidden": _first(self.block(d["hidden"], attention_mask=mask))}
 
@@ -76,32 +83,11 @@ def _attention_masks(block: Any, module: nn.Module, d: Payload) -> Iterator[Any]
         yield None
 
 
-class _DecoderSequence:
-    """The sequence hooks of a zero-glue decoder block (GPT-2, Llama) over its attention module ``_attention()``:
-    Ulysses (heads per tensor-parallel rank divisible by cp) or ring attention over the context-parallel group
-    (:func:`~.sequence_hf.switch_attention` on a copy of the config, so blocks left at cp 1 keep the model's
-    attention and masks); the block's ``forward`` then reads ``_cp_group``."""
-
-    def _attention(self) -> nn.Module:
-        raise NotImplementedError
-
-    def _heads(self) -> tuple[int, int]:
-        raise NotImplementedError
-
-    def uniap_cp_methods(self) -> list[str]:
-        return ["ulysses", "ring"]
-
-    def uniap_enable_cp(self, group: Any, *, method: str = "ulysses", counter: Any = None) -> None:
-        switch_attention(self._attention(), group, counter=counter, own_config=True, method=method,
-                         heads=self._heads()[0], name=type(self).__name__)
-        self._cp_group = group
-
-
 class GPT2SequenceEmbed(GlobalPositions, GPT2Embed):
     """:class:`GPT2Embed` that may run on pieces of the sequence (token-wise; global positions under cp)."""
 
 
-class GPT2SequenceBlock(_DecoderSequence, GPT2Block):
+class GPT2SequenceBlock(DecoderSequence, GPT2Block):
     """:class:`GPT2Block` with the sequence dimension: Ulysses or ring context parallelism (no sequence
     parallelism: GPT-2 has no tensor-parallel plan here)."""
 
@@ -122,24 +108,13 @@ def _causal_mask(config: Any, d: Payload) -> Any:
     return compat.causal_mask(config, hidden, d.get("attention_mask"), pos)
 
 
-class NormLMHead(View):
-    """Final norm + LM head; tensor parallel over the vocabulary (logits gathered). Token-wise: under context
-    parallelism it may run on sequence pieces (the model's own causal loss then sees the gathered logits)."""
-
-    def uniap_sequence(self) -> dict[str, Any]:
-        return {"attention_heads": 0}
+class NormLMHead(NormHead):
+    """Final norm + LM head (:class:`~uniap_lightning.adapters.chain_layers.NormHead`) on the payload's hidden
+    states. Token-wise: under context parallelism it may run on sequence pieces (the model's own causal loss then
+    sees the gathered logits)."""
 
     def forward(self, d: Payload) -> torch.Tensor:
-        return self.lm_head(self.norm(d["hidden"]))
-
-    def uniap_tp_degrees(self) -> list[int]:
-        return divisors_of_all(self.lm_head.out_features)
-
-    def uniap_tp_plan(self, tp: int) -> dict[str, Any]:
-        return {"lm_head": colwise(output_layouts=replicate())}
-
-    def uniap_tp_allreduces(self) -> int:
-        return 1
+        return super().forward(d if isinstance(d, torch.Tensor) else d["hidden"])
 
 
 def _decoder_head(model: Any, kind: str | None, norm: nn.Module, prefix: str, norm_name: str, supported: str,
@@ -190,7 +165,11 @@ def gpt2_layers(model: Any) -> list[tuple[nn.Module, list[str]]]:
 
 # ------------------------------------------------------------------------------------------------------ Llama
 class LlamaEmbed(View):
-    def forward(self, d: Payload) -> dict[str, Any]:
+    """Token embedding; tensor parallel over the vocabulary (partial sums all-reduced)."""
+
+    def forward(self, d: Payload) -> Any:
+        if isinstance(d, torch.Tensor):
+            return self.embed_tokens(d)
         ids = d["input_ids"]
         return {"hidden": self.embed_tokens(ids), "input_ids": None, **_pool_index(self, ids)}
 
@@ -217,14 +196,17 @@ class LlamaBlock(View):
 
     _cp_group: Any = None
 
-    def forward(self, d: Payload) -> dict[str, torch.Tensor]:
-        hidden = d["hidden"]
+    def forward(self, d: Payload) -> Any:
+        if isinstance(d, torch.Tensor):  # the tensor chain: no mask
+            return self._run(d, None)
+        with _attention_masks(self, self.layer, d) as mask:
+            return {"hidden": self._run(d["hidden"], mask)}
+
+    def _run(self, hidden: torch.Tensor, mask: Any) -> torch.Tensor:
         start = position_offset(self._cp_group, hidden.shape[1])  # global rotary positions under cp
         pos = torch.arange(start, start + hidden.shape[1], device=hidden.device).unsqueeze(0)
-        with _attention_masks(self, self.layer, d) as mask:
-            out = self.layer(hidden, attention_mask=mask, position_ids=pos,
-                             position_embeddings=self.rotary(hidden, pos))
-        return {"hidden": _first(out)}
+        return _first(self.layer(hidden, attention_mask=mask, position_ids=pos,
+                                 position_embeddings=self.rotary(hidden, pos)))
 
     def uniap_tp_degrees(self) -> list[int]:
         c = self.config
@@ -244,10 +226,10 @@ class LlamaSequenceEmbed(GlobalPositions, LlamaEmbed):
     blocks')."""
 
 
-class LlamaSequenceBlock(_DecoderSequence, LlamaBlock):
+class LlamaSequenceBlock(DecoderSequence, LlamaBlock):
     """:class:`LlamaBlock` with the sequence dimension: Ulysses or ring context parallelism (grouped-query k/v),
     global rotary positions under cp, and sequence parallelism with tensor parallelism
-    (:func:`~.sequence_hf.llama_sp_plan`: the decoder layer is the boundary, as in the ``hf_layers`` chain)."""
+    (:func:`~.sequence_hf.llama_sp_plan`: the decoder layer is the boundary)."""
 
     def _attention(self) -> nn.Module:
         return self.layer.self_attn
