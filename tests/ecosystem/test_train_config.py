@@ -38,7 +38,7 @@ def test_overrides_reach_the_strategy() -> None:
 
 @pytest.mark.parametrize("override, message", [
     ("strategy.schedule=zigzag", "schedule='zigzag'"),
-    ("strategy.time_limit=-5", "time_limit must be > 0"),
+    ("strategy.time_limit=-5", "time_limit=-5: give the search's time limit in seconds, a number > 0"),
     ("strategy.cluster=nowhere", "unknown cluster 'nowhere'"),
     ("+strategy.no_such_option=1", "no_such_option"),
 ])

@@ -126,11 +126,11 @@ def test_pinned_plan_file_checks(tmp_path: Path) -> None:
         UniAPStrategy(schedule="zb")
     with pytest.raises(UniAPError, match="schedule='zb_v' runs with virtual_stages 2, got 3"):
         UniAPStrategy(schedule="zb_v", virtual_stages=3)
-    with pytest.raises(UniAPError, match="virtual_stages=0 must be None"):
+    with pytest.raises(UniAPError, match="virtual_stages=0 must be an integer from 1 to 64"):
         UniAPStrategy(schedule="auto", virtual_stages=0)
     with pytest.raises(UniAPError, match="solver='glpk' must be one of"):
         UniAPStrategy(solver="glpk")
-    with pytest.raises(UniAPError, match="time_limit must be > 0"):
+    with pytest.raises(UniAPError, match="time_limit=0: give the search's time limit in seconds, a number > 0"):
         UniAPStrategy(time_limit=0)
     with pytest.raises(UniAPError, match="cluster config is missing"):
         UniAPStrategy(cluster={"name": "x"})

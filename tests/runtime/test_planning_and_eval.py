@@ -111,7 +111,7 @@ def test_bad_pipeline_degrees_are_refused_before_any_work() -> None:
 
     assert UniAPStrategy(pp=[4, 2, 2]).setup_options.pp == (2, 4)
     for bad in (0, [], [2, "4"], True, 1.5):
-        with pytest.raises(UniAPError, match="must be a pipeline degree >= 1 or a non-empty list"):
+        with pytest.raises(UniAPError, match="must be a pipeline degree from 1 to 16,777,216 or a non-empty list"):
             UniAPStrategy(pp=bad)
     with pytest.raises(UniAPError, match="a pinned plan .* has its own pp"):
         UniAPStrategy(pp=2, plan=PP2)

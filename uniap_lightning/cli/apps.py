@@ -18,12 +18,12 @@ from uniap_lightning.planner.config import CONF_DIR, build_problem
 from uniap_lightning.errors import InfeasibleError, UniAPError
 from uniap_lightning.files import check_output_file, read_json, write_json_atomic
 from uniap_lightning.planner.problem import Problem
-from uniap_lightning.values import flag, integer
+from uniap_lightning.planner.search_options import (DEFAULT_SCHEDULE, check_pipeline_degrees, check_schedule_name,
+                                                   check_solver, check_time_limit, check_virtual_stages)
+from uniap_lightning.values import flag
 from uniap_lightning.values import short as _short
 
 CONF = str(CONF_DIR)
-#: the largest pipeline degree `pp=` takes (a stage per device of the largest cluster planned for)
-MAX_PIPELINE_DEGREE = 2**24
 #: exit statuses: a refused or failed command (bad input, no plan fits, a training run that failed), and
 #: `uniap evaluate`'s plan that does not fit memory. A sweep (``-m``) exits with its worst job's status
 #: (:mod:`uniap_lightning.cli.sweep`); ``allow_no_plan=true`` makes "no plan fits" (and evaluate's plan that does
@@ -55,18 +55,10 @@ def _problem(cfg: DictConfig) -> Problem:
     )
 
 
-#: the longest search `uniap plan` / `explain` accept, in seconds (about four months)
-MAX_TIME_LIMIT_S = 1e7
-
-
 def _check_options(cfg: DictConfig, *, outputs: tuple[str, ...] = ()) -> None:
-    """Refuse bad command-line values before any profile is read or any solver runs."""
-    limit = cfg.get("time_limit")
-    if (isinstance(limit, bool) or not isinstance(limit, (int, float)) or not math.isfinite(limit) or limit <= 0
-            or limit > MAX_TIME_LIMIT_S):
-        raise UniAPError(f"time_limit={_short(limit)}: give the search's time limit in seconds, a number > 0 and <= "
-                         f"{MAX_TIME_LIMIT_S:g}")
-    _pp(cfg)
+    """Refuse bad command-line values before any profile is read or any solver runs; the search's options with
+    UniAPStrategy's own checks (:mod:`uniap_lightning.planner.search_options`: the same verdict, the same line)."""
+    check_search_options(cfg)
     flag(cfg.get("baselines"), "baselines")
     _allow_no_plan(cfg)
     for key in outputs:
@@ -129,15 +121,22 @@ def _check_rebalances(events: Any, where: str) -> None:
             F.optional_number(e.get(key), f"{w}.{key}")
 
 
+def check_search_options(cfg: DictConfig) -> None:
+    """The options `uniap plan` shares with UniAPStrategy, each checked by the strategy's function (``schedule``
+    and ``virtual_stages`` when given: null takes ``train``'s, which ``TrainingConfig`` checks the same way)."""
+    check_time_limit(cfg.get("time_limit"))
+    check_solver(cfg.get("solver"))
+    schedule = cfg.get("schedule")
+    if schedule is not None:
+        check_schedule_name(schedule)
+    check_virtual_stages(cfg.get("virtual_stages"), schedule if schedule is not None else DEFAULT_SCHEDULE)
+    _pp(cfg)
+
+
 def _pp(cfg: DictConfig) -> list[int] | None:
     """The pipeline degrees to search (``pp=4`` or ``pp=[2,4]``), or None for all."""
-    if cfg.pp is None:
-        return None
-    values = list(cfg.pp) if OmegaConf.is_list(cfg.pp) else [cfg.pp]
-    if not values:
-        raise UniAPError("pp=[]: give a pipeline degree, a list of them, or null for all")
-    return [integer(v, "pp", low=1, high=MAX_PIPELINE_DEGREE, unit="a pipeline degree, a list of them, or null")
-            for v in values]
+    degrees = check_pipeline_degrees(list(cfg.pp) if OmegaConf.is_list(cfg.pp) else cfg.pp)
+    return None if degrees is None else list(degrees)
 
 
 def _allow_no_plan(cfg: DictConfig) -> bool:

@@ -9,9 +9,11 @@ from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.dimensions.precision import fp8_precisions
 from uniap_lightning.planner.plan import (COMPRESSION_DEFAULTS, COMPRESSIONS, SCHEDULE_LAYOUTS, SCHEDULES, Plan,
-                                          check_compression_options, check_schedule)
+                                          check_compression_options)
 from uniap_lightning.planner.profile import ModelProfile
-from uniap_lightning.values import as_int, choice, integer, number, short
+from uniap_lightning.planner.search_options import (DEFAULT_SCHEDULE, MAX_VIRTUAL_STAGES, check_schedule_name,
+                                                   check_virtual_stages)
+from uniap_lightning.values import as_int, integer, number, short
 
 
 #: the largest global batch (samples per optimizer step) the planner takes: far above any real run (a 4M-token batch
@@ -39,7 +41,7 @@ class TrainingConfig:
     max_microbatches: int = 64
     #: a pipeline schedule (:data:`~uniap_lightning.planner.plan.SCHEDULES`) or "auto": the search chooses among
     #: every schedule torch runs, with ``virtual_stages`` (None: searched, 1 to ``max_virtual_stages``)
-    schedule: str = "auto"
+    schedule: str = DEFAULT_SCHEDULE
     virtual_stages: int | None = None
     max_virtual_stages: int = 4
     weight_bytes: float = 4.0
@@ -54,14 +56,10 @@ class TrainingConfig:
         object.__setattr__(self, "global_batch_size", b)  # frozen: the checked, normalized value
         object.__setattr__(self, "max_microbatches", integer(self.max_microbatches, "max_microbatches", low=1,
                                                              high=MAX_MICROBATCHES))
-        choice(self.schedule, "schedule", ("auto", *SCHEDULES))
+        check_schedule_name(self.schedule)  # the strategy's check too (planner.search_options)
         object.__setattr__(self, "max_virtual_stages", integer(self.max_virtual_stages, "max_virtual_stages", low=1,
-                                                               high=64))
-        if self.virtual_stages is not None:
-            object.__setattr__(self, "virtual_stages", integer(self.virtual_stages, "virtual_stages", low=1,
-                                                               high=64))
-            if self.schedule != "auto":
-                check_schedule(self.schedule, self.virtual_stages, "training")
+                                                               high=MAX_VIRTUAL_STAGES))
+        object.__setattr__(self, "virtual_stages", check_virtual_stages(self.virtual_stages, self.schedule))
         for key in ("weight_bytes", "grad_bytes", "optimizer_bytes"):
             number(getattr(self, key), key, low=0, high=MAX_BYTES_PER_PARAM, unit="bytes per parameter")
         if self.microbatches is not None:

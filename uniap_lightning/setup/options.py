@@ -10,6 +10,9 @@ from typing import Any
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.planner.dimensions.precision import device_has_fp8, fp8_precisions
+from uniap_lightning.planner.search_options import (DEFAULT_SCHEDULE, DEFAULT_SOLVER, DEFAULT_TIME_LIMIT_S,
+                                                   check_pipeline_degrees, check_schedule_name, check_solver,
+                                                   check_time_limit, check_virtual_stages)
 from uniap_lightning.planner.plan import (COMPRESSION_DEFAULTS, COMPRESSION_RUNTIME_DEFAULTS, COMPRESSIONS, Plan,
                                          check_compression_options)
 
@@ -26,13 +29,13 @@ class SetupOptions:
 
     cluster: Cluster | None = None
     pinned_plan: Plan | None = None
-    schedule: str = "auto"
+    schedule: str = DEFAULT_SCHEDULE
     #: pipeline stages per device (None: searched with the schedule)
     virtual_stages: int | None = None
     #: the pipeline degrees the search may use (``None``: all that divide the world size)
     pp: tuple[int, ...] | None = None
-    solver: str = "auto"
-    time_limit_s: float = 60.0
+    solver: str = DEFAULT_SOLVER
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S
     profile_path: Path | None = None
     cache_dir: Path | None = None
     measure_cluster: bool = True
@@ -53,25 +56,15 @@ class SetupOptions:
                        compression_options: Any = None, pp: Any = None,
                        virtual_stages: Any = None, fp8: Any = "off") -> SetupOptions:
         """Check and normalize ``UniAPStrategy``'s arguments (clear errors when the strategy is built)."""
-        from uniap_lightning.planner.plan import SCHEDULES, check_schedule
-        from uniap_lightning.planner.solver.search import SOLVERS
-
         if not isinstance(compression, (str, type(None))) or compression not in COMPRESSION_CHOICES:
             allowed = ", ".join(repr(c) for c in COMPRESSION_CHOICES if c != "none")
             raise UniAPError(f"compression={compression!r} must be one of {allowed} (None: off; a method: the "
                              "planner may use it per layer; 'auto': it chooses among all)")
-        if schedule not in ("auto", *SCHEDULES):
-            raise UniAPError(f"schedule={schedule!r} must be one of {['auto', *SCHEDULES]} ('auto': the planner "
-                             "chooses)")
-        if virtual_stages is not None:
-            if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
-                raise UniAPError(f"virtual_stages={virtual_stages!r} must be None (searched) or an integer >= 1")
-            if schedule != "auto":
-                check_schedule(schedule, virtual_stages, "strategy")
-        if solver not in SOLVERS:
-            raise UniAPError(f"solver={solver!r} must be one of {list(SOLVERS)}")
-        if isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)) or not time_limit > 0:
-            raise UniAPError(f"time_limit must be > 0 seconds, got {time_limit!r}")
+        # the checks `uniap plan` runs too (planner.search_options): the same verdict and line on both
+        schedule = check_schedule_name(schedule)
+        virtual_stages = check_virtual_stages(virtual_stages, schedule)
+        solver = check_solver(solver)
+        time_limit = check_time_limit(time_limit)
         if isinstance(cluster, (str, Mapping)):
             from uniap_lightning.planner.config import cluster_from
 
@@ -79,7 +72,7 @@ class SetupOptions:
         elif cluster is not None and not isinstance(cluster, Cluster):
             raise UniAPError(f"cluster must be a Cluster, a dict, a conf/cluster name or None, got "
                              f"{type(cluster).__name__}")
-        degrees = _pipeline_degrees(pp)
+        degrees = check_pipeline_degrees(pp)
         allowed_fp8 = fp8_precisions(fp8)
         if plan is not None:
             _refuse_search_options(schedule=schedule, virtual_stages=virtual_stages, pp=pp, compression=compression,
@@ -91,7 +84,7 @@ class SetupOptions:
         return cls(
             cluster=cluster, pinned_plan=plan, schedule=schedule, virtual_stages=virtual_stages, pp=degrees,
             solver=solver,
-            time_limit_s=float(time_limit),
+            time_limit_s=time_limit,
             profile_path=Path(profile) if profile is not None else None,
             cache_dir=Path(cache_dir) if cache_dir is not None else None, measure_cluster=bool(measure_cluster),
             profile_cache=bool(profile_cache), profile_repeats=max(int(profile_repeats), 1),
@@ -167,13 +160,3 @@ def _compression_options(value: Any) -> dict[str, float]:
     check_compression_options(dict(value), "compression_options")  # the run-time keys (start_iter, ...)
     runtime = {k: type(COMPRESSION_RUNTIME_DEFAULTS[k])(v) for k, v in value.items() if k in COMPRESSION_RUNTIME_DEFAULTS}
     return {"powersgd_rank": int(rank), "topk_ratio": float(ratio), **runtime}
-
-
-def _pipeline_degrees(pp: Any) -> tuple[int, ...] | None:
-    """``pp=4`` or ``pp=[2, 4]`` as a sorted tuple of distinct degrees >= 1 (``None``: no restriction)."""
-    if pp is None:
-        return None
-    values = [pp] if isinstance(pp, (int, str)) else list(pp) if hasattr(pp, "__iter__") else [pp]
-    if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
-        raise UniAPError(f"pp={pp!r} must be a pipeline degree >= 1 or a non-empty list of them (None: any)")
-    return tuple(sorted(set(values)))

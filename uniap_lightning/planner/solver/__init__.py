@@ -10,9 +10,10 @@ from uniap_lightning.planner.cost.evaluate import evaluate
 from uniap_lightning.planner.cost.layer import cost_cache
 from uniap_lightning.planner.plan import Plan
 from uniap_lightning.planner.problem import Problem, compression_methods
+from uniap_lightning.planner.search_options import DEFAULT_SOLVER, DEFAULT_TIME_LIMIT_S, SOLVERS
 from uniap_lightning.planner.solver.backend import Deadline, no_gc
 from uniap_lightning.planner.solver.baselines import BASELINES, baseline_plans
-from uniap_lightning.planner.solver.search import SOLVERS, resolve_solver, search
+from uniap_lightning.planner.solver.search import resolve_solver, search
 
 __all__ = ["BASELINES", "SOLVERS", "baseline_plans", "resolve_solver", "search", "solve"]
 
@@ -20,8 +21,8 @@ __all__ = ["BASELINES", "SOLVERS", "baseline_plans", "resolve_solver", "search",
 def solve(
     problem: Problem,
     *,
-    solver: str = "auto",
-    time_limit_s: float = 60.0,
+    solver: str = DEFAULT_SOLVER,
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S,
     pp: list[int] | None = None,
     baselines: bool = True,
     progress: Callable[[str], None] | None = None,

@@ -22,6 +22,7 @@ from uniap_lightning.planner.cost.tables import CostTables, TabulationStopped
 from uniap_lightning.errors import InfeasibleError, UniAPError
 from uniap_lightning.planner.plan import Plan, SolverInfo
 from uniap_lightning.planner.problem import Problem
+from uniap_lightning.planner.search_options import DEFAULT_SOLVER, DEFAULT_TIME_LIMIT_S, check_solver
 from uniap_lightning.planner.schedule_rules import SPLIT_BACKWARD, unsupported
 from uniap_lightning.planner.solver.bounds import least_memory_bytes, memory_lower_bound_bytes, time_lower_bound_s
 from uniap_lightning.planner.solver.group_splits import SPLIT_BUDGET_S, split_floor_s, surviving_splits
@@ -29,7 +30,6 @@ from uniap_lightning.planner.solver.parallel import Pool, solve_candidate, worke
 from uniap_lightning.planner.solver.backend import Deadline, no_gc, now_s, solver_available
 from uniap_lightning.planner.solver.uniform import best_uniform
 
-SOLVERS = ("auto", "cbc", "highs", "gurobi")
 #: a candidate's first solve gets this share of the search's time (at least SLICE_MIN_S) while other candidates
 #: wait; one that runs out goes back into the queue, behind the candidates tried fewer times, with twice the time
 SLICE_FRACTION = 0.1
@@ -38,8 +38,7 @@ Progress = Callable[[str], None]
 
 
 def resolve_solver(name: str) -> str:
-    if name not in SOLVERS:
-        raise UniAPError(f"solver={name!r} must be one of {list(SOLVERS)}")
+    check_solver(name)
     if name == "auto":
         return "highs" if solver_available("highs") else "cbc"
     if not solver_available(name):
@@ -194,8 +193,8 @@ def bubble_s(plan: Plan) -> float:
 def search(
     problem: Problem,
     *,
-    solver: str = "auto",
-    time_limit_s: float = 60.0,
+    solver: str = DEFAULT_SOLVER,
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S,
     pp: list[int] | None = None,
     allowed: Callable[[Strategy], bool] | None = None,
     incumbent: Plan | None = None,
