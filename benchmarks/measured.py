@@ -16,6 +16,45 @@ Printed per point: measured and predicted seconds per iteration and peak memory 
 NCCL's buffers for the plan's communicators, plus the device's framework reserve, plus what DeepSpeed's engine adds
 at ``dp = 1``: :func:`deepspeed_extra_bytes`), and their errors; then per model the mean absolute error, the largest one, and how many pairs
 of configurations of the same job (same GPUs, same global batch) the prediction orders as the measurements do.
+
+What the runs' framework does beyond the layers, read from its sources (issue 39; each finding with where it is):
+
+1. **Pipeline hand-offs block** (priced: ``TrainingConfig(blocking_handoffs=True)`` below). DeepSpeed's pipeline p2p
+   refuses asynchronous sends and receives (deepspeed/runtime/pipe/p2p.py at v0.16.5, ``send`` lines 46-48 and
+   ``recv`` 67-69: ``assert async_op == False``), and its TrainSchedule issues them between the forward and
+   backward passes (deepspeed/runtime/pipe/schedule.py), so a stage's slot is its compute plus the hand-offs on
+   both of its sides: ``T >= p_k + o_(k-1) + o_k``. The artifact's own simulator prices the same
+   (eth-easl/sailor cf2c8e3, sailor/Planner/simulations/runtime_simulator.py lines 375-384: ``straggler =
+   max(comp + comm)`` per stage). What a hand-off moves is already the engine's: ``pipe_partitioned`` and
+   ``grad_partitioned`` default to true (deepspeed/runtime/config.py line 467-468, v0.16.5; the runs' ds_config,
+   ae_scripts/clariden_scripts/run_opt.slurm, sets no ``pipeline`` section), so each tp rank sends ``1 / tp`` of the
+   activation and the receiver all-gathers it: the cost model's boundary (a send of ``b / edge`` plus the reshard).
+2. **Tensor-parallel all-reduces pay 21 us per ring step on this stack**, not 10
+   (``conf/cluster/gh200_clariden.yaml`` ``intra_latency_us``). Source: the artifact's per-operation profile of
+   this code on these GPUs (sailor/Planner/baselines/Aceso/profiler/GH-96/profiled-data-fp32/
+   OPT-350_mbs1_tp4_algo0.csv against ..._tp1_algo0.csv): the row-parallel ``enc-attention-dense`` forward takes
+   254.917 us at tp 4 and 83.500 us at tp 1, ``enc-MLP-GEMM-2`` 256.163 and 76.139: the all-reduce of 8.4 MB
+   (2048 x 1024 fp32) over 4 GPUs costs 171-180 us, of which 50 us are its bytes at the 250.6 GB/s the cluster
+   file takes from the artifact's network profile; ``2 (p - 1) alpha = 125 us`` gives ``alpha = 21 us`` (the same
+   reading at 16.8 MB gives 17 us and at 33.6 MB 15 us; the smallest message is where latency shows).
+3. **Checked, not missing**: the optimizer step (DeepSpeed's fused AdamW over fp32 parameters) is 0.43-0.55 ms per
+   stage at tp 4 in the artifact's own profile (sailor/Planner/sailor_planner/profiles/OPT-350/GH-96/profile.json,
+   the third number of each layer); the cost model's sync carries an optimizer pass of that size. The OPT block's
+   operations (third_party/Megatron-DeepSpeed/megatron/model/opt_model.py in the artifact: ``dense``, ``fc1`` and
+   ``fc2`` are ``skip_bias_add=True`` with the bias dropped, ReLU, no dropout, no softmax scale since ``coeff`` is
+   None and ``norm_factor`` 1.0; the fp32 path of ``FusedScaleMaskSoftmax`` is ``masked_fill_`` then
+   ``torch.nn.Softmax``, megatron/model/fused_softmax.py ``forward_torch_softmax``) are the traced ones but for
+   one bias add and GeLU for ReLU: the same count and bytes.
+4. **Found, priced too high, not changed here** (they would move the predictions further under): the scores'
+   ``baddbmm`` with ``beta=0`` is traced as reading its ``empty`` input (torch ignores it; 537 MB per block at
+   mbs 8 and tp 4, about 0.15 ms); the weight-gradient matmuls with a long reduction (``1024 x 1024``, ``K =
+   16384``) are priced at 193 us where the profile above measures 116-120 us for both of a linear's backward
+   matmuls (``enc-attention-dense``, ``enc-MLP-GEMM-2`` backward at mbs 8 tp 4: cuBLAS splits ``K``). And one too
+   low: Megatron's LayerNorm backward (apex's ``FusedLayerNormAffineFunction``, a Python autograd function:
+   megatron/model/fused_layer_norm.py line 102 in the artifact) takes 102-112 us at mbs 1
+   and 186 us at mbs 8 in that profile, priced 40-63 us.
+5. **Not explained**: GPT-Neo's N2_D1 (one micro-batch of one sample over two stages) measures 208 ms against
+   about 124 ms of compute, hand-offs and optimizer; no public source here says where the other ~85 ms go.
 """
 
 from __future__ import annotations
@@ -84,7 +123,7 @@ def predict(point: Point, model: str, cluster_cfg: dict, flat: bool) -> tuple[fl
     spec = model_spec_from(model)
     profile = analytic_profile(spec, cluster)
     training = TrainingConfig(global_batch_size=point.gbs, microbatches=(point.microbatches,), schedule="1f1b",
-                              weight_bytes=4, grad_bytes=4, optimizer_bytes=8)
+                              weight_bytes=4, grad_bytes=4, optimizer_bytes=8, blocking_handoffs=True)
     problem = Problem(model=profile, cluster=cluster, training=training)
     stage_of_layer = [s for s, count in enumerate(point.layers_per_stage) for _ in range(count)]
     strategies = [Strategy.of(point.dp, point.tp)] * len(stage_of_layer)

@@ -123,7 +123,7 @@ def brute_force(problem: Problem, *, candidate: tuple[int, int] | None = None) -
                     times = [vec[0] for _, vec, _ in combo]
                     syncs = [vec[1] for _, vec, _ in combo]
                     outs = [costs.boundary_s(bounds[j][1], combo[j][0][1], combo[j + 1][0][0], j) for j in range(pp - 1)]
-                    tpi = costs.tpi_s(sum(times), sum(outs), max(times + outs), max(syncs))
+                    tpi = costs.tpi_s(sum(times), sum(outs), costs.bottleneck_s(times, outs), max(syncs))
                     if tpi < best_tpi:
                         idx = [k for _, _, ks in combo for k in ks]
                         plan = problem.plan_for(stage_of_layer=stage_of, strategies=[options[u][k] for u, k in enumerate(idx)],

@@ -47,6 +47,12 @@ class TrainingConfig:
     weight_bytes: float = 4.0
     grad_bytes: float = 4.0
     optimizer_bytes: float = 8.0
+    #: the runtime's pipeline hand-offs block both stages (GPipe / 1F1B only): each device group's time per
+    #: micro-batch is its stages' time plus the hand-offs on both of its sides (``T >= sum p + o_in + o_out``), as
+    #: DeepSpeed's PipelineEngine runs them: its p2p ``send``/``recv`` refuse ``async_op`` (deepspeed/runtime/pipe/
+    #: p2p.py, ``assert async_op == False``) and its TrainSchedule issues them between the passes. False (torch's
+    #: pipelining: batched ``isend``/``irecv`` on NCCL's stream): a hand-off only bounds ``T`` on its own
+    blocking_handoffs: bool = False
 
     def __post_init__(self) -> None:
         b = as_int(self.global_batch_size)

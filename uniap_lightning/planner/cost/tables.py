@@ -232,10 +232,26 @@ class CandidateCosts:
         ``activation`` per stage, ``transient`` the group's largest)."""
         return sum(self.stage_memory_bytes(k, static[k], activation[k]) for k in self.stages_of(group)) + transient
 
+    @property
+    def blocking_handoffs(self) -> bool:
+        """Whether each device group's time per micro-batch carries the hand-offs on both of its sides
+        (:attr:`~uniap_lightning.planner.problem.TrainingConfig.blocking_handoffs`; GPipe and 1F1B only)."""
+        return self.problem.training.blocking_handoffs and self.schedule in ("gpipe", "1f1b")
+
+    def handoffs_of(self, group: int) -> list[int]:
+        """The boundaries a device group's stage sits between (one stage per group: the one before, the one after)
+        where hand-offs block (:attr:`blocking_handoffs`), else none."""
+        if not self.blocking_handoffs:
+            return []
+        return [j for j in (group - 1, group) if 0 <= j < self.stages - 1]
+
     def bottleneck_s(self, group_times: list, boundaries: list, stage_times: list = ()):
-        """``T``: the largest device group's summed stage times, the largest hand-off and, with several stages per
-        group, ``v`` times the longest stage (numbers only; the MILP states the same with one row per term)."""
-        return max(list(group_times) + [self.shape.boundary_weight * o for o in boundaries]
+        """``T``: the largest device group's summed stage times (plus its hand-offs where they block: a
+        DeepSpeed-run pipeline's stage waits out every send and receive, ``T >= p_k + o_{k-1} + o_k``), the largest
+        hand-off and, with several stages per group, ``v`` times the longest stage (numbers only; the MILP states
+        the same with one row per term)."""
+        groups = [t + sum(boundaries[j] for j in self.handoffs_of(g)) for g, t in enumerate(group_times)]
+        return max(groups + [self.shape.boundary_weight * o for o in boundaries]
                    + [self.shape.stage_weight * p for p in stage_times])
 
     def layer_memory_bytes(self, stage: int, cost: LayerCost) -> float:

@@ -84,10 +84,16 @@ class StageTotals:
             m += t.group_memory_bytes(grp, static, act, gmax) <= limit, f"memory[{grp}]"
 
     def _bottleneck(self) -> None:
-        """T >= o_j;  T >= run_bottleneck_s(g) for every run of two or more layers;  T >= chain_bottleneck_s;
+        """T >= o_j;  T >= sum p_i + o_in + o_out per device group where hand-offs block (DeepSpeed);
+        T >= run_bottleneck_s(g) for every run of two or more layers;  T >= chain_bottleneck_s;
         (c - 1) T + Y >= chain_sync_floor_s (valid: see :mod:`.bounds`)."""
         for j, o in enumerate(self.o):
             self.m += self.T >= self.t.shape.boundary_weight * o, f"bottleneck_boundary[{j}]"
+        for grp in range(self.t.pp):  # blocking hand-offs (DeepSpeed): a group's stages plus both its hand-offs
+            sides = self.t.handoffs_of(grp)
+            if sides:
+                self.m += (self.T >= mip.xsum(self.p[i] for i in self.t.stages_of(grp))
+                           + mip.xsum(self.o[j] for j in sides)), f"bottleneck_handoffs[{grp}]"
         for g, (a, e) in enumerate(self.runs):
             floor = run_bottleneck_s(self.t, a, e)
             if e > a and floor < float("inf"):
