@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+import uniap_launch  # noqa: E402
 
 from uniap_lightning.planner.cluster import Cluster  # noqa: E402
 from uniap_lightning.planner.cost import all_gather_s, all_reduce_s, p2p_s, reduce_scatter_s  # noqa: E402
@@ -42,9 +42,8 @@ def _worker(rank: int, world: int, port: int, out) -> None:
 
 
 def test_measure_collectives_two_ranks():
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    mp.start_processes(_worker, args=(2, _free_port(), q), nprocs=2, join=True, start_method="spawn")
+    q = uniap_launch.context().Queue()
+    uniap_launch.start_processes(_worker, args=(2, _free_port(), q), nprocs=2)
     res = q.get(timeout=10)
     assert res["world_size"] == 2
     for op in OPS:

@@ -10,7 +10,7 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+import uniap_launch
 
 from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.profiling.collectives import apply_to_cluster, measure_compression
@@ -31,9 +31,8 @@ def test_measure_compression_on_two_ranks_reaches_the_cluster() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    mp.start_processes(_worker, args=(2, port, q), nprocs=2, join=True, start_method="spawn")
+    q = uniap_launch.context().Queue()
+    uniap_launch.start_processes(_worker, args=(2, port, q), nprocs=2)
     got = dict(q.get(timeout=10) for _ in range(2))
     assert got[0] == got[1]  # the median over ranks, the same everywhere
     figures = got[0]

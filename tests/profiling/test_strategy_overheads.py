@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+import uniap_launch
 from torch import nn
 
 from uniap_lightning.planner.cluster import Cluster
@@ -174,9 +175,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 
 def test_measure_overheads_on_two_gloo_ranks(tmp_path):
-    import torch.multiprocessing as mp
-
-    mp.start_processes(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    uniap_launch.start_processes(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
     assert r0["res"] == r1["res"]  # the slowest rank's figures, identical everywhere
     assert r0["untouched"] and r0["no_grads"] and r1["untouched"] and r1["no_grads"]

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+import uniap_launch
 
 from uniap_lightning.planner.decision import Strategy
 
@@ -85,12 +86,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    import torch.multiprocessing as mp
-
     from uniap_rt_helpers import free_port
 
     out = tmp_path_factory.mktemp("compression")
-    mp.start_processes(_worker, args=(WORLD, free_port(), str(out)), nprocs=WORLD, start_method="spawn")
+    uniap_launch.start_processes(_worker, args=(WORLD, free_port(), str(out)), nprocs=WORLD)
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
 
 

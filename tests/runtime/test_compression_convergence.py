@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+import uniap_launch
 
 from uniap_lightning.planner.decision import Strategy
 
@@ -83,12 +84,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    import torch.multiprocessing as mp
-
     from uniap_rt_helpers import free_port
 
     out = tmp_path_factory.mktemp("convergence")
-    mp.start_processes(_worker, args=(2, free_port(), str(out)), nprocs=2, start_method="spawn")
+    uniap_launch.start_processes(_worker, args=(2, free_port(), str(out)), nprocs=2)
     return torch.load(out / "rank0.pt", weights_only=True)
 
 

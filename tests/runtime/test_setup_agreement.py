@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+import uniap_launch
 import uniap_rt_helpers as h
 
 SECONDS = 90  # the whole run, start-up of two spawned processes included; a hang would last 1800 s
@@ -64,11 +65,8 @@ def _worker(rank: int, world: int, port: int, case: dict[str, Any], out_dir: str
 
 
 def _run(case: dict[str, Any], out: Path) -> list[dict[str, Any]]:
-    import torch.multiprocessing as mp
-
-    done = mp.get_context("spawn").Barrier(2)
-    ctx = mp.start_processes(_worker, args=(2, h.free_port(), case, str(out), done), nprocs=2, join=False,
-                             start_method="spawn")
+    done = uniap_launch.context().Barrier(2)
+    ctx = uniap_launch.start_processes(_worker, args=(2, h.free_port(), case, str(out), done), nprocs=2, join=False)
     for proc in ctx.processes:
         proc.join(SECONDS)
     alive = [r for r, proc in enumerate(ctx.processes) if proc.is_alive()]

@@ -1,6 +1,7 @@
 """Shared pieces of the runtime tests: a tiny chain model, plans, and a multi-process runner.
 
-Multi-process runs use ``torch.multiprocessing`` with the spawn method; each process sets the environment
+Multi-process runs use ``torch.multiprocessing`` from a fork server that has imported torch and Lightning once
+(``tests/uniap_launch.py``); each process sets the environment
 variables of Lightning's ``LightningEnvironment`` (so Lightning does not launch processes itself) and trains with
 ``accelerator="cpu"`` and the gloo backend. Several cases run one after the other in the same processes (the
 process group is created once), which keeps start-up cost low on a 2-core machine.
@@ -29,6 +30,7 @@ from typing import Any
 
 import pytest
 import torch
+import uniap_launch
 from torch import nn
 
 IN, HID, OUT = 8, 16, 4
@@ -429,10 +431,8 @@ def spawn_and_watch(world: int, cases: dict[str, dict[str, Any]], out_dir: Path,
 
     Returns ``{rank: exit code or None if still running}``; survivors are killed after the wait.
     """
-    import torch.multiprocessing as mp
-
-    ctx = mp.start_processes(worker, args=(world, free_port(), cases, str(out_dir)), nprocs=world, join=False,
-                             start_method="spawn")
+    ctx = uniap_launch.start_processes(worker, args=(world, free_port(), cases, str(out_dir)), nprocs=world,
+                                       join=False)
     codes: dict[int, Any] = {}
     for rank, proc in enumerate(ctx.processes):
         proc.join(timeout_s)
@@ -445,9 +445,7 @@ def spawn_and_watch(world: int, cases: dict[str, dict[str, Any]], out_dir: Path,
 
 
 def spawn(world: int, cases: dict[str, dict[str, Any]], out_dir: Path, fn: Any = worker) -> list[dict[str, Any]]:
-    import torch.multiprocessing as mp
-
-    mp.start_processes(fn, args=(world, free_port(), cases, str(out_dir)), nprocs=world, start_method="spawn")
+    uniap_launch.start_processes(fn, args=(world, free_port(), cases, str(out_dir)), nprocs=world)
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
