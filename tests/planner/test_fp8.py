@@ -36,7 +36,7 @@ def _cluster(device: str = "h100_sxm", **kw) -> Cluster:
 
 def test_the_record_label_and_check():
     s = Strategy(2, 1, "zero3", precision="fp8")
-    assert s.label() == "fsdp2+fp8" and Strategy._fields[-1] == "precision"
+    assert s.label() == "fsdp2+fp8" and "precision" in Strategy._fields
     assert Strategy(1, 1, precision="fp8_rowwise").label() == "single+fp8r"
     s.check("w")
     with pytest.raises(UniAPError, match="precision='fp4' must be one of"):
@@ -106,7 +106,7 @@ def test_plan_json_writes_precision_and_older_versions_read_default():
                                                                     Strategy(1, 2, precision="fp8_rowwise")], pp=1,
                             microbatches=1)
     doc = json.loads(plan.to_json())
-    assert doc["format_version"] == PLAN_FORMAT_VERSION == 6
+    assert doc["format_version"] == PLAN_FORMAT_VERSION >= 6
     assert [x["precision"] for x in doc["layers"]] == ["fp8", "default", "fp8_rowwise"]
     assert [lp.strategy for lp in Plan.from_dict(json.loads(json.dumps(doc))).layers] == \
         [lp.strategy for lp in plan.layers]

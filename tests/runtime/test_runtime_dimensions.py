@@ -30,7 +30,7 @@ LOOPS = {"stage.py": ("build_stages", "StageModule"), "groups.py": ("build_meshe
 def _docs_list(label: str) -> list[str]:
     """The comma-separated names after ``label`` in docs/architecture.md (up to the sentence's end)."""
     text = " ".join((ROOT / "docs" / "architecture.md").read_text().split())
-    found = re.search(re.escape(label) + r"[^:]*: ([a-z, ]+)[.;(]", text)
+    found = re.search(re.escape(label) + r"[^:]*: ([a-z_, ]+)[.;(]", text)
     assert found, f"docs/architecture.md has no {label!r} line"
     return [x.strip() for x in found.group(1).split(",")]
 

@@ -34,6 +34,12 @@ def OFF(dp: int, tp: int, mode: str = REP) -> dict[str, Any]:
     return {"dp": dp, "tp": tp, "dp_mode": mode if dp > 1 else REP, "offload": True}
 
 
+def SOFF(dp: int, tp: int, mode: str = REP, **kw: Any) -> dict[str, Any]:
+    """A layer whose parameters, gradients and optimizer state wait in host memory (``state_offload``: FSDP2's
+    CPUOffloadPolicy, unpinned on CPU; zero3 over its replicas, or a one-rank unit without)."""
+    return {"dp": dp, "tp": tp, "dp_mode": mode if dp > 1 else REP, "state_offload": True, **kw}
+
+
 def FP8(dp: int, tp: int, mode: str = REP, recompute: bool = False, precision: str = "fp8") -> dict[str, Any]:
     """A layer whose ``nn.Linear`` products run in float8 (torchao, tensorwise scales unless ``precision`` says)."""
     return {"dp": dp, "tp": tp, "dp_mode": mode if dp > 1 else REP, "recompute": recompute, "precision": precision}
@@ -84,6 +90,13 @@ TWO_RANKS = {
     # offload under ZeRO-1 / ZeRO-3 and tensor parallelism (DTensor activations travel as their local shards)
     "mixed_modes_offload": {"plan": P2([OFF(2, 1, Z1), OFF(1, 2), S(2, 1, Z2, True), OFF(2, 1, Z3)], ONE_STAGE,
                                        pp=1, microbatches=2), "accumulate": 2, "clip": 0.5},
+    # state offload (FSDP2's CPU offload: the optimizer steps host shards): one-rank units on two pipeline stages,
+    # beside a plain layer, with activation offload and with recomputation; Adam's state lives with the shards
+    "pp2_state_offload": {"plan": P2([SOFF(1, 1), S(1, 1), SOFF(1, 1, offload=True), SOFF(1, 1, recompute=True)],
+                                     TWO_STAGES, pp=2, microbatches=2), **ADAM},
+    # under ZeRO-3 beside ZeRO-2 and tensor parallelism in one stage, accumulating, clipped
+    "mixed_modes_state_offload": {"plan": P2([SOFF(2, 1, Z3), S(2, 1, Z2), SOFF(2, 1, Z3, offload=True), S(1, 2)],
+                                             ONE_STAGE, pp=1, microbatches=2), "accumulate": 2, "clip": 0.5},
 }
 
 # Float8 matmuls (torchao) on the tiny GPT (embedding, block, block, norm + LM head), 50 steps: against one process
@@ -394,6 +407,9 @@ SAVE_PLAN = P2([S(2, 1, Z2, True)] * 4, ONE_STAGE, pp=1, microbatches=2)
 RESUME_PLAN = P4([S(2, 1, Z1)] * 4, TWO_STAGES, pp=2, microbatches=2)
 # the same plan with every layer's activations offloaded: checkpoints are per parameter, offload holds no state
 RESUME_PLAN_OFFLOAD = P4([OFF(2, 1, Z1)] * 4, TWO_STAGES, pp=2, microbatches=2)
+# and with every layer's state on the host (ZeRO-3 units with CPUOffloadPolicy: the shards and Adam's state reshard
+# by name into host tensors)
+RESUME_PLAN_STATE_OFFLOAD = P4([SOFF(2, 1, Z3)] * 4, TWO_STAGES, pp=2, microbatches=2)
 # and with the middle layers' matmuls in float8 (net.0 and net.3, 8 -> 16 and 16 -> 4, are too narrow for it)
 RESUME_PLAN_FP8 = P4([S(2, 1, Z1), FP8(2, 1, Z1), FP8(2, 1, Z1), S(2, 1, Z1)], TWO_STAGES, pp=2, microbatches=2)
 # saved with float8 ZeRO-3 layers (torchao wraps their weights for float8 all-gather; the checkpoint holds the
@@ -435,6 +451,8 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory, two_ranks: Any) -> list
         "resume_zero1_pp2": {"plan": RESUME_PLAN, "epochs": 2, "resume": str(two_out / "z2rc.ckpt"), **ADAM},
         "resume_zero1_pp2_offload": {"plan": RESUME_PLAN_OFFLOAD, "epochs": 2, "resume": str(two_out / "z2rc.ckpt"),
                                      **ADAM},
+        "resume_pp2_state_offload": {"plan": RESUME_PLAN_STATE_OFFLOAD, "epochs": 2,
+                                     "resume": str(two_out / "z2rc.ckpt"), **ADAM},
         "resume_zero1_pp2_fp8": {"plan": RESUME_PLAN_FP8, "epochs": 2, "resume": str(two_out / "z2rc.ckpt"), **ADAM},
         "load_fp8_zero3_under_zero1_pp2": {"plan": RESUME_PLAN, "validate_only": True, "limit_val_batches": 1,
                                            "resume": str(two_out / "fp8z3.ckpt"), **ADAM},
@@ -517,6 +535,22 @@ def test_resume_under_plans_that_differ_in_offload(two_ranks: Any, four_ranks: A
         torch.testing.assert_close(resumed[k], full[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
     assert four_ranks[0]["resume_zero1_pp2_offload"]["losses"] == pytest.approx(
         four_ranks[0]["resume_zero1_pp2"]["losses"], rel=1e-6)
+
+
+def test_resume_under_plans_that_differ_in_state_offload(two_ranks: Any, four_ranks: Any) -> None:
+    """The zero2 checkpoint (state on the devices) resumed with every layer's state on the host: the second epoch
+    continues as if uninterrupted (the shards and Adam's state land in FSDP2's host tensors, by name)."""
+    two, _ = two_ranks
+    for r in four_ranks:
+        assert "error" not in r["resume_pp2_state_offload"], r["resume_pp2_state_offload"].get("traceback")
+    full, resumed = h.merge_states(two, "uninterrupted_zero2_recompute"), h.merge_states(four_ranks,
+                                                                                         "resume_pp2_state_offload")
+    assert sorted(full) == sorted(resumed)
+    for k in full:
+        torch.testing.assert_close(resumed[k], full[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+    torch.testing.assert_close(torch.tensor(four_ranks[0]["resume_pp2_state_offload"]["losses"]),
+                               torch.tensor(two[0]["uninterrupted_zero2_recompute"]["losses"][4:]), rtol=1e-5,
+                               atol=1e-7)
 
 
 def _sqnr_db(ref: torch.Tensor, got: torch.Tensor) -> float:

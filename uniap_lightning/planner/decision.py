@@ -36,7 +36,8 @@ class Strategy(NamedTuple):
     ``replicas / ep`` ranks holding the same experts reduce their gradients together; ``offload``: the layer's
     tensors saved for backward wait in host memory between its forward and its backward; ``precision``: its
     ``nn.Linear`` products in float8 (``"fp8"``: tensorwise scales, ``"fp8_rowwise"``) or in the run's own
-    precision (``"default"``)."""
+    precision (``"default"``); ``state_offload``: its parameters, gradients and optimizer state wait in host memory
+    and its optimizer steps there (FSDP2's CPU offload; zero3 or no replicas)."""
 
     dp: int
     tp: int
@@ -49,6 +50,7 @@ class Strategy(NamedTuple):
     ep: int = 1
     offload: bool = False
     precision: str = "default"
+    state_offload: bool = False
 
     # The fields above are the registry's (uniap_lightning.planner.dimensions: RECORD order, each dimension's
     # types and defaults), written out so that type checkers and readers see them; tests/planner/test_dimensions.py

@@ -22,26 +22,28 @@ from uniap_lightning.planner.dimensions.experts import EXPERTS
 from uniap_lightning.planner.dimensions.offload import OFFLOAD
 from uniap_lightning.planner.dimensions.precision import PRECISION
 from uniap_lightning.planner.dimensions.recompute import RECOMPUTE
+from uniap_lightning.planner.dimensions.state_offload import STATE_OFFLOAD
 from uniap_lightning.planner.dimensions.tensor import TENSOR
 
 #: THE registry. Its order: the stage's device grid ``dp x cp x tp`` outer to inner, then what modifies a layer
 #: without taking devices (experts over the replicas, gradient compression, recomputation, activation offload,
-#: matmul precision). The label's grid fragments and ``+...`` suffixes, the relational checks and the report's grid
-#: columns follow it.
-DIMENSIONS: tuple[Dimension, ...] = (DATA, CONTEXT, TENSOR, EXPERTS, COMPRESSION, RECOMPUTE, OFFLOAD, PRECISION)
+#: matmul precision, state offload). The label's grid fragments and ``+...`` suffixes, the relational checks and
+#: the report's grid columns follow it.
+DIMENSIONS: tuple[Dimension, ...] = (DATA, CONTEXT, TENSOR, EXPERTS, COMPRESSION, RECOMPUTE, OFFLOAD, PRECISION,
+                                     STATE_OFFLOAD)
 
 #: Three orders of the same fields that are fixed by history, each a permutation the registry checks on import:
 #: the decision record's fields (public: positional construction, pickles, the plan JSON's key order; a new field
 #: goes at the end, with a default)
 RECORD: tuple[str, ...] = ("dp", "tp", "dp_mode", "recompute", "compression", "cp", "cp_method", "sp", "ep",
-                           "offload", "precision")
+                           "offload", "precision", "state_offload")
 #: the order the candidate enumeration chooses fields in, outer first (a field's options read the choices before
 #: it; the order of the candidates, which the solver's tie-breaking sees, follows it)
 CHOICES: tuple[str, ...] = ("tp", "cp", "dp", "cp_method", "dp_mode", "compression", "ep", "sp", "recompute",
-                            "offload", "precision")
+                            "offload", "precision", "state_offload")
 #: the report's per-layer columns: the degrees in the registry's order, then the state and gradient modes
 COLUMNS: tuple[str, ...] = ("dp", "cp", "cp method", "tp", "sp", "ep", "dp mode", "recompute", "compression",
-                            "offload", "precision")
+                            "offload", "precision", "state")
 
 _BY_NAME: dict[str, Field] = {f.name: f for d in DIMENSIONS for f in d.fields}
 _COLUMNS: dict[str, Column] = {c.header: c for d in DIMENSIONS for c in d.columns}

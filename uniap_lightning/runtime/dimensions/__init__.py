@@ -16,8 +16,10 @@ planner's ``compression`` has no runtime module: it is how the data dimension's 
 3. context: after TP (it checks the heads per TP rank), as torchtitan;
 4. experts: the micro-batch's statistics group, the experts split over the ep mesh and their own reduction; after
    CP, before FSDP (torchtitan's MoE models also split experts before FSDP); its ``finish`` runs after (5);
-5. data: replicate or ZeRO (FSDP2) over the replicas, last of the parallelisms, as torchtitan's FSDP;
-6. recompute and 7. offload: how the stage's forward calls the layer (checkpoint / saved-tensor hooks), not a
+5. state offload: a layer whose state waits on the host becomes an FSDP2 unit with ``CPUOffloadPolicy`` (as
+   torchtitan's ``apply_fsdp(offload_policy=...)``), just before data, which then leaves it;
+6. data: replicate or ZeRO (FSDP2) over the replicas, last of the parallelisms, as torchtitan's FSDP;
+7. recompute and 8. offload: how the stage's forward calls the layer (checkpoint / saved-tensor hooks), not a
    wrapper: where torchtitan wraps the block before FSDP (``apply_ac``), ours are around the call of the finished
    layer, so parameter names and checkpoints stay the user's. Recompute first: a recomputed layer saves nothing to
    offload. No compile step: the runtime does not compile.
@@ -42,6 +44,7 @@ from uniap_lightning.runtime.dimensions.experts import EXPERTS
 from uniap_lightning.runtime.dimensions.offload import OFFLOAD
 from uniap_lightning.runtime.dimensions.precision import PRECISION
 from uniap_lightning.runtime.dimensions.recompute import RECOMPUTE
+from uniap_lightning.runtime.dimensions.state_offload import STATE_OFFLOAD
 from uniap_lightning.runtime.dimensions.tensor import TENSOR
 
 if TYPE_CHECKING:
@@ -49,7 +52,8 @@ if TYPE_CHECKING:
     from uniap_lightning.runtime.mesh import PlanMeshes
 
 #: THE runtime registry: the order a layer is converted, wrapped, finished and run in (see the module docstring)
-DIMENSIONS: tuple[RuntimeDimension, ...] = (PRECISION, TENSOR, CONTEXT, EXPERTS, DATA, RECOMPUTE, OFFLOAD)
+DIMENSIONS: tuple[RuntimeDimension, ...] = (PRECISION, TENSOR, CONTEXT, EXPERTS, STATE_OFFLOAD, DATA, RECOMPUTE,
+                                            OFFLOAD)
 
 #: the order the dimensions create their process groups in (fixed by history; see the module docstring)
 GROUP_ORDER: tuple[str, ...] = ("data", "experts", "context")
