@@ -170,6 +170,11 @@ FOUR_RANKS_SLOW = {
                    microbatches=1), **DEFAULTS},
     "pp2_dp2_zero2_accumulate_adam": {
         "plan": P4([S(2, 1, Z2, True)] * 4, TWO_STAGES, pp=2, microbatches=2), "accumulate": 2, **ADAM},
+    # state offload under ZeRO-3 and on a tensor-parallel layer (a one-rank FSDP2 unit of 2-D DTensors), beside
+    # zero2 with recomputation and with activation offload, over two stages of two ranks
+    "pp2_dp2_x_tp_state_offload": {
+        "plan": P4([SOFF(2, 1, Z3), SOFF(1, 2), S(2, 1, Z2, True), SOFF(2, 1, Z3, offload=True)], TWO_STAGES, pp=2,
+                   microbatches=2), "clip": 0.3},
 }
 
 # ---------------------------------------------------------------------- memory
