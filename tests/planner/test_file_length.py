@@ -19,8 +19,6 @@ OVER_LIMIT_LEFT: dict[str, str] = {
     "planner/cost/layer.py": "being edited by another change (issue 40)",
     "planner/profile.py": "being edited by another change (issue 40)",
     "profiling/roofline.py": "being edited by another change (issue 40)",
-    "strategy.py": "being edited by another change (issue 40)",
-    "cli/train.py": "being edited by another change (issue 40)",
 }
 
 

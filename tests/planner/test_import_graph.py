@@ -35,7 +35,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("uniap_lightning.adapters",),
     # 5: Lightning glue the strategy uses
     ("uniap_lightning.precision", "uniap_lightning.monitor_memory", "uniap_lightning.monitor",
-     "uniap_lightning.callbacks", "uniap_lightning.strategy_checkpoints", "uniap_lightning.data"),
+     "uniap_lightning.callbacks", "uniap_lightning.strategy_checkpoints", "uniap_lightning.strategy_steps",
+     "uniap_lightning.data"),
     # 6: setup (profile, plan, agree across ranks, apply), then 7: live re-planning
     ("uniap_lightning.setup",),
     ("uniap_lightning.rebalance",),
@@ -158,7 +159,7 @@ _LOCAL_PACKAGE_IMPORTS_LEFT = {
 _LOCAL_LIGHT_IMPORTS_LEFT = {
     ("(root)", "importlib"), ("cli.checkpoint_dir", "fcntl"), ("cli.main", "logging"),
     ("cli.overrides", "dataclasses"), ("cli.overrides", "difflib"), ("cli.ranks", "atexit"), ("cli.ranks", "shutil"),
-    ("cli.ranks", "tempfile"), ("cli.train", "logging"), ("cli.train", "time"), ("cli.train", "warnings"),
+    ("cli.ranks", "tempfile"), ("cli.train", "logging"), ("cli.train", "warnings"),
     ("cli.train_checks", "difflib"), ("cli.train_checks", "inspect"), ("monitor", "dataclasses"),
     ("monitor_memory", "ctypes"), ("planner.cluster", "dataclasses"), ("planner.config_schema", "typing"),
     ("planner.cost.comm", "math"), ("planner.report", "os"), ("profiling.cache", "importlib"),

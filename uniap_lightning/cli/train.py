@@ -1,15 +1,13 @@
 """``uniap train``: a shipped model on the shipped corpus with ``Trainer(strategy="uniap")``.
 
 With ``trainer.devices > 1`` outside SLURM (and not already a launched rank), this process starts the other
-ranks itself (same command, ``LOCAL_RANK`` set), as Lightning's launcher would, then trains as rank 0. Under
-SLURM ``srun`` starts the ranks and Lightning's SLURM environment wires them.
+ranks itself (same command, ``LOCAL_RANK`` set), as Lightning's launcher would (:mod:`uniap_lightning.cli.launch`),
+then trains as rank 0. Under SLURM ``srun`` starts the ranks and Lightning's SLURM environment wires them.
 """
 
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +16,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from uniap_lightning.cli.estimate import estimate
+from uniap_lightning.cli.launch import (CHILD_GRACE_S, end_children, launch_other_ranks, stopped_by_sigterm,
+                                        threads_per_rank)
 from uniap_lightning.cli.pinned_plan import pin_plan
 from uniap_lightning.cli.train_checks import (check_environment, check_resume_state, check_train_config,
                                               check_trainer_arguments)
@@ -26,7 +26,6 @@ from uniap_lightning.cli.ranks import (
     SETUP_STOP_LINE,
     RankWatch,
     close_process_group,
-    error_file_for,
     rank_error,
     report_error_to_launcher,
     setup_stop_message,
@@ -34,45 +33,6 @@ from uniap_lightning.cli.ranks import (
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.files import check_output_folder, write_json_atomic
 from uniap_lightning.profiling.estimate import SAID
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch_other_ranks(cfg: DictConfig, overrides: list[str]) -> list[subprocess.Popen]:
-    devices, nodes = int(cfg.trainer.devices), int(cfg.trainer.num_nodes)
-    if devices <= 1 or "LOCAL_RANK" in os.environ or "SLURM_NTASKS" in os.environ:
-        return []
-    if nodes != 1:
-        raise UniAPError(
-            f"trainer.num_nodes={nodes}: outside SLURM `uniap train` starts processes on this machine only; "
-            "use examples/slurm/train.sbatch for several nodes"
-        )
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(devices),
-               NODE_RANK="0", OMP_NUM_THREADS=_threads_per_rank(devices))
-    children = []
-    for rank in range(1, devices):
-        report = error_file_for(rank)  # the rank writes its error line here; rank 0 prints it (one line in all)
-        child = subprocess.Popen([sys.executable, "-m", "uniap_lightning.cli.main", "train", *overrides],
-                                 env=dict(env, LOCAL_RANK=str(rank), UNIAP_RANK_ERROR_FILE=str(report)))
-        child.uniap_error_file = report  # type: ignore[attr-defined]
-        children.append(child)
-    shared = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK", "OMP_NUM_THREADS")
-    os.environ.update({k: env[k] for k in shared}, LOCAL_RANK="0")
-    import torch
-
-    torch.set_num_threads(int(env["OMP_NUM_THREADS"]))  # this process's pool was sized before the variable was set
-    return children
-
-
-def _threads_per_rank(devices: int) -> str:
-    """The cores shared out between the ranks, as Lightning's own launchers do (``OMP_NUM_THREADS`` wins if set):
-    with more compute threads than cores the ranks' thread pools preempt each other, and a step can take many
-    times what profiling measured."""
-    return os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // devices))
 
 
 def check_config(cfg: DictConfig) -> list[str]:
@@ -152,7 +112,7 @@ def run_train(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
         for note in notes:
             print(f"note: {note}", flush=True)
         # before Lightning loads (seconds): how long setup will measure, and how to shorten it (issue 42)
-        said = estimate(cfg, threads=int(_threads_per_rank(int(cfg.trainer.devices))))
+        said = estimate(cfg, threads=int(threads_per_rank(int(cfg.trainer.devices))))
         if said is not None:
             print(said, flush=True)
     check_before_launch(cfg)
@@ -193,7 +153,7 @@ def _run_train_locked(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
         resume = resume_from(cfg)  # (reads the checkpoint's meta.pt: a SIGTERM here is a stop too)
         _one_copy_of_each_log_line()
         _quiet_library_warnings()
-        children.extend(_launch_other_ranks(cfg, overrides))
+        children.extend(launch_other_ranks(cfg, overrides))
         with RankWatch(children):  # a started rank that fails ends the run (rank 0 may wait in C for it)
             result = _train(cfg, overrides, resume)
             close_process_group()
@@ -202,19 +162,19 @@ def _run_train_locked(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
             print(setup_stop_message(resume), file=sys.stderr, flush=True)
         else:
             report_error_to_launcher(SETUP_STOP_LINE)  # rank 0 says it once, as the run's stop
-        _end_children(children, grace_s=CHILD_GRACE_S)
+        end_children(children, grace_s=CHILD_GRACE_S)
         raise
     except SystemExit as stop:
         # preempted: every rank writes its part of the checkpoint, then stops by itself
-        _end_children(children, grace_s=None if stop.code == PREEMPTED_EXIT_CODE else CHILD_GRACE_S)
+        end_children(children, grace_s=None if stop.code == PREEMPTED_EXIT_CODE else CHILD_GRACE_S)
         raise
     except BaseException:
         # this rank's error is the one to report; the others got the same (setup agrees on failures) or stop
         # because of it. One still waiting (e.g. in a rendezvous this rank never reached) is ended. But when a
         # started rank was stopped by SIGTERM before training, this error (a peer gone from a collective) is that
         # stop seen from here: the run ends as stopped, with the preemption status, not with this traceback.
-        stopped = None if isinstance(sys.exc_info()[1], UniAPError) else _stopped_by_sigterm(children)
-        _end_children(children, grace_s=CHILD_GRACE_S)
+        stopped = None if isinstance(sys.exc_info()[1], UniAPError) else stopped_by_sigterm(children)
+        end_children(children, grace_s=CHILD_GRACE_S)
         if stopped is not None:
             print(setup_stop_message(resume, rank=stopped), file=sys.stderr, flush=True)
             raise StoppedBySigterm() from None
@@ -226,22 +186,6 @@ def _run_train_locked(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
         raise UniAPError(f"training rank {rank} exited with status {code}: {said}" if said else
                          f"training rank {rank} exited with status {code}; see its output above")
     return result
-
-
-def _stopped_by_sigterm(children: list[subprocess.Popen], *, wait_s: float = 3.0) -> int | None:
-    """The first started rank that stopped on SIGTERM before training (it handed :data:`SETUP_STOP_LINE` over),
-    waiting up to ``wait_s`` for ranks still running (this rank's error came from one leaving, a moment ago)."""
-    import time
-
-    deadline = time.monotonic() + wait_s
-    for rank, child in enumerate(children, start=1):
-        try:
-            code = child.wait(timeout=max(deadline - time.monotonic(), 0.01))
-        except subprocess.TimeoutExpired:
-            continue
-        if code in (PREEMPTED_EXIT_CODE, -signal.SIGTERM) and (code < 0 or rank_error(child) == SETUP_STOP_LINE):
-            return rank
-    return None
 
 
 def _train(cfg: DictConfig, overrides: list[str], resume: Path | None) -> dict[str, Any]:
@@ -333,20 +277,6 @@ def _plan_work_rate(trainer: Any, batch: int) -> str:
         if isinstance(cb, UniAPMonitor) and cb.last and cb.last.get("plan_work_s"):
             return f", {batch / cb.last['plan_work_s']:.1f} in the plan's work"
     return ""
-
-
-#: seconds the ranks this process started get to end by themselves once it has failed, before they are killed
-CHILD_GRACE_S = 15.0
-
-
-def _end_children(children: list[subprocess.Popen], *, grace_s: float | None) -> None:
-    """Wait for the started ranks (at most ``grace_s`` each, then kill them); ``None``: wait as long as they run."""
-    for child in children:
-        try:
-            child.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
 
 
 def resume_from(cfg: DictConfig) -> Path | None:
