@@ -36,7 +36,9 @@ def test_solve_spends_at_most_its_time_limit_baselines_included(monkeypatch, lim
     clock = FakeClock()
     monkeypatch.setattr(backend, "now_s", clock)
     monkeypatch.setattr(milp, "optimize", clock.optimize)
-    problem = config.build_problem(model="llama_7b", cluster="h100_4x8", global_batch_size=64)
+    # a small instance (1 node): the clock is fake, so the size of the search is not the subject; llama_7b on
+    # h100_4x8 spent 27 s per case building the same calls
+    problem = config.build_problem(model="gpt2_small", cluster="a100_1x8", global_batch_size=16)
     start = clock.now_s
     plan = solve(problem, solver="cbc", time_limit_s=limit_s)
     assert len(clock.limits_s) >= 2, "the instance must make both the baselines and the main search solve"
