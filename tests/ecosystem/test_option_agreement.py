@@ -46,6 +46,21 @@ def test_the_defaults_agree_everywhere() -> None:
         assert params["time_limit_s"].default == ours["time_limit"] and params["solver"].default == ours["solver"]
 
 
+
+def test_bytes_per_parameter_are_one_table() -> None:
+    """``TrainingConfig``'s default, the strategy's rule for fp32 parameters and each shipped ``conf/train`` file
+    are entries of ``BYTES_PER_PARAM`` (its numbers are written there only; a yaml file copies one entry)."""
+    from uniap_lightning.planner.problem import BYTES_PER_PARAM, TrainingConfig, adam_bytes
+
+    config = TrainingConfig(global_batch_size=8)
+    assert (config.weight_bytes, config.grad_bytes, config.optimizer_bytes) == BYTES_PER_PARAM["fp32_adam"]
+    assert adam_bytes(4) == BYTES_PER_PARAM["fp32_adam"]  # UniAPStrategy's rule (setup._training) on fp32
+    for name, entry in (("default", "bf16_adam"), ("fp32_adam", "fp32_adam")):
+        shipped = yaml.safe_load((CONF_DIR / "train" / f"{name}.yaml").read_text())
+        assert (shipped["weight_bytes"], shipped["grad_bytes"], shipped["optimizer_bytes"]) == BYTES_PER_PARAM[entry]
+        assert f'BYTES_PER_PARAM["{entry}"]' in (CONF_DIR / "train" / f"{name}.yaml").read_text()
+
+
 BAD_VALUES = [
     ("time_limit", math.inf, "inf"),  # passed the strategy's check (> 0) but not the command's
     ("time_limit", -math.inf, "-inf"),

@@ -25,6 +25,22 @@ MAX_MICROBATCHES = 10**6
 MAX_BYTES_PER_PARAM = 1024
 
 
+def adam_bytes(param_bytes: float) -> tuple[float, float, float]:
+    """Bytes per parameter (weights, gradients, optimizer state) of Adam on parameters of ``param_bytes`` bytes:
+    gradients in the parameters' dtype and two moments of the same size (what UniAPStrategy prices for the module
+    it trains, whose dtype the precision plugin chose)."""
+    return float(param_bytes), float(param_bytes), 2.0 * param_bytes
+
+
+#: the one place of the bytes-per-parameter numbers (weights, gradients, optimizer state), by training:
+#: ``fp32_adam`` is ``TrainingConfig``'s default and what UniAPStrategy prices for fp32 parameters (Lightning's
+#: ``32-true`` and ``bf16-mixed`` both keep them); ``bf16_adam`` is bf16 weights and gradients with fp32 master
+#: weights and moments (Megatron's mixed precision), what ``uniap plan`` plans for by default
+#: (``conf/train/default.yaml``; each shipped ``conf/train`` file is one of these, checked by
+#: ``tests/ecosystem/test_option_agreement.py``)
+BYTES_PER_PARAM: dict[str, tuple[float, float, float]] = {"fp32_adam": adam_bytes(4.0), "bf16_adam": (2.0, 2.0, 12.0)}
+
+
 @dataclass(frozen=True)
 class TrainingConfig:
     """Training settings the plan depends on.
@@ -44,9 +60,9 @@ class TrainingConfig:
     schedule: str = DEFAULT_SCHEDULE
     virtual_stages: int | None = None
     max_virtual_stages: int = 4
-    weight_bytes: float = 4.0
-    grad_bytes: float = 4.0
-    optimizer_bytes: float = 8.0
+    weight_bytes: float = BYTES_PER_PARAM["fp32_adam"][0]
+    grad_bytes: float = BYTES_PER_PARAM["fp32_adam"][1]
+    optimizer_bytes: float = BYTES_PER_PARAM["fp32_adam"][2]
     #: the runtime's pipeline hand-offs block both stages (GPipe / 1F1B only): each device group's time per
     #: micro-batch is its stages' time plus the hand-offs on both of its sides (``T >= sum p + o_in + o_out``), as
     #: DeepSpeed's PipelineEngine runs them: its p2p ``send``/``recv`` refuse ``async_op`` (deepspeed/runtime/pipe/

@@ -206,14 +206,14 @@ def _solve(m: Measurements, chain: Chain, sample: Sample, cluster: Cluster | Non
 def _training(chain: Chain, global_batch_size: int, schedule: str, virtual_stages: int | None = None) -> Any:
     """Training settings with the bytes per parameter of the model's real dtypes (after the precision plugin
     converted it): weights and gradients in the parameters' dtype, two optimizer states of the same size (Adam)."""
-    from uniap_lightning.planner.problem import TrainingConfig
+    from uniap_lightning.planner.problem import TrainingConfig, adam_bytes
 
     params = [p for layer in chain.layers for p in layer.parameters()]
     count = sum(p.numel() for p in params)
     per_param = sum(p.numel() * p.element_size() for p in params) / count if count else 4.0
+    weight, grad, optimizer = adam_bytes(per_param)
     return TrainingConfig(global_batch_size=int(global_batch_size), schedule=schedule,
-                          virtual_stages=virtual_stages, weight_bytes=per_param,
-                          grad_bytes=per_param, optimizer_bytes=2 * per_param)
+                          virtual_stages=virtual_stages, weight_bytes=weight, grad_bytes=grad, optimizer_bytes=optimizer)
 
 
 def _check(plan: Plan, chain: Chain, ranks: Ranks) -> None:
