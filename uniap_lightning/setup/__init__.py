@@ -213,7 +213,8 @@ def _training(chain: Chain, global_batch_size: int, schedule: str, virtual_stage
     per_param = sum(p.numel() * p.element_size() for p in params) / count if count else 4.0
     weight, grad, optimizer = adam_bytes(per_param)
     return TrainingConfig(global_batch_size=int(global_batch_size), schedule=schedule,
-                          virtual_stages=virtual_stages, weight_bytes=weight, grad_bytes=grad, optimizer_bytes=optimizer)
+                          virtual_stages=virtual_stages, weight_bytes=weight, grad_bytes=grad,
+                          optimizer_bytes=optimizer)
 
 
 def _check(plan: Plan, chain: Chain, ranks: Ranks) -> None:
