@@ -18,7 +18,6 @@ OVER_LIMIT_LEFT: dict[str, str] = {
     "planner/cluster.py": "being edited by another change (issue 40)",
     "planner/cost/layer.py": "being edited by another change (issue 40)",
     "planner/profile.py": "being edited by another change (issue 40)",
-    "profiling/roofline.py": "being edited by another change (issue 40)",
 }
 
 

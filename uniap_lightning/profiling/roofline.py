@@ -32,369 +32,28 @@ Where this model stands against measured runs: ``benchmarks/measured.py`` and BE
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
 
 from uniap_lightning.planner.devices import (ATTENTION_EFFICIENCY, KERNEL_FLOOR_S, MATMUL_EFFICIENCY,
                                               MEMORY_EFFICIENCY, SOFTMAX_LATENCY_ROW, SOFTMAX_LONG_ROW_EFFICIENCY,
                                               SOFTMAX_WARP_ROW, DeviceSpec)
+from uniap_lightning.profiling.reference_layers import (BlockShape, block_forward, classifier_forward,
+                                                        embed_forward, lm_head_forward, patch_embed_forward)
+from uniap_lightning.profiling.trace_ops import Op, Trace, trace
+
+__all__ = ["BlockShape", "LayerCosts", "MICRO_BATCHES", "Op", "TILE", "Trace", "block_forward", "cached_trace",
+           "layer_costs", "matmul_dtype", "matmul_efficiency", "op_seconds", "roofline_profile", "trace",
+           "trace_seconds", "KERNEL_FLOOR_S", "MATMUL_EFFICIENCY"]
 
 #: a matmul's output tile (rows x columns per thread block of a tensor-core kernel)
 TILE = 128
 #: micro-batch sizes the timings are traced at (the cost model interpolates between them, linearly beyond)
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64)
-
-_MATMULS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm}
-#: softmax kernels (forward and backward): priced by the length of the row they reduce. The loss's log-softmax is
-#: left out: the measurement behind SOFTMAX_LONG_ROW_EFFICIENCY is an attention's softmax, and a vocabulary-parallel
-#: loss (Megatron's) runs no torch log-softmax at all
-_SOFTMAXES = {torch.ops.aten._softmax, torch.ops.aten._softmax_backward_data}
-#: operations that launch no kernel: allocations, and ``_unsafe_view`` (a view its schema does not mark as one)
-_CREATION = {torch.ops.aten.empty, torch.ops.aten.empty_like, torch.ops.aten.new_empty, torch.ops.aten.empty_strided,
-             torch.ops.aten.lift_fresh, torch.ops.aten._unsafe_view}
-_ACTIVE: list[_Recorder] = []  # the recorder of the trace running now (fused attention records itself into it)
-
-
-@dataclass(frozen=True)
-class Op:
-    """One traced operation: its FLOPs, the bytes it moves, and for a matmul its shape ``(batch, M, N, K)``."""
-
-    name: str
-    flops: float
-    bytes: float
-    shape: tuple[int, int, int, int] | None = None  # a matmul's (batch, M, N, K); None: not a matmul
-    fused_attention: bool = False
-    row: int = 0  # a softmax's (forward or backward) reduced length; 0: not a softmax
-
-
-@dataclass(frozen=True)
-class Trace:
-    """A layer's forward and backward operations and the bytes autograd saves between them."""
-
-    forward: tuple[Op, ...]
-    backward: tuple[Op, ...]
-    saved_bytes: float
-
-
-# ---------------------------------------------------------------------------------------------- tracing
-def _nbytes(x: Any) -> float:
-    return float(x.numel() * x.element_size()) if isinstance(x, torch.Tensor) else 0.0
-
-
-def _tensors(xs: Any) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-    stack = [xs]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, torch.Tensor):
-            out.append(x)
-        elif isinstance(x, (list, tuple)):
-            stack.extend(x)
-        elif isinstance(x, dict):
-            stack.extend(x.values())
-    return out
-
-
-def _is_view(func: Any) -> bool:
-    """An operation that returns an alias of its input without writing (view, transpose, expand, detach...)."""
-    returns = func._schema.returns
-    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
-
-
-def _matmul_shape(func: Any, args: Sequence[Any]) -> tuple[int, int, int, int]:
-    packet = func._overloadpacket
-    a, b = (args[1], args[2]) if packet in (torch.ops.aten.addmm, torch.ops.aten.baddbmm) else (args[0], args[1])
-    if a.dim() == 3:
-        return a.shape[0], a.shape[1], b.shape[2], a.shape[2]
-    return 1, a.shape[0], b.shape[1], a.shape[1]
-
-
-class _Recorder(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[Op] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        packet = func._overloadpacket
-        if _is_view(func) or packet in _CREATION:
-            return out
-        ins, outs = _tensors((args, kwargs)), _tensors(out)
-        moved = sum(map(_nbytes, ins)) + sum(_nbytes(o) for o in outs if not any(o is i for i in ins))
-        if packet in flop_registry:
-            flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
-            shape = _matmul_shape(func, args) if packet in _MATMULS else None
-            self.ops.append(Op(str(packet), flops, moved, shape))
-        elif packet in _SOFTMAXES:
-            x = outs[0]
-            dim = args[1] if packet is torch.ops.aten._softmax else args[2]
-            self.ops.append(Op(str(packet), 0.0, moved, row=int(x.shape[dim])))
-        else:
-            self.ops.append(Op(str(packet), 0.0, moved))
-        return out
-
-
-def trace(forward: Callable[[], tuple[torch.Tensor, list[torch.Tensor]]]) -> Trace:
-    """Record ``forward()`` (meta tensors; returns the output and the parameters) and its backward."""
-    saved: dict[int, float] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        key = id(t.untyped_storage()) if t.device.type != "meta" else id(t._base if t._base is not None else t)
-        saved.setdefault(key, _nbytes(t._base if t._base is not None else t))
-        return t
-
-    rec = _Recorder()
-    _ACTIVE.append(rec)
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), rec:
-            out, weights = forward()
-        params = {id(w) for w in weights}
-        forward_ops = tuple(rec.ops)
-        rec.ops = []
-        with rec:
-            out.backward(torch.empty_like(out))
-    finally:
-        _ACTIVE.pop()
-    # parameters saved for backward (a linear keeps its weight) are not activations
-    activation = sum(b for k, b in saved.items() if k not in params)
-    return Trace(forward_ops, tuple(rec.ops), float(activation))
-
-
-# ---------------------------------------------------------------------------------------------- reference layers
-@dataclass(frozen=True)
-class BlockShape:
-    """What the reference implementation needs of one block (hashable: traces are cached by it)."""
-
-    seq_len: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    ffn: int
-    attended: int  # keys each query sees (the window, else the sequence)
-    cross_attention: bool
-    gated_mlp: bool
-    bias: bool
-    flash_attention: bool
-    dropout: float
-    dtype: torch.dtype
-    attention_dropout: float = 0.0
-    experts: int = 0
-    top_k: int = 1
-    shared_ffn: int = 0
-
-
-def _param(*shape: int, dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty(*shape, device="meta", dtype=dtype, requires_grad=True)
-
-
-def _norm(x: torch.Tensor, shape: BlockShape, weights: list[torch.Tensor]) -> torch.Tensor:
-    w = _param(shape.hidden, dtype=shape.dtype)
-    weights.append(w)
-    if shape.gated_mlp:  # Llama-style blocks: RMSNorm
-        return F.rms_norm(x, (shape.hidden,), w)
-    b = _param(shape.hidden, dtype=shape.dtype)
-    weights.append(b)
-    return F.layer_norm(x, (shape.hidden,), w, b)
-
-
-def _linear(x: torch.Tensor, n_in: int, n_out: int, bias: bool, weights: list[torch.Tensor],
-            dtype: torch.dtype) -> torch.Tensor:
-    w = _param(n_out, n_in, dtype=dtype)
-    weights.append(w)
-    b = None
-    if bias:
-        b = _param(n_out, dtype=dtype)
-        weights.append(b)
-    return F.linear(x, w, b)
-
-
-def _dropout(x: torch.Tensor, p: float) -> torch.Tensor:
-    """Dropout as CUDA runs it: one fused kernel each way (``F.dropout`` on meta decomposes into three)."""
-    return torch.native_dropout(x, p, True)[0] if p > 0 else x
-
-
-def _attention(x: torch.Tensor, kv_source: torch.Tensor, shape: BlockShape, tp: int, causal: bool,
-               weights: list[torch.Tensor]) -> torch.Tensor:
-    b, s, h = x.shape
-    d = h // shape.heads
-    heads, kv = shape.heads // tp, max(shape.kv_heads // tp, 1)
-    q = _linear(x, h, heads * d, shape.bias, weights, shape.dtype).view(b, s, heads, d).transpose(1, 2)
-    kvp = _linear(kv_source, h, 2 * kv * d, shape.bias, weights, shape.dtype).view(b, -1, 2, kv, d)
-    k, v = (t.transpose(1, 2) for t in kvp.unbind(2))
-    if kv != heads:  # grouped-query attention: each key/value head serves heads / kv query heads
-        k = k.repeat_interleave(heads // kv, dim=1)
-        v = v.repeat_interleave(heads // kv, dim=1)
-    s_att = min(shape.attended, k.shape[2])
-    k, v = k[:, :, :s_att], v[:, :, :s_att]  # a window: each query's s_att keys (same cost as the band)
-    if shape.flash_attention:
-        ctx = _FlashAttention.apply(q, k, v, causal)
-    else:  # materialized scores (Megatron's unfused path, eager attention): scores, mask, softmax, dropout, context
-        scores = torch.baddbmm(torch.empty(b * heads, s, s_att, device="meta", dtype=q.dtype),
-                               q.reshape(b * heads, s, d), k.reshape(b * heads, s_att, d).transpose(1, 2),
-                               beta=0.0, alpha=1.0 / math.sqrt(d)).view(b, heads, s, s_att)
-        if causal:
-            mask = torch.empty(1, 1, s, s_att, device="meta", dtype=torch.bool)
-            scores = scores.masked_fill(mask, float("-inf"))
-        probs = _dropout(torch.softmax(scores, dim=-1), shape.attention_dropout)
-        ctx = torch.bmm(probs.view(b * heads, s, s_att), v.reshape(b * heads, s_att, d)).view(b, heads, s, d)
-    out = ctx.transpose(1, 2).reshape(b, s, heads * d)
-    return _linear(out, heads * d, h, False, weights, shape.dtype)  # row-parallel: its bias after the all-reduce
-
-
-class _FlashAttention(torch.autograd.Function):
-    """Fused attention as one operation each way (what FlashAttention launches): recorded by the trace with the
-    FLOPs of its two (four in backward, plus the recomputed scores) matmuls; saves q, k, v, the output and the
-    softmax statistics."""
-
-    @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-        ctx.ops = _flash_ops(tuple(q.shape), k.shape[2], causal, q.element_size())
-        if _ACTIVE:
-            _ACTIVE[-1].ops.append(ctx.ops[0])
-        out = torch.empty_like(q)
-        stats = torch.empty(q.shape[:-1], device=q.device, dtype=torch.float32)
-        ctx.save_for_backward(q, k, v, out, stats)
-        ctx.causal = causal
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        q, k, v, _, _ = ctx.saved_tensors
-        if _ACTIVE:
-            _ACTIVE[-1].ops.append(ctx.ops[1])
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None
-
-
-def _flash_ops(q: tuple[int, ...], s_att: int, causal: bool, itemsize: int) -> tuple[Op, Op]:
-    b, heads, s, d = q
-    share = 0.5 if causal and s_att == s else 1.0  # a causal kernel skips the masked half of the blocks
-    fwd = 4.0 * b * heads * s * s_att * d * share
-    io = float(b * heads * (3 * s + s_att) * d * itemsize)
-    return (Op("flash_attention_forward", fwd, io, fused_attention=True),
-            Op("flash_attention_backward", 2.5 * fwd, 2 * io, fused_attention=True))
-
-
-def _mlp(x: torch.Tensor, shape: BlockShape, ffn: int, tp: int, weights: list[torch.Tensor]) -> torch.Tensor:
-    h, f = shape.hidden, max(ffn // tp, 1)
-    if shape.gated_mlp:
-        gate = _linear(x, h, f, shape.bias, weights, shape.dtype)
-        up = _linear(x, h, f, shape.bias, weights, shape.dtype)
-        mid = F.silu(gate) * up
-    else:
-        mid = F.gelu(_linear(x, h, f, shape.bias, weights, shape.dtype))
-    return _linear(mid, f, h, False, weights, shape.dtype)
-
-
-def block_forward(shape: BlockShape, micro_batch: int, tp: int) -> Callable[[], tuple[torch.Tensor, list[torch.Tensor]]]:
-    """A pre-norm transformer block (attention, optional cross attention, MLP or mixture of experts) on one
-    tensor-parallel rank's slice: heads, key/value heads and the FFN split ``tp`` ways."""
-
-    def run() -> tuple[torch.Tensor, list[torch.Tensor]]:
-        weights: list[torch.Tensor] = []
-        x = torch.empty(micro_batch, shape.seq_len, shape.hidden, device="meta", dtype=shape.dtype,
-                        requires_grad=True)
-        a = _norm(x, shape, weights)
-        y = x + _dropout(_attention(a, a, shape, tp, True, weights), shape.dropout)
-        if shape.cross_attention:
-            enc = torch.empty_like(x, requires_grad=True)
-            c = _norm(y, shape, weights)
-            y = y + _dropout(_attention(c, enc, shape, tp, False, weights), shape.dropout)
-        m = _norm(y, shape, weights)
-        if shape.experts:
-            b, s, h = m.shape
-            router = _linear(m, h, shape.experts, False, weights, shape.dtype)
-            probs = torch.softmax(router.float(), dim=-1)
-            top, _ = torch.topk(probs, shape.top_k, dim=-1)
-            routed = m.repeat_interleave(shape.top_k, dim=1)  # balanced routing: top_k expert rows per token
-            expert_out = _mlp(routed, shape, shape.ffn, tp, weights).view(b, s, shape.top_k, h)
-            out = (expert_out * top.to(m.dtype).unsqueeze(-1)).sum(2)
-            if shape.shared_ffn:
-                out = out + _mlp(m, shape, shape.shared_ffn, tp, weights)
-        else:
-            out = _mlp(m, shape, shape.ffn, tp, weights)
-        return y + _dropout(out, shape.dropout), weights
-
-    return run
-
-
-def embed_forward(seq_len: int, hidden: int, vocab: int, positions: bool, dropout: float, dtype: torch.dtype,
-                  micro_batch: int, tp: int) -> Callable[[], tuple[torch.Tensor, list[torch.Tensor]]]:
-    """Token (+ learned position) embedding, the vocabulary split ``tp`` ways (Megatron's vocab-parallel lookup:
-    ids outside the rank's range masked, looked up, zeroed; the all-reduce is priced by the cost model)."""
-
-    def run() -> tuple[torch.Tensor, list[torch.Tensor]]:
-        table = _param(max(vocab // tp, 1), hidden, dtype=dtype)
-        ids = torch.empty(micro_batch, seq_len, device="meta", dtype=torch.long)
-        weights = [table]
-        if tp > 1:
-            outside = (ids < 0) | (ids >= vocab // tp)
-            x = F.embedding(ids.masked_fill(outside, 0), table).masked_fill(outside.unsqueeze(-1), 0.0)
-        else:
-            x = F.embedding(ids, table)
-        if positions:
-            pos = _param(seq_len, hidden, dtype=dtype)
-            weights.append(pos)
-            x = x + F.embedding(torch.empty(seq_len, device="meta", dtype=torch.long), pos)
-        return _dropout(x, dropout), weights
-
-    return run
-
-
-def lm_head_forward(seq_len: int, hidden: int, vocab: int, layer_norm: bool, dtype: torch.dtype, micro_batch: int,
-                    tp: int) -> Callable[[], tuple[torch.Tensor, list[torch.Tensor]]]:
-    """The final norm, the output projection (vocabulary split ``tp`` ways) and the cross-entropy in fp32."""
-
-    def run() -> tuple[torch.Tensor, list[torch.Tensor]]:
-        x = torch.empty(micro_batch, seq_len, hidden, device="meta", dtype=dtype, requires_grad=True)
-        w = _param(hidden, dtype=dtype)
-        weights = [w]
-        if layer_norm:
-            bias = _param(hidden, dtype=dtype)
-            weights.append(bias)
-            x = F.layer_norm(x, (hidden,), w, bias)
-        else:
-            x = F.rms_norm(x, (hidden,), w)
-        logits = _linear(x, hidden, max(vocab // tp, 1), False, weights, dtype)
-        target = torch.empty(micro_batch * seq_len, device="meta", dtype=torch.long)
-        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), target)
-        return loss, weights
-
-    return run
-
-
-def classifier_forward(seq_len: int, hidden: int, classes: int, dtype: torch.dtype, micro_batch: int
-                       ) -> Callable[[], tuple[torch.Tensor, list[torch.Tensor]]]:
-    def run() -> tuple[torch.Tensor, list[torch.Tensor]]:
-        x = torch.empty(micro_batch, seq_len, hidden, device="meta", dtype=dtype, requires_grad=True)
-        w, b = _param(hidden, dtype=dtype), _param(hidden, dtype=dtype)
-        pooled = F.layer_norm(x, (hidden,), w, b).mean(1)
-        weights = [w, b]
-        logits = _linear(pooled, hidden, classes, True, weights, dtype)
-        target = torch.empty(micro_batch, device="meta", dtype=torch.long)
-        return F.cross_entropy(logits.float(), target), weights
-
-    return run
-
-
-def patch_embed_forward(seq_len: int, hidden: int, patch_dim: int, dtype: torch.dtype, micro_batch: int
-                        ) -> Callable[[], tuple[torch.Tensor, list[torch.Tensor]]]:
-    def run() -> tuple[torch.Tensor, list[torch.Tensor]]:
-        patches = torch.empty(micro_batch, seq_len, patch_dim, device="meta", dtype=dtype)
-        weights: list[torch.Tensor] = []
-        x = _linear(patches, patch_dim, hidden, True, weights, dtype)
-        pos = _param(seq_len, hidden, dtype=dtype)
-        weights.append(pos)
-        return x + pos, weights
-
-    return run
 
 
 # ---------------------------------------------------------------------------------------------- pricing
@@ -566,6 +225,10 @@ def roofline_profile(spec: Any, cluster: Any, flat: Any) -> Any:
                 # what the cost model adds to the divided single-device compute: the slice's own time beyond it
                 # (thin matmuls, unsplit norms, per-operation floors) and the activation all-reduces
                 comm = 2 * lp.tp_allreduces * all_reduce_s(cluster, lp.output_bytes * mb, t, False)
+                if kind == "lm_head":  # its input's gradient (a column-parallel linear's backward) and the
+                    # vocabulary-parallel loss's three per-token fp32 all-reduces (reference_layers._VocabParallelLoss)
+                    comm = (all_reduce_s(cluster, mb * last.seq_len * last.hidden * dtype.itemsize, t, False)
+                            + 3 * all_reduce_s(cluster, mb * last.seq_len * 4.0, t, False))
                 overheads.append(Overhead("tp", t, mb, seconds - (f1 + b1) / t + comm))
         f1, b1 = costs.timings[0][1], costs.timings[0][2]
         layers.append(replace(
