@@ -57,7 +57,15 @@ What the runs' framework does beyond the layers, read from its sources (issue 39
    low: Megatron's LayerNorm backward (apex's ``FusedLayerNormAffineFunction``, a Python autograd function:
    megatron/model/fused_layer_norm.py line 102 in the artifact) takes 102-112 us at mbs 1
    and 186 us at mbs 8 in that profile, priced 40-63 us.
-5. **Not explained**: GPT-Neo's N2_D1 (one micro-batch of one sample over two stages) measures 208 ms against
+5. **The language-model head at tp > 1 runs Megatron's vocabulary-parallel loss** (priced: the roofline's
+   ``reference_layers._VocabParallelLoss``). OPT's ``CrossEntropy`` (opt_model.py in the artifact) calls
+   ``tensor_parallel.vocab_parallel_cross_entropy`` (megatron/core/tensor_parallel/cross_entropy.py,
+   ``_VocabParallelCrossEntropy``): a row max, the shifted logits, ``exp``, a row sum and the softmax kept, eight
+   passes over the logits forward and two backward, and three all-reduces of one fp32 number per token; the head's
+   ``ColumnParallelLinear`` all-reduces its input's gradient in backward (``s b h`` values). The head had been traced
+   with torch's ``cross_entropy`` and priced two all-reduces of the 4-byte loss. OPT's head at mbs 8, tp 4: 6.1 ms
+   before, 8.2 ms now; the artifact's per-layer profile (profile.json above, layer 25) measures 9.96 ms.
+6. **Not explained**: GPT-Neo's N2_D1 (one micro-batch of one sample over two stages) measures 208 ms against
    about 124 ms of compute, hand-offs and optimizer; no public source here says where the other ~85 ms go.
 """
 
