@@ -26,6 +26,9 @@ don't own):
    ``timings``, interpolated by the cost model), the tensor-parallel slices' times (the profile's ``tp``
    overheads, which also carry the activation all-reduces priced by the cluster's links) and the activation bytes.
 
+The tracer is :mod:`uniap_lightning.profiling.trace_ops`, the reference layers
+:mod:`uniap_lightning.profiling.reference_layers`; this module prices their operations.
+
 Where this model stands against measured runs: ``benchmarks/measured.py`` and BENCHMARKS.md.
 """
 
