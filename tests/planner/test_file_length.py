@@ -17,7 +17,6 @@ OVER_LIMIT_LEFT: dict[str, str] = {
     "planner/analytic.py": "being edited by another change (issue 40)",
     "planner/cluster.py": "being edited by another change (issue 40)",
     "planner/cost/layer.py": "being edited by another change (issue 40)",
-    "planner/profile.py": "being edited by another change (issue 40)",
 }
 
 

@@ -103,163 +103,26 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.files import read_json, write_json_atomic
-from uniap_lightning.planner.fields import MAX_COUNT, array, short
+from uniap_lightning.planner.fields import short
+# the layer record and the file's checks, in modules of their own; imported from here as before
+from uniap_lightning.planner.profile_layer import (DEFAULT_WEIGHT_GRAD_FRACTION, OVERHEAD_KINDS, LayerProfile,
+                                                   Overhead, Timing)
+from uniap_lightning.planner.profile_read import (MAX_PROFILE_BYTES, MAX_PROFILE_COUNT, MAX_PROFILE_MICRO_BATCH,
+                                                  MAX_PROFILE_NUMBER, MAX_PROFILE_PARAMS, MAX_PROFILE_RATIO,
+                                                  MAX_PROFILE_SECONDS, MAX_PROFILE_TOKENS, layer_from_dict)
+
+__all__ = ["DEFAULT_WEIGHT_GRAD_FRACTION", "MAX_PROFILE_BYTES", "MAX_PROFILE_COUNT", "MAX_PROFILE_MICRO_BATCH",
+           "MAX_PROFILE_NUMBER", "MAX_PROFILE_PARAMS", "MAX_PROFILE_RATIO", "MAX_PROFILE_SECONDS",
+           "MAX_PROFILE_TOKENS", "OVERHEAD_KINDS", "PROFILE_FORMAT_VERSION", "ANALYTIC_FINGERPRINT_PREFIX",
+           "LayerProfile", "ModelProfile", "Overhead", "Timing", "describes_a_config", "load_profile", "save_profile"]
 
 PROFILE_FORMAT_VERSION = 1
-#: the largest magnitude of any number in a profile (seconds, bytes, counts): far beyond any real figure, and
-#: small enough that the cost model's sums and products stay finite floats
-MAX_PROFILE_NUMBER = 1e30
-#: each field's sane range, checked when a profile is read, so the planner's programs never see a coefficient no
-#: solver takes (a profile with ``tp_allreduces`` of 1e18 made HiGHS fail): a second per sample or call at most a
-#: million, a layer's bytes per sample at most a pebibyte, its parameters at most ten trillion, a count of
-#: collectives, tensors, heads or experts at most a million, a sequence at most a billion tokens
-MAX_PROFILE_SECONDS = 1e6
-MAX_PROFILE_BYTES = float(2**50)
-MAX_PROFILE_PARAMS = 10**13
-MAX_PROFILE_COUNT = 10**6
-MAX_PROFILE_TOKENS = 10**9
-#: micro-batch sizes a timing or overhead is measured at (the planner's largest global batch)
-MAX_PROFILE_MICRO_BATCH = 10**9
-#: ``capacity_factor`` and ``backward_split_overhead`` are ratios near 1
-MAX_PROFILE_RATIO = 1e3
-_REQUIRED = ("name", "forward_s", "backward_s", "params", "activation_bytes", "output_bytes", "tp_degrees", "tp_allreduces")
-
-
-@dataclass(frozen=True)
-class Timing:
-    micro_batch: int
-    forward_s: float
-    backward_s: float
-
-
-@dataclass(frozen=True)
-class Overhead:
-    kind: str  # "tp" | "fsdp" | "dp" | "zero2" | "zero1"
-    degree: int
-    micro_batch: int  # samples per device
-    seconds: float  # forward + backward, beyond the divided single-device compute (may be < 0: measured)
-
-
-OVERHEAD_KINDS = ("tp", "fsdp", "dp", "zero2", "zero1")
-#: :meth:`LayerProfile.backward_split` of a layer with parameters whose profile has no ``weight_grad_fraction``
-DEFAULT_WEIGHT_GRAD_FRACTION = 0.5
-
-
-@dataclass(frozen=True)
-class LayerProfile:
-    """Costs of one layer of the chain on one device (see the module docstring for units)."""
-
-    name: str
-    forward_s: float
-    backward_s: float
-    params: int
-    activation_bytes: float
-    output_bytes: float
-    tp_degrees: tuple[int, ...] = (1,)
-    tp_allreduces: int = 0
-    activation_tp_fraction: float = 1.0
-    timings: tuple[Timing, ...] = ()
-    overheads: tuple[Overhead, ...] = ()
-    #: trainable parameter tensors (an optimizer step has a fixed cost per tensor; 0: not known)
-    param_tensors: int = 0
-    #: PowerSGD pricing (optional): sum of ``shape[0] + numel / shape[0]`` over parameters with ndim >= 2, and the
-    #: elements of parameters with ndim < 2; None: estimated (:meth:`powersgd_dims`)
-    matrix_dims: float | None = None
-    vector_params: int | None = None
-    #: bytes per sample the layer's backward adds at its peak beyond its saved activations (0: not measured)
-    backward_peak_bytes: float = 0.0
-    #: share of the backward that computes the parameters' gradients (W; the rest is B, the input's gradient), in
-    #: [0, 1]; None: not measured (:meth:`backward_split` gives the default)
-    weight_grad_fraction: float | None = None
-    #: the split backward's ``B + W`` time over one ordinary backward (> 0); None: not measured (1 is priced)
-    backward_split_overhead: float | None = None
-    #: tokens per sample along the sequence; None: the layer is not split along it (see the module docstring)
-    sequence_length: int | None = None
-    #: query heads of attention across the sequence (0: the layer works token by token)
-    attention_heads: int = 0
-    #: key/value heads (grouped-query attention); None: ``attention_heads``
-    kv_heads: int | None = None
-    #: the layer's tensor-parallel plan has a sequence-parallel form
-    sequence_parallel: bool = False
-    #: the chain's last layer only: the loss runs on its sequence pieces where it splits the sequence (no gather
-    #: into whole sequences before the loss; the runtime's ``piece_loss``)
-    loss_on_pieces: bool = False
-    #: experts of a mixture-of-experts layer (0: a dense layer); each token goes to ``top_k`` of them
-    experts: int = 0
-    top_k: int = 1
-    #: parameters inside the experts (part of ``params``): what expert parallelism splits
-    expert_params: int = 0
-    #: expert capacity over a balanced share (dispatch buffers of ``capacity_factor`` x the routed tokens); None:
-    #: dropless
-    capacity_factor: float | None = None
-
-    def powersgd_dims(self) -> tuple[float, float]:
-        """``(matrix_dims, vector_params)``: the profiled values, else every tensor taken as a square matrix."""
-        if self.matrix_dims is not None:
-            return float(self.matrix_dims), float(self.vector_params or 0)
-        tensors = max(self.param_tensors, 1)
-        return 2.0 * math.sqrt(self.params / tensors) * tensors, float(self.vector_params or 0)
-
-    def backward_split(self) -> float:
-        """The weight-gradient share of the backward to price with: the measured ``weight_grad_fraction``, else
-        :data:`DEFAULT_WEIGHT_GRAD_FRACTION` for a layer with parameters (a linear layer's input and weight
-        gradients are two matrix products of the same flops) and 0 for one without."""
-        if self.weight_grad_fraction is not None:
-            return self.weight_grad_fraction
-        return DEFAULT_WEIGHT_GRAD_FRACTION if self.params > 0 else 0.0
-
-    def split_overhead(self) -> float:
-        """What splitting the backward multiplies it by: the measured ``backward_split_overhead``, else 1."""
-        return self.backward_split_overhead if self.backward_split_overhead is not None else 1.0
-
-    @property
-    def forward_fraction(self) -> float:
-        """Forward's share of forward + backward (what recomputing the layer adds to its backward)."""
-        if self.timings:
-            t = max(self.timings, key=lambda x: x.micro_batch)
-            f, b = t.forward_s, t.backward_s
-        else:
-            f, b = self.forward_s, self.backward_s
-        return f / (f + b) if f + b > 0 else 0.5
-
-    def overhead_s(self, kind: str, degree: int, samples: float) -> float | None:
-        """Measured extra seconds of ``kind`` at ``degree`` for ``samples`` per device (None when not measured):
-        linear between the measured micro-batch sizes, extended flat beyond them."""
-        pts = sorted((o.micro_batch, o.seconds) for o in self.overheads if o.kind == kind and o.degree == degree)
-        if not pts:
-            return None
-        if samples <= pts[0][0]:
-            return pts[0][1]
-        for (m0, s0), (m1, s1) in zip(pts, pts[1:]):
-            if samples <= m1:
-                return s0 + (s1 - s0) * (samples - m0) / (m1 - m0)
-        return pts[-1][1]
-
-    def compute_s(self, samples: float) -> float:
-        """Forward + backward seconds for ``samples`` samples on one device (interpolated when timed)."""
-        if len(self.timings) >= 2:
-            pts = sorted(self.timings, key=lambda t: t.micro_batch)
-            lo, hi = pts[0], pts[-1]
-            for a, b in zip(pts, pts[1:]):
-                if samples <= b.micro_batch:
-                    lo, hi = a, b
-                    break
-            ta, tb = lo.forward_s + lo.backward_s, hi.forward_s + hi.backward_s
-            slope = (tb - ta) / (hi.micro_batch - lo.micro_batch)
-            linear = ta + slope * (samples - lo.micro_batch)
-            if samples < lo.micro_batch:
-                # below the smallest timed size a steep first segment would extrapolate to ~0: never less than
-                # the smallest size's time per sample (fixed costs only make small calls dearer per sample)
-                return max(linear, ta * samples / lo.micro_batch)
-            return max(linear, 0.0)
-        return (self.forward_s + self.backward_s) * samples
 
 
 #: the start of the fingerprint of an analytic profile (a plan made by `uniap plan` for a ``model`` config)
@@ -341,7 +204,7 @@ class ModelProfile:
         raw = data.get("layers")
         if not isinstance(raw, list) or not raw:
             raise UniAPError(f"{origin}: field 'layers' must be a non-empty list")
-        layers = [_layer_from_dict(item, f"{origin}: layers[{i}]") for i, item in enumerate(raw)]
+        layers = [layer_from_dict(item, f"{origin}: layers[{i}]") for i, item in enumerate(raw)]
         if not any(lp.forward_s + lp.backward_s > 0 for lp in layers):
             raise UniAPError(f"{origin}: every layer has forward_s = backward_s = 0; a profile needs the time of at "
                              "least one layer")
@@ -354,186 +217,6 @@ class ModelProfile:
                 raise UniAPError(f"{origin}: field {key!r} must be a string, got {short(value)}")
             labels[key] = value
         return cls(layers=layers, meta=dict(data.get("meta") or {}), **labels)
-
-
-def _finite(value: Any) -> bool:
-    """A real JSON number (not a boolean or string) that is finite as a float (a 400-digit integer is not)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:
-        return False
-
-
-def _number(item: dict[str, Any], key: str, where: str, *, integer: bool = False, positive: bool = False,
-            high: float, unit: str) -> Any:
-    """``item[key]``: a finite number >= 0 (> 0 when ``positive``), an integer when ``integer``, at most ``high``
-    (``unit`` says what it counts, in the message)."""
-    value = item[key]
-    if not _finite(value) or abs(value) > MAX_PROFILE_NUMBER:
-        raise UniAPError(f"{where}.{key} must be a finite number, got {short(value)}")
-    if value < 0 or (positive and value == 0):
-        raise UniAPError(f"{where}.{key} must be {'> 0' if positive else '>= 0'}, got {value!r}")
-    if value > high:
-        limit = f"{int(high):,}" if float(high).is_integer() and high < 1e16 else f"{high:g}"
-        raise UniAPError(f"{where}.{key} must be at most {limit} ({unit}), got {short(value)}: no real layer comes "
-                         "near it; measure the profile again or fix the field")
-    if integer:
-        if int(value) != value:
-            raise UniAPError(f"{where}.{key} must be an integer, got {value!r}")
-        return int(value)
-    return float(value)
-
-
-def _fraction(item: dict[str, Any], key: str, where: str) -> float:
-    value = item[key]
-    if not _finite(value):
-        raise UniAPError(f"{where}.{key} must be a finite number, got {short(value)}")
-    if not 0 <= value <= 1:
-        raise UniAPError(f"{where}.{key} must be in [0, 1], got {value!r}")
-    return float(value)
-
-
-def _optional_list(item: dict[str, Any], key: str, where: str) -> list[Any]:
-    """An optional list field: absent or null reads as empty; anything else but a list is refused."""
-    value = item.get(key)
-    return [] if value is None else array(value, f"{where}.{key}")
-
-
-def _layer_from_dict(item: Any, where: str) -> LayerProfile:
-    if not isinstance(item, dict):
-        raise UniAPError(f"{where} must be an object")
-    missing = [k for k in _REQUIRED if k not in item]
-    if missing:
-        raise UniAPError(f"{where} is missing field(s) {', '.join(repr(m) for m in missing)}")
-    degrees = item["tp_degrees"]
-    if not isinstance(degrees, list) or not degrees or any(
-        isinstance(t, bool) or not isinstance(t, int) or not 1 <= t <= MAX_COUNT for t in degrees
-    ):
-        raise UniAPError(f"{where}.tp_degrees must be a non-empty list of positive integers, got {short(degrees)}")
-    if 1 not in degrees:
-        raise UniAPError(f"{where}.tp_degrees must include 1, got {degrees!r}")
-    frac = _fraction(item, "activation_tp_fraction", where) if "activation_tp_fraction" in item else 1.0
-    wgrad = _fraction(item, "weight_grad_fraction", where) if item.get("weight_grad_fraction") is not None else None
-    timings = []
-    for j, t in enumerate(_optional_list(item, "timings", where)):
-        tw = f"{where}.timings[{j}]"
-        if not isinstance(t, dict) or any(k not in t for k in ("micro_batch", "forward_s", "backward_s")):
-            raise UniAPError(f"{tw} needs 'micro_batch', 'forward_s' and 'backward_s'")
-        timings.append(
-            Timing(
-                _number(t, "micro_batch", tw, integer=True, positive=True, high=MAX_PROFILE_MICRO_BATCH,
-                        unit="samples"),
-                _number(t, "forward_s", tw, high=MAX_PROFILE_SECONDS, unit="seconds per call"),
-                _number(t, "backward_s", tw, high=MAX_PROFILE_SECONDS, unit="seconds per call"),
-            )
-        )
-    if len({t.micro_batch for t in timings}) != len(timings):
-        raise UniAPError(f"{where}.timings lists a micro_batch size twice")
-    overheads = []
-    for j, o in enumerate(_optional_list(item, "overheads", where)):
-        ow = f"{where}.overheads[{j}]"
-        if not isinstance(o, dict) or any(k not in o for k in ("kind", "degree", "micro_batch", "seconds")):
-            raise UniAPError(f"{ow} needs 'kind', 'degree', 'micro_batch' and 'seconds'")
-        if o["kind"] not in OVERHEAD_KINDS:
-            raise UniAPError(f"{ow}.kind must be one of {list(OVERHEAD_KINDS)}, got {o['kind']!r}")
-        sec = o["seconds"]
-        if not _finite(sec) or abs(sec) > MAX_PROFILE_NUMBER:
-            raise UniAPError(f"{ow}.seconds must be a finite number, got {short(sec)}")
-        if abs(sec) > MAX_PROFILE_SECONDS:
-            raise UniAPError(f"{ow}.seconds must be between -{MAX_PROFILE_SECONDS:,.0f} and {MAX_PROFILE_SECONDS:,.0f} "
-                             f"(seconds per micro-batch), got {short(sec)}: no real layer comes near it; measure the "
-                             "profile again or fix the field")
-        degree = _number(o, "degree", ow, integer=True, positive=True, high=MAX_COUNT, unit="devices")
-        if degree < 2:
-            raise UniAPError(f"{ow}.degree must be >= 2, got {degree}")
-        overheads.append(Overhead(o["kind"], degree, _number(o, "micro_batch", ow, integer=True, positive=True,
-                                                           high=MAX_PROFILE_MICRO_BATCH, unit="samples"),
-                                  float(sec)))
-    if len({(o.kind, o.degree, o.micro_batch) for o in overheads}) != len(overheads):
-        raise UniAPError(f"{where}.overheads lists a (kind, degree, micro_batch) twice")
-    name = item["name"]
-    if not isinstance(name, str) or not name:
-        raise UniAPError(f"{where}.name must be a non-empty string")
-    return LayerProfile(
-        name=name,
-        forward_s=_number(item, "forward_s", where, high=MAX_PROFILE_SECONDS, unit="seconds per sample"),
-        backward_s=_number(item, "backward_s", where, high=MAX_PROFILE_SECONDS, unit="seconds per sample"),
-        params=_number(item, "params", where, integer=True, high=MAX_PROFILE_PARAMS, unit="parameters"),
-        activation_bytes=_number(item, "activation_bytes", where, high=MAX_PROFILE_BYTES, unit="bytes per sample"),
-        output_bytes=_number(item, "output_bytes", where, high=MAX_PROFILE_BYTES, unit="bytes per sample"),
-        tp_degrees=tuple(sorted(set(degrees))),
-        tp_allreduces=_number(item, "tp_allreduces", where, integer=True, high=MAX_PROFILE_COUNT,
-                              unit="all-reduces per pass"),
-        activation_tp_fraction=frac,
-        timings=tuple(timings),
-        overheads=tuple(overheads),
-        param_tensors=_number(item, "param_tensors", where, integer=True, high=MAX_PROFILE_COUNT,
-                              unit="tensors") if "param_tensors" in item else 0,
-        matrix_dims=_number(item, "matrix_dims", where, high=MAX_PROFILE_PARAMS, unit="elements") if item.get("matrix_dims") is not None else None,
-        vector_params=(_number(item, "vector_params", where, integer=True, high=MAX_PROFILE_PARAMS, unit="parameters")
-                       if item.get("vector_params") is not None else None),
-        backward_peak_bytes=(_number(item, "backward_peak_bytes", where, high=MAX_PROFILE_BYTES, unit="bytes per sample")
-                             if item.get("backward_peak_bytes") is not None else 0.0),
-        weight_grad_fraction=wgrad,
-        backward_split_overhead=(_number(item, "backward_split_overhead", where, positive=True, high=MAX_PROFILE_RATIO,
-                                          unit="a ratio of times")
-                                 if item.get("backward_split_overhead") is not None else None),
-        **_sequence_fields(item, where),
-        **_expert_fields(item, where),
-    )
-
-
-_SEQUENCE_BOUNDS: dict[str, dict[str, Any]] = {
-    "sequence_length": {"high": MAX_PROFILE_TOKENS, "unit": "tokens"},
-    "attention_heads": {"high": MAX_PROFILE_COUNT, "unit": "heads"},
-    "kv_heads": {"high": MAX_PROFILE_COUNT, "unit": "heads"},
-}
-_EXPERT_BOUNDS: dict[str, dict[str, Any]] = {
-    "experts": {"high": MAX_PROFILE_COUNT, "unit": "experts"},
-    "top_k": {"high": MAX_PROFILE_COUNT, "unit": "experts per token"},
-    "expert_params": {"high": MAX_PROFILE_PARAMS, "unit": "parameters"},
-}
-
-
-def _sequence_fields(item: dict[str, Any], where: str) -> dict[str, Any]:
-    """The optional sequence fields (see the module docstring), checked against each other."""
-    out: dict[str, Any] = {}
-    for key in ("sequence_length", "attention_heads", "kv_heads"):
-        if item.get(key) is not None:
-            out[key] = _number(item, key, where, integer=True, positive=key != "attention_heads",
-                               **_SEQUENCE_BOUNDS[key])
-    for key in ("sequence_parallel", "loss_on_pieces"):
-        if item.get(key) is not None:
-            if not isinstance(item[key], bool):
-                raise UniAPError(f"{where}.{key} must be true or false, got {short(item[key])}")
-            out[key] = item[key]
-    heads, kv = out.get("attention_heads", 0), out.get("kv_heads")
-    if kv is not None and (heads == 0 or heads % kv):
-        raise UniAPError(f"{where}.kv_heads={kv} must divide attention_heads={heads} (grouped-query attention)")
-    return out
-
-
-def _expert_fields(item: dict[str, Any], where: str) -> dict[str, Any]:
-    """The optional expert fields (see the module docstring), checked against each other and ``params``."""
-    out: dict[str, Any] = {}
-    for key in ("experts", "top_k", "expert_params"):
-        if item.get(key) is not None:
-            out[key] = _number(item, key, where, integer=True, positive=key == "top_k", **_EXPERT_BOUNDS[key])
-    if item.get("capacity_factor") is not None:
-        out["capacity_factor"] = _number(item, "capacity_factor", where, positive=True, high=MAX_PROFILE_RATIO,
-                                          unit="a ratio of tokens")
-    experts = out.get("experts", 0)
-    if experts and out.get("top_k", 1) > experts:
-        raise UniAPError(f"{where}.top_k={out['top_k']} must be at most experts={experts}")
-    if out.get("expert_params", 0) > item["params"]:
-        raise UniAPError(f"{where}.expert_params={out['expert_params']} must be at most params={item['params']} "
-                         "(the experts' parameters are part of the layer's)")
-    if not experts and (out.get("expert_params") or "capacity_factor" in out or out.get("top_k", 1) != 1):
-        raise UniAPError(f"{where}: top_k, expert_params and capacity_factor need 'experts' > 0 (a mixture-of-experts "
-                         "layer)")
-    return out
 
 
 def load_profile(path: str | Path) -> ModelProfile:
