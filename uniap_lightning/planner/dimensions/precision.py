@@ -18,6 +18,7 @@ kernel, and under ZeRO-3 (tensorwise) all-gathers of one byte per parameter.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 from uniap_lightning.errors import UniAPError
@@ -56,6 +57,18 @@ def device_has_fp8(cluster: Any) -> bool:
     """The cluster's catalogue device has float8 matmul units (a peak for ``fp8``) and a bf16 one to compare."""
     spec = cluster.device_spec
     return spec is not None and spec.has("fp8") and spec.has("bf16")
+
+
+def default_precision_problem(problem: Any) -> Any | None:
+    """``problem`` with every layer in the run's own precision, where its allowed float8 precisions widen the
+    space (allowed, and the device has fp8); ``None`` where they do not (nothing to narrow).
+
+    The search solves this narrower space first and takes its plan as the incumbent of the wide one
+    (:func:`~uniap_lightning.planner.solver.search.search`): float8 doubles the candidates per layer, and a wide
+    search cut short by its time limit returned plans slower than the fp8-free optimum it contains."""
+    if not problem.fp8 or not device_has_fp8(problem.cluster):
+        return None
+    return replace(problem, fp8=())
 
 
 def _options(slot: Slot, chosen: Mapping[str, Any]) -> tuple[str, ...]:
@@ -181,5 +194,5 @@ PRECISION = Dimension(
     price_state=_price_state,
 )
 
-__all__ = ["FP8_CHOICES", "FP8_PRECISIONS", "PRECISION", "PRECISIONS", "RECIPES", "Fp8Terms", "device_has_fp8",
-           "fp8_precisions", "fp8_terms", "gemm_shape"]
+__all__ = ["FP8_CHOICES", "FP8_PRECISIONS", "PRECISION", "PRECISIONS", "RECIPES", "Fp8Terms",
+           "default_precision_problem", "device_has_fp8", "fp8_precisions", "fp8_terms", "gemm_shape"]
