@@ -22,6 +22,7 @@ from uniap_lightning.planner.problem import TrainingConfig
 from uniap_lightning.planner.profile import LayerProfile
 from uniap_lightning.planner.report import make_console, print_plan
 from uniap_lightning.planner.solver import search
+from uniap_lightning.planner.solver.baselines import baseline_plans
 
 LAYER = LayerProfile(name="l", forward_s=1e-2, backward_s=2e-2, params=10**6, activation_bytes=1e8,
                      output_bytes=1e6)
@@ -154,3 +155,20 @@ def test_llama_13b_on_one_h100_fits_only_with_state_offload():
                   time_limit_s=60)
     blocks = [lp.strategy for lp in plan.layers if lp.name.startswith("block")]
     assert blocks and all(s.state_offload for s in blocks)
+
+
+def test_baselines_neither_offload_nor_keep_state_on_the_host():
+    """The baselines stand for systems that do not offload per layer: where offload is allowed and the planner's
+    own optima use it, the ZeRO-2 and pipeline + DP baselines still keep every layer's state and activations on
+    the device (or report no plan)."""
+    used = 0
+    for case in CASES[:6]:
+        problem = offload_problem(case[0], num_layers=case[1], nodes=case[2], per_node=case[3], memory_gib=case[4])
+        plans = baseline_plans(problem, time_limit_s=20)
+        for name in ("zero2", "inter_only", "ddp", "fsdp", "megatron"):
+            plan = plans[name]
+            if plan is not None:
+                assert not any(lp.strategy.offload or lp.strategy.state_offload for lp in plan.layers), name
+        used += any(lp.strategy.state_offload or lp.strategy.offload
+                    for p in (plans["intra_only"],) if p is not None for lp in p.layers)
+    assert used  # the planner's own ablation may offload: the restriction is the baselines', not the space's

@@ -9,7 +9,8 @@
 * ``intra_only``: the planner restricted to pp = 1 (UniAP's intra-layer-only ablation);
 * ``inter_only``: the planner restricted to tp = 1 with replicated data parallelism (pipeline + DP only).
 
-No baseline compresses gradients.
+No baseline compresses gradients, offloads (activations or state) or runs float8 matmuls: those are the
+planner's opt-in dimensions, which the systems the baselines stand for do not choose per layer.
 
 A baseline that no memory-feasible plan realizes is reported as ``None``.
 """
@@ -27,6 +28,11 @@ from uniap_lightning.planner.solver.uniform import best_uniform
 BASELINES = ("ddp", "zero2", "fsdp", "megatron", "intra_only", "inter_only")
 
 
+def _unmodified(s: Strategy) -> bool:
+    """No opt-in modifier: uncompressed gradients, no offload of activations or state, the run's own precision."""
+    return s.compression == "none" and not s.offload and not s.state_offload and s.precision == "default"
+
+
 @cost_cache()  # one cost cache for every baseline (the enclosing solve's, when there is one)
 def baseline_plans(
     problem: Problem, *, solver: str = "auto", time_limit_s: float = 30.0, deadline: Deadline | None = None
@@ -40,7 +46,8 @@ def baseline_plans(
     out["ddp"] = best_uniform(problem, ((1, c, Strategy(N, 1)) for c in cs), deadline=deadline)
     try:  # ZeRO-2 everywhere; the search only decides which layers recompute (and c)
         out["zero2"] = search(problem, solver=solver, deadline=deadline.share(0.2), pp=[1],
-                              allowed=lambda s: s.dp == N and s.compression == "none" and s.dp_mode == ("zero2" if N > 1 else "replicate"))
+                              allowed=lambda s: s.dp == N and _unmodified(s)
+                              and s.dp_mode == ("zero2" if N > 1 else "replicate"))
     except UniAPError:
         out["zero2"] = None
     out["fsdp"] = best_uniform(problem, ((1, c, Strategy(N, 1, "zero3" if N > 1 else "replicate")) for c in cs),
@@ -55,7 +62,7 @@ def baseline_plans(
         out["megatron"] = best_uniform(problem, grid, deadline=deadline)
         if out["megatron"] is not None:
             break
-    plain = lambda s: s.tp == 1 and s.dp_mode == "replicate" and not s.recompute and s.compression == "none"  # noqa: E731
+    plain = lambda s: s.tp == 1 and s.dp_mode == "replicate" and not s.recompute and _unmodified(s)  # noqa: E731
     for key, share, kwargs in (
         ("intra_only", 0.5, {"pp": [1], "allowed": lambda s: s.compression == "none"}),
         ("inter_only", 1.0, {"allowed": plain}),
