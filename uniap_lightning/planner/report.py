@@ -11,6 +11,8 @@ from uniap_lightning.planner.cluster import GIB
 # the report's words for each dp_mode (with the data dimension now), named here too, where callers found them
 from uniap_lightning.planner.dimensions.data import DP_MODE_LABELS  # noqa: F401
 from uniap_lightning.planner.plan import Plan
+from uniap_lightning.planner.cost.tables import CandidateCosts
+from uniap_lightning.planner.solver.search import bubble_s
 
 BASELINE_LABELS = {
     "ddp": "DDP (pp=1, replicate everything)",
@@ -43,8 +45,6 @@ def schedule_table(plan: Plan) -> Table | None:
     if len(best) < 2:
         return None
     if plan.estimate is not None:  # the chosen row: the chosen plan itself
-        from uniap_lightning.planner.solver.search import bubble_s
-
         mine = best.setdefault(chosen, {"tpi_s": None, "bound_s": None, "bubble_s": None, "outcomes": set()})
         mine["tpi_s"], mine["bubble_s"] = plan.estimate.tpi_s, bubble_s(plan)
     table = Table(title="Schedules (best candidate of each; same cost model)", title_justify="left")
@@ -177,8 +177,6 @@ def print_plan(plan: Plan, *, console: Console | None = None, title: str | None 
 def explain_renderables(plan: Plan, problem, measured: dict | None = None) -> Group:
     """Per layer and per stage: strategy, predicted time and memory, measured where known; and why the other
     (pp, c) candidates lost."""
-    from uniap_lightning.planner.cost.tables import CandidateCosts
-
     est = plan.estimate
     costs = CandidateCosts(problem, plan.pp, plan.microbatches, schedule=plan.schedule,
                            virtual_stages=plan.virtual_stages, compression_options=plan.compression_options)

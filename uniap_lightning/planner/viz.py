@@ -26,6 +26,8 @@ from uniap_lightning.planner.cost.schedules import simulate_blocks
 from uniap_lightning.planner.plan import Plan
 from uniap_lightning.planner.problem import Problem
 from uniap_lightning.planner.report import BASELINE_LABELS
+from uniap_lightning.planner.cost.evaluate import stage_terms
+from uniap_lightning.planner.cost.torch_orders import torch_pipeline_order
 
 #: what each part of a strategy label means: (pattern of one part of the label, the key's line); a label's parts
 #: are split at "x" and "+" (``z2dp4xtp2+sp`` -> z2dp4, tp2, sp)
@@ -53,8 +55,6 @@ def label_key(labels) -> list[str]:
 def _order(plan: Plan) -> dict[int, list[tuple[str, int, int]]]:
     """Each device group's computation actions, as the runtime runs them: torch's own order for the schedule
     (1F1B below ``pp`` micro-batches runs as GPipe, as in the runtime)."""
-    from uniap_lightning.planner.cost.torch_orders import torch_pipeline_order
-
     p, v, m = plan.pp, plan.virtual_stages, plan.microbatches
     return torch_pipeline_order("gpipe" if plan.schedule == "1f1b" and m < p else plan.schedule, p, v, m)
 
@@ -64,8 +64,6 @@ def pipeline_timeline(plan: Plan, problem: Problem, forward_share: float = 1 / 3
     (:func:`~uniap_lightning.planner.cost.evaluate.stage_terms`): a stage's forward is ``forward_share`` of its
     time per micro-batch; its weight-gradient part runs apart (W) where the schedule splits the backward;
     hand-offs delay the next stage by half their forward-plus-backward time each way. End-of-step sync excluded."""
-    from uniap_lightning.planner.cost.evaluate import stage_terms
-
     terms = stage_terms(problem, plan)
     split = SCHEDULE_INFO[plan.schedule].split_backward
     f = [t * forward_share for t in terms.stage_time_s]

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
 
-from uniap_lightning.planner.cost.layer import cost_cache, strategies_for
+from uniap_lightning.planner.cost.layer import cost_cache, cp_methods, expert_degrees, strategies_for
 from uniap_lightning.planner.cost.tables import CandidateCosts
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.dimensions.precision import FP8_PRECISIONS, device_has_fp8
 from uniap_lightning.planner.plan import COMPRESSIONS, Estimate, Plan
 from uniap_lightning.planner.problem import Problem
+from uniap_lightning.planner.decision import COMPRESSIBLE_DP_MODES
 
 if TYPE_CHECKING:
     from uniap_lightning.planner.cluster import Cluster
@@ -90,9 +91,6 @@ def evaluate(problem: Problem, plan: Plan, *, check_strategies: bool = True) -> 
 def why_not_allowed(layer: LayerProfile, s: Strategy, cluster: Cluster, micro_batch: int) -> str:
     """Which rule of :func:`~uniap_lightning.planner.cost.layer.strategies_for` strategy ``s`` breaks for
     ``layer`` (the first, in the order it checks them), in words that name the field and the value."""
-    from uniap_lightning.planner.cost.layer import cp_methods, expert_degrees
-    from uniap_lightning.planner.decision import COMPRESSIBLE_DP_MODES
-
     t, c, d, dpn, L = s.tp, s.cp, s.dp, cluster.devices_per_node, layer.sequence_length
     if t not in layer.tp_degrees:
         return f"tp={t} is not one of the layer's tp_degrees {list(layer.tp_degrees)} in the profile"

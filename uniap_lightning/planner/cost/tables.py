@@ -51,7 +51,7 @@ from uniap_lightning.planner.cost.layer import (
 )
 from uniap_lightning.planner.cost.pipeline import pipeline_shape
 from uniap_lightning.planner.cost.schedules import SCHEDULES
-from uniap_lightning.planner.plan import boundary_chunks, group_of_stage
+from uniap_lightning.planner.plan import boundary_chunks, group_of_stage, stage_ranks
 from uniap_lightning.planner.problem import Problem
 
 
@@ -183,8 +183,6 @@ class CandidateCosts:
     # ------------------------------------------------------------------ heterogeneous devices
     def stage_ranks(self, stage: int) -> range:
         """The ranks that run ``stage`` (its device group's)."""
-        from uniap_lightning.planner.plan import stage_ranks
-
         return stage_ranks(self._group[stage], self.n)
 
     def stage_speed(self, stage: int) -> float:

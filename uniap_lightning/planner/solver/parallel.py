@@ -25,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from uniap_lightning.planner.cost.tables import CostTables
 from uniap_lightning.planner.solver import backend
 from uniap_lightning.planner.solver.backend import MilpResult, no_gc
+from uniap_lightning.planner.solver.milp import GroupedMilp
 
 #: a problem whose devices x layers is below this is solved in-process (its candidates take well under a second)
 PARALLEL_MIN_WORK = 64 * 32
@@ -50,8 +51,6 @@ def worker_count(workers: int | None, num_devices: int, num_layers: int, candida
 def solve_candidate(tables: CostTables, solver: str, time_limit_s: float, cutoff_s: float | None) -> MilpResult:
     """Build and solve one candidate's MILP (in this process or a worker) within ``time_limit_s`` from now,
     building included."""
-    from uniap_lightning.planner.solver.milp import GroupedMilp
-
     t0 = backend.now_s()
     with no_gc():
         milp = GroupedMilp(tables, solver=solver)
