@@ -257,3 +257,24 @@ def test_without_fp8_the_search_is_one_search():
                                                  fp8=())) is None
     assert default_precision_problem(fp8_problem(3, num_layers=3, nodes=1, per_node=2, memory_gib=16.0,
                                                  device="a100_80gb")) is None
+
+
+def test_fp8_is_an_opt_in_carried_by_name():
+    """The precision dimension declares its permission (``fp8``: option, vocabulary, "off" values, the pinned plan's
+    check); the setup, ``build_problem`` and the command line carry it by name, resolved by the dimension."""
+    from uniap_lightning.planner.config import build_problem
+    from uniap_lightning.planner.dimensions import OPT_INS, opt_ins
+    from uniap_lightning.setup.options import SetupOptions
+
+    assert list(OPT_INS) == ["fp8"] and OPT_INS["fp8"].off == (None, "off")
+    assert opt_ins() == {"fp8": ()} and opt_ins({"fp8": "rowwise"}) == {"fp8": ("fp8_rowwise",)}
+    with pytest.raises(UniAPError, match="unknown opt-in option"):
+        opt_ins({"fp4": "auto"})
+    kw = dict(cluster=None, plan=None, schedule="auto", solver="auto", time_limit=60, profile=None, cache_dir=None,
+              measure_cluster=False, profile_cache=False, profile_repeats=1, profile_micro_batches=None)
+    assert SetupOptions.from_arguments(**kw, fp8="auto").opt_ins_dict == {"fp8": ("fp8",)}
+    assert SetupOptions.from_arguments(**kw).opt_ins_dict == {"fp8": ()}
+    with pytest.raises(UniAPError, match="fp8='on' must be one of"):
+        SetupOptions.from_arguments(**kw, fp8="on")
+    assert build_problem(model="gpt2_small", cluster="a100_1x8", global_batch_size=16, fp8="auto").fp8 == ("fp8",)
+    assert build_problem(model="gpt2_small", cluster="a100_1x8", global_batch_size=16).fp8 == ()

@@ -15,6 +15,7 @@ from uniap_lightning.planner.report import make_console
 from rich.markup import escape
 
 from uniap_lightning.planner.config import CONF_DIR, build_problem
+from uniap_lightning.planner.dimensions import OPT_INS
 from uniap_lightning.errors import InfeasibleError, UniAPError
 from uniap_lightning.files import check_output_file, read_json, write_json_atomic
 from uniap_lightning.planner.problem import Problem
@@ -43,7 +44,7 @@ def _problem(cfg: DictConfig) -> Problem:
         comp = list(comp)
     return build_problem(
         compression=comp,
-        fp8=cfg.get("fp8"),
+        **{option: cfg.get(option) for option in OPT_INS},
         model=model,
         cluster=cluster,
         training=train,
@@ -67,7 +68,7 @@ def _check_options(cfg: DictConfig, *, outputs: tuple[str, ...] = ()) -> None:
 
 
 #: `uniap plan`'s options that steer the search: with a plan to score (``plan=``) they would be ignored
-SEARCH_OPTIONS = ("schedule", "virtual_stages", "pp", "microbatches", "compression", "fp8")
+SEARCH_OPTIONS = ("schedule", "virtual_stages", "pp", "microbatches", "compression", *OPT_INS)
 
 
 def _check_pinned(cfg: DictConfig, plan: Any) -> None:
@@ -78,7 +79,7 @@ def _check_pinned(cfg: DictConfig, plan: Any) -> None:
         if value is not None:
             shown = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
             own = (f"{key}={getattr(plan, key)!r}" if hasattr(plan, key) else
-                   "precision per layer" if key == "fp8" else "compression per layer")
+                   OPT_INS[key].pinned if key in OPT_INS else "compression per layer")
             raise UniAPError(f"{key}={_short(shown)} steers the planner's search, but plan={cfg.plan} is scored as it "
                              f"is, with its own {own}: drop {key}= (or plan= to solve)")
 

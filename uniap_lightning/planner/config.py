@@ -17,7 +17,7 @@ from uniap_lightning.planner.config_schema import register as register_schemas
 from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.files import check_yaml_limits, read_text
-from uniap_lightning.planner.dimensions.precision import fp8_precisions
+from uniap_lightning.planner.dimensions import OPT_INS, opt_ins
 from uniap_lightning.planner.problem import Problem, TrainingConfig, compression_methods
 from uniap_lightning.planner.analytic import ModelSpec, analytic_profile
 from uniap_lightning.planner.profile import ModelProfile, load_profile
@@ -89,12 +89,13 @@ def build_problem(
     training: str | dict[str, Any] | TrainingConfig | None = None,
     profile: str | Path | ModelProfile | None = None,
     compression: str | list[str] | tuple[str, ...] | None = None,
-    fp8: str | None = None,
-    **training_overrides: Any,
+    **overrides: Any,
 ) -> Problem:
     """A problem from a model config (analytic profile) or a profile file, a cluster and training settings.
-    ``compression``: None (off), a method, "auto" (all) or a list: what the solver may choose per layer; ``fp8``:
-    None / "off", "auto" / "tensorwise" or "rowwise": the float8 matmuls it may choose per layer."""
+    ``compression``: None (off), a method, "auto" (all) or a list: what the solver may choose per layer.
+    ``overrides``: the opt-in dimensions' options by name (:data:`~uniap_lightning.planner.dimensions.OPT_INS`,
+    as ``UniAPStrategy`` takes them; None: off), the rest training settings."""
+    allowed = opt_ins({k: overrides.pop(k) for k in OPT_INS if k in overrides})
     cl = cluster_from(cluster)
     if profile is not None:
         prof = profile if isinstance(profile, ModelProfile) else load_profile(profile)
@@ -102,5 +103,5 @@ def build_problem(
         prof = analytic_profile(model_spec_from(model), cl)
     else:
         raise UniAPError("give a model (a name from conf/model or a dict) or a profile file")
-    return Problem(prof, cl, training_from(training, **training_overrides), compression=compression_methods(compression),
-                   fp8=fp8_precisions(fp8))
+    return Problem(prof, cl, training_from(training, **overrides), compression=compression_methods(compression),
+                   **allowed)

@@ -221,7 +221,7 @@ class Rebalancer(Callback):
         new, _ = solve_plan(profile=self.profile, cluster=cluster, training=self.training, solver=self.setup.solver,
                             time_limit_s=self.setup.time_limit_s, cache_dir=self.setup.plan_cache_dir(),
                             compression=self.setup.compression,
-                            compression_options=self.setup.compression_options_dict, fp8=self.setup.fp8,
+                            compression_options=self.setup.compression_options_dict, opt_ins=self.setup.opt_ins_dict,
                             warm_start=plan, baselines=False)  # the running plan is the incumbent to beat
         solve_s = time.perf_counter() - t0
         problem = Problem(model=self.profile, cluster=cluster, training=self.training)

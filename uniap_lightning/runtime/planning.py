@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import warnings
+from collections.abc import Mapping
 from dataclasses import asdict, replace
 from typing import Any
 from pathlib import Path
@@ -41,7 +42,7 @@ def local_cluster(*, nodes: int, devices_per_node: int, device_type: str) -> Clu
             devices_per_node=devices_per_node,
             memory_gib=props.total_memory / 1024**3,
             peak_tflops=100.0,
-            device=catalogue_name(props.name) or props.name,  # a catalogue entry where known (fp8 reads its peaks)
+            device=catalogue_name(props.name) or props.name,  # a catalogue entry where known (its peaks per dtype)
         )
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return Cluster(
@@ -62,7 +63,7 @@ def local_cluster(*, nodes: int, devices_per_node: int, device_type: str) -> Clu
 def cache_key(*, profile: ModelProfile, cluster: Cluster, world_size: int, training: TrainingConfig,
               solver: str, compression: tuple[str, ...] = ("none",),
               compression_options: dict[str, float] | None = None, pp: list[int] | None = None,
-              fp8: tuple[str, ...] = ()) -> str:
+              opt_ins: Mapping[str, tuple[str, ...]] | None = None) -> str:
     payload = {
         "fingerprint": profile.fingerprint(),
         # measured strategy overheads change the cost model's terms, so a plan solved without them is not reused
@@ -77,8 +78,9 @@ def cache_key(*, profile: ModelProfile, cluster: Cluster, world_size: int, train
     }
     if pp is not None:  # (absent when unrestricted: the keys of plans cached before this option stay valid)
         payload["pp"] = sorted(pp)
-    if fp8:  # the float8 precisions the solver could choose (absent when off: older keys stay valid)
-        payload["fp8"] = list(fp8)
+    for option, allowed in sorted((opt_ins or {}).items()):  # what each opt-in dimension allowed (absent when off:
+        if allowed:  # older keys stay valid)
+            payload[option] = list(allowed)
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
@@ -113,7 +115,7 @@ def solve_plan(
     compression: tuple[str, ...] = ("none",),
     compression_options: dict[str, float] | None = None,
     pp: list[int] | None = None,
-    fp8: tuple[str, ...] = (),
+    opt_ins: Mapping[str, tuple[str, ...]] | None = None,
     on_solve: Any = None,
     warm_start: Plan | None = None,
     baselines: bool = True,
@@ -121,14 +123,14 @@ def solve_plan(
     """Solve (or reuse from the cache) a plan; returns it and where it came from ("cache <path>" or "solver").
     ``compression``: the gradient compression methods the solver may choose per layer (always with "none"),
     ``compression_options`` their parameters (default: the plan defaults); ``pp``: the pipeline degrees to search
-    (``None``: all); ``fp8``: the float8 precisions the solver may choose per layer; ``on_solve()`` is called when
+    (``None``: all); ``opt_ins``: each opt-in dimension's allowed values by option (absent: off); ``on_solve()`` is called when
     the cache has no plan, before solving (e.g. to say so);
     ``warm_start`` (a running plan) and ``baselines=False`` make a re-solve faster without changing its optimum
     (see :func:`uniap_lightning.planner.solver.solve`), so neither enters the cache key. Ring
     attention is searched where ``cluster.ring_attention`` says so (the runtime runs it on every device,
     :mod:`.ring`)."""
     key = cache_key(profile=profile, cluster=cluster, world_size=cluster.num_devices, training=training,
-                    solver=solver, compression=compression, compression_options=compression_options, pp=pp, fp8=fp8)
+                    solver=solver, compression=compression, compression_options=compression_options, pp=pp, opt_ins=opt_ins)
     path = cache_dir / f"plan-{key}.json"
     cached = _cached_plan(path, profile=profile, world_size=cluster.num_devices,
                           global_batch_size=training.global_batch_size)
@@ -142,7 +144,7 @@ def solve_plan(
             f"no plan was given and the planner is not available ({err}); pass plan=<file or Plan> to UniAPStrategy"
         ) from err
     problem = Problem(model=profile, cluster=cluster, training=training, compression=compression,
-                      compression_options=dict(compression_options or COMPRESSION_DEFAULTS), fp8=fp8)
+                      compression_options=dict(compression_options or COMPRESSION_DEFAULTS), **(opt_ins or {}))
     if on_solve is not None:
         on_solve()
     # no cyclic GC while solving (see no_gc)

@@ -198,7 +198,7 @@ def _solve(m: Measurements, chain: Chain, sample: Sample, cluster: Cluster | Non
     plan, origin = solve_plan(profile=profile, cluster=cluster, training=training,
                               solver=o.solver, time_limit_s=o.time_limit_s, cache_dir=o.plan_cache_dir(),
                               compression=o.compression, compression_options=o.compression_options_dict,
-                              pp=list(o.pp) if o.pp else None, fp8=o.fp8, on_solve=say)
+                              pp=list(o.pp) if o.pp else None, opt_ins=o.opt_ins_dict, on_solve=say)
     m.report["solve_s"] = time.perf_counter() - t0
     return plan, origin, profile, m.report
 

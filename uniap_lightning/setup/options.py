@@ -9,7 +9,7 @@ from typing import Any
 
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.cluster import Cluster
-from uniap_lightning.planner.dimensions.precision import device_has_fp8, fp8_precisions
+from uniap_lightning.planner.dimensions import OPT_INS, opt_ins
 from uniap_lightning.planner.search_options import (DEFAULT_SCHEDULE, DEFAULT_SOLVER, DEFAULT_TIME_LIMIT_S,
                                                    check_pipeline_degrees, check_schedule_name, check_solver,
                                                    check_time_limit, check_virtual_stages)
@@ -46,16 +46,18 @@ class SetupOptions:
     compression: tuple[str, ...] = ("none",)
     #: the compressors' parameters the planner prices and stamps into the plan (``powersgd_rank``, ``topk_ratio``)
     compression_options: tuple[tuple[str, float], ...] = tuple(sorted(COMPRESSION_DEFAULTS.items()))
-    #: the float8 precisions the planner may choose per layer (none: the run's precision only)
-    fp8: tuple[str, ...] = ()
+    #: each opt-in dimension's allowed per-layer values, as (option, values) pairs (values empty: off), from the
+    #: strategy's keywords (:data:`~uniap_lightning.planner.dimensions.OPT_INS`)
+    opt_ins: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     @classmethod
     def from_arguments(cls, *, cluster: Any, plan: Any, schedule: str, solver: str, time_limit: float, profile: Any,
                        cache_dir: Any, measure_cluster: bool, profile_cache: bool, profile_repeats: int,
                        profile_micro_batches: Any, compression: Any = None,
                        compression_options: Any = None, pp: Any = None,
-                       virtual_stages: Any = None, fp8: Any = "off") -> SetupOptions:
-        """Check and normalize ``UniAPStrategy``'s arguments (clear errors when the strategy is built)."""
+                       virtual_stages: Any = None, **opt_in: Any) -> SetupOptions:
+        """Check and normalize ``UniAPStrategy``'s arguments (clear errors when the strategy is built); ``opt_in``:
+        the opt-in dimensions' options by name (:data:`~uniap_lightning.planner.dimensions.OPT_INS`)."""
         if not isinstance(compression, (str, type(None))) or compression not in COMPRESSION_CHOICES:
             allowed = ", ".join(repr(c) for c in COMPRESSION_CHOICES if c != "none")
             raise UniAPError(f"compression={compression!r} must be one of {allowed} (None: off; a method: the "
@@ -73,14 +75,16 @@ class SetupOptions:
             raise UniAPError(f"cluster must be a Cluster, a dict, a conf/cluster name or None, got "
                              f"{type(cluster).__name__}")
         degrees = check_pipeline_degrees(pp)
-        allowed_fp8 = fp8_precisions(fp8)
+        allowed = opt_ins(opt_in)
         if plan is not None:
             _refuse_search_options(schedule=schedule, virtual_stages=virtual_stages, pp=pp, compression=compression,
-                                   compression_options=compression_options, fp8=fp8)
+                                   compression_options=compression_options, **opt_in)
         if plan is not None and not isinstance(plan, Plan):
             plan = Plan.from_json(Path(plan))
         if plan is not None and cluster is not None:
-            check_fp8_device(plan, cluster)
+            for o in OPT_INS.values():
+                if o.check_plan is not None:
+                    o.check_plan(plan, cluster)
         return cls(
             cluster=cluster, pinned_plan=plan, schedule=schedule, virtual_stages=virtual_stages, pp=degrees,
             solver=solver,
@@ -91,12 +95,16 @@ class SetupOptions:
             profile_micro_batches=tuple(profile_micro_batches) if profile_micro_batches else None,
             compression=COMPRESSION_CHOICES[compression],
             compression_options=tuple(sorted(_compression_options(compression_options).items())),
-            fp8=allowed_fp8,
+            opt_ins=tuple(allowed.items()),
         )
 
     @property
     def compression_options_dict(self) -> dict[str, float]:
         return dict(self.compression_options)
+
+    @property
+    def opt_ins_dict(self) -> dict[str, tuple[str, ...]]:
+        return dict(self.opt_ins)
 
     def profile_cache_dir(self) -> Path:
         from uniap_lightning.profiling.cache import default_profile_cache_dir
@@ -110,33 +118,25 @@ class SetupOptions:
 
 
 #: the options that only steer the planner's search, with their "not given" values: a pinned plan fixes each
-#: (its own schedule, virtual_stages, pp, per-layer compression and compression_options), so none may come with one
+#: (its own schedule, virtual_stages, pp, per-layer compression and compression_options, and what each opt-in
+#: dimension chose per layer), so none may come with one
 SEARCH_OPTIONS: dict[str, tuple[Any, ...]] = {"schedule": ("auto",), "virtual_stages": (None,), "pp": (None,),
                                               "compression": (None, "none"), "compression_options": (None, {}),
-                                              "fp8": (None, "off")}
+                                              **{name: o.off for name, o in OPT_INS.items()}}
 
 
 def _refuse_search_options(**given: Any) -> None:
     """With a pinned plan, an option of :data:`SEARCH_OPTIONS` other than its default would be ignored: refused,
     as ``pp`` always was, in one line naming it."""
     for key, defaults in SEARCH_OPTIONS.items():
-        value = given[key]
+        value = given.get(key)
         if not any(value is d or (d is not None and value == d) for d in defaults):
             fixed = ("its own compression_options (edit the plan file's)" if key == "compression_options" else
                      "each layer's compression" if key == "compression" else
-                     "each layer's precision" if key == "fp8" else f"its own {key}")
+                     f"its own {OPT_INS[key].pinned}" if key in OPT_INS else f"its own {key}")
             raise UniAPError(f"{key}={value!r} steers the planner's search; a pinned plan (plan=) is not searched and "
                              f"has {fixed}: give one of them (drop {key}= to run the plan, or plan= to solve)")
 
-
-def check_fp8_device(plan: Plan, cluster: Cluster) -> None:
-    """A pinned plan with float8 layers on a cluster whose device has no fp8 matmuls: refused in one line."""
-    fp8 = [lp.name for lp in plan.layers if lp.strategy.precision != "default"]
-    if fp8 and not device_has_fp8(cluster):
-        raise UniAPError(f"plan runs {len(fp8)} layer(s) in float8 ({', '.join(fp8[:3])}{', ...' if len(fp8) > 3 else ''}) "
-                         f"but cluster '{cluster.name}' (device {cluster.device or 'unnamed'!r}) has no fp8 "
-                         "matmuls (a catalogue device with peak_tflops.fp8: h100_sxm, h200, gh200): plan again "
-                         "for this cluster")
 
 
 def _compression_options(value: Any) -> dict[str, float]:

@@ -14,7 +14,9 @@ import operator
 from collections.abc import Mapping
 from typing import Any
 
-from uniap_lightning.planner.dimensions.base import COST_PHASES, REQUIRED, Column, Dimension, Field, LayerTerms, Slot
+from uniap_lightning.errors import UniAPError
+from uniap_lightning.planner.dimensions.base import (COST_PHASES, REQUIRED, Column, Dimension, Field, LayerTerms,
+                                                     OptIn, Slot)
 from uniap_lightning.planner.dimensions.compression import COMPRESSION
 from uniap_lightning.planner.dimensions.context import CONTEXT
 from uniap_lightning.planner.dimensions.data import DATA
@@ -60,6 +62,20 @@ REPORT_COLUMNS: tuple[Column, ...] = tuple(_COLUMNS[h] for h in COLUMNS)
 #: each pricing phase's hooks, in registry order (the dimensions that declare one)
 _PRICES = {phase: tuple(getattr(d, phase) for d in DIMENSIONS if getattr(d, phase) is not None)
            for phase in COST_PHASES}
+#: the per-job permissions the dimensions ask for (:class:`~.base.OptIn`), by option name, in registry order
+OPT_INS: dict[str, OptIn] = {d.opt_in.option: d.opt_in for d in DIMENSIONS if d.opt_in is not None}
+
+
+def opt_ins(given: Mapping[str, Any] | None = None) -> dict[str, tuple[str, ...]]:
+    """Every opt-in's allowed per-layer values from the user's ``given`` values by option name (absent: off);
+    refuses an unknown option or a bad value in one line."""
+    given = dict(given or {})
+    unknown = sorted(set(given) - set(OPT_INS))
+    if unknown:
+        raise UniAPError(f"unknown opt-in option(s) {unknown}; known: {list(OPT_INS)}")
+    return {name: o.allowed(given.get(name), name) for name, o in OPT_INS.items()}
+
+
 #: the newest per-layer field's plan format version (the plan's format version is at least this)
 NEWEST_FIELD_SINCE: int = max(f.since for f in FIELDS)
 
@@ -140,6 +156,7 @@ def explain_columns() -> tuple[Column, ...]:
     return tuple(c for c in REPORT_COLUMNS if c.explain is not None)
 
 
-__all__ = ["CHOICES", "COLUMNS", "COST_PHASES", "DIMENSIONS", "FIELDS", "NEWEST_FIELD_SINCE", "RECORD",
-           "REPORT_COLUMNS", "REQUIRED", "Column", "Dimension", "Field", "LayerTerms", "Slot", "canonical",
-           "candidates", "check", "defaults", "explain_columns", "label", "price", "read", "report_columns"]
+__all__ = ["CHOICES", "COLUMNS", "COST_PHASES", "DIMENSIONS", "FIELDS", "NEWEST_FIELD_SINCE", "OPT_INS", "RECORD",
+           "REPORT_COLUMNS", "REQUIRED", "Column", "Dimension", "Field", "LayerTerms", "OptIn", "Slot", "canonical",
+           "candidates", "check", "defaults", "explain_columns", "label", "opt_ins", "price", "read",
+           "report_columns"]

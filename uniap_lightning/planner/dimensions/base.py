@@ -35,6 +35,26 @@ class Slot:
     fp8: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class OptIn:
+    """A per-job permission a dimension asks for: values it offers only where the user allowed them (they change
+    numerics), as ``UniAPStrategy(<option>=...)`` and ``uniap plan <option>=``. The setup, the plan cache, the
+    command line and the problem carry every dimension's permissions as one mapping (option name -> the allowed
+    values, :func:`~uniap_lightning.planner.dimensions.opt_ins`), so a new opt-in dimension threads nothing.
+
+    ``option``: the keyword, also the :class:`Slot` and ``Problem`` field that holds the allowed values;
+    ``allowed(value, where)``: the user's value as the tuple of allowed per-layer values (``()``: off), refusing
+    a bad one in one line naming ``where``; ``off``: the values that mean "not given" (a pinned plan refuses
+    others); ``pinned``: what a pinned plan has of its own instead (said in that refusal: "precision per layer"); ``check_plan(plan, cluster)``: a
+    pinned plan's check against the cluster it is to run on (one-line refusal), or None."""
+
+    option: str
+    allowed: Callable[[Any, str], tuple[str, ...]]
+    off: tuple[Any, ...]
+    pinned: str
+    check_plan: Callable[[Any, Any], None] | None = None
+
+
 #: a field's candidate values, given the slot and the values chosen for the fields enumerated before it
 Options = Callable[[Slot, Mapping[str, Any]], Iterable[Any]]
 
@@ -180,6 +200,7 @@ class Dimension:
 
     name: str
     fields: tuple[Field, ...]
+    opt_in: OptIn | None = None
     canonical: Callable[[Mapping[str, Any]], dict[str, Any]] = _no_change
     grid: Callable[[Any], str] = _nothing
     suffix: Callable[[Any], str] = _nothing

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.devices import MATMUL_EFFICIENCY, MEMORY_EFFICIENCY
-from uniap_lightning.planner.dimensions.base import Column, Dimension, Field, LayerTerms, Slot, one_of
+from uniap_lightning.planner.dimensions.base import Column, Dimension, Field, LayerTerms, OptIn, Slot, one_of
 
 #: the per-layer values: the run's precision, float8 with tensorwise scales, float8 with rowwise scales
 PRECISIONS = ("default", "fp8", "fp8_rowwise")
@@ -57,6 +57,16 @@ def device_has_fp8(cluster: Any) -> bool:
     """The cluster's catalogue device has float8 matmul units (a peak for ``fp8``) and a bf16 one to compare."""
     spec = cluster.device_spec
     return spec is not None and spec.has("fp8") and spec.has("bf16")
+
+
+def check_plan_device(plan: Any, cluster: Any) -> None:
+    """A pinned plan with float8 layers on a cluster whose device has no fp8 matmuls: refused in one line."""
+    fp8 = [lp.name for lp in plan.layers if lp.strategy.precision != "default"]
+    if fp8 and not device_has_fp8(cluster):
+        raise UniAPError(f"plan runs {len(fp8)} layer(s) in float8 ({', '.join(fp8[:3])}{', ...' if len(fp8) > 3 else ''}) "
+                         f"but cluster '{cluster.name}' (device {cluster.device or 'unnamed'!r}) has no fp8 "
+                         "matmuls (a catalogue device with peak_tflops.fp8: h100_sxm, h200, gh200): plan again "
+                         "for this cluster")
 
 
 def default_precision_problem(problem: Any) -> Any | None:
@@ -187,6 +197,9 @@ def _suffix(s: Any) -> str:
 PRECISION = Dimension(
     name="precision",
     fields=(Field("precision", str, "default", _options, check=one_of("precision", PRECISIONS), since=6),),
+    # the job's permission: UniAPStrategy(fp8=...), uniap plan fp8=...; Problem.fp8 and Slot.fp8 hold what it allows
+    opt_in=OptIn("fp8", fp8_precisions, off=(None, "off"), pinned="precision per layer",
+                 check_plan=check_plan_device),
     suffix=_suffix,
     # shown where some layer runs in fp8: reports of plans without it are unchanged
     columns=(Column("precision", _cell, shown=lambda s: s.precision != "default"),),
@@ -194,5 +207,5 @@ PRECISION = Dimension(
     price_state=_price_state,
 )
 
-__all__ = ["FP8_CHOICES", "FP8_PRECISIONS", "PRECISION", "PRECISIONS", "RECIPES", "Fp8Terms",
+__all__ = ["FP8_CHOICES", "FP8_PRECISIONS", "PRECISION", "PRECISIONS", "RECIPES", "Fp8Terms", "check_plan_device",
            "default_precision_problem", "device_has_fp8", "fp8_precisions", "fp8_terms", "gemm_shape"]

@@ -35,8 +35,6 @@ from uniap_lightning.planner.solver.uniform import best_uniform
 #: wait; one that runs out goes back into the queue, behind the candidates tried fewer times, with twice the time
 SLICE_FRACTION = 0.1
 SLICE_MIN_S = 2.0
-#: of the time left, what the search of the space without float8 may take before the wide search (fp8 allowed)
-NARROW_SHARE = 0.5
 Progress = Callable[[str], None]
 
 
@@ -213,10 +211,10 @@ def search(
     Everything (tables, bounds, warm starts, solves) ends by ``deadline``, or ``time_limit_s`` from now when no
     deadline is given; a solver is never given less than ``backend.MIN_SOLVE_S``.
 
-    Where the problem allows float8 precisions the device runs, the space without them is searched first, in at
-    most :data:`NARROW_SHARE` of the time, and its plan is the wide search's incumbent (a cutoff for every solve, a
-    bound that prunes): the result is never slower than what the narrow search found, which is the fp8-free optimum
-    when it finished. Without them nothing changes.
+    Where the problem allows precisions beyond the run's own that the device runs, the space without them is
+    searched first, as if they were not allowed (the same deadline), and the whole space then gets the time left
+    with that plan as its incumbent (a cutoff for every solve, a bound that prunes): the result is never slower than
+    the plan the same call finds with them off. Without them nothing changes.
     """
     deadline = deadline if deadline is not None else Deadline.after(time_limit_s)
     narrow = default_precision_problem(problem)
@@ -227,19 +225,20 @@ def search(
     say("first the space in the run's own precision")
     try:
         first = _search(narrow, solver=solver, pp=pp, allowed=allowed, incumbent=incumbent, progress=progress,
-                        deadline=deadline.share(NARROW_SHARE), workers=workers)
-    except UniAPError:  # nothing fits without float8 (ZeRO-3's float8 gathers take less), or no time: search on
+                        deadline=deadline, workers=workers)
+    except UniAPError:  # nothing fits in the run's precision (ZeRO-3's low-precision gathers take less): search on
         first = None
     if first is not None:  # the narrow search's best, the given incumbent among what it compared
         incumbent = first
-    say("then the space with float8: " + (f"{first.estimate.tpi_s * 1e3:.2f} ms to beat" if first else "no plan yet"))
+    say("then the whole space: " + (f"{first.estimate.tpi_s * 1e3:.2f} ms to beat" if first else "no plan yet"))
     try:
         plan = _search(problem, solver=solver, pp=pp, allowed=allowed, incumbent=incumbent, progress=progress,
                        deadline=deadline, workers=workers)
     except UniAPError:
         if first is None:
             raise
-        plan = first.with_report(solver=replace(first.solver, status="time_limit", gap=None))  # the wide one ran out
+        # no time left for the whole space (the first search took it): its plan, with the whole space open
+        plan = first.with_report(solver=replace(first.solver, status="time_limit", gap=None))
     return plan.with_report(solver=replace(plan.solver, solve_s=now_s() - t_start))
 
 
