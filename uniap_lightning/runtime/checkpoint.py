@@ -21,6 +21,14 @@ import torch
 from torch import nn
 
 from uniap_lightning.runtime.checkpoint_safety import load_plain  # noqa: F401 - also imported from here
+from uniap_lightning.errors import UniAPError
+from uniap_lightning.files import check_output_file, write_bytes_atomic
+from uniap_lightning.runtime import export
+from uniap_lightning.runtime.checkpoint_safety import (check_meta, read_metadata, safe_full_load_planner,
+                                                       safe_load_planner, safe_reader, shard_problem)
+from uniap_lightning.runtime.experts import (expert_shard_meshes, globalize_expert_state, localize_expert_state,
+                                             shard_expert_state)
+from uniap_lightning.sigterm import reraise_interruption
 
 
 def _options(**kw: Any) -> Any:
@@ -32,8 +40,6 @@ def _options(**kw: Any) -> Any:
 def model_state(module: nn.Module) -> dict[str, Any]:
     """The module's state dict for DCP; expert-parallel shards as ``DTensor`` s of the full experts."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    from uniap_lightning.runtime.experts import expert_shard_meshes, globalize_expert_state
 
     state = get_model_state_dict(module, options=_options())
     globalize_expert_state(state, expert_shard_meshes(module))
@@ -63,8 +69,6 @@ def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict
     """The optimizer's flattened state dict for DCP; expert-parallel shards' states as ``DTensor`` s."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    from uniap_lightning.runtime.experts import expert_shard_meshes, globalize_expert_state
-
     state = get_optimizer_state_dict(module, optimizer, options=_options())
     globalize_expert_state(state, expert_shard_meshes(module), optimizer=True)
     return state
@@ -73,8 +77,6 @@ def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict
 def check_dcp_metadata(folder: Path) -> None:
     """Refuse a DCP folder whose ``.metadata`` names anything but DCP's own records, or whose records are not
     well formed (see :func:`~uniap_lightning.runtime.checkpoint_safety.read_metadata`): nothing in it runs."""
-    from uniap_lightning.runtime.checkpoint_safety import read_metadata
-
     read_metadata(Path(folder))
 
 
@@ -94,10 +96,6 @@ def dcp_read(state: dict[str, Any], path: Path, *, planner: Any, no_dist: bool =
     ``dcp_to_torch_save`` calls the loader underneath for this, and so does this)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
-
-    from uniap_lightning.errors import UniAPError
-    from uniap_lightning.runtime.checkpoint_safety import safe_reader
-    from uniap_lightning.sigterm import reraise_interruption
 
     try:
         if whole:
@@ -121,9 +119,6 @@ def load(path: Path, module: nn.Module, optimizers: list[torch.optim.Optimizer],
     checkpoint is checked against this model first (:func:`check_fits`), then read without running code."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    from uniap_lightning.runtime.checkpoint_safety import safe_load_planner
-    from uniap_lightning.runtime.experts import expert_shard_meshes, localize_expert_state
-
     metadata = checked_metadata(path)
     state: dict[str, Any] = {"state_dict": model_state(module)}
     for i, opt in enumerate(optimizers):
@@ -142,9 +137,6 @@ def load(path: Path, module: nn.Module, optimizers: list[torch.optim.Optimizer],
 def checked_metadata(path: Path) -> Any:
     """The checkpoint's DCP metadata, refused if it names code and reported as damaged if a shard is missing or
     shorter than the metadata says."""
-    from uniap_lightning.errors import UniAPError
-    from uniap_lightning.runtime.checkpoint_safety import read_metadata, shard_problem
-
     metadata = read_metadata(Path(path))
     problem = shard_problem(Path(path), metadata)
     if problem is not None:
@@ -166,8 +158,6 @@ def check_fits(path: Path, metadata: Any, state: dict[str, Any], *, strict: bool
     rank's part of this model has (another layer count), optimizer states of another optimizer. Collective when
     a process group is up (each rank knows only its stages' names)."""
     import torch.distributed as dist
-
-    from uniap_lightning.errors import UniAPError
 
     saved = metadata.state_dict_metadata
     mine = _flat_shapes(state)
@@ -202,10 +192,7 @@ def load_full_weights(state_dict: dict[str, Any], module: nn.Module, *, strict: 
                       path: Path | None = None) -> None:
     """Load full (unsharded) weights, e.g. from a single-device checkpoint; each rank keeps its layers' part.
     Missing weights (``strict``) and weights of another shape are one :class:`UniAPError` before any is copied."""
-    from uniap_lightning.errors import UniAPError
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
-    from uniap_lightning.runtime.experts import expert_shard_meshes, shard_expert_state
 
     where = f"checkpoint {path}" if path is not None else "the checkpoint"
     local = model_state(module)  # expert shards as DTensors of the full experts: shapes compare with full ones
@@ -230,8 +217,6 @@ def full_local_state(module: nn.Module) -> dict[str, torch.Tensor]:
     """Unsharded CPU copies of this rank's state-dict entries (collective over each layer's mesh)."""
     from torch.distributed.tensor import DTensor
 
-    from uniap_lightning.runtime.experts import expert_shard_meshes, globalize_expert_state
-
     state = module.state_dict(keep_vars=True)
     globalize_expert_state(state, expert_shard_meshes(module))  # experts gathered over their ep mesh
     out = {}
@@ -247,8 +232,6 @@ def save_consolidated(module: nn.Module, path: str | Path, *, rank: int, format:
     a Hugging Face folder (``format="hf"``: ``config.json`` + ``model.safetensors`` that the model's class loads with
     ``from_pretrained``). See :mod:`uniap_lightning.runtime.export`."""
     import torch.distributed as dist
-
-    from uniap_lightning.runtime import export
 
     fmt = export.resolve_format(path, format)
     found = export.find_hf_model(module) if fmt == "hf" else None  # before any collective: every rank alike
@@ -280,11 +263,6 @@ def consolidate_checkpoint(checkpoint_dir: str | Path, output_file: str | Path, 
     is loaded, from ``.metadata`` or from any entry of a shard), then its weights are written through a temporary
     file (or folder) and a rename.
     """
-    from uniap_lightning.errors import UniAPError
-    from uniap_lightning.files import check_output_file
-    from uniap_lightning.runtime import export
-    from uniap_lightning.runtime.checkpoint_safety import safe_full_load_planner
-
     fmt = export.resolve_format(output_file, format)
     config = None
     if fmt == "hf":
@@ -309,8 +287,6 @@ def consolidate_checkpoint(checkpoint_dir: str | Path, output_file: str | Path, 
 
 def save_atomic(obj: Any, path: str | Path) -> None:
     """``torch.save`` through :func:`~uniap_lightning.files.write_bytes_atomic`: readers never see half a file."""
-    from uniap_lightning.files import write_bytes_atomic
-
     write_bytes_atomic(path, lambda f: torch.save(obj, f))
 
 
@@ -372,10 +348,6 @@ def load_any(path: Path, module: nn.Module, optimizers: list[torch.optim.Optimiz
     """
     from lightning.fabric.utilities.load import _METADATA_FILENAME
     from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-
-    from uniap_lightning.errors import UniAPError
-
-    from uniap_lightning.runtime.checkpoint_safety import check_meta
 
     strict = getattr(module, "strict_loading", True)  # the LightningModule's choice
     if path.is_file():

@@ -21,6 +21,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._pytree import tree_map_only
 
+from uniap_lightning.errors import UniAPError
+from uniap_lightning.planner.plan import COMPRESSION_DEFAULTS, COMPRESSION_RUNTIME_DEFAULTS
+from uniap_lightning.runtime.checkpoint import load_plain, save_atomic
+
 if TYPE_CHECKING:
     from uniap_lightning.runtime.data_parallel import ReplicatedGrads
 
@@ -49,8 +53,6 @@ def layout(replicated: ReplicatedGrads, rank: int, world: int) -> dict[str, Any]
 
 def save(replicated: ReplicatedGrads, folder: str | Path, *, rank: int, world: int) -> None:
     """Write this rank's compressor state into the checkpoint ``folder`` (nothing when no layer has any)."""
-    from uniap_lightning.runtime.checkpoint import save_atomic
-
     if not has_state(replicated):
         return
     buckets = [b.compressor.state_dict() if b.compressor is not None else {} for b in replicated.buckets]
@@ -62,9 +64,6 @@ def save(replicated: ReplicatedGrads, folder: str | Path, *, rank: int, world: i
 def load(replicated: ReplicatedGrads, folder: str | Path, *, rank: int, world: int) -> str | None:
     """Restore this rank's compressor state from the checkpoint ``folder``; returns why it did not (the
     compressors then start from zero), or ``None`` when restored or there is nothing to restore."""
-    from uniap_lightning.errors import UniAPError
-    from uniap_lightning.runtime.checkpoint import load_plain
-
     if not has_state(replicated):
         return None
     path = Path(folder) / FOLDER / f"rank{rank}.pt"
@@ -85,8 +84,6 @@ def load(replicated: ReplicatedGrads, folder: str | Path, *, rank: int, world: i
 
 
 def _runtime_defaults() -> dict[str, float]:
-    from uniap_lightning.planner.plan import COMPRESSION_DEFAULTS, COMPRESSION_RUNTIME_DEFAULTS
-
     return {**COMPRESSION_DEFAULTS, **COMPRESSION_RUNTIME_DEFAULTS}
 
 

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from uniap_lightning.runtime.compression_base import ByteCounter, Compressor, Pending, all_gather, all_reduce, topk_count
+from uniap_lightning.errors import UniAPError
 
 
 class TopKCompressor(Compressor):
@@ -111,8 +112,6 @@ def check_dgc_optimizers(optimizers: Iterable[Any], params: Iterable[torch.Tenso
     """DGC (``dgc_momentum > 0``) applies the momentum itself: every optimizer parameter group holding one of
     ``params`` (the top-k layers' parameters) must be ``torch.optim.SGD`` with ``momentum=0``; else a
     :class:`UniAPError` naming the option."""
-    from uniap_lightning.errors import UniAPError
-
     wanted = {id(p) for p in params}
     for opt in optimizers:
         opt = getattr(opt, "_optimizer", opt)  # a LightningOptimizer

@@ -27,6 +27,7 @@ from uniap_lightning.planner.plan import COMPRESSION_DEFAULTS
 from uniap_lightning.runtime.buckets import BUCKET_CAP_BYTES, FIRST_BUCKET_CAP_BYTES, Bucket, make_buckets
 from uniap_lightning.runtime.compression import ByteCounter, make_compressor, start_step, wire_bytes
 from uniap_lightning.runtime.shards import apply_fsdp, local_tensor, own_outputs
+from uniap_lightning.runtime.compression_topk import check_dgc_optimizers
 
 __all__ = ["BUCKET_CAP_BYTES", "FIRST_BUCKET_CAP_BYTES", "Bucket", "ReplicatedGrads", "apply_fsdp", "local_tensor",
            "make_buckets", "own_outputs"]
@@ -240,8 +241,6 @@ class ReplicatedGrads:
     def _check_optimizers(self) -> None:
         momentum = float(self.compression_options.get("dgc_momentum", 0.0))
         if momentum and self.trainer is not None:
-            from uniap_lightning.runtime.compression_topk import check_dgc_optimizers
-
             params = [p for b in self.buckets if b.compressor is not None and b.compressor.method == "topk"
                       for p in b.params]
             check_dgc_optimizers(self.trainer.optimizers, params, momentum)

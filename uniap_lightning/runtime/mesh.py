@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from uniap_lightning.planner.plan import Plan
+from uniap_lightning.runtime.reshard import piece_of_lane
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -66,8 +67,6 @@ def layout_transitions(plan: Plan) -> list[tuple[tuple[int, int, int], tuple[int
 def _pieces(layout: tuple[int, int, int]) -> tuple[int, ...]:
     """What a layout means for activations: which piece each lane holds (layouts with cp 1 and the same dp hold
     the same pieces whatever their tp)."""
-    from uniap_lightning.runtime.reshard import piece_of_lane
-
     n = layout[0] * layout[1] * layout[2]
     return tuple(x for lane in range(n) for x in piece_of_lane(lane, layout))
 

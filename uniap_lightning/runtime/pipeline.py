@@ -36,7 +36,7 @@ from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.plan import Plan
 from uniap_lightning.runtime.mesh import PlanMeshes
 from uniap_lightning.runtime.payload import chunk, concat, flatten, is_payload, map_tensors, signature, unflatten
-from uniap_lightning.runtime.sequence import check_sequence_length
+from uniap_lightning.runtime.sequence import check_sequence_length, piece_loss
 from uniap_lightning.runtime.stage import StageModule
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -259,8 +259,6 @@ class PipelineRunner:
     def _loss_targets(self, loss_fn: LossFn, y: Any, ys: Any) -> list[Any]:
         """This step's targets per micro-batch; a per-token loss runs on the last layer's sequence pieces where it
         splits the sequence (:func:`~.sequence.piece_loss`: the last stage then keeps its output in pieces)."""
-        from uniap_lightning.runtime.sequence import piece_loss
-
         piece = piece_loss(self.plan, loss_fn, y, self.meshes.lane) if self.is_last else None
         if self.is_last:
             self.last_module.keep_layout = piece is not None

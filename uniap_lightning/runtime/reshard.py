@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from uniap_lightning.errors import UniAPError
+from uniap_lightning.runtime.payload import map_tensors
 
 if TYPE_CHECKING:
     from uniap_lightning.runtime.mesh import PlanMeshes
@@ -152,7 +153,6 @@ def relayout(x: Any, frm: Layout | int, to: Layout | int, meshes: PlanMeshes) ->
     a, b = _as_layout(frm, n), _as_layout(to, n)
     if a == b:
         return x
-    from uniap_lightning.runtime.payload import map_tensors
 
     k = common_pieces(a, b)
     lane = meshes.lane

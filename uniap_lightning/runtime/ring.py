@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from uniap_lightning.errors import UniAPError
+from uniap_lightning.runtime.sequence import attention, gather_sequence
 
 
 def check_ring(*, seq_len: int | None, cp: int, causal: bool = True, name: str = "layer") -> None:
@@ -336,8 +337,6 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any
     the key padding mask. Returns this rank's piece of the output. Exact in float32 (see the module docstring).
     ``fused``: each block through torch's CPU flash kernel (default on CPU) or plain matmuls (``False``; the only
     choice on other devices). ``dropout_p`` (the caller's attention dropout) must be 0: ring attention runs none."""
-    from uniap_lightning.runtime.sequence import attention, gather_sequence
-
     if dropout_p:
         raise UniAPError(f"ring attention does not run attention dropout (p={dropout_p}); set the model's attention "
                          "dropout to 0 or use Ulysses")

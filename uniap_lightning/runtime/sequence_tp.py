@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from uniap_lightning.errors import UniAPError
+from uniap_lightning.runtime.tensor_parallel import check_tp_supported, grads_like_params
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -64,13 +65,10 @@ def apply_sp(layer: nn.Module, name: str, tp_mesh: DeviceMesh, *, plan: dict[str
     ``uniap_sp_plan(tp)``."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from uniap_lightning.runtime.tensor_parallel import check_tp_supported
-
     tp = tp_mesh.size()
     if plan is None and not hasattr(layer, "uniap_sp_plan"):
         raise UniAPError(f"layer '{name}' ({type(layer).__name__}) has no sequence-parallel plan (uniap_sp_plan)")
     check_tp_supported(layer, name, tp)
-    from uniap_lightning.runtime.tensor_parallel import grads_like_params
 
     parallelize_module(layer, tp_mesh, plan if plan is not None else layer.uniap_sp_plan(tp))
     for p in layer.parameters():

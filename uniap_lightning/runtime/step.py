@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from uniap_lightning.runtime.grads import GradStash, add_grads, put_grads, take_grads
+from uniap_lightning.runtime.checks import check_same_batch
+from uniap_lightning.runtime.payload import flatten, is_payload
 
 if TYPE_CHECKING:
     from uniap_lightning.runtime import Runtime
@@ -77,9 +79,6 @@ class TrainStep:
         :meth:`finish_loss`)."""
         rt = self.runtime
         if not self._batch_checked:
-            from uniap_lightning.runtime.checks import check_same_batch
-            from uniap_lightning.runtime.payload import flatten, is_payload
-
             tensors = [t for part in (x, y) if is_payload(part) for t in flatten(part)]
             self.guard(lambda: check_same_batch(*tensors))
             self._batch_checked = True

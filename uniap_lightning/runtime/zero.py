@@ -54,6 +54,7 @@ import torch
 from torch import nn
 
 from uniap_lightning.runtime.data_parallel import ReplicatedGrads, apply_fsdp, local_tensor
+from uniap_lightning.errors import UniAPError
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -147,8 +148,6 @@ class ZeroLayers:
             return
         for e in self.layers:
             if e.mode == "zero2" and any(_pending_grad(fp) for fp in fsdp_params(e.module)):
-                from uniap_lightning.errors import UniAPError
-
                 raise UniAPError(
                     f"a zero2 layer ({type(e.module).__name__}) got no gradient in the last micro-batch of an "
                     "optimizer step, so its accumulated gradient was never reduce-scattered; plan layers that some "
