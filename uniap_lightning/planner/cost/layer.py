@@ -155,20 +155,21 @@ def current_cost_cache() -> CostCache | None:
 
 def strategies_for(
     layer: LayerProfile, n: int, cluster: Cluster, micro_batch: int, *, compression: tuple[str, ...] = ("none",),
-    sequence: bool = True, fp8: tuple[str, ...] = (),
+    sequence: bool = True, **opt_ins: tuple[str, ...],
 ) -> list[Strategy]:
     """Strategies with ``d * c * t = n`` that the layer allows on a stage of ``n`` devices (see
-    :func:`_strategies`); ``sequence=False`` leaves out context and sequence parallelism; ``fp8``: the float8
-    precisions the user allowed (offered where the cluster's device has an fp8 peak). Cached within a
-    :func:`cost_cache` scope."""
-    compression, fp8 = tuple(compression), tuple(fp8)
+    :func:`_strategies`); ``sequence=False`` leaves out context and sequence parallelism; ``opt_ins``: what the user
+    allowed each opt-in dimension, by its option (:data:`~uniap_lightning.planner.dimensions.OPT_INS`; absent or
+    empty: off). Cached within a :func:`cost_cache` scope."""
+    compression = tuple(compression)
+    allowed = tuple(sorted((k, tuple(v)) for k, v in opt_ins.items() if v))
     cache = _SCOPE.get()
     if cache is None:
-        return list(_strategies(layer, n, cluster, micro_batch, compression, sequence, fp8))
-    key = (layer, n, cluster, micro_batch, compression, sequence, fp8)
+        return list(_strategies(layer, n, cluster, micro_batch, compression, sequence, allowed))
+    key = (layer, n, cluster, micro_batch, compression, sequence, allowed)
     out = cache.strategies.get(key)
     if out is None:
-        out = _strategies(layer, n, cluster, micro_batch, compression, sequence, fp8)
+        out = _strategies(layer, n, cluster, micro_batch, compression, sequence, allowed)
         if len(cache.strategies) >= cache.max_entries:
             cache.strategies.clear()
         cache.strategies[key] = out
@@ -176,7 +177,8 @@ def strategies_for(
 
 
 def _strategies(layer: LayerProfile, n: int, cluster: Cluster, micro_batch: int, compression: tuple[str, ...],
-                sequence: bool = True, fp8: tuple[str, ...] = ()) -> tuple[Strategy, ...]:
+                sequence: bool = True,
+                opt_ins: tuple[tuple[str, tuple[str, ...]], ...] = ()) -> tuple[Strategy, ...]:
     """Strategies with ``d * c * t = n`` that the layer allows on a stage of ``n`` devices: each field's options
     in :mod:`uniap_lightning.planner.dimensions`, chosen in the registry's ``CHOICES`` order (outer first).
 
@@ -186,10 +188,9 @@ def _strategies(layer: LayerProfile, n: int, cluster: Cluster, micro_batch: int,
     sequence ``c t`` divides. With ``d * c > 1`` every ``dp_mode``; compression (methods in ``compression``
     besides "none") only for replicate / zero1; recomputation on or off everywhere. A mixture-of-experts layer
     also takes every expert-parallel degree ``ep`` of :func:`expert_degrees` over its ``d x c`` replicas
-    (uncompressed gradients only). Each of those in the run's precision, then in each allowed fp8 precision where
-    the device has fp8 (:mod:`uniap_lightning.planner.dimensions.precision`).
+    (uncompressed gradients only). Then each dimension's own options, opt-in ones among what ``opt_ins`` allowed.
     """
-    slot = Slot(layer, n, cluster, micro_batch, compression, sequence, fp8)
+    slot = Slot(layer, n, cluster, micro_batch, compression, sequence, opt_ins)
     return tuple(Strategy._make(v) for v in candidates(slot))
 
 

@@ -23,8 +23,8 @@ REQUIRED: Any = object()
 class Slot:
     """What a layer's candidate options depend on besides the choices made before: the layer, the stage's ``n``
     devices, the cluster, the micro-batch size, the compression methods the solver may choose, whether the
-    sequence dimension (context and sequence parallelism) is open, and the float8 precisions the user allowed
-    (:mod:`.precision`; none: the run's own precision only)."""
+    sequence dimension (context and sequence parallelism) is open, and what the user allowed each opt-in dimension
+    (:class:`OptIn`), as ``(option, allowed values)`` pairs: read with :meth:`allowed`."""
 
     layer: LayerProfile
     n: int
@@ -32,7 +32,11 @@ class Slot:
     micro_batch: int
     compression: tuple[str, ...] = ("none",)
     sequence: bool = True
-    fp8: tuple[str, ...] = ()
+    opt_ins: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    def allowed(self, option: str) -> tuple[str, ...]:
+        """The values the user allowed the opt-in ``option`` (none: off)."""
+        return dict(self.opt_ins).get(option, ())
 
 
 @dataclass(frozen=True)
@@ -42,7 +46,8 @@ class OptIn:
     command line and the problem carry every dimension's permissions as one mapping (option name -> the allowed
     values, :func:`~uniap_lightning.planner.dimensions.opt_ins`), so a new opt-in dimension threads nothing.
 
-    ``option``: the keyword, also the :class:`Slot` and ``Problem`` field that holds the allowed values;
+    ``option``: the keyword, also the ``Problem`` field and the ``strategies_for`` keyword that hold the allowed
+    values (:meth:`Slot.allowed` reads them);
     ``allowed(value, where)``: the user's value as the tuple of allowed per-layer values (``()``: off), refusing
     a bad one in one line naming ``where``; ``off``: the values that mean "not given" (a pinned plan refuses
     others); ``pinned``: what a pinned plan has of its own instead (said in that refusal: "precision per layer"); ``check_plan(plan, cluster)``: a

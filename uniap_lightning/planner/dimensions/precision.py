@@ -82,8 +82,9 @@ def default_precision_problem(problem: Any) -> Any | None:
 
 
 def _options(slot: Slot, chosen: Mapping[str, Any]) -> tuple[str, ...]:
-    if slot.fp8 and slot.layer.params > 0 and device_has_fp8(slot.cluster):
-        return ("default", *slot.fp8)
+    allowed = slot.allowed("fp8")
+    if allowed and slot.layer.params > 0 and device_has_fp8(slot.cluster):
+        return ("default", *allowed)
     return ("default",)
 
 
@@ -197,7 +198,7 @@ def _suffix(s: Any) -> str:
 PRECISION = Dimension(
     name="precision",
     fields=(Field("precision", str, "default", _options, check=one_of("precision", PRECISIONS), since=6),),
-    # the job's permission: UniAPStrategy(fp8=...), uniap plan fp8=...; Problem.fp8 and Slot.fp8 hold what it allows
+    # the job's permission: UniAPStrategy(fp8=...), uniap plan fp8=...; Problem.fp8 holds what it allows
     opt_in=OptIn("fp8", fp8_precisions, off=(None, "off"), pinned="precision per layer",
                  check_plan=check_plan_device),
     suffix=_suffix,
