@@ -27,6 +27,7 @@ from dataclasses import replace
 from typing import Any
 
 from uniap_lightning.planner.cluster import COLLECTIVE_OPS, Cluster
+from uniap_lightning.planner.plan import COMPRESSION_DEFAULTS
 
 DEFAULT_SIZES = (1 << 12, 1 << 22)  # 4 KiB (latency), 4 MiB (bandwidth)
 
@@ -60,6 +61,8 @@ def _time(fn, repeats: int, group=None) -> float:
     import torch
     import torch.distributed as dist
 
+    # deferred, torch: timing imports torch at module level, and this module's fits (apply_to_cluster,
+    # describe_collectives, _fit) load without torch
     from uniap_lightning.profiling.timing import Timer, median_s
 
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -241,6 +244,8 @@ def measure_optimizer_step(device: Any, *, repeats: int = 5, big: int = 1 << 20,
     import torch
     import torch.distributed as dist
 
+    # deferred, torch: timing imports torch at module level, and this module's fits (apply_to_cluster,
+    # describe_collectives, _fit) load without torch
     from uniap_lightning.profiling.timing import Timer, median_s
 
     def step_s(shapes: list[int]) -> float:
@@ -274,9 +279,10 @@ def measure_compression(options: Mapping[str, float] | None = None, *, device: A
     import torch
     import torch.distributed as dist
 
-    from uniap_lightning.planner.plan import COMPRESSION_DEFAULTS
+    # deferred, torch: timing imports torch at module level, and this module's fits (apply_to_cluster,
+    # describe_collectives, _fit) load without torch
     from uniap_lightning.profiling.timing import Timer, median_s
-    from uniap_lightning.runtime.compression import METHODS, make_compressor
+    from uniap_lightning.runtime.compression import METHODS, make_compressor  # deferred, torch: as timing
 
     opts = {**COMPRESSION_DEFAULTS, **dict(options or {})}
     world, rank = dist.get_world_size(), dist.get_rank()

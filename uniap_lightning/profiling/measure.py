@@ -38,7 +38,9 @@ from uniap_lightning.profiling.estimate import profile_sizes
 from uniap_lightning.profiling.memory import SavedBytes, backward_peak_bytes
 from uniap_lightning.profiling.structural import powersgd_dims, tensor_bytes
 from uniap_lightning.profiling.timing import CacheFlush, Timer
-from uniap_lightning.runtime.payload import backward_ones, call_layer, flatten, float_leaves, head, nbytes, rows
+from uniap_lightning.runtime.payload import (backward_ones, call_layer, flatten, float_leaves, head, map_tensors,
+                                             nbytes, rows)
+from uniap_lightning.runtime.chain import check_layer_output
 
 Context = Callable[[], AbstractContextManager[Any]]
 
@@ -145,8 +147,6 @@ class _Loss:
 
 
 def _detached(out: Any) -> Any:
-    from uniap_lightning.runtime.payload import map_tensors
-
     return map_tensors(lambda t: t.detach(), out)
 
 
@@ -183,8 +183,6 @@ def _time_chain(layers: Sequence[nn.Module], names: Sequence[str], x: Any, repea
     """Every layer in order at one micro-batch size: times, and (out bytes summed over the output's tensors,
     activation bytes, backward peak bytes, weight-gradient fraction: None without ``split``) per layer; ``loss``
     goes with the last layer."""
-    from uniap_lightning.runtime.chain import check_layer_output
-
     times: list[tuple[float, float]] = []
     stats: Stats = []
     for i, (layer, name) in enumerate(zip(layers, names, strict=True)):

@@ -20,6 +20,9 @@ from uniap_lightning.profiling.aggregate import median_over_ranks, structure_key
 from uniap_lightning.profiling.estimate import default_micro_batches
 from uniap_lightning.profiling.measure import ProfilingUnavailable, profile_layers, training_state_kept
 from uniap_lightning.profiling.structural import NOMINAL_FLOPS, structural_profile
+from uniap_lightning.runtime.experts import expert_profile_fields
+from uniap_lightning.runtime.payload import flatten, is_payload
+from uniap_lightning.runtime.sequence import sequence_info
 
 
 def profile_chain(layers: Sequence[nn.Module], names: Sequence[str], sample_input: torch.Tensor | None, *,
@@ -44,7 +47,6 @@ def profile_chain(layers: Sequence[nn.Module], names: Sequence[str], sample_inpu
         stacklevel=2,
     )
     kept = {k: options[k] for k in ("tp_degrees", "tp_allreduces", "model", "device") if k in options}
-    from uniap_lightning.runtime.payload import flatten, is_payload
 
     device_type = flatten(sample_input)[0].device.type if is_payload(sample_input) else "cpu"
     return with_expert_fields(with_sequence_fields(
@@ -54,8 +56,6 @@ def profile_chain(layers: Sequence[nn.Module], names: Sequence[str], sample_inpu
 
 def sample_sequence_length(sample_input: Any) -> int | None:
     """The sample's tokens per sequence: dim 1 of its first tensor with two or more dimensions (``None``: none)."""
-    from uniap_lightning.runtime.payload import flatten, is_payload
-
     if sample_input is None or not is_payload(sample_input):
         return None
     for t in flatten(sample_input):
@@ -74,8 +74,6 @@ def with_sequence_fields(profile: ModelProfile, layers: Sequence[nn.Module], sam
     declares its sequence form (``uniap_sequence_loss``: "token" or "next_token", the runtime's ``piece_loss``)
     marks the last layer ``loss_on_pieces`` when that layer may split the sequence."""
     from dataclasses import replace
-
-    from uniap_lightning.runtime.sequence import sequence_info
 
     length = sample_sequence_length(sample_input)
     if length is None:
@@ -99,8 +97,6 @@ def with_expert_fields(profile: ModelProfile, layers: Sequence[nn.Module]) -> Mo
     (:func:`uniap_lightning.runtime.experts.expert_profile_fields`: the project's own MoE and Hugging Face's stacked
     experts), so the planner may split their experts (``ep``). Dense layers keep none."""
     from dataclasses import replace
-
-    from uniap_lightning.runtime.experts import expert_profile_fields
 
     out = []
     for lp, layer in zip(profile.layers, layers, strict=True):

@@ -48,6 +48,8 @@ from uniap_lightning.planner.devices import (ATTENTION_EFFICIENCY, KERNEL_FLOOR_
 from uniap_lightning.profiling.reference_layers import (BlockShape, block_forward, classifier_forward,
                                                         embed_forward, lm_head_forward, patch_embed_forward)
 from uniap_lightning.profiling.trace_ops import Op, Trace, trace
+from uniap_lightning.planner.cost.comm import all_reduce_s
+from uniap_lightning.planner.profile import Overhead, Timing
 
 __all__ = ["BlockShape", "LayerCosts", "MICRO_BATCHES", "Op", "TILE", "Trace", "block_forward", "cached_trace",
            "layer_costs", "matmul_dtype", "matmul_efficiency", "op_seconds", "roofline_profile", "trace",
@@ -185,9 +187,6 @@ def roofline_profile(spec: Any, cluster: Any, flat: Any) -> Any:
     each layer's times, tensor-parallel times and activation bytes from the traced operations on the catalogue
     device the cluster names."""
     from dataclasses import replace
-
-    from uniap_lightning.planner.cost.comm import all_reduce_s
-    from uniap_lightning.planner.profile import Overhead, Timing
 
     device = cluster.device_spec
     mm = matmul_dtype(spec.dtype, spec.tf32, device)

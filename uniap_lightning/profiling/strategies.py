@@ -55,6 +55,9 @@ from uniap_lightning.profiling.measure import Context, training_state_kept
 from uniap_lightning.profiling.memory import SavedBytes
 from uniap_lightning.profiling.timing import Timer, median_s
 from uniap_lightning.runtime.payload import backward_ones, call_layer, flatten, float_leaves, head, rows, signature
+from uniap_lightning.runtime.data_parallel import apply_fsdp, ReplicatedGrads
+from uniap_lightning.runtime.tensor_parallel import apply_tp, tp_degrees
+from uniap_lightning.runtime.zero import ZeroLayers
 
 
 def _fwd_bwd_s(layer: nn.Module, x: Any, repeats: int, warmup: int, context: Context,
@@ -133,9 +136,6 @@ def measure_overheads(
     degrees timed and the ranks; the same on every rank), for :func:`attach_overheads`."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from uniap_lightning.runtime.data_parallel import ReplicatedGrads, apply_fsdp
-    from uniap_lightning.runtime.zero import ZeroLayers
-    from uniap_lightning.runtime.tensor_parallel import apply_tp, tp_degrees
 
     world = dist.get_world_size()
     dpn = devices_per_node or world

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from uniap_lightning.planner.profile import LayerProfile, ModelProfile
+from uniap_lightning.runtime.payload import call_layer, flatten, map_tensors, nbytes
 
 #: nominal FLOP/s used by the structural fallback (per device), only to rank layers by cost
 NOMINAL_FLOPS = {"cpu": 5e10, "cuda": 1e14}
@@ -43,7 +44,6 @@ def structural_profile(
     ``tokens`` the output's elements per sample over its last dimension; backward is twice the forward.
     """
     flops = NOMINAL_FLOPS.get(device_type, NOMINAL_FLOPS["cpu"])
-    from uniap_lightning.runtime.payload import call_layer, flatten, map_tensors, nbytes
 
     x: Any = None
     if sample_input is not None:
