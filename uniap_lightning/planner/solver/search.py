@@ -214,10 +214,11 @@ def search(
     Where the problem allows precisions beyond the run's own that the device runs, the space without them is
     searched first, as if they were not allowed (the same deadline), and the whole space then gets the time left
     with that plan as its incumbent (a cutoff for every solve, a bound that prunes): the result is never slower than
-    the plan the same call finds with them off. Without them nothing changes.
+    the plan the same call finds with them off. Without them nothing changes, nor in a search restricted by
+    ``allowed`` (the baselines', which rule them out themselves).
     """
     deadline = deadline if deadline is not None else Deadline.after(time_limit_s)
-    narrow = default_precision_problem(problem)
+    narrow = default_precision_problem(problem) if allowed is None else None
     if narrow is None:
         return _search(problem, solver=solver, pp=pp, allowed=allowed, incumbent=incumbent, progress=progress,
                        deadline=deadline, workers=workers)
