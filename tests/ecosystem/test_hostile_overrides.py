@@ -315,7 +315,7 @@ def test_train_refuses_search_options_next_to_a_pinned_plan(tmp_path: Path, over
     (["train", "trainer.devices=2", "+model.kv_heads=3"], "heads=4 is not divisible by kv_heads=3"),
     (["plan", "batch_size=1000000000000000000"], "must be a positive integer up to 1,000,000,000"),
     (["plan", "model.heads=7"], "hidden=768 is not divisible by heads=7"),
-    (["plan", "pp=nan"], "pp=nan must be an integer"),
+    (["plan", "pp=nan"], "pp=nan must be a pipeline degree from 1 to 16,777,216"),
 ])
 def test_cli_prints_one_error_line(args: list[str], message: str) -> None:
     assert_one_error_line(uniap(*args), message)
