@@ -15,6 +15,8 @@ import torch
 # its strategies (the registration hook), when `lightning.pytorch.Callback` does not exist yet
 from lightning.pytorch.callbacks import Callback, RichProgressBar
 
+from uniap_lightning.runtime.checkpoint_safety import checkpoint_problem
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
@@ -158,8 +160,6 @@ def newest_checkpoint(dirpath: str | Path, *, skipped: list[tuple[Path, str]] | 
     (a shard missing or truncated, metadata or loop state refused, see
     :func:`~uniap_lightning.runtime.checkpoint_safety.checkpoint_problem`) are passed over, newest first, and
     listed in ``skipped`` as (path, why) when given."""
-    from uniap_lightning.runtime.checkpoint_safety import checkpoint_problem
-
     for _, path in sorted(step_checkpoints(dirpath), reverse=True):
         why = checkpoint_problem(path)
         if why is None:

@@ -27,6 +27,9 @@ from typing import Any
 
 import torch
 
+from uniap_lightning.runtime.data_parallel import local_tensor
+from uniap_lightning.profiling.memory import LiveBytes
+
 
 def _proc_status_kib(field: str) -> int | None:
     try:
@@ -68,8 +71,6 @@ def _reset_hwm() -> bool:
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:
-    from uniap_lightning.runtime.data_parallel import local_tensor
-
     t = local_tensor(t)
     return t.numel() * t.element_size()
 
@@ -107,8 +108,6 @@ class CpuStepMemory:
         return self._live is not None
 
     def start(self, module: torch.nn.Module, optimizers: list[Any]) -> None:
-        from uniap_lightning.profiling.memory import LiveBytes
-
         self.abandon()
         self._static = static_bytes(module, optimizers)
         self._grads = grad_bytes(module)

@@ -23,6 +23,7 @@ from lightning.pytorch.plugins.precision import Precision
 from torch.optim import Optimizer
 
 from uniap_lightning.runtime.data_parallel import local_tensor
+from uniap_lightning.runtime.grads import clip_grad_norm
 
 #: ``clip(params, max_norm)``: clips in place by the global norm (a collective over the world)
 ClipByNorm = Callable[[list[torch.nn.Parameter], float], Any]
@@ -67,8 +68,6 @@ def with_global_norm_clipping(plugin: Precision) -> Precision:
 
 def global_norm_clipper(devices_per_stage: int, *, device: torch.device, guard: Any) -> ClipByNorm:
     """The clip a plan needs: by the norm of the whole model's gradient (a collective over the world)."""
-    from uniap_lightning.runtime.grads import clip_grad_norm
-
     def clip(params: list[torch.nn.Parameter], max_norm: float) -> None:
         guard(lambda: clip_grad_norm(params, max_norm, devices_per_stage, device=device))
 

@@ -25,14 +25,7 @@ PyTorch :class:`~uniap_lightning.adapters.gpt.GPT` (tensor parallel too).
 from __future__ import annotations
 
 from uniap_lightning.adapters.auto import extract_chain
+from uniap_lightning.adapters.hf import hf_layers
 from uniap_lightning.adapters.lm import CausalLMModule
-
-
-def hf_layers(model: object) -> list:
-    """The chain of a Hugging Face causal LM (GPT-2 or Llama family), by model type."""
-    from uniap_lightning.adapters.hf import hf_layers as _hf_layers
-
-    return _hf_layers(model)
-
 
 __all__ = ["CausalLMModule", "extract_chain", "hf_layers"]

@@ -25,6 +25,9 @@ from uniap_lightning.adapters.chain_layers import GlobalPositions, NormHead, Tok
 from uniap_lightning.adapters.tp_styles import colwise, divisors_of_all, rowwise
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.analytic import lm_layer_names
+from uniap_lightning.runtime.ring import ring_attention
+from uniap_lightning.runtime.sequence import CP_METHODS, attention, check_ulysses, ulysses_attention
+from uniap_lightning.runtime.sequence_tp import replicate_sequence, sp_plan
 
 
 @dataclass(frozen=True)
@@ -61,8 +64,6 @@ class Block(nn.Module):
         self._cp_method = "ulysses"
 
     def _attention(self, x: torch.Tensor) -> torch.Tensor:
-        from uniap_lightning.runtime.sequence_tp import replicate_sequence
-
         x = replicate_sequence(x)  # sequence parallel: q, k and v share one all-gather
         b, t, _ = x.shape
         q, k, v = (m(x).view(b, t, -1, self.head_dim).transpose(1, 2) for m in (self.q, self.k, self.v))
@@ -73,13 +74,10 @@ class Block(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         if self._cp_group is None and self.uniap_key_valid is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
-        from uniap_lightning.runtime.sequence import attention, ulysses_attention
 
         if self._cp_group is None:
             return attention(q, k, v, causal=True, key_valid=self.uniap_key_valid, dropout_p=dropout_p)
         if self._cp_method == "ring":
-            from uniap_lightning.runtime.ring import ring_attention
-
             return ring_attention(q, k, v, self._cp_group, causal=True, key_valid=self.uniap_key_valid,
                                   counter=self._cp_counter, dropout_p=dropout_p)
         return ulysses_attention(q, k, v, self._cp_group, causal=True, key_valid=self.uniap_key_valid,
@@ -102,8 +100,6 @@ class Block(nn.Module):
     def uniap_sp_plan(self, tp: int) -> dict[str, Any]:
         """TP with sequence parallelism: norms on sequence pieces, q/k/v (sharing one gather) and fc gather the
         sequence, proj/fc_proj reduce-scatter it; input and output replicated over the group at the chain boundary."""
-        from uniap_lightning.runtime.sequence_tp import sp_plan
-
         return sp_plan(norms=["ln_1", "ln_2"], colwise=["fc"], gathered=["q", "k", "v"], rowwise=["proj", "fc_proj"])
 
     def uniap_sequence(self) -> dict[str, Any]:
@@ -123,8 +119,6 @@ class Block(nn.Module):
         """Run attention with Ulysses or ring attention (``method``) over ``group`` (the inputs are this rank's
         contiguous sequence pieces); ``counter`` (a ``sequence.AllToAllCounter``) counts the elements sent."""
         import torch.distributed as dist
-
-        from uniap_lightning.runtime.sequence import CP_METHODS, check_ulysses
 
         if method not in CP_METHODS:
             raise UniAPError(f"GPT Block: context-parallel method {method!r} is not one of {list(CP_METHODS)}")

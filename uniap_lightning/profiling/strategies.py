@@ -55,7 +55,7 @@ from uniap_lightning.profiling.measure import Context, training_state_kept
 from uniap_lightning.profiling.memory import SavedBytes
 from uniap_lightning.profiling.timing import Timer, median_s
 from uniap_lightning.runtime.payload import backward_ones, call_layer, flatten, float_leaves, head, rows, signature
-from uniap_lightning.runtime.data_parallel import apply_fsdp, ReplicatedGrads
+from uniap_lightning.runtime.data_parallel import ReplicatedGrads, apply_fsdp
 from uniap_lightning.runtime.tensor_parallel import apply_tp, tp_degrees
 from uniap_lightning.runtime.zero import ZeroLayers
 

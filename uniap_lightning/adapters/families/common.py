@@ -10,6 +10,7 @@ from torch import nn
 
 from uniap_lightning.adapters.auto import HFTarget
 from uniap_lightning.adapters.tp_styles import colwise, divisors_of_all, replicate, rowwise
+from uniap_lightning.errors import UniAPError
 
 __all__ = ["View", "causal_lm_loss", "classification_loss", "colwise", "count_labels", "count_per_column",
            "divisors_of_all", "local_heads", "question_answering_labels", "question_answering_loss", "rowwise",
@@ -93,8 +94,6 @@ def question_answering_labels(batch: dict[str, torch.Tensor]) -> torch.Tensor | 
     Face does, the positions it ignores (those at ``seq``: outside the input) set to -100."""
     given = [k for k in ("start_positions", "end_positions") if k in batch]
     if len(given) == 1:
-        from uniap_lightning.errors import UniAPError
-
         raise UniAPError(f"a question answering batch needs both 'start_positions' and 'end_positions' (its loss); "
                          f"this one has only {given[0]!r}")
     if not given:

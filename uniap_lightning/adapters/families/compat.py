@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from packaging.version import Version
 
+from uniap_lightning.errors import UniAPError
+
 __all__ = ["BERT_HEADS_FROM_SHAPE", "BIDIRECTIONAL_MASK", "CACHE_ARGUMENT", "INPUTS_EMBEDS", "NO_CACHE_POSITION",
            "OLDEST", "T5_BLOCK_CACHE_POSITION", "T5_HEADS_FROM_SHAPE", "T5_MASK_IN_POSITION_BIAS", "T5_SCALE_CONFIG",
            "VISION_PROJECTIONS", "at_least", "bidirectional_mask", "causal_mask", "check_supported", "installed",
@@ -72,8 +74,6 @@ def check_supported(version: Version | None = None) -> None:
     masking and rotary APIs are missing or different, and the families would fail deep inside the model."""
     version = installed() if version is None else version
     if version < Version(OLDEST):
-        from uniap_lightning.errors import UniAPError
-
         raise UniAPError(f"transformers {version} is older than the oldest release the Hugging Face adapters support "
                          f"({OLDEST}); install 'transformers>={OLDEST},<6' (pip install 'uniap-lightning[hf]')")
 

@@ -31,6 +31,9 @@ import torch
 from torch import nn
 
 from uniap_lightning.errors import UniAPError
+from uniap_lightning.runtime.ring import ring_attention
+from uniap_lightning.runtime.sequence import CP_METHODS, attention, check_ulysses, ulysses_attention
+from uniap_lightning.runtime.sequence_tp import sp_boundary
 
 ATTENTION_NAME = "uniap_ulysses"
 
@@ -40,8 +43,6 @@ def ulysses_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
                               scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: q/k/v ``[b, heads, s/c, d]`` -> ``([b, s/c, heads, d], None)``;
     Ulysses or ring attention over the module's group (``module.uniap_cp_method``)."""
-    from uniap_lightning.runtime.sequence import attention, ulysses_attention
-
     if attention_mask is not None:
         raise UniAPError(f"{ATTENTION_NAME} attention takes its padding mask from sequence.padding_mask, not a "
                          "4-D attention_mask (the chain calls decoder layers without one)")
@@ -50,8 +51,6 @@ def ulysses_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
     if group is None:
         out = attention(query, key, value, causal=causal, key_valid=key_valid, dropout_p=dropout, scale=scaling)
     elif getattr(module, "uniap_cp_method", "ulysses") == "ring":
-        from uniap_lightning.runtime.ring import ring_attention
-
         out = ring_attention(query, key, value, group, causal=causal, key_valid=key_valid, scale=scaling,
                              counter=getattr(module, "uniap_cp_counter", None), dropout_p=dropout)
     else:
@@ -115,8 +114,6 @@ def switch_attention(attn: nn.Module, group: Any | None, *, counter: Any = None,
     weights say the tp degree) against the group size, naming ``name``."""
     import torch.distributed as dist
 
-    from uniap_lightning.runtime.sequence import CP_METHODS, check_ulysses
-
     if method not in CP_METHODS:
         raise UniAPError(f"{ATTENTION_NAME}: context-parallel method {method!r} is not one of {list(CP_METHODS)}")
     if method == "ulysses" and heads is not None:
@@ -137,8 +134,6 @@ def llama_sp_plan(tp: int) -> dict[str, Any]:
     and MLP gather their input once (q/k/v and gate/up share it), o_proj and down_proj reduce-scatter."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
-
-    from uniap_lightning.runtime.sequence_tp import sp_boundary
 
     gathered = ColwiseParallel(input_layouts=Replicate())
     return {
@@ -178,8 +173,6 @@ def bert_sp_plan(tp: int) -> dict[str, Any]:
     two output denses reduce-scatter."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
-
-    from uniap_lightning.runtime.sequence_tp import sp_boundary
 
     gathered = ColwiseParallel(input_layouts=Replicate())
     return {

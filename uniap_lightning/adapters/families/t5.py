@@ -33,6 +33,7 @@ from uniap_lightning.adapters.families.common import (
     token_loss,
 )
 from uniap_lightning.adapters.families.seq2seq_inputs import prepare_decoder_inputs
+from uniap_lightning.errors import UniAPError
 
 Payload = dict[str, torch.Tensor]
 
@@ -152,8 +153,6 @@ class T5Head(View):
 def t5_layers(model: Any) -> list[tuple[nn.Module, list[str]]]:
     compat.check_supported()
     if not hasattr(model, "lm_head") or not hasattr(model, "decoder"):
-        from uniap_lightning.errors import UniAPError
-
         raise UniAPError(f"{type(model).__name__}: the strategy splits T5ForConditionalGeneration; for other heads "
                          "define uniap_layers() (and uniap_loss) on your LightningModule")
     enc, dec = model.encoder, model.decoder
