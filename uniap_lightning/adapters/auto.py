@@ -84,6 +84,8 @@ def register(model_type: str, family: Family) -> None:
 
 
 def _load_families() -> None:
+    # deferred, not for a heavy dependency: the families import Family and register from here (the family registry
+    # cycle, ALLOWED_CYCLE_GROUPS in tests/planner/test_import_graph.py)
     from uniap_lightning.adapters import families  # noqa: F401 - registers every built-in family
 
 
@@ -174,7 +176,7 @@ def pretrained_chain(module: nn.Module, attribute: str, model: Any) -> Chain:
     kind = getattr(config, "model_type", None)
     family = FAMILIES.get(kind)
     if family is None:  # no hand-written family: decoder-only causal LMs split from their own structure
-        from uniap_lightning.adapters.families.generic import generic_family
+        from uniap_lightning.adapters.families.generic import generic_family  # deferred: the registry cycle, as above
 
         family = generic_family(model)
     if family.head is not None:

@@ -225,7 +225,7 @@ def generic_family(model: Any) -> Family:
     split, or the whole model as one layer); a clear error for anything else."""
     if getattr(model.config, "is_encoder_decoder", False) and (  # encoder-decoder LMs: their own split
             "decoder_input_ids" in inspect.signature(model.forward).parameters):  # (not Whisper's audio classifier)
-        from uniap_lightning.adapters.families.seq2seq import seq2seq_family
+        from uniap_lightning.adapters.families.seq2seq import seq2seq_family  # deferred: seq2seq imports this module
 
         return seq2seq_family(model)
     task = _task(model)
