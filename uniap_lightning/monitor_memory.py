@@ -21,6 +21,8 @@ runtime's own growth) and is what the operating system sees; the plan does not p
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
 import resource
 from typing import Any
@@ -44,9 +46,6 @@ def _proc_status_kib(field: str) -> int | None:
 
 @functools.cache
 def _libc() -> Any:
-    import ctypes
-    import ctypes.util
-
     try:
         return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")  # find_library runs ldconfig: once
     except OSError:

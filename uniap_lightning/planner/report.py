@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
@@ -162,8 +164,6 @@ LOG_WIDTH = 220
 def make_console(*, stderr: bool = False, **kw) -> Console:
     """A rich console: the terminal's width on a terminal; elsewhere :data:`LOG_WIDTH` columns (unless ``COLUMNS``
     says otherwise), so tables written to a file or pipe are whole."""
-    import os
-
     console = Console(stderr=stderr, **kw)
     if not console.is_terminal and "COLUMNS" not in os.environ:
         console = Console(stderr=stderr, width=LOG_WIDTH, **kw)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -73,8 +74,6 @@ def with_sequence_fields(profile: ModelProfile, layers: Sequence[nn.Module], sam
     that declare nothing, or a sample without a sequence dimension, leave the fields out. A ``loss_fn`` that
     declares its sequence form (``uniap_sequence_loss``: "token" or "next_token", the runtime's ``piece_loss``)
     marks the last layer ``loss_on_pieces`` when that layer may split the sequence."""
-    from dataclasses import replace
-
     length = sample_sequence_length(sample_input)
     if length is None:
         return profile
@@ -96,8 +95,6 @@ def with_expert_fields(profile: ModelProfile, layers: Sequence[nn.Module]) -> Mo
     :mod:`uniap_lightning.planner.profile`) from each layer's mixture-of-experts modules
     (:func:`uniap_lightning.runtime.experts.expert_profile_fields`: the project's own MoE and Hugging Face's stacked
     experts), so the planner may split their experts (``ep``). Dense layers keep none."""
-    from dataclasses import replace
-
     out = []
     for lp, layer in zip(profile.layers, layers, strict=True):
         fields = expert_profile_fields(layer)

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
@@ -186,8 +186,6 @@ def roofline_profile(spec: Any, cluster: Any, flat: Any) -> Any:
     """``flat`` (the analytic profile of ``spec`` on ``cluster``: parameters, shapes, tensor-parallel degrees) with
     each layer's times, tensor-parallel times and activation bytes from the traced operations on the catalogue
     device the cluster names."""
-    from dataclasses import replace
-
     device = cluster.device_spec
     mm = matmul_dtype(spec.dtype, spec.tf32, device)
     dtype = _DTYPES[spec.dtype]

@@ -14,6 +14,8 @@ all-gather (``precision`` fp8 under ZeRO-3) is handed over as the full-precision
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -311,8 +313,6 @@ def partial_path(final: Path) -> Path:
 
 
 def remove_path(path: Path) -> None:
-    import shutil
-
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
     elif path.exists() or path.is_symlink():
@@ -322,8 +322,6 @@ def remove_path(path: Path) -> None:
 def publish(partial: Path, final: Path) -> None:
     """Give a complete checkpoint its real name; one already there is replaced (moved aside first, then deleted,
     so the real name never points at a half-written checkpoint)."""
-    import os
-
     old = final.with_name(f".{final.name}.old")
     remove_path(old)
     if final.exists() or final.is_symlink():
