@@ -139,9 +139,8 @@ _LOCAL_LIGHT_IMPORTS_LEFT = {
     ("cli.ranks", "tempfile"), ("cli.train", "logging"), ("cli.train", "warnings"),
     ("cli.train_checks", "difflib"), ("cli.train_checks", "inspect"), ("monitor", "dataclasses"),
     ("planner.config_schema", "typing"),
-    ("planner.cost.comm", "math"), ("profiling.cache", "importlib"),
+    ("planner.cost.comm", "math"),
     ("rebalance.switch", "shutil"),
-    ("runtime.resume_checks", "packaging"),
     ("setup", "dataclasses"), ("setup.measure", "warnings"), ("sigterm", "signal"),
     ("sigterm", "threading"),
 }

@@ -13,6 +13,7 @@ invalid entry is discarded with a warning naming the file, then measured again a
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import inspect
 import json
 import os
@@ -56,15 +57,12 @@ def versions() -> dict[str, str]:
     except ImportError:  # pragma: no cover
         pass
     try:  # a Hugging Face model's layers run the library's code: another version may time (or split) differently
-        from importlib.metadata import version as installed
-
-        out["transformers"] = installed("transformers")  # (without importing it: cheap for every model)
+        # (without importing it: cheap for every model)
+        out["transformers"] = importlib.metadata.version("transformers")
     except Exception:  # noqa: BLE001 - not installed
         pass
     try:
-        from importlib.metadata import version
-
-        out["uniap_lightning"] = version("uniap_lightning")
+        out["uniap_lightning"] = importlib.metadata.version("uniap_lightning")
     except Exception:  # noqa: BLE001 - not installed as a distribution
         out["uniap_lightning"] = "dev"
     return out

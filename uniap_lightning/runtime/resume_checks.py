@@ -23,6 +23,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from packaging.version import InvalidVersion, Version
+
 from uniap_lightning.errors import UniAPError
 
 _VERSION_KEY = "pytorch-lightning_version"
@@ -38,7 +40,6 @@ def check_lightning_version(meta: dict[str, Any], where: str | Path) -> dict[str
     (without the weights). A version that is missing, not a version, or whose upgrade fails on what the file holds
     is refused in one line."""
     import lightning.pytorch as pl
-    from packaging.version import InvalidVersion, Version
 
     version = meta.get(_VERSION_KEY)
     if not isinstance(version, str):
