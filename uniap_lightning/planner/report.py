@@ -13,8 +13,8 @@ from uniap_lightning.planner.cluster import GIB
 # the report's words for each dp_mode (with the data dimension now), named here too, where callers found them
 from uniap_lightning.planner.dimensions.data import DP_MODE_LABELS  # noqa: F401
 from uniap_lightning.planner.plan import Plan
+from uniap_lightning.planner.cost.evaluate import bubble_s
 from uniap_lightning.planner.cost.tables import CandidateCosts
-from uniap_lightning.planner.solver.search import bubble_s
 
 BASELINE_LABELS = {
     "ddp": "DDP (pp=1, replicate everything)",

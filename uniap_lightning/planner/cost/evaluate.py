@@ -88,6 +88,15 @@ def evaluate(problem: Problem, plan: Plan, *, check_strategies: bool = True) -> 
     )
 
 
+def bubble_s(plan: Plan) -> float:
+    """Idle time of the plan's busiest device group per iteration: what the time per iteration holds beyond that
+    group's ``c`` micro-batches of work and the largest end-of-step sync (the schedule's bubble, plus waits on
+    hand-offs)."""
+    est = plan.estimate
+    busy = plan.microbatches * max(est.stage_time_s) + max(est.stage_sync_s)
+    return max(est.tpi_s - busy, 0.0)
+
+
 def why_not_allowed(layer: LayerProfile, s: Strategy, cluster: Cluster, micro_batch: int) -> str:
     """Which rule of :func:`~uniap_lightning.planner.cost.layer.strategies_for` strategy ``s`` breaks for
     ``layer`` (the first, in the order it checks them), in words that name the field and the value."""

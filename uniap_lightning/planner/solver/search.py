@@ -16,7 +16,7 @@ from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, replace
 
 from uniap_lightning.planner.cluster import GIB
-from uniap_lightning.planner.cost.evaluate import evaluate
+from uniap_lightning.planner.cost.evaluate import bubble_s, evaluate
 from uniap_lightning.planner.cost.layer import Strategy, cost_cache
 from uniap_lightning.planner.cost.tables import CostTables, TabulationStopped
 from uniap_lightning.planner.dimensions.precision import default_precision_problem
@@ -178,15 +178,6 @@ def _from_milp(problem: Problem, cand: Candidate, stages: list[int], ks: list[in
     t = cand.tables
     return problem.plan_for(stage_of_layer=stages, strategies=[t.strategies[u][k] for u, k in enumerate(ks)],
                             pp=cand.pp, microbatches=cand.c, schedule=t.schedule, virtual_stages=t.v)
-
-
-def bubble_s(plan: Plan) -> float:
-    """Idle time of the plan's busiest device group per iteration: what the time per iteration holds beyond that
-    group's ``c`` micro-batches of work and the largest end-of-step sync (the schedule's bubble, plus waits on
-    hand-offs)."""
-    est = plan.estimate
-    busy = plan.microbatches * max(est.stage_time_s) + max(est.stage_sync_s)
-    return max(est.tpi_s - busy, 0.0)
 
 
 @no_gc()  # also when called directly (tests, baselines): see no_gc
