@@ -7,7 +7,7 @@ hold the same piece). Stage boundaries use layout ``(n, 1, 1)`` (every lane a di
 which is what the cost model assumes.
 
 A move from layout ``A`` to ``B`` goes through their common coarsening ``K = (gcd(dp), gcd(cp))`` pieces (the
-planner's :func:`~uniap_lightning.planner.cost.layer.reshard_s` prices it so): each lane all-gathers the ``A``
+planner's :func:`~uniap_lightning.planner.cost.movement.reshard_s` prices it so): each lane all-gathers the ``A``
 pieces that make up its ``K`` piece, over the lanes of the same ``K`` piece and tensor-parallel index (one per
 ``A`` piece), then keeps the part of it that is its ``B`` piece (a local slice). Where a lane's ``K`` piece along
 the sequence would differ between ``A`` and ``B`` (the tensor-parallel degree changes where cp moves: ``(1, 2, 2)``
