@@ -12,8 +12,10 @@ from bruteforce import brute_force
 from deepspeed_schedule import simulate
 from planner_factories import random_problem
 
+from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.cost import evaluate
 from uniap_lightning.planner.cost.tables import CandidateCosts
+from uniap_lightning.planner.problem import TrainingConfig
 from uniap_lightning.planner.solver import search
 
 
@@ -113,3 +115,9 @@ def test_blocking_form_against_deepspeeds_schedule_with_unequal_stages():
         ran = simulate([share * x for x in p], [(1 - share) * x for x in p], o, m)
         priced = _planner_blocking(pp, m, p, o)
         assert ran - 1e-9 <= priced <= ran * 1.16
+
+
+@pytest.mark.parametrize("bad", ["no", 1, None])
+def test_blocking_handoffs_must_be_a_real_boolean(bad):
+    with pytest.raises(UniAPError, match=r"blocking_handoffs=.* must be true or false"):
+        TrainingConfig(global_batch_size=8, blocking_handoffs=bad)

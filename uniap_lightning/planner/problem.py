@@ -13,7 +13,7 @@ from uniap_lightning.planner.plan import (COMPRESSION_DEFAULTS, COMPRESSIONS, SC
 from uniap_lightning.planner.profile import ModelProfile
 from uniap_lightning.planner.search_options import (DEFAULT_SCHEDULE, MAX_VIRTUAL_STAGES, check_schedule_name,
                                                    check_virtual_stages)
-from uniap_lightning.values import as_int, integer, number, short
+from uniap_lightning.values import as_int, flag, integer, number, short
 
 
 #: the largest global batch (samples per optimizer step) the planner takes: far above any real run (a 4M-token batch
@@ -84,6 +84,7 @@ class TrainingConfig:
         object.__setattr__(self, "virtual_stages", check_virtual_stages(self.virtual_stages, self.schedule))
         for key in ("weight_bytes", "grad_bytes", "optimizer_bytes"):
             number(getattr(self, key), key, low=0, high=MAX_BYTES_PER_PARAM, unit="bytes per parameter")
+        flag(self.blocking_handoffs, "blocking_handoffs")  # "no" would read as true
         if self.microbatches is not None:
             object.__setattr__(self, "microbatches", self._checked_microbatches(b))
 
