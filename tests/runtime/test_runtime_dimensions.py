@@ -17,7 +17,7 @@ from uniap_lightning.planner.decision import Strategy
 from uniap_lightning.planner.plan import Plan
 from uniap_lightning.runtime import dimensions
 from uniap_lightning.runtime import groups as groups_mod
-from uniap_lightning.runtime.dimensions import context, data, experts
+from uniap_lightning.runtime.dimensions import context, experts
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNTIME = ROOT / "uniap_lightning" / "runtime"
@@ -105,7 +105,7 @@ class _FakeMesh:
 
 def test_groups_are_created_in_the_group_order(monkeypatch):
     rec = _Recorder()
-    for module in (groups_mod, data, context, experts):
+    for module in (groups_mod, context, experts):
         monkeypatch.setattr(module, "init_device_mesh", rec.init)
     monkeypatch.setattr(experts, "DeviceMesh", rec.mesh)
     monkeypatch.setattr(groups_mod.dist, "new_group", rec.new_group)
@@ -116,11 +116,54 @@ def test_groups_are_created_in_the_group_order(monkeypatch):
                                 virtual_stages=1)
     meshes = groups_mod.build_meshes(plan, rank=0, device_type="cpu")
     kinds = [c[2] if c[0] != "new_group" else "new_group" for c in rec.calls]
-    # the world, the data grids ((replicas, tp): (2, 2), (4, 1)), the experts' two meshes, the cp groups, then
+    # the world, the base grids ((replicas, tp): (2, 2), (4, 1)), the experts' two meshes, the cp groups, then
     # the relayout groups (new_group)
     expected = [("pp", "stage"), ("pp", "dp", "tp"), ("pp", "dp", "tp"), ("pp", "edp", "ep", "tp"),
                 ("pp", "ep", "edp", "tp"), ("pp", "dp", "cp", "tp"), ("pp", "dp", "cp", "tp")]
     assert kinds[:len(expected)] == expected and set(kinds[len(expected):]) == {"new_group"}
     assert [c[1] for c in rec.calls[1:3]] == [(1, 2, 2), (1, 4, 1)]  # sorted, as before the registry
     assert sorted(meshes.grids) == sorted({(s.replicas, s.tp) for s in strategies})
-    assert sorted(meshes.cp_groups) == [(1, 2, 2), (2, 2, 1)] and sorted(meshes.expert_grids) == [(4, 1, 2)]
+    # each dimension's groups in its own store, under its name, read through its module's accessors
+    assert sorted(meshes.stores) == sorted(dimensions.GROUP_ORDER)
+    assert sorted(meshes.store("context")) == [(1, 2, 2), (2, 2, 1)]
+    assert sorted(meshes.store("experts")) == [(4, 1, 2)]
+    assert context.cp_group(meshes, 2, 2, 1) == ("group", ("pp", "dp", "cp", "tp"), "cp")
+    assert experts.ep_mesh(meshes, 4, 1, 2).names == ("pp", "edp", "ep", "tp")
+    assert experts.expert_data_group(meshes, 4, 1, 2) == ("group", ("pp", "edp", "ep", "tp"), "edp")
+    assert experts.expert_data_mesh(meshes, 4, 1, 2).names == ("pp", "edp", "ep", "tp")
+    assert experts.expert_layout(meshes, 4, 1, 2).names == ("pp", "ep", "edp", "tp")
+
+
+def _dimension_words() -> set[str]:
+    """Every word that names a dimension: the registries' names and the planner's fields, less the base layout's
+    ``dp`` and ``tp`` (the grids' axes), each also singular (``expert``)."""
+    words = {d.name for d in planner_dims.DIMENSIONS} | {d.name for d in dimensions.DIMENSIONS}
+    words |= {f.name for f in planner_dims.FIELDS}
+    words -= {"dp", "tp"}
+    return words | {w.rstrip("s") for w in words}
+
+
+def _dimension_names_in(source: str, cls: str) -> list[str]:
+    """The members of class ``cls`` (fields, methods, properties) and the strings its code uses (docstrings aside)
+    that name a dimension, word by word (``cp_groups``: ``cp``)."""
+    node = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == cls)
+    names = [s.target.id for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)]
+    names += [s.name for s in node.body if isinstance(s, ast.FunctionDef)]
+    docs = {id(sub.body[0].value) for sub in ast.walk(node)
+            if isinstance(sub, (ast.ClassDef, ast.FunctionDef)) and isinstance(sub.body[0], ast.Expr)}
+    names += [c.value for c in ast.walk(node)
+              if isinstance(c, ast.Constant) and isinstance(c.value, str) and id(c) not in docs]
+    words = _dimension_words()
+    return [n for n in names if set(re.split(r"[^a-z]+", n.lower())) & words]
+
+
+def test_plan_meshes_names_no_dimension():
+    """``PlanMeshes`` holds the base layout only; a dimension's groups are in its store, read by its own module's
+    accessors (a new dimension adds groups without touching mesh.py)."""
+    assert _dimension_names_in((RUNTIME / "mesh.py").read_text(), "PlanMeshes") == []
+    # the check finds what the per-dimension fields and accessors looked like before the stores
+    before = ('class PlanMeshes:\n    cp_groups: dict = None\n    expert_grids: dict = None\n'
+              '    def ep_mesh(self, replicas, tp, ep):\n        """The ep mesh."""\n'
+              '        return self.expert_grids[(replicas, tp, ep)]["ep"]\n'
+              '    def dp_mesh(self, replicas, tp):\n        return self.grids[(replicas, tp)]["dp"]\n')
+    assert _dimension_names_in(before, "PlanMeshes") == ["cp_groups", "expert_grids", "ep_mesh", "ep"]

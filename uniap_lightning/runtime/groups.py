@@ -3,9 +3,11 @@
 
 ``init_device_mesh`` and ``new_group`` are collective over the whole world: every rank creates every group in the
 same order, including groups it is not a member of. The order is derived from the plan alone: the world mesh
-``(pp, stage)``, then each dimension's groups in :data:`~uniap_lightning.runtime.dimensions.GROUP_ORDER`, then the
-relayout groups between the layouts of consecutive layers (:mod:`.reshard`), which belong to no dimension. A new
-dimension adds its groups through its runtime module; nothing here names one.
+``(pp, stage)``, the ``(replicas, tp)`` grids every layer runs on (sorted; the base layout, see
+:class:`~uniap_lightning.runtime.mesh.PlanMeshes`), then each dimension's groups in
+:data:`~uniap_lightning.runtime.dimensions.GROUP_ORDER` (each into its own store), then the relayout groups between
+the layouts of consecutive layers (:mod:`.reshard`), which belong to no dimension. A new dimension adds its groups
+through its runtime module; nothing here or in :mod:`.mesh` names one.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from uniap_lightning.planner.plan import Plan
 from uniap_lightning.runtime.dimensions import create_groups
-from uniap_lightning.runtime.mesh import PlanMeshes, layout_transitions
+from uniap_lightning.runtime.mesh import PlanMeshes, grid_shapes, layout_transitions
 from uniap_lightning.runtime.reshard import gather_classes, moves_of
 
 
@@ -24,6 +26,8 @@ def build_meshes(plan: Plan, *, rank: int, device_type: str) -> PlanMeshes:
     n = plan.devices_per_stage
     world = init_device_mesh(device_type, (plan.pp, n), mesh_dim_names=("pp", "stage"))
     meshes = PlanMeshes(plan=plan, rank=rank, device_type=device_type, world=world)
+    for reps, tp in grid_shapes(plan):  # the replicas dimension holds a layer's dp x cp replicas
+        meshes.grids[(reps, tp)] = init_device_mesh(device_type, (plan.pp, reps, tp), mesh_dim_names=("pp", "dp", "tp"))
     create_groups(meshes)
     needed = sorted({m for a, b in layout_transitions(plan) for m in moves_of(a, b)})
     for layout, k in needed:  # every rank creates every group, in this order (new_group is collective)

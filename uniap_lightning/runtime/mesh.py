@@ -16,6 +16,11 @@ Every mesh is built as a *world* mesh with a leading ``pp`` dimension and then s
 in the same order, including groups it is not a member of. Building them all up front, in an order derived from
 the plan alone, keeps that true without any negotiation between ranks: :func:`uniap_lightning.runtime.groups.
 build_meshes` does, each dimension's groups by its runtime module (:mod:`uniap_lightning.runtime.dimensions`).
+
+:class:`PlanMeshes` holds the plan's base layout only (the world, the pipeline lane and stage groups, the
+``(replicas, tp)`` grids, the re-layout groups between activation layouts); a dimension's own groups are in its
+store (:meth:`PlanMeshes.store`), read through the accessors its runtime module exports (``context.cp_group``,
+``experts.ep_mesh``, ...), so a new dimension adds groups without touching this module.
 """
 
 from __future__ import annotations
@@ -71,21 +76,41 @@ def _pieces(layout: tuple[int, int, int]) -> tuple[int, ...]:
     return tuple(x for lane in range(n) for x in piece_of_lane(lane, layout))
 
 
+def grid_shapes(plan: Plan) -> list[tuple[int, int]]:
+    """The ``(replicas, tp)`` grids the plan's layers run on (sorted: the order they are created in)."""
+    return sorted({(lp.strategy.replicas, lp.strategy.tp) for lp in plan.layers})
+
+
 @dataclass
 class PlanMeshes:
-    """The meshes and groups of one plan, as seen from this rank."""
+    """The meshes and groups of one plan, as seen from this rank.
+
+    It names the plan's base layout and no dimension: the world ``(pp, stage)`` mesh with the pipeline lane and
+    stage groups, the ``(replicas, tp)`` grids, and the re-layout groups between activation layouts. The grids are
+    base, not the data dimension's: every layer runs on one, whatever its strategy (its stage's ``n`` devices as
+    ``replicas = dp x cp`` times ``tp``); the tensor, experts, state-offload and data dimensions all read it; and it
+    is one 2-D mesh so that FSDP2 over the replicas builds 2-D parameters from TP's DTensor shards, which no one
+    dimension could own. The re-layout groups move activations between layers' layouts (:mod:`.reshard`) and
+    belong to no dimension either.
+
+    Every other group is a dimension's: its runtime module's ``groups`` hook fills ``store(name)`` (its own name,
+    in :data:`~uniap_lightning.runtime.dimensions.GROUP_ORDER`) and the module exports the accessors that read it
+    (``context.cp_group``, ``experts.ep_mesh``, ...).
+    """
 
     plan: Plan
     rank: int
     device_type: str
     world: DeviceMesh
     grids: dict[tuple[int, int], DeviceMesh] = field(default_factory=dict)  # (replicas, tp) -> (pp, dp, tp) mesh
-    cp_groups: dict[tuple[int, int, int], dist.ProcessGroup] = field(default_factory=dict)  # (dp, cp, tp)
     relayout_groups: dict[tuple[Any, ...], dist.ProcessGroup] = field(default_factory=dict)  # (layout, K)
-    expert_grids: dict[tuple[int, int, int], DeviceMesh] = field(default_factory=dict)  # (replicas, tp, ep)
-    #: the same ranks as ``expert_grids`` with ``ep`` before ``edp``: an expert's place in the full ``[E, ...]``
-    #: tensor is its ep block, then its ZeRO shard inside the block (checkpoints, :mod:`.experts`)
-    expert_layouts: dict[tuple[int, int, int], DeviceMesh] = field(default_factory=dict)
+    #: each dimension's groups, by dimension name (:meth:`store`)
+    stores: dict[str, dict[Any, Any]] = field(default_factory=dict)
+
+    def store(self, name: str) -> dict[Any, Any]:
+        """Dimension ``name``'s groups: the dict its ``groups`` hook fills and its accessors read (keys and values
+        are the dimension's own)."""
+        return self.stores.setdefault(name, {})
 
     @property
     def n(self) -> int:
@@ -121,31 +146,9 @@ class PlanMeshes:
         """The replica mesh: the ``dp x cp`` ranks with this rank's tensor-parallel index."""
         return self.grids[(replicas, tp)]["dp"]
 
-    def cp_group(self, dp: int, cp: int, tp: int) -> dist.ProcessGroup:
-        """The ``cp`` ranks with this rank's dp and tp index (cp rank order = sequence piece order)."""
-        return self.cp_groups[(dp, cp, tp)]
-
     def chunk_index(self, dp: int) -> int:
         """Which of the ``dp`` batch chunks this rank holds in layout ``dp``."""
         return self.plan.batch_chunk_of_rank(self.rank, dp)
-
-    def ep_mesh(self, replicas: int, tp: int, ep: int) -> DeviceMesh:
-        """The ``ep`` replicas that split a layer's experts with this rank (a consecutive block of the ``replicas``
-        with this rank's tensor-parallel index, as ``Strategy.ep`` plans it; its rank order is the experts')."""
-        return self.expert_grids[(replicas, tp, ep)]["ep"]
-
-    def expert_data_group(self, replicas: int, tp: int, ep: int) -> dist.ProcessGroup:
-        """The ``replicas / ep`` ranks that hold this rank's experts (same position in every ep block): expert
-        gradients are summed over them only."""
-        return self.expert_grids[(replicas, tp, ep)].get_group("edp")
-
-    def expert_data_mesh(self, replicas: int, tp: int, ep: int) -> DeviceMesh:
-        """The ranks holding this rank's experts, as a mesh (ZeRO over them shards the expert shards further)."""
-        return self.expert_grids[(replicas, tp, ep)]["edp"]
-
-    def expert_layout(self, replicas: int, tp: int, ep: int) -> DeviceMesh:
-        """The ``(ep, edp)`` mesh of this rank's experts: dim 0 splits the experts, dim 1 holds the same ones."""
-        return self.expert_layouts[(replicas, tp, ep)]["ep", "edp"]
 
     def relayout_group(self, layout: tuple[int, int, int], k: tuple[int, int]) -> dist.ProcessGroup:
         """The lanes that gather ``layout``'s pieces into ``k`` pieces with this rank (:mod:`.reshard`)."""

@@ -25,10 +25,12 @@ planner's ``compression`` has no runtime module: it is how the data dimension's 
    offload. No compile step: the runtime does not compile.
 
 :data:`GROUP_ORDER`, fixed by history, is the order the dimensions create their groups in (``new_group`` and
-``init_device_mesh`` are collective: every rank creates every group in the same order): the data grids, the
-expert meshes, the context groups (then ``build_meshes`` creates the relayout groups between layouts, which belong
-to no dimension). It differs from :data:`DIMENSIONS` because the commits that added them did; changing it would
-change the groups' creation order on every rank. A new dimension's groups go at its end.
+``init_device_mesh`` are collective: every rank creates every group in the same order): after the base
+``(replicas, tp)`` grids every layer runs on (``build_meshes`` creates them first), the expert meshes, the context
+groups (then ``build_meshes`` creates the relayout groups between layouts, which belong to no dimension). It
+differs from :data:`DIMENSIONS` because the commits that added them did; changing it would change the groups'
+creation order on every rank. A new dimension's groups go at its end. Each dimension keeps its groups in its own
+store (``meshes.store(name)``) and exports the accessors that read it: :mod:`..mesh` names no dimension.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ DIMENSIONS: tuple[RuntimeDimension, ...] = (PRECISION, TENSOR, CONTEXT, EXPERTS,
                                             OFFLOAD)
 
 #: the order the dimensions create their process groups in (fixed by history; see the module docstring)
-GROUP_ORDER: tuple[str, ...] = ("data", "experts", "context")
+GROUP_ORDER: tuple[str, ...] = ("experts", "context")
 
 _BY_NAME: dict[str, RuntimeDimension] = {d.name: d for d in DIMENSIONS}
 if sorted(GROUP_ORDER) != sorted(d.name for d in DIMENSIONS if d.groups is not None):  # pragma: no cover

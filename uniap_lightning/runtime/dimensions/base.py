@@ -56,7 +56,10 @@ class RuntimeDimension:
     """One dimension's runtime: its ``name`` (the planner dimension's), and its hooks, each optional.
 
     - ``groups(meshes)``: create the meshes and process groups the plan's layers need (collective over the world:
-      every rank calls it with the same plan, in :data:`~.GROUP_ORDER`); stored on :class:`PlanMeshes`;
+      every rank calls it with the same plan, in :data:`~.GROUP_ORDER`), kept in ``meshes.store(name)`` (the
+      dimension's own dict on :class:`PlanMeshes`, which names no dimension) and read through accessors the
+      dimension's module exports (``context.cp_group(meshes, dp, cp, tp)``); the base layout (world, lane and
+      stage groups, ``(replicas, tp)`` grids) is :class:`PlanMeshes`' own;
     - ``check(layer, name, st)``: refuse, in one line, a plan the layer cannot run (before any collective);
     - ``convert(job)``: replace modules of the layer before any parallelism (a model converter, as torchtitan's
       float8 converter runs before ``parallelize``); returns the module to use;

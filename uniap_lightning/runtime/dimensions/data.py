@@ -1,10 +1,12 @@
 """The data dimension's runtime (``dp``, ``dp_mode``; the plan's ``compression`` rides on it): the replica meshes and
 the layer's data-parallel state over them.
 
-Groups: one ``(pp, dp, tp)`` world mesh per ``(replicas, tp)`` pair of the plan (sorted), whose ``dp`` dimension
-holds a layer's ``dp x cp`` replicas and whose ``tp`` dimension is the tensor dimension's mesh (:meth:`PlanMeshes.
-tp_mesh`): one 2-D mesh, so FSDP2 builds 2-D (replicas x tp) parameters from the DTensor TP shards. Created first:
-every other dimension's groups and the relayout groups come after (the order ``new_group`` sees is fixed).
+Groups: none of its own. It runs over the replica mesh of the layer's ``(replicas, tp)`` grid
+(:meth:`PlanMeshes.dp_mesh`), which is the plan's base layout, not this dimension's: every layer runs on one, the
+tensor, experts and state-offload dimensions read it too, and its ``tp`` dimension is the tensor dimension's mesh
+(one 2-D mesh, so FSDP2 builds 2-D (replicas x tp) parameters from the DTensor TP shards).
+:func:`~uniap_lightning.runtime.groups.build_meshes` creates the grids first, before every dimension's groups
+(as this module did when it created them: the order ``new_group`` sees is unchanged).
 
 Wrap (last of the parallelisms, as torchtitan's FSDP: it shards whatever parameters it finds, so it must find the
 TP shards and the experts split already): ``replicate`` puts the layer's gradients in the replicated-gradient
@@ -16,23 +18,10 @@ is: FSDP2 shards a module once.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
 from uniap_lightning.runtime.dimensions.base import LayerJob, RuntimeDimension
 from uniap_lightning.runtime.zero import ZERO_MODES
-
-if TYPE_CHECKING:
-    from uniap_lightning.runtime.mesh import PlanMeshes
-
-
-def groups(meshes: PlanMeshes) -> None:
-    plan = meshes.plan
-    for reps, tp in sorted({(lp.strategy.replicas, lp.strategy.tp) for lp in plan.layers}):
-        meshes.grids[(reps, tp)] = init_device_mesh(meshes.device_type, (plan.pp, reps, tp),
-                                                    mesh_dim_names=("pp", "dp", "tp"))
 
 
 def wrap(job: LayerJob) -> None:
@@ -48,4 +37,4 @@ def wrap(job: LayerJob) -> None:
         job.replicated.add(job.layer, mesh.get_group(), reps, st.compression, exclude=job.held_apart)
 
 
-DATA = RuntimeDimension("data", groups=groups, wrap=wrap)
+DATA = RuntimeDimension("data", wrap=wrap)

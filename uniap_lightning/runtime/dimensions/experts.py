@@ -3,8 +3,9 @@ replicas (the expert parallelism itself is :mod:`uniap_lightning.runtime.experts
 
 Groups: per ``(replicas, tp, ep)`` with ``ep > 1`` (sorted), a ``(pp, edp, ep, tp)`` world mesh (the replicas in
 ``replicas / ep`` blocks of ``ep`` consecutive ranks: ``ep`` splits the experts, ``edp`` holds the same ones) and
-the same ranks as a ``(pp, ep, edp, tp)`` mesh (an expert's place in the full ``[E, ...]`` tensor: checkpoints).
-Created after the data dimension's grids, before the context groups.
+the same ranks as a ``(pp, ep, edp, tp)`` mesh (an expert's place in the full ``[E, ...]`` tensor: checkpoints),
+kept in the meshes' ``experts`` store and read through :func:`ep_mesh`, :func:`expert_data_group`,
+:func:`expert_data_mesh` and :func:`expert_layout`. Created after the base grids, before the context groups.
 
 Wrap (layers with replicas only; after CP, before the data dimension): modules pooling statistics over the
 micro-batch get the replica group (:func:`apply_batch_group`); with ``ep > 1`` the layer keeps its ``E / ep``
@@ -17,7 +18,7 @@ likewise split experts before FSDP, which shards the experts over their own (``e
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
@@ -31,6 +32,8 @@ from uniap_lightning.runtime.experts import (apply_batch_group, apply_expert_par
 from uniap_lightning.runtime.zero import ZERO_MODES
 
 if TYPE_CHECKING:
+    import torch.distributed as dist
+
     from uniap_lightning.planner.decision import Strategy
     from uniap_lightning.runtime.data_parallel import ReplicatedGrads
     from uniap_lightning.runtime.experts import AllToAllCounter
@@ -38,16 +41,50 @@ if TYPE_CHECKING:
     from uniap_lightning.runtime.zero import ZeroLayers
 
 
+NAME = "experts"
+
+
+class ExpertMeshes(NamedTuple):
+    """The meshes of one ``(replicas, tp, ep)``, as the ``experts`` store holds them."""
+
+    grid: DeviceMesh  #: ``(pp, edp, ep, tp)``
+    #: the same ranks with ``ep`` before ``edp``: an expert's place in the full ``[E, ...]`` tensor is its ep block,
+    #: then its ZeRO shard inside the block (checkpoints, :mod:`uniap_lightning.runtime.experts`)
+    layout: DeviceMesh  #: ``(pp, ep, edp, tp)``
+
+
 def groups(meshes: PlanMeshes) -> None:
-    plan, device_type = meshes.plan, meshes.device_type
+    plan, device_type, store = meshes.plan, meshes.device_type, meshes.store(NAME)
     world = plan.pp * plan.devices_per_stage
     for reps, tp, ep in sorted({(lp.strategy.replicas, lp.strategy.tp, lp.strategy.ep) for lp in plan.layers}):
         if ep > 1:  # the replicas dimension split into (replicas / ep) blocks of ep consecutive ranks
-            meshes.expert_grids[(reps, tp, ep)] = init_device_mesh(
-                device_type, (plan.pp, reps // ep, ep, tp), mesh_dim_names=("pp", "edp", "ep", "tp"))
+            grid = init_device_mesh(device_type, (plan.pp, reps // ep, ep, tp),
+                                    mesh_dim_names=("pp", "edp", "ep", "tp"))
             ranks = torch.arange(world).reshape(plan.pp, reps // ep, ep, tp).permute(0, 2, 1, 3)
-            meshes.expert_layouts[(reps, tp, ep)] = DeviceMesh(device_type, ranks,
-                                                               mesh_dim_names=("pp", "ep", "edp", "tp"))
+            layout = DeviceMesh(device_type, ranks, mesh_dim_names=("pp", "ep", "edp", "tp"))
+            store[(reps, tp, ep)] = ExpertMeshes(grid, layout)
+
+
+def ep_mesh(meshes: PlanMeshes, replicas: int, tp: int, ep: int) -> DeviceMesh:
+    """The ``ep`` replicas that split a layer's experts with this rank (a consecutive block of the ``replicas``
+    with this rank's tensor-parallel index, as ``Strategy.ep`` plans it; its rank order is the experts')."""
+    return meshes.store(NAME)[(replicas, tp, ep)].grid["ep"]
+
+
+def expert_data_group(meshes: PlanMeshes, replicas: int, tp: int, ep: int) -> dist.ProcessGroup:
+    """The ``replicas / ep`` ranks that hold this rank's experts (same position in every ep block): expert
+    gradients are summed over them only."""
+    return meshes.store(NAME)[(replicas, tp, ep)].grid.get_group("edp")
+
+
+def expert_data_mesh(meshes: PlanMeshes, replicas: int, tp: int, ep: int) -> DeviceMesh:
+    """The ranks holding this rank's experts, as a mesh (ZeRO over them shards the expert shards further)."""
+    return meshes.store(NAME)[(replicas, tp, ep)].grid["edp"]
+
+
+def expert_layout(meshes: PlanMeshes, replicas: int, tp: int, ep: int) -> DeviceMesh:
+    """The ``(ep, edp)`` mesh of this rank's experts: dim 0 splits the experts, dim 1 holds the same ones."""
+    return meshes.store(NAME)[(replicas, tp, ep)].layout["ep", "edp"]
 
 
 def check(layer: nn.Module, name: str, st: Strategy) -> None:
@@ -74,15 +111,14 @@ def finish(job: LayerJob) -> None:
     if st.replicas == 1 or st.ep == 1:
         return
     finish_expert_zero(job.layer, st, job.meshes.dp_mesh(st.replicas, st.tp).get_group(), job.replicated)
-    mark_expert_shards(job.layer, job.meshes.expert_layout(st.replicas, st.tp, st.ep))  # (ZeRO replaced them)
+    mark_expert_shards(job.layer, expert_layout(job.meshes, st.replicas, st.tp, st.ep))  # (ZeRO replaced them)
 
 
 def apply_ep(layer: nn.Module, meshes: PlanMeshes, replicas: int, tp: int, ep: int, counter: AllToAllCounter) -> None:
     """Keep this rank's ``E / ep`` experts of every MoE layer of ``layer``, route tokens over its ep mesh; capacity
     and load-balancing statistics count every replica's tokens (the layer's data group), as one process does."""
-    ep_mesh = meshes.ep_mesh(replicas, tp, ep)
-    apply_expert_parallel(layer, ep_group=ep_mesh.get_group(), token_group=meshes.dp_mesh(replicas, tp).get_group(),
-                          counter=counter)
+    apply_expert_parallel(layer, ep_group=ep_mesh(meshes, replicas, tp, ep).get_group(),
+                          token_group=meshes.dp_mesh(replicas, tp).get_group(), counter=counter)
 
 
 def reduce_experts(layer: nn.Module, st: Any, meshes: PlanMeshes, replicated: ReplicatedGrads,
@@ -100,9 +136,9 @@ def reduce_experts(layer: nn.Module, st: Any, meshes: PlanMeshes, replicated: Re
         replicated.add_divided(shards, reps)
         return set(shards)
     if st.dp_mode not in ZERO_MODES:
-        replicated.add_params(shards, meshes.expert_data_group(reps, tp, ep), reps)
+        replicated.add_params(shards, expert_data_group(meshes, reps, tp, ep), reps)
         return set(shards)
-    edp = meshes.expert_data_mesh(reps, tp, ep)
+    edp = expert_data_mesh(meshes, reps, tp, ep)
     for _, m in expert_modules(layer):
         mine = {id(getattr(m, p)) for p in m.uniap_expert_params}
         rest = {p for p in m.parameters() if id(p) not in mine}
@@ -127,4 +163,4 @@ def finish_expert_zero(layer: nn.Module, st: Any, group: Any, replicated: Replic
             replicated.add_divided([getattr(m, name) for name in m.uniap_expert_params], st.ep)
 
 
-EXPERTS = RuntimeDimension("experts", groups=groups, check=check, wrap=wrap, finish=finish)
+EXPERTS = RuntimeDimension(NAME, groups=groups, check=check, wrap=wrap, finish=finish)
