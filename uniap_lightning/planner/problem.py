@@ -11,6 +11,8 @@ from uniap_lightning.planner.dimensions.precision import fp8_precisions
 from uniap_lightning.planner.plan import (COMPRESSION_DEFAULTS, COMPRESSIONS, SCHEDULE_LAYOUTS, SCHEDULES, Plan,
                                           check_compression_options)
 from uniap_lightning.planner.profile import ModelProfile
+# why torch cannot run a schedule with a shape (one line) or None (torch-free, below the cost model)
+from uniap_lightning.planner.schedule_rules import unusable as schedule_unusable
 from uniap_lightning.planner.search_options import (DEFAULT_SCHEDULE, MAX_VIRTUAL_STAGES, check_schedule_name,
                                                    check_virtual_stages)
 from uniap_lightning.values import as_int, flag, integer, number, short
@@ -138,14 +140,6 @@ class TrainingConfig:
         if self.microbatches is not None:
             return sorted(set(self.microbatches))
         return [c for c in divisors(self.global_batch_size) if c <= self.max_microbatches]
-
-
-def schedule_unusable(schedule: str, pp: int, v: int, c: int) -> str | None:
-    """Why torch cannot run ``schedule`` with ``pp`` groups, ``v`` stages each and ``c`` micro-batches (one line),
-    or None. GPipe and 1F1B run any shape (1F1B with ``c < pp`` runs as GPipe)."""
-    from uniap_lightning.planner.cost.pipeline import unusable
-
-    return unusable(schedule, pp, v, c)
 
 
 def divisors(n: int) -> list[int]:

@@ -49,6 +49,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from uniap_lightning.planner.cost.schedules import SCHEDULES, in_flight
+# which shapes are run (torch's rules and where the forms below hold) lives below the cost model, in the torch-free
+# planner.schedule_rules, which TrainingConfig.schedule_candidates asks; its name stays importable from here
+from uniap_lightning.planner.schedule_rules import unusable
 
 class PipelineShape(NamedTuple):
     """A schedule's time per iteration as coefficients of linear terms (see
@@ -81,22 +84,3 @@ def pipeline_shape(schedule: str, pp: int, v: int, m: int) -> tuple[PipelineShap
     if schedule == "interleaved_1f1b":
         return PipelineShape(1 / v, 0.0, handoffs, m - 1 / v, stage_weight=v), flight
     return PipelineShape(1 / v, -2 / v + 2 / S, handoffs, m - 1 / v, stage_weight=v if v > 1 else 0.0), flight
-
-
-def unusable(schedule: str, pp: int, v: int, m: int) -> str | None:
-    """Why this shape is not run (one line), or None. Beyond GPipe and 1F1B the planner uses ``m >= pp`` (where
-    the forms above were checked) and ``m >= 2 pp`` for ZB-V (fewer leave warm-up bubbles, 7-10% more than its
-    form); torch's own checks follow (interleaved: ``m`` a multiple of its rounds ``max(1, m // pp)``; DualPipeV:
-    ``m >= 2 pp``)."""
-    if schedule in ("gpipe", "1f1b"):
-        return None
-    if pp < 2:
-        return f"{schedule} needs 2 or more device groups"
-    if m < pp:
-        return f"{schedule} with {m} micro-batches < {pp} device groups (no steady state)"
-    torch_says = SCHEDULES[schedule].check(pp, v, m)  # torch's own rules (rounds, DualPipeV's m >= 2 pp, v)
-    if torch_says is not None:
-        return torch_says
-    if schedule == "zb_v" and m < 2 * pp:  # torch runs it, but its warm-up leaves bubbles the form does not price
-        return f"zb_v is priced from 2 pp = {2 * pp} micro-batches, got {m}"
-    return None

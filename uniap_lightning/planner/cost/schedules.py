@@ -20,76 +20,13 @@ the plan picture (``planner.viz``) draws it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from uniap_lightning.planner.plan import placed_group
+# what each schedule name means and torch's rules for it (torch-free, below the cost model: TrainingConfig asks them)
+from uniap_lightning.planner.schedule_rules import SCHEDULES, ScheduleInfo
 
 Action = tuple[str, int, int]  # (kind in F/B/I/W, micro-batch, stage)
-
-
-def _check_single(name: str) -> Callable[[int, int, int], str | None]:
-    def check(p: int, v: int, m: int) -> str | None:
-        if v != 1:
-            return f"{name} runs one stage per group (v=1), got v={v}"
-        if name == "1f1b" and m < p:
-            return f"Schedule1F1B needs m >= p ({m} < {p}); the runtime uses GPipe below it"
-        return None
-
-    return check
-
-
-def _check_rounds(name: str, allowed: Callable[[int], bool]) -> Callable[[int, int, int], str | None]:
-    def check(p: int, v: int, m: int) -> str | None:
-        if not allowed(v):
-            return f"{name} does not take v={v}"
-        rounds = max(1, m // p)
-        if m % rounds:
-            return f"torch needs m a multiple of the rounds max(1, m // p) = {rounds}, got m={m}"
-        return None
-
-    return check
-
-
-def _check_v(name: str, dual: bool) -> Callable[[int, int, int], str | None]:
-    def check(p: int, v: int, m: int) -> str | None:
-        if v != 2:
-            return f"{name} needs exactly 2 stages per group (v=2), got v={v}"
-        if dual and m < 2 * p:
-            return f"ScheduleDualPipeV needs m >= 2p stages ({m} < {2 * p})"
-        return None
-
-    return check
-
-
-@dataclass(frozen=True)
-class ScheduleInfo:
-    """What a schedule name means: placement, the v it takes, whether B is split into I and W, torch's class."""
-
-    name: str
-    placement: str  # "loop" or "v"
-    allowed_v: str  # "1", ">=2", "2"
-    split_backward: bool
-    torch_class: str
-    check: Callable[[int, int, int], str | None]  # None when torch builds and runs it, else a one-line reason
-
-
-SCHEDULES: dict[str, ScheduleInfo] = {
-    "gpipe": ScheduleInfo("gpipe", "loop", "1", False, "ScheduleGPipe", _check_single("gpipe")),
-    "1f1b": ScheduleInfo("1f1b", "loop", "1", False, "Schedule1F1B", _check_single("1f1b")),
-    "interleaved_1f1b": ScheduleInfo(
-        "interleaved_1f1b", "loop", ">=2", False, "ScheduleInterleaved1F1B",
-        _check_rounds("interleaved_1f1b", lambda v: v >= 2),
-    ),
-    "zb_h1": ScheduleInfo(
-        "zb_h1", "loop", "1", True, "ScheduleInterleavedZeroBubble", _check_rounds("zb_h1", lambda v: v == 1)
-    ),
-    "interleaved_zb": ScheduleInfo(
-        "interleaved_zb", "loop", ">=2", True, "ScheduleInterleavedZeroBubble",
-        _check_rounds("interleaved_zb", lambda v: v >= 2),
-    ),
-    "zb_v": ScheduleInfo("zb_v", "v", "2", True, "ScheduleZBVZeroBubble", _check_v("zb_v", False)),
-    "dualpipe_v": ScheduleInfo("dualpipe_v", "v", "2", True, "ScheduleDualPipeV", _check_v("dualpipe_v", True)),
-}
 
 
 def group_of_stage(k: int, p: int, v: int, placement: str) -> int:
