@@ -107,7 +107,7 @@ def brute_force(problem: Problem, *, candidate: tuple[int, int] | None = None) -
             b = problem.training.global_batch_size // c
             if candidate is not None and (pp, c) != candidate:
                 continue
-            options = [strategies_for(lp, n, problem.cluster, b, compression=problem.compression, fp8=problem.fp8)
+            options = [strategies_for(lp, n, problem.cluster, b, compression=problem.compression, **problem.opt_ins)
                        for lp in layers]
             if not all(options):
                 continue

@@ -40,7 +40,7 @@ def brute_force_candidate(problem: Problem, pp: int, c: int, schedule: str, v: i
     if S > L:
         return None
     # the strategies the runtime runs under this schedule (zero-bubble: planner.schedule_rules)
-    options = [[s for s in strategies_for(lp, n, problem.cluster, b, compression=problem.compression, fp8=problem.fp8)
+    options = [[s for s in strategies_for(lp, n, problem.cluster, b, compression=problem.compression, **problem.opt_ins)
                 if unsupported(schedule, s) is None] for lp in layers]
     if not all(options):
         return None

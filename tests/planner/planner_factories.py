@@ -149,4 +149,4 @@ def fp8_problem(seed: int, *, num_layers: int, nodes: int, per_node: int, memory
         tokens = rng.uniform(0.3, 1.5) * (lp.forward_s + lp.backward_s) * 989e12 * 0.75 / (6 * lp.params)
         layers.append(replace(lp, sequence_length=2 * max(int(tokens) // 2, 1) + 1))
     cluster = replace(base.cluster, device=device)
-    return Problem(ModelProfile("chain", layers), cluster, base.training, fp8=fp8)
+    return Problem(ModelProfile("chain", layers), cluster, base.training, opt_ins={"fp8": fp8})

@@ -236,7 +236,7 @@ def test_a_starved_fp8_search_is_never_worse_than_the_fp8_free_optimum(monkeypat
 
     search_module = sys.modules["uniap_lightning.planner.solver.search"]
     problem = fp8_problem(case[0], num_layers=case[1], nodes=case[2], per_node=case[3], memory_gib=case[4])
-    fp8_free = search(replace(problem, fp8=()), solver="cbc", time_limit_s=60, workers=1)
+    fp8_free = search(replace(problem, opt_ins={"fp8": ()}), solver="cbc", time_limit_s=60, workers=1)
     assert fp8_free.solver.status == "optimal"
     fake = _SolvesWithoutFp8Only(parallel.solve_candidate)
     monkeypatch.setattr(backend, "now_s", fake.clock)
@@ -276,5 +276,5 @@ def test_fp8_is_an_opt_in_carried_by_name():
     assert SetupOptions.from_arguments(**kw).opt_ins_dict == {"fp8": ()}
     with pytest.raises(UniAPError, match="fp8='on' must be one of"):
         SetupOptions.from_arguments(**kw, fp8="on")
-    assert build_problem(model="gpt2_small", cluster="a100_1x8", global_batch_size=16, fp8="auto").fp8 == ("fp8",)
-    assert build_problem(model="gpt2_small", cluster="a100_1x8", global_batch_size=16).fp8 == ()
+    assert build_problem(model="gpt2_small", cluster="a100_1x8", global_batch_size=16, fp8="auto").opt_ins == {"fp8": ("fp8",)}
+    assert build_problem(model="gpt2_small", cluster="a100_1x8", global_batch_size=16).opt_ins == {"fp8": ()}

@@ -41,7 +41,7 @@ def test_the_record_label_and_rules():
     Strategy(1, 1, state_offload=True, offload=True, recompute=False).check("w")
     with pytest.raises(UniAPError, match="state_offload needs dp_mode 'zero3'"):
         Strategy(2, 1, "zero2", state_offload=True).check("w")
-    with pytest.raises(UniAPError, match="without expert parallelism and float8"):
+    with pytest.raises(UniAPError, match="without expert parallelism and in the run's own matmul precision"):
         Strategy(1, 1, precision="fp8", state_offload=True).check("w")
     with pytest.raises(UniAPError, match="state_offload must be true or false"):
         Strategy(1, 1, state_offload=1).check("w")

@@ -104,4 +104,4 @@ def build_problem(
     else:
         raise UniAPError("give a model (a name from conf/model or a dict) or a profile file")
     return Problem(prof, cl, training_from(training, **overrides), compression=compression_methods(compression),
-                   **allowed)
+                   opt_ins=allowed)

@@ -25,6 +25,7 @@ from typing import Any, List, Optional
 
 from omegaconf import MISSING
 
+from uniap_lightning.planner.dimensions import OPT_INS
 from uniap_lightning.planner.plan import SCHEDULES
 
 #: ``strategy.*``'s group option in the ConfigStore (``conf/fit.yaml``: ``defaults: - strategy: uniap``)
@@ -158,10 +159,9 @@ def plan_schema() -> type:
         _option("compression", Any, strategy["compression"], "gradient compression the planner may choose per "
                 "layer: null (off) | bf16 | powersgd | topk | auto (all) | a list; it changes numerics, so it is "
                 "opt-in"),
-        # None: off (UniAPStrategy's "off"); given with plan= (evaluate, explain) it is refused
-        _option("fp8", Optional[str], None,  # noqa: UP007
-                "float8 matmuls the planner may choose per layer where the device has fp8: null / off | auto "
-                "(= tensorwise) | rowwise; it changes numerics, so it is opt-in"),
+        # each opt-in dimension's option, as it declares it (None: off); given with plan= (evaluate, explain) it is
+        # refused
+        *[_option(o.option, Optional[o.type], None, o.help) for o in OPT_INS.values()],  # noqa: UP007
         _option("out", Optional[str], None, "write the plan as JSON to this file"),  # noqa: UP007
         _option("viz", Optional[str], None, "write a picture of the plan (PNG) to this file"),  # noqa: UP007
         _option("plan", Optional[str], None,  # noqa: UP007

@@ -7,7 +7,7 @@ from typing import Any
 
 from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.errors import UniAPError
-from uniap_lightning.planner.dimensions.precision import fp8_precisions
+from uniap_lightning.planner.dimensions import opt_ins as allowed_opt_ins
 from uniap_lightning.planner.plan import (COMPRESSION_DEFAULTS, COMPRESSIONS, SCHEDULE_LAYOUTS, SCHEDULES, Plan,
                                           check_compression_options)
 from uniap_lightning.planner.profile import ModelProfile
@@ -180,9 +180,10 @@ class Problem:
 
     ``compression``: the gradient compression methods the solver may choose per replicated / ZeRO-1 layer besides
     ``"none"`` (opt-in: they change numerics); ``compression_options`` their parameters (``powersgd_rank``,
-    ``topk_ratio``), stamped into every plan. ``fp8``: the float8 precisions the solver may choose per layer
-    besides the run's own (opt-in: they change numerics; offered where the device has fp8), from the strategy's
-    ``fp8`` option (:func:`~uniap_lightning.planner.dimensions.precision.fp8_precisions`).
+    ``topk_ratio``), stamped into every plan. ``opt_ins``: what the user allowed each opt-in dimension, by its
+    option (:data:`~uniap_lightning.planner.dimensions.OPT_INS`): the per-layer values the solver may choose besides
+    the dimension's default (they change numerics); given as the strategy's options or as already allowed values,
+    held as :func:`~uniap_lightning.planner.dimensions.opt_ins` returns them (every option; ``()``: off).
     """
 
     model: ModelProfile
@@ -191,11 +192,11 @@ class Problem:
     meta: dict[str, Any] = field(default_factory=dict)
     compression: tuple[str, ...] = ("none",)
     compression_options: dict[str, float] = field(default_factory=lambda: dict(COMPRESSION_DEFAULTS))
-    fp8: tuple[str, ...] = ()
+    opt_ins: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.compression = compression_methods(self.compression)
-        self.fp8 = fp8_precisions(self.fp8)
+        self.opt_ins = allowed_opt_ins(self.opt_ins)
         self.compression_options = {**COMPRESSION_DEFAULTS, **dict(self.compression_options)}
         check_compression_options(self.compression_options, "compression_options")
 

@@ -144,7 +144,7 @@ def solve_plan(
             f"no plan was given and the planner is not available ({err}); pass plan=<file or Plan> to UniAPStrategy"
         ) from err
     problem = Problem(model=profile, cluster=cluster, training=training, compression=compression,
-                      compression_options=dict(compression_options or COMPRESSION_DEFAULTS), **(opt_ins or {}))
+                      compression_options=dict(compression_options or COMPRESSION_DEFAULTS), opt_ins=dict(opt_ins or {}))
     if on_solve is not None:
         on_solve()
     # no cyclic GC while solving (see no_gc)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from uniap_lightning.planner.cost.layer import cost_cache, cp_methods, expert_degrees, strategies_for
 from uniap_lightning.planner.cost.tables import CandidateCosts
 from uniap_lightning.errors import UniAPError
-from uniap_lightning.planner.dimensions.precision import FP8_PRECISIONS, device_has_fp8
+from uniap_lightning.planner.dimensions import OPT_INS
 from uniap_lightning.planner.plan import COMPRESSIONS, Estimate, Plan
 from uniap_lightning.planner.problem import Problem
 from uniap_lightning.planner.decision import COMPRESSIBLE_DP_MODES
@@ -20,6 +20,11 @@ if TYPE_CHECKING:
     from uniap_lightning.planner.cluster import Cluster
     from uniap_lightning.planner.decision import Strategy
     from uniap_lightning.planner.profile import LayerProfile
+
+
+#: every opt-in dimension with all its values allowed: a pinned plan's layer may use any (what the user allowed
+#: only restricts the search), so it is checked against these candidates
+_EVERY_OPT_IN = {name: o.values for name, o in OPT_INS.items()}
 
 
 def check_plan_matches(problem: Problem, plan: Plan) -> None:
@@ -61,7 +66,7 @@ def evaluate(problem: Problem, plan: Plan, *, check_strategies: bool = True) -> 
     if check_strategies:
         for u, (lp, s) in enumerate(zip(costs.layers, strat)):
             s.check(f"plan layer {u} ({lp.name})", experts=lp.experts)  # ep against the layer's experts
-            if s not in strategies_for(lp, n, cl, b, compression=COMPRESSIONS, fp8=FP8_PRECISIONS):
+            if s not in strategies_for(lp, n, cl, b, compression=COMPRESSIONS, **_EVERY_OPT_IN):
                 raise UniAPError(f"plan layer {u} ({lp.name}): strategy {s.label()} (dp={s.dp} cp={s.cp} tp={s.tp}) "
                                  f"is not allowed here: {why_not_allowed(lp, s, cl, b)}")
     t = _stage_terms(costs, plan)
@@ -124,12 +129,10 @@ def why_not_allowed(layer: LayerProfile, s: Strategy, cluster: Cluster, micro_ba
     if s.ep not in expert_degrees(layer, d * c) or (s.ep > 1 and s.compression != "none"):
         return (f"ep={s.ep} must divide both the dp x cp = {d * c} replicas and the layer's experts={layer.experts}, "
                 "with uncompressed gradients")
-    if s.precision != "default" and not device_has_fp8(cluster):
-        return (f"precision={s.precision!r} needs a device with float8 matmuls (a catalogue device with "
-                f"peak_tflops.fp8: h100_sxm, h200, gh200); cluster '{cluster.name}' has device "
-                f"{cluster.device or 'unnamed'!r}, which has none")
-    if s.precision != "default" and layer.params == 0:
-        return f"precision={s.precision!r} needs a layer with parameters (matmuls to run in float8)"
+    for o in OPT_INS.values():  # each opt-in dimension's own reason (a device without the feature, ...)
+        reason = o.why_not(layer, s, cluster) if o.why_not is not None else None
+        if reason:
+            return reason
     return (f"tp_degrees={list(layer.tp_degrees)}, devices per node={dpn}, micro-batch={micro_batch}, "
             f"sequence_length={L}")
 

@@ -296,7 +296,7 @@ class CostTables(CandidateCosts):
             key = (self._costed[u], self.layers[u - 1].output_bytes if u > 0 else 0.0, u == len(self.layers) - 1)
             if key not in seen:
                 ks = strategies_for(self._costed[u], self.n, problem.cluster, self.b, compression=problem.compression,
-                                    fp8=problem.fp8)
+                                    **problem.opt_ins)
                 if allowed is not None:
                     ks = [k for k in ks if allowed(k)]
                 cs = [self.terms(u, k) for k in ks]

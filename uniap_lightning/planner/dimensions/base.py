@@ -43,21 +43,33 @@ class Slot:
 class OptIn:
     """A per-job permission a dimension asks for: values it offers only where the user allowed them (they change
     numerics), as ``UniAPStrategy(<option>=...)`` and ``uniap plan <option>=``. The setup, the plan cache, the
-    command line and the problem carry every dimension's permissions as one mapping (option name -> the allowed
-    values, :func:`~uniap_lightning.planner.dimensions.opt_ins`), so a new opt-in dimension threads nothing.
+    command line and the problem (``Problem.opt_ins``) carry every dimension's permissions as one mapping (option
+    name -> the allowed values, :func:`~uniap_lightning.planner.dimensions.opt_ins`), and the cost model checks a
+    pinned plan through the hooks below, so a new opt-in dimension threads nothing and is named nowhere else.
 
-    ``option``: the keyword, also the ``Problem`` field and the ``strategies_for`` keyword that hold the allowed
-    values (:meth:`Slot.allowed` reads them);
+    ``option``: the keyword, and the key of the mapping (:meth:`Slot.allowed` reads it; ``strategies_for`` takes
+    it as a keyword);
     ``allowed(value, where)``: the user's value as the tuple of allowed per-layer values (``()``: off), refusing
-    a bad one in one line naming ``where``; ``off``: the values that mean "not given" (a pinned plan refuses
-    others); ``pinned``: what a pinned plan has of its own instead (said in that refusal: "precision per layer"); ``check_plan(plan, cluster)``: a
-    pinned plan's check against the cluster it is to run on (one-line refusal), or None."""
+    a bad one in one line naming ``where`` (also given what it returns: idempotent); ``off``: the values that mean
+    "not given" (a pinned plan refuses others); ``pinned``: what a pinned plan has of its own instead (said in that
+    refusal: "precision per layer");
+    ``values``: every per-layer value it may offer once allowed (a pinned plan's layers are checked against the
+    candidates with all of them allowed); ``check_plan(plan, cluster)``: a pinned plan's check against the cluster
+    it is to run on (one-line refusal), or None; ``why_not(layer, s, cluster)``: why strategy ``s``'s value of
+    this dimension is not offered for ``layer`` on ``cluster`` (the refusal's reason, in words naming the field),
+    None where it is, or no hook;
+    ``type``, ``help``: the option's value type (``None`` also taken: off) and the line ``uniap plan --help``
+    prints for it (the planning commands' schema declares the option from these)."""
 
     option: str
     allowed: Callable[[Any, str], tuple[str, ...]]
     off: tuple[Any, ...]
     pinned: str
     check_plan: Callable[[Any, Any], None] | None = None
+    values: tuple[str, ...] = ()
+    why_not: Callable[[Any, Any, Any], str | None] | None = None
+    type: type = str
+    help: str = ""
 
 
 #: a field's candidate values, given the slot and the values chosen for the fields enumerated before it
@@ -198,7 +210,7 @@ class Dimension:
     order).
 
     Its cost terms, each optional (:data:`Price`, registry order within a phase; see :class:`LayerTerms` for what
-    each sees): ``price_compute`` changes the layer's compute (float8 matmuls), ``price_state`` its state's bytes,
+    each sees): ``price_compute`` changes the layer's compute (a cheaper matmul precision), ``price_state`` its state's bytes,
     gathers and step (where its weights, gradients and optimizer state live), ``price_activations`` its
     activations and what moving them costs (offload to host). A dimension that changes no term declares none;
     the cost model calls them and names no dimension."""

@@ -6,8 +6,8 @@ the weights are all-gathered in float8) and ``"fp8_rowwise"`` (one scale per row
 runtime converts the layer's ``nn.Linear`` modules (:mod:`uniap_lightning.runtime.stage`).
 
 Opt-in, like compression: fp8 changes numerics, so the planner offers it only where the user allowed it
-(``UniAPStrategy(fp8="auto")``, ``uniap plan fp8=auto``: the problem's ``fp8`` precisions, carried by the
-:class:`~.base.Slot`) and the cluster's catalogue device has an fp8 peak (``peak_tflops.fp8``: H100, H200, GH200;
+(``UniAPStrategy(fp8="auto")``, ``uniap plan fp8=auto``: this dimension's :class:`~.base.OptIn`, whose allowed
+precisions the problem's ``opt_ins["fp8"]`` and the :class:`~.base.Slot` carry) and the cluster's catalogue device has an fp8 peak (``peak_tflops.fp8``: H100, H200, GH200;
 not A100, V100, consumer cards or a free-text device), and only for a layer with parameters.
 
 Priced by :func:`fp8_terms` (through this dimension's cost hooks, which the cost model calls): the layer's matmuls at the fp8
@@ -69,6 +69,19 @@ def check_plan_device(plan: Any, cluster: Any) -> None:
                          "for this cluster")
 
 
+def why_not(layer: Any, s: Any, cluster: Any) -> str | None:
+    """Why a float8 ``precision`` is not offered for ``layer`` on ``cluster`` (the device, then the layer), or None."""
+    if s.precision == "default":
+        return None
+    if not device_has_fp8(cluster):
+        return (f"precision={s.precision!r} needs a device with float8 matmuls (a catalogue device with "
+                f"peak_tflops.fp8: h100_sxm, h200, gh200); cluster '{cluster.name}' has device "
+                f"{cluster.device or 'unnamed'!r}, which has none")
+    if layer.params == 0:
+        return f"precision={s.precision!r} needs a layer with parameters (matmuls to run in float8)"
+    return None
+
+
 def default_precision_problem(problem: Any) -> Any | None:
     """``problem`` with every layer in the run's own precision, where its allowed float8 precisions widen the
     space (allowed, and the device has fp8); ``None`` where they do not (nothing to narrow).
@@ -76,9 +89,9 @@ def default_precision_problem(problem: Any) -> Any | None:
     The search solves this narrower space first and takes its plan as the incumbent of the wide one
     (:func:`~uniap_lightning.planner.solver.search.search`): float8 doubles the candidates per layer, and a wide
     search cut short by its time limit returned plans slower than the fp8-free optimum it contains."""
-    if not problem.fp8 or not device_has_fp8(problem.cluster):
+    if not problem.opt_ins.get("fp8") or not device_has_fp8(problem.cluster):
         return None
-    return replace(problem, fp8=())
+    return replace(problem, opt_ins={**problem.opt_ins, "fp8": ()})
 
 
 def _options(slot: Slot, chosen: Mapping[str, Any]) -> tuple[str, ...]:
@@ -198,9 +211,11 @@ def _suffix(s: Any) -> str:
 PRECISION = Dimension(
     name="precision",
     fields=(Field("precision", str, "default", _options, check=one_of("precision", PRECISIONS), since=6),),
-    # the job's permission: UniAPStrategy(fp8=...), uniap plan fp8=...; Problem.fp8 holds what it allows
+    # the job's permission: UniAPStrategy(fp8=...), uniap plan fp8=...; Problem.opt_ins["fp8"] holds what it allows
     opt_in=OptIn("fp8", fp8_precisions, off=(None, "off"), pinned="precision per layer",
-                 check_plan=check_plan_device),
+                 check_plan=check_plan_device, values=FP8_PRECISIONS, why_not=why_not,
+                 help="float8 matmuls the planner may choose per layer where the device has fp8: null / off | auto "
+                      "(= tensorwise) | rowwise; it changes numerics, so it is opt-in"),
     suffix=_suffix,
     # shown where some layer runs in fp8: reports of plans without it are unchanged
     columns=(Column("precision", _cell, shown=lambda s: s.precision != "default"),),
@@ -209,4 +224,4 @@ PRECISION = Dimension(
 )
 
 __all__ = ["FP8_CHOICES", "FP8_PRECISIONS", "PRECISION", "PRECISIONS", "RECIPES", "Fp8Terms", "check_plan_device",
-           "default_precision_problem", "device_has_fp8", "fp8_precisions", "fp8_terms", "gemm_shape"]
+           "default_precision_problem", "device_has_fp8", "fp8_precisions", "fp8_terms", "gemm_shape", "why_not"]

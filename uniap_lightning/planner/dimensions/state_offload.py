@@ -48,8 +48,8 @@ def _rules(s: Any, where: str, experts: int | None) -> None:
         raise UniAPError(f"{where}: state_offload needs dp_mode 'zero3' (FSDP2 holds the state it keeps on the "
                          f"host) or no replicas, got dp_mode {s.dp_mode!r} over {s.replicas} replicas")
     if s.ep > 1 or s.precision != "default":
-        raise UniAPError(f"{where}: state_offload runs without expert parallelism and float8 matmuls (got ep="
-                         f"{s.ep}, precision={s.precision!r}); choose one")
+        raise UniAPError(f"{where}: state_offload runs without expert parallelism and in the run's own matmul "
+                         f"precision (got ep={s.ep}, precision={s.precision!r}); choose one")
 
 
 def state_offload_s(shard_w: float, shard_g: float, forward_s: float, backward_s: float, host_bytes_per_s: float,
