@@ -41,8 +41,8 @@ What the runs' framework does beyond the layers, read from its sources (issue 39
    (2048 x 1024 fp32) over 4 GPUs costs 171-180 us, of which 50 us are its bytes at the 250.6 GB/s the cluster
    file takes from the artifact's network profile; ``2 (p - 1) alpha = 125 us`` gives ``alpha = 21 us`` (the same
    reading at 16.8 MB gives 17 us and at 33.6 MB 15 us; the smallest message is where latency shows).
-3. **Checked, not missing**: the optimizer step (DeepSpeed's fused AdamW over fp32 parameters) is 0.43-0.55 ms per
-   stage at tp 4 in the artifact's own profile (sailor/Planner/sailor_planner/profiles/OPT-350/GH-96/profile.json,
+3. **Checked, not missing**: the optimizer step (apex's fused Adam over fp32 parameters) is 0.43-0.55 ms at tp 4
+   (the step of its profiling model, written under every layer id) in the artifact's own profile (sailor/Planner/sailor_planner/profiles/OPT-350/GH-96/profile.json,
    the third number of each layer); the cost model's sync carries an optimizer pass of that size. The OPT block's
    operations (third_party/Megatron-DeepSpeed/megatron/model/opt_model.py in the artifact: ``dense``, ``fc1`` and
    ``fc2`` are ``skip_bias_add=True`` with the bias dropped, ReLU, no dropout, no softmax scale since ``coeff`` is
@@ -65,8 +65,20 @@ What the runs' framework does beyond the layers, read from its sources (issue 39
    ``ColumnParallelLinear`` all-reduces its input's gradient in backward (``s b h`` values). The head had been traced
    with torch's ``cross_entropy`` and priced two all-reduces of the 4-byte loss. OPT's head at mbs 8, tp 4: 6.1 ms
    before, 8.2 ms now; the artifact's per-layer profile (profile.json above, layer 25) measures 9.96 ms.
-6. **Not explained**: GPT-Neo's N2_D1 (one micro-batch of one sample over two stages) measures 208 ms against
-   about 124 ms of compute, hand-offs and optimizer; no public source here says where the other ~85 ms go.
+6. **Not explained, and outside the artifact's own simulator too**: GPT-Neo's N2_D1 (one micro-batch of one
+   sample over two stages, dp 1) measures 208 ms against 125 ms priced; the artifact's simulator
+   (sailor/Planner/simulations/runtime_simulator.py, its GH-96 per-layer profile in profiles_tmp.json), run on the
+   same plan file, predicts 125.7 ms (-40%; it reproduces its published 8.9% on the OPT set). What the run's code
+   does per iteration beyond the layers (`real` is rank 0's ``train_batch`` between two ``torch.cuda.synchronize``,
+   iterations 4-10 of 10: megatron/training.py ``train_step``, ae_scripts/clariden_scripts/process_results.py) is
+   a world ``dist.barrier()`` (deepspeed/pipe_engine.py ``_exec_reduce_tied_grads``; GPT-Neo ties nothing:
+   ``GPTNeoModelPipe`` uses ``LayerSpec`` only), the dp = 1 gradient bucket (the raw file's ``red_grads``: 11.3 ms),
+   apex's FusedAdam with no clipping (the ds_config sets no ``gradient_clipping``; ``get_megatron_optimizer`` returns
+   the bare optimizer under DeepSpeed): about 3 ms for 1.33 GB of fp32 parameters per rank, and one loss broadcast:
+   together under 20 ms. Fitting ``measured - red_grads = a x (the model's pipeline time) + X`` over runs of one
+   layout that differ only in micro-batches gives a per-iteration ``X`` of -19 to +16 ms for GPT-Neo at mbs 4 and
+   -6 to +13 ms for OPT, whose own dp 1, two-node N2_D1 (mbs 8, 4 micro-batches) fits its pp 2 series to 0.1 ms;
+   only the GPT-Neo N2_D1 / N4_D2 pair asks for 79 ms (BENCHMARKS.md, "GPT-Neo N2_D1: what was checked").
 """
 
 from __future__ import annotations
