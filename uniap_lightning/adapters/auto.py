@@ -21,72 +21,22 @@ implement.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+# the family record and the registry live below the families, which import them (no cycle); named here as before
+from uniap_lightning.adapters.family import (FAMILIES, Family, HFTarget, count_next_tokens, count_rows, count_tokens,
+                                             register)
+from uniap_lightning.adapters import families  # noqa: F401 - registers every built-in family
+from uniap_lightning.adapters.families.generic import generic_family
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.runtime import chain as runtime_chain
 from uniap_lightning.runtime.chain import Chain
 
-
-@dataclass
-class Family:
-    """How to turn a model of one family into a chain."""
-
-    #: ``model -> [(layer, [FQN of each module of the model it wraps, relative to the model])]``
-    layers: Callable[[Any], list[tuple[nn.Module, list[str]]]]
-    #: ``(model, output, target) -> mean loss`` (the model's own loss, see :class:`HFTarget`)
-    loss: Callable[[Any, Any, HFTarget], torch.Tensor]
-    #: the keys of the batch dict the chain's first layer takes
-    inputs: tuple[str, ...]
-    #: how many items of ``labels`` the model's loss averages over (e.g. tokens whose label is not -100)
-    count: Callable[[torch.Tensor], torch.Tensor]
-    #: ``(model, batch) -> extra inputs`` derived from the batch (e.g. T5's decoder ids from its labels)
-    prepare: Callable[[Any, dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
-    #: the attention implementation the layers run with (``None``: the model's own)
-    attention: str | None = "sdpa"
-    #: weights the model ties (``(module holding the original, module given an equal copy)``, relative to the
-    #: model, e.g. T5's ``("shared", "lm_head")``): kept as two copies with summed gradients (runtime/ties.py)
-    ties: tuple[tuple[str, str], ...] = ()
-    #: ``batch -> the target`` (``None`` for a batch without one); default ``batch["labels"]``. Its first dimension
-    #: is the batch's; ``count`` may count per column (question answering: start and end positions), each column
-    #: then getting its own whole-batch scale
-    labels: Callable[[dict[str, torch.Tensor]], torch.Tensor | None] | None = None
-    #: a family whose models differ by head (masked LM, sequence classification, ...): ``model -> the Family of
-    #: this model``
-    head: Callable[[Any], Family] | None = None
-
-
-def count_rows(labels: torch.Tensor) -> torch.Tensor:
-    """Losses that average over samples (classification): every row counts once."""
-    return torch.tensor(labels.shape[0])
-
-
-def count_tokens(labels: torch.Tensor) -> torch.Tensor:
-    """Losses that average over labelled tokens (label != -100)."""
-    return (labels != -100).sum()
-
-
-def count_next_tokens(labels: torch.Tensor) -> torch.Tensor:
-    """Causal LM losses: the labels are shifted by one inside the loss, so the first position never counts."""
-    return (labels[..., 1:] != -100).sum()
-
-
-#: model_type -> Family (filled by the family modules on import, see :func:`_load_families`)
-FAMILIES: dict[str, Family] = {}
-
-
-def register(model_type: str, family: Family) -> None:
-    FAMILIES[model_type] = family
-
-
-def _load_families() -> None:
-    # deferred, not for a heavy dependency: the families import Family and register from here (the family registry
-    # cycle, ALLOWED_CYCLE_GROUPS in tests/planner/test_import_graph.py)
-    from uniap_lightning.adapters import families  # noqa: F401 - registers every built-in family
+__all__ = ["FAMILIES", "Family", "HFTarget", "count_next_tokens", "count_rows", "count_tokens", "extract_chain",
+           "find_pretrained", "hugging_face_chain", "pretrained_chain", "register"]
 
 
 def find_pretrained(module: nn.Module) -> tuple[str, Any] | None:
@@ -103,25 +53,6 @@ def find_pretrained(module: nn.Module) -> tuple[str, Any] | None:
             "strategy can build the chain of one. Define uniap_layers() for the combination."
         )
     return found[0] if found else None
-
-
-@dataclass
-class HFTarget:
-    """What the loss of one micro-batch needs: its ``labels`` and the scale that makes the mean over micro-batches
-    equal the model's own mean over the *whole* batch.
-
-    Hugging Face losses average over the labelled items (tokens whose label is not -100, or rows). A micro-batch
-    holding ``r`` of the batch's ``R`` rows computes ``sum of its item losses * R / (r * N)`` with ``N`` the
-    labelled items of the whole batch; the strategy averages its micro-batches' losses (``R / r`` of them), which
-    gives ``sum over the batch / N``: the one-device loss, however the padding falls (``global_scale`` is
-    ``R / N`` on every row, so it splits with the batch)."""
-
-    labels: torch.Tensor
-    global_scale: torch.Tensor
-
-    def per_item_sum_scale(self) -> torch.Tensor:
-        """The factor for the micro-batch's *sum* of item losses."""
-        return self.global_scale[0] / self.labels.shape[0]
 
 
 def _split_for(family: Family, model: Any) -> Callable[[Any], tuple[dict[str, torch.Tensor], Any]]:
@@ -171,13 +102,10 @@ def hugging_face_chain(module: nn.Module) -> Chain | None:
 
 def pretrained_chain(module: nn.Module, attribute: str, model: Any) -> Chain:
     """The :class:`~uniap_lightning.runtime.chain.Chain` of ``module.<attribute>`` (a Hugging Face model)."""
-    _load_families()
     config = getattr(model, "config", None)
     kind = getattr(config, "model_type", None)
     family = FAMILIES.get(kind)
-    if family is None:  # no hand-written family: decoder-only causal LMs split from their own structure
-        from uniap_lightning.adapters.families.generic import generic_family  # deferred: the registry cycle, as above
-
+    if family is None:  # no hand-written family: the generic split from the model's own structure
         family = generic_family(model)
     if family.head is not None:
         family = family.head(model)

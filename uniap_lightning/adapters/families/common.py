@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from uniap_lightning.adapters.auto import HFTarget
+from uniap_lightning.adapters.family import HFTarget
 from uniap_lightning.adapters.tp_styles import colwise, divisors_of_all, replicate, rowwise
 from uniap_lightning.errors import UniAPError
 

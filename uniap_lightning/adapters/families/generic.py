@@ -44,7 +44,9 @@ This module decides and assembles (the task, the attention, the split, the fallb
 modules: :mod:`.generic_trace` (the blocks and what the model passes them), :mod:`.generic_probe` (the setup
 batches), :mod:`.generic_layers` (prologue, block, epilogue, whole model), :mod:`.generic_tp` (a block's
 tensor-parallel plan), :mod:`.generic_check` (the checks against the model's own forward), :mod:`.generic_heads`
-(each head's loss) and :mod:`.generic_router` (the routers' load-balancing term).
+(each head's loss and which head a model has), :mod:`.generic_router` (the routers' load-balancing term) and
+:mod:`.generic_attention` (the ``uniap_sdpa`` attention). An encoder-decoder LM goes to :mod:`.seq2seq`, which
+shares those parts.
 """
 from __future__ import annotations
 
@@ -54,9 +56,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from uniap_lightning.adapters.auto import Family
+from uniap_lightning.adapters.family import Family
+from uniap_lightning.adapters.families.generic_attention import ATTENTION, _register_attention
 from uniap_lightning.adapters.families.generic_check import _accept_one_layer, _epilogue, _verify
-from uniap_lightning.adapters.families.generic_heads import _HEADS, _TASKS, _ctc_loss, _Task, count_one
+from uniap_lightning.adapters.families.generic_heads import _Task, _task
 from uniap_lightning.adapters.families.generic_layers import GenericBlock, GenericEpilogue, GenericPrologue, WholeModel
 from uniap_lightning.adapters.families.generic_probe import _accepted, _base_inputs, _eval_mode, _probe
 from uniap_lightning.adapters.families.generic_router import router_loss_of, router_modules
@@ -65,38 +68,18 @@ from uniap_lightning.adapters.families.generic_trace import (
     _Calls,
     _capture,
     _find_blocks,
+    _fqn,
     _mode,
     _Plan,
     _refuse,
     _templates,
     _units,
 )
+from uniap_lightning.adapters.families.seq2seq import seq2seq_family
 from uniap_lightning.errors import UniAPError
 
 __all__ = ["ATTENTION", "GenericBlock", "GenericEpilogue", "GenericPrologue", "Unsplittable", "WholeModel",
            "generic_family", "generic_layers"]
-
-#: the attention implementation the generic layers run with (SDPA, masks always materialized)
-ATTENTION = "uniap_sdpa"
-
-
-def _register_attention() -> bool:
-    try:
-        from transformers import AttentionInterface
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-    except ImportError:  # pragma: no cover - an older transformers
-        return False
-
-    def mask(*args: Any, **kwargs: Any) -> Any:
-        kwargs["allow_is_causal_skip"] = False  # a mask every time (None without padding would change the payload)
-        kwargs["allow_is_bidirectional_skip"] = False
-        return sdpa_mask(*args, **kwargs)
-
-    AttentionInterface.register(ATTENTION, sdpa_attention_forward)
-    AttentionMaskInterface.register(ATTENTION, mask)
-    return True
-
 
 def generic_layers(model: Any) -> list[tuple[nn.Module, list[str]]]:
     """The chain's layers (with the FQNs each wraps); :class:`Unsplittable` naming why when the model cannot be split
@@ -191,23 +174,6 @@ def _split(model: Any) -> list[tuple[nn.Module, list[str]]]:
     ]
 
 
-def _task(model: Any) -> _Task:
-    name = type(model).__name__
-    if "return_loss" in inspect.signature(model.forward).parameters:
-        raise _refuse(model, "its contrastive loss compares every sample with every other of the whole batch, which "
-                             "does not decompose over micro-batches (train it with a loss of your own)")
-    for suffix, task in _TASKS.items():
-        if name.endswith(suffix):
-            if task.loss is _ctc_loss and (
-                    not hasattr(model, "_get_feat_extract_output_lengths")
-                    or getattr(model.config, "ctc_loss_reduction", None) not in ("sum", "mean")):
-                break
-            if task.loss is _ctc_loss and model.config.ctc_loss_reduction == "sum":
-                return _Task(task.what, task.loss, count_one, task.labels, task.target, task.given)
-            return task
-    raise _refuse(model, f"the generic split handles {_HEADS}")
-
-
 def _embeddings(model: Any, which: str) -> nn.Module | None:
     """The model's input or output embedding; ``None`` for a model without one (an image or audio encoder)."""
     try:
@@ -216,17 +182,11 @@ def _embeddings(model: Any, which: str) -> nn.Module | None:
         return None
 
 
-def _fqn(model: nn.Module, module: Any) -> str | None:
-    return next((n for n, m in model.named_modules() if m is module), None) if module is not None else None
-
-
 def generic_family(model: Any) -> Family:
     """The family of a causal LM, masked LM or sequence classifier with no builder in ``FAMILIES`` (the generic
     split, or the whole model as one layer); a clear error for anything else."""
     if getattr(model.config, "is_encoder_decoder", False) and (  # encoder-decoder LMs: their own split
             "decoder_input_ids" in inspect.signature(model.forward).parameters):  # (not Whisper's audio classifier)
-        from uniap_lightning.adapters.families.seq2seq import seq2seq_family  # deferred: seq2seq imports this module
-
         return seq2seq_family(model)
     task = _task(model)
     if _register_attention() and hasattr(model, "set_attn_implementation"):

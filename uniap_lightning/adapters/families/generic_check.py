@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from uniap_lightning.adapters.auto import HFTarget
+from uniap_lightning.adapters.family import HFTarget
 from uniap_lightning.adapters.families.generic_heads import _CLASSIFY, _Task
 from uniap_lightning.adapters.families.generic_layers import _LAST_TOKEN, _POOLS, GenericEpilogue
 from uniap_lightning.adapters.families.generic_router import RouterLoss

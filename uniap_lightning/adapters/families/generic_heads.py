@@ -1,16 +1,17 @@
 """The heads of the generic split (:mod:`.generic`): per Hugging Face head (the model class's suffix), the loss the
 chain computes (the model's own, whole-batch normalized), what it counts, the probe's labels, and how a batch's
-labels become the chain's target. :func:`uniap_lightning.adapters.families.generic._task` picks one per model."""
+labels become the chain's target; :func:`_task` picks one per model."""
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from uniap_lightning.adapters.auto import HFTarget, count_next_tokens, count_rows, count_tokens
+from uniap_lightning.adapters.family import HFTarget, count_next_tokens, count_rows, count_tokens
 from uniap_lightning.adapters.families.common import (
     causal_lm_loss,
     count_labels,
@@ -20,6 +21,7 @@ from uniap_lightning.adapters.families.common import (
     sequence_classification_loss,
     token_loss,
 )
+from uniap_lightning.adapters.families.generic_trace import _refuse
 
 
 def _masked_lm_loss(model: Any, logits: torch.Tensor, target: HFTarget) -> torch.Tensor:
@@ -178,3 +180,20 @@ _TASKS = {
 }
 _HEADS = ("causal LMs (*ForCausalLM), masked LMs (*ForMaskedLM), sequence / image / audio classifiers, token "
           "classifiers, question answering (*ForQuestionAnswering), multiple choice and CTC (*ForCTC)")
+
+
+def _task(model: Any) -> _Task:
+    name = type(model).__name__
+    if "return_loss" in inspect.signature(model.forward).parameters:
+        raise _refuse(model, "its contrastive loss compares every sample with every other of the whole batch, which "
+                             "does not decompose over micro-batches (train it with a loss of your own)")
+    for suffix, task in _TASKS.items():
+        if name.endswith(suffix):
+            if task.loss is _ctc_loss and (
+                    not hasattr(model, "_get_feat_extract_output_lengths")
+                    or getattr(model.config, "ctc_loss_reduction", None) not in ("sum", "mean")):
+                break
+            if task.loss is _ctc_loss and model.config.ctc_loss_reduction == "sum":
+                return _Task(task.what, task.loss, count_one, task.labels, task.target, task.given)
+            return task
+    raise _refuse(model, f"the generic split handles {_HEADS}")

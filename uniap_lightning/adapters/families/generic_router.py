@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
-    from uniap_lightning.adapters.auto import HFTarget
+    from uniap_lightning.adapters.family import HFTarget
 
 #: payload entries: the per-sample accumulator and the token mask the statistics are weighted by
 ROUTER, TOKEN_MASK = "uniap_router", "uniap_token_mask"

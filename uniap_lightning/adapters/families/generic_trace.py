@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from uniap_lightning.adapters.auto import FAMILIES
+from uniap_lightning.adapters.family import FAMILIES
 from uniap_lightning.errors import UniAPError
 
 _PREFIX = "uniap_ctx"
@@ -247,3 +247,7 @@ class _Plan:
                 x = x.reshape(rows * k, *x.shape[2:])
             out[j] = x
         return out
+
+
+def _fqn(model: nn.Module, module: Any) -> str | None:
+    return next((n for n, m in model.named_modules() if m is module), None) if module is not None else None

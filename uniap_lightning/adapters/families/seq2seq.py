@@ -45,10 +45,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from uniap_lightning.adapters.auto import Family, count_tokens
-from uniap_lightning.adapters.families.generic import ATTENTION, _fqn, _register_attention, _task
+from uniap_lightning.adapters.family import Family, count_tokens
+from uniap_lightning.adapters.families.generic_attention import ATTENTION, _register_attention
 from uniap_lightning.adapters.families.generic_check import _accept_one_layer, _verify
-from uniap_lightning.adapters.families.generic_heads import _Task
+from uniap_lightning.adapters.families.generic_heads import _Task, _task
 from uniap_lightning.adapters.families.generic_layers import WholeModel
 from uniap_lightning.adapters.families.generic_probe import _eval_mode
 from uniap_lightning.adapters.families.generic_trace import (
@@ -56,6 +56,7 @@ from uniap_lightning.adapters.families.generic_trace import (
     _Calls,
     _capture,
     _find_blocks,
+    _fqn,
     _mode,
     _Plan,
     _refuse,

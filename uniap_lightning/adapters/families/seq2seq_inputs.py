@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from uniap_lightning.adapters.auto import HFTarget, count_tokens
+from uniap_lightning.adapters.family import HFTarget, count_tokens
 from uniap_lightning.adapters.families.common import token_loss
 from uniap_lightning.adapters.families.generic_heads import _Task
 from uniap_lightning.adapters.families.generic_trace import _refuse

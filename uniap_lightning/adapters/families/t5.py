@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from uniap_lightning.adapters.auto import Family, count_tokens, register
+from uniap_lightning.adapters.family import Family, count_tokens, register
 from uniap_lightning.adapters.families import compat
 from uniap_lightning.adapters.families.common import (
     View,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from uniap_lightning.adapters.auto import Family, register
+from uniap_lightning.adapters.family import Family, register
 from uniap_lightning.adapters.families.text_bert import (
     BERT_HEADS,
     BERT_INPUTS,

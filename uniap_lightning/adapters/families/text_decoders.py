@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from uniap_lightning.adapters.auto import Family
+from uniap_lightning.adapters.family import Family
 from uniap_lightning.adapters.families import compat
 from uniap_lightning.adapters.chain_layers import GlobalPositions, NormHead, TokenPositionEmbedding
 from uniap_lightning.adapters.families.common import View, colwise, divisors_of_all, replicate, rowwise

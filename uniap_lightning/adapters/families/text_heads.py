@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from uniap_lightning.adapters.auto import Family, HFTarget, count_next_tokens, count_tokens
+from uniap_lightning.adapters.family import Family, HFTarget, count_next_tokens, count_tokens
 from uniap_lightning.adapters.families.common import (
     View,
     causal_lm_loss,

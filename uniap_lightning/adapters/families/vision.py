@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from uniap_lightning.adapters.auto import Family, count_rows, register
+from uniap_lightning.adapters.family import Family, count_rows, register
 from uniap_lightning.adapters.families import compat
 from uniap_lightning.adapters.families.common import (
     View,

@@ -51,7 +51,7 @@ from typing import NamedTuple
 from uniap_lightning.planner.cost.schedules import SCHEDULES, in_flight
 # which shapes are run (torch's rules and where the forms below hold) lives below the cost model, in the torch-free
 # planner.schedule_rules, which TrainingConfig.schedule_candidates asks; its name stays importable from here
-from uniap_lightning.planner.schedule_rules import unusable
+from uniap_lightning.planner.schedule_rules import unusable  # noqa: F401 - re-exported
 
 class PipelineShape(NamedTuple):
     """A schedule's time per iteration as coefficients of linear terms (see

@@ -19,12 +19,11 @@ the plan picture (``planner.viz``) draws it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from uniap_lightning.planner.plan import placed_group
 # what each schedule name means and torch's rules for it (torch-free, below the cost model: TrainingConfig asks them)
-from uniap_lightning.planner.schedule_rules import SCHEDULES, ScheduleInfo
+from uniap_lightning.planner.schedule_rules import SCHEDULES, ScheduleInfo  # noqa: F401 - ScheduleInfo re-exported
 
 Action = tuple[str, int, int]  # (kind in F/B/I/W, micro-batch, stage)
 
