@@ -26,6 +26,11 @@ Needs a CUDA device (it exits with a clear line without one). Everything runs in
    ``gpt2_small`` model (124M) on the shipped corpus, ``trainer.accelerator=gpu trainer.devices=1
    trainer.precision=bf16-mixed``), checked for exit code 0 and its loss line.
 
+3. **Offload** (``--offload``, issue 40; ``benchmarks/gpu_offload.py``, which runs alone too): the strategy's plan
+   with only its offload fields changed (none, activation offload on every block, state offload on every block),
+   pinned, alternating ``--runs`` times; measured step time and peak memory against each plan's prediction and the
+   paired ratios offload / none (``--offload-steps``, ``--offload-warmup``, ``--host-link-gbps``).
+
 Prints one table; ``--json`` / ``--markdown`` write the same results (atomically).
 """
 
@@ -51,6 +56,7 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT))
 
 MODEL = dict(vocab_size=32768, block_size=1024, n_layer=12, n_head=16, n_embd=1024)
+SMOKE_MODEL = dict(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64)  # --smoke: the script on a CPU
 
 
 def _module() -> Any:
@@ -232,18 +238,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-cli", action="store_true")
     p.add_argument("--fp8", action="store_true", help='also run UniAPStrategy(fp8="auto") each time (issue 41)')
     p.add_argument("--smoke", action="store_true", help="the script on the CPU with a tiny model (no benchmark)")
+    p.add_argument("--offload", action="store_true", help="then plans differing only in offload (gpu_offload.py)")
     p.add_argument("--json")
     p.add_argument("--markdown")
+    import gpu_offload  # benchmarks/ is on the path (this script's folder)
+
+    gpu_offload.add_arguments(p)
     args = p.parse_args(argv)
     args.accelerator = "cpu" if args.smoke else "gpu"
     if args.smoke:
-        MODEL.update(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64)
+        MODEL.update(SMOKE_MODEL)
     elif not torch.cuda.is_available():
         print("benchmarks/gpu.py needs a CUDA GPU; none is visible (torch.cuda.is_available() is False)",
               file=sys.stderr)
         return 2
     if args.steps <= args.warmup + 2:
         p.error("--steps must exceed --warmup by at least 3")
+    if args.offload:
+        gpu_offload.check_arguments(p, args)
     warnings.filterwarnings("ignore", category=UserWarning)
     torch.backends.cuda.matmul.allow_tf32 = True
     device = "cpu (--smoke)" if args.smoke else torch.cuda.get_device_name(0)
@@ -265,13 +277,17 @@ def main(argv: list[str] | None = None) -> int:
             if args.fp8:
                 fp8_pairs.append(got["uniap_fp8"]["step_s"] / got["uniap"]["step_s"])
         cli = None if args.no_cli else _cli(args, cache)
+        offload = gpu_offload.run(sys.modules[__name__], args, cache) if args.offload else None
     table = _table(rows, pairs, cli, device, fp8_pairs)
+    if offload is not None:
+        table += "\n\n" + gpu_offload.table(offload, device)
     print(table)
     from uniap_lightning.files import write_text_atomic
 
     if args.json:
         write_text_atomic(args.json, json.dumps({"device": device, "model": MODEL, "runs": rows, "pairs": pairs,
-                                                 "fp8_pairs": fp8_pairs, "cli": cli}, indent=2))
+                                                 "fp8_pairs": fp8_pairs, "cli": cli, "offload": offload},
+                                                indent=2))
     if args.markdown:
         write_text_atomic(args.markdown, table + "\n")
     return 0 if cli is None or cli["rc"] == 0 else 1
