@@ -80,9 +80,11 @@ class UniAPStrategy(CheckpointIO, Steps, ModelParallelStrategy):
         profile_repeats: timed runs per layer and micro-batch size (the median is kept).
         profile_micro_batches: micro-batch sizes to time (default: half the sample batch and all of it, at most 16).
         compression: gradient compression the planner may choose per replicated / ZeRO-1 layer (opt-in: numerics
-            change): ``None`` (off), ``"bf16"``, ``"powersgd"`` or ``"topk"`` (that method or none, per layer),
-            ``"auto"`` (any); see :mod:`uniap_lightning.runtime.compression`. ``compression_options``: their
-            parameters, ``{"powersgd_rank": 1, "topk_ratio": 0.01}`` by default (higher: closer to uncompressed).
+            change): ``None`` or ``"none"`` (off), ``"bf16"``, ``"powersgd"`` or ``"topk"`` (that method or none,
+            per layer), ``"auto"`` (any), or a list of methods (any of those), as ``uniap plan compression=`` takes
+            them (one check: ``planner.dimensions.compression.compression_methods``); see
+            :mod:`uniap_lightning.runtime.compression`. ``compression_options``: their parameters,
+            ``{"powersgd_rank": 1, "topk_ratio": 0.01}`` by default (higher: closer to uncompressed).
         fp8: float8 matmuls the planner may choose per layer (opt-in: numerics change; torchao's float8 training,
             the ``fp8`` extra): ``"off"`` (default), ``"auto"`` or ``"tensorwise"`` (tensorwise scales; ZeRO-3
             layers all-gather float8 weights), ``"rowwise"`` (rowwise scales). Offered only where the cluster's
@@ -117,7 +119,7 @@ class UniAPStrategy(CheckpointIO, Steps, ModelParallelStrategy):
         profile_repeats: int = 3,
         profile_micro_batches: list[int] | None = None,
         monitor: Any = True,
-        compression: str | None = None,
+        compression: str | list[str] | None = None,
         compression_options: Mapping[str, float] | None = None,
         fp8: str = "off",
         rebalance: bool = False,

@@ -75,6 +75,11 @@ BAD_VALUES = [
     ("pp", 0, "0"),
     ("pp", [], "[]"),
     ("pp", [2, 0], "[2,0]"),
+    ("compression", "zip", "zip"),  # the strategy took a string, the command a list too, each with its own line
+    ("compression", "PowerSGD", "PowerSGD"),
+    ("compression", ["bf16", "zip"], "[bf16,zip]"),
+    ("compression", ["auto"], "[auto]"),
+    ("compression", 1, "1"),
 ]
 
 
@@ -119,3 +124,25 @@ def test_good_values_pass_both() -> None:
     assert (options.time_limit_s, options.virtual_stages, options.pp) == (1e7, 2, (2, 4))
     check_search_options(compose_checked("plan", ["time_limit=1e7", "schedule=interleaved_1f1b", "virtual_stages=2",
                                                   "pp=[4,2]"]))
+
+
+@pytest.mark.parametrize(("value", "given", "methods"), [
+    (None, "null", ("none",)), ("none", "none", ("none",)), ("topk", "topk", ("none", "topk")),
+    ("auto", "auto", ("none", "bf16", "powersgd", "topk")), (["topk", "bf16"], "[topk,bf16]", ("none", "bf16", "topk")),
+    ([], "[]", ("none",)),
+])
+def test_compression_values_mean_the_same_everywhere(value: object, given: str, methods: tuple[str, ...]) -> None:
+    """``compression``: the strategy, `uniap plan` / `uniap train` and the problem take the same values (a list
+    too) through one check and allow the same methods."""
+    from uniap_lightning.cli.apps import check_search_options
+    from uniap_lightning.cli.overrides import compose_checked
+    from uniap_lightning.cli.train import build_strategy
+    from uniap_lightning.profiling.pricing import build_problem
+    from uniap_lightning.strategy import UniAPStrategy
+
+    assert UniAPStrategy(compression=value).setup_options.compression == methods
+    trained = build_strategy(compose_checked("fit", [f"strategy.compression={given}"]))  # uniap train
+    assert trained.setup_options.compression == methods
+    check_search_options(compose_checked("plan", [f"compression={given}"]))
+    assert build_problem(model="gpt2_small", cluster="a100_1x8", global_batch_size=16,
+                         compression=value).compression == methods

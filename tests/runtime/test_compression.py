@@ -514,7 +514,7 @@ def test_bad_compression_options_are_refused_when_the_strategy_is_built(options:
         UniAPStrategy(compression="auto", compression_options=options)
 
 
-@pytest.mark.parametrize("value", ["fp8", "PowerSGD", ["bf16"], 1])
+@pytest.mark.parametrize("value", ["fp8", "PowerSGD", ["bf16", "zip"], ("auto",), 1])
 def test_bad_compression_is_refused_when_the_strategy_is_built(value: Any) -> None:
     from uniap_lightning.errors import UniAPError
     from uniap_lightning.strategy import UniAPStrategy

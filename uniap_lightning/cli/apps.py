@@ -18,7 +18,7 @@ from uniap_lightning.planner.config import CONF_DIR, build_problem
 from uniap_lightning.planner.dimensions import OPT_INS
 from uniap_lightning.errors import InfeasibleError, UniAPError
 from uniap_lightning.files import check_output_file, read_json, write_json_atomic
-from uniap_lightning.planner.problem import Problem
+from uniap_lightning.planner.problem import Problem, compression_methods
 from uniap_lightning.planner.search_options import (DEFAULT_SCHEDULE, check_pipeline_degrees, check_schedule_name,
                                                    check_solver, check_time_limit, check_virtual_stages)
 from uniap_lightning.values import flag
@@ -39,11 +39,8 @@ def _problem(cfg: DictConfig) -> Problem:
     mb = cfg.microbatches
     if mb is not None:
         mb = list(mb) if OmegaConf.is_list(mb) else [mb]
-    comp = cfg.get("compression")
-    if OmegaConf.is_list(comp):
-        comp = list(comp)
     return build_problem(
-        compression=comp,
+        compression=_compression(cfg),
         **{option: cfg.get(option) for option in OPT_INS},
         model=model,
         cluster=cluster,
@@ -132,6 +129,13 @@ def check_search_options(cfg: DictConfig) -> None:
         check_schedule_name(schedule)
     check_virtual_stages(cfg.get("virtual_stages"), schedule if schedule is not None else DEFAULT_SCHEDULE)
     _pp(cfg)
+    compression_methods(_compression(cfg))  # the strategy's check: the same values, the same line
+
+
+def _compression(cfg: DictConfig) -> Any:
+    """``compression=`` as given (a list from ``compression=[bf16,topk]``)."""
+    value = cfg.get("compression")
+    return OmegaConf.to_container(value) if OmegaConf.is_list(value) else value
 
 
 def _pp(cfg: DictConfig) -> list[int] | None:

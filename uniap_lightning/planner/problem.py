@@ -8,6 +8,7 @@ from typing import Any
 from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.dimensions import opt_ins as allowed_opt_ins
+from uniap_lightning.planner.dimensions.compression import compression_methods  # re-exported: the one check
 from uniap_lightning.planner.plan import (COMPRESSION_DEFAULTS, COMPRESSIONS, SCHEDULE_LAYOUTS, SCHEDULES, Plan,
                                           check_compression_options)
 from uniap_lightning.planner.profile import ModelProfile
@@ -240,18 +241,3 @@ class Problem:
             model_fingerprint=self.model.fingerprint(),
             compression_options=dict(self.compression_options),
         )
-
-
-def compression_methods(value: Any) -> tuple[str, ...]:
-    """The allowed compression methods as a tuple that always holds ``"none"``: from None / "none" (off), one
-    method name, "auto" (every method), or a list of names. Refuses anything else, naming the field."""
-    if value is None:
-        return ("none",)
-    if isinstance(value, str):
-        value = list(COMPRESSIONS) if value == "auto" else [value]
-    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-        raise UniAPError(f"compression={value!r} must be None, 'auto', one of {list(COMPRESSIONS)} or a list of them")
-    bad = [v for v in value if v not in COMPRESSIONS]
-    if bad:
-        raise UniAPError(f"compression: unknown method(s) {bad}; known: {list(COMPRESSIONS)} (or 'auto')")
-    return tuple(m for m in COMPRESSIONS if m == "none" or m in value)

@@ -10,17 +10,12 @@ from typing import Any
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.planner.dimensions import OPT_INS, opt_ins
+from uniap_lightning.planner.dimensions.compression import compression_methods
 from uniap_lightning.planner.search_options import (DEFAULT_SCHEDULE, DEFAULT_SOLVER, DEFAULT_TIME_LIMIT_S,
                                                    check_pipeline_degrees, check_schedule_name, check_solver,
                                                    check_time_limit, check_virtual_stages)
-from uniap_lightning.planner.plan import (COMPRESSION_DEFAULTS, COMPRESSION_RUNTIME_DEFAULTS, COMPRESSIONS, Plan,
+from uniap_lightning.planner.plan import (COMPRESSION_DEFAULTS, COMPRESSION_RUNTIME_DEFAULTS, Plan,
                                          check_compression_options)
-
-#: what ``UniAPStrategy(compression=...)`` accepts, and the methods the planner may then choose from per layer
-COMPRESSION_CHOICES: dict[str | None, tuple[str, ...]] = {
-    None: ("none",), "none": ("none",), **{m: ("none", m) for m in COMPRESSIONS if m != "none"},
-    "auto": COMPRESSIONS,
-}
 
 
 @dataclass(frozen=True)
@@ -58,10 +53,7 @@ class SetupOptions:
                        virtual_stages: Any = None, **opt_in: Any) -> SetupOptions:
         """Check and normalize ``UniAPStrategy``'s arguments (clear errors when the strategy is built); ``opt_in``:
         the opt-in dimensions' options by name (:data:`~uniap_lightning.planner.dimensions.OPT_INS`)."""
-        if not isinstance(compression, (str, type(None))) or compression not in COMPRESSION_CHOICES:
-            allowed = ", ".join(repr(c) for c in COMPRESSION_CHOICES if c != "none")
-            raise UniAPError(f"compression={compression!r} must be one of {allowed} (None: off; a method: the "
-                             "planner may use it per layer; 'auto': it chooses among all)")
+        methods = compression_methods(compression)  # the check `uniap plan` and the problem run: the same line
         # the checks `uniap plan` runs too (planner.search_options): the same verdict and line on both
         schedule = check_schedule_name(schedule)
         virtual_stages = check_virtual_stages(virtual_stages, schedule)
@@ -77,7 +69,8 @@ class SetupOptions:
         degrees = check_pipeline_degrees(pp)
         allowed = opt_ins(opt_in)
         if plan is not None:
-            _refuse_search_options(schedule=schedule, virtual_stages=virtual_stages, pp=pp, compression=compression,
+            _refuse_search_options(schedule=schedule, virtual_stages=virtual_stages, pp=pp,
+                                   compression=None if methods == ("none",) else compression,
                                    compression_options=compression_options, **opt_in)
         if plan is not None and not isinstance(plan, Plan):
             plan = Plan.from_json(Path(plan))
@@ -93,7 +86,7 @@ class SetupOptions:
             cache_dir=Path(cache_dir) if cache_dir is not None else None, measure_cluster=bool(measure_cluster),
             profile_cache=bool(profile_cache), profile_repeats=max(int(profile_repeats), 1),
             profile_micro_batches=tuple(profile_micro_batches) if profile_micro_batches else None,
-            compression=COMPRESSION_CHOICES[compression],
+            compression=methods,
             compression_options=tuple(sorted(_compression_options(compression_options).items())),
             opt_ins=tuple(allowed.items()),
         )
