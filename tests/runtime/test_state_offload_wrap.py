@@ -67,3 +67,21 @@ def test_wrap_makes_a_host_offloaded_fsdp2_unit(tmp_path: Path) -> None:
     assert r["pinned"] is torch.cuda.is_available()
     if not torch.cuda.is_available():
         assert r["pinned_error"] and "accelerator" in r["pinned_error"], r["pinned_error"]
+
+
+def test_the_local_gpu_cluster_takes_its_host_link_from_the_catalogue(monkeypatch):
+    """``Trainer(strategy="uniap")`` without ``cluster=`` on a catalogue GPU prices offload over the device's host
+    link as a cluster file naming the device does (an H200: 64 GB/s PCIe x 0.8); an unknown GPU has none, so no
+    offload is offered there."""
+    from uniap_lightning.planner.cluster import Cluster
+    from uniap_lightning.runtime.planning import local_cluster
+
+    def props(name: str) -> SimpleNamespace:
+        return SimpleNamespace(name=name, total_memory=141 * 1024**3)
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props("NVIDIA H200"))
+    local = local_cluster(nodes=1, devices_per_node=1, device_type="cuda")
+    shipped = Cluster.from_dict({"name": "x", "nodes": 1, "devices_per_node": 1, "device": "h200"})
+    assert local.device == "h200" and local.host_link_gbps == shipped.host_link_gbps > 0
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props("Some Future GPU"))
+    assert local_cluster(nodes=1, devices_per_node=1, device_type="cuda").host_link_gbps == 0.0

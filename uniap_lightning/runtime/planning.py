@@ -16,11 +16,11 @@ from typing import Any
 from pathlib import Path
 
 from uniap_lightning.planner.cluster import Cluster
-from uniap_lightning.planner.devices import catalogue_name
+from uniap_lightning.planner.devices import HOST_LINK_EFFICIENCY, catalogue_name, lookup_device
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.files import CORRUPT_ENTRY_ERRORS, cache_root, foreign_entry, remove_if_not_regular, why
 from uniap_lightning.planner.plan import COMPRESSION_DEFAULTS, PLAN_FORMAT_VERSION, Plan
-from uniap_lightning.planner.problem import TrainingConfig
+from uniap_lightning.planner.problem import Problem, TrainingConfig
 from uniap_lightning.planner.profile import ModelProfile, describes_a_config
 
 
@@ -36,13 +36,18 @@ def local_cluster(*, nodes: int, devices_per_node: int, device_type: str) -> Clu
         import torch
 
         props = torch.cuda.get_device_properties(0)
+        known = catalogue_name(props.name)
+        spec = lookup_device(known) if known else None
         return Cluster(
             name=f"local-{props.name}".replace(" ", "-"),
             nodes=nodes,
             devices_per_node=devices_per_node,
             memory_gib=props.total_memory / 1024**3,
             peak_tflops=100.0,
-            device=catalogue_name(props.name) or props.name,  # a catalogue entry where known (its peaks per dtype)
+            device=known or props.name,  # a catalogue entry where known (its peaks per dtype)
+            # the catalogue's host link (PCIe / NVLink-C2C), as a cluster file naming the device gets it, so
+            # offload is priced when the user allows it (cluster offload="auto"); unknown devices: none
+            host_link_gbps=spec.host_link_gbps * HOST_LINK_EFFICIENCY if spec else 0.0,
         )
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return Cluster(
@@ -137,8 +142,7 @@ def solve_plan(
     if cached is not None:
         return cached, f"cache {path}"
     try:
-        from uniap_lightning.planner.problem import Problem
-        from uniap_lightning.planner.solver import solve
+        from uniap_lightning.planner.solver import solve  # deferred: loads mip; a cached or pinned plan needs none
     except ImportError as err:
         raise UniAPError(
             f"no plan was given and the planner is not available ({err}); pass plan=<file or Plan> to UniAPStrategy"
