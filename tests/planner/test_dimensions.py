@@ -312,3 +312,36 @@ def test_plan_json_layer_reading_by_version(version):
             _layer_from_dict({**x, "sp": "true"}, 0, version)
     else:  # fields of later versions are not read
         assert _layer_from_dict({**x, "cp": "junk", "sp": "junk"}, 0, version).strategy == want[version]
+
+
+def test_an_opt_in_is_declared_once_and_read_through_the_registry(monkeypatch):
+    """An opt-in dimension's option is declared on its ``OptIn`` only: `uniap plan`'s option (type, help), the
+    problem's ``opt_ins`` (every option, resolved; off: ``()``), and ``evaluate``'s check of a pinned plan (the
+    values a layer may use, the reason a value is refused) come from :data:`dimensions.OPT_INS`."""
+    import dataclasses
+    import importlib
+
+    from planner_factories import fp8_problem
+
+    from uniap_lightning.planner.config_schema import plan_schema
+    from uniap_lightning.planner.problem import Problem
+
+    ev = importlib.import_module("uniap_lightning.planner.cost.evaluate")  # the module (the package re-exports
+    # its function under the same name)
+
+    schema = {f.name: f for f in dataclasses.fields(plan_schema())}
+    assert dimensions.OPT_INS
+    for name, o in dimensions.OPT_INS.items():
+        assert schema[name].type == typing.Optional[o.type] and schema[name].default is None  # noqa: UP007
+        assert o.help and schema[name].metadata["help"] == o.help
+        assert o.values and ev._EVERY_OPT_IN[name] == o.values
+    problem = fp8_problem(3, num_layers=3, nodes=1, per_node=2, memory_gib=16.0, fp8=(), device="a100_80gb")
+    assert problem.opt_ins == {name: () for name in dimensions.OPT_INS}
+    with pytest.raises(UniAPError, match="unknown opt-in option"):
+        Problem(problem.model, problem.cluster, problem.training, opt_ins={"fp16": "auto"})
+    layer, cluster = problem.model.layers[1], problem.cluster
+    s = Strategy(2, 1, "zero1")._replace(precision="fp8")  # a100: no float8 matmuls
+    assert "needs a device with float8 matmuls" in ev.why_not_allowed(layer, s, cluster, 2)
+    monkeypatch.setitem(dimensions.OPT_INS, "fp8", dataclasses.replace(
+        dimensions.OPT_INS["fp8"], why_not=lambda _layer, _s, _cluster: "the opt-in's own reason"))
+    assert ev.why_not_allowed(layer, s, cluster, 2) == "the opt-in's own reason"
