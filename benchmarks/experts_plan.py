@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from uniap_lightning.planner.cluster import GIB
-from uniap_lightning.planner.config import build_problem
+from uniap_lightning.profiling.pricing import build_problem
 from uniap_lightning.planner.solver.search import search
 
 CASES = "mixtral_8x7b:h100_4x8:64,mixtral_8x7b:h100_32x8:512,qwen_moe_a2.7b:h100_4x8:64"

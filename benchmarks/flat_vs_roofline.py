@@ -19,7 +19,8 @@ from pathlib import Path
 
 import yaml
 
-from uniap_lightning.planner.config import build_problem, load_group
+from uniap_lightning.planner.config import load_group
+from uniap_lightning.profiling.pricing import build_problem
 from uniap_lightning.planner.plan import Plan
 from uniap_lightning.planner.solver import solve
 

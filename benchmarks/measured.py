@@ -92,7 +92,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from uniap_lightning.errors import UniAPError
-from uniap_lightning.planner.analytic import analytic_profile
+from uniap_lightning.profiling.pricing import analytic_profile
 from uniap_lightning.planner.config import cluster_from, load_group, model_spec_from
 from uniap_lightning.planner.cost.evaluate import evaluate
 from uniap_lightning.planner.decision import Strategy

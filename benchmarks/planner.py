@@ -25,7 +25,8 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from uniap_lightning.planner.config import available, build_problem
+from uniap_lightning.planner.config import available
+from uniap_lightning.profiling.pricing import build_problem
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.plan import Plan
 from uniap_lightning.planner.solver import solve

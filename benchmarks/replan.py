@@ -23,7 +23,7 @@ import resource
 import time
 from dataclasses import replace
 
-from uniap_lightning.planner.config import build_problem
+from uniap_lightning.profiling.pricing import build_problem
 from uniap_lightning.planner.cost import evaluate
 from uniap_lightning.planner.solver import solve
 

@@ -19,7 +19,7 @@ from unittest import mock
 from rich.console import Console
 from rich.table import Table
 
-from uniap_lightning.planner.config import build_problem
+from uniap_lightning.profiling.pricing import build_problem
 from uniap_lightning.planner.cost import pipeline as pipeline_module
 from uniap_lightning.planner.cost import tables as tables_module
 from uniap_lightning.planner.solver import solve

@@ -16,7 +16,7 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from uniap_lightning.planner.config import build_problem
+from uniap_lightning.profiling.pricing import build_problem
 from uniap_lightning.planner.solver.search import bubble_s, search
 
 CASES = "gpt2_small:a100_1x8:32,llama_7b:a100_1x8:32,bert_huge:titanxp_2x4:32,llama_7b:h100_4x8:64,llama_7b:h100_32x8:512,llama_70b:h100_32x8:512"

@@ -21,7 +21,8 @@ from rich.console import Console
 from rich.table import Table
 
 from uniap_lightning.errors import UniAPError
-from uniap_lightning.planner.config import build_problem, load_group
+from uniap_lightning.planner.config import load_group
+from uniap_lightning.profiling.pricing import build_problem
 from uniap_lightning.planner.solver.search import search
 
 LENGTHS = (2048, 8192, 32768, 65536, 131072)

@@ -1,6 +1,6 @@
 """uniap-lightning: UniAP automatic hybrid parallelism as a PyTorch Lightning strategy.
 
-Planner API (no torch needed)::
+Planner API (torch-free to import)::
 
     from uniap_lightning import build_problem, solve, evaluate, Plan
     problem = build_problem(model="llama_7b", cluster="h100_4x8", global_batch_size=64)
@@ -8,7 +8,8 @@ Planner API (no torch needed)::
     evaluate(problem, plan)          # re-score any plan with the cost model
     Plan.from_json(plan.to_json())   # the public plan format
 
-Heavy modules (solver, Lightning strategy) load on first use.
+Heavy modules (solver, Lightning strategy) load on first use; torch only where it is needed: to price a cluster
+whose compute_model is roofline (every shipped cluster naming a catalogue device) and to train.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ _LAZY = {
     "LayerProfile": "uniap_lightning.planner.profile",
     "load_profile": "uniap_lightning.planner.profile",
     "save_profile": "uniap_lightning.planner.profile",
-    "build_problem": "uniap_lightning.planner.config",
+    "build_problem": "uniap_lightning.profiling.pricing",  # the planner's, handed the roofline model
     "solve": "uniap_lightning.planner.solver",
     "evaluate": "uniap_lightning.planner.cost",
     "UniAPError": "uniap_lightning.errors",

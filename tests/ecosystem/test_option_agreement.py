@@ -137,7 +137,7 @@ def test_compression_values_mean_the_same_everywhere(value: object, given: str, 
     from uniap_lightning.cli.apps import check_search_options
     from uniap_lightning.cli.overrides import compose_checked
     from uniap_lightning.cli.train import build_strategy
-    from uniap_lightning.planner.config import build_problem
+    from uniap_lightning.profiling.pricing import build_problem
     from uniap_lightning.strategy import UniAPStrategy
 
     assert UniAPStrategy(compression=value).setup_options.compression == methods

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from uniap_lightning.planner.config import available, build_problem, cluster_from
+from uniap_lightning.planner.config import available, cluster_from
+from uniap_lightning.profiling.pricing import build_problem
 from uniap_lightning.planner.cost import evaluate
 from uniap_lightning.errors import InfeasibleError
 from uniap_lightning.planner.solver import baseline_plans, solve

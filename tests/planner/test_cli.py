@@ -119,7 +119,7 @@ def test_explain_shows_layers_stages_and_runners_up(plan_file, tmp_path):
     ("plan", ["profile=ZEROS"], "every layer has forward_s = backward_s = 0"),
 ])
 def test_bad_files_get_one_clear_message(command, args, message, tmp_path):
-    from uniap_lightning.planner.config import build_problem
+    from uniap_lightning.profiling.pricing import build_problem
 
     (tmp_path / "m.json").write_text('{"tpi_s": "fast"}')
     (tmp_path / "n.json").write_text("{not json")

@@ -19,7 +19,8 @@ from bruteforce_pipeline import brute_force_candidate
 from planner_factories import moe_problem
 
 from uniap_lightning.errors import UniAPError
-from uniap_lightning.planner.analytic import ModelSpec, analytic_profile
+from uniap_lightning.planner.analytic import ModelSpec
+from uniap_lightning.profiling.pricing import analytic_profile
 from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.planner.config import cluster_from
 from uniap_lightning.planner.cost import evaluate

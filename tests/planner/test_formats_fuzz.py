@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.cluster import Cluster
-from uniap_lightning.planner.config import build_problem, cluster_from
+from uniap_lightning.planner.config import cluster_from
+from uniap_lightning.profiling.pricing import build_problem
 from uniap_lightning.planner.plan import PLAN_FORMAT_VERSION, Plan
 from uniap_lightning.planner.profile import ModelProfile
 

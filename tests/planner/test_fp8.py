@@ -262,7 +262,7 @@ def test_without_fp8_the_search_is_one_search():
 def test_fp8_is_an_opt_in_carried_by_name():
     """The precision dimension declares its permission (``fp8``: option, vocabulary, "off" values, the pinned plan's
     check); the setup, ``build_problem`` and the command line carry it by name, resolved by the dimension."""
-    from uniap_lightning.planner.config import build_problem
+    from uniap_lightning.profiling.pricing import build_problem
     from uniap_lightning.planner.dimensions import OPT_INS, opt_ins
     from uniap_lightning.setup.options import SetupOptions
 

@@ -129,7 +129,7 @@ def test_device_groups_in_yaml_and_bad_rank_lists(tmp_path):
 def test_the_shipped_mixed_cluster_plans_and_names_device_kinds():
     from rich.console import Console
 
-    from uniap_lightning.planner.config import build_problem
+    from uniap_lightning.profiling.pricing import build_problem
     from uniap_lightning.planner.report import print_plan
 
     problem = build_problem(model="gpt2_xl", cluster="a100_v100_4x8", global_batch_size=64)

@@ -28,7 +28,8 @@ from uniap_lightning.files import (
     write_text_atomic,
 )
 from uniap_lightning.planner.cluster import Cluster
-from uniap_lightning.planner.config import build_problem, cluster_from
+from uniap_lightning.planner.config import cluster_from
+from uniap_lightning.profiling.pricing import build_problem
 from uniap_lightning.planner.plan import Plan
 from uniap_lightning.planner.profile import ModelProfile, load_profile
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from planner_factories import random_problem
 
-from uniap_lightning.planner import config
 from uniap_lightning.planner.cost.tables import CostTables
 from uniap_lightning.planner.problem import divisors
 from uniap_lightning.planner.solver import backend, milp, solve
 from uniap_lightning.planner.solver.bounds import least_memory_bytes
+from uniap_lightning.profiling import pricing
 
 
 class FakeClock:
@@ -38,7 +38,7 @@ def test_solve_spends_at_most_its_time_limit_baselines_included(monkeypatch, lim
     monkeypatch.setattr(milp, "optimize", clock.optimize)
     # a small instance (1 node): the clock is fake, so the size of the search is not the subject; llama_7b on
     # h100_4x8 spent 27 s per case building the same calls
-    problem = config.build_problem(model="gpt2_small", cluster="a100_1x8", global_batch_size=16)
+    problem = pricing.build_problem(model="gpt2_small", cluster="a100_1x8", global_batch_size=16)
     start = clock.now_s
     plan = solve(problem, solver="cbc", time_limit_s=limit_s)
     assert len(clock.limits_s) >= 2, "the instance must make both the baselines and the main search solve"

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from uniap_lightning.planner.config import build_problem
+from uniap_lightning.profiling.pricing import build_problem
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.plan import Plan
 from uniap_lightning.profiling import load_profile, save_profile
@@ -121,7 +121,7 @@ def test_timings_interpolate_between_measured_batch_sizes(tmp_path):
 @pytest.mark.parametrize("value", [-1, 1.5, "3", None])
 def test_bad_param_tensors_is_refused(value):
     from uniap_lightning.errors import UniAPError
-    from uniap_lightning.planner.config import build_problem
+    from uniap_lightning.profiling.pricing import build_problem
     from uniap_lightning.planner.profile import ModelProfile
 
     doc = build_problem(model="gpt2_small", cluster="a100_1x8", global_batch_size=16).model.to_dict()

@@ -82,7 +82,7 @@ def test_stages_must_sit_on_the_schedules_device_groups():
 def test_a_pinned_schedule_plans_with_its_own_virtual_stages(schedule):
     """``uniap plan schedule=interleaved_1f1b`` (or any pinned schedule with virtual stages) plans with that
     schedule; the baselines, built with one stage per group, fall back to 1F1B instead of refusing v=1."""
-    from uniap_lightning.planner.config import build_problem
+    from uniap_lightning.profiling.pricing import build_problem
     from uniap_lightning.planner.solver import solve
 
     problem = build_problem(model="bert_huge", cluster="titanxp_2x4", global_batch_size=32, schedule=schedule)

@@ -9,7 +9,7 @@ import re
 import pytest
 from rich.console import Console
 
-from uniap_lightning.planner.config import build_problem
+from uniap_lightning.profiling.pricing import build_problem
 from uniap_lightning.planner.report import candidates_table, explain_renderables, schedule_table
 from uniap_lightning.planner.solver import solve
 

@@ -13,7 +13,8 @@ torch = pytest.importorskip("torch")
 from bruteforce import brute_force  # noqa: E402
 
 from uniap_lightning.errors import UniAPError  # noqa: E402
-from uniap_lightning.planner.analytic import ModelSpec, analytic_profile  # noqa: E402
+from uniap_lightning.planner.analytic import ModelSpec  # noqa: E402
+from uniap_lightning.profiling.pricing import analytic_profile  # noqa: E402
 from uniap_lightning.planner.cluster import Cluster  # noqa: E402
 from uniap_lightning.planner.config import cluster_from, model_spec_from  # noqa: E402
 from uniap_lightning.planner.cost import evaluate  # noqa: E402
@@ -246,3 +247,51 @@ def test_a_softmax_over_rows_longer_than_1024_runs_at_the_block_kernels_bandwidt
         for op in softmaxes:
             want = max(op.bytes / (gh200.hbm_bytes_per_s * efficiency), R.KERNEL_FLOOR_S)
             assert R.op_seconds(op, gh200, "tf32") == pytest.approx(want)
+
+
+# ================================================================================ the planner is handed the pricer
+def test_the_planner_prices_a_roofline_cluster_with_the_pricer_it_is_handed_and_refuses_one_without() -> None:
+    """The planner imports no torch: a roofline cluster's layers are priced by the pricer the layers above hand it
+    (``profiling.pricing.roofline``, what ``uniap_lightning.build_problem`` and ``uniap plan`` pass); without one
+    it says what to do instead of tracing behind the caller's back."""
+    import uniap_lightning
+    from uniap_lightning.planner import analytic, config
+    from uniap_lightning.profiling import pricing
+
+    spec, cluster = model_spec_from("gpt2_small"), cluster_from("a100_1x8")
+    why = (r"cluster 'a100_1x8' prices layers with the roofline model \(compute_model: roofline, device a100_80gb\), "
+           r"which traces each layer with torch .*pass roofline=uniap_lightning.profiling.pricing.roofline .*or give "
+           r"the cluster peak_tflops and efficiency with compute_model: flat")
+    with pytest.raises(UniAPError, match=why):
+        analytic.analytic_profile(spec, cluster)
+    with pytest.raises(UniAPError, match=why):
+        config.build_problem(model="gpt2_small", cluster="a100_1x8", global_batch_size=16)
+    seen = []
+
+    def recording(s: ModelSpec, c: Cluster, flat: object) -> object:
+        seen.append((s, c, flat))
+        return flat
+
+    flat = analytic.analytic_profile(spec, cluster, recording)  # the hook gets the spec, the cluster, the flat profile
+    assert seen == [(spec, cluster, flat)] and "compute_model" not in flat.meta
+    priced = pricing.analytic_profile(spec, cluster)
+    assert priced == analytic.analytic_profile(spec, cluster, R.roofline_profile)
+    assert priced.meta["compute_model"] == "roofline" and priced.layers != flat.layers
+    assert uniap_lightning.build_problem is pricing.build_problem
+    assert pricing.build_problem(model="gpt2_small", cluster="a100_1x8", global_batch_size=16).model == priced
+    local = cluster_from("local_cpu")  # priced flat: no pricer needed
+    assert analytic.analytic_profile(spec, local) == pricing.analytic_profile(spec, local)
+
+
+def test_planning_a_flat_cluster_through_the_public_api_loads_no_torch() -> None:
+    """``uniap_lightning.build_problem`` hands the planner the roofline pricer, which loads torch on its first call
+    only: a cluster priced flat plans without it."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom uniap_lightning import build_problem\n"
+            "problem = build_problem(model='tiny_gpt', cluster='local_cpu', global_batch_size=8)\n"
+            "assert problem.model.layers\n"
+            "heavy = sorted(m for m in sys.modules if m.split('.')[0] == 'torch')\nassert not heavy, heavy[:5]\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr

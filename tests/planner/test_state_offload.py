@@ -14,7 +14,8 @@ from planner_factories import offload_problem
 
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.cluster import Cluster
-from uniap_lightning.planner.config import build_problem, load_group
+from uniap_lightning.planner.config import load_group
+from uniap_lightning.profiling.pricing import build_problem
 from uniap_lightning.planner.cost.layer import Pricing, layer_cost, strategies_for
 from uniap_lightning.planner.decision import Strategy
 from uniap_lightning.planner.plan import PLAN_FORMAT_VERSION, Plan

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from planner_factories import forced_problem
 
-from uniap_lightning.planner.config import build_problem
+from uniap_lightning.profiling.pricing import build_problem
 from uniap_lightning.planner.solver import solve
 from uniap_lightning.planner.viz import draw_plan, label_key, pipeline_timeline
 

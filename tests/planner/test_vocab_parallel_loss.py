@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from uniap_lightning.planner.config import cluster_from, load_group, model_spec_from  # noqa: E402
-from uniap_lightning.planner.analytic import analytic_profile  # noqa: E402
+from uniap_lightning.profiling.pricing import analytic_profile  # noqa: E402
 from uniap_lightning.planner.cost.comm import all_reduce_s  # noqa: E402
 from uniap_lightning.profiling import roofline as R  # noqa: E402
 

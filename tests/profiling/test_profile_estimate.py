@@ -16,7 +16,8 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from uniap_lightning.cli.estimate import CORPUS_VOCAB, config_work
-from uniap_lightning.planner.analytic import ModelSpec, analytic_profile
+from uniap_lightning.planner.analytic import ModelSpec
+from uniap_lightning.profiling.pricing import analytic_profile
 from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.profiling import estimate as est
 from uniap_lightning.profiling.estimate import Prediction, Rates, Work, estimate_line, predict, profile_sizes

@@ -315,7 +315,7 @@ def test_padded_micro_batches_give_the_whole_batch_loss() -> None:
 
 def _runs_and_keys(family: str, **config: Any) -> tuple[list[tuple[int, int]], list[Any], list[str]]:
     """The grouped MILP's runs on a measured profile of the tiny ``family`` model, with each layer's structure."""
-    from uniap_lightning.planner.config import build_problem
+    from uniap_lightning.profiling.pricing import build_problem
     from uniap_lightning.planner.cost.tables import CostTables
     from uniap_lightning.profiling.aggregate import structure_key
     from uniap_lightning.profiling.measure import profile_layers

@@ -15,6 +15,8 @@ from uniap_lightning.planner.report import make_console
 from rich.markup import escape
 
 from uniap_lightning.planner.config import CONF_DIR, build_problem
+# a roofline cluster's layers are traced with torch above the planner: handed in (torch loads on first use)
+from uniap_lightning.profiling.pricing import roofline
 from uniap_lightning.planner.dimensions import OPT_INS
 from uniap_lightning.errors import InfeasibleError, UniAPError
 from uniap_lightning.files import check_output_file, read_json, write_json_atomic
@@ -41,6 +43,7 @@ def _problem(cfg: DictConfig) -> Problem:
         mb = list(mb) if OmegaConf.is_list(mb) else [mb]
     return build_problem(
         compression=_compression(cfg),
+        roofline=roofline,
         **{option: cfg.get(option) for option in OPT_INS},
         model=model,
         cluster=cluster,

@@ -27,14 +27,23 @@ Sources of the formulas (per sample, sequence length ``s``, hidden ``h``, heads 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.cluster import Cluster
 # the model description (its fields and checks) is a module of its own; imported from here as before
 from uniap_lightning.planner.model_spec import (BLOCK_LAYER, DTYPE_BYTES, EMBED_LAYER, LIMITS, LM_HEAD_LAYER,
                                                 ModelSpec, Segment, lm_layer_names)
 from uniap_lightning.planner.profile import LayerProfile, ModelProfile
 
-__all__ = ["BLOCK_LAYER", "DTYPE_BYTES", "EMBED_LAYER", "LIMITS", "LM_HEAD_LAYER", "ModelSpec", "Segment",
-           "analytic_profile", "block_profile", "config_fingerprint", "lm_layer_names", "scale_for"]
+__all__ = ["BLOCK_LAYER", "DTYPE_BYTES", "EMBED_LAYER", "LIMITS", "LM_HEAD_LAYER", "ModelSpec", "RooflinePricer",
+           "Segment", "analytic_profile", "block_profile", "config_fingerprint", "lm_layer_names", "scale_for"]
+
+#: prices a model on a cluster whose ``compute_model`` is ``"roofline"``: ``(spec, cluster, the flat profile) ->
+#: the profile`` with each layer traced as operations and priced on the catalogue device. Tracing needs torch, so
+#: it lives above the planner (:func:`uniap_lightning.profiling.roofline.roofline_profile`; torch-free to import:
+#: :func:`uniap_lightning.profiling.pricing.roofline`) and is passed in
+RooflinePricer = Callable[[ModelSpec, Cluster, ModelProfile], ModelProfile]
 
 #: tensor-parallel degrees a layer may take (those dividing its head and size counts)
 POW2 = (1, 2, 4, 8, 16, 32, 64)
@@ -115,16 +124,23 @@ def _mlp(spec: ModelSpec, s: int, h: int, f: int) -> tuple[float, float, float, 
     return params, flops, act, E * pe, sizes
 
 
-def analytic_profile(spec: ModelSpec, cluster: Cluster) -> ModelProfile:
+def analytic_profile(spec: ModelSpec, cluster: Cluster, roofline: RooflinePricer | None = None) -> ModelProfile:
     """The chain ``embedding, blocks..., head`` with analytic costs on ``cluster``'s device: FLOPs over the flat
     ``peak x efficiency``, or, for a cluster whose ``compute_model`` is ``"roofline"``, each layer traced as
-    operations and priced on the catalogue device (:func:`roofline_profile`)."""
+    operations and priced on the catalogue device by ``roofline`` (:data:`RooflinePricer`; the layers above the
+    planner pass :func:`uniap_lightning.profiling.pricing.roofline`, as ``uniap_lightning.build_problem`` and
+    ``uniap plan`` do); a roofline cluster without one is refused, naming both ways out."""
     profile = _flat_profile(spec, cluster)
-    if cluster.compute_model == "roofline":
-        from uniap_lightning.profiling.roofline import roofline_profile  # imports torch: only for this model
-
-        return roofline_profile(spec, cluster, profile)
-    return profile
+    if cluster.compute_model != "roofline":
+        return profile
+    if roofline is None:
+        raise UniAPError(
+            f"cluster '{cluster.name}' prices layers with the roofline model (compute_model: roofline, device "
+            f"{cluster.device}), which traces each layer with torch above the planner: pass "
+            "roofline=uniap_lightning.profiling.pricing.roofline (or use uniap_lightning.build_problem, which "
+            "does), or give the cluster peak_tflops and efficiency with compute_model: flat"
+        )
+    return roofline(spec, cluster, profile)
 
 
 def config_fingerprint(spec: ModelSpec) -> str:

@@ -19,7 +19,7 @@ from uniap_lightning.errors import UniAPError
 from uniap_lightning.files import check_yaml_limits, read_text
 from uniap_lightning.planner.dimensions import OPT_INS, opt_ins
 from uniap_lightning.planner.problem import Problem, TrainingConfig, compression_methods
-from uniap_lightning.planner.analytic import ModelSpec, analytic_profile
+from uniap_lightning.planner.analytic import ModelSpec, RooflinePricer, analytic_profile
 from uniap_lightning.planner.profile import ModelProfile, load_profile
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # uniap_lightning/conf: packaged with the wheel
@@ -89,10 +89,14 @@ def build_problem(
     training: str | dict[str, Any] | TrainingConfig | None = None,
     profile: str | Path | ModelProfile | None = None,
     compression: str | list[str] | tuple[str, ...] | None = None,
+    roofline: RooflinePricer | None = None,
     **overrides: Any,
 ) -> Problem:
     """A problem from a model config (analytic profile) or a profile file, a cluster and training settings.
     ``compression``: None (off), a method, "auto" (all) or a list: what the solver may choose per layer.
+    ``roofline``: what prices a model config on a cluster whose ``compute_model`` is ``"roofline"`` (torch's,
+    passed in from above the planner: :func:`uniap_lightning.profiling.pricing.roofline`;
+    ``uniap_lightning.build_problem`` is this function with it given).
     ``overrides``: the opt-in dimensions' options by name (:data:`~uniap_lightning.planner.dimensions.OPT_INS`,
     as ``UniAPStrategy`` takes them; None: off), the rest training settings."""
     allowed = opt_ins({k: overrides.pop(k) for k in OPT_INS if k in overrides})
@@ -100,7 +104,7 @@ def build_problem(
     if profile is not None:
         prof = profile if isinstance(profile, ModelProfile) else load_profile(profile)
     elif model is not None:
-        prof = analytic_profile(model_spec_from(model), cl)
+        prof = analytic_profile(model_spec_from(model), cl, roofline)
     else:
         raise UniAPError("give a model (a name from conf/model or a dict) or a profile file")
     return Problem(prof, cl, training_from(training, **overrides), compression=compression_methods(compression),
