@@ -14,6 +14,7 @@ whose compute_model is roofline (every shipped cluster naming a catalogue device
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 __version__ = "0.1.0"
@@ -47,7 +48,5 @@ _install()
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'uniap_lightning' has no attribute {name!r}")

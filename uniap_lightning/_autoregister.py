@@ -56,7 +56,7 @@ def make_strategy(**kwargs: Any) -> Any:
     """What ``"uniap"`` is registered as: builds a :class:`~uniap_lightning.strategy.UniAPStrategy`, importing it
     only when a Trainer asks for one. Registering the class itself would import it (and torch, and Lightning's
     submodules) in the middle of Lightning's own import, where half-made modules break the import."""
-    from uniap_lightning.strategy import UniAPStrategy
+    from uniap_lightning.strategy import UniAPStrategy  # deferred: loads torch and lightning, at every start else
 
     return UniAPStrategy(**kwargs)
 

@@ -14,6 +14,9 @@ import torch
 # submodules, not `lightning.pytorch` itself: the strategy imports this module while Lightning may still be importing
 # its strategies (the registration hook), when `lightning.pytorch.Callback` does not exist yet
 from lightning.pytorch.callbacks import Callback, RichProgressBar
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torch.distributed.checkpoint.api import CheckpointException
 
 from uniap_lightning.runtime.checkpoint_safety import checkpoint_problem
 
@@ -127,10 +130,6 @@ class CheckpointOnSigterm(Callback):
         self.failed: str | None = None
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        from lightning.pytorch.trainer.states import TrainerFn
-        from lightning.pytorch.utilities.exceptions import SIGTERMException
-        from torch.distributed.checkpoint.api import CheckpointException
-
         if not isinstance(exception, SIGTERMException) or trainer.state.fn != TrainerFn.FITTING:
             return
         path = self.dirpath / f"step-{trainer.global_step:08d}.ckpt"

@@ -49,11 +49,14 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.files import write_json_atomic
@@ -101,8 +104,6 @@ def run_record(setup_result: Any, plan: Any) -> dict[str, Any]:
     """What a measured file belongs to (``run``): the plan, and where setup had them, the cluster description, the
     model profile and the training settings it was planned with, so ``uniap explain measured=FILE`` re-scores the
     same problem (and refuses another model or cluster)."""
-    from dataclasses import asdict
-
     record: dict[str, Any] = {"model": plan.model, "cluster": plan.cluster, "devices": plan.num_devices,
                               "model_fingerprint": plan.model_fingerprint, "plan": plan.to_dict()}
     cluster = getattr(setup_result, "planning_cluster", None)
@@ -209,15 +210,11 @@ class UniAPMonitor(pl.Callback):
     # ---------------------------------------------------------------- reporting
     @staticmethod
     def _distributed() -> bool:
-        import torch.distributed as dist
-
         return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
     def _start_report(self, device: torch.device) -> None:
         """Start gathering every rank's (median step time, peak memory) of the window just measured (on the
         strategy's device: NCCL gathers CUDA tensors, gloo CPU ones)."""
-        import torch.distributed as dist
-
         work = statistics.median(self._work) if len(self._work) == len(self._times) else -1.0
         process = max(self._process_peaks) if self._process_peaks else -1.0
         mine = torch.tensor([statistics.median(self._times), max(self._peaks), *getattr(self, "_sync", (0, 0)), work,
@@ -315,7 +312,6 @@ class UniAPMonitor(pl.Callback):
             assert self._path is not None  # resolved in on_train_start, on every rank
             self._write(self._path, report)
             err = report.get("step_time_error")
-            from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
             mem = f"peak memory {max(rank_peak) / 2**20:,.1f} MiB"
             if plan is not None and plan.estimate is not None:

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -174,9 +176,6 @@ class SetupSigterm:
     def install_once(forward: Callable[[int], None] | None = None) -> SetupSigterm | None:
         """Install a handler unless one of these is already installed (the CLI's, which also forwards to the ranks
         it started) or this is not the main thread (where handlers cannot be set)."""
-        import signal
-        import threading
-
         if threading.current_thread() is not threading.main_thread():
             return None
         current = signal.getsignal(signal.SIGTERM)
@@ -189,8 +188,6 @@ class SetupSigterm:
         return handler
 
     def __call__(self, signum: int, frame: Any) -> None:
-        import signal
-
         if signal.getsignal(signal.SIGTERM) is not self:
             return  # called by Lightning's handler: training is on, AgreedSigterm decides
         global _received

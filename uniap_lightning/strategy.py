@@ -13,13 +13,20 @@ import torch
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
+from uniap_lightning import error_hook
+from uniap_lightning._autoregister import register
+from uniap_lightning.callbacks import TrainLossLogger, fix_default_progress_bar
+from uniap_lightning.monitor import UniAPMonitor
 from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.errors import UniAPError
-from uniap_lightning.setup import SetupOptions, SetupResult
+from uniap_lightning.rebalance import plan_and_apply
+from uniap_lightning.runtime.checks import (check_module_supported, check_pinned_world, check_slurm, check_slurm_task,
+                                            clear_comm_errors)
+from uniap_lightning.setup import Ranks, SetupOptions, SetupResult
 from uniap_lightning.strategy_checkpoints import CheckpointIO
 from uniap_lightning.strategy_steps import Steps
 from uniap_lightning.planner.plan import Plan
@@ -129,8 +136,6 @@ class UniAPStrategy(CheckpointIO, Steps, ModelParallelStrategy):
     ) -> None:
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise UniAPError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
-        from uniap_lightning.runtime.checks import check_slurm_task
-
         check_slurm_task()  # before the Trainer reads SLURM_NTASKS (Lightning's RuntimeError / KeyError otherwise)
         super().__init__(save_distributed_checkpoint=True, process_group_backend=process_group_backend,
                          timeout=timedelta(seconds=timeout_s))
@@ -154,8 +159,6 @@ class UniAPStrategy(CheckpointIO, Steps, ModelParallelStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Make ``Trainer(strategy="uniap")`` work (called by Lightning for its own strategies, and by us)."""
-        from uniap_lightning._autoregister import register
-
         register(strategy_registry)
 
     # ------------------------------------------------------------------ properties
@@ -207,8 +210,6 @@ class UniAPStrategy(CheckpointIO, Steps, ModelParallelStrategy):
     # ------------------------------------------------------------------ environment
     @override
     def setup_environment(self) -> None:
-        from uniap_lightning.runtime.checks import check_pinned_world, check_slurm
-
         check_slurm(self.cluster_environment, num_nodes=self.num_nodes, devices=self.num_processes)
         check_pinned_world(self._setup_options.pinned_plan, num_nodes=self.num_nodes, devices=self.num_processes)
         SetupSigterm.install_once(forward=self._forward_sigterm)  # until Lightning registers its handlers
@@ -232,8 +233,6 @@ class UniAPStrategy(CheckpointIO, Steps, ModelParallelStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        from uniap_lightning.runtime.checks import check_module_supported
-
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         if self._runtime is not None and self._runtime.chain.module is not self.lightning_module:
@@ -241,9 +240,6 @@ class UniAPStrategy(CheckpointIO, Steps, ModelParallelStrategy):
                              "(and strategy) for each model")
         check_module_supported(self.lightning_module, self.precision_plugin)
         if self._runtime is None:
-            from uniap_lightning import error_hook
-            from uniap_lightning.callbacks import fix_default_progress_bar
-
             fix_default_progress_bar(trainer)
             error_hook.install(rank=self.global_rank)  # a setup refusal ends the script with one line, on rank 0
             _materialize_distributed_module(self.model, self.root_device)
@@ -269,9 +265,6 @@ class UniAPStrategy(CheckpointIO, Steps, ModelParallelStrategy):
     def _plan_and_apply(self, trainer: pl.Trainer) -> Runtime:
         """Setup's decision (agreed on by every rank, printed on rank 0), then the plan applied on this rank; with
         ``rebalance=True`` also what re-planning needs (:func:`uniap_lightning.rebalance.plan_and_apply`)."""
-        from uniap_lightning.rebalance import plan_and_apply
-        from uniap_lightning.setup import Ranks
-
         ranks = Ranks(rank=self.global_rank, world_size=self.world_size, num_nodes=self.num_nodes,
                       devices_per_node=self.num_processes, device=self.root_device)
         self._setup_result, runtime, self._rebalancer = plan_and_apply(self, trainer, ranks=ranks,
@@ -280,9 +273,6 @@ class UniAPStrategy(CheckpointIO, Steps, ModelParallelStrategy):
         return runtime
 
     def _install_callbacks(self, trainer: pl.Trainer) -> None:
-        from uniap_lightning.callbacks import TrainLossLogger
-        from uniap_lightning.monitor import UniAPMonitor
-
         if not any(isinstance(cb, TrainLossLogger) for cb in trainer.callbacks):
             # first, so every later callback (progress bar, checkpointing, the user's) sees this batch's loss
             trainer.callbacks.insert(0, TrainLossLogger(self))
@@ -322,8 +312,6 @@ class UniAPStrategy(CheckpointIO, Steps, ModelParallelStrategy):
         """Run ``fn`` (a collective or a wait on one); a failure, usually a peer process that died, becomes a
         :class:`UniAPError` naming this rank instead of a backend traceback. For callbacks that issue collectives
         of their own (the monitor does)."""
-        from uniap_lightning.runtime.checks import clear_comm_errors
-
         return clear_comm_errors(fn, rank=self.global_rank)
 
     # ------------------------------------------------------------------ clipping
@@ -353,10 +341,6 @@ class UniAPStrategy(CheckpointIO, Steps, ModelParallelStrategy):
 
 
 def _register_on_import() -> None:
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    from uniap_lightning._autoregister import register
-
     register(StrategyRegistry)
 
 

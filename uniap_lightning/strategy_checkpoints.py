@@ -8,7 +8,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
+
+from uniap_lightning.errors import UniAPError
+from uniap_lightning.runtime import checkpoint as checkpoints  # as a module: tests patch its functions
+from uniap_lightning.runtime import compression_state, export
+from uniap_lightning.runtime.checkpoint import model_state, optimizer_state, save_published
+from uniap_lightning.runtime.resume_checks import check_lightning_version, check_resume_counters
 
 if TYPE_CHECKING:
     from torch.optim import Optimizer
@@ -21,16 +29,10 @@ class CheckpointIO:
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        from uniap_lightning.runtime.checkpoint import model_state
-
         return model_state(self.lightning_module)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        from lightning.pytorch.core.optimizer import LightningOptimizer
-
-        from uniap_lightning.runtime.checkpoint import optimizer_state
-
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         return optimizer_state(self.lightning_module, optimizer)
@@ -41,9 +43,6 @@ class CheckpointIO:
         under its real name is always complete (every shard, ``.metadata`` and ``meta.pt``), even if a rank is
         killed mid-write. A rank whose peer dies meanwhile fails with a :class:`UniAPError`. Each rank also writes
         its gradient compressors' state there (:mod:`uniap_lightning.runtime.compression_state`)."""
-        from uniap_lightning.runtime import compression_state
-        from uniap_lightning.runtime.checkpoint import save_published
-
         checkpoint["uniap_plan"] = self.plan.to_dict()
 
         def write(to: Path) -> None:
@@ -61,15 +60,9 @@ class CheckpointIO:
         beyond plain data, whatever ``weights_only`` says: a crafted file is refused with a :class:`UniAPError`, as
         is a loop state Lightning could not resume from (:mod:`uniap_lightning.runtime.resume_checks`).
         The gradient compressors' state is restored under the same layout, else starts from zero (a warning)."""
-        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-
-        from uniap_lightning.runtime import compression_state
-        from uniap_lightning.runtime.checkpoint import load_any
-        from uniap_lightning.runtime.resume_checks import check_lightning_version, check_resume_counters
-
         path = Path(self.broadcast(str(checkpoint_path)))
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
-        loaded = load_any(path, self.lightning_module, optimizers, guard=self.guard)
+        loaded = checkpoints.load_any(path, self.lightning_module, optimizers, guard=self.guard)
         # what Lightning's upgrade of the loop state and its resume rely on (one line, not a KeyError on each rank)
         where = path / "meta.pt" if path.is_dir() else path
         check_resume_counters(check_lightning_version(loaded, where), where)
@@ -87,10 +80,6 @@ class CheckpointIO:
         A destination rank 0 cannot write (a missing or read-only folder, a path below a file) is refused on every
         rank with one :class:`~uniap_lightning.errors.UniAPError` before the weights are gathered: rank 0's
         verdict is broadcast, so no rank waits in a collective that another rank has left."""
-        from uniap_lightning.errors import UniAPError
-        from uniap_lightning.runtime import export
-        from uniap_lightning.runtime.checkpoint import save_consolidated
-
         problem = None
         if self.global_rank == 0:
             try:
@@ -100,4 +89,4 @@ class CheckpointIO:
         problem = self.broadcast(problem)
         if problem is not None:
             raise UniAPError(problem)
-        save_consolidated(self.lightning_module, path, rank=self.global_rank, format=format)
+        checkpoints.save_consolidated(self.lightning_module, path, rank=self.global_rank, format=format)

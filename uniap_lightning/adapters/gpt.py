@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -118,8 +119,6 @@ class Block(nn.Module):
     def uniap_enable_cp(self, group: Any, *, method: str = "ulysses", counter: Any = None) -> None:
         """Run attention with Ulysses or ring attention (``method``) over ``group`` (the inputs are this rank's
         contiguous sequence pieces); ``counter`` (a ``sequence.AllToAllCounter``) counts the elements sent."""
-        import torch.distributed as dist
-
         if method not in CP_METHODS:
             raise UniAPError(f"GPT Block: context-parallel method {method!r} is not one of {list(CP_METHODS)}")
         if method == "ulysses":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
 from pathlib import Path
@@ -13,14 +14,23 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from uniap_lightning.planner.report import make_console
 from rich.markup import escape
+from rich.table import Table
 
+from uniap_lightning.cli import measured as recorded
+from uniap_lightning.cli.own_configs import hydra_search_path, original_overrides
+from uniap_lightning.cli.ranks import report_error_to_launcher
+from uniap_lightning.planner import fields as F
 from uniap_lightning.planner.config import CONF_DIR, build_problem
 # a roofline cluster's layers are traced with torch above the planner: handed in (torch loads on first use)
 from uniap_lightning.profiling.pricing import roofline
+from uniap_lightning.planner.cost import evaluate
 from uniap_lightning.planner.dimensions import OPT_INS
 from uniap_lightning.errors import InfeasibleError, UniAPError
 from uniap_lightning.files import check_output_file, read_json, write_json_atomic
+from uniap_lightning.planner.plan import Plan
 from uniap_lightning.planner.problem import Problem, compression_methods
+from uniap_lightning.planner.report import explain_renderables, print_plan
+from uniap_lightning.planner.viz import draw_plan
 from uniap_lightning.planner.search_options import (DEFAULT_SCHEDULE, check_pipeline_degrees, check_schedule_name,
                                                    check_solver, check_time_limit, check_virtual_stages)
 from uniap_lightning.values import flag
@@ -108,8 +118,6 @@ def _measured(path: str) -> dict[str, Any]:
 def _check_rebalances(events: Any, where: str) -> None:
     """The monitor's ``rebalances``: a list of switch records; the fields the table prints must have their
     types (a wrong one is one error line, not a traceback while printing)."""
-    from uniap_lightning.planner import fields as F
-
     for i, e in enumerate(F.array(events, where)):
         w = f"{where}[{i}]"
         F.obj(e, w)
@@ -171,8 +179,6 @@ def _record(result: dict[str, Any]) -> None:
 def _fail(err: UniAPError, cfg: DictConfig) -> None:
     """One line on stderr and exit status 2, or, in a sweep, the job's row (its error and the status it would
     have exited with alone: the sweep exits with the worst). "No plan fits" with ``allow_no_plan=true``: status 0."""
-    from uniap_lightning.cli.ranks import report_error_to_launcher
-
     no_plan = isinstance(err, InfeasibleError)
     try:
         allowed = no_plan and _allow_no_plan(cfg)
@@ -189,8 +195,7 @@ def _fail(err: UniAPError, cfg: DictConfig) -> None:
 
 
 def run_plan(cfg: DictConfig) -> None:
-    from uniap_lightning.planner.report import print_plan
-    from uniap_lightning.planner.solver import solve
+    from uniap_lightning.planner.solver import solve  # deferred: loads mip (~70 ms); evaluate and train don't solve
 
     console = make_console()
     try:
@@ -214,8 +219,6 @@ def run_plan(cfg: DictConfig) -> None:
             plan.to_json(cfg.out)
             console.print(f"plan written to {cfg.out}")
         if cfg.viz:
-            from uniap_lightning.planner.viz import draw_plan
-
             draw_plan(plan, problem, cfg.viz)
             console.print(f"picture written to {cfg.viz}")
     except UniAPError as err:
@@ -241,10 +244,6 @@ def run_plan(cfg: DictConfig) -> None:
 
 
 def run_evaluate(cfg: DictConfig) -> None:
-    from uniap_lightning.planner.cost import evaluate
-    from uniap_lightning.planner.plan import Plan
-    from uniap_lightning.planner.report import print_plan
-
     console = make_console()
     try:
         if not cfg.plan:
@@ -269,12 +268,7 @@ def run_evaluate(cfg: DictConfig) -> None:
 
 
 def run_explain(cfg: DictConfig) -> None:
-    from uniap_lightning.planner.cost import evaluate
-    from uniap_lightning.planner.plan import Plan
-    from uniap_lightning.planner.report import explain_renderables, print_plan
-    from uniap_lightning.planner.solver import solve
-
-    from uniap_lightning.cli import measured as recorded
+    from uniap_lightning.planner.solver import solve  # deferred: loads mip (~70 ms); evaluate and train don't solve
 
     console = make_console()
     note = title = None
@@ -321,8 +315,6 @@ def run_explain(cfg: DictConfig) -> None:
 
 def _rebalance_table(events: list[Any]) -> Any:
     """The plan switches of a ``rebalance=True`` run, from the monitor's file."""
-    from rich.table import Table
-
     table = Table(title="Plan switches during training (rebalance=True)")
     for col in ("step", "from", "to", "why", "predicted", "measured", "switch s"):
         table.add_column(col)
@@ -333,6 +325,13 @@ def _rebalance_table(events: list[Any]) -> Any:
                           escape(str(e.get("reason", ""))), pct(e.get("predicted_gain")), pct(e.get("measured_gain")),
                           f"{e['switch_s']:.2f}" if isinstance(e.get("switch_s"), (int, float)) else "-")
     return table
+
+
+def quiet_solver_banner() -> None:
+    """python-mip logs "Using Python-MIP package version X" at INFO when first imported; with Hydra's logging on
+    stdout that line came before every error and once per training rank. Its warnings still show. (Called before
+    a command runs: mip is imported by the solver, which no module loads at import.)"""
+    logging.getLogger("mip").setLevel(logging.WARNING)
 
 
 @hydra.main(version_base="1.3", config_path=CONF, config_name="plan")
@@ -352,8 +351,7 @@ def explain_main(cfg: DictConfig) -> None:
 
 @hydra.main(version_base="1.3", config_path=CONF, config_name="fit")
 def train_main(cfg: DictConfig) -> None:
-    from uniap_lightning.cli.own_configs import hydra_search_path, original_overrides
-    from uniap_lightning.cli.train import run_train
+    from uniap_lightning.cli.train import run_train  # deferred: loads torch; planning on a flat cluster never does
 
     # the ranks it starts get the command line as given (a YAML path, not the name it is registered under) and the
     # user's config folders (--config-dir is a flag, hydra.searchpath a Hydra override: neither is a task override)

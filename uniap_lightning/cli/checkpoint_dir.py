@@ -11,6 +11,7 @@ created it and left it empty, so a finished demo leaves nothing behind in the cl
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import stat
 from pathlib import Path
@@ -49,8 +50,6 @@ class CheckpointDirLock:
         a hard link to some other file (or a FIFO, a device) is never written: it is unlinked as a name and the
         lock file created anew (``O_EXCL``); a symbolic link is refused by ``O_NOFOLLOW`` and replaced the same
         way. The flock comes first, so a running run's lock is never taken from it."""
-        import fcntl
-
         path = self.folder / LOCK_NAME
         flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
         for _ in range(3):

@@ -8,11 +8,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from uniap_lightning.errors import UniAPError
+
 
 def main(argv: list[str]) -> int:
-    from uniap_lightning.errors import UniAPError
-    from uniap_lightning.runtime.checkpoint import consolidate_checkpoint
-    from uniap_lightning.runtime.export import FORMATS, check_destination, resolve_format
+    # cli.main imports this module for `uniap --help` too, which runs without torch
+    from uniap_lightning.runtime.checkpoint import consolidate_checkpoint  # deferred: loads torch
+    from uniap_lightning.runtime.export import FORMATS, check_destination, resolve_format  # deferred: loads torch
 
     p = argparse.ArgumentParser(prog="uniap export", description=(
         "A checkpoint folder (what Trainer(strategy='uniap') saves, under any plan) as full weights: one safetensors "

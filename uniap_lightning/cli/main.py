@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import sys
 
+from uniap_lightning.cli import export, interrupts
+from uniap_lightning.errors import UniAPError
+
 USAGE = """usage: uniap <command> [key=value ...] [-m]
 
 commands:
@@ -43,13 +46,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"uniap: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2
     if command != "export" and any(arg in ("-h", "--help") for arg in rest):  # export: argparse's own help
-        from uniap_lightning.cli.help_text import print_help  # the schemas' modules: only when asked
+        from uniap_lightning.cli.help_text import print_help  # deferred: loads hydra, omegaconf, rich: the schemas
 
         return print_help(command, rest)
-    from uniap_lightning.cli import interrupts
-
     interrupts.install()
-    _quiet_solver_banner()
     try:
         return _run(command, rest)
     except KeyboardInterrupt:
@@ -63,19 +63,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(command: str, rest: list[str]) -> int:
     if command == "export":  # plain arguments, no Hydra config
-        from uniap_lightning.cli import export
-
         return export.main(rest)
-    from uniap_lightning.cli.overrides import check_command_line
-    from uniap_lightning.errors import UniAPError
+    from uniap_lightning.cli.overrides import check_command_line  # deferred: loads omegaconf and the planner
 
     try:
         rest = check_command_line(command, rest)
     except UniAPError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    from uniap_lightning.cli import apps
+    from uniap_lightning.cli import apps  # deferred: loads hydra, omegaconf and rich; `uniap export` doesn't
 
+    apps.quiet_solver_banner()
     table = {"plan": apps.plan_main, "evaluate": apps.evaluate_main, "explain": apps.explain_main,
              "train": apps.train_main}
     sys.argv = [f"uniap-{command}", *rest]
@@ -83,19 +81,9 @@ def _run(command: str, rest: list[str]) -> int:
     return 0
 
 
-def _quiet_solver_banner() -> None:
-    """python-mip logs "Using Python-MIP package version X" at INFO when first imported; with Hydra's logging on
-    stdout that line came before every error and once per training rank. Its warnings still show."""
-    import logging
-
-    logging.getLogger("mip").setLevel(logging.WARNING)
-
-
 def _stop_interrupted() -> None:
     """Ctrl-C reached the top: one line (unless the first Ctrl-C printed its own), exit status 130 at once (the
     interpreter's teardown would wait for solver threads and process groups)."""
-    from uniap_lightning.cli import interrupts
-
     if not interrupts.hinted() and interrupts.is_launching_rank():
         print("interrupted", file=sys.stderr)
     interrupts.stop_now(interrupts.INTERRUPTED_EXIT_CODE)

@@ -13,6 +13,11 @@ from __future__ import annotations
 from typing import Any
 
 from uniap_lightning.errors import UniAPError
+from uniap_lightning.planner import fields as F
+from uniap_lightning.planner.cluster import Cluster
+from uniap_lightning.planner.plan import Plan
+from uniap_lightning.planner.problem import Problem, TrainingConfig
+from uniap_lightning.planner.profile import ModelProfile
 
 #: command-line keys that choose what to explain
 CHOOSING = ("model", "cluster", "plan", "profile")
@@ -35,8 +40,6 @@ def given_on_command_line() -> set[str]:
 
 def recorded_run(data: dict[str, Any], path: str) -> dict[str, Any] | None:
     """The file's ``run`` record with the fields used here checked; ``None`` for a file without one."""
-    from uniap_lightning.planner import fields as F
-
     run = data.get("run")
     if run is None:
         return None
@@ -73,11 +76,6 @@ def check_same_run(run: dict[str, Any], problem: Any, plan: Any, path: str) -> N
 def recorded_problem(run: dict[str, Any], path: str) -> tuple[Any, Any] | None:
     """The recorded problem and plan (``None`` when the record lacks the profile or the cluster description:
     a pinned plan with no profile)."""
-    from uniap_lightning.planner.cluster import Cluster
-    from uniap_lightning.planner.plan import Plan
-    from uniap_lightning.planner.problem import Problem, TrainingConfig
-    from uniap_lightning.planner.profile import ModelProfile
-
     if not (run.get("cluster_spec") and run.get("profile")):
         return None
     where = f"measured={path}: run"

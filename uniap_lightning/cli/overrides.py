@@ -4,14 +4,20 @@ override and what would be accepted, raised as :class:`~uniap_lightning.errors.U
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import inspect
 import re
 from typing import Any
 
+from uniap_lightning.cli import own_configs
 from uniap_lightning.cli.train_checks import DATA_KEYS, OWN_TRAINER_ARGUMENTS
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.analytic import ModelSpec
 from uniap_lightning.planner.cluster import Cluster
+from uniap_lightning.planner.config import CONF_DIR, TrainingConfig
+from uniap_lightning.planner.config_schema import STRATEGY_TARGET, declared, plan_schema, strategy_arguments
+from uniap_lightning.planner.decision import CP_METHODS, DP_MODES
 
 #: the config each command composes (``conf/<name>.yaml``)
 CONFIG_NAME = {"plan": "plan", "evaluate": "plan", "explain": "plan", "train": "fit"}
@@ -23,8 +29,6 @@ def check_command_line(command: str, args: list[str]) -> list[str]:
     ``cluster=`` / ``train=`` choice is read and checked first (a name, shipped or in the user's ``--config-dir`` /
     ``hydra.searchpath`` folders, or a path to a YAML file: see :mod:`uniap_lightning.cli.own_configs`), and a
     path is replaced by the name its file is registered under."""
-    from uniap_lightning.cli import own_configs
-
     flags = parse_flags(command, args)
     overrides = list(flags.overrides or [])
     _parse_overrides(overrides)
@@ -116,8 +120,6 @@ def compose_checked(config_name: str, overrides: list[str]) -> Any:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from uniap_lightning.planner.config import CONF_DIR
-
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             cfg = compose(config_name=config_name, overrides=overrides)
@@ -140,10 +142,6 @@ PLANNER_CHOOSES = {"dp": "data-parallel degree", "tp": "tensor-parallel degree",
 def known_settings(config_name: str) -> tuple[str, ...]:
     """The top-level keys a config has (``plan``: the planning options' schema; ``fit``: ``conf/fit.yaml``'s keys
     and groups): a ``+key`` beyond them would be read by nothing."""
-    import dataclasses
-
-    from uniap_lightning.planner.config_schema import plan_schema
-
     if config_name == "plan":
         return tuple(f.name for f in dataclasses.fields(plan_schema()))
     return _fit_settings()
@@ -151,8 +149,6 @@ def known_settings(config_name: str) -> tuple[str, ...]:
 
 def _fit_settings() -> tuple[str, ...]:
     from omegaconf import OmegaConf
-
-    from uniap_lightning.planner.config import CONF_DIR
 
     raw = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "fit.yaml"))
     groups = [next(iter(d)) for d in raw.get("defaults", []) if isinstance(d, dict)
@@ -183,8 +179,6 @@ def check_settings(config_name: str, cfg: Any, overrides: list[str]) -> None:
                     raise UniAPError(_unknown_field(config_name, group, rest, fields, overrides))
     strategy = cfg.get("strategy") if config_name == "fit" else None
     if strategy is not None and hasattr(strategy, "keys"):
-        from uniap_lightning.planner.config_schema import STRATEGY_TARGET
-
         if strategy.get("_target_") == STRATEGY_TARGET:
             for key in strategy:
                 if key != "_target_" and key not in _strategy_arguments():
@@ -208,8 +202,6 @@ def group_fields(config_name: str, group: str) -> tuple[str, ...] | None:
     if group == "cluster" and config_name == "plan":
         return tuple(sorted({*Cluster.__dataclass_fields__, "device_groups"}))
     if group == "train" and config_name == "plan":
-        from uniap_lightning.planner.config import TrainingConfig
-
         return tuple(sorted(TrainingConfig.__dataclass_fields__))
     if group == "data" and config_name == "fit":
         return DATA_KEYS
@@ -229,8 +221,6 @@ def _trainer_arguments() -> tuple[str, ...] | None:
 def _unknown_field(config_name: str, group: str, key: str, fields: tuple[str, ...], overrides: list[str]) -> str:
     """One line for ``group.key`` that the group's schema does not have: the nearest field (``did you mean
     model.layers?``) or the fields there are; no ``+`` form (the command would refuse the added key)."""
-    import difflib
-
     given = _given(f"{group}.{key}", overrides)
     who, what = _GROUP.get(group, (group, "key"))
     message = f"{given}: {who} has no {what} {key!r}"
@@ -243,8 +233,6 @@ def _unknown_field(config_name: str, group: str, key: str, fields: tuple[str, ..
 
 
 def _strategy_arguments() -> tuple[str, ...]:
-    from uniap_lightning.planner.config_schema import strategy_arguments
-
     return tuple(a.name for a in strategy_arguments())
 
 
@@ -260,8 +248,6 @@ def _given(key: str, overrides: list[str]) -> str:
 def unknown_setting(config_name: str, key: str, overrides: list[str]) -> str:
     """One line for a top-level key a command does not have: no ``+`` form is suggested (nothing would read it);
     a close name, or what the planner decides itself (with the values it chooses among), and the keys there are."""
-    import difflib
-
     known = known_settings(config_name)
     given = _given(key, overrides)
     command = _COMMAND.get(config_name, "this command")
@@ -283,8 +269,6 @@ def unknown_setting(config_name: str, key: str, overrides: list[str]) -> str:
 def _chooses(key: str, given: str) -> str:
     """"the planner chooses each layer's context-parallel method among 'ulysses', 'ring' itself ('x' is none of
     them)": what the planner decides for a key of :data:`PLANNER_CHOOSES`, with the values it chooses among."""
-    from uniap_lightning.planner.decision import CP_METHODS, DP_MODES
-
     choices = {"cp_method": [m for m in CP_METHODS if m != "none"], "dp_mode": list(DP_MODES)}.get(key)
     value = given.partition("=")[2]
     among = f" among {', '.join(repr(c) for c in choices)}" if choices else ""
@@ -294,8 +278,6 @@ def _chooses(key: str, given: str) -> str:
 
 def _unknown_argument(key: str, overrides: list[str]) -> str:
     """``strategy.X`` that ``UniAPStrategy`` has no argument for."""
-    import difflib
-
     arguments = _strategy_arguments()
     close = difflib.get_close_matches(key, arguments, n=1)
     hint = f" (did you mean strategy.{close[0]}?)" if close else ""
@@ -353,8 +335,6 @@ def _wrong_type(err: Exception) -> str | None:
     cause = err if isinstance(err, ValidationError) else err.__cause__
     if not isinstance(cause, ValidationError) or not cause.full_key:
         return None
-    from uniap_lightning.planner.config_schema import declared
-
     key = str(cause.full_key)
     reason = (str(cause.msg).splitlines() or ["not of the field's type"])[0]
     hint = declared(key)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from uniap_lightning.errors import UniAPError
+from uniap_lightning.planner.config import CONF_DIR, load_group
 
 #: the config groups a user may bring their own entries for
 GROUPS = ("model", "cluster", "train")
@@ -107,8 +108,6 @@ def hydra_search_path() -> SearchPath:
 def strategy_cluster(cluster: Any, dirs: list[Path]) -> Any:
     """``strategy.cluster``: a name found in the user's folders becomes the path of its file (the strategy itself
     knows the shipped names and paths only); anything else is the strategy's to check."""
-    from uniap_lightning.planner.config import CONF_DIR
-
     if not isinstance(cluster, str) or is_path(cluster) or (CONF_DIR / "cluster" / f"{cluster}.yaml").is_file():
         return cluster
     found = find("cluster", cluster, dirs) if "/" not in cluster else None
@@ -123,8 +122,6 @@ def is_path(value: str) -> bool:
 def find(group: str, name: str, dirs: list[Path]) -> Path | None:
     """The file Hydra will compose for ``group=name``: the shipped one, else the first of ``dirs`` that has it.
     None when no folder has it (the shipped names are then the ones to list)."""
-    from uniap_lightning.planner.config import CONF_DIR
-
     for folder in (CONF_DIR, *dirs):
         path = folder / group / f"{name}.yaml"
         if path.is_file():
@@ -134,16 +131,12 @@ def find(group: str, name: str, dirs: list[Path]) -> Path | None:
 
 def available(group: str, dirs: list[Path]) -> list[str]:
     """Every name ``group=`` takes: shipped and in the user's folders."""
-    from uniap_lightning.planner.config import CONF_DIR
-
     return sorted({p.stem for folder in (CONF_DIR, *dirs) for p in (folder / group).glob("*.yaml")})
 
 
 def load(group: str, value: str, search: SearchPath) -> dict[str, Any] | None:
     """Read and check one ``group=value`` choice (a name, or a path to a YAML file) as Hydra will compose it; None
     for a name only a ``pkg://`` entry of the search path can hold (Hydra reads it)."""
-    from uniap_lightning.planner.config import load_group
-
     dirs = list(search.dirs)
     if is_path(value):
         path = Path(value).expanduser()

@@ -10,10 +10,13 @@ works while the main thread is blocked in C).
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 from types import TracebackType
@@ -105,10 +108,6 @@ def error_file_for(rank: int) -> Path:
     """A fresh file name for a started rank's error line (in a private temporary folder of this run)."""
     global _ERROR_DIR
     if _ERROR_DIR is None:
-        import atexit
-        import shutil
-        import tempfile
-
         _ERROR_DIR = Path(tempfile.mkdtemp(prefix="uniap-ranks-"))
         atexit.register(shutil.rmtree, _ERROR_DIR, True)
     return _ERROR_DIR / f"rank{rank}.error"

@@ -7,17 +7,21 @@ then trains as rank 0. Under SLURM ``srun`` starts the ranks and Lightning's SLU
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from uniap_lightning.cli.checkpoint_dir import lock_checkpoint_dir
 from uniap_lightning.cli.estimate import estimate
 from uniap_lightning.cli.launch import (CHILD_GRACE_S, end_children, launch_other_ranks, stopped_by_sigterm,
                                         threads_per_rank)
+from uniap_lightning.cli.own_configs import hydra_search_path, strategy_cluster
 from uniap_lightning.cli.pinned_plan import pin_plan
 from uniap_lightning.cli.train_checks import (check_environment, check_resume_state, check_train_config,
                                               check_trainer_arguments)
@@ -33,6 +37,7 @@ from uniap_lightning.cli.ranks import (
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.files import check_output_folder, write_json_atomic
 from uniap_lightning.profiling.estimate import SAID
+from uniap_lightning.sigterm import SetupSigterm, StoppedBySigterm
 
 
 def check_config(cfg: DictConfig) -> list[str]:
@@ -52,7 +57,7 @@ def build_module(cfg: DictConfig) -> tuple[Any, Any, int]:
 
 
 def _module_and_data(cfg: DictConfig) -> tuple[Any, Any, int]:
-    from uniap_lightning.data import TextDataModule
+    from uniap_lightning.data import TextDataModule  # deferred: loads lightning; the estimate prints before it
 
     module, seq_len = _module(cfg)
     data = TextDataModule(seq_len=seq_len, batch_size=int(cfg.data.batch_size), shuffle=bool(cfg.data.shuffle),
@@ -62,9 +67,9 @@ def _module_and_data(cfg: DictConfig) -> tuple[Any, Any, int]:
 
 def _module(cfg: DictConfig) -> tuple[Any, int]:
     """The model alone (no data, no checks: the caller has checked the config)."""
-    from uniap_lightning.adapters import CausalLMModule
-    from uniap_lightning.adapters.gpt import GPT, GPTConfig
-    from uniap_lightning.data import VOCAB_SIZE
+    from uniap_lightning.adapters import CausalLMModule  # deferred: loads lightning; the estimate prints before it
+    from uniap_lightning.adapters.gpt import GPT, GPTConfig  # deferred: loads lightning, as above
+    from uniap_lightning.data import VOCAB_SIZE  # deferred: loads lightning, as above
 
     spec = cfg.model
     seq_len = int(cfg.data.seq_len or spec.seq_len)
@@ -77,8 +82,6 @@ def _module(cfg: DictConfig) -> tuple[Any, int]:
 def _one_copy_of_each_log_line() -> None:
     """Lightning gives its loggers (``lightning``, ``lightning.pytorch``) handlers of their own; Hydra's logging
     setup gives the root logger one too, and messages that propagate printed every line twice. Keep only Hydra's."""
-    import logging
-
     if not logging.getLogger().handlers:
         return
     for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
@@ -93,8 +96,6 @@ def _quiet_library_warnings() -> None:
     deprecates (``isinstance(treespec, LeafSpec)``), once per rank; and at a mid-epoch resume Lightning calls the
     loader "not resumable" (it has no ``state_dict``), but the shipped data module builds a loader that starts at
     the checkpoint's batch (:class:`uniap_lightning.data.ResumableOrder`)."""
-    import warnings
-
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended before the epoch ended "
                             r"and your dataloader is not resumable")
@@ -103,8 +104,6 @@ def _quiet_library_warnings() -> None:
 def run_train(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
     """Train as this rank (starting the other ranks first when this process is the launcher), holding the lock on
     ``checkpoint_dir`` (:mod:`uniap_lightning.cli.checkpoint_dir`) for the whole run."""
-    from uniap_lightning.cli.checkpoint_dir import lock_checkpoint_dir
-
     notes = pin_plan(cfg, overrides) + check_config(cfg)  # a plan file's batch and processes first: checked as set
     said = None
     check_environment(cfg)  # a bad environment is refused before anything is said or measured
@@ -143,8 +142,6 @@ def _torch_threads() -> int | None:
 
 
 def _run_train_locked(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
-    from uniap_lightning.sigterm import SetupSigterm, StoppedBySigterm
-
     children: list[subprocess.Popen] = []
     # SIGTERM before training: this rank and the ranks it started stop at once (see SetupSigterm)
     SetupSigterm.install_once(forward=lambda signum: [c.send_signal(signum) for c in children if c.poll() is None])
@@ -192,7 +189,8 @@ def _train(cfg: DictConfig, overrides: list[str], resume: Path | None) -> dict[s
     import lightning.pytorch as pl
     from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
-    from uniap_lightning.callbacks import CheckpointOnSigterm, PerplexityLogger, StepProgressBar, ThroughputTimer
+    from uniap_lightning.callbacks import (  # deferred: loads lightning; the estimate prints before it
+        CheckpointOnSigterm, PerplexityLogger, StepProgressBar, ThroughputTimer)
 
     pl.seed_everything(int(cfg.seed), verbose=False)
     module, data, _ = _module_and_data(cfg)  # checked by run_train before any rank started
@@ -271,7 +269,7 @@ def check_before_launch(cfg: DictConfig) -> None:
 def _plan_work_rate(trainer: Any, batch: int) -> str:
     """", N in the plan's work": the monitor's last figure for the part of a step the plan predicts (on a CPU the
     prediction is compared with it, see uniap_lightning.monitor); empty without one."""
-    from uniap_lightning.monitor import UniAPMonitor
+    from uniap_lightning.monitor import UniAPMonitor  # deferred: loads lightning; the estimate prints before it
 
     for cb in trainer.callbacks:
         if isinstance(cb, UniAPMonitor) and cb.last and cb.last.get("plan_work_s"):
@@ -284,9 +282,10 @@ def resume_from(cfg: DictConfig) -> Path | None:
     skipped with a warning, and a fresh start says what was lost; none at all: a fresh start) or ``resume=PATH``
     (must be a usable checkpoint). Either is then checked against this run (:func:`check_resume`) before any rank
     starts: one error line for a checkpoint of another model or one already past ``trainer.max_steps``."""
-    from uniap_lightning.callbacks import newest_checkpoint
-    from uniap_lightning.runtime.checkpoint import is_complete_checkpoint, partial_path
-    from uniap_lightning.runtime.checkpoint_safety import checkpoint_problem
+    from uniap_lightning.callbacks import newest_checkpoint  # deferred: loads lightning; the estimate prints before it
+    from uniap_lightning.runtime.checkpoint import (  # deferred: loads torch.distributed (~1 s), as lightning above
+        is_complete_checkpoint, partial_path)
+    from uniap_lightning.runtime.checkpoint_safety import checkpoint_problem  # deferred: loads torch.distributed
 
     if not cfg.resume:
         return None
@@ -328,8 +327,8 @@ def check_resume(cfg: DictConfig, path: Path) -> None:
     model is built on the meta device, so this costs no memory."""
     import torch
 
-    from uniap_lightning.runtime.checkpoint import load_plain
-    from uniap_lightning.runtime.checkpoint_safety import check_meta, read_metadata
+    from uniap_lightning.runtime.checkpoint import load_plain  # deferred: loads torch.distributed (~1 s)
+    from uniap_lightning.runtime.checkpoint_safety import check_meta, read_metadata  # deferred: loads torch.distributed
 
     meta = load_plain(path / "meta.pt" if path.is_dir() else path)
     check_meta(meta, path / "meta.pt" if path.is_dir() else path, require_loops=path.is_dir())
@@ -369,8 +368,7 @@ def build_strategy(cfg: DictConfig) -> Any:
     from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
-    from uniap_lightning.cli.own_configs import hydra_search_path, strategy_cluster
-    from uniap_lightning.strategy import UniAPStrategy
+    from uniap_lightning.strategy import UniAPStrategy  # deferred: loads lightning; the estimate prints before it
 
     own = {"cluster": strategy_cluster(cfg.strategy.get("cluster"), list(hydra_search_path().dirs))}  # --config-dir's
     try:

@@ -8,6 +8,8 @@ for it. Each check here is one :class:`~uniap_lightning.errors.UniAPError` namin
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -16,6 +18,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from uniap_lightning.errors import UniAPError
+from uniap_lightning.planner.analytic import ModelSpec
 from uniap_lightning.values import choice, flag, integer, number, short, text
 
 #: the part of the corpus TextDataModule trains on (the rest validates); tests check the two agree
@@ -102,8 +105,6 @@ def _mapping(cfg: DictConfig, key: str) -> dict[str, Any]:
 
 
 def _check_model_and_data(cfg: DictConfig, data: dict[str, Any]) -> tuple[int, int]:
-    from uniap_lightning.planner.analytic import ModelSpec
-
     unknown = sorted(set(data) - set(DATA_KEYS), key=str)
     if unknown:
         raise UniAPError(f"data.{unknown[0]}: not a data setting of `uniap train`; known: {', '.join(DATA_KEYS)}")
@@ -165,7 +166,8 @@ def training_batches(cfg: DictConfig) -> int:
 def check_resume_state(cfg: DictConfig, meta: dict[str, Any], where: str) -> None:
     """A checkpoint's loop state before any rank resumes from it: the Lightning version it names, and its counters
     against each other and this run's data (:mod:`uniap_lightning.runtime.resume_checks`)."""
-    from uniap_lightning.runtime.resume_checks import check_lightning_version, check_resume_counters
+    from uniap_lightning.runtime.resume_checks import (  # deferred: loads torch; `uniap plan` imports this module
+        check_lightning_version, check_resume_counters)
 
     accumulate = _mapping(cfg, "trainer").get("accumulate_grad_batches") or 1
     check_resume_counters(check_lightning_version(meta, where), where, batches_per_epoch=training_batches(cfg),
@@ -287,9 +289,6 @@ def _finite_everywhere(value: Any, name: str) -> None:
 
 def check_trainer_arguments(trainer: Mapping[str, Any]) -> None:
     """Every ``trainer.*`` key must be an argument of Lightning's ``Trainer`` (imports Lightning)."""
-    import difflib
-    import inspect
-
     import lightning.pytorch as pl
 
     known = set(inspect.signature(pl.Trainer.__init__).parameters) - {"self", *OWN_TRAINER_ARGUMENTS}
@@ -309,7 +308,7 @@ def check_environment(cfg: DictConfig, env: Mapping[str, str] | None = None) -> 
     if threads:
         _env_int(threads, "OMP_NUM_THREADS", low=1, high=MAX_THREADS,
                  what="threads per rank; unset it and `uniap train` shares the cores among its ranks")
-    from uniap_lightning.runtime.checks import check_slurm_task
+    from uniap_lightning.runtime.checks import check_slurm_task  # deferred: loads torch, as above
 
     check_slurm_task(env)  # SLURM_NTASKS only inside a task srun started
     if "SLURM_NTASKS" in env or "LOCAL_RANK" not in env:

@@ -19,11 +19,12 @@ from __future__ import annotations
 import ast
 import dataclasses
 import re
+import typing
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, List, Optional
 
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 from uniap_lightning.planner.dimensions import OPT_INS
 from uniap_lightning.planner.plan import SCHEDULES
@@ -196,8 +197,6 @@ def declared(full_key: str) -> str | None:
 
 def type_name(kind: Any) -> str:
     """``int``, ``int | None``, ``list[int] | None``, ``any``: a schema type as the signature would write it."""
-    import typing
-
     if kind is Any:
         return "any"
     if isinstance(kind, type):
@@ -216,7 +215,6 @@ def register() -> None:
     ``train.*``, ``data.*``) are closed too: ``+model.layer=4`` is refused with the field it is close to ("did you
     mean model.layers?", :func:`uniap_lightning.cli.overrides.group_fields`), never added."""
     from hydra.core.config_store import ConfigStore
-    from omegaconf import OmegaConf
 
     store = ConfigStore.instance()
     for group, name, schema in ((STRATEGY_GROUP, STRATEGY_NAME, strategy_schema()), (None, PLAN_OPTIONS_NAME,

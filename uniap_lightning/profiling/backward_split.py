@@ -68,7 +68,8 @@ def measure_backward_split(layer: nn.Module, x: Any, *, first: bool, repeats: in
         return BackwardSplit(0.0)
     if first or not any(t.is_floating_point() for t in flatten(x)):
         return BackwardSplit(1.0)
-    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+    from torch.distributed.pipelining._backward import (  # deferred: torch.distributed.pipelining loads dynamo (~0.4 s)
+        stage_backward_input, stage_backward_weight)
 
     saved = [p.grad for p in params]
     timer = Timer(flatten(x)[0].device)
@@ -130,7 +131,8 @@ def split_call_s(timer: Timer, flush: Callable[[], None], runs: int = 15) -> flo
     ``backward_split_overhead`` leaves it out (a chain of many small layers would count it once per layer)."""
     key = timer.name
     if key not in _CALL_S:
-        from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+        from torch.distributed.pipelining._backward import (  # deferred: torch's pipelining loads dynamo (~0.4 s)
+            stage_backward_input, stage_backward_weight)
 
         layer = nn.Linear(2, 2)
         params = list(layer.parameters())

@@ -26,8 +26,13 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from uniap_lightning.planner.cluster import COLLECTIVE_OPS, Cluster
 from uniap_lightning.planner.plan import COMPRESSION_DEFAULTS
+from uniap_lightning.profiling.timing import Timer, median_s
+from uniap_lightning.runtime.compression import METHODS, make_compressor
 
 DEFAULT_SIZES = (1 << 12, 1 << 22)  # 4 KiB (latency), 4 MiB (bandwidth)
 
@@ -58,13 +63,8 @@ def _fit(op: str, p: int, sizes: tuple[int, int], times: tuple[float, float]) ->
 def _time(fn, repeats: int, group=None) -> float:
     """Median seconds of ``fn`` over ``repeats`` runs after one warm-up, each started by a barrier of ``group``
     (default: all ranks), every member of which must call it. Timed with profiling's one :class:`Timer`."""
-    import torch
-    import torch.distributed as dist
-
     # deferred, torch: timing imports torch at module level, and this module's fits (apply_to_cluster,
     # describe_collectives, _fit) load without torch
-    from uniap_lightning.profiling.timing import Timer, median_s
-
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     return median_s(fn, Timer(device), repeats=repeats, warmup=1, before=lambda: dist.barrier(group=group))
 
@@ -78,9 +78,6 @@ def measure_collectives(
          "ops": {"all_reduce": {p: {"bw_gbps": ..., "latency_us": ..., "inter_node": bool}}, ...},
          "seconds": total wall time}
     """
-    import torch
-    import torch.distributed as dist
-
     t_start = time.perf_counter()
     world, rank = dist.get_world_size(), dist.get_rank()
     dpn = devices_per_node or world
@@ -135,9 +132,8 @@ def measure_pipeline_slot(*, repeats: int = 3, microbatches: tuple[int, int] = (
     grows by one slot per extra micro-batch, so the slope is the slot's fixed cost: the schedule's bookkeeping
     and the forward and backward point-to-point handshakes. The slowest pair's figure counts.
     """
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.distributed.pipelining import (  # deferred: torch.distributed.pipelining loads dynamo (~0.4 s)
+        PipelineStage, Schedule1F1B)
 
     world, rank = dist.get_world_size(), dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -170,16 +166,12 @@ def measure_pipeline_slot(*, repeats: int = 3, microbatches: tuple[int, int] = (
 
 def _all_gather(out, inp, group) -> None:
     """FSDP2's all-gather: ``all_gather_single`` (torch >= 2.13; ``all_gather_into_tensor`` before)."""
-    import torch.distributed as dist
-
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     fn(out, inp, group=group)
 
 
 def _reduce_scatter(shard, full, group) -> None:
     """FSDP2's gradient reduce-scatter: ``reduce_scatter_single(op=AVG)`` (``reduce_scatter_tensor`` before 2.13)."""
-    import torch.distributed as dist
-
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     try:
         fn(shard, full, op=dist.ReduceOp.AVG, group=group)
@@ -189,8 +181,6 @@ def _reduce_scatter(shard, full, group) -> None:
 
 def _ping(buf, rank: int) -> None:
     """Rank 0 <-> 1 round trip (others idle); half of it is one point-to-point transfer."""
-    import torch.distributed as dist
-
     if rank == 0:
         dist.send(buf, 1)
         dist.recv(buf, 1)
@@ -241,13 +231,8 @@ def measure_optimizer_step(device: Any, *, repeats: int = 5, big: int = 1 << 20,
     ``small`` elements. Timed on every rank at once, as in training (the ranks share the cores or the memory bus);
     the median over ranks. Adam is what large models train with; SGD costs less, so this errs towards the slower
     plan."""
-    import torch
-    import torch.distributed as dist
-
     # deferred, torch: timing imports torch at module level, and this module's fits (apply_to_cluster,
     # describe_collectives, _fit) load without torch
-    from uniap_lightning.profiling.timing import Timer, median_s
-
     def step_s(shapes: list[int]) -> float:
         weights = [torch.nn.Parameter(torch.zeros(n, device=device)) for n in shapes]
         for w in weights:
@@ -276,14 +261,8 @@ def measure_compression(options: Mapping[str, float] | None = None, *, device: A
     compresses over a process group of its own, so the collectives inside are the compute-free one-rank ones and
     the figure is the compression's compute (plus one copy of the gradient into the bucket). The median over ranks.
     """
-    import torch
-    import torch.distributed as dist
-
     # deferred, torch: timing imports torch at module level, and this module's fits (apply_to_cluster,
     # describe_collectives, _fit) load without torch
-    from uniap_lightning.profiling.timing import Timer, median_s
-    from uniap_lightning.runtime.compression import METHODS, make_compressor  # deferred, torch: as timing
-
     opts = {**COMPRESSION_DEFAULTS, **dict(options or {})}
     world, rank = dist.get_world_size(), dist.get_rank()
     own = [dist.new_group([r]) for r in range(world)][rank]  # collective: every rank creates every group

@@ -46,7 +46,9 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from uniap_lightning.planner.profile import ModelProfile, Overhead
 from uniap_lightning.profiling.aggregate import structure_key
@@ -109,8 +111,6 @@ def tp_split_bytes(full_bytes: float, local_bytes: float, t: int) -> float:
 
 
 def _slowest(seconds: float, device: torch.device) -> float:
-    import torch.distributed as dist
-
     t = torch.tensor([seconds], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
@@ -134,9 +134,6 @@ def measure_overheads(
     inside ``context`` (the precision's forward context), as in training. ``tp_split``, when given, receives for
     each TP-capable layer the saved bytes per sample that TP divides (:func:`tp_split_bytes`; the least over the
     degrees timed and the ranks; the same on every rank), for :func:`attach_overheads`."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
     world = dist.get_world_size()
     dpn = devices_per_node or world
     device = flatten(sample_input)[0].device

@@ -20,13 +20,15 @@ from dataclasses import replace
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
+from uniap_lightning import setup
 from uniap_lightning.adapters import extract_chain
+from uniap_lightning.rebalance.callback import Rebalancer
 from uniap_lightning.rebalance.decision import RebalanceOptions
+from uniap_lightning.rebalance.switch import Pristine
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from uniap_lightning.rebalance.callback import Rebalancer
     from uniap_lightning.runtime import Runtime
     from uniap_lightning.setup import Ranks, SetupOptions, SetupResult
 
@@ -37,10 +39,6 @@ def plan_and_apply(strategy: Any, trainer: pl.Trainer, *, ranks: Ranks, options:
     :class:`Rebalancer` is ``None`` when rebalancing is off, or (with a warning) when no profile or cluster could be
     had to re-plan with."""
     from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-
-    from uniap_lightning import setup
-    from uniap_lightning.rebalance.callback import Rebalancer
-    from uniap_lightning.rebalance.switch import Pristine
 
     module, precision = strategy.lightning_module, strategy.precision_plugin
     if not rebalance.enabled:

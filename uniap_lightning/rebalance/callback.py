@@ -18,8 +18,14 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from uniap_lightning.planner.cost import evaluate
+from uniap_lightning.planner.problem import Problem
 from uniap_lightning.rebalance.decision import RebalanceOptions, assess, predicted_gain, should_switch
+from uniap_lightning.rebalance.switch import Pristine, switch_plan
+from uniap_lightning.rebalance.timing import StageTimer
+from uniap_lightning.runtime.planning import solve_plan
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -28,8 +34,6 @@ if TYPE_CHECKING:
     from uniap_lightning.planner.plan import Plan
     from uniap_lightning.planner.problem import TrainingConfig
     from uniap_lightning.planner.profile import ModelProfile
-    from uniap_lightning.rebalance.switch import Pristine
-    from uniap_lightning.rebalance.timing import StageTimer
     from uniap_lightning.setup import SetupOptions
 
 
@@ -111,8 +115,6 @@ class Rebalancer(Callback):
 
     def attach(self, strategy: Any) -> None:
         """Time the stage module of the strategy's current runtime (at setup and after each switch)."""
-        from uniap_lightning.rebalance.timing import StageTimer
-
         if self.timer is not None:
             self.timer.remove()
         self.timer = None
@@ -184,9 +186,6 @@ class Rebalancer(Callback):
             self._switch(trainer, pl_module, verdict, step_time)
 
     def _predicted_stage_s(self, plan: Plan) -> list[float]:
-        from uniap_lightning.planner.cost import evaluate
-        from uniap_lightning.planner.problem import Problem
-
         if self._predicted is None or self._predicted[0] != id(plan):
             est = evaluate(Problem(model=self.profile, cluster=self.cluster, training=self.training), plan)
             self._predicted = (id(plan), list(est.stage_time_s))
@@ -205,17 +204,11 @@ class Rebalancer(Callback):
                 return Verdict(False, self.speeds, check.reason, measured=measured)
             return self._solve(plan, check.speeds, check.reason, measured)
         except Exception as err:  # noqa: BLE001 - re-planning is an optimization: training goes on regardless
-            from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-
             rank_zero_warn(f"UniAP rebalance: re-planning failed, keeping the running plan ({type(err).__name__}: "
                            f"{err})")
             return Verdict(False, self.speeds, f"re-planning failed: {err}", measured=measured)
 
     def _solve(self, plan: Plan, speeds: tuple[float, ...], reason: str, measured: list[Any]) -> Verdict:
-        from uniap_lightning.planner.cost import evaluate
-        from uniap_lightning.planner.problem import Problem
-        from uniap_lightning.runtime.planning import solve_plan
-
         cluster = self.base_cluster.with_rank_speed(speeds)
         t0 = time.perf_counter()
         new, _ = solve_plan(profile=self.profile, cluster=cluster, training=self.training, solver=self.setup.solver,
@@ -236,10 +229,6 @@ class Rebalancer(Callback):
     # ---------------------------------------------------------------- switching and reporting
     def _switch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, verdict: Verdict,
                 step_time: float | None) -> None:
-        from lightning.pytorch.utilities.rank_zero import rank_zero_info
-
-        from uniap_lightning.rebalance.switch import switch_plan
-
         strategy = trainer.strategy
         assert verdict.plan is not None
         old = describe(strategy.plan)
@@ -261,8 +250,6 @@ class Rebalancer(Callback):
 
     def _measured_gain(self, pl_module: pl.LightningModule, step: int, step_time: float | None) -> None:
         """The check after a switch: the step time it brought, against the one before."""
-        from lightning.pytorch.utilities.rank_zero import rank_zero_info
-
         last = self.events[-1] if self.events else None
         if last is None or last.step_time_after_s is not None or step_time is None:
             return

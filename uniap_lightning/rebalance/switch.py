@@ -22,16 +22,22 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed.checkpoint as dcp
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from torch import nn
 
 from uniap_lightning.adapters import extract_chain
+from uniap_lightning.precision import global_norm_clipper
+from uniap_lightning.runtime import apply_plan
 from uniap_lightning.runtime.chain import Chain
+from uniap_lightning.runtime.checkpoint import load, model_state, optimizer_state
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -93,15 +99,6 @@ def _scratch_dir(trainer: pl.Trainer, broadcast: Any, rank: int) -> Path:
 
 def switch_plan(strategy: Any, trainer: pl.Trainer, plan: Plan, pristine: Pristine) -> float:
     """Run ``plan`` from now on (collective; see the module docstring). Returns the seconds it took."""
-    import shutil
-
-    import torch.distributed.checkpoint as dcp
-    from lightning.fabric.utilities.optimizer import _optimizers_to_device
-
-    from uniap_lightning.precision import global_norm_clipper
-    from uniap_lightning.runtime import apply_plan
-    from uniap_lightning.runtime.checkpoint import load, model_state, optimizer_state
-
     t0 = time.perf_counter()
     module, rank, device = strategy.lightning_module, strategy.global_rank, strategy.root_device
     old: Runtime = strategy.runtime

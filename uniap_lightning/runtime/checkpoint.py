@@ -20,7 +20,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+from torch.distributed.tensor import DTensor
 
 from uniap_lightning.runtime.checkpoint_safety import load_plain  # noqa: F401 - also imported from here
 from uniap_lightning.errors import UniAPError
@@ -34,23 +42,17 @@ from uniap_lightning.sigterm import reraise_interruption
 
 
 def _options(**kw: Any) -> Any:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
     return StateDictOptions(flatten_optimizer_state_dict=True, **kw)
 
 
 def model_state(module: nn.Module) -> dict[str, Any]:
     """The module's state dict for DCP; expert-parallel shards as ``DTensor`` s of the full experts."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
     state = get_model_state_dict(module, options=_options())
     globalize_expert_state(state, expert_shard_meshes(module))
     return plain_weights(state)
 
 
 def _plain(t: Any) -> Any:
-    from torch.distributed.tensor import DTensor
-
     if isinstance(t, DTensor):
         local = t._local_tensor
         inner = _plain(local)
@@ -69,8 +71,6 @@ def plain_weights(state: dict[str, Any]) -> dict[str, Any]:
 
 def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer's flattened state dict for DCP; expert-parallel shards' states as ``DTensor`` s."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
     state = get_optimizer_state_dict(module, optimizer, options=_options())
     globalize_expert_state(state, expert_shard_meshes(module), optimizer=True)
     return state
@@ -96,13 +96,8 @@ def dcp_read(state: dict[str, Any], path: Path, *, planner: Any, no_dist: bool =
     an entry that names code) is one :class:`UniAPError` that names the checkpoint, on every rank. ``whole``: fill
     an empty ``state`` with everything in the checkpoint (``dcp.load`` would fill a copy; torch's own
     ``dcp_to_torch_save`` calls the loader underneath for this, and so does this)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
     try:
         if whole:
-            from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
             _load_state_dict(state, storage_reader=safe_reader(path), planner=planner, no_dist=no_dist)
         else:
             dcp.load(state, storage_reader=safe_reader(path), planner=planner, no_dist=no_dist)
@@ -119,8 +114,6 @@ def dcp_read(state: dict[str, Any], path: Path, *, planner: Any, no_dist: bool =
 def load(path: Path, module: nn.Module, optimizers: list[torch.optim.Optimizer], *, strict: bool = True) -> None:
     """Load weights (and optimizer states when ``optimizers`` is non-empty) in place from a DCP folder: the
     checkpoint is checked against this model first (:func:`check_fits`), then read without running code."""
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
     metadata = checked_metadata(path)
     state: dict[str, Any] = {"state_dict": model_state(module)}
     for i, opt in enumerate(optimizers):
@@ -148,8 +141,6 @@ def checked_metadata(path: Path) -> Any:
 
 def _flat_shapes(state: dict[str, Any]) -> dict[str, tuple[int, ...] | None]:
     """DCP's flattened key of every entry of ``state`` -> its global shape (None for non-tensors)."""
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
     flat, _ = flatten_state_dict(state)
     return {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in flat.items()}
 
@@ -159,8 +150,6 @@ def check_fits(path: Path, metadata: Any, state: dict[str, Any], *, strict: bool
     model has and the checkpoint lacks (``strict``), weights of other shapes, weights the checkpoint has that no
     rank's part of this model has (another layer count), optimizer states of another optimizer. Collective when
     a process group is up (each rank knows only its stages' names)."""
-    import torch.distributed as dist
-
     saved = metadata.state_dict_metadata
     mine = _flat_shapes(state)
     parts: list[Any] = [mine]
@@ -194,8 +183,6 @@ def load_full_weights(state_dict: dict[str, Any], module: nn.Module, *, strict: 
                       path: Path | None = None) -> None:
     """Load full (unsharded) weights, e.g. from a single-device checkpoint; each rank keeps its layers' part.
     Missing weights (``strict``) and weights of another shape are one :class:`UniAPError` before any is copied."""
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
     where = f"checkpoint {path}" if path is not None else "the checkpoint"
     local = model_state(module)  # expert shards as DTensors of the full experts: shapes compare with full ones
     missing = sorted(set(local) - set(state_dict))
@@ -217,8 +204,6 @@ def load_full_weights(state_dict: dict[str, Any], module: nn.Module, *, strict: 
 @torch.no_grad()
 def full_local_state(module: nn.Module) -> dict[str, torch.Tensor]:
     """Unsharded CPU copies of this rank's state-dict entries (collective over each layer's mesh)."""
-    from torch.distributed.tensor import DTensor
-
     state = module.state_dict(keep_vars=True)
     globalize_expert_state(state, expert_shard_meshes(module))  # experts gathered over their ep mesh
     out = {}
@@ -233,8 +218,6 @@ def save_consolidated(module: nn.Module, path: str | Path, *, rank: int, format:
     ``torch.save`` file (``format="torch"``, or a ``.pt`` / ``.pth`` / ``.bin`` / ``.ckpt`` path with no format), or
     a Hugging Face folder (``format="hf"``: ``config.json`` + ``model.safetensors`` that the model's class loads with
     ``from_pretrained``). See :mod:`uniap_lightning.runtime.export`."""
-    import torch.distributed as dist
-
     fmt = export.resolve_format(path, format)
     found = export.find_hf_model(module) if fmt == "hf" else None  # before any collective: every rank alike
     mine = full_local_state(module)

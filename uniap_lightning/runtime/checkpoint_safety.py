@@ -34,6 +34,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata, MetadataIndex, StorageMeta,
+                                                   TensorStorageMetadata)
 
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.files import check_regular_file, read_bytes
@@ -114,10 +120,6 @@ def _sizes(value: Any, what: str) -> None:
 def check_metadata(metadata: Any) -> None:
     """Every field of an unpickled DCP ``Metadata`` has the type and range torch's reader relies on; shard files
     are plain names inside the checkpoint folder (no path separators, no ``..``)."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata, MetadataIndex,
-                                                       TensorStorageMetadata)
-
     if type(metadata) is not Metadata:
         raise UniAPError(f"it holds a {type(metadata).__name__}, not DCP's Metadata")
     entries = metadata.state_dict_metadata
@@ -178,15 +180,10 @@ def _readers() -> tuple[type, type, type]:
     """The classes (built on first use: torch.distributed.checkpoint is a heavy import)."""
     global _CLASSES
     if _CLASSES is None:
-        from torch.distributed.checkpoint import FileSystemReader
-        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
-
         class SafeReader(FileSystemReader):
             """``FileSystemReader`` whose ``.metadata`` goes through :func:`read_metadata`."""
 
             def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-                from torch.distributed.checkpoint.metadata import StorageMeta
-
                 metadata = read_metadata(Path(self.path), rank=kwargs.get("rank"))
                 if getattr(metadata, "storage_meta", None) is None:
                     metadata.storage_meta = StorageMeta()
@@ -214,8 +211,6 @@ _CLASSES: tuple[type, type, type] | None = None
 
 def _store_bytes(planner: Any, read_item: Any, value: Any) -> None:
     """Where ``DefaultLoadPlanner.load_bytes`` puts a loaded value (flattened or not)."""
-    from torch.distributed.checkpoint._traverse import set_element
-
     fqn = read_item.dest_index.fqn
     if planner.flatten_state_dict:
         set_element(planner.original_state_dict, planner.mappings[fqn], value)

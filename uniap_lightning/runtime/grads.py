@@ -21,6 +21,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from uniap_lightning.runtime.data_parallel import local_tensor
 
@@ -66,8 +67,6 @@ def all_reduce_flat(grads: list[torch.Tensor], group: dist.ProcessGroup | None, 
 
 def _copies(p: torch.Tensor, devices_per_stage: int) -> int:
     """How many ranks of the stage hold the same piece of ``p``'s gradient."""
-    from torch.distributed.tensor import DTensor
-
     shards = getattr(p, "uniap_ep", 1)  # an expert shard: E / ep experts (runtime.experts.mark_expert_shards)
     if isinstance(p, DTensor):
         for dim, placement in enumerate(p.placements):

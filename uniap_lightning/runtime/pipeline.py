@@ -126,7 +126,8 @@ def forward_only_schedule(plan: Plan) -> type:
     """A forward-only schedule over the plan's placement (loop or V): each device group runs every micro-batch
     through its stages in chain order (torch's ScheduleLoopedBFS order, which assumes the loop placement, with
     the plan's stages and its stage-to-group map)."""
-    from torch.distributed.pipelining.schedules import ScheduleLoopedBFS, _Action, _add_send_recv, _ComputationType
+    from torch.distributed.pipelining.schedules import (  # deferred: torch.distributed.pipelining loads dynamo (~0.4 s)
+        ScheduleLoopedBFS, _Action, _add_send_recv, _ComputationType)
 
     groups = {g: plan.stages_of_group(g) for g in range(plan.pp)}
 
@@ -206,6 +207,7 @@ class PipelineRunner:
         Training runs the plan's schedule class. Evaluation and prediction run forward only: with one stage per
         device through the plan's class (GPipe / 1F1B have a forward-only path), with several through
         :func:`forward_only_schedule` (the multi-stage classes' ``eval`` still runs their backward actions)."""
+        # deferred: torch.distributed.pipelining loads dynamo (~0.4 s); the runtime imports this module for any plan
         import torch.distributed.pipelining as pipelining
 
         key = (mode, repr(signature(xs)))

@@ -21,6 +21,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInputOutput, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
 
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.runtime.tensor_parallel import check_tp_supported, grads_like_params
@@ -31,9 +34,6 @@ if TYPE_CHECKING:
 
 def sp_boundary() -> Any:
     """Replicated ``[b, s, h]`` in (sliced to this rank's sequence piece) and out (all-gathered back)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import PrepareModuleInputOutput
-
     return PrepareModuleInputOutput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
                                     output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),),
                                     use_local_input=True, use_local_output=True)
@@ -49,9 +49,6 @@ def sp_plan(*, norms: Sequence[str], colwise: Sequence[str], rowwise: Sequence[s
     gather it again, and even fed an already gathered DTensor it redistributes it (a no-op forward) whose backward
     all-reduces the gradient, once per projection. Declared replicated, the three partial gradients add up first
     and the one gather's backward reduce-scatters them once, as in Megatron."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
-
     plan: dict[str, Any] = {"": sp_boundary()}
     plan.update({n: SequenceParallel() for n in norms})
     plan.update({n: ColwiseParallel(input_layouts=Shard(1)) for n in colwise})
@@ -63,8 +60,6 @@ def sp_plan(*, norms: Sequence[str], colwise: Sequence[str], rowwise: Sequence[s
 def apply_sp(layer: nn.Module, name: str, tp_mesh: DeviceMesh, *, plan: dict[str, Any] | None = None) -> None:
     """Shard ``layer`` over ``tp_mesh`` with sequence parallelism, in place: ``plan`` or the layer's
     ``uniap_sp_plan(tp)``."""
-    from torch.distributed.tensor.parallel import parallelize_module
-
     tp = tp_mesh.size()
     if plan is None and not hasattr(layer, "uniap_sp_plan"):
         raise UniAPError(f"layer '{name}' ({type(layer).__name__}) has no sequence-parallel plan (uniap_sp_plan)")
@@ -81,8 +76,6 @@ def _sum_partial_grad(p: Any) -> None:
     """A replicated weight read by sequence-sharded activations (a LayerNorm's) gets a partial gradient; sum it
     over the group at once, so everything that reads ``.grad`` (data-parallel averaging, clipping, checkpoints)
     sees the replicated gradient it expects."""
-    from torch.distributed.tensor import Replicate
-
     grad = p.grad
     if grad is not None and any(pl.is_partial() for pl in grad.placements):
         p.grad = grad.redistribute(placements=[Replicate()] * grad.device_mesh.ndim)
@@ -91,8 +84,6 @@ def _sum_partial_grad(p: Any) -> None:
 def replicate_sequence(x: Any) -> Any:
     """A sequence-sharded DTensor (a ``SequenceParallel`` norm's output) gathered once, so the q, k and v
     projections that read it share one all-gather; anything else unchanged."""
-    from torch.distributed.tensor import DTensor, Replicate
-
     if isinstance(x, DTensor) and not all(p.is_replicate() for p in x.placements):
         return x.redistribute(placements=[Replicate()] * x.device_mesh.ndim)
     return x

@@ -20,6 +20,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from uniap_lightning.errors import UniAPError
 
@@ -68,9 +70,6 @@ def tp_allreduces(layer: nn.Module) -> int:
 
 
 def _builtin_plan(layer: nn.Module) -> dict[str, Any] | None:
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
     if isinstance(layer, nn.Linear):
         return {"": ColwiseParallel(output_layouts=Replicate())}
     if isinstance(layer, nn.Embedding):
@@ -98,8 +97,6 @@ def check_tp_supported(layer: nn.Module, name: str, tp: int) -> None:
 
 def apply_tp(layer: nn.Module, name: str, tp_mesh: DeviceMesh) -> None:
     """Shard ``layer`` over ``tp_mesh`` in place (input and output stay replicated over the group)."""
-    from torch.distributed.tensor.parallel import parallelize_module
-
     tp = tp_mesh.size()
     check_tp_supported(layer, name, tp)
     plan_fn: Callable[[int], dict[str, Any]] | None = getattr(layer, "uniap_tp_plan", None)

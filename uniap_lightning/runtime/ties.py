@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from uniap_lightning.planner.plan import Plan
 from uniap_lightning.runtime.mesh import PlanMeshes
@@ -35,15 +36,11 @@ class _Tie:
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
     return t.full_tensor() if isinstance(t, DTensor) else t.detach()
 
 
 @torch.no_grad()
 def _write(t: torch.Tensor, full: torch.Tensor) -> None:
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
     if isinstance(t, DTensor):
         t.to_local().copy_(distribute_tensor(full, t.device_mesh, t.placements).to_local())
     else:

@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
 
 from uniap_lightning.runtime.data_parallel import ReplicatedGrads, apply_fsdp, local_tensor
 from uniap_lightning.errors import UniAPError
@@ -180,8 +181,6 @@ class ZeroLayers:
     def finish(self) -> None:
         """zero1: move this rank's chunk of each averaged unsharded gradient into the sharded gradient; free the
         unsharded one (the next window starts from nothing, as after ``zero_grad``)."""
-        from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
-
         if not self._to_finish:  # the window goes on: the unsharded gradients keep accumulating
             return
         self._to_finish = False

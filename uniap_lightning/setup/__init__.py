@@ -28,7 +28,12 @@ from uniap_lightning.adapters import extract_chain
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.cluster import Cluster
 from uniap_lightning.planner.plan import Plan
+from uniap_lightning.planner.problem import TrainingConfig, adam_bytes
 from uniap_lightning.planner.profile import describes_a_config
+from uniap_lightning.planner.report import print_plan
+from uniap_lightning.runtime import apply_plan
+from uniap_lightning.runtime.planning import check_plan_matches, solve_plan
+from uniap_lightning.runtime.sequence import attention_dropout
 from uniap_lightning.setup.agree import Ranks, everyone, from_lead, gather, same_code_everywhere
 from uniap_lightning.setup.estimate import say_estimate
 from uniap_lightning.setup.measure import Measurements, info
@@ -144,8 +149,6 @@ Decision = tuple[Plan, str, "ModelProfile | None", dict[str, Any]]
 
 def _pinned(m: Measurements, chain: Chain, sample: Sample, fitting: bool) -> Decision:
     """Rank 0: the pinned plan, checked against the job (a profile only when the plan carries a fingerprint)."""
-    from uniap_lightning.runtime.planning import check_plan_matches
-
     plan = m.options.pinned_plan
     # (an analytic plan's fingerprint names a model config, not sizes a profile of this module could match)
     measured = plan.model_fingerprint and not describes_a_config(plan.model_fingerprint)
@@ -158,10 +161,6 @@ def _pinned(m: Measurements, chain: Chain, sample: Sample, fitting: bool) -> Dec
 def _without_ring_if_dropout(cluster: Cluster, chain: Chain) -> Cluster:
     """The cluster to search: without ring attention where a layer's attention has dropout (ring runs none, and the
     plan check would refuse it)."""
-    from dataclasses import replace
-
-    from uniap_lightning.runtime.sequence import attention_dropout
-
     if cluster.ring_attention and any(attention_dropout(layer) > 0 for layer in chain.layers):
         return replace(cluster, ring_attention=False)
     return cluster
@@ -170,8 +169,6 @@ def _without_ring_if_dropout(cluster: Cluster, chain: Chain) -> Cluster:
 def _solve(m: Measurements, chain: Chain, sample: Sample, cluster: Cluster | None,
            premeasured: ModelProfile | None) -> Decision:
     """Rank 0: a cached plan for this job, or a solved one."""
-    from uniap_lightning.runtime.planning import solve_plan
-
     assert cluster is not None
     profile = premeasured or m.profile_on_lead(chain, sample)
     batch = sample.global_batch_size
@@ -206,8 +203,6 @@ def _solve(m: Measurements, chain: Chain, sample: Sample, cluster: Cluster | Non
 def _training(chain: Chain, global_batch_size: int, schedule: str, virtual_stages: int | None = None) -> Any:
     """Training settings with the bytes per parameter of the model's real dtypes (after the precision plugin
     converted it): weights and gradients in the parameters' dtype, two optimizer states of the same size (Adam)."""
-    from uniap_lightning.planner.problem import TrainingConfig, adam_bytes
-
     params = [p for layer in chain.layers for p in layer.parameters()]
     count = sum(p.numel() for p in params)
     per_param = sum(p.numel() * p.element_size() for p in params) / count if count else 4.0
@@ -218,8 +213,6 @@ def _training(chain: Chain, global_batch_size: int, schedule: str, virtual_stage
 
 
 def _check(plan: Plan, chain: Chain, ranks: Ranks) -> None:
-    from uniap_lightning.runtime.planning import check_plan_matches
-
     check_plan_matches(plan, chain.names, world_size=ranks.world_size, profile=None)
 
 
@@ -229,9 +222,6 @@ def plan_and_apply(module: Any, trainer: pl.Trainer, *, ranks: Ranks, options: S
                    precision_plugin: Any) -> tuple[SetupResult, Runtime]:
     """What ``UniAPStrategy.setup`` runs once: the chain of ``module``, :func:`run_setup` under the precision
     plugin's forward context, the plan printed on rank 0, then applied on this rank (collective)."""
-    from uniap_lightning.planner.report import print_plan
-    from uniap_lightning.runtime import apply_plan
-
     t0 = time.perf_counter()
     chain = extract_chain(module)
     result = run_setup(chain, trainer, ranks=ranks, options=options, precision=str(precision_plugin.precision),

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 
 import uniap_lightning
 from uniap_lightning.errors import UniAPError
@@ -45,8 +46,6 @@ class Ranks:
 
     @property
     def distributed(self) -> bool:
-        import torch.distributed as dist
-
         return self.world_size > 1 and dist.is_available() and dist.is_initialized()
 
 
@@ -60,8 +59,6 @@ def _failure(err: BaseException, rank: int, step: str) -> str:
 
 def everyone(ranks: Ranks, step: str, fn: Callable[[], T]) -> T:
     """Run ``fn`` on every rank, then agree: if it raised anywhere, raise the first failure on every rank."""
-    import torch.distributed as dist
-
     if not ranks.distributed:
         return fn()  # one process: the error as raised, traceback included
     value: Any = None
@@ -81,8 +78,6 @@ def everyone(ranks: Ranks, step: str, fn: Callable[[], T]) -> T:
 
 def from_lead(ranks: Ranks, step: str, fn: Callable[[], T]) -> T:
     """Run ``fn`` on rank 0 and send its result (or its failure) to every rank."""
-    import torch.distributed as dist
-
     if not ranks.distributed:
         return fn()
     box: list[Any] = [(None, None)]
@@ -101,8 +96,6 @@ def from_lead(ranks: Ranks, step: str, fn: Callable[[], T]) -> T:
 
 def gather(ranks: Ranks, value: T) -> list[T]:
     """Every rank's ``value``, in rank order, on every rank (call only after an agreement: all ranks are here)."""
-    import torch.distributed as dist
-
     if not ranks.distributed:
         return [value]
     out: list[Any] = [None] * ranks.world_size

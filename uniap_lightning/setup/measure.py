@@ -14,6 +14,7 @@ Every step that can fail on one rank ends in an agreement (:mod:`.agree`), so an
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -21,15 +22,27 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from uniap_lightning.errors import UniAPError
+from uniap_lightning.files import remove_if_not_regular
 from uniap_lightning.planner.cluster import Cluster
+from uniap_lightning.planner.profile import ModelProfile, load_profile
+from uniap_lightning.profiling.cache import (CORRUPT_ENTRY_ERRORS, check_cluster_entry, check_profile_matches,
+                                             cluster_key, load_cached_json, load_cached_profile, loss_code, profile_key,
+                                             save_cached_json, save_cached_profile, why)
+from uniap_lightning.profiling.collectives import apply_to_cluster, describe_collectives, measure_collectives
+from uniap_lightning.profiling.module import median_over_ranks, profile_chain
+from uniap_lightning.profiling.strategies import attach_overheads, measure_overheads
+from uniap_lightning.runtime.payload import rows
+from uniap_lightning.runtime.planning import local_cluster
+from uniap_lightning.runtime.sequence import sequence_info
+from uniap_lightning.runtime.tensor_parallel import tp_allreduces, tp_degrees
 from uniap_lightning.setup.agree import Ranks, everyone, from_lead, gather
 from uniap_lightning.setup.options import SetupOptions
 from uniap_lightning.setup.sample import Sample, input_dtype, input_shape
 
 if TYPE_CHECKING:
-    from uniap_lightning.planner.profile import ModelProfile
     from uniap_lightning.runtime import Chain
 
 
@@ -58,8 +71,6 @@ class Measurements:
     # ------------------------------------------------------------------ cluster
     def cluster(self) -> Cluster:
         """The local machine as a Cluster; with ``measure_cluster``, its links measured (or read from the cache)."""
-        from uniap_lightning.runtime.planning import local_cluster
-
         r = self.ranks
         base = everyone(r, "describing the local machine", lambda: local_cluster(
             nodes=r.num_nodes, devices_per_node=r.devices_per_node, device_type=r.device.type))
@@ -76,7 +87,6 @@ class Measurements:
             cluster = everyone(r, "measuring the cluster's links", lambda: self._measure_cluster(base, path))
             origin = "measured"
         self.report.update(cluster_s=time.perf_counter() - t0, cluster_origin=origin)
-        from uniap_lightning.profiling.collectives import describe_collectives
 
         table = describe_collectives(cluster).replace("\n", "; ")
         info(f"UniAP: cluster links ({origin}, {self.report['cluster_s']:.1f} s), bus bandwidth / latency by "
@@ -88,22 +98,12 @@ class Measurements:
         return cluster
 
     def _cluster_cache_path(self) -> Path:
-        import torch.distributed as dist
-
-        from uniap_lightning.profiling.cache import cluster_key
-
         r = self.ranks
         key = cluster_key(device=device_name(r.device), backend=str(dist.get_backend()), nodes=r.num_nodes,
                           devices_per_node=r.devices_per_node)
         return self.options.profile_cache_dir() / f"cluster-{key}.json"
 
     def _cached_cluster(self, base: Cluster, path: Path) -> Cluster | None:
-        import warnings
-
-        from uniap_lightning.files import remove_if_not_regular
-        from uniap_lightning.profiling.cache import CORRUPT_ENTRY_ERRORS, check_cluster_entry, load_cached_json, why
-        from uniap_lightning.profiling.collectives import apply_to_cluster
-
         if not self.options.profile_cache:
             return None
         data = load_cached_json(path.parent, path.name)
@@ -118,9 +118,6 @@ class Measurements:
             return None
 
     def _measure_cluster(self, base: Cluster, path: Path) -> Cluster:
-        from uniap_lightning.profiling.cache import save_cached_json
-        from uniap_lightning.profiling.collectives import apply_to_cluster, measure_collectives
-
         measured = _int_group_sizes(measure_collectives(repeats=3, devices_per_node=self.ranks.devices_per_node,
                                                         sizes_bytes=(1 << 12, 1 << 20)))
         cluster = apply_to_cluster(base, measured)
@@ -133,9 +130,6 @@ class Measurements:
 
     # ------------------------------------------------------------------ profile
     def _profile_key(self, chain: Chain, x: torch.Tensor, everywhere: bool) -> str:
-        from uniap_lightning.profiling.cache import loss_code, profile_key
-        from uniap_lightning.runtime.tensor_parallel import tp_allreduces, tp_degrees
-
         o, r = self.options, self.ranks
         return profile_key(
             layers=chain.layers, names=chain.names, input_shape=input_shape(x), input_dtype=input_dtype(x),
@@ -147,8 +141,6 @@ class Measurements:
         )
 
     def _cached_profile(self, chain: Chain, key: str) -> ModelProfile | None:
-        from uniap_lightning.profiling.cache import check_profile_matches, load_cached_profile
-
         cached = load_cached_profile(self.options.profile_cache_dir(), key)
         if cached is None:
             return None
@@ -162,9 +154,6 @@ class Measurements:
         return cached
 
     def _measure(self, chain: Chain, sample: Sample, sync: Callable[[], Any] | None) -> ModelProfile:
-        from uniap_lightning.profiling.module import profile_chain
-        from uniap_lightning.runtime.tensor_parallel import tp_allreduces, tp_degrees
-
         o, x = self.options, sample.x
         if x is not None:
             info(f"UniAP: profiling {len(chain.layers)} layers on a sample micro-batch of shape {sample.shape()} "
@@ -179,8 +168,6 @@ class Measurements:
         )
 
     def _save(self, key: str | None, profile: ModelProfile) -> None:
-        from uniap_lightning.profiling.cache import save_cached_profile
-
         if key is None or profile.source != "measured" or not self.ranks.lead:
             return
         try:
@@ -190,9 +177,6 @@ class Measurements:
 
     def profile_on_lead(self, chain: Chain, sample: Sample) -> ModelProfile:
         """Rank 0 alone: the profile file, the cache or a measurement."""
-        from uniap_lightning.planner.profile import load_profile
-        from uniap_lightning.profiling.cache import check_profile_matches
-
         path = self.options.profile_path
         if path is not None:
             profile = load_profile(path)
@@ -218,8 +202,6 @@ class Measurements:
     def profile_everywhere(self, chain: Chain, sample: Sample) -> ModelProfile:
         """Collective: every rank profiles at once and times the layers under TP / FSDP; every rank gets the
         profile (the median over ranks). Each step agrees before the next collective (see :mod:`.agree`)."""
-        import torch.distributed as dist
-
         r, t0 = self.ranks, time.perf_counter()
         use_cache = sample.x is not None and self.options.profile_cache
         key = everyone(r, "computing the profile's cache key",
@@ -238,9 +220,6 @@ class Measurements:
     def _combine(self, chain: Chain, sample: Sample, mine: ModelProfile, every_rank: list[dict[str, Any]],
                  key: str | None, t0: float) -> ModelProfile:
         """The median over ranks with measured TP / FSDP overheads (collective), saved to the cache by rank 0."""
-        from uniap_lightning.planner.profile import ModelProfile
-        from uniap_lightning.profiling.module import median_over_ranks
-
         profile = mine
         if all(d["source"] == "measured" for d in every_rank):  # the same test on every rank: all time, or none
             profile = median_over_ranks([ModelProfile.from_dict(d) for d in every_rank])
@@ -252,10 +231,6 @@ class Measurements:
 
     def _time_strategies(self, chain: Chain, x: torch.Tensor, profile: ModelProfile) -> ModelProfile:
         """Collective: the profile with each layer's measured TP / FSDP overheads."""
-        from uniap_lightning.profiling.strategies import attach_overheads, measure_overheads
-
-        from uniap_lightning.runtime.payload import rows
-
         sizes = [int(m) for m in profile.meta.get("micro_batches") or [rows(x)]]
         sizes = sorted({sizes[0], sizes[len(sizes) // 2], sizes[-1]})  # smallest, middle, largest: interpolated
         t0 = time.perf_counter()
@@ -286,7 +261,5 @@ def _int_group_sizes(measured: dict[str, Any]) -> dict[str, Any]:
 def _sequence_setting(chain: Chain) -> dict[str, Any]:
     """The layers' sequence declarations, in the profile's cache key only where some layer declares one (profiles
     measured before the fields existed lack them; keys of chains that declare nothing stay as they were)."""
-    from uniap_lightning.runtime.sequence import sequence_info
-
     infos = [sequence_info(m) for m in chain.layers]
     return {"sequence": infos} if any(i is not None for i in infos) else {}

@@ -9,6 +9,7 @@ from typing import Any
 
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.planner.cluster import Cluster
+from uniap_lightning.planner.config import cluster_from
 from uniap_lightning.planner.dimensions import OPT_INS, opt_ins
 from uniap_lightning.planner.dimensions.compression import compression_methods
 from uniap_lightning.planner.search_options import (DEFAULT_SCHEDULE, DEFAULT_SOLVER, DEFAULT_TIME_LIMIT_S,
@@ -16,6 +17,8 @@ from uniap_lightning.planner.search_options import (DEFAULT_SCHEDULE, DEFAULT_SO
                                                    check_time_limit, check_virtual_stages)
 from uniap_lightning.planner.plan import (COMPRESSION_DEFAULTS, COMPRESSION_RUNTIME_DEFAULTS, Plan,
                                          check_compression_options)
+from uniap_lightning.profiling.cache import default_profile_cache_dir
+from uniap_lightning.runtime.planning import default_cache_dir
 
 
 @dataclass(frozen=True)
@@ -60,8 +63,6 @@ class SetupOptions:
         solver = check_solver(solver)
         time_limit = check_time_limit(time_limit)
         if isinstance(cluster, (str, Mapping)):
-            from uniap_lightning.planner.config import cluster_from
-
             cluster = cluster_from(cluster if isinstance(cluster, str) else dict(cluster))
         elif cluster is not None and not isinstance(cluster, Cluster):
             raise UniAPError(f"cluster must be a Cluster, a dict, a conf/cluster name or None, got "
@@ -100,13 +101,9 @@ class SetupOptions:
         return dict(self.opt_ins)
 
     def profile_cache_dir(self) -> Path:
-        from uniap_lightning.profiling.cache import default_profile_cache_dir
-
         return self.cache_dir / "profiles" if self.cache_dir is not None else default_profile_cache_dir()
 
     def plan_cache_dir(self) -> Path:
-        from uniap_lightning.runtime.planning import default_cache_dir
-
         return self.cache_dir or default_cache_dir()
 
 

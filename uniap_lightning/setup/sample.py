@@ -11,6 +11,9 @@ import torch
 
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.profiling.estimate import PROFILE_ROWS
+from uniap_lightning.profiling.measure import is_meta, training_state_kept
+from uniap_lightning.runtime.chain import check_chain_contract
+from uniap_lightning.runtime.payload import flatten, head, is_payload, rows as payload_rows, signature, to_device
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -37,8 +40,6 @@ class Sample:
 
 def input_shape(x: Any) -> Any:
     """``list(x.shape)`` for a tensor (as profile cache keys always held), else the payload's signature."""
-    from uniap_lightning.runtime.payload import signature
-
     if x is None:
         return None
     return list(x.shape) if isinstance(x, torch.Tensor) else signature(x)
@@ -87,10 +88,6 @@ def draw_batch(trainer: pl.Trainer) -> tuple[Any, str, int | None]:
 def take_sample(chain: Chain, trainer: pl.Trainer, device: torch.device,
                 context: Callable[[], AbstractContextManager[Any]]) -> Sample:
     """Draw a batch, split it, and check the chain contract on it (every layer's output, under ``context``)."""
-    from uniap_lightning.profiling.measure import is_meta, training_state_kept
-    from uniap_lightning.runtime.chain import check_chain_contract
-    from uniap_lightning.runtime.payload import head, is_payload, rows as payload_rows, to_device
-
     batch, why, loader_batch = draw_batch(trainer)
     if batch is None:
         return Sample(None, why, loader_batch)
@@ -123,8 +120,6 @@ def take_sample(chain: Chain, trainer: pl.Trainer, device: torch.device,
 def _target_like(y: Any, rows: int, keep: int, device: torch.device) -> Any:
     """The target's first ``keep`` samples on ``device`` when it is a payload holding the batch on dim 0, else None
     (the profile then leaves the loss out)."""
-    from uniap_lightning.runtime.payload import head, is_payload, rows as payload_rows, to_device
-
     if isinstance(y, list):
         y = tuple(y)
     try:
@@ -136,6 +131,4 @@ def _target_like(y: Any, rows: int, keep: int, device: torch.device) -> Any:
 
 
 def _tensors(x: Any) -> tuple[torch.Tensor, ...]:
-    from uniap_lightning.runtime.payload import flatten
-
     return flatten(x)

@@ -28,7 +28,10 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
 from uniap_lightning.errors import UniAPError
 from uniap_lightning.runtime.ring import ring_attention
@@ -112,8 +115,6 @@ def switch_attention(attn: nn.Module, group: Any | None, *, counter: Any = None,
     of the config that only this module reads (the other layers keep the model's attention and masks). ``method``:
     ``"ulysses"`` or ``"ring"``; Ulysses first checks ``heads`` (per tensor-parallel rank: the module's sharded
     weights say the tp degree) against the group size, naming ``name``."""
-    import torch.distributed as dist
-
     if method not in CP_METHODS:
         raise UniAPError(f"{ATTENTION_NAME}: context-parallel method {method!r} is not one of {list(CP_METHODS)}")
     if method == "ulysses" and heads is not None:
@@ -132,9 +133,6 @@ def llama_sp_plan(tp: int) -> dict[str, Any]:
     """Sequence parallelism for a Llama block (``LlamaSequenceBlock``): the boundary sits on the decoder layer (the
     block computes the rotary embedding for the whole sequence first), the RMSNorms run on sequence pieces, attention
     and MLP gather their input once (q/k/v and gate/up share it), o_proj and down_proj reduce-scatter."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
-
     gathered = ColwiseParallel(input_layouts=Replicate())
     return {
         "layer": sp_boundary(),
@@ -171,9 +169,6 @@ def bert_sp_plan(tp: int) -> dict[str, Any]:
     the ``BertLayer`` (the block's input is a dict; the 4-D padding mask is built for the whole sequence), query /
     key / value share one all-gather of the input, the intermediate dense gathers the attention's output, and the
     two output denses reduce-scatter."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
-
     gathered = ColwiseParallel(input_layouts=Replicate())
     return {
         "layer": sp_boundary(),

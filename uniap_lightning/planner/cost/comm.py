@@ -12,6 +12,8 @@ byte than its all-reduce). Without a table for an op the all-reduce figures are 
 
 from __future__ import annotations
 
+import math
+
 from uniap_lightning.planner.cluster import Cluster
 
 
@@ -39,8 +41,6 @@ def tree_all_reduce_s(cluster: Cluster, nbytes: float, p: int) -> float:
     """A pipelined tree all-reduce over ``p`` nodes (reduce up, broadcast down; NCCL's double binary tree keeps
     both directions of every link busy): ``2 ceil(log2 p) alpha + 2 S / bw`` (Sanders et al., "Two-tree
     algorithms for full bandwidth broadcast, reduction and scan", 2009)."""
-    import math
-
     if p <= 1 or nbytes <= 0:
         return 0.0
     bw = cluster.bandwidth_bytes_per_s(p, True, op="all_reduce")
