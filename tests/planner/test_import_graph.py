@@ -120,22 +120,6 @@ ALLOWED_UPWARD: dict[tuple[str, str], str] = {}
 #: groups of modules that still import each other, with why; a group may only lose modules
 ALLOWED_CYCLE_GROUPS: list[tuple[set[str], str]] = []
 
-#: function-local imports of a package the module imports at module level already (in the family registry, which
-#: is being restructured)
-_LOCAL_REPEATS_LEFT = {
-    ("adapters.families.common", "torch"),
-}
-
-
-def _full(pairs: set[tuple[str, str]], second_ours: bool = True) -> set[tuple[str, str]]:
-    def name(n: str) -> str:
-        return PACKAGE if n == "(root)" else f"{PACKAGE}.{n}"
-
-    return {(name(a), name(b) if second_ours else b) for a, b in pairs}
-
-
-ALLOWED_LOCAL_REPEATS = _full(_LOCAL_REPEATS_LEFT, second_ours=False)
-
 
 @dataclass(frozen=True)
 class Edge:
@@ -451,8 +435,5 @@ def test_no_function_local_import_of_what_the_module_imports_already():
     _, theirs = scan()
     top = _module_level_imports(modules())
     key = lambda target: _heavy_part(target) or target.split(".")[0]  # noqa: E731
-    found = {(e.source, key(e.target)): e for e in theirs if key(e.target) in top[e.source]}
-    bad = sorted(f"{e.source}:{e.line} imports {e.target}" for k, e in found.items() if k not in ALLOWED_LOCAL_REPEATS)
+    bad = sorted(f"{e.source}:{e.line} imports {e.target}" for e in theirs if key(e.target) in top[e.source])
     assert not bad, f"{len(bad)} function-local imports of packages the module imports at module level: {bad}"
-    gone = ALLOWED_LOCAL_REPEATS - set(found)
-    assert not gone, f"fixed, remove from _LOCAL_REPEATS_LEFT: {sorted(gone)}"

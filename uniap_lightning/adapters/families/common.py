@@ -6,7 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from uniap_lightning.adapters.family import HFTarget
 from uniap_lightning.adapters.tp_styles import colwise, divisors_of_all, replicate, rowwise
@@ -131,8 +133,6 @@ class _CopyToTensorParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        import torch.distributed as dist
-
         grad = grad.contiguous().clone()
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
@@ -141,8 +141,6 @@ class _CopyToTensorParallel(torch.autograd.Function):
 def tensor_parallel_heads(weight: torch.Tensor) -> tuple[int, int, Any]:
     """(tensor-parallel degree, this rank's index, group) of an attention whose query projection ``weight`` is
     column-parallel (a DTensor on a 1-D mesh); ``(1, 0, None)`` otherwise."""
-    from torch.distributed.tensor import DTensor
-
     if not isinstance(weight, DTensor) or weight.device_mesh.ndim != 1 or weight.device_mesh.size() == 1:
         return 1, 0, None
     mesh = weight.device_mesh
