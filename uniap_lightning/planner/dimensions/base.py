@@ -210,9 +210,9 @@ class Dimension:
     order).
 
     Its cost terms, each optional (:data:`Price`, registry order within a phase; see :class:`LayerTerms` for what
-    each sees): ``price_compute`` changes the layer's compute (a cheaper matmul precision), ``price_state`` its state's bytes,
-    gathers and step (where its weights, gradients and optimizer state live), ``price_activations`` its
-    activations and what moving them costs (offload to host). A dimension that changes no term declares none;
+    each sees): ``price_compute`` changes the layer's compute (a cheaper matmul precision), ``price_state`` its
+    state's bytes, gathers and step (where its weights, gradients and optimizer state live), ``price_activations``
+    its activations and what moving them costs (offload to host). A dimension that changes no term declares none;
     the cost model calls them and names no dimension."""
 
     name: str
