@@ -83,8 +83,8 @@ def test_the_line_is_one_line_with_every_phase_and_the_override_given() -> None:
     p = Prediction(layers_s=95.0, strategies_s=130.0, cluster_s=3.0, steps_s=4.0, steps=2)
     line = estimate_line(p, repeats=3, override="strategy.profile_repeats=1", more="or profile=FILE")
     assert "\n" not in line and line.startswith("UniAP: setup will measure for about 3.8 min")
-    assert "layer timing 95 s, TP/FSDP timing 2.2 min, cluster links 3 s" in line
-    assert "the first 2 steps take about 4 s" in line
+    assert "layer timing 95 s, TP/FSDP timing 2.2 min, cluster links 3.0 s" in line
+    assert "the first 2 steps take about 4.0 s" in line
     assert "strategy.profile_repeats=1 (now 3)" in line and "or profile=FILE" in line
     assert "profile_repeats" not in estimate_line(p, repeats=1, override="strategy.profile_repeats=1")
 

@@ -27,12 +27,16 @@ LAYER_EFFICIENCY = 0.9
 BACKWARD = 2.0
 #: seconds a timed run costs beside its compute and the cache flush (Python, hooks, the timer, the allocator)
 RUN_S = 0.008
-#: the same for a run under TP / FSDP / replication: hooks, copies and collective latencies (gloo: ~2 ms each)
-STRATEGY_RUN_S = 0.015
+#: the same for a run under TP / FSDP / replication beyond a plain run's: hooks, copies and collective latencies
+#: (gloo on an idle 2-core CPU: 0.2-0.5 ms each). Where other processes keep the cores busy, the run's small
+#: operations wait, and that is :attr:`Rates.op_s` (measured), not this: tiny_gpt's TP/FSDP timing, 2 ranks, took
+#: 1.5 s idle and 4.4 s at a 1-minute load of 6-10 (about 180 timed pairs of a plain and a strategy run)
+STRATEGY_RUN_S = 0.003
 #: small operations (kernels) in a layer's forward and backward, each costing at least :attr:`Rates.op_s`
 OPS_PER_RUN = 50
-#: seconds setup takes to measure the cluster's links (collectives at two sizes, optimizer step, compression)
-CLUSTER_S = 3.0
+#: seconds setup takes to measure the cluster's links (collectives at two sizes, optimizer step, compression):
+#: 0.3-0.5 s on an idle 2-core CPU, 0.9-1.1 s at a 1-minute load of 6-13 (2 ranks, gloo)
+CLUSTER_S = 1.0
 #: bytes per second a collective moves for large messages, assumed before the links are measured (gloo on a
 #: 2-core CPU: 0.2-0.8 GB/s)
 LINK_BYTES_PER_S = {"cpu": 3.0e8, "cuda": 5.0e10}
@@ -174,8 +178,8 @@ def predict(work: Work, rates: Rates) -> Prediction:
 
 
 def duration(seconds: float) -> str:
-    """``"42 s"``, ``"3.5 min"``, ``"1.2 h"``."""
-    if seconds < 1:
+    """``"4.2 s"``, ``"42 s"``, ``"3.5 min"``, ``"1.2 h"``."""
+    if seconds < 10:
         return f"{seconds:.1f} s"
     if seconds < 120:
         return f"{seconds:.0f} s"
