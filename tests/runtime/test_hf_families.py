@@ -122,15 +122,8 @@ HEADS_TWO_RANKS = {
 }
 
 HEADS_TWO_RANKS_SLOW = {
-    # ZeRO-3 on every block (the first and last ones with the Swin relative-position tables, Llama's rotary cache)
-    "swin_zero3_blocks": case("swin", [REPL, FSDP, FSDP, REPL, FSDP, FSDP, REPL], [0] * 7),
-    "vit_zero3_blocks": case("vit", [REPL, FSDP, FSDP, REPL], [0] * 4),
-    "llama_zero3_blocks": case("llama", [REPL, FSDP, FSDP, FSDP], [0] * 4),
-    "gpt2_tied_zero3_blocks": case("gpt2_tied", [FSDP, FSDP, FSDP, REPL], [0] * 4),
-    # no plan: T5 profiled, solved and applied (on 2 CPU processes the solver has put ZeRO on the first blocks and
-    # on the shared embedding)
-    "t5_solved": {**case("t5", [REPL] * 7, [0] * 7, lr=0.01), "plan": None,
-                  "strategy": {"measure_cluster": False, "cache_dir": str(EXPORTS / "plans_t5")}},
+    # (the ZeRO-3-on-every-block cases and the solved T5 run once, in TWO_RANKS_SLOW: run here again, the solved T5
+    # found the first run's plan in the shared cache)
     "llama_tc_tp2": case("llama_tc", [FSDP, TP, TP, REPL], [0] * 4),
     "llama_qa_pp2": case("llama_qa", [ONE] * 4, [0, 0, 1, 1], export=str(EXPORTS / "llama_qa.pt")),
     "llama_multilabel_fsdp": case("llama_multilabel", [FSDP] * 4, [0] * 4),
