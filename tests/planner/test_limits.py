@@ -184,3 +184,42 @@ def test_a_candidate_whose_refined_bound_falls_behind_waits_its_turn(monkeypatch
     record = next(r for r in plan.search if (r["pp"], r["microbatches"], r["schedule"], r["virtual_stages"])
                   == key(first.tables))
     assert record["bound_s"] >= behind
+
+
+def test_past_the_deadline_no_candidate_gets_its_costlier_floors(monkeypatch):
+    """The refined floors take up to a second per candidate (LLaMA-70B on 8,192 devices: about 100 candidates
+    still queued at the deadline ran 54 s past a 60 s limit). Played with a clock where the first solve uses the
+    whole time left: no refined floor is computed after it, every candidate still queued is reported with the bound
+    it had ("not solved (time limit)" or pruned by it), and the gap is taken over those bounds."""
+    import importlib
+
+    from uniap_lightning.planner.solver import parallel
+    from uniap_lightning.planner.solver.backend import MilpResult
+
+    search_module = importlib.import_module("uniap_lightning.planner.solver.search")
+    clock = FakeClock()
+    monkeypatch.setattr(backend, "now_s", clock)
+    monkeypatch.setattr(search_module, "now_s", clock)
+    problem = random_problem(3, num_layers=6, nodes=2, per_node=2, memory_gib=40.0)
+    real_bound = search_module.time_lower_bound_s
+    refined_after: list[float] = []
+    deadline_at = clock.now_s + 100.0
+
+    def bound(tables, *, refined=False, group_memory=False):
+        if refined and clock.now_s >= deadline_at:
+            refined_after.append(clock.now_s)
+        return real_bound(tables, refined=refined, group_memory=group_memory)
+
+    def solve(tables, solver, time_limit_s, cutoff_s):  # a solve that runs to the end of what it is given
+        clock.now_s = deadline_at
+        return MilpResult("no_solution", None, None, None, None, 0.0, time_limit_s, 1, 1)
+
+    monkeypatch.setattr(search_module, "time_lower_bound_s", bound)
+    monkeypatch.setattr(parallel, "solve_candidate", solve)
+    plan = search_module.search(problem, solver="cbc", time_limit_s=100.0, workers=1)
+    assert refined_after == []
+    assert clock.now_s == deadline_at
+    outcomes = [r["outcome"] for r in plan.search]
+    assert outcomes.count("no_solution") == 1 and len(outcomes) > 2
+    assert set(outcomes) <= {"no_solution", "not solved (time limit)", "pruned by bound", "does not fit"}
+    assert plan.solver.status == "time_limit" and plan.solver.gap is not None and plan.solver.gap > 0

@@ -273,6 +273,16 @@ def _search(
                     cand.trace_record = {**cand.record, "outcome": "", "tpi_s": None, "bound_s": cand.bound_s}
                     trace.append(cand.trace_record)
                 record = cand.trace_record
+                if deadline.remaining_s() <= 0:  # past the deadline: no costlier floor (each takes up to a second,
+                    # and a hundred candidates may wait), only the bound each already has
+                    if best is not None and cand.bound_s >= best.estimate.tpi_s * (1 - 1e-9):
+                        pruned += 1
+                        record["outcome"] = "pruned by bound"
+                    else:
+                        all_optimal = False
+                        open_bounds.append(cand.bound_s)
+                        record["outcome"] = record["outcome"] or "not solved (time limit)"
+                    continue
                 # the costlier floors, for the candidates that get this far only; the costliest (seconds) for those
                 # a first slice did not close (its MILP, built again, gets them as rows)
                 if not cand.refined or (cand.resolves and not cand.group_memory):
