@@ -273,19 +273,12 @@ def _search(
                     cand.trace_record = {**cand.record, "outcome": "", "tpi_s": None, "bound_s": cand.bound_s}
                     trace.append(cand.trace_record)
                 record = cand.trace_record
-                if deadline.remaining_s() <= 0:  # past the deadline: no costlier floor (each takes up to a second,
-                    # and a hundred candidates may wait), only the bound each already has
-                    if best is not None and cand.bound_s >= best.estimate.tpi_s * (1 - 1e-9):
-                        pruned += 1
-                        record["outcome"] = "pruned by bound"
-                    else:
-                        all_optimal = False
-                        open_bounds.append(cand.bound_s)
-                        record["outcome"] = record["outcome"] or "not solved (time limit)"
-                    continue
+                # past the deadline no costlier floor (each takes up to a second, and a hundred candidates may
+                # wait): each is pruned by, or reported with, the bound it already has
+                past = deadline.remaining_s() <= 0
                 # the costlier floors, for the candidates that get this far only; the costliest (seconds) for those
                 # a first slice did not close (its MILP, built again, gets them as rows)
-                if not cand.refined or (cand.resolves and not cand.group_memory):
+                if not past and (not cand.refined or (cand.resolves and not cand.group_memory)):
                     cand.refined, cand.group_memory = True, cand.resolves > 0
                     floor = time_lower_bound_s(cand.tables, refined=True, group_memory=cand.group_memory)
                     cand.bound_s = record["bound_s"] = max(cand.bound_s, floor)
@@ -294,7 +287,8 @@ def _search(
                         continue
                 # and, for one a slice did not close, each device group's splits that can still beat the incumbent
                 # (again when the incumbent improved): its MILP gets them as rows; none for some group: pruned
-                if cand.resolves and best is not None and best.estimate.tpi_s < cand.split_cutoff_s * (1 - 1e-9):
+                if (not past and cand.resolves and best is not None
+                        and best.estimate.tpi_s < cand.split_cutoff_s * (1 - 1e-9)):
                     cand.split_cutoff_s = best.estimate.tpi_s
                     table = surviving_splits(cand.tables, cand.split_cutoff_s,
                                              budget_s=min(SPLIT_BUDGET_S, 0.25 * deadline.remaining_s()))
